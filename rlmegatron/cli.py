@@ -1,0 +1,98 @@
+"""The `rlm` command line: train, validate, plan, convert and prepare."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlmegatron.config import JobSpec
+
+# Exit codes: a rejected spec is the user's to fix; an unbuilt command is ours.
+EXIT_OK = 0
+EXIT_NOT_IMPLEMENTED = 1
+EXIT_BAD_SPEC = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `rlm` and `python -m rlmegatron`; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    return args.command(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlm",
+        description="RL post-training (GRPO, PPO, DAPO) of LLMs on Megatron-Core.",
+        epilog="Overrides are dotted keys with YAML values, applied on top of CONFIG: "
+        "actor.optim.lr=1e-6 rollout.n=8 data.train_files=[a.parquet,b.parquet]",
+    )
+    subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    for name, summary, command, takes_spec in (
+        ("train", "train a policy with the algorithm the job spec names", train, True),
+        ("validate", "check a job spec and print it with every default filled in", validate, True),
+        ("plan", "show where a job spec puts each role and parallel layout", plan, True),
+        ("convert", "convert checkpoints between Hugging Face and Megatron formats", convert, False),
+        ("prepare", "turn raw datasets into the parquet files a job spec reads", prepare, True),
+    ):
+        subparser = subcommands.add_parser(name, help=summary, description=summary)
+        subparser.set_defaults(command=command)
+        if takes_spec:
+            subparser.add_argument("config", metavar="CONFIG", help="job spec YAML file")
+            subparser.add_argument(
+                "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.n=8"
+            )
+        else:  # convert's own arguments arrive with the converter
+            subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> int:
+    from rlmegatron.config import dump_spec
+
+    spec = _load_spec_or_report(args)
+    if spec is None:
+        return EXIT_BAD_SPEC
+    sys.stdout.write(dump_spec(spec))
+    return EXIT_OK
+
+
+def train(args: argparse.Namespace) -> int:
+    return _validated_then_not_implemented(args, "train")
+
+
+def plan(args: argparse.Namespace) -> int:
+    return _validated_then_not_implemented(args, "plan")
+
+
+def prepare(args: argparse.Namespace) -> int:
+    return _validated_then_not_implemented(args, "prepare")
+
+
+def convert(args: argparse.Namespace) -> int:
+    return _not_implemented("convert")
+
+
+def _validated_then_not_implemented(args: argparse.Namespace, name: str) -> int:
+    if _load_spec_or_report(args) is None:
+        return EXIT_BAD_SPEC
+    return _not_implemented(name)
+
+
+def _not_implemented(name: str) -> int:
+    print(f"rlm {name}: not implemented yet in this build", file=sys.stderr)
+    return EXIT_NOT_IMPLEMENTED
+
+
+def _load_spec_or_report(args: argparse.Namespace) -> JobSpec | None:
+    """The checked spec, or None after printing every problem to stderr, one per line."""
+    from rlmegatron.config import SpecError, load_spec
+
+    try:
+        return load_spec(args.config, args.overrides)
+    except SpecError as err:
+        for problem in err.problems:
+            print(problem, file=sys.stderr)
+        return None

@@ -1,0 +1,110 @@
+"""Turns a YAML file plus command-line overrides into a checked JobSpec, or a SpecError naming every problem."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rlmegatron.config.checks import check_spec
+from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+from rlmegatron.config.fieldpaths import unknown_key_reason
+from rlmegatron.config.overrides import Override, apply_overrides
+from rlmegatron.config.spec import JobSpec
+from rlmegatron.config.yamlio import dump_yaml, parse_yaml
+
+COMMAND_LINE = "command line"
+
+# Pydantic error types whose stock message would not tell a YAML author what to do.
+_SECTION_TYPE_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
+    """Read the YAML at `path`, apply `overrides` (`a.b=value`), validate, and run every cross-field check."""
+    file = str(path)
+    return spec_from_raw(_read_spec_file(file), overrides, file)
+
+
+def spec_from_raw(
+    raw: dict[str, Any], overrides: Sequence[str] = (), file: str = "<spec>"
+) -> JobSpec:
+    """As load_spec, for a spec already parsed from YAML; problems are attributed to `file`."""
+    merged, applied, override_problems = apply_overrides(raw, overrides, JobSpec)
+    problems = [replace(problem, file=COMMAND_LINE) for problem in override_problems]
+    try:
+        spec = JobSpec.model_validate(merged)
+    except ValidationError as err:
+        raise SpecError(problems + _attributed(_problems_from_pydantic(err), file, applied)) from None
+    problems += _attributed(check_spec(spec), file, applied)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def dump_spec(spec: JobSpec) -> str:
+    """The resolved spec as YAML, every default filled in; loading it back gives an equal spec."""
+    return dump_yaml(spec.model_dump(mode="json"))
+
+
+def _read_spec_file(file: str) -> dict[str, Any]:
+    def fail(reason: str) -> SpecError:
+        return SpecError([SpecProblem("", NO_VALUE, reason, file=file)])
+
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise fail(f"cannot read the spec: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as err:
+        raise fail(f"not valid YAML: {_describe_yaml_error(err)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise fail("must be a YAML mapping of sections (model:, data:, actor:, ...)")
+    return raw
+
+
+def _describe_yaml_error(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+def _problems_from_pydantic(err: ValidationError) -> list[SpecProblem]:
+    problems = []
+    for error in err.errors(include_url=False):
+        loc = error["loc"]
+        field = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in loc)
+        field = field.removeprefix(".")
+        value = error.get("input", NO_VALUE)
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            reason = unknown_key_reason(JobSpec, [str(key) for key in loc])
+        elif kind == "missing":
+            reason, value = "is required but missing", NO_VALUE
+        elif kind in _SECTION_TYPE_ERRORS:
+            reason = "must be a section: a mapping of keys to values"
+        else:
+            reason = error["msg"].removeprefix("Value error, ").replace("Input should", "should", 1)
+        problems.append(SpecProblem(field, value, reason))
+    return problems
+
+
+def _attributed(
+    problems: Iterable[SpecProblem], file: str, applied: Sequence[Override]
+) -> list[SpecProblem]:
+    """Name the command line as the source of problems on overridden fields, and the YAML file otherwise."""
+
+    def source(field: str) -> str:
+        for override in applied:
+            if field == override.path or field.startswith((override.path + ".", override.path + "[")):
+                return COMMAND_LINE
+            if override.path.startswith(field + "."):
+                return COMMAND_LINE
+        return file
+
+    return [replace(problem, file=source(problem.field)) for problem in problems]

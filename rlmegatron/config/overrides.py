@@ -1,0 +1,76 @@
+"""Dotted command-line overrides (`actor.optim.lr=1e-6`): parsed as YAML values and laid over the raw spec."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from rlmegatron.config.errors import NO_VALUE, SpecProblem
+from rlmegatron.config.fieldpaths import path_problem
+from rlmegatron.config.yamlio import parse_yaml
+
+
+@dataclass(frozen=True)
+class Override:
+    keys: tuple[str, ...]
+    value: Any
+
+    @property
+    def path(self) -> str:
+        return ".".join(self.keys)
+
+
+def parse_override(text: str) -> Override | SpecProblem:
+    """`a.b.c=value` -> Override(("a", "b", "c"), value), the value read as YAML (so 8, 1e-6, true, [x, y])."""
+    path, sep, value_text = text.partition("=")
+    keys = tuple(path.strip().split("."))
+    if not sep or not all(keys):
+        return SpecProblem(text, NO_VALUE, "an override must look like section.key=value (e.g. rollout.n=8)")
+    try:
+        value = parse_yaml(value_text) if value_text.strip() else ""
+    except yaml.YAMLError as err:
+        return SpecProblem(path, value_text, f"is not a valid YAML value: {_first_line(err)}")
+    return Override(keys, value)
+
+
+def apply_overrides(
+    raw: dict[str, Any], overrides: Sequence[str], root: type[BaseModel]
+) -> tuple[dict[str, Any], list[Override], list[SpecProblem]]:
+    """A copy of `raw` with every valid override applied, the overrides applied, and the rejected ones."""
+    result = copy.deepcopy(raw)
+    applied: list[Override] = []
+    problems: list[SpecProblem] = []
+    for text in overrides:
+        parsed = parse_override(text)
+        if isinstance(parsed, SpecProblem):
+            problems.append(parsed)
+            continue
+        reason = path_problem(root, parsed.keys) or _set_in(result, parsed)
+        if reason:
+            problems.append(SpecProblem(parsed.path, parsed.value, reason))
+        else:
+            applied.append(parsed)
+    return result, applied, problems
+
+
+def _set_in(raw: dict[str, Any], override: Override) -> str | None:
+    """Set the override's value in `raw`, creating sections on the way; a reason if YAML blocks the path."""
+    section = raw
+    for depth, key in enumerate(override.keys[:-1]):
+        child = section.get(key)
+        if child is None:  # `critic:` with nothing under it reads as None
+            child = section[key] = {}
+        if not isinstance(child, dict):
+            where = ".".join(override.keys[: depth + 1])
+            return f"cannot set it: {where} is {child!r} in the YAML, not a section"
+        section = child
+    section[override.keys[-1]] = override.value
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0]

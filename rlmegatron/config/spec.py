@@ -1,0 +1,400 @@
+"""The job spec: one pydantic model per YAML section, and the only place defaults live.
+
+Names follow verl where verl has the knob (actor.ppo_mini_batch_size, rollout.n,
+algorithm.adv_estimator, ...) so a verl job translates key by key; verl's
+`actor_rollout_ref` is split into the top-level `actor`, `ref` and `rollout` sections.
+
+Relative paths anywhere in the spec (model.path, data files, trainer.run_dir, plug-in
+files) are resolved against the current working directory of the process that uses
+them, not against the YAML file's directory.
+
+Some defaults derive from other fields and are filled in when the spec is validated:
+`ref.megatron` and `critic.megatron` take every field they do not set from
+`actor.megatron`; an unset `expert_tensor_parallel_size` follows that role's
+`tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
+`data.max_response_length`; `model.tokenizer_path` follows `model.path`;
+`critic.enable` follows whether `algorithm.adv_estimator` is `gae`; `trainer.run_dir`
+is `runs/<trainer.experiment_name>`. Cross-field rules live in `checks.py`.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+_PLUGIN_REF = re.compile(r"^(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def _require_plugin_ref(value: str) -> str:
+    if not _PLUGIN_REF.match(value):
+        raise ValueError("must look like path/to/file.py:name")
+    return value
+
+
+def _require_data_file(value: str) -> str:
+    if not value.endswith((".parquet", ".jsonl")):
+        raise ValueError("must be a .parquet or .jsonl file")
+    return value
+
+
+def _require_frequency(value: int) -> int:
+    if value != -1 and value < 1:
+        raise ValueError("must be a number of steps >= 1, or -1 for never")
+    return value
+
+
+def _wrap_single_item(value: Any) -> Any:
+    # verl users pass one file as a bare string (data.train_files=train.parquet).
+    return [value] if isinstance(value, str) else value
+
+
+# Free text stays lax so an unquoted number (experiment_name: 2024) is read as text.
+Text = Annotated[str, Field(strict=False)]
+PluginRef = Annotated[str, AfterValidator(_require_plugin_ref)]
+DataFile = Annotated[str, AfterValidator(_require_data_file)]
+StepFrequency = Annotated[int, AfterValidator(_require_frequency)]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, attribute docstrings become descriptions."""
+
+    # Strict: YAML already types its values, so `gpus_per_node: true` must not become 1.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, use_attribute_docstrings=True, coerce_numbers_to_str=True
+    )
+
+
+class ModelConfig(Section):
+    path: Text
+    """HF checkpoint directory, or a hub id such as Qwen/Qwen3-1.7B."""
+    hf_config: Text | None = None
+    """config.json (or its directory) to read the architecture from when `path` is not a local directory."""
+    tokenizer_path: Text | None = None
+    """Tokenizer directory or hub id; defaults to `path`."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    trust_remote_code: bool = False
+
+    def architecture_source(self) -> tuple[str, str] | None:
+        """(spec field, path) of the config.json that describes the model, or None if there is none."""
+        if Path(self.path).is_dir():
+            return "model.path", self.path
+        if self.hf_config is not None:
+            return "model.hf_config", self.hf_config
+        return None
+
+
+class DataConfig(Section):
+    train_files: Annotated[list[DataFile], BeforeValidator(_wrap_single_item), Field(min_length=1)]
+    val_files: Annotated[list[DataFile], BeforeValidator(_wrap_single_item)] = []
+    prompt_key: Text = "prompt"
+    max_prompt_length: PositiveInt = 512
+    max_response_length: PositiveInt = 512
+    train_batch_size: PositiveInt = 1024
+    """Prompts per step; each is sampled rollout.n times."""
+    val_batch_size: PositiveInt | None = None
+    """Prompts per validation batch; null validates the whole set as one batch."""
+    shuffle: bool = True
+    seed: int = 1
+    dataset_class: PluginRef | None = None
+    """Custom dataset as path/to/file.py:ClassName; null uses the built-in parquet/jsonl dataset."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length instead of rejecting the dataset."""
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+
+
+class CriticOptimConfig(OptimConfig):
+    lr: float = Field(1e-5, gt=0)
+    """A freshly initialised value head needs a larger step than the policy (verl's default too)."""
+
+
+class MegatronConfig(Section):
+    tensor_model_parallel_size: PositiveInt = 1
+    pipeline_model_parallel_size: PositiveInt = 1
+    virtual_pipeline_model_parallel_size: PositiveInt | None = None
+    context_parallel_size: PositiveInt = 1
+    expert_model_parallel_size: PositiveInt = 1
+    expert_tensor_parallel_size: PositiveInt | None = None
+    """Tensor parallelism inside each expert; null follows tensor_model_parallel_size."""
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """How full recompute picks layers (Megatron's recompute_method)."""
+    recompute_num_layers: PositiveInt = 1
+    extra: dict[str, Any] = {}
+    """Passed verbatim to Megatron-Core's TransformerConfig."""
+
+
+class ParamOffloadConfig(Section):
+    params: bool = False
+    """Keep parameters in host memory while the role is idle."""
+
+
+class OffloadConfig(ParamOffloadConfig):
+    grads: bool = False
+    optimizer: bool = False
+
+
+class PPOUpdateConfig(Section):
+    """Batch shape of a PPO-style update, shared by the actor and the critic."""
+
+    ppo_mini_batch_size: PositiveInt = 256
+    """Prompts per optimizer step; a step of data.train_batch_size prompts makes several."""
+    ppo_micro_batch_size_per_gpu: PositiveInt = 1
+    """Sequences per forward/backward pass on each data-parallel rank (ignored with use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of sequence count."""
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
+    ppo_epochs: PositiveInt = 1
+
+
+class ActorConfig(PPOUpdateConfig):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound on the loss of negative-advantage tokens."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: KLEstimator = "low_var_kl"
+    tis_imp_ratio_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
+
+
+class RefConfig(Section):
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Fields left unset are taken from actor.megatron."""
+    offload: ParamOffloadConfig = Field(default_factory=ParamOffloadConfig)
+    log_prob_micro_batch_size_per_gpu: PositiveInt = 1
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: PositiveInt = 16384
+
+
+class CriticConfig(PPOUpdateConfig):
+    enable: bool | None = None
+    """null enables the critic exactly when algorithm.adv_estimator is gae."""
+    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Fields left unset are taken from actor.megatron."""
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    init_from: Text = "actor"
+    """`actor` starts the value model from the actor's weights; otherwise a checkpoint path."""
+    cliprange_value: float = Field(0.5, gt=0)
+
+
+class SamplingParams(Section):
+    n: PositiveInt = 1
+    """Responses sampled per prompt."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1 disables top-k."""
+
+
+class ValSamplingParams(SamplingParams):
+    temperature: float = Field(0.0, ge=0)
+    """Greedy by default so validation scores are comparable from step to step."""
+
+
+class SGLangConfig(Section):
+    python: Text = "python"
+    """Interpreter that runs the SGLang server; SGLang pins its own torch, so it often has its own venv."""
+    enable_memory_saver: bool = True
+    """Lets colocated engines release GPU memory while the trainer runs."""
+    load_format: Text = "auto"
+    skip_tokenizer_init: bool = True
+    """The trainer sends token ids, so the server needs no tokenizer."""
+    extra_args: dict[str, Any] = {}
+    """Extra server flags, passed verbatim: {key: value} becomes --key value; true becomes a bare --key."""
+
+
+class RolloutConfig(SamplingParams):
+    n: PositiveInt = 8
+    """Responses sampled per prompt; the group-relative default estimator (grpo) needs a group."""
+    engine: Literal["sglang", "local"] = "sglang"
+    """`local` generates in-process with transformers (CPU and tests); `sglang` runs inference servers."""
+    max_new_tokens: PositiveInt | None = None
+    """Defaults to data.max_response_length."""
+    stop_token_ids: list[int] = []
+    seed: int = 0
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs per engine."""
+    expert_parallel_size: PositiveInt = 1
+    enable_dp_attention: bool = False
+    mem_fraction_static: float = Field(0.7, gt=0, lt=1)
+    num_gpus: PositiveInt | None = None
+    """GPUs the engines use in total; null uses the whole rollout pool (the trainer GPUs when colocated)."""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    update_weights_bucket_mb: PositiveInt = 512
+    """Size of the flattened buckets that carry weights from the trainer to the engines."""
+    val_kwargs: ValSamplingParams = Field(default_factory=ValSamplingParams)
+
+
+class OverlongBufferConfig(Section):
+    """DAPO's soft penalty for responses that run into the last `length` tokens of the budget."""
+
+    enable: bool = False
+    length: PositiveInt = 4096
+    penalty_factor: float = Field(1.0, ge=0)
+
+
+class RewardConfig(Section):
+    function: PluginRef | None = None
+    """Custom reward as path/to/file.py:function_name; null picks the built-in rule for the data source."""
+    manager: Literal["naive", "dapo"] = "naive"
+    num_workers: PositiveInt = 1
+    timeout_s: float = Field(30.0, gt=0)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    horizon: PositiveInt = 10000
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more."""
+
+    enable: bool = False
+    max_num_gen_batches: int = Field(10, ge=0)
+    """Generation rounds allowed per step to fill the batch; 0 means no limit."""
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal[
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gspo"
+    ] = "grpo"
+    gamma: Probability = 1.0
+    lam: Probability = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLEstimator = "k1"
+    """KL estimator for the in-reward penalty (use_kl_in_reward)."""
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+
+
+class PlacementConfig(Section):
+    mode: Literal["colocate", "disaggregate"] = "colocate"
+    """colocate: rollout engines share the trainer GPUs; disaggregate: they get their own nodes."""
+    nnodes: PositiveInt = 1
+    """Trainer nodes."""
+    gpus_per_node: PositiveInt = 8
+    """Trainer GPUs per node; with device cpu, the number of gloo ranks per node."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    rollout_nnodes: PositiveInt | None = None
+    """Rollout nodes (disaggregate only)."""
+    rollout_gpus_per_node: PositiveInt | None = None
+    """Rollout GPUs per node (disaggregate only)."""
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.nnodes * self.gpus_per_node
+
+    @property
+    def rollout_pool_size(self) -> int | None:
+        """GPUs the rollout engines may use: the trainer's when colocated; None if not yet declared."""
+        if self.mode == "colocate":
+            return self.trainer_world_size
+        if self.rollout_nnodes is None or self.rollout_gpus_per_node is None:
+            return None
+        return self.rollout_nnodes * self.rollout_gpus_per_node
+
+
+class TrainerConfig(Section):
+    total_steps: PositiveInt | None = None
+    """Stop after this many steps; null trains for total_epochs."""
+    total_epochs: PositiveInt = 1
+    save_freq: StepFrequency = -1
+    """Steps between checkpoints; -1 never saves."""
+    test_freq: StepFrequency = -1
+    """Steps between validations; -1 never validates during training."""
+    run_dir: Text | None = None
+    """Checkpoints, logs and prepared data of this run; defaults to runs/<experiment_name>."""
+    experiment_name: Text = "default"
+    resume: Text = "auto"
+    """`auto` resumes from the newest checkpoint in run_dir, `disable` starts fresh, anything else is a checkpoint path."""
+    max_ckpt_to_keep: PositiveInt | None = None
+    """null keeps every checkpoint."""
+    seed: int = 42
+    val_before_train: bool = True
+
+
+class TrackingConfig(Section):
+    backends: Annotated[
+        list[Literal["mlflow", "console"]], BeforeValidator(_wrap_single_item)
+    ] = ["console"]
+    tracking_uri: Text | None = None
+    """MLflow server or store; null uses MLFLOW_TRACKING_URI, else ./mlruns."""
+    project_name: Text = "rlmegatron"
+    """MLflow experiment that groups the runs (verl's trainer.project_name); each run is trainer.experiment_name."""
+
+
+class JobSpec(Section):
+    """A whole RL post-training job, as read from YAML plus command-line overrides."""
+
+    model: ModelConfig
+    data: DataConfig
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether any KL term needs the frozen reference policy's log-probs."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @model_validator(mode="after")
+    def _fill_derived_defaults(self) -> JobSpec:
+        # Mutating in place: an "after" validator that returns a new object is unsupported by pydantic.
+        self.ref.megatron = _with_unset_from(self.ref.megatron, self.actor.megatron)
+        self.critic.megatron = _with_unset_from(self.critic.megatron, self.actor.megatron)
+        for megatron in (self.actor.megatron, self.ref.megatron, self.critic.megatron):
+            if megatron.expert_tensor_parallel_size is None:
+                megatron.expert_tensor_parallel_size = megatron.tensor_model_parallel_size
+        if self.critic.enable is None:
+            self.critic.enable = self.algorithm.adv_estimator == "gae"
+        if self.rollout.max_new_tokens is None:
+            self.rollout.max_new_tokens = self.data.max_response_length
+        if self.model.tokenizer_path is None:
+            self.model.tokenizer_path = self.model.path
+        if self.trainer.run_dir is None:
+            self.trainer.run_dir = f"runs/{self.trainer.experiment_name}"
+        return self
+
+
+def _with_unset_from(own: MegatronConfig, parent: MegatronConfig) -> MegatronConfig:
+    """`own`'s explicitly set fields on top of `parent`'s values."""
+    explicit = {name: getattr(own, name) for name in own.model_fields_set}
+    return parent.model_copy(update=explicit, deep=True)
