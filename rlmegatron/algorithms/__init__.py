@@ -1,4 +1,4 @@
-"""RL post-training maths as pure torch functions: advantages, policy/value/KL losses, aggregation, and their registries."""
+"""RL post-training maths as pure torch functions: advantages, policy/value/KL losses, aggregation, registries."""
 
 from rlmegatron.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -24,7 +24,7 @@ from rlmegatron.algorithms.kl import (
     apply_kl_penalty,
     kl_loss,
 )
-from rlmegatron.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlmegatron.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_outside_mask
 from rlmegatron.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -68,4 +68,5 @@ __all__ = [
     "remax_advantages",
     "rloo_advantages",
     "truncated_importance_weights",
+    "zero_outside_mask",
 ]

@@ -1,9 +1,10 @@
-"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax): rewards in, masked [batch, resp_len] (advantages, returns) out.
+"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax): rewards in, masked (advantages, returns) out.
 
-Each estimator takes ``(token_level_rewards, response_mask)`` positionally and its own inputs as
-keyword-only arguments with the standard names below, so :func:`compute_advantages` can feed any
-registered estimator from one call site. Results are constants for the policy update (computed
-under ``no_grad``) and are 0 wherever ``response_mask`` is 0.
+Both outputs are [batch, resp_len]. Each estimator takes ``(token_level_rewards, response_mask)``
+positionally and its own inputs as keyword-only arguments with the standard names of
+:func:`compute_advantages`, which can therefore feed any registered estimator from one call site.
+Results are constants for the policy update (computed under ``no_grad``) and are 0 wherever
+``response_mask`` is 0.
 
 Conventions follow verl's ``core_algos`` so a verl user gets the same numbers on right-padded
 batches. Where a mask has holes (multi-turn: tool-output tokens inside the response), GAE and
@@ -19,7 +20,7 @@ from typing import Callable, Hashable, Sequence, Union
 
 import torch
 
-from rlmegatron.algorithms.masked import masked_sum, masked_whiten
+from rlmegatron.algorithms.masked import masked_sum, masked_whiten, zero_outside_mask
 from rlmegatron.algorithms.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -29,12 +30,8 @@ GroupIndex = Union[torch.Tensor, Sequence[Hashable]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def _zero_outside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
 def _broadcast_over_tokens(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return _zero_outside(per_sequence.unsqueeze(-1).expand(response_mask.shape), response_mask)
+    return zero_outside_mask(per_sequence.unsqueeze(-1).expand(response_mask.shape), response_mask)
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -88,7 +85,7 @@ def _masked_backward_recursion(
         running_advantage = torch.where(valid[:, t], delta + gamma * lam * running_advantage, running_advantage)
         next_value = torch.where(valid[:, t], values[:, t], next_value)
         advantages[:, t] = running_advantage
-    return _zero_outside(advantages, response_mask)
+    return zero_outside_mask(advantages, response_mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
@@ -103,7 +100,7 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016); returns = raw advantages + values, advantages whitened over the batch."""
     advantages = _masked_backward_recursion(token_level_rewards, values, response_mask, gamma, lam)
-    returns = _zero_outside(advantages + values, response_mask)
+    returns = zero_outside_mask(advantages + values, response_mask)
     return masked_whiten(advantages, response_mask), returns
 
 
@@ -196,8 +193,8 @@ def remax_advantages(
     With an outcome-only reward the reward-to-go is the sequence score at every valid token, so the
     advantage is ``score - baseline`` broadcast over the response.
     """
-    rewards = _zero_outside(token_level_rewards, response_mask)
-    returns = _zero_outside(rewards.flip(-1).cumsum(-1).flip(-1), response_mask)
+    rewards = zero_outside_mask(token_level_rewards, response_mask)
+    returns = zero_outside_mask(rewards.flip(-1).cumsum(-1).flip(-1), response_mask)
     advantages = returns - _broadcast_over_tokens(reward_baselines, response_mask)
     return advantages, returns
 

@@ -20,10 +20,12 @@ ranks reproduces the full-batch loss. Dividing each micro-batch by its *own* den
 naive gradient-accumulation loop does, weights tokens unevenly whenever micro-batches differ in
 token or sequence count.
 
-The sum over DP ranks is what the gradient all-reduce must compute. Megatron-Core's DDP and its
-pipeline schedule *average* instead (divide by the DP size and by the number of micro-batches), so
-a worker using a global denominator multiplies each micro-batch loss by ``dp_size * num_microbatches``
-to cancel them (or uses Megatron's per-token-loss mode, which skips both divisions).
+The sum over DP ranks is what the gradient all-reduce must compute. Megatron-Core rescales around
+that sum: by default its schedule divides each micro-batch loss by the number of micro-batches and
+its DDP averages gradients over DP ranks; with ``calculate_per_token_loss`` it sums, then divides by
+the token count the loss function reports. The worker wiring these losses into Megatron must undo
+whichever factors its configuration applies (e.g. multiply by ``num_microbatches * dp_size`` in the
+default mode) and check that against the pinned Megatron-Core version.
 
 Fully masked rows (padding rows added to even out DP shards) count as no sequence at all.
 """
@@ -46,7 +48,9 @@ LOSS_AGGREGATIONS: Registry[AggregationNumerator] = Registry("loss aggregation m
 
 
 @LOSS_AGGREGATIONS.register("token-mean", "seq-mean-token-sum")
-def token_sum_numerator(loss_per_token: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> torch.Tensor:
+def token_sum_numerator(
+    loss_per_token: torch.Tensor, response_mask: torch.Tensor, max_response_length: int
+) -> torch.Tensor:
     """Sum of the loss over every valid token; the two modes differ only in their denominator."""
     return masked_sum(loss_per_token, response_mask)
 

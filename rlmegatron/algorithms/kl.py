@@ -1,4 +1,4 @@
-"""KL between the policy and a reference policy: per-token estimators, the actor's KL loss term, and KL-in-reward with its controllers.
+"""Policy-vs-reference KL: per-token estimators, the actor's KL loss term, KL-in-reward and its controllers.
 
 All estimators take per-token log-probs of the *sampled* tokens, ``log_prob`` under the policy that
 generated them and ``ref_log_prob`` under the reference, and estimate KL(policy || reference)
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from rlmegatron.algorithms.aggregation import LossAggregation, aggregate_loss
-from rlmegatron.algorithms.masked import masked_mean
+from rlmegatron.algorithms.masked import masked_mean, zero_outside_mask
 from rlmegatron.algorithms.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -113,8 +113,7 @@ def apply_kl_penalty(
     beta being the coefficient *used* here. Like verl, it then advances ``kl_ctrl`` by one update
     with ``n_steps`` = batch size; that is this function's only side effect.
     """
-    token_kl = KL_ESTIMATORS.get(kl_type)(old_log_prob, ref_log_prob)
-    token_kl = torch.where(response_mask.bool(), token_kl, torch.zeros((), dtype=token_kl.dtype, device=token_kl.device))
+    token_kl = zero_outside_mask(KL_ESTIMATORS.get(kl_type)(old_log_prob, ref_log_prob), response_mask)
     beta = kl_ctrl.value
     token_level_rewards = token_level_scores - beta * token_kl
     current_kl = masked_mean(token_kl, response_mask, dim=-1).mean()

@@ -12,9 +12,14 @@ import torch
 WHITEN_EPS = 1e-8  # added to the variance before rsqrt, as verl's masked_whiten does
 
 
+def zero_outside_mask(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` is set, exactly 0 elsewhere (gradient 0 there too)."""
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` over positions where ``mask`` is set (over everything, or along ``dim``)."""
-    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    kept = zero_outside_mask(values, mask)
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
@@ -54,4 +59,4 @@ def masked_whiten(
     whitened = (values - mean) * torch.rsqrt(masked_var(values, mask, unbiased=unbiased) + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.bool(), whitened, torch.zeros((), dtype=whitened.dtype, device=whitened.device))
+    return zero_outside_mask(whitened, mask)

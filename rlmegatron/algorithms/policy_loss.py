@@ -1,4 +1,4 @@
-"""The actor's loss terms: clipped-surrogate policy losses (PPO/DAPO dual-clip, GSPO) with truncated IS, and the entropy bonus.
+"""The actor's loss terms: clipped-surrogate policy losses (PPO/DAPO dual-clip, GSPO, with TIS) and the entropy bonus.
 
 Every policy loss has the signature of :data:`PolicyLoss` and returns ``(loss, metrics)``: ``loss``
 follows ``aggregation`` (so it can carry a global DP/micro-batch denominator) and ``metrics`` holds

@@ -1,0 +1,201 @@
+"""Policy losses (PPO clip with DAPO clip-higher, dual clip, TIS; GSPO) and the entropy bonus.
+
+verl counterparts (verl.trainer.ppo.core_algos): ``vanilla`` -> compute_policy_loss_vanilla
+(clip_ratio_low/high, clip_ratio_c, tis_imp_ratio_cap), ``gspo`` -> compute_policy_loss_gspo,
+entropy -> the actor's agg_loss(entropy) * entropy_coeff.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlmegatron.algorithms import (
+    POLICY_LOSSES,
+    LossAggregation,
+    PolicyLossConfig,
+    entropy_bonus,
+    gspo_policy_loss,
+    ppo_clip_policy_loss,
+    truncated_importance_weights,
+)
+
+from .batches import random_mask
+
+DAPO = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+RATIOS = [1.5, 0.5, 0.9, 4.0, 1.0]
+ADVANTAGES = [1.0, 1.0, -1.0, -1.0, 5.0]
+MASK = [1.0, 1.0, 1.0, 1.0, 0.0]  # the last token is padding with a garbage advantage
+
+
+def _hand_batch():
+    old = torch.full((1, 5), -1.0, dtype=torch.float64)
+    new = (old + torch.tensor([RATIOS], dtype=torch.float64).log()).requires_grad_(True)
+    return old, new, torch.tensor([ADVANTAGES], dtype=torch.float64), torch.tensor([MASK], dtype=torch.float64)
+
+
+def test_ppo_dual_clip_clip_higher_by_hand():
+    old, new, advantages, mask = _hand_batch()
+    loss, metrics = ppo_clip_policy_loss(old, new, advantages, mask, DAPO)
+    # token 0: r 1.5, A +1: max(-1.5, -clip(1.5, 0.8, 1.28) = -1.28) = -1.28   (clipped)
+    # token 1: r 0.5, A +1: max(-0.5, -0.8) = -0.5
+    # token 2: r 0.9, A -1: max(0.9, 0.9) = 0.9; dual cap -A*c = 3 not reached
+    # token 3: r 4.0, A -1: max(4.0, 1.28) = 4.0; dual clip min(4.0, 3) = 3   (lower-clipped)
+    # token-mean: (-1.28 - 0.5 + 0.9 + 3) / 4 = 2.12 / 4 = 0.53
+    assert_close(loss, torch.tensor(0.53, dtype=torch.float64))
+    assert_close(metrics["pg_clipfrac"], torch.tensor(0.25))
+    assert_close(metrics["pg_clipfrac_lower"], torch.tensor(0.25))
+    # ppo_kl = mean(old - new) = -mean(log r) = -ln(1.5 * 0.5 * 0.9 * 4) / 4 = -ln(2.7) / 4
+    assert_close(metrics["ppo_kl"], torch.tensor(-math.log(2.7) / 4, dtype=torch.float64))
+    loss.backward()
+    # d/dlog r of -A*r is -A*r on unclipped tokens, 0 on clipped ones; / 4 tokens:
+    # [0, -0.5/4, 0.9/4, 0, 0]
+    assert_close(new.grad, torch.tensor([[0.0, -0.125, 0.225, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_ppo_without_dual_clip():
+    old, new, advantages, mask = _hand_batch()
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
+    loss, metrics = ppo_clip_policy_loss(old, new, advantages, mask, config)
+    # token 3 keeps its 4.0: (-1.28 - 0.5 + 0.9 + 4.0) / 4 = 0.78
+    assert_close(loss, torch.tensor(0.78, dtype=torch.float64))
+    assert metrics["pg_clipfrac_lower"].item() == 0.0
+
+
+def test_truncated_importance_sampling_by_hand():
+    old, new, advantages, mask = _hand_batch()
+    # old - rollout = ln 0.5, ln 3, 0, ln 1.5 (and padding) -> weights min(., 2) = 0.5, 2, 1, 1.5
+    rollout = (old - torch.tensor([[0.5, 3.0, 1.0, 1.5, 1.0]], dtype=torch.float64).log()).requires_grad_(True)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, tis_cap=2.0)
+    loss, _ = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_log_prob=rollout)
+    # (-1.28*0.5 - 0.5*2 + 0.9*1 + 4.0*1.5) / 4 = (-0.64 - 1 + 0.9 + 6) / 4 = 5.26 / 4 = 1.315
+    assert_close(loss, torch.tensor(1.315, dtype=torch.float64))
+    loss.backward()
+    assert rollout.grad is None  # the weight is a detached constant
+    weights = truncated_importance_weights(old, rollout, 2.0)
+    assert not weights.requires_grad
+    assert_close(weights[:, :4], torch.tensor([[0.5, 2.0, 1.0, 1.5]], dtype=torch.float64))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        PolicyLossConfig(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="tis_cap must be positive"):
+        PolicyLossConfig(tis_cap=0.0)
+    old, new, advantages, mask = _hand_batch()
+    with pytest.raises(ValueError, match="no rollout_log_prob"):
+        ppo_clip_policy_loss(old, new, advantages, mask, PolicyLossConfig(tis_cap=2.0))
+
+
+def _random_policy_batch(seed, batch=6, resp_len=7):
+    generator = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, resp_len, generator=generator, dtype=torch.float64) * 3
+    new = (old + 0.6 * torch.randn(batch, resp_len, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    advantages = torch.randn(batch, resp_len, generator=generator, dtype=torch.float64)
+    mask = random_mask(batch, resp_len, generator, holes=True)
+    mask[0, :2] = 1.0
+    rollout = old + 0.3 * torch.randn(batch, resp_len, generator=generator, dtype=torch.float64)
+    return old, new, advantages, mask, rollout
+
+
+def test_ppo_matches_the_sign_split_formula_on_random_inputs():
+    """Independent form: A >= 0 -> -A min(r, 1+h); A < 0 -> -A min(max(r, 1-l), c); times the TIS weight."""
+    old, new, advantages, mask, rollout = _random_policy_batch(7)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tis_cap=1.5)
+    loss, metrics = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_log_prob=rollout)
+    loss.backward()
+    grad = new.grad.clone()
+
+    reference_new = new.detach().clone().requires_grad_(True)
+    ratio = (reference_new - old).exp()
+    positive = -advantages * torch.minimum(ratio, torch.tensor(1.28, dtype=torch.float64))
+    negative = -advantages * torch.clamp(torch.maximum(ratio, torch.tensor(0.8, dtype=torch.float64)), max=3.0)
+    tis = torch.clamp((old - rollout).exp(), max=1.5)
+    per_token = torch.where(advantages >= 0, positive, negative) * tis
+    reference = per_token[mask.bool()].mean()
+    reference.backward()
+    assert_close(loss, reference)
+    assert_close(grad, reference_new.grad)
+    assert_close(metrics["ppo_kl"], (old - new.detach())[mask.bool()].mean())
+
+
+def test_gspo_by_hand():
+    """Mirrors verl's compute_policy_loss_gspo (sequence ratio, seq-mean-token-mean)."""
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    new = torch.tensor([[0.1, -0.3, 9.0], [0.3, 0.3, 0.3]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None)
+    loss, metrics = gspo_policy_loss(old, new, advantages, mask, config)
+    # seq 0: mean log ratio (0.1 - 0.3)/2 = -0.1, s0 = e^-0.1 = 0.904837 inside [0.8, 1.2]: loss -0.904837
+    # seq 1: mean log ratio 0.3, s1 = e^0.3 = 1.349859 > 1.2, A = 2: max(-2.699718, -2.4) = -2.4 (clipped)
+    # seq-mean-token-mean: (-0.904837 - 2.4) / 2
+    assert_close(loss, torch.tensor((-math.exp(-0.1) - 2.4) / 2, dtype=torch.float64))
+    assert_close(metrics["pg_clipfrac"], torch.tensor(3 / 5))  # the 3 tokens of seq 1
+    assert_close(metrics["ppo_kl"], torch.tensor(-(0.1 - 0.3 + 0.9) / 5, dtype=torch.float64))
+    loss.backward()
+    # seq 0 tokens: d/dlogp_t [ (1/2 seqs) * (1/2 tokens) * -A * s0 * pi_t/sg(pi_t) ] = -s0 / 4; seq 1 is clipped
+    quarter = -math.exp(-0.1) / 4
+    assert_close(new.grad, torch.tensor([[quarter, quarter, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_gspo_matches_the_sequence_level_objective_on_random_inputs():
+    """GSPO's definition: mean_i max(-A_i s_i, -A_i clip(s_i)) with s_i = exp(mean_t log(pi/pi_old)).
+
+    Autograd runs through s_i itself here, so the gradient check validates the token-level rewrite.
+    """
+    old, new, _, mask, _ = _random_policy_batch(8)
+    mask[:, 0] = 1.0  # every sequence non-empty
+    sequence_advantage = torch.randn(6, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    advantages = sequence_advantage.expand(6, 7)
+    config = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.08, clip_ratio_c=None)
+    loss, _ = gspo_policy_loss(old, new, advantages, mask, config)
+    loss.backward()
+    grad = new.grad.clone()
+
+    reference_new = new.detach().clone().requires_grad_(True)
+    log_ratio = (reference_new - old) * mask
+    s = (log_ratio.sum(-1) / mask.sum(-1)).exp()
+    a = sequence_advantage.squeeze(-1)
+    reference = torch.maximum(-a * s, -a * s.clamp(0.95, 1.08)).mean()
+    reference.backward()
+    assert_close(loss, reference)
+    assert_close(grad, reference_new.grad)
+
+
+def test_gspo_equals_ppo_when_every_sequence_has_one_token():
+    old, new, advantages, mask, _ = _random_policy_batch(10, resp_len=1)
+    mask[:] = 1.0
+    config = PolicyLossConfig(clip_ratio_c=None)
+    aggregation = LossAggregation("seq-mean-token-mean")
+    gspo, _ = gspo_policy_loss(old, new, advantages, mask, config, aggregation)
+    ppo, _ = ppo_clip_policy_loss(old, new, advantages, mask, config, aggregation)
+    assert_close(gspo, ppo)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ppo", "gspo"])
+def test_registered_losses_share_one_call_signature(name):
+    old, new, advantages, mask, rollout = _random_policy_batch(11)
+    denominator = torch.tensor(100)
+    aggregation = LossAggregation("token-mean", denominator)
+    config = PolicyLossConfig(tis_cap=2.0)
+    loss, metrics = POLICY_LOSSES.get(name)(old, new, advantages, mask, config, aggregation, rollout_log_prob=rollout)
+    assert loss.dim() == 0 and loss.requires_grad
+    assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
+    assert all(not value.requires_grad and value.dim() == 0 for value in metrics.values())
+
+
+def test_entropy_bonus_by_hand():
+    entropy = torch.tensor([[1.0, 2.0], [3.0, 8.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    term, metrics = entropy_bonus(entropy, mask, entropy_coeff=0.01)
+    # token-mean entropy (1 + 2 + 3)/3 = 2; the loss term is -0.01 * 2
+    assert_close(term, torch.tensor(-0.02))
+    assert_close(metrics["entropy"], torch.tensor(2.0))
+    term.backward()
+    # d(-0.01 * mean)/dH = -0.01/3 on valid tokens: minimising the loss raises entropy
+    assert_close(entropy.grad, torch.tensor([[-0.01 / 3, -0.01 / 3], [-0.01 / 3, 0.0]]))
+    # seq-mean-token-mean: (1.5 + 3) / 2 = 2.25
+    term, _ = entropy_bonus(entropy, mask, 1.0, LossAggregation("seq-mean-token-mean"))
+    assert_close(term, torch.tensor(-2.25))
