@@ -1,11 +1,11 @@
-"""Cross-field checks on a parsed JobSpec: parallel layouts against model and cluster, batch arithmetic, option combinations."""
+"""Cross-field checks on a parsed JobSpec: parallel layouts vs model and cluster, batch arithmetic, option clashes."""
 from __future__ import annotations
 
 from math import gcd, prod
 from pathlib import Path
 
 from rlmegatron.config.architecture import ArchitectureError, ModelArchitecture, read_architecture
-from rlmegatron.config.errors import NO_VALUE, SpecProblem, one_of
+from rlmegatron.config.errors import NO_VALUE, SpecProblem, one_of, render_value
 from rlmegatron.config.spec import JobSpec, MegatronConfig, ModelConfig, PPOUpdateConfig
 
 # Estimators whose baseline is the other responses to the same prompt.
@@ -94,11 +94,17 @@ def _check_layout_fits_world(prefix: str, m: MegatronConfig, spec: JobSpec) -> l
         "expert_model_parallel_size": m.expert_model_parallel_size,
         "expert_tensor_parallel_size": m.expert_tensor_parallel_size,
     }
+    # An expert TP that merely follows TP (its default) would repeat TP's problem.
+    own_sizes = {
+        name: size
+        for name, size in sizes.items()
+        if name != "expert_tensor_parallel_size" or size != m.tensor_model_parallel_size
+    }
     problems = [
         SpecProblem(
             f"{prefix}.{name}", size, f"does not divide {_trainer_ranks(spec)}; use {one_of(_divisors(world))}"
         )
-        for name, size in sizes.items()
+        for name, size in own_sizes.items()
         if world % size
     ]
     if problems:
@@ -183,6 +189,8 @@ def _check_layout_fits_model(
             f"does not divide the experts' hidden size {expert_ffn}; "
             f"use {one_of(_common_divisors(expert_ffn, world))}"
         )
+        if etp == tp:
+            reason += " (unset, it follows tensor_model_parallel_size)"
         problems.append(SpecProblem(f"{prefix}.expert_tensor_parallel_size", etp, reason))
     if tp > 1 and not m.sequence_parallel:
         reason = f"MoE layers at tensor_model_parallel_size={tp} need sequence parallelism; set it to true"
@@ -284,8 +292,8 @@ def _update_batch_problems(
     sequences = mini * n
     if sequences % dp:
         reason = (
-            f"× rollout.n={n} = {sequences} sequences do not split evenly over {dp} data-parallel "
-            f"ranks; use a multiple of {dp // gcd(n, dp)}"
+            f"makes {sequences} sequences (× rollout.n={n}), which do not split evenly over {dp} "
+            f"data-parallel ranks; use a multiple of {dp // gcd(n, dp)}"
         )
         problems.append(SpecProblem(f"{role}.ppo_mini_batch_size", mini, reason))
     elif (sequences // dp) % micro:
@@ -414,7 +422,7 @@ def _check_optimizers(spec: JobSpec) -> list[SpecProblem]:
     if spec.critic.enable:
         optimizers.append(("critic", spec.critic.optim))
     return [
-        SpecProblem(f"{role}.optim.min_lr", optim.min_lr, f"exceeds {role}.optim.lr={optim.lr}")
+        SpecProblem(f"{role}.optim.min_lr", optim.min_lr, f"exceeds {role}.optim.lr={render_value(optim.lr)}")
         for role, optim in optimizers
         if optim.min_lr > optim.lr
     ]

@@ -46,7 +46,7 @@ class SpecError(ValueError):
 def render_value(value: Any) -> str:
     """Show a value the way it would be written in YAML or on the command line."""
     try:
-        text = yaml.safe_dump(value, default_flow_style=True, width=10**9)
+        text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**9)
     except yaml.YAMLError:
         return repr(value)
     return text.removesuffix("\n").removesuffix("\n...").strip()

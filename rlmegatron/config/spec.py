@@ -338,7 +338,7 @@ class TrainerConfig(Section):
     """Checkpoints, logs and prepared data of this run; defaults to runs/<experiment_name>."""
     experiment_name: Text = "default"
     resume: Text = "auto"
-    """`auto` resumes from the newest checkpoint in run_dir, `disable` starts fresh, anything else is a checkpoint path."""
+    """`auto` resumes from the newest checkpoint in run_dir, `disable` starts fresh, else a checkpoint path."""
     max_ckpt_to_keep: PositiveInt | None = None
     """null keeps every checkpoint."""
     seed: int = 42

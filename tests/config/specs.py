@@ -31,6 +31,18 @@ def minimal_spec(model: str = "tiny-qwen3") -> dict[str, Any]:
     )
 
 
+def problems_with(settings: dict[str, Any], model: str = "tiny-qwen3") -> list[str]:
+    """problems_of(minimal_spec(model)) with `settings` ({"rollout.n": 1, ...}) written into its YAML."""
+    raw = minimal_spec(model)
+    for path, value in settings.items():
+        *sections, key = path.split(".")
+        target = raw
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[key] = value
+    return problems_of(raw)
+
+
 def problems_of(raw: dict[str, Any], *overrides: str) -> list[str]:
     """Every rejection of `raw` plus `overrides`, as printed; empty when the spec is accepted."""
     try:

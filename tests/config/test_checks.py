@@ -1,0 +1,440 @@
+"""Cross-field checks: each fires with the exact field, value and fix; valid layouts pass untouched.
+
+The minimal spec is the tiny Qwen3 (4 heads, 2 KV heads, 4 layers, max 512 positions) on
+8 CPU ranks, 16 prompts per step, mini-batches of 8, 4 responses per prompt, micro-batches of 2.
+"""
+import json
+
+import pytest
+
+from rlmegatron.config import JobSpec, check_spec
+from tests.config.specs import MODELS_DIR, minimal_spec, problems_of, problems_with
+
+RANKS = "the 8 trainer CPU ranks (placement.nnodes × placement.gpus_per_node)"
+QWEN25 = {"model.path": "Qwen/Qwen2.5-0.5B", "model.hf_config": str(MODELS_DIR / "qwen2.5-0.5b")}
+DEEPSEEK = {"model.path": "deepseek-ai/DeepSeek-V3", "model.hf_config": str(MODELS_DIR / "deepseek-v3")}
+# 24 ranks so that sizes like 3 fit the cluster and only the model can reject them.
+RANKS_24 = {"placement.nnodes": 3, "data.train_batch_size": 24, "actor.ppo_mini_batch_size": 24}
+
+CASES = [
+    pytest.param(
+        {"actor.megatron.tensor_model_parallel_size": 3},
+        "tiny-qwen3",
+        f"job.yaml: actor.megatron.tensor_model_parallel_size=3: does not divide {RANKS}; use 1, 2, 4 or 8",
+        id="tp-divides-world",
+    ),
+    pytest.param(
+        {"actor.megatron.tensor_model_parallel_size": 4, "actor.megatron.pipeline_model_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron={tensor_model_parallel_size: 4, pipeline_model_parallel_size: 4, "
+        f"context_parallel_size: 1}}: their product 16 does not divide {RANKS}; lower one of them until it does",
+        id="tp-pp-cp-divides-world",
+    ),
+    pytest.param(
+        {
+            "actor.megatron.expert_model_parallel_size": 8,
+            "actor.megatron.tensor_model_parallel_size": 2,
+            "actor.megatron.sequence_parallel": True,
+        },
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron={expert_model_parallel_size: 8, expert_tensor_parallel_size: 2, "
+        f"pipeline_model_parallel_size: 1}}: their product 16 does not divide {RANKS}; lower one of them until it does",
+        id="ep-etp-pp-divides-world",
+    ),
+    pytest.param(
+        {**QWEN25, "actor.megatron.tensor_model_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.tensor_model_parallel_size=4: does not divide the model's 14 attention heads; "
+        "use 1 or 2",
+        id="tp-divides-heads",
+    ),
+    pytest.param(
+        {**RANKS_24, "actor.megatron.expert_model_parallel_size": 3},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.expert_model_parallel_size=3: does not divide the 8 experts; use 1, 2, 4 or 8",
+        id="ep-divides-experts",
+    ),
+    pytest.param(
+        {"actor.megatron.expert_model_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.expert_model_parallel_size=2: the model is dense "
+        "(its config.json declares no routed experts); use 1",
+        id="ep-on-dense-model",
+    ),
+    pytest.param(
+        {**RANKS_24, "actor.megatron.expert_tensor_parallel_size": 3},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.expert_tensor_parallel_size=3: does not divide the experts' hidden size 32; "
+        "use 1, 2, 4 or 8",
+        id="etp-divides-expert-ffn",
+    ),
+    pytest.param(
+        {"placement.gpus_per_node": 6, "actor.megatron.pipeline_model_parallel_size": 3},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.pipeline_model_parallel_size=3: does not divide the model's 4 layers; use 1 or 2, "
+        "or split unevenly with extra.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage",
+        id="pp-divides-layers",
+    ),
+    pytest.param(
+        {
+            "actor.megatron.pipeline_model_parallel_size": 2,
+            "actor.megatron.virtual_pipeline_model_parallel_size": 4,
+        },
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.virtual_pipeline_model_parallel_size=4: does not divide the layers of each "
+        "pipeline stage (2); use 1 or 2",
+        id="pp-vpp-divides-layers",
+    ),
+    pytest.param(
+        {"actor.megatron.virtual_pipeline_model_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.virtual_pipeline_model_parallel_size=2: needs pipeline_model_parallel_size > 1; "
+        "remove it or raise the pipeline size",
+        id="vpp-needs-pp",
+    ),
+    pytest.param(
+        {**DEEPSEEK, "actor.megatron.pipeline_model_parallel_size": 4, "actor.megatron.expert_model_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.pipeline_model_parallel_size=4: does not divide the model's 61 layers; use 1, "
+        "or split unevenly with extra.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage",
+        id="pp-on-61-layers",
+    ),
+    pytest.param(
+        {
+            **DEEPSEEK,
+            "actor.megatron.pipeline_model_parallel_size": 4,
+            "actor.megatron.expert_model_parallel_size": 2,
+            "actor.megatron.extra": {"num_layers_in_first_pipeline_stage": 10, "num_layers_in_last_pipeline_stage": 10},
+        },
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.pipeline_model_parallel_size=4: leaves 41 layers for 2 middle stages after "
+        "extra.num_layers_in_first/last_pipeline_stage; they must split evenly",
+        id="uneven-pp-middle-stages",
+    ),
+    pytest.param(
+        {"actor.megatron.tensor_model_parallel_size": 2},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.sequence_parallel=false: MoE layers at tensor_model_parallel_size=2 need "
+        "sequence parallelism; set it to true",
+        id="moe-tp-needs-sp",
+    ),
+    pytest.param(
+        {"actor.megatron.sequence_parallel": True},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.sequence_parallel=true: needs tensor_model_parallel_size > 1 "
+        "(Megatron refuses it at TP=1); set it to false",
+        id="sp-needs-tp",
+    ),
+    pytest.param(
+        {"actor.use_kl_loss": True, "ref.megatron.tensor_model_parallel_size": 3},
+        "tiny-qwen3",
+        f"job.yaml: ref.megatron.tensor_model_parallel_size=3: does not divide {RANKS}; use 1, 2, 4 or 8",
+        id="ref-layout-checked-when-used",
+    ),
+    pytest.param(
+        {"actor.ppo_mini_batch_size": 5},
+        "tiny-qwen3",
+        "job.yaml: actor.ppo_mini_batch_size=5: does not divide data.train_batch_size=16; use 1, 2, 4, 8 or 16",
+        id="mini-batch-divides-train-batch",
+    ),
+    pytest.param(
+        {"actor.ppo_mini_batch_size": 1, "rollout.n": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.ppo_mini_batch_size=1: makes 2 sequences (× rollout.n=2), which do not split evenly "
+        "over 8 data-parallel ranks; use a multiple of 4",
+        id="mini-batch-splits-over-dp",
+    ),
+    pytest.param(
+        {"actor.ppo_micro_batch_size_per_gpu": 3},
+        "tiny-qwen3",
+        "job.yaml: actor.ppo_micro_batch_size_per_gpu=3: does not divide the 4 sequences each of 8 data-parallel "
+        "ranks gets per mini-batch (actor.ppo_mini_batch_size=8 × rollout.n=4 / 8); use 1, 2 or 4",
+        id="micro-batch-divides-rank-share",
+    ),
+    pytest.param(
+        {"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 100},
+        "tiny-qwen3",
+        "job.yaml: actor.ppo_max_token_len_per_gpu=100: is below one full sequence "
+        "(data.max_prompt_length + data.max_response_length = 128); use at least 128",
+        id="dynamic-token-budget",
+    ),
+    pytest.param(
+        {"actor.use_kl_loss": True, "ref.log_prob_use_dynamic_bsz": True, "ref.log_prob_max_token_len_per_gpu": 64},
+        "tiny-qwen3",
+        "job.yaml: ref.log_prob_max_token_len_per_gpu=64: is below one full sequence "
+        "(data.max_prompt_length + data.max_response_length = 128); use at least 128",
+        id="ref-token-budget",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": "gae"},
+        "tiny-qwen3",
+        "job.yaml: critic.ppo_mini_batch_size=256: does not divide data.train_batch_size=16; use 1, 2, 4, 8 or 16",
+        id="critic-batches-checked-when-enabled",
+    ),
+    pytest.param(
+        {"data.max_prompt_length": 500},
+        "tiny-qwen3",
+        "job.yaml: data.max_response_length=64: data.max_prompt_length + data.max_response_length = 564 exceeds "
+        "the model's 512 positions (max_position_embeddings)",
+        id="lengths-fit-positions",
+    ),
+    pytest.param(
+        {"rollout.max_new_tokens": 100},
+        "tiny-qwen3",
+        "job.yaml: rollout.max_new_tokens=100: exceeds data.max_response_length=64, the longest response the "
+        "trainer accepts; lower it or raise that",
+        id="max-new-tokens-fits-response",
+    ),
+    pytest.param(
+        {"rollout.engine": "sglang"},
+        "tiny-qwen3",
+        "job.yaml: rollout.engine=sglang: SGLang needs CUDA GPUs; use rollout.engine=local with placement.device=cpu",
+        id="sglang-needs-cuda",
+    ),
+    pytest.param(
+        {"placement.device": "cuda", "rollout.engine": "sglang", "rollout.sglang.enable_memory_saver": False},
+        "tiny-qwen3",
+        "job.yaml: rollout.sglang.enable_memory_saver=false: colocated engines must release GPU memory while the "
+        "trainer runs; set it to true, or use placement.mode=disaggregate",
+        id="colocated-sglang-needs-memory-saver",
+    ),
+    pytest.param(
+        {"rollout.tensor_parallel_size": 3},
+        "tiny-qwen3",
+        "job.yaml: rollout.tensor_parallel_size=3: does not divide the 8 rollout GPUs; use 1, 2, 4 or 8",
+        id="rollout-tp-divides-gpus",
+    ),
+    pytest.param(
+        {
+            "placement.mode": "disaggregate",
+            "placement.rollout_nnodes": 1,
+            "placement.rollout_gpus_per_node": 6,
+            "rollout.tensor_parallel_size": 4,
+        },
+        "tiny-qwen3",
+        "job.yaml: rollout.tensor_parallel_size=4: does not divide the 6 rollout GPUs; use 1, 2, 3 or 6",
+        id="rollout-tp-divides-disaggregated-pool",
+    ),
+    pytest.param(
+        {"rollout.num_gpus": 16},
+        "tiny-qwen3",
+        "job.yaml: rollout.num_gpus=16: exceeds the 8 GPUs of the rollout pool",
+        id="rollout-gpus-fit-pool",
+    ),
+    pytest.param(
+        {**QWEN25, "rollout.tensor_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: rollout.tensor_parallel_size=4: does not divide the model's 14 attention heads; use 1, 2, 7 or 14",
+        id="rollout-tp-divides-heads",
+    ),
+    pytest.param(
+        {"rollout.tensor_parallel_size": 2, "rollout.expert_parallel_size": 4},
+        "tiny-qwen3-moe",
+        "job.yaml: rollout.expert_parallel_size=4: must divide rollout.tensor_parallel_size=2; use 1 or 2",
+        id="rollout-ep-divides-tp",
+    ),
+    pytest.param(
+        {"rollout.tensor_parallel_size": 2, "rollout.expert_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: rollout.expert_parallel_size=2: the model is dense (its config.json declares no routed experts); "
+        "use 1",
+        id="rollout-ep-on-dense-model",
+    ),
+    pytest.param(
+        {"placement.mode": "disaggregate", "placement.rollout_gpus_per_node": 8},
+        "tiny-qwen3",
+        "job.yaml: placement.rollout_nnodes: is required when placement.mode=disaggregate, where the engines have "
+        "their own nodes",
+        id="disaggregate-needs-rollout-nodes",
+    ),
+    pytest.param(
+        {"placement.rollout_nnodes": 2},
+        "tiny-qwen3",
+        "job.yaml: placement.rollout_nnodes=2: only applies to placement.mode=disaggregate; "
+        "remove it or switch the mode",
+        id="colocate-rejects-rollout-nodes",
+    ),
+    pytest.param(
+        {"rollout.n": 1, "actor.ppo_micro_batch_size_per_gpu": 1},
+        "tiny-qwen3",
+        "job.yaml: rollout.n=1: algorithm.adv_estimator=grpo compares the responses to each prompt, which needs "
+        "rollout.n >= 2",
+        id="group-estimator-needs-group",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": "gae", "critic.enable": False},
+        "tiny-qwen3",
+        "job.yaml: critic.enable=false: algorithm.adv_estimator=gae needs a value model; "
+        "set it to true or leave it unset",
+        id="gae-needs-critic",
+    ),
+    pytest.param(
+        {"critic.enable": True, "critic.ppo_mini_batch_size": 8},
+        "tiny-qwen3",
+        "job.yaml: critic.enable=true: algorithm.adv_estimator=grpo does not use a value model; set it to false, "
+        "or use algorithm.adv_estimator=gae",
+        id="critic-unused-by-grpo",
+    ),
+    pytest.param(
+        {"reward.overlong_buffer.enable": True, "reward.overlong_buffer.length": 16},
+        "tiny-qwen3",
+        "job.yaml: reward.overlong_buffer.enable=true: is applied by the dapo reward manager; set reward.manager=dapo",
+        id="overlong-buffer-needs-dapo",
+    ),
+    pytest.param(
+        {"reward.manager": "dapo", "reward.overlong_buffer.enable": True},
+        "tiny-qwen3",
+        "job.yaml: reward.overlong_buffer.length=4096: must be below data.max_response_length=64, "
+        "the end of which it penalises",
+        id="overlong-buffer-fits-response",
+    ),
+    pytest.param(
+        {
+            "algorithm.adv_estimator": "remax",
+            "rollout.n": 1,
+            "actor.ppo_micro_batch_size_per_gpu": 1,
+            "algorithm.dynamic_sampling.enable": True,
+        },
+        "tiny-qwen3",
+        "job.yaml: algorithm.dynamic_sampling.enable=true: drops groups whose rewards are all equal, which needs "
+        "rollout.n >= 2",
+        id="dynamic-sampling-needs-group",
+    ),
+    pytest.param(
+        {"actor.optim.min_lr": 1e-5},
+        "tiny-qwen3",
+        "job.yaml: actor.optim.min_lr=1.0e-05: exceeds actor.optim.lr=1.0e-06",
+        id="min-lr-below-lr",
+    ),
+    pytest.param(
+        {"model.path": "Qwen/Qwen3-1.7B"},
+        "tiny-qwen3",
+        "job.yaml: model.path=Qwen/Qwen3-1.7B: is not a local directory and model.hf_config is not set; hub ids "
+        "cannot be fetched here, so set model.hf_config to the model's config.json (configs/models/ has common ones)",
+        id="hub-id-needs-hf-config",
+    ),
+    pytest.param(
+        {"model.path": "Qwen/Qwen3-1.7B", "model.hf_config": "/nonexistent/config.json"},
+        "tiny-qwen3",
+        "job.yaml: model.hf_config=/nonexistent/config.json: no config.json at /nonexistent/config.json",
+        id="hf-config-must-exist",
+    ),
+    pytest.param(
+        {"reward.function": "/nonexistent/reward.py:score"},
+        "tiny-qwen3",
+        "job.yaml: reward.function=/nonexistent/reward.py:score: /nonexistent/reward.py is not a file "
+        "(relative paths start at the working directory)",
+        id="reward-function-file-exists",
+    ),
+    pytest.param(
+        {"data.dataset_class": "/nonexistent/data.py:Prompts"},
+        "tiny-qwen3",
+        "job.yaml: data.dataset_class=/nonexistent/data.py:Prompts: /nonexistent/data.py is not a file "
+        "(relative paths start at the working directory)",
+        id="dataset-class-file-exists",
+    ),
+    pytest.param(
+        {"trainer.resume": "/nonexistent/step_10"},
+        "tiny-qwen3",
+        "job.yaml: trainer.resume=/nonexistent/step_10: is not auto, disable, or an existing checkpoint path",
+        id="resume-path-exists",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 8, "critic.init_from": "/nonexistent/vm"},
+        "tiny-qwen3",
+        "job.yaml: critic.init_from=/nonexistent/vm: is neither `actor` nor an existing checkpoint path",
+        id="critic-init-path-exists",
+    ),
+    pytest.param(
+        {"data.val_files": []},
+        "tiny-qwen3",
+        "job.yaml: trainer.val_before_train=true: needs data.val_files; add some or set it to false",
+        id="val-before-train-needs-val-files",
+    ),
+    pytest.param(
+        {"data.val_files": [], "trainer.val_before_train": False, "trainer.test_freq": 5},
+        "tiny-qwen3",
+        "job.yaml: trainer.test_freq=5: needs data.val_files; add some or set it to -1",
+        id="test-freq-needs-val-files",
+    ),
+]
+
+
+@pytest.mark.parametrize("settings, model, message", CASES)
+def test_check_fires_with_field_value_and_fix(settings, model, message):
+    assert message in problems_with(settings, model)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_minimal_spec_has_no_problems(model):
+    assert problems_of(minimal_spec(model)) == []
+
+
+@pytest.mark.parametrize(
+    "settings, model",
+    [
+        # TP 4 over 2 KV heads: Megatron replicates each KV head on 2 ranks.
+        ({"actor.megatron.tensor_model_parallel_size": 4}, "tiny-qwen3"),
+        (
+            {
+                "actor.megatron.tensor_model_parallel_size": 2,
+                "actor.megatron.sequence_parallel": True,
+                "actor.megatron.expert_model_parallel_size": 4,
+                "actor.megatron.expert_tensor_parallel_size": 1,
+                "actor.megatron.pipeline_model_parallel_size": 2,
+                "actor.megatron.virtual_pipeline_model_parallel_size": 2,
+                "actor.ppo_micro_batch_size_per_gpu": 4,
+            },
+            "tiny-qwen3-moe",
+        ),
+        (
+            {
+                **DEEPSEEK,
+                "actor.megatron.pipeline_model_parallel_size": 4,
+                "actor.megatron.expert_model_parallel_size": 2,
+                "actor.megatron.extra": {
+                    "num_layers_in_first_pipeline_stage": 13,
+                    "num_layers_in_last_pipeline_stage": 12,
+                },
+            },
+            "tiny-qwen3",
+        ),
+        ({"actor.use_dynamic_bsz": True, "actor.ppo_micro_batch_size_per_gpu": 3}, "tiny-qwen3"),
+    ],
+    ids=["kv-head-replication", "moe-tp-sp-ep-pp-vpp", "deepseek-uneven-pp", "dynamic-bsz-ignores-micro"],
+)
+def test_valid_layouts_pass(settings, model):
+    assert problems_with(settings, model) == []
+
+
+def test_kv_heads_must_divide_or_be_divided_by_tp(tmp_path):
+    config = {"hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 12, "num_key_value_heads": 3}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    assert problems_with({"model.path": str(tmp_path), "actor.megatron.tensor_model_parallel_size": 2}) == [
+        "job.yaml: actor.megatron.tensor_model_parallel_size=2: must divide or be a multiple of the model's "
+        "3 key/value heads (Megatron's num_query_groups rule); use 1"
+    ]
+
+
+def test_local_model_dir_without_config_json_is_named(tmp_path):
+    assert problems_with({"model.path": str(tmp_path)}) == [
+        f"job.yaml: model.path={tmp_path}: no config.json at {tmp_path}/config.json"
+    ]
+
+
+def test_unused_ref_layout_is_not_checked():
+    assert problems_with({"ref.megatron.tensor_model_parallel_size": 3}) == []
+
+
+def test_role_laid_out_like_the_actor_does_not_repeat_its_problems():
+    problems = problems_with({"actor.use_kl_loss": True, "actor.megatron.tensor_model_parallel_size": 3})
+    assert problems and not any("ref.megatron" in problem for problem in problems)
+
+
+def test_check_spec_returns_every_problem():
+    raw = minimal_spec()
+    raw["rollout"]["n"] = 1
+    raw["actor"]["megatron"] = {"tensor_model_parallel_size": 3}
+    raw["placement"]["rollout_nnodes"] = 2
+    fields = {problem.field for problem in check_spec(JobSpec.model_validate(raw))}
+    assert fields >= {"actor.megatron.tensor_model_parallel_size", "rollout.n", "placement.rollout_nnodes"}
