@@ -27,7 +27,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 PositiveInt = Annotated[int, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 
-_PLUGIN_REF = re.compile(r"^(?P<file>.+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
+_PLUGIN_REF = re.compile(r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _require_plugin_ref(value: str) -> str:
@@ -68,6 +68,12 @@ class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", strict=True, use_attribute_docstrings=True, coerce_numbers_to_str=True
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_means_defaults(cls, value: Any) -> Any:
+        # `critic:` with nothing under it is YAML for None.
+        return {} if value is None else value
 
 
 class ModelConfig(Section):

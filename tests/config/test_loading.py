@@ -57,6 +57,12 @@ def test_ref_and_critic_take_unset_megatron_fields_from_the_actor():
     assert spec.ref.megatron.expert_tensor_parallel_size == 2
 
 
+def test_empty_yaml_section_takes_the_defaults():
+    raw = minimal_spec()
+    raw["critic"] = None  # `critic:` with nothing under it
+    assert spec_from_raw(raw).critic.cliprange_value == 0.5
+
+
 def test_yaml_overrides_defaults(spec_file):
     spec = load_spec(spec_file)
     assert spec.actor.optim.lr == 3e-6
