@@ -1,0 +1,46 @@
+"""Megatron layer specs: Transformer Engine when importable, else the local spec with CPU-capable modules."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any, Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from rlmegatron.runtime.cpu_compat import DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm
+
+# Local-spec modules that cannot run our layouts, and their replacements:
+# DotProductAttention rejects MLA's separate k/v head dims and packed sequences;
+# WrappedTorchNorm asserts against sequence parallelism (needed for MoE with TP>1).
+_LOCAL_CLASS_SUBSTITUTES = {DotProductAttention: SDPACoreAttention, WrappedTorchNorm: SequenceParallelTorchNorm}
+# MLA's down projections are replicated across TP, as TE's spec has them (see DuplicatedLinear).
+_LOCAL_FIELD_SUBSTITUTES = {"linear_q_down_proj": DuplicatedLinear, "linear_kv_down_proj": DuplicatedLinear}
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
+    """Block spec for the layers this pipeline stage builds (MoE/dense pattern from `config.moe_layer_freq`)."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
+    )
+    return spec if use_te else _substitute(spec)
+
+
+def _substitute(node: Any, field: str = "") -> Any:
+    """Copy of a local spec tree with the CPU-capable modules swapped in; the input is left untouched."""
+    if isinstance(node, type):
+        return _LOCAL_FIELD_SUBSTITUTES.get(field) or _LOCAL_CLASS_SUBSTITUTES.get(node, node)
+    if isinstance(node, list):
+        return [_substitute(item, field) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {f.name: _substitute(getattr(node, f.name), f.name) for f in dataclasses.fields(node)}
+        if "module" in changes and field:  # a ModuleSpec: its class belongs to the field that holds it
+            changes["module"] = _substitute(node.module, field)
+        return dataclasses.replace(node, **changes)
+    return node

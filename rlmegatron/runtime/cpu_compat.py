@@ -1,0 +1,291 @@
+"""Opt-in CPU compatibility layer that lets Megatron-Core GPTModel (local spec) train on CPU under gloo.
+
+Megatron-Core assumes CUDA in a few dozen places. Nothing here runs on import:
+`enable_cpu_compat()` applies every patch once, and only the `device: cpu` path
+calls it, so a GPU process that imports rlmegatron keeps stock Megatron-Core.
+Each patch carries one comment saying which CUDA assumption it removes.
+
+Three pieces are modules rather than patches, used by the local layer spec:
+`SDPACoreAttention` (separate k/v head dims, as MLA needs),
+`SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism) and
+`DuplicatedLinear` (MLA's replicated down projections, as TE's 'duplicated' mode).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+
+
+class _CudaLiteralsToCpu(TorchFunctionMode):
+    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU."""
+
+    @staticmethod
+    def _to_cpu(device):
+        if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+            return torch.device("cpu")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return torch.device("cpu")
+        return device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = self._to_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            args = (args[0], self._to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stand-in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
+def _install_cpu_rng_tracker():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's named RNG streams (e.g. tensor-parallel init) on the CPU generator."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    # initialize_rng_tracker() looks this name up at call time.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_alltoall_split_sizes():
+    from megatron.core.tensor_parallel import mappings
+
+    original_forward = mappings._AllToAll.forward
+
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        def as_list(sizes):
+            return None if sizes is None else [int(s) for s in sizes]
+
+        return original_forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+
+    # The MoE alltoall dispatcher passes split sizes as tensors/arrays; gloo wants lists.
+    mappings._AllToAll.forward = staticmethod(forward)
+
+
+def enable_cpu_compat() -> None:
+    """Apply every CPU patch (idempotent). Call before building any Megatron model."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("enable_cpu_compat() is for CPU-only runs; this process sees a CUDA device")
+
+    # device="cuda" literals and .cuda() calls in Megatron-Core (optimizer, clip_grads, schedules, MoE).
+    _CudaLiteralsToCpu().__enter__()
+    # torch.cuda.current_device() feeds device= arguments; it raises on a CPU build.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.set_device = lambda *a, **k: None
+    # Side streams (DDP overlap, MoE D2H, shared experts) are CUDA-only; CPU ops run in order.
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, *a, **k: None
+    # Megatron's RNG tracker stores CUDA generator states.
+    _install_cpu_rng_tracker()
+
+    from megatron.core import jit
+    from megatron.core.transformer.moe import moe_utils
+
+    # jit_fuser is torch.compile, which would invoke the C++ toolchain on every new shape.
+    jit.disable_jit_fuser()
+    # Referenced by the router but undefined without Transformer Engine (0.16.1); None selects torch.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # Without TE, megatron.core.extensions substitutes MagicMocks, so MLA's isinstance(x, TELinear) raises.
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+        # MLA only offers its replicated ('duplicated') down projections for TELinear; the
+        # ColumnParallelLinear fallback loses the TP sum of the rope-key gradient at TP>1.
+        multi_latent_attention.TELinear = DuplicatedLinear
+    _patch_alltoall_split_sizes()
+    _ENABLED = True
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention on torch SDPA; supports k and v head dims that differ (MLA)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("context parallelism needs Transformer Engine attention")
+        self.config = config
+        kv_channels = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.size(1) != q.size(1):
+            repeat = q.size(1) // k.size(1)
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        mask = _causal_mask(q.size(2), q.device)
+        if packed_seq_params is not None:
+            mask = mask & _same_sequence_mask(packed_seq_params.cu_seqlens_q, q.size(2), q.device)
+        elif attention_mask is not None:
+            mask = mask & ~attention_mask.bool()  # Megatron's mask marks positions to hide.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale,
+        )
+        s, b = out.size(2), out.size(0)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _causal_mask(seq_len: int, device) -> torch.Tensor:
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
+def _same_sequence_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """Block-diagonal mask for packed (THD) batches: tokens attend only within their own sequence."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    if seq_id.numel() < total:  # tail padding after the last sequence forms its own block
+        seq_id = torch.cat([seq_id, seq_id.new_full((total - seq_id.numel(),), lengths.numel())])
+    return seq_id[:, None] == seq_id[None, :]
+
+
+class SequenceParallelTorchNorm:
+    """torch LayerNorm/RMSNorm that, unlike WrappedTorchNorm, allows sequence parallelism.
+
+    With sequence parallelism each TP rank normalises a slice of the sequence, so
+    the norm's weight gradients are partial: marking them `sequence_parallel` makes
+    Megatron's finalize_model_grads all-reduce them across the TP group.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization={config.normalization!r} is not supported on CPU")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """A linear layer replicated on every TP rank (TE's parallel_mode='duplicated'), for MLA down projections.
+
+    Under sequence parallelism each rank sees a slice of the sequence, so its weight
+    gradient is partial: `sequence_parallel` on the weight makes finalize_model_grads
+    sum it across the TP group.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = False,
+                 skip_bias_add: bool = False, parallel_mode: str = "duplicated", **_unused):
+        super().__init__()
+        if bias:
+            raise ValueError("DuplicatedLinear serves MLA down projections, which have no bias")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {},  # replicated across TP: no sharded axis
+            sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )

@@ -1,0 +1,76 @@
+"""Process-group and model-parallel setup: cuda + nccl on GPUs, cpu + gloo (with the CPU layer) otherwise."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+Device = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron parallel sizes of one model; data parallelism is whatever the world size leaves."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # None: experts use the dense TP size
+    sequence_parallel: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        parts += [f"VPP{self.vpp}"] if self.vpp else []
+        parts += [f"CP{self.cp}"] if self.cp > 1 else []
+        parts += [f"EP{self.ep}"] if self.ep > 1 else []
+        parts += [f"ETP{self.etp}"] if self.etp else []
+        parts += ["SP"] if self.sequence_parallel else []
+        return "x".join(parts)
+
+
+def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
+    """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    if device == "cpu":
+        from rlmegatron.runtime.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+        backend = "gloo"
+    elif device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """(Re)build Megatron's parallel groups for `layout` and seed its RNG streams."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,237 @@
+"""Rank-side code for the parallel-layout parity tests: tiny GPTModels trained one step at any layout.
+
+Every layout starts from the same weights: the TP=PP=EP=1 reference model is
+saved with megatron.core.dist_checkpointing and loaded into each layout. Each
+layout's gradients are saved the same way and loaded back at TP=PP=EP=1, so
+dist_checkpointing does the resharding and the comparison is full tensor
+against full tensor.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import torch
+
+from rlmegatron.runtime import ParallelLayout, init_model_parallel
+
+SEQ_LEN = 16
+MICRO_BATCH = 2
+VOCAB = 128
+
+
+def transformer_config(kind: str, layout: ParallelLayout, dispatcher: str = "allgather"):
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    common = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel,
+    )
+    moe = dict(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type=dispatcher,
+        moe_shared_expert_intermediate_size=32,
+    )
+    if kind == "dense":  # Qwen3-shaped: GQA, qk-norm
+        return TransformerConfig(num_layers=4, num_query_groups=2, ffn_hidden_size=128, qk_layernorm=True, **common)
+    if kind == "moe":  # Qwen2-MoE-shaped: softmax router with aux loss, gated shared expert
+        return TransformerConfig(
+            num_layers=2, num_query_groups=2, ffn_hidden_size=128, moe_shared_expert_gate=True, **moe, **common
+        )
+    if kind == "mla_moe":  # DeepSeek-V3-shaped
+        return MLATransformerConfig(
+            num_layers=3,
+            ffn_hidden_size=96,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_head_dim=16,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=16,
+            qk_layernorm=True,
+            rope_type="yarn",
+            rotary_scaling_factor=4.0,
+            original_max_position_embeddings=8,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            moe_layer_freq=[0, 1, 1],
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.5,
+            moe_router_dtype="fp32",
+            **moe,
+            **common,
+        )
+    raise ValueError(kind)
+
+
+def build_model(kind: str, layout: ParallelLayout, dispatcher: str = "allgather"):
+    """Megatron DDP-wrapped model chunks for this rank (one chunk, or VPP chunks)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+
+    from rlmegatron.models.spec import decoder_block_spec
+
+    config = transformer_config(kind, layout, dispatcher)
+    config.finalize_model_grads_func = finalize_model_grads
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        vp = vp_stage if layout.vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, use_te=False, vp_stage=vp),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ_LEN,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=(kind == "dense"),
+            position_embedding_type="rope",
+            vp_stage=vp,
+        )
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        chunks.append(DistributedDataParallel(config, ddp_config, model))
+    return chunks
+
+
+def microbatches(n: int, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+        mask = torch.ones(MICRO_BATCH, SEQ_LEN)
+        mask[0, -3:] = 0  # a padded tail, so the masked mean is exercised
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], mask=mask))
+    return batches
+
+
+def _loss_func(mask, output):
+    loss = (output * mask).sum() / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule scales `loss` in place
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    position_ids = torch.arange(SEQ_LEN).expand(MICRO_BATCH, SEQ_LEN)
+    output = model(batch["tokens"], position_ids, None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["mask"])
+
+
+def train_step(chunks, batches) -> float | None:
+    """One forward-backward over `batches`; returns the mean loss on last-stage ranks, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    iterators = [iter(batches) for _ in chunks]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(batches),
+        seq_length=SEQ_LEN,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return float(torch.stack([x["lm loss"] for x in losses]).mean())
+
+
+def _sharded_state_dict(chunks):
+    if len(chunks) == 1:
+        return chunks[0].module.sharded_state_dict()
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _save(chunks, path):
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), path)
+
+
+def _load(chunks, path):
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), path)
+    if len(chunks) == 1:
+        chunks[0].module.load_state_dict(state)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.module.load_state_dict(state[f"model{i}"])
+
+
+def _save_grads(chunks, path):
+    """Save main grads in place of the weights, so dist_checkpointing reshards them like parameters."""
+    saved = []
+    with torch.no_grad():
+        for chunk in chunks:
+            for param in chunk.module.parameters():
+                saved.append(param.detach().clone())
+                param.copy_(param.main_grad)
+    _save(chunks, path)
+    with torch.no_grad():
+        params = [p for chunk in chunks for p in chunk.module.parameters()]
+        for param, value in zip(params, saved):
+            param.copy_(value)
+
+
+def _full_tensors(chunks):
+    return {name: p.detach().clone() for name, p in chunks[0].module.named_parameters()}
+
+
+def parity_job(kind: str, layouts: list[tuple[ParallelLayout, str]], num_microbatches: int, workdir: str):
+    """Compare each (layout, dispatcher) with the TP=PP=EP=1 reference; every rank runs this."""
+    batches = microbatches(num_microbatches)
+    reference = ParallelLayout()
+    init_model_parallel(reference)
+    torch.manual_seed(1234)
+    ref_chunks = build_model(kind, reference)
+    # Saved before the step: finalize_model_grads updates the MoE router's expert bias in place.
+    _save(ref_chunks, os.path.join(workdir, "weights"))
+    ref_loss = train_step(ref_chunks, batches)
+    ref_grads = {name: p.main_grad.clone() for name, p in ref_chunks[0].module.named_parameters()}
+
+    report = {"reference_loss": ref_loss, "layouts": {}}
+    for layout, dispatcher in layouts:
+        label = f"{layout}-{dispatcher}" if kind != "dense" else str(layout)
+        init_model_parallel(layout)
+        chunks = build_model(kind, layout, dispatcher)
+        _load(chunks, os.path.join(workdir, "weights"))
+        loss = train_step(chunks, batches)
+        grads_dir = os.path.join(workdir, f"grads-{label}")
+        _save_grads(chunks, grads_dir)
+
+        init_model_parallel(reference)
+        full = build_model(kind, reference)
+        _load(full, grads_dir)
+        grads = _full_tensors(full)
+        report["layouts"][label] = {
+            "loss": loss,
+            "grad_max_abs_diff": {name: float((grads[name] - g).abs().max()) for name, g in ref_grads.items()},
+            "ref_grad_abs_max": {name: float(g.abs().max()) for name, g in ref_grads.items()},
+        }
+    return report

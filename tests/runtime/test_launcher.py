@@ -1,0 +1,72 @@
+"""run_ranks: values come back per rank; a raising, crashing or hung rank fails fast with a clear report."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlmegatron.runtime import RankFailure, run_ranks
+
+
+def _all_reduce_rank():
+    rank = torch.distributed.get_rank()
+    value = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(value)
+    return {"rank": rank, "world": torch.distributed.get_world_size(), "sum": value}
+
+
+def _rank1_raises():
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("bad shard on rank one")
+    torch.distributed.barrier()  # rank 0 waits on the dead peer, as a real job would
+
+
+def _rank0_hangs():
+    if torch.distributed.get_rank() == 0:
+        time.sleep(600)
+
+
+def _rank1_crashes():
+    if torch.distributed.get_rank() == 1:
+        os._exit(17)
+    time.sleep(600)
+
+
+def test_each_rank_returns_its_value_through_a_real_gloo_group():
+    results = run_ranks(_all_reduce_rank, 3, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["world"] == 3 and float(r["sum"]) == 6.0 for r in results)
+
+
+def test_a_raising_rank_is_reported_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_raises, 2, timeout_s=120)
+    message = str(info.value)
+    assert "--- rank 1 ---" in message and "ValueError: bad shard on rank one" in message
+    assert time.monotonic() - start < 60  # does not wait for the whole timeout
+
+
+def test_a_hung_rank_fails_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 0 --- did not finish within 8 s \(hung\)"):
+        run_ranks(_rank0_hangs, 2, timeout_s=8)
+    assert time.monotonic() - start < 40
+
+
+def test_a_crashed_rank_is_reported_with_its_exit_code():
+    with pytest.raises(RankFailure, match="rank 1 ---\nprocess exited with code 17"):
+        run_ranks(_rank1_crashes, 2, timeout_s=120)
+
+
+def test_importing_rlmegatron_leaves_torch_cuda_untouched():
+    """The CPU layer is opt-in: importing the package (as a GPU job does) patches nothing."""
+    code = (
+        "import torch; before = (torch.cuda.current_device, torch.cuda.Stream, torch.Tensor.record_stream);"
+        "import rlmegatron, rlmegatron.runtime, rlmegatron.models.spec, rlmegatron.config;"
+        "assert before == (torch.cuda.current_device, torch.cuda.Stream, torch.Tensor.record_stream);"
+        "from torch.overrides import _get_current_function_mode_stack as s; assert not s(), s()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

@@ -1,0 +1,43 @@
+"""Megatron-Core GPTModel on CPU/gloo: loss and every gradient at each layout equal the TP=PP=EP=1 run (fp32)."""
+import pytest
+
+from rlmegatron.runtime import ParallelLayout as L
+from rlmegatron.runtime import run_ranks
+from tests.helpers.megatron_parity import parity_job
+
+TOLERANCE = 1e-5
+
+
+def _assert_parity(reports, expected_layouts):
+    reference_losses = {r["reference_loss"] for r in reports}
+    assert len(reference_losses) == 1, f"ranks disagree on the reference loss: {reference_losses}"
+    (reference_loss,) = reference_losses
+    for label in expected_layouts:
+        losses = [r["layouts"][label]["loss"] for r in reports if r["layouts"][label]["loss"] is not None]
+        assert losses, f"{label}: no rank reported a loss"
+        for loss in losses:
+            assert loss == pytest.approx(reference_loss, abs=TOLERANCE), label
+        diffs = reports[0]["layouts"][label]["grad_max_abs_diff"]
+        scale = reports[0]["layouts"][label]["ref_grad_abs_max"]
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < TOLERANCE, f"{label}: grad of {worst} differs by {diffs[worst]:.3g}"
+        # The comparison means something only if the gradients are not all zero.
+        assert max(scale.values()) > 1e-3, f"{label}: reference gradients are ~0"
+
+
+def test_dense_tp2_pp2_and_tp2xpp2_on_4_ranks(tmp_path):
+    layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(tp=2, sequence_parallel=True), "")]
+    reports = run_ranks(parity_job, 4, "dense", layouts, 4, str(tmp_path), timeout_s=300)
+    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP2xPP1xSP"])
+
+
+def test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel(tmp_path):
+    layouts = [(L(ep=2), "allgather"), (L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
+    reports = run_ranks(parity_job, 2, "moe", layouts, 2, str(tmp_path), timeout_s=300)
+    _assert_parity(reports, ["TP1xPP1xEP2-allgather", "TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
+
+
+def test_deepseek_shaped_mla_moe_ep2_and_tp2_sequence_parallel(tmp_path):
+    layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
+    reports = run_ranks(parity_job, 2, "mla_moe", layouts, 2, str(tmp_path), timeout_s=300)
+    _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
