@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates ./.venv and installs rlmegatron into it.
+#   bash launch/install.sh --cpu   CPU machines: torch is pinned to the CPU wheel, so pip never pulls CUDA packages
+#   bash launch/install.sh --gpu   GPU machines: torch from the default index plus the `gpu` extra (TE, SGLang)
+# Set PYTHON to choose the interpreter (default python3; Python 3.11 gets megatron-core 0.16, 3.12 gets 0.19).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.13.0
+mode="${1:-}"
+case "$mode" in
+  --cpu|--gpu) ;;
+  *) echo "usage: bash launch/install.sh --cpu|--gpu" >&2; exit 2 ;;
+esac
+
+"${PYTHON:-python3}" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade pip
+if [ "$mode" = --cpu ]; then
+  # The +cpu local version fails loudly rather than silently resolving to a CUDA build.
+  "${pip[@]}" install -q --retries 1 --timeout 20 \
+    --extra-index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"
+  "${pip[@]}" install -q -e ".[test]"
+else
+  "${pip[@]}" install -q "torch==${TORCH_VERSION}"
+  "${pip[@]}" install -q -e ".[test,gpu]"
+fi
+.venv/bin/python -c "import torch, megatron.core, rlmegatron; print('rlmegatron', rlmegatron.__version__, '| torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
