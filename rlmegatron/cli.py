@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
             subparser.add_argument(
                 "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.n=8"
             )
+            if name == "plan":
+                from rlmegatron.planner.command import add_plan_options
+
+                add_plan_options(subparser)
         else:  # convert's own arguments arrive with the converter
             subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
@@ -64,7 +68,12 @@ def train(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    return _validated_then_not_implemented(args, "plan")
+    from rlmegatron.planner.command import run_plan
+
+    spec = _load_spec_or_report(args)
+    if spec is None:
+        return EXIT_BAD_SPEC
+    return run_plan(spec, args)
 
 
 def prepare(args: argparse.Namespace) -> int:

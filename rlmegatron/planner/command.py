@@ -1,0 +1,45 @@
+"""`rlm plan`: its options, and printing the plan or the reasons the layout cannot run (exit 2)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlmegatron.config.architecture import read_architecture
+from rlmegatron.config.spec import JobSpec
+from rlmegatron.planner.plan import DEFAULT_GPU_MEM_GB, DEFAULT_LINK_GBPS, PlanSettings, build_plan, render_plan
+
+EXIT_OK = 0
+EXIT_BAD_LAYOUT = 2  # the same code as a rejected spec: the user's to fix
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--gpu-mem-gb",
+        type=float,
+        default=DEFAULT_GPU_MEM_GB,
+        help=f"memory of one GPU in GB (1e9 bytes); default {DEFAULT_GPU_MEM_GB:g} (H100)",
+    )
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=DEFAULT_LINK_GBPS,
+        help=f"bandwidth into each rollout GPU for the weight sync, in Gb/s; default {DEFAULT_LINK_GBPS:g} "
+        "(one NDR InfiniBand port; NVLink 4 within a node is ~3600)",
+    )
+
+
+def run_plan(spec: JobSpec, args: argparse.Namespace) -> int:
+    located = spec.model.architecture_source()
+    assert located is not None, "load_spec rejects a spec without a readable architecture"
+    settings = PlanSettings(gpu_mem_gb=args.gpu_mem_gb, link_gbps=args.link_gbps)
+    plan = build_plan(spec, read_architecture(located[1]), settings, file=args.config)
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_plan(spec, plan))
+    for problem in plan.problems:
+        print(problem, file=sys.stderr)
+    return EXIT_BAD_LAYOUT if plan.problems else EXIT_OK

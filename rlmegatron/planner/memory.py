@@ -1,0 +1,232 @@
+"""Per-GPU memory of the Megatron roles and the rollout engines, and the cost of one weight sync.
+
+Sources of the formulas (all bytes, 1 GB = 1e9 bytes):
+- Model state per parameter, from Megatron-LM's docs/source/api-guide/dist_optimizer.md: bf16 params
+  with fp32 grads take 2 + 4 bytes plus 12 bytes of Adam state (fp32 master, m, v), i.e. 18 bytes, or
+  6 + 12/DP with the distributed optimizer; fp16 takes 2 + 2 + 16 (the fp32 grad copy is optimizer
+  state); fp32 takes 4 + 4 + 8. Expert parameters shard their optimizer over the expert-data-parallel
+  group (world / (EP × ETP × PP)) instead of the dense one (world / (TP × PP)).
+- Activations, from Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+  (2022), 16-bit activations per layer and micro-batch: sbh(34 + 5as/h) without parallelism,
+  sbh(34 + 5as/h)/t with tensor + sequence parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor
+  parallelism alone; selective recompute drops the 5as/h attention-score term (flash attention does
+  too, so `none` overestimates Megatron-Core runs that use it); full recompute keeps 2sbh per layer
+  (divided by t under sequence parallelism) and rebuilds one recompute group at a time. The 1F1B
+  schedule keeps PP - i micro-batches in flight on stage i; the output layer and loss add 4sbv/t.
+  The formula describes a 4h GELU MLP with multi-head attention; SwiGLU, GQA and MoE layers are
+  charged the same, which overestimates MoE layers whose routed MLPs are narrower than 4h per token.
+- `offload.optimizer` is read as a CPU-resident optimizer (Megatron's optimizer_cpu_offload with an
+  offload fraction of 1, verl's OFFLOAD_FRACTION=1): Adam state and fp32 master weights live in host
+  memory and the step runs there, so the GPU keeps only the bf16 weights and the gradients.
+  `offload.params` / `offload.grads` move those out only while the role is idle (during rollout).
+- The rollout engine reserves mem_fraction_static of the GPU for its weights and KV cache (SGLang's
+  definition); what is left after the weights is the KV budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+from rlmegatron.config.architecture import ModelArchitecture
+from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
+from rlmegatron.planner.parameters import ParameterCount
+
+GB = 1e9
+
+# (weights, gradients, optimizer state) bytes per parameter, by training dtype (Megatron's table).
+_STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}
+_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_ACTIVATION_BYTES = 2  # the paper's formula counts 16-bit activations
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The tokens one forward/backward pass sees on one data-parallel rank."""
+
+    sequences: int
+    sequence_length: int
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Per-GPU bytes of one trained role on its most loaded pipeline stage; compare against measured peaks."""
+
+    pipeline_stage: int
+    dense_parameters: int  # parameters this GPU holds, sharded by TP (and PP)
+    expert_parameters: int  # routed-expert parameters this GPU holds, sharded by EP × ETP (and PP)
+    parameters: float
+    gradients: float
+    optimizer_state: float  # 0 when the optimizer lives on the CPU
+    activations: float
+
+    @property
+    def model_state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Per-GPU bytes of one rollout engine: weights and KV cache inside mem_fraction_static of the GPU."""
+
+    weights: float
+    static_reservation: float  # mem_fraction_static × GPU memory
+    kv_cache: float  # the static reservation minus the weights; negative when the weights do not fit
+    kv_bytes_per_token: float
+    kv_tokens: int
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """What one refit moves: each engine GPU receives its shard of the policy's weights."""
+
+    total_bytes: float  # the whole policy in the rollout dtype
+    bytes_per_engine_gpu: float
+    link_gbps: float
+    seconds: float
+
+
+def stage_layer_ranges(num_layers: int, megatron: MegatronConfig) -> list[range]:
+    """Layers of each pipeline stage, as Megatron splits them (explicit first/last stage sizes honoured)."""
+    pp, extra = megatron.pipeline_model_parallel_size, megatron.extra
+    first = extra.get("num_layers_in_first_pipeline_stage")
+    last = extra.get("num_layers_in_last_pipeline_stage")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    # An uneven split without explicit sizes is rejected by check_spec; ceil keeps this total.
+    per_middle = ceil(middle_layers / middle_stages) if middle_stages else 0
+    sizes = ([first] if first is not None else []) + [per_middle] * middle_stages
+    sizes += [last] if last is not None else []
+    ranges, start = [], 0
+    for size in sizes:
+        end = min(start + size, num_layers)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+def micro_batch(spec: JobSpec, update_sequences: int, use_dynamic_bsz: bool, max_tokens: int) -> MicroBatch:
+    if use_dynamic_bsz:  # packed: one row of up to max_tokens tokens
+        return MicroBatch(1, max_tokens)
+    return MicroBatch(update_sequences, spec.data.max_prompt_length + spec.data.max_response_length)
+
+
+def training_memory(
+    spec: JobSpec,
+    arch: ModelArchitecture,
+    params: ParameterCount,
+    megatron: MegatronConfig,
+    offload: OffloadConfig,
+    batch: MicroBatch,
+) -> TrainingMemory:
+    """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout)."""
+    world = spec.placement.trainer_world_size
+    tp, pp, cp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, megatron.context_parallel_size
+    ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
+    dense_dp = max(world // (tp * pp), 1)  # Megatron shards the optimizer over DP × CP
+    expert_dp = max(world // (ep * etp * pp), 1)
+    weight, grad, optim = _STATE_BYTES[spec.model.dtype]
+    if offload.optimizer:
+        optim = 0
+    dense_optim = optim / dense_dp if megatron.use_distributed_optimizer else optim
+    expert_optim = optim / expert_dp if megatron.use_distributed_optimizer else optim
+
+    stages = stage_layer_ranges(arch.num_hidden_layers, megatron)
+    candidates = []
+    for index, layers in enumerate(stages):
+        dense = sum(params.layers[i].dense for i in layers)
+        if index == 0:
+            dense += params.embedding
+        if index == pp - 1:
+            # A tied output layer still needs its own copy of the embedding on a separate last stage.
+            dense += params.final_norm + (params.output_layer or (params.embedding if pp > 1 else 0))
+        dense //= tp
+        experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
+        in_flight = pp - index if pp > 1 else 1
+        activations = in_flight * _stage_activations(arch, megatron, batch, len(layers), cp)
+        if index == pp - 1:
+            activations += _output_activations(arch, batch, tp, cp)
+        candidates.append(
+            TrainingMemory(
+                pipeline_stage=index,
+                dense_parameters=dense,
+                expert_parameters=experts,
+                parameters=(dense + experts) * weight,
+                gradients=(dense + experts) * grad,
+                optimizer_state=dense * dense_optim + experts * expert_optim,
+                activations=activations,
+            )
+        )
+    return max(candidates, key=lambda memory: memory.total)
+
+
+def _layer_activations(arch: ModelArchitecture, megatron: MegatronConfig, s: int, b: int, full_scores: bool) -> float:
+    """Korthikanti et al.'s per-layer activation bytes (they count 16-bit values, hence the bare constants)."""
+    h, a, t = arch.hidden_size, arch.num_attention_heads, megatron.tensor_model_parallel_size
+    scores = 5 * a * s / h if full_scores else 0.0
+    if megatron.sequence_parallel:
+        return s * b * h * (34 + scores) / t
+    return s * b * h * (10 + 24 / t + scores / t)
+
+
+def _stage_activations(
+    arch: ModelArchitecture, megatron: MegatronConfig, batch: MicroBatch, num_layers: int, cp: int
+) -> float:
+    """One micro-batch's activations over `num_layers` layers; context parallelism splits the sequence."""
+    s, b = ceil(batch.sequence_length / cp), batch.sequences
+    granularity = megatron.recompute_granularity
+    if granularity == "none":
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=True)
+    if granularity == "selective":
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False)
+    group = min(megatron.recompute_num_layers, num_layers)
+    sp_split = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
+    checkpoints = ceil(num_layers / group) * _ACTIVATION_BYTES * s * b * arch.hidden_size / sp_split
+    return checkpoints + group * _layer_activations(arch, megatron, s, b, full_scores=True)
+
+
+def _output_activations(arch: ModelArchitecture, batch: MicroBatch, tp: int, cp: int) -> float:
+    """The paper's 4sbv/t for the logits and the loss (log-probs in RL) on the last stage."""
+    s = ceil(batch.sequence_length / cp)
+    return 4 * s * batch.sequences * arch.vocab_size / tp
+
+
+def resident_model_state(memory: TrainingMemory, offload: OffloadConfig) -> float:
+    """What a role keeps on the GPU while it is idle, after its offload settings move the rest to the host."""
+    kept = memory.optimizer_state
+    kept += 0 if offload.params else memory.parameters
+    kept += 0 if offload.grads else memory.gradients
+    return kept
+
+
+def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, gpu_bytes: float) -> EngineMemory:
+    tp = spec.rollout.tensor_parallel_size
+    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
+    # SGLang splits dense matrices over TP and experts over EP × MoE-TP = TP, so weights divide by TP.
+    weights = params.total * weight_bytes / tp
+    static = spec.rollout.mem_fraction_static * gpu_bytes
+    if arch.mla is not None:
+        # MLA caches one compressed latent plus the rope key per token, replicated on every TP rank.
+        per_token = arch.num_hidden_layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * weight_bytes
+    else:
+        kv_heads_per_gpu = ceil(arch.num_key_value_heads / tp)  # heads are replicated when TP > KV heads
+        per_token = 2 * arch.num_hidden_layers * kv_heads_per_gpu * arch.head_dim * weight_bytes
+    kv_cache = static - weights
+    return EngineMemory(
+        weights=weights,
+        static_reservation=static,
+        kv_cache=kv_cache,
+        kv_bytes_per_token=per_token,
+        kv_tokens=max(int(kv_cache // per_token), 0),
+    )
+
+
+def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
+    total = params.total * _WEIGHT_BYTES[spec.model.dtype]
+    per_gpu = total / spec.rollout.tensor_parallel_size
+    return WeightSync(
+        total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9)
+    )

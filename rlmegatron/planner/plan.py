@@ -1,0 +1,220 @@
+"""The plan of a checked job spec: memory per phase against the GPU, sync cost, and the layouts that cannot run."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rlmegatron.config.architecture import ModelArchitecture
+from rlmegatron.config.errors import SpecProblem
+from rlmegatron.config.spec import JobSpec, MegatronConfig
+from rlmegatron.planner.memory import (
+    GB,
+    EngineMemory,
+    TrainingMemory,
+    WeightSync,
+    engine_memory,
+    micro_batch,
+    resident_model_state,
+    training_memory,
+    weight_sync,
+)
+from rlmegatron.planner.parameters import count_parameters
+
+DEFAULT_GPU_MEM_GB = 80.0  # an H100 SXM
+DEFAULT_LINK_GBPS = 400.0  # one NDR InfiniBand port per GPU; intra-node NVLink 4 is ~3600 Gb/s
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    gpu_mem_gb: float = DEFAULT_GPU_MEM_GB
+    link_gbps: float = DEFAULT_LINK_GBPS
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Per-GPU bytes while one phase of the step runs, with everything else that stays resident."""
+
+    phase: str  # actor_update, critic_update, rollout
+    bytes: float
+    parts: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_type: str
+    total_parameters: int
+    active_parameters: int
+    gpu_bytes: float
+    actor: TrainingMemory
+    critic: TrainingMemory | None
+    engine: EngineMemory
+    sync: WeightSync
+    trainer_phases: tuple[PhaseMemory, ...]  # on the trainer GPUs (and the engines' when colocated)
+    rollout_gpu_bytes: float | None  # on the engines' own GPUs when disaggregated
+    problems: tuple[SpecProblem, ...]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(phase.bytes for phase in self.trainer_phases)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["problems"] = [str(problem) for problem in self.problems]
+        data["peak_bytes"] = self.peak_bytes
+        data["actor"]["total"] = self.actor.total
+        return data
+
+
+def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, file: str = "") -> Plan:
+    params = count_parameters(arch)
+    gpu_bytes = settings.gpu_mem_gb * GB
+    actor_batch = micro_batch(
+        spec, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz, spec.actor.ppo_max_token_len_per_gpu
+    )
+    actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch)
+    resident = {"actor": resident_model_state(actor, spec.actor.offload)}
+    if spec.needs_reference:
+        ref = training_memory(spec, arch, params, spec.ref.megatron, spec.actor.offload, actor_batch)
+        resident["ref"] = 0.0 if spec.ref.offload.params else ref.parameters
+    critic = None
+    if spec.critic.enable:
+        # The value model is the policy with a one-output head; the difference is below 1% here.
+        critic_batch = micro_batch(
+            spec,
+            spec.critic.ppo_micro_batch_size_per_gpu,
+            spec.critic.use_dynamic_bsz,
+            spec.critic.ppo_max_token_len_per_gpu,
+        )
+        critic = training_memory(spec, arch, params, spec.critic.megatron, spec.critic.offload, critic_batch)
+        resident["critic"] = resident_model_state(critic, spec.critic.offload)
+    engine = engine_memory(spec, arch, params, gpu_bytes)
+    colocated = spec.placement.mode == "colocate"
+
+    def others(*training: str) -> dict[str, float]:
+        return {f"{role} (idle)": size for role, size in resident.items() if role not in training}
+
+    phases = [PhaseMemory("actor_update", 0.0, {"actor": actor.total, **others("actor")})]
+    if critic is not None:
+        phases.append(PhaseMemory("critic_update", 0.0, {"critic": critic.total, **others("critic")}))
+    if colocated:
+        phases.append(PhaseMemory("rollout", 0.0, {"engine": engine.static_reservation, **others()}))
+    phases = [PhaseMemory(p.phase, sum(p.parts.values()), p.parts) for p in phases]
+
+    plan = Plan(
+        model_type=arch.model_type,
+        total_parameters=params.total,
+        active_parameters=params.active,
+        gpu_bytes=gpu_bytes,
+        actor=actor,
+        critic=critic,
+        engine=engine,
+        sync=weight_sync(spec, params, settings.link_gbps),
+        trainer_phases=tuple(phases),
+        rollout_gpu_bytes=None if colocated else engine.static_reservation,
+        problems=(),
+    )
+    problems = [
+        SpecProblem(problem.field, problem.value, problem.reason, file=file)
+        for problem in _layout_problems(spec, plan, settings)
+    ]
+    return Plan(**{**plan.__dict__, "problems": tuple(problems)})
+
+
+def _layout_problems(spec: JobSpec, plan: Plan, settings: PlanSettings) -> list[SpecProblem]:
+    problems = []
+    gpu = f"the {settings.gpu_mem_gb:g} GB GPU (--gpu-mem-gb)"
+    rollout = spec.rollout
+    per_node = spec.placement.gpus_per_node
+    if spec.placement.mode == "disaggregate" and spec.placement.rollout_gpus_per_node is not None:
+        per_node = spec.placement.rollout_gpus_per_node
+    tp = rollout.tensor_parallel_size
+    if tp > per_node and tp % per_node:
+        reason = (
+            f"is larger than a node's {per_node} GPUs but not a whole number of nodes; a multi-node "
+            f"engine spans whole nodes, so use a divisor of {per_node} or a multiple of it"
+        )
+        problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
+    engine = plan.engine
+    if engine.kv_cache <= 0:
+        reason = (
+            f"leaves no KV cache: the weights take {_gb(engine.weights)} per GPU, more than "
+            f"rollout.mem_fraction_static={rollout.mem_fraction_static} of {gpu} ({_gb(engine.static_reservation)}); "
+            "raise the engine's tensor parallelism or mem_fraction_static"
+        )
+        problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
+    if plan.rollout_gpu_bytes is not None and plan.rollout_gpu_bytes > plan.gpu_bytes:
+        problems.append(SpecProblem("rollout.mem_fraction_static", rollout.mem_fraction_static, f"exceeds {gpu}"))
+    for phase in plan.trainer_phases:
+        if phase.bytes <= plan.gpu_bytes:
+            continue
+        field, value, fix = _fix_for(phase.phase, spec)
+        parts = ", ".join(f"{name} {_gb(size)}" for name, size in phase.parts.items())
+        reason = f"needs an estimated {_gb(phase.bytes)} per GPU during {phase.phase} ({parts}), more than {gpu}; {fix}"
+        problems.append(SpecProblem(field, value, reason))
+    return problems
+
+
+def _fix_for(phase: str, spec: JobSpec) -> tuple[str, Any, str]:
+    if phase == "rollout":
+        return (
+            "rollout.mem_fraction_static",
+            spec.rollout.mem_fraction_static,
+            "lower it, or offload the idle roles (actor.offload.params/grads, ref.offload.params)",
+        )
+    megatron = spec.actor.megatron if phase == "actor_update" else spec.critic.megatron
+    role = "actor" if phase == "actor_update" else "critic"
+    fix = (
+        "raise tensor/pipeline/expert parallelism, enable recompute_granularity=full, "
+        f"set {role}.offload.optimizer=true, or shorten the micro-batch"
+    )
+    return f"{role}.megatron", _layout(megatron), fix
+
+
+def _layout(megatron: MegatronConfig) -> dict[str, int]:
+    return {
+        "TP": megatron.tensor_model_parallel_size,
+        "PP": megatron.pipeline_model_parallel_size,
+        "CP": megatron.context_parallel_size,
+        "EP": megatron.expert_model_parallel_size,
+        "ETP": megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
+    }
+
+
+def _gb(size: float) -> str:
+    return f"{size / GB:.1f} GB"
+
+
+def render_plan(spec: JobSpec, plan: Plan) -> str:
+    """The plan as a short human-readable report."""
+    actor, engine, sync = plan.actor, plan.engine, plan.sync
+    m = spec.actor.megatron
+    lines = [
+        f"model: {plan.model_type}, {plan.total_parameters / 1e9:.2f}B parameters "
+        f"({plan.active_parameters / 1e9:.2f}B active per token)",
+        f"trainer: {spec.placement.nnodes} node(s) x {spec.placement.gpus_per_node} GPUs, "
+        f"GPU memory {_gb(plan.gpu_bytes)}, placement {spec.placement.mode}",
+        f"actor layout: {', '.join(f'{k}={v}' for k, v in _layout(m).items())}, "
+        f"recompute={m.recompute_granularity}, sequence_parallel={m.sequence_parallel}, "
+        f"distributed_optimizer={m.use_distributed_optimizer}, cpu_optimizer={spec.actor.offload.optimizer}",
+        f"actor training, per GPU (pipeline stage {actor.pipeline_stage}):",
+        f"  parameters        {_gb(actor.parameters):>10}  ({actor.dense_parameters / 1e9:.2f}B dense"
+        f" + {actor.expert_parameters / 1e9:.2f}B expert shards)",
+        f"  gradients         {_gb(actor.gradients):>10}",
+        f"  optimizer state   {_gb(actor.optimizer_state):>10}",
+        f"  activations       {_gb(actor.activations):>10}",
+        f"  total             {_gb(actor.total):>10}",
+        "per-GPU memory by phase:",
+    ]
+    for phase in plan.trainer_phases:
+        parts = ", ".join(f"{name} {_gb(size)}" for name, size in phase.parts.items())
+        lines.append(f"  {phase.phase:<15} {_gb(phase.bytes):>10}  ({parts})")
+    if plan.rollout_gpu_bytes is not None:
+        lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
+    lines += [
+        f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}, "
+        f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "
+        f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)",
+        f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "
+        f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)",
+    ]
+    return "\n".join(lines) + "\n"
