@@ -146,7 +146,8 @@ def training_memory(
         dense //= tp
         experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
         in_flight = pp - index if pp > 1 else 1
-        activations = in_flight * _stage_activations(arch, megatron, batch, len(layers), cp)
+        stored, recompute_working_set = _stage_activations(arch, megatron, batch, len(layers), cp)
+        activations = in_flight * stored + recompute_working_set
         if index == pp - 1:
             activations += _output_activations(arch, batch, tp, cp)
         candidates.append(
@@ -174,18 +175,22 @@ def _layer_activations(arch: ModelArchitecture, megatron: MegatronConfig, s: int
 
 def _stage_activations(
     arch: ModelArchitecture, megatron: MegatronConfig, batch: MicroBatch, num_layers: int, cp: int
-) -> float:
-    """One micro-batch's activations over `num_layers` layers; context parallelism splits the sequence."""
+) -> tuple[float, float]:
+    """(bytes kept per in-flight micro-batch, bytes of the one recompute group being rebuilt) on a stage.
+
+    Context parallelism splits the sequence. Only the micro-batch in its backward pass rebuilds a
+    recompute group, so that working set is counted once, not per micro-batch in flight.
+    """
     s, b = ceil(batch.sequence_length / cp), batch.sequences
     granularity = megatron.recompute_granularity
     if granularity == "none":
-        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=True)
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=True), 0.0
     if granularity == "selective":
-        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False)
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False), 0.0
     group = min(megatron.recompute_num_layers, num_layers)
     sp_split = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
     checkpoints = ceil(num_layers / group) * _ACTIVATION_BYTES * s * b * arch.hidden_size / sp_split
-    return checkpoints + group * _layer_activations(arch, megatron, s, b, full_scores=True)
+    return checkpoints, group * _layer_activations(arch, megatron, s, b, full_scores=True)
 
 
 def _output_activations(arch: ModelArchitecture, batch: MicroBatch, tp: int, cp: int) -> float:
