@@ -1,0 +1,332 @@
+"""HF safetensors <-> Megatron dist_checkpointing conversion and logit verification, run on every rank.
+
+Import streams: each rank reads, per parameter, only its TP/EP slice of each HF
+tensor (`safe_open(...).get_slice`), fuses it with the weight map's rule and
+copies it into the parameter. Export loads the checkpoint at TP=PP=EP=1 and
+writes HF-named safetensors shards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from rlmegatron.models.hf_config import (
+    ModelFacts,
+    UnsupportedModelError,
+    build_gpt_model,
+    model_facts,
+    read_hf_config,
+    transformer_config,
+)
+from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, canonical_name
+from rlmegatron.runtime.distributed import ParallelLayout, init_model_parallel
+
+META_FILE = "rlm_convert.json"  # next to the dist checkpoint: HF config and the facts export needs
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+class ConversionError(ValueError):
+    """A checkpoint is missing, incomplete, or does not fit the requested layout."""
+
+
+class HFCheckpoint:
+    """Lazy view of a HF safetensors checkpoint: which file holds each key, and sliced reads of it."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self.config = read_hf_config(self.path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.key_files = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            with safe_open(self.path / "model.safetensors", "pt") as handle:
+                self.key_files = {key: "model.safetensors" for key in handle.keys()}
+        else:
+            raise ConversionError(f"{self.path} has no model.safetensors or model.safetensors.index.json")
+        absent = sorted({f for f in self.key_files.values() if not (self.path / f).is_file()})
+        if absent:
+            raise ConversionError(f"{self.path} is missing safetensors shards named by its index: {absent}")
+        self._handles: dict[str, object] = {}
+        self._open = safe_open
+
+    @property
+    def stacked_experts(self) -> bool:
+        return any(key.endswith("experts.gate_up_proj") for key in self.key_files)
+
+    def _slice(self, key: str):
+        file = self.key_files[key]
+        if file not in self._handles:
+            self._handles[file] = self._open(self.path / file, "pt")
+        return self._handles[file].get_slice(key)
+
+    def read(self, source: Source, dim: Optional[int] = None, rank: int = 0, size: int = 1,
+             padded_rows: Optional[int] = None) -> torch.Tensor:
+        """`source`, or its `rank`-th of `size` chunks along `dim`; `padded_rows` counts rows past the end
+        (vocab padding) when chunking dim 0, and those rows are not read."""
+        tensor = self._slice(source.key)
+        lead = () if source.expert is None else (source.expert,)
+        shape = tensor.get_shape()[len(lead):]
+        base, rows = 0, shape[0]
+        if source.part is not None:
+            rows //= source.part[1]
+            base = source.part[0] * rows
+        index = [slice(None)] * len(shape)
+        index[0] = slice(base, base + rows)
+        if dim is not None:
+            extent = (padded_rows or rows) if dim == 0 else shape[dim]
+            chunk = extent // size
+            start, stop = rank * chunk, (rank + 1) * chunk
+            index[dim] = slice(base + min(start, rows), base + min(stop, rows)) if dim == 0 else slice(start, stop)
+        return tensor[lead + tuple(index)]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class ConvertMeta:
+    """What a dist checkpoint written by the converter records about its model."""
+
+    hf_config: dict
+    padded_vocab_size: int
+    dtype: str
+    stacked_experts: bool
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, META_FILE).write_text(json.dumps(self.__dict__, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "ConvertMeta":
+        meta = Path(directory, META_FILE)
+        if not meta.is_file():
+            raise ConversionError(f"{directory} is not a checkpoint written by `rlm convert` (no {META_FILE})")
+        return cls(**json.loads(meta.read_text()))
+
+
+def build_chunks(facts: ModelFacts, layout: ParallelLayout, dtype: str, perform_initialization: bool = False):
+    """This rank's model chunks (one per virtual pipeline stage) for `layout`; parallel groups must be set."""
+    config = transformer_config(facts, layout, dtype, perform_initialization=perform_initialization)
+    return [build_gpt_model(facts, config, vp_stage=vp if layout.vpp else None) for vp in range(layout.vpp or 1)]
+
+
+def _named_weights(chunk) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(local name, tensor, is_parameter) for parameters and the buffers a rule can fill (router expert bias)."""
+    for name, param in chunk.named_parameters():
+        yield name, param, True
+    for name, buffer in chunk.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buffer, False
+
+
+def _placement(chunk) -> tuple[dict[int, int], int]:
+    """(local -> global layer index, global id of this rank's first expert) for a chunk."""
+    from megatron.core import parallel_state as ps
+
+    layers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    experts = chunk.config.num_moe_experts or 0
+    expert_offset = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
+    return layers, expert_offset
+
+
+def canonical_weights(chunk) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(weight-map name, local tensor, is_parameter) of every weight in a chunk."""
+    layers, expert_offset = _placement(chunk)
+    for name, tensor, is_param in _named_weights(chunk):
+        yield canonical_name(name, layers, expert_offset), tensor, is_param
+
+
+def _tp_chunk(tensor: torch.Tensor) -> tuple[Optional[int], int, int]:
+    """(partition dim or None, TP rank, TP size) of a local tensor, expert params on the expert-TP group."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return None, 0, 1
+    if getattr(tensor, "allreduce", True) is False:  # Megatron marks expert parameters so
+        return tensor.partition_dim, ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return tensor.partition_dim, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> None:
+    """Fill every weight of this rank's chunks from the HF checkpoint, reading only this rank's slices."""
+    checkpoint_keys = set(checkpoint.key_files)
+    weight_map.check_hf_keys(checkpoint_keys)
+    unfilled = []
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, tensor, is_param in canonical_weights(chunk):
+                rule = weight_map.rules.get(name)
+                if rule is None:
+                    unfilled.append(name) if is_param else None
+                    continue
+                dim, rank, size = _tp_chunk(tensor)
+                padded = weight_map.facts.padded_vocab_size if rule.transform == "vocab" else None
+                parts = [checkpoint.read(s, dim, rank, size, padded) for s in rule.sources]
+                value = weight_map.fuse(rule, parts, rows=tensor.shape[0])
+                if value.shape != tensor.shape:
+                    raise WeightMapError(f"{name}: HF tensors give shape {tuple(value.shape)}, "
+                                         f"Megatron expects {tuple(tensor.shape)} (rule sources {[s.key for s in rule.sources]})")
+                tensor.copy_(value)
+    if unfilled:
+        raise WeightMapError(f"{len(unfilled)} Megatron parameters no {weight_map.facts.family} rule fills: {unfilled[:20]}")
+
+
+def _sharded_state_dict(chunks):
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def hf_to_mcore(hf_path: str, out: str, layout: ParallelLayout, dtype: str = "fp32") -> None:
+    """Rank body of `rlm convert hf-to-mcore`: stream HF weights into this rank's shard and save them."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint = HFCheckpoint(hf_path)
+    facts = model_facts(checkpoint.config, layout.tp)
+    init_model_parallel(layout)
+    chunks = build_chunks(facts, layout, dtype)
+    weight_map = WeightMap(facts, stacked_experts=checkpoint.stacked_experts)
+    load_hf_weights(chunks, weight_map, checkpoint)
+    checkpoint.close()
+    os.makedirs(out, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), out)
+    if torch.distributed.get_rank() == 0:
+        ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, checkpoint.stacked_experts).save(out)
+        _copy_tokenizer(hf_path, out)
+    torch.distributed.barrier()
+
+
+def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = None):
+    """(facts, weight map, chunks) of a converter checkpoint loaded at `layout` (any TP/PP/EP)."""
+    from megatron.core import dist_checkpointing
+
+    meta = ConvertMeta.load(mcore_path)
+    facts = model_facts(meta.hf_config, layout.tp, padded_vocab=meta.padded_vocab_size)
+    init_model_parallel(layout)
+    chunks = build_chunks(facts, layout, dtype or meta.dtype)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), mcore_path)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+    return facts, WeightMap(facts, meta.stacked_experts), chunks
+
+
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None,
+                max_shard_bytes: int = 5 * 2**30) -> None:
+    """Rank body of `rlm convert mcore-to-hf` (one rank): HF safetensors shards, index, config, tokenizer."""
+    from safetensors.torch import save_file
+
+    _, weight_map, chunks = load_mcore(mcore_path, ParallelLayout())
+    if torch.distributed.get_rank() != 0:
+        return
+    os.makedirs(out, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor, _ in canonical_weights(chunks[0]):
+        for key, value in weight_map.megatron_to_hf(name, tensor.detach()).items():
+            if shard_bytes and shard_bytes + value.nbytes > max_shard_bytes:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][key] = value.clone()
+            shard_bytes += value.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
+             "weight_map": {key: name for name, shard in zip(names, shards) for key in sorted(shard)}}
+    Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
+    Path(out, "config.json").write_text(json.dumps(config, indent=1))
+    _copy_tokenizer(hf_config_dir or mcore_path, out)
+
+
+def _copy_tokenizer(source: str, out: str) -> None:
+    for name in TOKENIZER_FILES:
+        if Path(source, name).is_file():
+            shutil.copy(Path(source, name), Path(out, name))
+
+
+# ---- logits ---------------------------------------------------------------------------------------
+def verify_tokens(vocab_size: int, batch: int = 2, seq_len: int = 16) -> torch.Tensor:
+    """Fixed token ids the logit comparisons use."""
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """[batch, seq, vocab] logits (TP-gathered, vocab padding stripped) on last-stage ranks, else None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, seq_len = tokens.shape
+
+    def keep_logits(output):
+        return torch.zeros(()), {"logits": output}
+
+    def forward_step(_, model):
+        positions = torch.arange(seq_len).expand(batch, seq_len)
+        return model(tokens, positions, None), keep_logits
+
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter([None])] * len(chunks) if len(chunks) > 1 else iter([None]),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=1,
+            seq_length=seq_len,
+            micro_batch_size=batch,
+            forward_only=True,
+        )
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    logits = outputs[0]["logits"]  # [b, s, vocab / TP]
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., : facts.vocab_size].float()
+
+
+def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the HF transformers model in `hf_path`, in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    diff = (reference - candidate).abs().max()
+    cosine = torch.nn.functional.cosine_similarity(reference.flatten(), candidate.flatten(), dim=0)
+    return {"max_abs_diff": float(diff), "cosine": float(cosine)}
+
+
+def verify(hf_path: str, mcore_path: str, layout: ParallelLayout) -> Optional[dict[str, float]]:
+    """Rank body of `rlm convert verify`: Megatron vs HF logit diff, on last-stage TP rank 0; else None."""
+    from megatron.core import parallel_state as ps
+
+    facts, _, chunks = load_mcore(mcore_path, layout, dtype="fp32")
+    tokens = verify_tokens(facts.vocab_size)
+    logits = megatron_logits(chunks, facts, tokens)
+    if logits is None or ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return compare_logits(hf_logits(hf_path, tokens), logits)
+
+
+__all__ = [
+    "ConversionError", "HFCheckpoint", "UnsupportedModelError", "hf_to_mcore", "load_mcore", "mcore_to_hf",
+    "megatron_logits", "hf_logits", "compare_logits", "verify",
+]

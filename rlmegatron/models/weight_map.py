@@ -1,0 +1,255 @@
+"""The declarative, bidirectional Megatron <-> HF weight map of every bridged family, over full tensors.
+
+A rule says: this Megatron parameter (full, unsharded, global layer index and
+global expert id, local-spec names) is built from these HF tensors by this
+transform. The transforms are chosen so that applying them to the i-th of TP
+equal chunks of every source (along the parameter's partition dim) yields the
+i-th TP shard: the QKV interleave is per query group and GLU fc1 is
+[gate_i; up_i] per rank. That lets the converter read only its slices, and lets
+online sync use the same rules on full tensors (`hf_to_megatron` /
+`megatron_to_hf`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from rlmegatron.models.hf_config import ModelFacts
+
+IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
+
+
+class WeightMapError(ValueError):
+    """HF keys no rule maps, Megatron parameters nothing fills, or tensors of the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One HF tensor, or one expert's slab (and gate/up half) of a stacked HF expert tensor."""
+
+    key: str
+    expert: Optional[int] = None  # index into a stacked [E, ...] tensor
+    part: Optional[tuple[int, int]] = None  # (i, n): the i-th of n equal chunks of dim 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    sources: tuple[Source, ...]
+    transform: str = IDENTITY
+    exported: bool = True  # False: a Megatron copy of a tensor another rule exports (tied output layer)
+
+
+# Names of the same Megatron tensor under Transformer Engine / grouped-GEMM specs -> the local-spec name.
+_ALIASES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"self_attention\.linear_q_up_proj\.layer_norm_weight$"), "self_attention.q_layernorm.weight"),
+    (re.compile(r"self_attention\.linear_kv_up_proj\.layer_norm_weight$"), "self_attention.kv_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"mlp\.experts\.linear_fc(\d)\.weight(\d+)$"), r"mlp.experts.local_experts.\2.linear_fc\1.weight"),
+)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def canonical_name(local_name: str, layer_offset: Mapping[int, int] | int = 0, expert_offset: int = 0) -> str:
+    """Rank-local Megatron name (any spec) -> the map's name: local-spec form, global layer and expert ids.
+
+    `layer_offset` is a dict local layer index -> global layer index, or a constant offset.
+    """
+    name = local_name.removeprefix("module.")
+    for pattern, replacement in _ALIASES:
+        name = pattern.sub(replacement, name)
+    if match := _LAYER.match(name):
+        local = int(match.group(1))
+        global_layer = layer_offset[local] if isinstance(layer_offset, Mapping) else local + layer_offset
+        name = f"decoder.layers.{global_layer}." + name[match.end():]
+    if match := _EXPERT.search(name):
+        name = f"{name[:match.start()]}.local_experts.{int(match.group(1)) + expert_offset}.{name[match.end():]}"
+    return name
+
+
+# Per family: (HF name of the MoE block, names of gate/up/down inside an expert, shared-expert HF prefix).
+_MOE_NAMES = {
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_expert"),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), None),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_experts"),
+}
+
+
+class WeightMap:
+    """Every rule of one model (its family and sizes), keyed by Megatron name."""
+
+    def __init__(self, facts: ModelFacts, stacked_experts: bool = False):
+        self.facts = facts
+        hf = facts.hf
+        self.head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        self.num_query_groups = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        self.num_experts = next((hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if hf.get(k)), 0)
+        self.stacked_experts = stacked_experts
+        self.rules: dict[str, Rule] = {}
+        self._build()
+        # Stacked HF experts are exported per expert, the form transformers saves and loads.
+        self._export_map = WeightMap(facts, stacked_experts=False) if stacked_experts else self
+
+    # ---- the table --------------------------------------------------------------------------
+    def _add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True):
+        sources = tuple(s if isinstance(s, Source) else Source(s) for s in hf)
+        self.rules[megatron] = Rule(megatron, sources, transform, exported)
+
+    def _build(self) -> None:
+        facts, hf = self.facts, self.facts.hf
+        self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB)
+        self._add("decoder.final_layernorm.weight", ["model.norm.weight"])
+        lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
+        # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
+        self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings)
+        moe_layers = self._moe_layers()
+        for layer in range(facts.num_layers):
+            m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+            self._add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
+            self._add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
+            self._add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
+            if facts.family == "deepseek_v3":
+                self._mla(m + "self_attention.", h + "self_attn.")
+            else:
+                self._gqa(m + "self_attention.", h + "self_attn.")
+            if layer in moe_layers:
+                self._moe(m + "mlp.", h)
+            else:
+                self._glu_mlp(m + "mlp.", h + "mlp.")
+
+    def _gqa(self, m: str, h: str) -> None:
+        hf, family = self.facts.hf, self.facts.family
+        self._add(m + "linear_qkv.weight", [h + f"{p}_proj.weight" for p in "qkv"], QKV)
+        if family in ("qwen2", "qwen2_moe") or hf.get("attention_bias"):
+            self._add(m + "linear_qkv.bias", [h + f"{p}_proj.bias" for p in "qkv"], QKV)
+        if family in ("qwen3", "qwen3_moe"):
+            self._add(m + "q_layernorm.weight", [h + "q_norm.weight"])
+            self._add(m + "k_layernorm.weight", [h + "k_norm.weight"])
+
+    def _mla(self, m: str, h: str) -> None:
+        if self.facts.hf.get("q_lora_rank"):
+            self._add(m + "linear_q_down_proj.weight", [h + "q_a_proj.weight"])
+            self._add(m + "q_layernorm.weight", [h + "q_a_layernorm.weight"])
+            self._add(m + "linear_q_up_proj.weight", [h + "q_b_proj.weight"])
+        else:
+            self._add(m + "linear_q_proj.weight", [h + "q_proj.weight"])
+        self._add(m + "linear_kv_down_proj.weight", [h + "kv_a_proj_with_mqa.weight"])
+        self._add(m + "kv_layernorm.weight", [h + "kv_a_layernorm.weight"])
+        self._add(m + "linear_kv_up_proj.weight", [h + "kv_b_proj.weight"])
+
+    def _glu_mlp(self, m: str, h: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        gate, up, down = names
+        self._add(m + "linear_fc1.weight", [f"{h}{gate}.weight", f"{h}{up}.weight"], GLU)
+        self._add(m + "linear_fc2.weight", [f"{h}{down}.weight"])
+
+    def _moe(self, m: str, h: str) -> None:
+        block, names, shared = _MOE_NAMES[self.facts.family]
+        self._add(m + "router.weight", [f"{h}{block}.gate.weight"])
+        if self.facts.family == "deepseek_v3":
+            self._add(m + "router.expert_bias", [f"{h}{block}.gate.e_score_correction_bias"])
+        for e in range(self.num_experts):
+            expert = f"{m}experts.local_experts.{e}."
+            if self.stacked_experts:
+                stacked = f"{h}{block}.experts."
+                self._add(expert + "linear_fc1.weight",
+                          [Source(stacked + "gate_up_proj", e, (0, 2)), Source(stacked + "gate_up_proj", e, (1, 2))], GLU)
+                self._add(expert + "linear_fc2.weight", [Source(stacked + "down_proj", e)])
+            else:
+                self._glu_mlp(expert, f"{h}{block}.experts.{e}.", names)
+        if shared:
+            self._glu_mlp(m + "shared_experts.", h + shared + ".")
+            if self.facts.family == "qwen2_moe":
+                self._add(m + "shared_experts.gate_weight", [h + "mlp.shared_expert_gate.weight"])
+
+    def _moe_layers(self) -> set[int]:
+        if not self.num_experts:
+            return set()
+        from rlmegatron.models.hf_config import _moe_layer_freq
+
+        return {i for i, is_moe in enumerate(_moe_layer_freq(self.facts.hf)) if is_moe}
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def rule(self, megatron_name: str) -> Rule:
+        try:
+            return self.rules[megatron_name]
+        except KeyError:
+            raise WeightMapError(f"no {self.facts.family} rule fills Megatron parameter {megatron_name}") from None
+
+    def hf_keys(self) -> set[str]:
+        """Every HF key some rule reads."""
+        return {s.key for rule in self.rules.values() for s in rule.sources}
+
+    def ignorable_hf_key(self, key: str) -> bool:
+        """HF keys that carry no weights Megatron needs: rotary caches, an lm_head duplicating a tied embedding."""
+        return key.endswith("rotary_emb.inv_freq") or (self.facts.tie_word_embeddings and key == "lm_head.weight")
+
+    def check_hf_keys(self, keys: set[str]) -> None:
+        """Raise listing HF keys no rule maps (MTP layers named separately) and keys the rules need but lack."""
+        layers = self.facts.num_layers
+        mtp = sorted(k for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= layers)
+        if mtp:
+            raise WeightMapError(
+                f"the checkpoint has multi-token-prediction layers (layer index >= num_hidden_layers={layers}), "
+                f"which this converter does not bridge yet; {len(mtp)} keys, e.g. {mtp[:3]}"
+            )
+        unmapped = sorted(k for k in keys - self.hf_keys() if not self.ignorable_hf_key(k))
+        if unmapped:
+            raise WeightMapError(f"{len(unmapped)} HF keys no {self.facts.family} rule maps: {unmapped[:20]}")
+        missing = sorted(self.hf_keys() - keys)
+        if missing:
+            raise WeightMapError(f"{len(missing)} HF tensors the {self.facts.family} map needs are absent: {missing[:20]}")
+
+    # ---- transforms (full tensors, or matching TP chunks of every source) ----------------------
+    def fuse(self, rule: Rule, tensors: Sequence[torch.Tensor], rows: Optional[int] = None) -> torch.Tensor:
+        """HF tensors -> Megatron tensor; `rows` is the padded row count for the vocab transform."""
+        if rule.transform == QKV:
+            q, k, v = tensors
+            groups = k.shape[0] // self.head_dim
+            grouped = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+            return torch.cat(grouped, dim=1).reshape(-1, *q.shape[1:])
+        if rule.transform == GLU:
+            return torch.cat(tensors, dim=0)
+        (tensor,) = tensors
+        if rule.transform == VOCAB and rows is not None and rows > tensor.shape[0]:
+            padding = tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])
+            return torch.cat([tensor, padding])
+        return tensor
+
+    def split(self, rule: Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Full Megatron tensor -> its HF tensors (in rule.sources order); inverse of `fuse`."""
+        if rule.transform == QKV:
+            heads = self.facts.hf["num_attention_heads"]
+            per_group = heads // self.num_query_groups * self.head_dim
+            grouped = tensor.reshape(self.num_query_groups, per_group + 2 * self.head_dim, *tensor.shape[1:])
+            q, k, v = torch.split(grouped, [per_group, self.head_dim, self.head_dim], dim=1)
+            return [t.reshape(-1, *tensor.shape[1:]) for t in (q, k, v)]
+        if rule.transform == GLU:
+            return list(torch.chunk(tensor, 2, dim=0))
+        if rule.transform == VOCAB:
+            return [tensor[: self.facts.vocab_size]]
+        return [tensor]
+
+    def hf_to_megatron(self, megatron_name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Full Megatron tensor from full HF tensors keyed by HF name (stacked sources indexed as needed)."""
+        rule = self.rule(megatron_name)
+        parts = []
+        for source in rule.sources:
+            tensor = tensors[source.key]
+            tensor = tensor[source.expert] if source.expert is not None else tensor
+            if source.part is not None:
+                tensor = torch.chunk(tensor, source.part[1], dim=0)[source.part[0]]
+            parts.append(tensor)
+        return self.fuse(rule, parts, rows=self.facts.padded_vocab_size)
+
+    def megatron_to_hf(self, megatron_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF-named full tensors of one full Megatron tensor; {} for a tied copy."""
+        rule = self._export_map.rule(megatron_name)
+        if not rule.exported:
+            return {}
+        return {s.key: t.contiguous() for s, t in zip(rule.sources, self.split(rule, tensor))}
