@@ -1,0 +1,90 @@
+"""launch/submit.sh --dry-run: the generated Slurm script and ray command, and clear usage errors."""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SUBMIT = REPO / "launch" / "submit.sh"
+CONFIG = "configs/quickstart.yaml"
+
+
+def submit(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHON": sys.executable, **env}
+    full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in env else None
+    return subprocess.run(["bash", str(SUBMIT), *args], cwd=REPO, env=full_env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(nodes):
+    result = submit("--backend", "slurm", "--config", CONFIG, "--nodes", str(nodes), "--gpus-per-node", "8",
+                    "--dry-run", "--", "rollout.n=4", "data.train_files=[a b.parquet]")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    script = out.split("# --- command ---")[0]
+    assert f"#SBATCH --nodes={nodes}\n" in script and "#SBATCH --gpus-per-node=8\n" in script
+    assert "set -euo pipefail" in script and "trap cleanup EXIT INT TERM" in script
+    assert "ray start --head" in script and "ray stop" in script and "pkill" not in script
+    assert ("--exclude=\"$HEAD_NODE\"" in script) and "(( NNODES > 1 ))" in script
+    assert 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-' in script and "GLOO_SOCKET_IFNAME" in script
+    assert f"EXPECTED_GPUS=$((NNODES * GPUS_PER_NODE))" in script and "RAY_JOIN_TIMEOUT_S" in script
+    train = shlex.join(["rlm", "train", CONFIG, "rollout.n=4", "data.train_files=[a b.parquet]",
+                        f"placement.nnodes={nodes}", "placement.gpus_per_node=8"])
+    assert train in script
+    command = out.split("# --- command ---\n")[1].strip()
+    assert command.startswith("sbatch runs/slurm/rlm-quickstart-") and command.endswith(".sbatch")
+    assert not (REPO / command.split()[1]).exists()  # a dry run writes nothing
+
+
+def test_generated_script_is_valid_bash(tmp_path):
+    result = submit("--backend", "slurm", "--config", CONFIG, "--nodes", "2", "--dry-run")
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.stdout.split("# --- command ---")[0])
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("nodes", [None, 2, 16])
+def test_ray_dry_run_prints_the_job_submit_command(nodes):
+    args = ["--backend", "ray", "--config", CONFIG, "--dry-run"]
+    args += ["--nodes", str(nodes), "--gpus-per-node", "8"] if nodes else []
+    result = submit(*args, "--", "rollout.n=4", RAY_ADDRESS="http://head:8265", MLFLOW_TRACKING_URI="http://mlflow:5000")
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout)
+    assert argv[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
+    runtime_env = json.loads(argv[argv.index("--runtime-env-json") + 1])
+    assert runtime_env["working_dir"] == "."
+    assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    placement = [f"placement.nnodes={nodes}", "placement.gpus_per_node=8"] if nodes else []
+    assert argv[argv.index("--") + 1 :] == ["rlm", "train", CONFIG, "rollout.n=4", *placement]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "--backend is required"),
+        (["--backend", "k8s", "--config", CONFIG], "--backend must be slurm or ray, got 'k8s'"),
+        (["--backend", "slurm"], "--config is required"),
+        (["--backend", "slurm", "--config", "nope.yaml"], "--config nope.yaml is not a file"),
+        (["--backend", "slurm", "--config", CONFIG, "--nodes", "0"], "--nodes must be a positive integer"),
+        (["--backend", "slurm", "--config", CONFIG, "--gpus-per-node"], "--gpus-per-node needs a value"),
+        (["--backend", "slurm", "--config", CONFIG, "rollout.n=4"], "unknown argument 'rollout.n=4'"),
+        (["--backend", "slurm", "--config", CONFIG, "--", "rollout.n"], "must look like key=value"),
+        (["--backend", "ray", "--config", CONFIG, "--dry-run"], "RAY_ADDRESS is not set"),
+    ],
+)
+def test_bad_arguments_fail_with_a_clear_message(args, message):
+    result = submit(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and "--help" in result.stderr
+
+
+def test_real_slurm_submit_without_sbatch_says_so():
+    if shutil.which("sbatch"):
+        pytest.skip("sbatch exists here; a real submit would queue a job")
+    result = submit("--backend", "slurm", "--config", CONFIG)
+    assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr

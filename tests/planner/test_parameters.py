@@ -1,0 +1,48 @@
+"""Parameter counts from the shipped config.json files against the totals the model publishers state."""
+import pytest
+
+from rlmegatron.config import read_architecture
+from rlmegatron.planner.parameters import count_parameters
+from tests.config.specs import MODELS_DIR
+
+
+@pytest.mark.parametrize(
+    "model, total, active",
+    [
+        # Qwen3 model cards: 1.7B parameters, 1.4B of them outside the (tied) embedding.
+        ("qwen3-1.7b", 1.72e9, 1.72e9),
+        # Qwen3-30B-A3B model card: 30.5B total, 3.3B activated.
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        # DeepSeek-V3 technical report: 671B total, 37B activated (the 14B MTP module excluded).
+        ("deepseek-v3", 671e9, 37e9),
+        # Qwen2.5 model card: 0.49B (q/k/v biases, tied embeddings).
+        ("qwen2.5-0.5b", 0.49e9, 0.49e9),
+    ],
+)
+def test_counts_match_published_totals_within_2_percent(model, total, active):
+    params = count_parameters(read_architecture(MODELS_DIR / model))
+    assert params.total == pytest.approx(total, rel=0.02)
+    assert params.active == pytest.approx(active, rel=0.02)
+
+
+def test_qwen3_1p7b_checkpoint_holds_2p03b_because_it_saves_the_tied_head():
+    # The hub lists 2.03B for Qwen3-1.7B: its safetensors store lm_head next to the tied embedding.
+    arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
+    params = count_parameters(arch)
+    assert params.in_checkpoint(arch.tie_word_embeddings) == pytest.approx(2.03e9, rel=0.02)
+    non_embedding = params.total - params.embedding - params.final_norm
+    assert non_embedding == pytest.approx(1.4e9, rel=0.02)
+
+
+def test_deepseek_first_three_layers_are_dense_and_experts_dominate():
+    params = count_parameters(read_architecture(MODELS_DIR / "deepseek-v3"))
+    assert [layer.routed_experts == 0 for layer in params.layers[:4]] == [True, True, True, False]
+    assert params.routed_experts / params.total > 0.97
+
+
+def test_tiny_moe_count_by_hand():
+    # hidden 64, 4 heads × 16 (2 KV heads), q/k norms, 8 experts of width 32, vocab 256 untied.
+    params = count_parameters(read_architecture(MODELS_DIR / "tiny-qwen3-moe"))
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16
+    layer = attention + 8 * 64 + 2 * 64 + 8 * 3 * 64 * 32
+    assert params.total == 4 * layer + 2 * 256 * 64 + 64
