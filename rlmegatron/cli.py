@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("validate", "check a job spec and print it with every default filled in", validate, True),
         ("plan", "show where a job spec puts each role and parallel layout", plan, True),
         ("convert", "convert checkpoints between Hugging Face and Megatron formats", convert, False),
-        ("prepare", "turn raw datasets into the parquet files a job spec reads", prepare, True),
+        ("prepare", "turn raw datasets into the parquet files a job spec reads", prepare, False),
     ):
         subparser = subcommands.add_parser(name, help=summary, description=summary)
         subparser.set_defaults(command=command)
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                 from rlmegatron.planner.command import add_plan_options
 
                 add_plan_options(subparser)
+        elif name == "prepare":
+            from rlmegatron.data.prepare import add_prepare_options
+
+            add_prepare_options(subparser)
         else:  # convert's own arguments arrive with the converter
             subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
@@ -77,7 +81,9 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    return _validated_then_not_implemented(args, "prepare")
+    from rlmegatron.data.prepare import run_prepare
+
+    return run_prepare(args)
 
 
 def convert(args: argparse.Namespace) -> int:

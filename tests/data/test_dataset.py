@@ -1,0 +1,97 @@
+"""The verl-format dataset: parquet and jsonl rows, chat templating, overlong filtering, custom classes."""
+import json
+import logging
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlmegatron.config.spec import DataConfig
+from rlmegatron.data import DatasetError, RLDataset, Sample, build_dataset
+
+
+def verl_row(question, answer, index):
+    return {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": question}],
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"index": index},
+    }
+
+
+ROWS = [verl_row("1+1?", "2", 0), verl_row("2+3?", "5", 1), verl_row("x" * 200, "0", 2)]
+
+
+def data_config(files, **fields):
+    return DataConfig(train_files=[str(f) for f in files], **fields)
+
+
+@pytest.fixture
+def jsonl_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return path
+
+
+@pytest.fixture
+def parquet_file(tmp_path):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    return path
+
+
+@pytest.mark.parametrize("file_fixture", ["jsonl_file", "parquet_file"])
+def test_rows_become_chat_templated_samples(file_fixture, request, tokenizer):
+    file = request.getfixturevalue(file_fixture)
+    dataset = RLDataset([str(file)], tokenizer, data_config([file]))
+    assert len(dataset) == 3
+    sample = dataset[1]
+    assert isinstance(sample, Sample)
+    assert sample.messages == [{"role": "user", "content": "2+3?"}]
+    assert sample.ground_truth == "5" and sample.data_source == "openai/gsm8k"
+    assert sample.sample_id == "openai/gsm8k#1"
+    expected = tokenizer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(sample.prompt_ids) == expected
+    assert expected.endswith("<|im_start|>assistant\n")
+
+
+def test_overlong_prompts_are_dropped_and_counted(jsonl_file, tokenizer, caplog):
+    config = data_config([jsonl_file], max_prompt_length=64, filter_overlong_prompts=True)
+    with caplog.at_level(logging.WARNING, logger="rlmegatron.data.dataset"):
+        dataset = RLDataset([str(jsonl_file)], tokenizer, config)
+    assert len(dataset) == 2 and dataset.num_filtered_overlong == 1
+    assert [s.index for s in dataset.samples] == [0, 1]
+    assert "dropped 1 of 3 prompts longer than data.max_prompt_length=64" in caplog.text
+    assert f"{jsonl_file}:3" in caplog.text
+
+
+def test_overlong_prompts_reject_the_dataset_unless_filtering(jsonl_file, tokenizer):
+    with pytest.raises(DatasetError, match=r"train.jsonl:3 \(\d+ tokens\): 1 prompts exceed"):
+        RLDataset([str(jsonl_file)], tokenizer, data_config([jsonl_file], max_prompt_length=64))
+
+
+def test_malformed_lines_name_file_and_line(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
+        RLDataset([str(path)], tokenizer, data_config([path]))
+    path.write_text(json.dumps({"question": "no messages"}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'prompt' must be a non-empty list of chat messages"):
+        RLDataset([str(path)], tokenizer, data_config([path]))
+
+
+def test_custom_dataset_class_is_loaded_from_file_and_gets_the_same_arguments(tmp_path, jsonl_file, tokenizer):
+    plugin = tmp_path / "my_dataset.py"
+    plugin.write_text(textwrap.dedent("""
+        from rlmegatron.data import RLDataset
+
+        class ReversedDataset(RLDataset):
+            def __init__(self, files, tokenizer, config):
+                super().__init__(files, tokenizer, config)
+                self.samples.reverse()
+    """))
+    config = data_config([jsonl_file], dataset_class=f"{plugin}:ReversedDataset")
+    dataset = build_dataset(config.train_files, tokenizer, config)
+    assert type(dataset).__name__ == "ReversedDataset"
+    assert [s.ground_truth for s in dataset.samples] == ["0", "5", "2"]
