@@ -1,0 +1,26 @@
+"""Rewards: rule-based GSM8K and math scores, dispatch by data source, custom functions, and managers."""
+from rlmegatron.rewards.dispatch import UnknownDataSource, default_compute_score
+from rlmegatron.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
+from rlmegatron.rewards.manager import (
+    DAPORewardManager,
+    NaiveRewardManager,
+    RewardInput,
+    RewardResult,
+    build_reward_manager,
+)
+from rlmegatron.rewards.math_reward import last_boxed_answer, math_score, normalize_math_answer
+
+__all__ = [
+    "DAPORewardManager",
+    "NaiveRewardManager",
+    "RewardInput",
+    "RewardResult",
+    "UnknownDataSource",
+    "build_reward_manager",
+    "default_compute_score",
+    "extract_gsm8k_answer",
+    "gsm8k_score",
+    "last_boxed_answer",
+    "math_score",
+    "normalize_math_answer",
+]
