@@ -1,0 +1,190 @@
+"""The workers' typed batch, token-balanced DP partitioning, token-budget micro-batches and sequence packing."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """Sequences of one step, as the driver hands them to every rank of a worker group.
+
+    ``input_ids``/``attention_mask`` are [B, L]: prompt then response, each row's real tokens one
+    contiguous block (left and/or right padding). The responses are the last R = response_mask.shape[1]
+    columns. Every per-token field below is [B, R] and aligned with ``response_mask``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    def select(self, indices: torch.Tensor | list[int]) -> "RolloutBatch":
+        """The rows `indices`, every field sliced alike."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return RolloutBatch(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+               for f in dataclasses.fields(self)}
+        )
+
+    def sequence_lengths(self) -> torch.Tensor:
+        return self.attention_mask.sum(dim=-1)
+
+
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split indices into `parts` groups of near-equal total length (greedy, longest first); each group sorted."""
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} sequences cannot be spread over {parts} data-parallel ranks")
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    counts = [0] * parts
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        # Fewest tokens first, then fewest sequences, so no rank is left empty.
+        target = min(range(parts), key=lambda p: (counts[p] > 0, totals[p], counts[p]))
+        groups[target].append(index)
+        totals[target] += lengths[index]
+        counts[target] += 1
+    return [sorted(group) for group in groups]
+
+
+def token_budget_micro_batches(indices: list[int], lengths: list[int], max_token_len: int) -> list[list[int]]:
+    """Dynamic batch size: pack sequences, longest first, into micro-batches of at most `max_token_len` tokens.
+
+    First-fit decreasing; a sequence longer than the budget is an error rather than a silent
+    over-budget micro-batch.
+    """
+    bins: list[list[int]] = []
+    bin_tokens: list[int] = []
+    for index in sorted(indices, key=lambda i: -lengths[i]):
+        if lengths[index] > max_token_len:
+            raise ValueError(f"a sequence of {lengths[index]} tokens exceeds max_token_len={max_token_len}")
+        for b, used in enumerate(bin_tokens):
+            if used + lengths[index] <= max_token_len:
+                bins[b].append(index)
+                bin_tokens[b] += lengths[index]
+                break
+        else:
+            bins.append([index])
+            bin_tokens.append(lengths[index])
+    return bins
+
+
+def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+    return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs for some rows of a RolloutBatch, unpadded, and the way back to the [rows, R] response grid.
+
+    The model emits one value per input position p (log-prob of the next token, or a value
+    estimate); ``source_index`` lists the flat input positions whose next token lies in the same
+    sequence and ``target_index`` the flat [len(rows), L] cell of that next token.
+    """
+
+    rows: list[int]
+    input_ids: torch.Tensor  # [1, T] packed or [n, T] right-padded
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    packed_seq_params: object  # megatron PackedSeqParams (THD) or None
+    source_index: torch.Tensor
+    target_index: torch.Tensor
+    batch_columns: int
+    response_length: int
+    response_fields: RolloutBatch  # the rows' own per-token fields ([n, R]) for the loss
+
+    def to_response_grid(self, per_position: torch.Tensor) -> torch.Tensor:
+        """Per-input-position values (model grid) -> [n, R] aligned with response_mask (differentiable)."""
+        grid = per_position.new_zeros(len(self.rows) * self.batch_columns)
+        grid = grid.index_copy(0, self.target_index, per_position.reshape(-1)[self.source_index])
+        return grid.view(len(self.rows), self.batch_columns)[:, -self.response_length :]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, length_multiple: int = 1) -> MicroBatch:
+    """Unpad `rows` of `batch`: one THD-packed row (pack=True) or right-padded rows; lengths round up to `length_multiple`."""
+    columns = batch.input_ids.shape[1]
+    token_lists, column_lists = [], []
+    for row in rows:
+        columns_of_row = batch.attention_mask[row].nonzero().squeeze(-1)
+        token_lists.append(batch.input_ids[row, columns_of_row])
+        column_lists.append(columns_of_row)
+    lengths = [len(t) for t in token_lists]
+
+    sources, targets = [], []
+    if pack:
+        total = _round_up(sum(lengths), length_multiple)
+        input_ids = torch.zeros(1, total, dtype=batch.input_ids.dtype)
+        position_ids = torch.zeros(1, total, dtype=torch.long)
+        labels = torch.zeros(1, total, dtype=batch.input_ids.dtype)
+        offset = 0
+        for n, (tokens, cols) in enumerate(zip(token_lists, column_lists)):
+            span = slice(offset, offset + len(tokens))
+            input_ids[0, span] = tokens
+            position_ids[0, span] = torch.arange(len(tokens))
+            labels[0, offset : offset + len(tokens) - 1] = tokens[1:]
+            sources.append(torch.arange(offset, offset + len(tokens) - 1))
+            targets.append(n * columns + cols[1:])
+            offset += len(tokens)
+        # Rounding padding forms its own pseudo-sequence, so THD rope and attention see whole blocks.
+        boundaries = [0, *torch.tensor(lengths).cumsum(0).tolist()] + ([total] if total > offset else [])
+        packed_seq_params = _thd_params(boundaries, max(max(lengths), total - offset))
+    else:
+        width = _round_up(max(lengths), length_multiple)
+        input_ids = torch.zeros(len(rows), width, dtype=batch.input_ids.dtype)
+        labels = torch.zeros_like(input_ids)
+        for n, (tokens, cols) in enumerate(zip(token_lists, column_lists)):
+            # Right padding: with causal attention no real token can see a pad, so no mask is needed.
+            input_ids[n, : len(tokens)] = tokens
+            labels[n, : len(tokens) - 1] = tokens[1:]
+            sources.append(n * width + torch.arange(len(tokens) - 1))
+            targets.append(n * columns + cols[1:])
+        position_ids = torch.arange(width).expand(len(rows), width).contiguous()
+        packed_seq_params = None
+    return MicroBatch(
+        rows=list(rows),
+        input_ids=input_ids,
+        position_ids=position_ids,
+        labels=labels,
+        packed_seq_params=packed_seq_params,
+        source_index=torch.cat(sources),
+        target_index=torch.cat(targets),
+        batch_columns=columns,
+        response_length=batch.response_length,
+        response_fields=batch.select(rows),
+    )
+
+
+def _thd_params(boundaries: list[int], max_seqlen: int):
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
+    if torch.cuda.is_available():
+        cu_seqlens = cu_seqlens.cuda()
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )

@@ -1,0 +1,222 @@
+"""Megatron model chunks and the micro-batched forward(-backward) pass the actor, reference and critic share."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from rlmegatron.runtime.cpu_compat import SDPACoreAttention
+from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
+from rlmegatron.workers.batch import fixed_micro_batches, token_budget_micro_batches
+
+# (pre_process, post_process, vp_stage) -> the GPTModel chunk for this rank; the HF bridge plugs in here.
+ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
+
+
+class ThdSDPACoreAttention(SDPACoreAttention):
+    """SDPACoreAttention that also takes THD ([tokens, heads, dim]) packed inputs, as Megatron passes them.
+
+    Belongs in runtime/cpu_compat.SDPACoreAttention; kept here until that module accepts 3-D inputs.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if query.dim() == 3:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+
+def _swap_core_attention(node):
+    if node is SDPACoreAttention:
+        return ThdSDPACoreAttention
+    if isinstance(node, list):
+        return [_swap_core_attention(item) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: _swap_core_attention(getattr(node, f.name))
+                                            for f in dataclasses.fields(node)})
+    return node
+
+
+def gpt_model_provider(config, vocab_size: int, max_sequence_length: int, tie_embeddings: bool = True,
+                       use_te: Optional[bool] = None) -> ModelProvider:
+    """A ModelProvider for a GPTModel with rope from a TransformerConfig (built for the current layout)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from rlmegatron.models.spec import decoder_block_spec
+
+    def provide(pre_process: bool, post_process: bool, vp_stage: Optional[int]):
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=_swap_core_attention(decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage)),
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=tie_embeddings,
+            position_embedding_type="rope",
+            vp_stage=vp_stage,
+        )
+
+    return provide
+
+
+def build_model_chunks(provider: ModelProvider, wrap_ddp: bool, use_distributed_optimizer: bool = True) -> list:
+    """This rank's model chunks (one, or one per virtual pipeline stage), DDP-wrapped for training."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        model = provider(
+            ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage,
+        )
+        if torch.cuda.is_available():
+            model = model.cuda()
+        # Micro-batches are unpadded, so their lengths differ; PP must exchange shapes first.
+        model.config.variable_seq_lengths = True
+        if wrap_ddp:
+            model.config.finalize_model_grads_func = finalize_model_grads
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+            )
+            model = DistributedDataParallel(model.config, ddp_config, model)
+        else:
+            model.requires_grad_(False)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def shard_micro_batches(batch: RolloutBatch, pack: bool, micro_batch_size: int,
+                        max_token_len: Optional[int]) -> list[MicroBatch]:
+    """This DP rank's token-balanced share of `batch`, cut into micro-batches (by token budget if given)."""
+    from megatron.core import parallel_state as ps
+
+    lengths = batch.sequence_lengths().tolist()
+    mine = balanced_partition(lengths, dp_size())[ps.get_data_parallel_rank(with_context_parallel=True)]
+    if max_token_len is not None:
+        groups = token_budget_micro_batches(mine, lengths, max_token_len)
+    else:
+        groups = fixed_micro_batches(mine, micro_batch_size)
+    # Sequence parallelism splits the sequence over TP ranks, so lengths must divide by TP.
+    multiple = ps.get_tensor_model_parallel_world_size()
+    return [build_micro_batch(batch, rows, pack, multiple) for rows in groups]
+
+
+def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):
+    """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[MicroBatch], model):
+        micro_batch = next(data_iterator)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        output = model(
+            micro_batch.input_ids.to(device),
+            micro_batch.position_ids.to(device),
+            None,
+            packed_seq_params=micro_batch.packed_seq_params,
+        )
+        return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    first = micro_batches[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=first.input_ids.shape[1],
+        micro_batch_size=first.input_ids.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def share_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over PP then DP: last-stage ranks hold their DP shard's rows, every other rank zeros.
+
+    Each row is filled by exactly one DP rank's last stage, so the sums are exact and every rank
+    ends with the whole batch.
+    """
+    from megatron.core import parallel_state as ps
+
+    torch.distributed.all_reduce(tensor, group=ps.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(tensor, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return tensor
+
+
+def run_forward_only(chunks: list, batch: RolloutBatch, micro_batches: list[MicroBatch], per_token: Callable,
+                     outputs: int) -> list[torch.Tensor]:
+    """Forward `micro_batches`; `per_token(micro_batch, output) -> tuple of [n, R]`; returns `outputs` [B, R] tensors."""
+    for chunk in chunks:
+        chunk.eval()
+
+    def loss_func_for(micro_batch, output_tensor):
+        results = per_token(micro_batch, output_tensor)
+        return torch.zeros((), device=output_tensor.device), {"rows": micro_batch.rows, "results": results}
+
+    with torch.no_grad():
+        collected = forward_backward(chunks, micro_batches, loss_func_for, forward_only=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    full = torch.zeros(outputs, len(batch), batch.response_length, device=device)
+    if is_last_stage():
+        for item in collected:
+            rows = torch.as_tensor(item["rows"], device=device)
+            for k, result in enumerate(item["results"]):
+                full[k, rows] = result.float()
+    share_from_last_stage(full)
+    return list(full.cpu().unbind(0))
+
+
+def _sharded_state_dict(chunks) -> dict:
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_weights(chunks: list, path: str) -> None:
+    """Model weights as a Megatron distributed checkpoint, loadable at any other layout."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), path)
+
+
+def load_weights(chunks: list, path: str, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Load a distributed checkpoint; keys starting with `skip_prefixes` keep their current values."""
+    from megatron.core import dist_checkpointing
+
+    def keep(state: dict) -> dict:
+        return {k: v for k, v in state.items() if not k.startswith(skip_prefixes)}
+
+    if len(chunks) == 1:
+        state = dist_checkpointing.load(keep(_sharded_state_dict(chunks)), path)
+        unwrap(chunks[0]).load_state_dict(state, strict=not skip_prefixes)
+        return
+    sharded = {name: keep(sd) for name, sd in _sharded_state_dict(chunks).items()}
+    state = dist_checkpointing.load(sharded, path)
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(state[f"model{i}"], strict=not skip_prefixes)
