@@ -1,0 +1,102 @@
+"""Tracking: the MLflow sqlite store holds what was logged, console tables, ASCII plots, URI choice."""
+import io
+
+import yaml
+
+from rlmegatron.config.spec import JobSpec
+from rlmegatron.tracking import Tracker, TrackingSetup, ascii_plot, flatten, format_metrics_table, resolve_tracking_uri
+
+
+def job_spec(run_dir, backends):
+    return JobSpec.model_validate({
+        "model": {"path": "tiny"},
+        "data": {"train_files": ["train.parquet"]},
+        "trainer": {"run_dir": str(run_dir), "experiment_name": "exp1"},
+        "tracking": {"backends": backends, "project_name": "proj"},
+        "actor": {"optim": {"lr": 3e-6}},
+    })
+
+
+def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    tracker = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
+    tracker.log_metrics({"critic/score/mean": 0.25, "actor/pg_loss": -0.5}, step=1)
+    tracker.log_metrics({"critic/score/mean": 0.75}, step=2)
+    tracker.finish()
+
+    uri = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    assert (run_dir / "mlflow.db").is_file()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(tracker.backends[0].run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "exp1"
+    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    assert run.data.params["actor.optim.lr"] == "3e-06"
+    assert run.data.params["data.train_files"] == '["train.parquet"]'
+    history = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert artifacts == ["resolved_spec.yaml"]
+    assert str(run.info.artifact_uri).startswith((run_dir.resolve() / "mlartifacts").as_uri())
+    resolved = yaml.safe_load((next((run_dir / "mlartifacts").rglob("resolved_spec.yaml"))).read_text())
+    assert resolved["actor"]["optim"]["lr"] == 3e-6
+
+    # A resumed run in the same run directory continues the same MLflow run.
+    resumed = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
+    assert resumed.backends[0].run_id == run.info.run_id
+    resumed.log_metrics({"critic/score/mean": 1.0}, step=3)
+    resumed.finish("KILLED")
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+
+
+def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp_path, monkeypatch):
+    setup = TrackingSetup(["mlflow"], tmp_path, "p", "e")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(setup) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert resolve_tracking_uri(setup) == "http://mlflow:5000"
+    explicit = TrackingSetup(["mlflow"], tmp_path, "p", "e", tracking_uri="file:///x")
+    assert resolve_tracking_uri(explicit) == "file:///x"
+
+
+def test_console_prints_a_compact_table_each_step(tmp_path):
+    stream = io.StringIO()
+    tracker = Tracker.from_spec(job_spec(tmp_path, ["console"]), console_stream=stream)
+    tracker.log_metrics({"timing_s/gen": 1.23456, "actor/pg_loss": -0.01234, "critic/score/mean": 0.5,
+                         "perf/throughput": 12345.6}, step=7)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("── step 7 ──")
+    assert lines[1:] == [
+        "actor/pg_loss     -0.01234   critic/score/mean      0.5   perf/throughput      12346",
+        "timing_s/gen         1.235",
+    ]
+    assert tracker.series("critic/score/mean") == [0.5]
+    assert format_metrics_table({}, 1).startswith("── step 1")
+
+
+def test_ascii_plot_shape():
+    rising = [i / 99 for i in range(100)]
+    lines = ascii_plot(rising, width=20, height=5, title="critic/score/mean").splitlines()
+    assert lines[0] == "critic/score/mean"
+    plot_rows, axis, steps = lines[1:6], lines[6], lines[7]
+    assert len(lines) == 8
+    assert {len(row) for row in plot_rows} == {len(axis)} and axis.endswith("+" + "-" * 20)
+    assert [row.count("*") for row in plot_rows] and sum(row.count("*") for row in plot_rows) == 20
+    assert plot_rows[0].startswith("1 |") and plot_rows[0].endswith("*")  # the maximum, top right
+    assert plot_rows[-1].startswith("0 |*")  # the minimum, bottom left
+    assert steps.strip() == "steps 1-100"
+    assert ascii_plot([]) == "no data"
+
+
+def test_summary_plots_the_reward_curve(tmp_path):
+    tracker = Tracker(TrackingSetup(["console"], tmp_path, "p", "e"), console_stream=io.StringIO())
+    for step in range(1, 4):
+        tracker.log_metrics({"critic/score/mean": step / 3}, step)
+    assert tracker.summary(height=3).splitlines()[0] == "critic/score/mean"
+
+
+def test_flatten_uses_dotted_keys():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
