@@ -85,8 +85,9 @@ def test_ascii_plot_shape():
     assert len(lines) == 8
     assert {len(row) for row in plot_rows} == {len(axis)} and axis.endswith("+" + "-" * 20)
     assert [row.count("*") for row in plot_rows] and sum(row.count("*") for row in plot_rows) == 20
-    assert plot_rows[0].startswith("1 |") and plot_rows[0].endswith("*")  # the maximum, top right
-    assert plot_rows[-1].startswith("0 |*")  # the minimum, bottom left
+    # 100 points averaged into 20 columns: the top row is labelled with the last bucket's mean.
+    assert plot_rows[0].startswith("0.9798 |") and plot_rows[0].endswith("*")  # the maximum, top right
+    assert plot_rows[-1].startswith("0.0202 |*")  # the minimum, bottom left
     assert steps.strip() == "steps 1-100"
     assert ascii_plot([]) == "no data"
 
