@@ -61,7 +61,7 @@ def test_missing_config_file_exits_2(capsys):
     assert capsys.readouterr().err == "no/such.yaml: cannot read the spec: No such file or directory\n"
 
 
-@pytest.mark.parametrize("command", ["train", "prepare"])  # plan is built: tests/planner
+@pytest.mark.parametrize("command", ["train"])  # plan and prepare are built: tests/planner, tests/data
 def test_unbuilt_commands_validate_first_then_say_so(command, capsys, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     assert main([command, QUICKSTART]) == EXIT_NOT_IMPLEMENTED

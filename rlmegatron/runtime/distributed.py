@@ -33,6 +33,16 @@ class ParallelLayout:
         return "x".join(parts)
 
 
+def transformer_config_overrides(device: Device) -> dict:
+    """TransformerConfig fields the process-group backend dictates."""
+    if device == "cpu":
+        # gloo pairs sends and receives to one peer in posting order, so batched p2p can
+        # swap the interleaved (VPP) schedule's activation and gradient: same shape, and
+        # at PP=2 the same peer. Megatron's unbatched path orders them by rank parity.
+        return {"batch_p2p_comm": False}
+    return {}
+
+
 def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
     """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     if device == "cpu":

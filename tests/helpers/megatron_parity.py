@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.runtime.distributed import transformer_config_overrides
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
@@ -35,6 +36,7 @@ def transformer_config(kind: str, layout: ParallelLayout, dispatcher: str = "all
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
+        **transformer_config_overrides("cpu"),
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,

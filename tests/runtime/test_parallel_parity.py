@@ -25,10 +25,10 @@ def _assert_parity(reports, expected_layouts):
         assert max(scale.values()) > 1e-3, f"{label}: reference gradients are ~0"
 
 
-def test_dense_tp2_pp2_and_tp2xpp2_on_4_ranks(tmp_path):
-    layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(tp=2, sequence_parallel=True), "")]
+def test_dense_tp2_pp2_vpp2_and_tp2xpp2_on_4_ranks(tmp_path):
+    layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(pp=2, vpp=2), ""), (L(tp=2, sequence_parallel=True), "")]
     reports = run_ranks(parity_job, 4, "dense", layouts, 4, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP2xPP1xSP"])
+    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2", "TP2xPP1xSP"])
 
 
 def test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel(tmp_path):
