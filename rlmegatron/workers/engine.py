@@ -61,12 +61,32 @@ def gpt_model_provider(config, vocab_size: int, max_sequence_length: int, tie_em
     return provide
 
 
+def _cpu_grad_clipping() -> None:
+    """Torch grad clipping for CPU runs: Megatron's asserts torch.cuda.FloatTensor grads.
+
+    Belongs in runtime/cpu_compat.enable_cpu_compat(); applied here, once, until it moves there.
+    """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    def clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        coefficient = max_norm / (total_norm + 1.0e-6)
+        if coefficient < 1.0:
+            for param in parameters:
+                grad = param.decoupled_grad if use_decoupled_grad else param.grad
+                if grad is not None:
+                    grad.mul_(coefficient)
+
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm
+
+
 def build_model_chunks(provider: ModelProvider, wrap_ddp: bool, use_distributed_optimizer: bool = True) -> list:
     """This rank's model chunks (one, or one per virtual pipeline stage), DDP-wrapped for training."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+    if not torch.cuda.is_available():
+        _cpu_grad_clipping()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for stage in range(vpp or 1):

@@ -102,3 +102,17 @@ def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
         else:
             report["layouts"][label]["param_diff"] = diff
     return report
+
+
+def debug_job():
+    import faulthandler, sys, time
+    faulthandler.dump_traceback_later(60, exit=True, file=sys.stderr)
+    t = time.time()
+    batch = rollout_batch()
+    actor = make_actor(ParallelLayout())
+    print("init", time.time() - t, flush=True)
+    lp, ent = actor.compute_log_prob(batch)
+    print("lp", time.time() - t, lp[0], flush=True)
+    m = actor.update(replace(batch, old_log_probs=lp))
+    print("upd", time.time() - t, m, flush=True)
+    return 1
