@@ -39,8 +39,9 @@ def make_actor(layout: ParallelLayout, kind: str = "dense", **settings) -> Actor
     init_model_parallel(layout)
     config = transformer_config(kind, layout, dispatcher="alltoall")
     provider = gpt_model_provider(config, VOCAB, PROMPT + RESPONSE, tie_embeddings=(kind == "dense"), use_te=False)
+    # adam_eps=1: the first Adam step is ~lr*g, not lr*sign(g), so grad rounding is not amplified.
     defaults = dict(ppo_mini_batch_size=8, micro_batch_size=2, temperature=0.7, use_kl_loss=True,
-                    entropy_coeff=0.01, optimizer=OptimizerSettings(lr=1e-2, clip_grad=1.0))
+                    entropy_coeff=0.01, optimizer=OptimizerSettings(lr=1e-2, adam_eps=1.0, clip_grad=1.0))
     actor = ActorWorker(ActorSettings(**{**defaults, **settings}), provider, layout)
     actor.init(parallel_state_ready=True)
     return actor
@@ -57,8 +58,10 @@ def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
     """Log-probs, entropy and one PPO update at each layout vs TP=PP=1, plus packing and dynamic-bsz checks."""
     batch = rollout_batch()
     weights = os.path.join(workdir, "weights")
+    make_actor(ParallelLayout()).save_weights(weights)
+    # Every actor, the TP=1 reference included, starts from the checkpoint (see the report on why).
     reference = make_actor(ParallelLayout())
-    reference.save_weights(weights)
+    reference.load_weights(weights)
     ref_log_probs, ref_entropy = reference.compute_log_prob(batch)
     padded = make_actor(ParallelLayout(), use_packing=False)
     padded.load_weights(weights)
@@ -103,16 +106,3 @@ def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
             report["layouts"][label]["param_diff"] = diff
     return report
 
-
-def debug_job():
-    import faulthandler, sys, time
-    faulthandler.dump_traceback_later(60, exit=True, file=sys.stderr)
-    t = time.time()
-    batch = rollout_batch()
-    actor = make_actor(ParallelLayout())
-    print("init", time.time() - t, flush=True)
-    lp, ent = actor.compute_log_prob(batch)
-    print("lp", time.time() - t, lp[0], flush=True)
-    m = actor.update(replace(batch, old_log_probs=lp))
-    print("upd", time.time() - t, m, flush=True)
-    return 1

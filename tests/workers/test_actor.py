@@ -15,13 +15,13 @@ def test_log_probs_entropy_and_update_match_tp1_at_tp2_pp2_tp2xpp2(tmp_path):
     assert report["padded_log_probs_diff"] < TOLERANCE
     assert report["padded_entropy_diff"] < TOLERANCE
     assert report["padded_pg_loss_diff"] < TOLERANCE
-    assert report["padded_param_diff"] < TOLERANCE
-    assert report["update_size"] > 1e-3, "the update must move the weights for the comparison to mean anything"
+    assert report["padded_param_diff"] < 1e-3 * report["update_size"]
+    assert report["update_size"] > 1e-5, "the update must move the weights for the comparison to mean anything"
     for label, result in report["layouts"].items():
         assert result["log_probs_diff"] < TOLERANCE, (label, result)
         assert result["entropy_diff"] < TOLERANCE, (label, result)
         assert result["pg_loss_diff"] < TOLERANCE, (label, result)
-        assert result["param_diff"] < TOLERANCE, (label, result)
+        assert result["param_diff"] < 1e-3 * report["update_size"], (label, result)
     for name in ["actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/lr",
                  "actor/pg_loss", "actor/kl_loss"]:
         assert name in report["metrics"], name
