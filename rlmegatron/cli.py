@@ -87,7 +87,9 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    return _not_implemented("convert")
+    from rlmegatron.models.convert_cli import main as convert_main
+
+    return convert_main(args.convert_args)
 
 
 def _validated_then_not_implemented(args: argparse.Namespace, name: str) -> int:

@@ -89,6 +89,13 @@ class HFCheckpoint:
             index[dim] = slice(base + min(start, rows), base + min(stop, rows)) if dim == 0 else slice(start, stop)
         return tensor[lead + tuple(index)]
 
+    def shape(self, source: Source) -> tuple[int, ...]:
+        """Shape of what `source` names, from the safetensors header alone."""
+        shape = list(self._slice(source.key).get_shape()[0 if source.expert is None else 1:])
+        if source.part is not None:
+            shape[0] //= source.part[1]
+        return tuple(shape)
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -145,15 +152,22 @@ def canonical_weights(chunk) -> Iterator[tuple[str, torch.Tensor, bool]]:
         yield canonical_name(name, layers, expert_offset), tensor, is_param
 
 
-def _tp_chunk(tensor: torch.Tensor) -> tuple[Optional[int], int, int]:
-    """(partition dim or None, TP rank, TP size) of a local tensor, expert params on the expert-TP group."""
+def _tp_chunk(name: str, local_shape: torch.Size, full_shape: tuple[int, ...]) -> tuple[Optional[int], int, int]:
+    """(partition dim or None, TP rank, TP size) of a local tensor, found by comparing shapes: Megatron only
+    sets its partition attributes when it initialises weights, which conversion skips."""
     from megatron.core import parallel_state as ps
 
-    if not getattr(tensor, "tensor_model_parallel", False):
+    dims = [d for d, (local, full) in enumerate(zip(local_shape, full_shape)) if local != full]
+    if not dims:
         return None, 0, 1
-    if getattr(tensor, "allreduce", True) is False:  # Megatron marks expert parameters so
-        return tensor.partition_dim, ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return tensor.partition_dim, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    dim = dims[0]
+    if ".local_experts." in name:
+        rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    else:
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    if len(dims) > 1 or full_shape[dim] != local_shape[dim] * size:
+        raise WeightMapError(f"{name}: local shape {tuple(local_shape)} is no TP={size} shard of {full_shape}")
+    return dim, rank, size
 
 
 def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> None:
@@ -168,7 +182,7 @@ def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> 
                 if rule is None:
                     unfilled.append(name) if is_param else None
                     continue
-                dim, rank, size = _tp_chunk(tensor)
+                dim, rank, size = _tp_chunk(name, tensor.shape, weight_map.full_shape(rule, checkpoint.shape))
                 padded = weight_map.facts.padded_vocab_size if rule.transform == "vocab" else None
                 parts = [checkpoint.read(s, dim, rank, size, padded) for s in rule.sources]
                 value = weight_map.fuse(rule, parts, rows=tensor.shape[0])
@@ -186,24 +200,37 @@ def _sharded_state_dict(chunks):
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def hf_to_mcore(hf_path: str, out: str, layout: ParallelLayout, dtype: str = "fp32") -> None:
-    """Rank body of `rlm convert hf-to-mcore`: stream HF weights into this rank's shard and save them."""
-    from megatron.core import dist_checkpointing
-
+def import_hf(hf_path: str, layout: ParallelLayout, dtype: str = "fp32"):
+    """(facts, weight map, chunks) of this rank's model at `layout`, weights streamed from the HF checkpoint."""
     checkpoint = HFCheckpoint(hf_path)
     facts = model_facts(checkpoint.config, layout.tp)
+    weight_map = WeightMap(facts, stacked_experts=checkpoint.stacked_experts)
     init_model_parallel(layout)
     chunks = build_chunks(facts, layout, dtype)
-    weight_map = WeightMap(facts, stacked_experts=checkpoint.stacked_experts)
     load_hf_weights(chunks, weight_map, checkpoint)
     checkpoint.close()
+    return facts, weight_map, chunks
+
+
+def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_dir: Optional[str] = None) -> None:
+    """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them."""
+    from megatron.core import dist_checkpointing
+
     os.makedirs(out, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
-        ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, checkpoint.stacked_experts).save(out)
-        _copy_tokenizer(hf_path, out)
+        facts = weight_map.facts
+        ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts).save(out)
+        if tokenizer_dir:
+            _copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
+
+
+def hf_to_mcore(hf_path: str, out: str, layout: ParallelLayout, dtype: str = "fp32") -> None:
+    """Rank body of `rlm convert hf-to-mcore`."""
+    _, weight_map, chunks = import_hf(hf_path, layout, dtype)
+    save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path)
 
 
 def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = None):
@@ -223,18 +250,14 @@ def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = N
     return facts, WeightMap(facts, meta.stacked_experts), chunks
 
 
-def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None,
-                max_shard_bytes: int = 5 * 2**30) -> None:
-    """Rank body of `rlm convert mcore-to-hf` (one rank): HF safetensors shards, index, config, tokenizer."""
+def export_hf(chunk, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write a TP=PP=EP=1 chunk as HF safetensors shards, their index and config.json."""
     from safetensors.torch import save_file
 
-    _, weight_map, chunks = load_mcore(mcore_path, ParallelLayout())
-    if torch.distributed.get_rank() != 0:
-        return
     os.makedirs(out, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for name, tensor, _ in canonical_weights(chunks[0]):
+    for name, tensor, _ in canonical_weights(chunk):
         for key, value in weight_map.megatron_to_hf(name, tensor.detach()).items():
             if shard_bytes and shard_bytes + value.nbytes > max_shard_bytes:
                 shards.append({})
@@ -247,9 +270,17 @@ def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None,
     index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
              "weight_map": {key: name for name, shard in zip(names, shards) for key in sorted(shard)}}
     Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
     Path(out, "config.json").write_text(json.dumps(config, indent=1))
-    _copy_tokenizer(hf_config_dir or mcore_path, out)
+
+
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None) -> None:
+    """Rank body of `rlm convert mcore-to-hf`: every rank loads at TP=PP=EP=1, rank 0 writes."""
+    _, weight_map, chunks = load_mcore(mcore_path, ParallelLayout())
+    if torch.distributed.get_rank() == 0:
+        config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
+        export_hf(chunks[0], weight_map, out, config)
+        _copy_tokenizer(hf_config_dir or mcore_path, out)
+    torch.distributed.barrier()
 
 
 def _copy_tokenizer(source: str, out: str) -> None:
@@ -327,6 +358,7 @@ def verify(hf_path: str, mcore_path: str, layout: ParallelLayout) -> Optional[di
 
 
 __all__ = [
-    "ConversionError", "HFCheckpoint", "UnsupportedModelError", "hf_to_mcore", "load_mcore", "mcore_to_hf",
+    "ConversionError", "HFCheckpoint", "UnsupportedModelError", "export_hf", "hf_to_mcore", "import_hf",
+    "load_mcore", "mcore_to_hf", "save_mcore",
     "megatron_logits", "hf_logits", "compare_logits", "verify",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -220,6 +220,14 @@ class WeightMap:
             padding = tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])
             return torch.cat([tensor, padding])
         return tensor
+
+    def full_shape(self, rule: Rule, source_shape: Callable[[Source], tuple[int, ...]]) -> tuple[int, ...]:
+        """Shape of the full Megatron tensor a rule builds, from its sources' shapes."""
+        shapes = [source_shape(s) for s in rule.sources]
+        rows = sum(shape[0] for shape in shapes)
+        if rule.transform == VOCAB:
+            rows = self.facts.padded_vocab_size
+        return (rows, *shapes[0][1:])
 
     def split(self, rule: Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Full Megatron tensor -> its HF tensors (in rule.sources order); inverse of `fuse`."""

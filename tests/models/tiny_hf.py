@@ -15,7 +15,7 @@ FAMILY_CONFIGS = {
     "qwen3_moe": dict(num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
     "mixtral": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
-    "deepseek_v3": dict(num_hidden_layers=3, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    "deepseek_v3": dict(num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_key_value_heads=4,
                         num_nextn_predict_layers=0,
