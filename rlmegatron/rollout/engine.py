@@ -1,0 +1,93 @@
+"""The rollout engine contract: typed generation requests/results and the abstract engine every backend implements."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence, Union
+
+import torch
+
+from rlmegatron.rollout.buckets import FlattenedBucket
+
+FinishReason = Literal["stop", "length", "abort"]
+
+NamedTensor = tuple[str, torch.Tensor]
+WeightStream = Iterable[Union[NamedTensor, FlattenedBucket]]
+"""What `update_weights` consumes: HF-named full tensors, or buckets already flattened by `buckets.py`."""
+
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory-saver tags; the local engine accepts the same names."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int = 1
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Makes sampling reproducible; None draws from the engine's generator."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {self.n} and {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"invalid sampling parameters {self}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a prompt needs at least one token")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One sample. `output_token_logprobs[i]` is log p(output_token_ids[i]) under softmax(logits / temperature),
+    without top-p/top-k renormalisation (SGLang's `output_token_logprobs` convention); greedy uses temperature 1."""
+
+    request_index: int
+    """Position of the originating request in the `generate` call; a request with n samples yields n results."""
+    sample_index: int
+    output_token_ids: tuple[int, ...]
+    output_token_logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: str | None = None
+
+
+class RolloutEngine(abc.ABC):
+    """Generates samples and takes new weights; results come back ordered by (request_index, sample_index)."""
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """Loads every tensor of the stream (an unknown name is an error) and tags later samples with `version`."""
+
+    @abc.abstractmethod
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
+
+    @abc.abstractmethod
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
+
+    @abc.abstractmethod
+    def health(self) -> bool: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+
+def check_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
+    unknown = set(tags) - set(MEMORY_TAGS)
+    if unknown:
+        raise ValueError(f"unknown memory tags {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
+    return tuple(tags)

@@ -1,0 +1,207 @@
+"""In-process rollout engine: batched, KV-cached generation with a transformers causal LM on CPU or GPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from rlmegatron.rollout.buckets import FlattenedBucket
+from rlmegatron.rollout.engine import (
+    MEMORY_TAGS,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingSpec,
+    WeightStream,
+    check_memory_tags,
+)
+
+
+@dataclass
+class _Sample:
+    request_index: int
+    sample_index: int
+    prompt: tuple[int, ...]
+    sampling: SamplingSpec
+    generator: torch.Generator | None
+
+
+def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Masks (to -inf) the tokens outside the top-k and outside the smallest nucleus holding `top_p` of the mass."""
+    logits = scaled_logits
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p; the first token always stays.
+        outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+class LocalEngine(RolloutEngine):
+    """Generation with an HF `AutoModelForCausalLM`.
+
+    Log-prob convention (SGLang's `output_token_logprobs`, which verl and slime consume): the sampled
+    token's log-softmax of logits / temperature, before top-k/top-p filtering and without renormalising
+    over the kept tokens; greedy (temperature 0) reports log-softmax of the raw logits.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_token_id: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        max_batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang."""
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version: str | None = None
+        self._released: set[str] = set()
+        self._offloaded: dict[str, torch.Tensor] = {}
+        self._alive = True
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self._check_usable()
+        samples = [
+            _Sample(
+                request_index,
+                sample_index,
+                request.prompt_token_ids,
+                request.sampling,
+                # Seed per sample, so sample i of a seeded request is the same whatever else is in the batch.
+                None
+                if request.sampling.seed is None
+                else torch.Generator().manual_seed(request.sampling.seed * 1_000_003 + sample_index),
+            )
+            for request_index, request in enumerate(requests)
+            for sample_index in range(request.sampling.n)
+        ]
+        results: list[GenerationResult] = []
+        for start in range(0, len(samples), self.max_batch_size):
+            results.extend(self._generate_batch(samples[start : start + self.max_batch_size]))
+        return results
+
+    @torch.no_grad()
+    def _generate_batch(self, samples: list[_Sample]) -> list[GenerationResult]:
+        device = self.device
+        batch = len(samples)
+        prompt_width = max(len(s.prompt) for s in samples)
+        input_ids = torch.full((batch, prompt_width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prompt_width), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            input_ids[row, prompt_width - len(sample.prompt) :] = torch.tensor(sample.prompt)
+            attention_mask[row, prompt_width - len(sample.prompt) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        temperatures = torch.tensor([s.sampling.temperature for s in samples], device=device)
+        greedy = temperatures == 0
+        # Greedy rows report log-probs at temperature 1.
+        divisors = torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
+
+        outputs: list[list[int]] = [[] for _ in samples]
+        logprobs: list[list[float]] = [[] for _ in samples]
+        finish: list[FinishReason | None] = [None] * batch
+        cache = None
+        for _ in range(max(s.sampling.max_new_tokens for s in samples)):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            scaled = out.logits[:, -1, :].float() / divisors
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            next_tokens = torch.argmax(scaled, dim=-1)
+            for row, sample in enumerate(samples):
+                if finish[row] is not None or greedy[row]:
+                    continue
+                filtered = filter_top_k_top_p(scaled[row], sample.sampling.top_k, sample.sampling.top_p)
+                probs = torch.softmax(filtered, dim=-1).cpu()
+                next_tokens[row] = torch.multinomial(probs, 1, generator=sample.generator or self.generator)[0]
+            chosen = token_logprobs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1).tolist()
+            for row, (token, sample) in enumerate(zip(next_tokens.tolist(), samples)):
+                if finish[row] is not None:
+                    continue
+                outputs[row].append(token)
+                logprobs[row].append(chosen[row])
+                if token in sample.sampling.stop_token_ids or token in self.eos_token_ids:
+                    finish[row] = "stop"
+                elif len(outputs[row]) >= sample.sampling.max_new_tokens:
+                    finish[row] = "length"
+            if all(reason is not None for reason in finish):
+                break
+            input_ids = next_tokens.unsqueeze(-1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+        return [
+            GenerationResult(
+                request_index=sample.request_index,
+                sample_index=sample.sample_index,
+                output_token_ids=tuple(outputs[row]),
+                output_token_logprobs=tuple(logprobs[row]),
+                finish_reason=finish[row] or "length",
+                weight_version=self.weight_version,
+            )
+            for row, sample in enumerate(samples)
+        ]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: WeightStream, version: str) -> None:
+        self._check_usable()
+        for item in named_tensors:
+            pairs = item.named_tensors() if isinstance(item, FlattenedBucket) else [item]
+            # strict=False only because each call carries part of the model; unknown names still fail below.
+            incompatible = self.model.load_state_dict(dict(pairs), strict=False)
+            if incompatible.unexpected_keys:
+                raise KeyError(f"weights the model does not have: {incompatible.unexpected_keys}")
+        self.weight_version = version
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Moves the weights to CPU on an accelerator (the KV cache only lives during `generate`)."""
+        tags = check_memory_tags(tags)
+        if "weights" in tags and "weights" not in self._released and self.device.type != "cpu":
+            for name, tensor in self.model.state_dict(keep_vars=True).items():
+                self._offloaded[name] = tensor.data
+                tensor.data = tensor.data.to("cpu", non_blocking=True)
+        self._released.update(tags)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_memory_tags(tags)
+        if "weights" in tags and self._offloaded:
+            state = self.model.state_dict(keep_vars=True)
+            for name, original in self._offloaded.items():
+                original.copy_(state[name].data)
+                state[name].data = original
+            self._offloaded.clear()
+        self._released.difference_update(tags)
+
+    def health(self) -> bool:
+        return self._alive
+
+    def shutdown(self) -> None:
+        self._alive = False
+        self.model = None  # type: ignore[assignment]
+
+    def _check_usable(self) -> None:
+        if not self._alive:
+            raise RuntimeError("the engine was shut down")
+        if "weights" in self._released:
+            raise RuntimeError("weights are released; call resume_memory(['weights']) first")
