@@ -1,0 +1,66 @@
+"""HF config.json -> Megatron config derivation on the shipped real-shaped configs, and the clear refusals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
+from rlmegatron.runtime import ParallelLayout
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def _derive(name_or_dict, layout=ParallelLayout()):
+    hf = read_hf_config(CONFIGS / name_or_dict) if isinstance(name_or_dict, str) else name_or_dict
+    return transformer_config(model_facts(hf, layout.tp), layout)
+
+
+def _config_dir(model_type: str) -> str:
+    return next(p.parent.name for p in CONFIGS.glob("*/config.json") if json.loads(p.read_text())["model_type"] == model_type)
+
+
+def test_deepseek_v3_is_mla_with_dense_prefix_grouped_sigmoid_router_and_yarn():
+    hf = read_hf_config(CONFIGS / _config_dir("deepseek_v3"))
+    config = _derive(hf, ParallelLayout(ep=8))
+    assert type(config).__name__ == "MLATransformerConfig"
+    assert config.q_lora_rank == hf["q_lora_rank"] and config.kv_lora_rank == hf["kv_lora_rank"]
+    k = hf["first_k_dense_replace"]
+    assert config.moe_layer_freq == [0] * k + [1] * (hf["num_hidden_layers"] - k)
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (hf["n_group"], hf["topk_group"])
+    assert config.moe_router_topk_scaling_factor == hf["routed_scaling_factor"]
+    assert config.rope_type == "yarn" and config.rotary_scaling_factor == hf["rope_scaling"]["factor"]
+    assert config.moe_shared_expert_intermediate_size == hf["n_shared_experts"] * hf["moe_intermediate_size"]
+
+
+def test_qwen_families_carry_their_attention_and_router_flags():
+    qwen3 = _derive(_config_dir("qwen3"))
+    assert qwen3.qk_layernorm and not qwen3.add_qkv_bias
+    qwen25 = _derive(_config_dir("qwen2"))
+    assert qwen25.add_qkv_bias and not qwen25.qk_layernorm
+    hf = read_hf_config(CONFIGS / _config_dir("qwen3_moe"))
+    moe = _derive(hf, ParallelLayout(ep=4))
+    assert moe.num_moe_experts == hf["num_experts"] and moe.moe_router_topk == hf["num_experts_per_tok"]
+    assert moe.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the chosen experts
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq_factor"),
+        ({"use_sliding_window": True}, "sliding_window"),
+    ],
+)
+def test_unsupported_values_name_the_field(change, field):
+    hf = {**read_hf_config(CONFIGS / _config_dir("qwen3")), **change}
+    with pytest.raises(UnsupportedModelError, match=field):
+        _derive(hf)
+
+
+def test_expert_count_not_divisible_by_ep_is_refused():
+    with pytest.raises(UnsupportedModelError, match="EP=3"):
+        _derive(_config_dir("qwen3_moe"), ParallelLayout(ep=3))
