@@ -24,7 +24,7 @@ _ENABLED = False
 
 
 class _CudaLiteralsToCpu(TorchFunctionMode):
-    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU."""
+    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, and reports CPU tensors' types as CUDA ones."""
 
     @staticmethod
     def _to_cpu(device):
@@ -40,6 +40,9 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
             kwargs["device"] = self._to_cpu(kwargs["device"])
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer and grad clipping dispatch on CUDA type strings.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], self._to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)

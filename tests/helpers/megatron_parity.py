@@ -86,7 +86,7 @@ def transformer_config(kind: str, layout: ParallelLayout, dispatcher: str = "all
     raise ValueError(kind)
 
 
-def build_model(kind: str, layout: ParallelLayout, dispatcher: str = "allgather"):
+def build_model(kind: str, layout: ParallelLayout, dispatcher: str = "allgather", use_distributed_optimizer=False):
     """Megatron DDP-wrapped model chunks for this rank (one chunk, or VPP chunks)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -111,7 +111,9 @@ def build_model(kind: str, layout: ParallelLayout, dispatcher: str = "allgather"
             position_embedding_type="rope",
             vp_stage=vp,
         )
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+        )
         chunks.append(DistributedDataParallel(config, ddp_config, model))
     return chunks
 
@@ -237,3 +239,35 @@ def parity_job(kind: str, layouts: list[tuple[ParallelLayout, str]], num_microba
             "ref_grad_abs_max": {name: float(g.abs().max()) for name, g in ref_grads.items()},
         }
     return report
+
+
+def optimizer_job(layout: ParallelLayout, use_distributed_optimizer: bool, workdir: str, steps: int = 2):
+    """Adam steps on the dense model from the shared initial weights; returns the full parameters after."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    init_model_parallel(ParallelLayout())
+    torch.manual_seed(1234)
+    weights = os.path.join(workdir, "weights")
+    if not os.path.exists(os.path.join(weights, "metadata.json")):
+        _save(build_model("dense", ParallelLayout()), weights)
+    init_model_parallel(layout)
+    chunks = build_model("dense", layout, use_distributed_optimizer=use_distributed_optimizer)
+    _load(chunks, weights)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=use_distributed_optimizer
+        ),
+        chunks,
+    )
+    grad_norms = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        train_step(chunks, microbatches(2, seed=step))
+        _, grad_norm, _ = optimizer.step()
+        grad_norms.append(grad_norm)
+    out = os.path.join(workdir, f"after-{layout}-{use_distributed_optimizer}")
+    _save(chunks, out)
+    init_model_parallel(ParallelLayout())
+    full = build_model("dense", ParallelLayout())
+    _load(full, out)
+    return {"params": _full_tensors(full), "grad_norms": grad_norms}

@@ -41,3 +41,14 @@ def test_deepseek_shaped_mla_moe_ep2_and_tp2_sequence_parallel(tmp_path):
     layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
     reports = run_ranks(parity_job, 2, "mla_moe", layouts, 2, str(tmp_path), timeout_s=300)
     _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
+
+
+def test_distributed_optimizer_at_dp2_steps_like_plain_adam_at_one_rank(tmp_path):
+    """The CPU layer lets Megatron's DistributedOptimizer (sharded Adam state over DP) run under gloo."""
+    from tests.helpers.megatron_parity import optimizer_job
+
+    (plain,) = run_ranks(optimizer_job, 1, L(), False, str(tmp_path), timeout_s=300)
+    sharded = run_ranks(optimizer_job, 2, L(), True, str(tmp_path), timeout_s=300)[0]
+    assert sharded["grad_norms"] == pytest.approx(plain["grad_norms"], abs=TOLERANCE)
+    worst = max(float((sharded["params"][n] - plain["params"][n]).abs().max()) for n in plain["params"])
+    assert worst < TOLERANCE
