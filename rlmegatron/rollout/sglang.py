@@ -1,0 +1,343 @@
+"""SGLang rollout engine: HTTP client for the server's generation/weight/memory endpoints, and the engine that
+launches, supervises, restarts and re-syncs a server."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlmegatron.rollout.buckets import Bucketer, TravelRule
+from rlmegatron.rollout.engine import (
+    MEMORY_TAGS,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingSpec,
+    WeightStream,
+    check_memory_tags,
+)
+from rlmegatron.rollout.sglang_protocol import init_custom_process_group, serialize_flattened_bucket
+from rlmegatron.rollout.sglang_server import ServerProcess, ServerSpec, server_command
+
+
+class ServerUnavailable(ConnectionError):
+    """The server did not answer (refused, reset, timed out or 5xx): worth a restart and a retry."""
+
+
+class SGLangRequestError(RuntimeError):
+    """The server answered and refused the request (4xx or success=false): retrying will not help."""
+
+
+def sampling_params(spec: SamplingSpec) -> dict[str, Any]:
+    """SGLang `sampling_params` for one sample (n is expanded client-side so each sample retries alone)."""
+    params: dict[str, Any] = {
+        "n": 1,
+        "max_new_tokens": spec.max_new_tokens,
+        "temperature": spec.temperature,
+        "top_p": spec.top_p,
+        "top_k": spec.top_k,
+        "stop_token_ids": list(spec.stop_token_ids),
+    }
+    if spec.seed is not None:
+        params["sampling_seed"] = spec.seed
+    return params
+
+
+class SGLangClient:
+    """Endpoints of `sglang/srt/entrypoints/http_server.py`, with field names from `managers/io_struct.py`."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:2000]
+            if error.code >= 500:
+                raise ServerUnavailable(f"{path}: HTTP {error.code} {detail}") from error
+            raise SGLangRequestError(f"{path}: HTTP {error.code} {detail}") from error
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            raise ServerUnavailable(f"{path}: {error}") from error
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def _post_checked(self, path: str, payload: dict, timeout_s: float | None = None) -> dict:
+        answer = self._call("POST", path, payload, timeout_s)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise SGLangRequestError(f"{path} failed: {answer.get('message')}")
+        return answer
+
+    def generate(self, input_ids: list[int], params: dict[str, Any]) -> dict:
+        return self._call("POST", "/generate", {"input_ids": input_ids, "sampling_params": params,
+                                                "return_logprob": True})
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False
+    ) -> dict:
+        return self._post_checked("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        })
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> dict:
+        return self._post_checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        })
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str | None, flush_cache: bool = False,
+    ) -> dict:
+        return self._post_checked("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": weight_version,
+        })
+
+    def release_memory_occupation(self, tags: Sequence[str]) -> dict:
+        return self._post_checked("/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: Sequence[str]) -> dict:
+        return self._post_checked("/resume_memory_occupation", {"tags": list(tags)})
+
+    def pause_generation(self) -> None:
+        self._call("POST", "/pause_generation", {})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._call("POST", "/flush_cache", {})
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            self._call("GET", "/health", timeout_s=timeout_s)
+            return True
+        except (ServerUnavailable, SGLangRequestError):
+            return False
+
+    def health_generate(self, timeout_s: float = 30.0) -> bool:
+        """Runs a one-token generation inside the server: proves the scheduler, not only the HTTP thread, lives."""
+        try:
+            self._call("GET", "/health_generate", timeout_s=timeout_s)
+            return True
+        except (ServerUnavailable, SGLangRequestError):
+            return False
+
+
+def parse_generate_response(answer: dict, request_index: int, sample_index: int) -> GenerationResult:
+    meta = answer["meta_info"]
+    output_ids = [int(token) for token in answer["output_ids"]]
+    triples = meta["output_token_logprobs"]  # [logprob, token_id, text-or-None] per output token
+    if [int(token) for _, token, *_ in triples] != output_ids:
+        raise SGLangRequestError("output_token_logprobs does not follow output_ids")
+    reason = meta["finish_reason"]["type"]
+    if reason not in ("stop", "length", "abort"):
+        raise SGLangRequestError(f"unknown finish reason {reason!r}")
+    return GenerationResult(
+        request_index=request_index,
+        sample_index=sample_index,
+        output_token_ids=tuple(output_ids),
+        output_token_logprobs=tuple(float(logprob) for logprob, *_ in triples),
+        finish_reason=reason,
+        weight_version=meta.get("weight_version"),
+    )
+
+
+WeightResync = Callable[[], tuple[WeightStream, str]]
+"""Returns a fresh stream of the latest weights and their version (the trainer re-exports them)."""
+
+
+@dataclass(frozen=True)
+class DistributedGroupSpec:
+    """Where the trainer (rank 0) and the server's TP ranks (1..tp_size) meet for broadcasts."""
+
+    master_address: str
+    master_port: int
+    group_name: str = "rlmegatron_weight_sync"
+    backend: str = "nccl"
+
+
+class SGLangEngine(RolloutEngine):
+    """One SGLang server (one TP group) launched and supervised by this engine.
+
+    A server that stops answering is restarted, re-synced through `resync`, and the samples that were in
+    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_dir: str,
+        bucket_bytes: int,
+        travel_rules: Sequence[TravelRule] = (),
+        resync: WeightResync | None = None,
+        generation_url: str | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        max_restarts: int = 3,
+    ) -> None:
+        """`generation_url` sends generation elsewhere, e.g. to the router in front of several engines."""
+        self.spec = spec
+        self.process = ServerProcess(server_command(spec), Path(log_dir) / f"sglang_{spec.port}.log", spec.env)
+        self.client = SGLangClient(spec.url, request_timeout_s)
+        self.generation_client = SGLangClient(generation_url, request_timeout_s) if generation_url else self.client
+        self.bucket_bytes = bucket_bytes
+        self.travel_rules = tuple(travel_rules)
+        self.resync = resync
+        self.startup_timeout_s = startup_timeout_s
+        self.max_concurrency = max_concurrency
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._epoch = 0
+        self._recovery_lock = threading.Lock()
+        self._group: torch.distributed.ProcessGroup | None = None
+        self.weight_version: str | None = None
+        self.process.start()
+        self.process.wait_ready(self.client.health, startup_timeout_s)
+
+    # Generation --------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        samples = [(i, s, request) for i, request in enumerate(requests) for s in range(request.sampling.n)]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(samples)))) as pool:
+            return list(pool.map(lambda sample: self._generate_one(*sample), samples))
+
+    def _generate_one(self, request_index: int, sample_index: int, request: GenerationRequest) -> GenerationResult:
+        spec = request.sampling
+        if spec.seed is not None:
+            # Distinct but reproducible seeds for the n samples of one request.
+            spec = SamplingSpec(**{**spec.__dict__, "seed": spec.seed * 1_000_003 + sample_index})
+        while True:
+            epoch = self._epoch
+            try:
+                answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec))
+                return parse_generate_response(answer, request_index, sample_index)
+            except ServerUnavailable:
+                self._recover(epoch)
+
+    # Weights -----------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """Colocated: each bucket travels as a shared-memory/IPC handle, one copy per server TP rank."""
+        bucketer = Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True)
+        for bucket in bucketer.buckets(named_tensors):
+            payload = serialize_flattened_bucket(bucket)
+            # Returns only after the server loaded the bucket, so the reused buffer is free again.
+            self.client.update_weights_from_tensor([payload] * self.spec.tp_size, weight_version=version)
+            if bucket.flattened_tensor.is_cuda:
+                torch.cuda.ipc_collect()
+        self.client.flush_cache()
+        self.weight_version = version
+
+    def wake_up_with_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """After training: weights memory back, new weights in, then the KV cache (and CUDA graphs) back,
+        so the KV cache never competes with the weight buckets for memory."""
+        self.resume_memory(["weights"])
+        self.update_weights(named_tensors, version)
+        self.resume_memory(["kv_cache", "cuda_graph"])
+
+    def update_weights_distributed(self, named_tensors: WeightStream, version: str, group: DistributedGroupSpec) -> None:
+        """Disaggregated: per bucket, announce names/dtypes/shapes, then broadcast the tensors from rank 0 in
+        exactly that order while the server's request is pending."""
+        if self._group is None:
+            self._group = self._join_update_group(group)
+        for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
+            pairs = bucket.named_tensors()
+            announce = _in_thread(lambda: self.client.update_weights_from_distributed(
+                names=[name for name, _ in pairs],
+                dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
+                shapes=[list(tensor.shape) for _, tensor in pairs],
+                group_name=group.group_name,
+                weight_version=version,
+            ))
+            for _, tensor in pairs:
+                torch.distributed.broadcast(tensor, group_src=0, group=self._group)
+            announce.result()
+        self.client.flush_cache()
+        self.weight_version = version
+
+    def _join_update_group(self, group: DistributedGroupSpec) -> torch.distributed.ProcessGroup:
+        world_size = 1 + self.spec.tp_size  # tp_size counts the server's ranks on all its nodes
+        pending = _in_thread(lambda: self.client.init_weights_update_group(
+            group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
+        ))
+        process_group = init_custom_process_group(
+            group.backend, f"tcp://{group.master_address}:{group.master_port}", world_size, 0, group.group_name
+        )
+        pending.result()
+        return process_group
+
+    # Memory and control ------------------------------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        self.client.release_memory_occupation(check_memory_tags(tags))
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        self.client.resume_memory_occupation(check_memory_tags(tags))
+
+    def pause_generation(self) -> None:
+        self.client.pause_generation()
+
+    def continue_generation(self) -> None:
+        self.client.continue_generation()
+
+    def health(self) -> bool:
+        return self.process.alive and self.client.health()
+
+    def shutdown(self) -> None:
+        self.process.stop()
+
+    # Failure -----------------------------------------------------------------------------------------
+
+    def _recover(self, failed_epoch: int) -> None:
+        """Restart once per failure, however many samples saw it: those that failed in an older epoch
+        just retry against the restarted server."""
+        with self._recovery_lock:
+            if self._epoch != failed_epoch:
+                return
+            if self.process.alive and self.client.health():
+                # A transient error on a healthy server: retry without a restart.
+                self._epoch += 1
+                return
+            if self.restarts >= self.max_restarts:
+                raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
+            self.restarts += 1
+            self.process.stop()
+            self.process.start()
+            self.process.wait_ready(self.client.health, self.startup_timeout_s)
+            if self.resync is not None:
+                stream, version = self.resync()
+                self.update_weights(stream, version)
+            self._epoch += 1
+
+
+def _in_thread(call: Callable[[], Any]) -> Future:
+    """An HTTP call that blocks server-side until this process joins a collective, run alongside it."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    future = executor.submit(call)
+    executor.shutdown(wait=False)
+    return future

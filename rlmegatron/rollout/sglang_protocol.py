@@ -1,0 +1,99 @@
+"""SGLang's wire formats: the flattened-bucket payload of /update_weights_from_tensor and the weight-update process group."""
+from __future__ import annotations
+
+import base64
+import copyreg
+import io
+import pickle
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # noqa: F401  registers torch's tensor/storage reductions on ForkingPickler
+
+from rlmegatron.rollout.buckets import FlattenedBucket, FlattenedTensorMetadata
+
+SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+SGLANG_METADATA_CLASS = "FlattenedTensorMetadata"
+
+
+class _SGLangMetadataClass:
+    """Stands for sglang's FlattenedTensorMetadata in the pickle stream, so the trainer needs no sglang install."""
+
+
+class _BucketPickler(pickle._Pickler):  # type: ignore[misc]
+    """ForkingPickler's reductions (CUDA tensors become IPC handles, CPU tensors shared memory) with our
+    metadata written as SGLang's own dataclass, which the server's unpickler resolves and accepts.
+
+    The pure-Python pickler is used because only it lets a class be written by name without being
+    importable here; the payload is small (handles and metadata, never tensor bytes).
+    """
+
+    dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers}
+
+    def reducer_override(self, obj):
+        if isinstance(obj, FlattenedTensorMetadata):
+            # Positional in field order, which SGLang's dataclass shares.
+            return _SGLangMetadataClass, (obj.name, obj.shape, obj.dtype, obj.start_idx, obj.end_idx, obj.numel)
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if obj is _SGLangMetadataClass:
+            self.save(SGLANG_METADATA_MODULE)
+            self.save(SGLANG_METADATA_CLASS)
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def serialize_flattened_bucket(bucket: FlattenedBucket) -> str:
+    """One entry of `serialized_named_tensors` for `load_format="flattened_bucket"`: base64 of the pickled
+    `{"flattened_tensor", "metadata"}` dict, as SGLang's MultiprocessingSerializer(output_str=True) makes it.
+
+    The tensor's memory is shared, not copied: it must stay alive and unchanged until the server answered.
+    """
+    tensor = bucket.flattened_tensor
+    if tensor.device.type == "cpu" and torch.multiprocessing.get_sharing_strategy() != "file_system":
+        # The default file-descriptor strategy only reaches processes forked from this one.
+        raise RuntimeError("CPU buckets reach an unrelated server process only with "
+                           "torch.multiprocessing.set_sharing_strategy('file_system')")
+    buffer = io.BytesIO()
+    _BucketPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
+        {"flattened_tensor": tensor, "metadata": list(bucket.metadata)}
+    )
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def deserialize_flattened_bucket(payload: str) -> dict:
+    """The server side of `serialize_flattened_bucket`, for tests and tools (SGLang has its own)."""
+    return pickle.loads(base64.b64decode(payload))
+
+
+def init_custom_process_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta = timedelta(minutes=10),
+) -> torch.distributed.ProcessGroup:
+    """A process group outside the default one, built as SGLang builds the weight-update group
+    (`sglang.srt.utils.init_custom_process_group`): TCP rendezvous at `init_method`, a store prefixed with
+    `group_name`, and group ranks equal to the ranks given. The trainer is rank 0; server TP rank i is
+    rank_offset + i."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

@@ -1,0 +1,186 @@
+"""SGLang server processes: launch commands (server, multi-node, router), the process with its log, and readiness."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from rlmegatron.config.spec import RolloutConfig
+
+
+class ServerStartupError(RuntimeError):
+    """The server exited or did not become healthy in time; the message ends with its log tail."""
+
+
+def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
+    """{key: value} -> --key value; true -> bare --key; false/None -> omitted; a list -> --key v1 v2."""
+    flags: list[str] = []
+    for key, value in extra_args.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            flags += [f"--{key}", *map(str, value)]
+        else:
+            flags += [f"--{key}", str(value)]
+    return flags
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One SGLang server (one TP group; weight updates need dp_size 1 per server)."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    python: str = "python"
+    tp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    mem_fraction_static: float = 0.7
+    enable_memory_saver: bool = True
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = True
+    extra_args: Mapping[str, Any] = field(default_factory=dict)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    """HOST:PORT of node 0's rendezvous, required when nnodes > 1."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Added to this process's environment (CUDA_VISIBLE_DEVICES, PYTHONPATH, ...)."""
+
+    @classmethod
+    def from_rollout_config(cls, rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> "ServerSpec":
+        sglang = rollout.sglang
+        return cls(
+            model_path=model_path,
+            port=port,
+            python=sglang.python,
+            tp_size=rollout.tensor_parallel_size,
+            ep_size=rollout.expert_parallel_size,
+            enable_dp_attention=rollout.enable_dp_attention,
+            mem_fraction_static=rollout.mem_fraction_static,
+            enable_memory_saver=sglang.enable_memory_saver,
+            load_format=sglang.load_format,
+            skip_tokenizer_init=sglang.skip_tokenizer_init,
+            extra_args=dict(sglang.extra_args),
+            **overrides,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def for_node(self, node_rank: int) -> "ServerSpec":
+        return ServerSpec(**{**self.__dict__, "node_rank": node_rank})
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    command = [
+        spec.python, "-m", "sglang.launch_server",
+        "--model-path", spec.model_path,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--tp-size", str(spec.tp_size),
+        "--ep-size", str(spec.ep_size),
+        "--mem-fraction-static", str(spec.mem_fraction_static),
+        "--load-format", spec.load_format,
+    ]
+    if spec.enable_dp_attention:
+        # dp-attention splits attention across the TP ranks of this one server; its dp_size is the TP size.
+        command += ["--enable-dp-attention", "--dp-size", str(spec.tp_size)]
+    if spec.enable_memory_saver:
+        command.append("--enable-memory-saver")
+    if spec.skip_tokenizer_init:
+        command.append("--skip-tokenizer-init")
+    if spec.nnodes > 1:
+        if not spec.dist_init_addr:
+            raise ValueError("a multi-node server needs dist_init_addr (node 0's HOST:PORT)")
+        command += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                    "--dist-init-addr", spec.dist_init_addr]
+    return command + extra_flags(spec.extra_args)
+
+
+def router_command(
+    python: str, worker_urls: list[str], port: int, host: str = "127.0.0.1", extra_args: Mapping[str, Any] = {}
+) -> list[str]:
+    """sglang_router in front of several servers; generation goes to the router, weight updates to each server."""
+    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(port), *extra_flags(extra_args)]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(deque(handle, maxlen=lines))
+    except FileNotFoundError:
+        return "<no log file>"
+
+
+class ServerProcess:
+    """A server (or router) subprocess writing stdout+stderr to `log_path`; restartable."""
+
+    def __init__(self, command: list[str], log_path: Path, env: Mapping[str, str] = {}) -> None:
+        self.command = command
+        self.log_path = Path(log_path)
+        self.env = dict(env)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                start_new_session=True,  # its own process group, so stop() also ends the TP worker children
+            )
+        finally:
+            log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 15)
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        self.process = None
+
+    def wait_ready(self, is_healthy: Callable[[], bool], timeout_s: float, poll_s: float = 0.2) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive:
+                code = None if self.process is None else self.process.returncode
+                raise ServerStartupError(
+                    f"server exited with code {code}: {' '.join(self.command)}\n"
+                    f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}"
+                )
+            if is_healthy():
+                return
+            time.sleep(poll_s)
+        raise ServerStartupError(
+            f"server not healthy after {timeout_s:.0f}s: {' '.join(self.command)}\n"
+            f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}"
+        )
+
+
+def launch_node(spec: ServerSpec, log_dir: str) -> ServerProcess:
+    """Starts this node's share of a (possibly multi-node) server; the per-node Ray actor calls it.
+    Only node 0 serves HTTP, so only node 0's process is worth waiting on for readiness."""
+    process = ServerProcess(server_command(spec), Path(log_dir) / f"sglang_{spec.port}_node{spec.node_rank}.log", spec.env)
+    process.start()
+    return process

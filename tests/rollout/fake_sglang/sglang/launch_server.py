@@ -1,0 +1,223 @@
+"""Fake `sglang.launch_server`: a loopback HTTP server with SGLang's documented request/response schemas.
+
+It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
+buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
+and can crash on purpose (`--fake-die-after-generates`) or fail to start (`--fake-fail-start`).
+"""
+import argparse
+import base64
+import hashlib
+import json
+import os
+import pickle
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+SAMPLING_KEYS = {"n": int, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
+                 "top_k": int, "stop_token_ids": list, "sampling_seed": int}
+TAGS = {"weights", "kv_cache", "cuda_graph"}
+
+
+class BadRequest(Exception):
+    pass
+
+
+def expect(body, schema):
+    """`schema`: {field: type or tuple of types}; every field required, no others allowed."""
+    if not isinstance(body, dict) or set(body) != set(schema):
+        raise BadRequest(f"fields {sorted(body) if isinstance(body, dict) else body} != {sorted(schema)}")
+    for key, kind in schema.items():
+        if not isinstance(body[key], kind) or (kind is int and isinstance(body[key], bool)):
+            raise BadRequest(f"{key} has type {type(body[key]).__name__}")
+
+
+def tensor_digest(tensor):
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+            hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+
+
+class FakeServer:
+    def __init__(self, args):
+        self.args = args
+        self.weights = {}
+        self.weight_version = "default"
+        self.released = set()
+        self.generates = 0
+        self.lock = threading.Lock()
+        self.groups = {}
+
+    def record(self, path, **details):
+        with self.lock, open(self.args.fake_record, "a") as log:
+            log.write(json.dumps({"pid": os.getpid(), "path": path, **details}) + "\n")
+
+    def generate(self, body):
+        expect(body, {"input_ids": list, "sampling_params": dict, "return_logprob": bool})
+        params = body["sampling_params"]
+        unknown = set(params) - set(SAMPLING_KEYS)
+        if unknown or not all(isinstance(params[k], SAMPLING_KEYS[k]) for k in params):
+            raise BadRequest(f"bad sampling_params {params}")
+        if "kv_cache" in self.released or "weights" in self.released:
+            raise BadRequest("memory is released")
+        with self.lock:
+            self.generates += 1
+            count = self.generates
+        if count == self.args.fake_die_after_generates and not os.path.exists(self.args.fake_marker):
+            open(self.args.fake_marker, "w").close()
+            os._exit(3)  # mid-batch: the other requests in flight get their connections reset
+        time.sleep(0.02)
+        checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
+        output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
+        for step in range(params["max_new_tokens"]):
+            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % 1000
+            output_ids.append(token)
+            if token in params["stop_token_ids"]:
+                finish = {"type": "stop", "matched": token}
+                break
+        logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
+        self.record("/generate", input_ids=body["input_ids"])
+        return {"output_ids": output_ids, "meta_info": {
+            "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,
+            "weight_version": self.weight_version}}
+
+    def update_weights_from_tensor(self, body):
+        expect(body, {"serialized_named_tensors": list, "load_format": str, "flush_cache": bool,
+                      "weight_version": (str, type(None))})
+        if body["load_format"] != "flattened_bucket" or len(body["serialized_named_tensors"]) != self.args.tp_size:
+            raise BadRequest("expected one flattened bucket per TP rank")
+        if "weights" in self.released:
+            raise BadRequest("weights are released; resume them before pushing weights")
+        received = []
+        for payload in body["serialized_named_tensors"]:  # what TP rank i would open
+            bucket = pickle.loads(base64.b64decode(payload))
+            flat = bucket["flattened_tensor"]
+            if flat.dim() != 1 or flat.dtype != torch.uint8:
+                raise BadRequest("flattened_tensor must be 1-D uint8")
+            received.append({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).clone()
+                             for m in bucket["metadata"]})
+        for name, tensor in received[0].items():
+            self.weights[name] = tensor
+        if body["weight_version"] is not None:
+            self.weight_version = body["weight_version"]
+        self.record("/update_weights_from_tensor", names=list(received[0]),
+                    modules=sorted({type(m).__module__ for m in bucket["metadata"]}))
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def init_weights_update_group(self, body):
+        expect(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
+                      "group_name": str, "backend": str})
+        from rlmegatron.rollout.sglang_protocol import init_custom_process_group
+
+        self.groups[body["group_name"]] = init_custom_process_group(
+            body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
+            body["rank_offset"], body["group_name"])
+        self.record("/init_weights_update_group", **body)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body):
+        expect(body, {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
+                      "weight_version": (str, type(None))})
+        group = self.groups[body["group_name"]]
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            torch.distributed.broadcast(tensor, group_src=0, group=group)
+            self.weights[name] = tensor
+        if body["weight_version"] is not None:
+            self.weight_version = body["weight_version"]
+        self.record("/update_weights_from_distributed", names=body["names"])
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def memory(self, path, body):
+        expect(body, {"tags": list})
+        if not self.args.enable_memory_saver:
+            raise BadRequest("memory occupation control needs --enable-memory-saver")
+        if not set(body["tags"]) <= TAGS:
+            raise BadRequest(f"unknown tags {body['tags']}")
+        if path == "/release_memory_occupation":
+            self.released |= set(body["tags"])
+        else:
+            self.released -= set(body["tags"])
+        self.record(path, tags=body["tags"])
+        return {"success": True, "message": ""}
+
+
+def make_handler(server):
+    posts = {
+        "/generate": server.generate,
+        "/update_weights_from_tensor": server.update_weights_from_tensor,
+        "/init_weights_update_group": server.init_weights_update_group,
+        "/update_weights_from_distributed": server.update_weights_from_distributed,
+        "/release_memory_occupation": lambda body: server.memory("/release_memory_occupation", body),
+        "/resume_memory_occupation": lambda body: server.memory("/resume_memory_occupation", body),
+    }
+    control = {"/pause_generation", "/continue_generation", "/flush_cache"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, code, payload=None):
+            data = b"" if payload is None else json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path in ("/health", "/health_generate"):
+                self.reply(200)
+            elif self.path == "/fake/weights":
+                self.reply(200, {"version": server.weight_version,
+                                 "weights": {n: tensor_digest(t) for n, t in server.weights.items()}})
+            else:
+                self.reply(404, {"error": self.path})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            try:
+                if self.path in control:
+                    server.record(self.path)
+                    self.reply(200)
+                elif self.path in posts:
+                    self.reply(200, posts[self.path](body))
+                else:
+                    self.reply(404, {"error": self.path})
+            except BadRequest as error:
+                self.reply(400, {"success": False, "message": str(error)})
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--ep-size", type=int, default=1)
+    parser.add_argument("--dp-size", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--enable-dp-attention", action="store_true")
+    parser.add_argument("--fake-record", required=True)
+    parser.add_argument("--fake-marker", default="")
+    parser.add_argument("--fake-die-after-generates", type=int, default=0)
+    parser.add_argument("--fake-fail-start", default="")
+    args = parser.parse_args()
+    print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
+    if args.fake_fail_start:
+        print(args.fake_fail_start, flush=True)
+        raise SystemExit(1)
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(FakeServer(args)))
+    httpd.daemon_threads = True
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""SGLangEngine against a fake SGLang server on loopback: schemas, bucket round trips, call order, restarts."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmegatron.config.spec import RolloutConfig
+from rlmegatron.rollout.buckets import DEEPSEEK_FUSED_QKV_A
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from rlmegatron.rollout.sglang import DistributedGroupSpec, SGLangClient, SGLangEngine
+from rlmegatron.rollout.sglang_server import ServerSpec, ServerStartupError, router_command, server_command
+from rlmegatron.runtime.launcher import free_port
+
+FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
+REPO_ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def file_system_sharing():
+    # CPU buckets reach the (unrelated) fake server process through named shared memory.
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(64, 16, generator=generator).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_a_proj.weight", torch.randn(8, 16, generator=generator)),
+        ("model.layers.0.mlp.gate_proj.weight", torch.randn(32, 16, generator=generator)),
+        ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", torch.randn(12, 16, generator=generator)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(16, generator=generator).half()),
+        ("model.norm.step", torch.tensor(7, dtype=torch.int64)),
+    ]
+
+
+def digest(tensor: torch.Tensor) -> list:
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+            hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+
+
+def make_engine(tmp_path: Path, resync=None, **fake_flags) -> SGLangEngine:
+    spec = ServerSpec(
+        model_path="fake/model", port=free_port(), python=sys.executable, load_format="dummy",
+        extra_args={"fake-record": str(tmp_path / "calls.jsonl"), "fake-marker": str(tmp_path / "died"),
+                    **fake_flags},
+        env={"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])},
+    )
+    return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=(DEEPSEEK_FUSED_QKV_A,),
+                        resync=resync, startup_timeout_s=30, request_timeout_s=30, max_concurrency=8)
+
+
+def calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def server_weights(engine: SGLangEngine) -> dict:
+    return SGLangClient(engine.spec.url)._call("GET", "/fake/weights")
+
+
+def test_launch_commands_follow_the_config():
+    rollout = RolloutConfig(tensor_parallel_size=4, expert_parallel_size=2, enable_dp_attention=True,
+                            mem_fraction_static=0.6, sglang={"python": "/venv/bin/python", "load_format": "dummy",
+                                                             "extra_args": {"chunked-prefill-size": 4096,
+                                                                            "disable-radix-cache": True}})
+    spec = ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000, nnodes=2, dist_init_addr="10.0.0.1:5000")
+    command = server_command(spec.for_node(1))
+    assert command[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
+    text = " ".join(command)
+    for flag in ["--model-path /ckpt/hf", "--tp-size 4", "--ep-size 2", "--enable-dp-attention --dp-size 4",
+                 "--mem-fraction-static 0.6", "--enable-memory-saver", "--load-format dummy", "--skip-tokenizer-init",
+                 "--port 30000", "--host 127.0.0.1", "--nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000",
+                 "--chunked-prefill-size 4096", "--disable-radix-cache"]:
+        assert flag in text, flag
+    assert router_command("py", ["http://a:1", "http://b:2"], port=8000)[:6] == [
+        "py", "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2"]
+
+
+def test_generate_schema_results_and_finish_reasons(tmp_path):
+    engine = make_engine(tmp_path)
+    try:
+        stop_token = (1 + 2 + 3 + 31 * 2) % 1000  # the fake's third token for prompt (1, 2, 3)
+        results = engine.generate([
+            GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=5, stop_token_ids=(stop_token,))),
+            GenerationRequest((4, 5), SamplingSpec(max_new_tokens=4, temperature=0.0, seed=1)),
+        ])
+        assert [(r.request_index, r.sample_index) for r in results] == [(0, 0), (0, 1), (1, 0)]
+        assert results[0].finish_reason == "stop" and results[0].output_token_ids == (6, 37, stop_token)
+        assert results[0].output_token_logprobs == pytest.approx((-0.01, -0.02, -0.03))
+        assert results[2].finish_reason == "length" and len(results[2].output_token_ids) == 4
+        assert results[2].weight_version == "default"
+        assert engine.health() and engine.client.health_generate()
+    finally:
+        engine.shutdown()
+    assert not engine.health()
+
+
+def test_colocated_sync_round_trips_buckets_in_order(tmp_path):
+    engine = make_engine(tmp_path)
+    try:
+        engine.release_memory()
+        engine.wake_up_with_weights(iter(weights()), version="v1")
+        pushed = server_weights(engine)
+        assert pushed["version"] == "v1"
+        assert pushed["weights"] == {name: digest(tensor) for name, tensor in weights()}
+        log = calls(tmp_path)
+        order = [(c["path"], c.get("tags")) for c in log]
+        updates = [c for c in log if c["path"] == "/update_weights_from_tensor"]
+        assert order[:2] == [("/release_memory_occupation", ["weights", "kv_cache", "cuda_graph"]),
+                             ("/resume_memory_occupation", ["weights"])]
+        assert order[2:2 + len(updates)] == [("/update_weights_from_tensor", None)] * len(updates)
+        assert order[2 + len(updates):] == [("/flush_cache", None), ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
+        assert len(updates) > 1, "1 KiB buckets should split these weights"
+        assert all(c["modules"] == ["sglang.srt.weight_sync.tensor_bucket"] for c in updates)
+        together = [c["names"] for c in updates if "model.layers.0.self_attn.q_a_proj.weight" in c["names"]]
+        assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in together[0]
+    finally:
+        engine.shutdown()
+
+
+def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
+    resyncs = []
+
+    def resync():
+        resyncs.append(1)
+        return iter(weights()), "v7"
+
+    engine = make_engine(tmp_path, resync=resync, **{"fake-die-after-generates": 5})
+    try:
+        engine.update_weights(iter(weights()), "v7")
+        prompts = [(i, i + 1) for i in range(12)]
+        results = engine.generate([GenerationRequest(p, SamplingSpec(n=2, max_new_tokens=3)) for p in prompts])
+        assert [(r.request_index, r.sample_index) for r in results] == [(i, s) for i in range(12) for s in range(2)]
+        assert all(r.weight_version == "v7" and len(r.output_token_ids) == 3 for r in results)
+        assert engine.restarts == 1 and resyncs == [1]
+        assert server_weights(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
+        assert len({c["pid"] for c in calls(tmp_path)}) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_server_that_never_becomes_healthy_reports_its_log_tail(tmp_path):
+    with pytest.raises(ServerStartupError, match="CUDA out of memory while capturing graphs"):
+        make_engine(tmp_path, **{"fake-fail-start": "CUDA out of memory while capturing graphs"})
+
+
+def test_distributed_update_broadcasts_in_announced_order(tmp_path):
+    engine = make_engine(tmp_path)
+    try:
+        group = DistributedGroupSpec("127.0.0.1", free_port(), group_name="sync_test", backend="gloo")
+        engine.update_weights_distributed(iter(weights()), "v3", group)
+        pushed = server_weights(engine)
+        assert pushed["version"] == "v3"
+        assert pushed["weights"] == {name: digest(tensor) for name, tensor in weights()}
+        init = next(c for c in calls(tmp_path) if c["path"] == "/init_weights_update_group")
+        assert (init["rank_offset"], init["world_size"], init["backend"]) == (1, 2, "gloo")
+    finally:
+        engine.shutdown()
