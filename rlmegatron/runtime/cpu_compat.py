@@ -203,6 +203,8 @@ class SDPACoreAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        if query.dim() == 3:  # packed THD input [tokens, heads, dim]: one sequence of all tokens
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.size(1) != q.size(1):

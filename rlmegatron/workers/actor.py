@@ -69,10 +69,8 @@ class ActorWorker:
 
         if not parallel_state_ready:
             init_model_parallel(self.layout)
-        # Megatron's DistributedOptimizer accepts only torch.cuda.*Tensor parameters, so the CPU
-        # path keeps the replicated optimizer state (same maths, no ZeRO sharding).
-        distributed = torch.cuda.is_available()
-        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True, use_distributed_optimizer=distributed)
+        # Adam state is sharded over DP (Megatron's DistributedOptimizer), on CPU too via the CPU layer.
+        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True, use_distributed_optimizer=True)
         opt = self.settings.optimizer
         config = engine.unwrap(self.chunks[0]).config
         self.optimizer = get_megatron_optimizer(
@@ -85,7 +83,7 @@ class ActorWorker:
                 adam_beta2=opt.adam_beta2,
                 adam_eps=opt.adam_eps,
                 clip_grad=opt.clip_grad,
-                use_distributed_optimizer=distributed,
+                use_distributed_optimizer=True,
                 bf16=config.bf16,
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,

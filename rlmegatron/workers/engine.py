@@ -1,41 +1,15 @@
 """Megatron model chunks and the micro-batched forward(-backward) pass the actor, reference and critic share."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from rlmegatron.runtime.cpu_compat import SDPACoreAttention
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
 from rlmegatron.workers.batch import fixed_micro_batches, token_budget_micro_batches
 
 # (pre_process, post_process, vp_stage) -> the GPTModel chunk for this rank; the HF bridge plugs in here.
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
-
-
-class ThdSDPACoreAttention(SDPACoreAttention):
-    """SDPACoreAttention that also takes THD ([tokens, heads, dim]) packed inputs, as Megatron passes them.
-
-    Belongs in runtime/cpu_compat.SDPACoreAttention; kept here until that module accepts 3-D inputs.
-    """
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if query.dim() == 3:
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
-        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-
-
-def _swap_core_attention(node):
-    if node is SDPACoreAttention:
-        return ThdSDPACoreAttention
-    if isinstance(node, list):
-        return [_swap_core_attention(item) for item in node]
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return dataclasses.replace(node, **{f.name: _swap_core_attention(getattr(node, f.name))
-                                            for f in dataclasses.fields(node)})
-    return node
 
 
 def gpt_model_provider(config, vocab_size: int, max_sequence_length: int, tie_embeddings: bool = True,
@@ -48,7 +22,7 @@ def gpt_model_provider(config, vocab_size: int, max_sequence_length: int, tie_em
     def provide(pre_process: bool, post_process: bool, vp_stage: Optional[int]):
         return GPTModel(
             config=config,
-            transformer_layer_spec=_swap_core_attention(decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage)),
+            transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
             pre_process=pre_process,
@@ -61,32 +35,12 @@ def gpt_model_provider(config, vocab_size: int, max_sequence_length: int, tie_em
     return provide
 
 
-def _cpu_grad_clipping() -> None:
-    """Torch grad clipping for CPU runs: Megatron's asserts torch.cuda.FloatTensor grads.
-
-    Belongs in runtime/cpu_compat.enable_cpu_compat(); applied here, once, until it moves there.
-    """
-    from megatron.core.optimizer import optimizer as megatron_optimizer
-
-    def clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        coefficient = max_norm / (total_norm + 1.0e-6)
-        if coefficient < 1.0:
-            for param in parameters:
-                grad = param.decoupled_grad if use_decoupled_grad else param.grad
-                if grad is not None:
-                    grad.mul_(coefficient)
-
-    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm
-
-
 def build_model_chunks(provider: ModelProvider, wrap_ddp: bool, use_distributed_optimizer: bool = True) -> list:
     """This rank's model chunks (one, or one per virtual pipeline stage), DDP-wrapped for training."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    if not torch.cuda.is_available():
-        _cpu_grad_clipping()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for stage in range(vpp or 1):
