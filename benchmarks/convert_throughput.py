@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=4)
     args = parser.parse_args()
 
     import torch
@@ -63,7 +64,7 @@ def main() -> None:
 
     workdir = tempfile.mkdtemp(prefix="convert-bench-")
     config = AutoConfig.for_model("qwen2", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                  num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
+                                  num_attention_heads=args.hidden // 64, num_key_value_heads=args.kv_heads,
                                   intermediate_size=args.hidden * 3, vocab_size=args.vocab)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(workdir, max_shard_size="200MB")
     size = _model_bytes(workdir)
