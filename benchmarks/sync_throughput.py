@@ -45,7 +45,7 @@ def run_one(mode: str, total_mb: int, bucket_mb: int, repeats: int) -> dict:
     best = float("inf")
     # Both sides keep their destination between repeats, so the best repeat measures copying, not page faults.
     destination = torch.zeros(nbytes, dtype=torch.uint8) if mode == "copy" else None
-    bucketer = Bucketer(bucket_mb * 2**20, reuse_buffer=True)
+    bucketer = Bucketer(bucket_mb * 2**20, reuse_buffer=True) if mode != "copy" else None
     for _ in range(repeats):
         start = time.perf_counter()
         if mode == "copy":
@@ -61,7 +61,7 @@ def run_one(mode: str, total_mb: int, bucket_mb: int, repeats: int) -> dict:
         best = min(best, time.perf_counter() - start)
     return {"mode": mode, "bucket_mb": bucket_mb, "gb": nbytes / 1e9, "seconds": best,
             "gb_per_s": nbytes / 1e9 / best, "peak_extra_mb": (max_rss_bytes() - baseline_rss) / 2**20,
-            "peak_buffer_mb": bucketer.peak_buffer_bytes / 2**20 if mode != "copy" else 0}
+            "peak_buffer_mb": bucketer.peak_buffer_bytes / 2**20 if bucketer else 0}
 
 
 def main() -> None:

@@ -184,7 +184,8 @@ class SGLangEngine(RolloutEngine):
     """One SGLang server (one TP group) launched and supervised by this engine.
 
     A server that stops answering is restarted, re-synced through `resync`, and the samples that were in
-    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine.
+    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine. Samples
+    the server itself aborted come back with finish reason `abort` for the caller to drop or resubmit.
     """
 
     def __init__(
@@ -231,13 +232,17 @@ class SGLangEngine(RolloutEngine):
         if spec.seed is not None:
             # Distinct but reproducible seeds for the n samples of one request.
             spec = SamplingSpec(**{**spec.__dict__, "seed": spec.seed * 1_000_003 + sample_index})
-        while True:
+        # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
+        # attempt bound stops a server that stays healthy but keeps failing this request.
+        for attempt in range(self.max_restarts + 3):
             epoch = self._epoch
             try:
                 answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec))
                 return parse_generate_response(answer, request_index, sample_index)
-            except ServerUnavailable:
+            except ServerUnavailable as error:
+                last_error = error
                 self._recover(epoch)
+        raise ServerUnavailable(f"sample {request_index}/{sample_index} failed {attempt + 1} times: {last_error}")
 
     # Weights -----------------------------------------------------------------------------------------
 

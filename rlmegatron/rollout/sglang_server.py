@@ -1,6 +1,7 @@
 """SGLang server processes: launch commands (server, multi-node, router), the process with its log, and readiness."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -77,7 +78,7 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
     def for_node(self, node_rank: int) -> "ServerSpec":
-        return ServerSpec(**{**self.__dict__, "node_rank": node_rank})
+        return dataclasses.replace(self, node_rank=node_rank)
 
 
 def server_command(spec: ServerSpec) -> list[str]:
