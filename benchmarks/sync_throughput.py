@@ -45,7 +45,7 @@ def run_one(mode: str, total_mb: int, bucket_mb: int, repeats: int) -> dict:
     best = float("inf")
     # Both sides keep their destination between repeats, so the best repeat measures copying, not page faults.
     destination = torch.zeros(nbytes, dtype=torch.uint8) if mode == "copy" else None
-    bucketer = Bucketer(bucket_mb * 2**20, reuse_buffer=True) if mode != "copy" else None
+    bucketer = Bucketer(bucket_mb * 2**20, reuse_buffer=True, shared_memory=mode.endswith("serialize")) if mode != "copy" else None
     for _ in range(repeats):
         start = time.perf_counter()
         if mode == "copy":

@@ -100,12 +100,16 @@ class Bucketer:
         bucket_bytes: int,
         travel_rules: Sequence[TravelRule] = (),
         reuse_buffer: bool = False,
+        shared_memory: bool = False,
     ) -> None:
+        """`shared_memory` allocates CPU buffers in shared memory, so handing a bucket to another process
+        (SGLang's serializer) copies nothing; CUDA buffers travel as IPC handles either way."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.travel_rules = tuple(travel_rules)
         self.reuse_buffer = reuse_buffer
+        self.shared_memory = shared_memory
         self._buffer: torch.Tensor | None = None
         self.peak_buffer_bytes = 0
         """Largest flat buffer this bucketer allocated; the benchmark reports it."""
@@ -173,10 +177,15 @@ class Bucketer:
     def _allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, nbytes)
         if not self.reuse_buffer or nbytes > self.bucket_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return self._empty(nbytes, device)
         if self._buffer is None or self._buffer.device != device:
-            self._buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+            self._buffer = self._empty(self.bucket_bytes, device)
         return self._buffer[:nbytes]
+
+    def _empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self.shared_memory and device.type == "cpu":
+            return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def iter_buckets(

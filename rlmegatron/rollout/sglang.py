@@ -248,7 +248,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
         """Colocated: each bucket travels as a shared-memory/IPC handle, one copy per server TP rank."""
-        bucketer = Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True)
+        bucketer = Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True, shared_memory=True)
         for bucket in bucketer.buckets(named_tensors):
             payload = serialize_flattened_bucket(bucket)
             # Returns only after the server loaded the bucket, so the reused buffer is free again.
