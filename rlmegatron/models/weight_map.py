@@ -243,6 +243,17 @@ class WeightMap:
             return [tensor[: self.facts.vocab_size]]
         return [tensor]
 
+    def merge_tp_shards(self, megatron_name: str, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """TP shards of a Megatron tensor -> the full tensor `split` takes; inverse of reading per-rank chunks.
+
+        QKV shards hold whole query groups and vocab shards whole rows, so they concatenate;
+        GLU fc1 shards are [gate_i; up_i] and are regrouped into [gate; up].
+        """
+        if self.rule(megatron_name).transform == GLU and dim == 0:
+            halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
+            return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+        return torch.cat(list(shards), dim=dim)
+
     def hf_to_megatron(self, megatron_name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Full Megatron tensor from full HF tensors keyed by HF name (stacked sources indexed as needed)."""
         rule = self.rule(megatron_name)

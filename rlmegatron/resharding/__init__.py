@@ -1,0 +1,4 @@
+"""Streaming export of HF-named full tensors from any Megatron layout (the weight-sync source)."""
+from rlmegatron.resharding.export import HFWeightExporter, export_hf_weights
+
+__all__ = ["HFWeightExporter", "export_hf_weights"]

@@ -1,0 +1,184 @@
+"""Streaming export of a live Megatron model, at any TP/PP/VPP/EP/ETP layout, as HF-named full tensors.
+
+Every rank runs `export_hf_weights` and receives the same stream, one tensor (or,
+for experts, one EP group of tensors) at a time, so extra memory stays near the
+largest tensor. All ranks issue the same collectives in the same order:
+
+1. a one-off plan: every rank's weight names, shapes and owning pipeline stage;
+2. per weight, in the weight map's order: TP (or expert-TP) all-gather on the
+   owning stage, with the per-rank fc1 layout undone by the weight map;
+   for experts, an EP all-gather of the same local expert slot, which yields
+   the experts of every EP rank under their global ids;
+3. a broadcast from the owning pipeline stage to the others;
+4. the weight map's `megatron_to_hf` (QKV split, fc1 split, vocab padding stripped).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from rlmegatron.models.weight_map import WeightMap, canonical_name
+
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One Megatron weight as the plan sees it."""
+
+    name: str  # weight-map name: global layer and expert ids
+    local_name: str  # this rank's module path (same on every rank of the owning stage)
+    pp_stage: int
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    partition_dim: Optional[int]  # TP-sharded dim, None if replicated
+
+
+def _partition_dim(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> Optional[int]:
+    """The TP-sharded dim of a weight, from Megatron's attributes or, when initialisation was skipped, its module."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    if isinstance(module, RowParallelLinear):
+        return 1 if param_name == "weight" else None
+    return None
+
+
+def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]:
+    """(weight-map name, local name, tensor, partition dim) for every parameter and filled buffer of this rank."""
+    from megatron.core import parallel_state as ps
+
+    weights = []
+    for chunk_id, chunk in enumerate(chunks):
+        model = chunk.module if hasattr(chunk, "module") else chunk
+        layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+        num_experts = model.config.num_moe_experts or 0
+        expert_offset = ps.get_expert_model_parallel_rank() * (num_experts // ps.get_expert_model_parallel_world_size())
+        modules = dict(model.named_modules())
+        tensors = [(n, p) for n, p in model.named_parameters()]
+        tensors += [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+        for local_name, tensor in tensors:
+            module_name, _, attr = local_name.rpartition(".")
+            dim = _partition_dim(modules[module_name], attr, tensor)
+            name = canonical_name(local_name, layers, expert_offset)
+            weights.append((name, f"{chunk_id}:{local_name}", tensor, dim))
+    return weights
+
+
+class HFWeightExporter:
+    """Plans once per model, then streams HF-named full tensors on every call (e.g. every training step)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], weight_map: WeightMap):
+        from megatron.core import parallel_state as ps
+
+        self.weight_map = weight_map
+        self._local = {name: (tensor, dim) for name, _, tensor, dim in _local_weights(chunks)}
+        stage = ps.get_pipeline_model_parallel_rank()
+        mine = [
+            _Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim)
+            for name, local_name, t, dim in _local_weights(chunks)
+        ]
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        entries: dict[str, _Entry] = {}
+        for rank_entries in everyone:
+            for entry in rank_entries:
+                entries.setdefault(entry.name, entry)
+        missing = [n for n, rule in weight_map.rules.items() if rule.exported and n not in entries]
+        if missing:
+            raise ValueError(f"the model has no weight for {len(missing)} weight-map rules, e.g. {missing[:5]}")
+        self._plan = [entries[n] for n in weight_map.rules if n in entries and weight_map.rules[n].exported]
+        self.num_experts = next(iter(chunks)).config.num_moe_experts or 0
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.stream()
+
+    def stream(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for every exported weight, identically on every rank."""
+        local_experts = self.num_experts // self.ep_size if self.num_experts else 0
+        for entry in self._plan:
+            expert = _EXPERT.search(entry.name)
+            if expert and self.ep_size > 1:
+                if int(expert.group(1)) >= local_experts:
+                    continue  # produced with the same slot of EP rank 0, by one all-gather
+                group = self._expert_group(entry, int(expert.group(1)), local_experts)
+            else:
+                group = {entry.name: self._full_megatron_tensor(entry, entry.name)}
+            for name, tensor in group.items():
+                for hf_name, value in self.weight_map.megatron_to_hf(name, tensor).items():
+                    yield hf_name, value if dtype is None else value.to(dtype)
+
+    def _expert_group(self, entry: _Entry, slot: int, local_experts: int) -> dict[str, torch.Tensor]:
+        """Full tensors of local expert `slot` of every EP rank, keyed by weight-map name (global ids)."""
+        from megatron.core import parallel_state as ps
+
+        ep_rank = ps.get_expert_model_parallel_rank()
+        names = [_EXPERT.sub(f".local_experts.{r * local_experts + slot}.", entry.name) for r in range(self.ep_size)]
+        mine = self._full_megatron_tensor(entry, names[ep_rank], gather_pp=False)
+        group = ps.get_expert_model_parallel_group()
+        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)] if mine is not None else None
+        if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
+            torch.distributed.all_gather(gathered, mine, group=group)
+        return {name: self._broadcast_from_stage(entry, tensor) for name, tensor in zip(names, gathered or [None] * self.ep_size)}
+
+    def _full_megatron_tensor(self, entry: _Entry, name: str, gather_pp: bool = True) -> Optional[torch.Tensor]:
+        """The full (TP-gathered) Megatron tensor; on every rank if `gather_pp`, else on the owning stage."""
+        from megatron.core import parallel_state as ps
+
+        full = None
+        if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
+            tensor, dim = self._local[name]
+            full = self._gather_tp(name, tensor.detach(), dim)
+        return self._broadcast_from_stage(entry, full) if gather_pp else full
+
+    def _gather_tp(self, name: str, shard: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if ".local_experts." in name:
+            group, size = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
+        else:
+            group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        if dim is None or size == 1:
+            return shard
+        shards = [torch.empty_like(shard) for _ in range(size)]
+        torch.distributed.all_gather(shards, shard.contiguous(), group=group)
+        return self.weight_map.merge_tp_shards(name, shards, dim)
+
+    def _broadcast_from_stage(self, entry: _Entry, tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(self._full_shape(entry), dtype=entry.dtype, device=_device())
+        group = ps.get_pipeline_model_parallel_group()
+        src = torch.distributed.get_process_group_ranks(group)[entry.pp_stage]
+        torch.distributed.broadcast(tensor, src=src, group=group)
+        return tensor
+
+    def _full_shape(self, entry: _Entry) -> tuple[int, ...]:
+        from megatron.core import parallel_state as ps
+
+        if entry.partition_dim is None:
+            return entry.local_shape
+        expert = ".local_experts." in entry.name
+        size = ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
+        shape = list(entry.local_shape)
+        shape[entry.partition_dim] *= size
+        return tuple(shape)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def export_hf_weights(chunks, weight_map: WeightMap, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One-shot stream of HF-named full tensors from a live model (see HFWeightExporter to reuse the plan)."""
+    return HFWeightExporter(chunks, weight_map).stream(dtype)
