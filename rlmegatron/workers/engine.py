@@ -52,6 +52,12 @@ def build_model_chunks(provider: ModelProvider, wrap_ddp: bool, use_distributed_
         )
         if torch.cuda.is_available():
             model = model.cuda()
+        else:
+            from rlmegatron.runtime.distributed import transformer_config_overrides
+
+            # gloo needs these schedule settings; apply them even when the caller's config lacks them.
+            for name, value in transformer_config_overrides("cpu").items():
+                setattr(model.config, name, value)
         # Micro-batches are unpadded, so their lengths differ; PP must exchange shapes first.
         model.config.variable_seq_lengths = True
         if wrap_ddp:

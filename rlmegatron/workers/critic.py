@@ -1,0 +1,113 @@
+"""The critic worker: a GPTModel with a scalar value head, its values on response tokens and the clipped value-loss update."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlmegatron.algorithms import clipped_value_loss
+from rlmegatron.workers import engine
+from rlmegatron.workers.batch import MicroBatch, RolloutBatch
+from rlmegatron.workers.training import TrainingSettings, TrainingWorker
+
+VALUE_HEAD_SEED = 0
+
+
+@dataclass(frozen=True)
+class CriticSettings(TrainingSettings):
+    """verl's critic fields, same meanings."""
+
+    cliprange_value: float = 0.5
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden -> 1 in place of GPTModel's output layer, replicated on every TP rank (one output cannot be split).
+
+    Its signature and return value are ColumnParallelLinear's, so GPTModel calls it unchanged.
+    """
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        # Seeded independently of the rank so every TP (and DP) replica starts identical.
+        generator = torch.Generator().manual_seed(VALUE_HEAD_SEED)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * config.init_method_std)
+            self.bias.zero_()
+        self.sequence_parallel = config.sequence_parallel
+        for param in self.parameters():
+            # finalize_model_grads all-reduces grads of sequence-parallel params over TP.
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        values = super().forward(hidden_states).float()
+        if self.sequence_parallel:
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def value_model_provider(provider: engine.ModelProvider) -> engine.ModelProvider:
+    """`provider`'s GPTModel (built untied) with the last stage's output layer replaced by a ValueHead."""
+
+    def provide(pre_process: bool, post_process: bool, vp_stage):
+        model = provider(pre_process, post_process, vp_stage)
+        if model.share_embeddings_and_output_weights:
+            raise ValueError("a critic needs an untied output layer: build its provider with tie_embeddings=False")
+        if post_process:
+            model.output_layer = ValueHead(model.config)
+        return model
+
+    return provide
+
+
+class CriticWorker(TrainingWorker):
+    """One rank of the critic: every rank of the group gets the same RolloutBatch and returns the same result."""
+
+    metric_prefix = "critic"
+
+    def __init__(self, settings: CriticSettings, model_provider: engine.ModelProvider, layout):
+        super().__init__(settings, value_model_provider(model_provider), layout)
+
+    def load_actor_weights(self, path: str) -> None:
+        """Initialise from a policy checkpoint: every weight but the output layer (the value head keeps its init)."""
+        self.load_weights(path, skip_prefixes=("output_layer.",))
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """V(prefix before each response token) [B, R], zero outside response_mask."""
+
+        def per_token(micro_batch, output):
+            values = _response_values(micro_batch, output)
+            return (values * micro_batch.response_fields.response_mask.to(values.device),)
+
+        return engine.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Clipped value loss against `batch.returns`, with `batch.values` as the rollout-time values."""
+        if batch.values is None or batch.returns is None:
+            raise ValueError("critic update needs values and returns")
+        return self._run_mini_batches(batch, self._loss_func_factory, summed="critic/vf_loss")
+
+    def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
+        aggregation = self._aggregation(mini_batch)
+
+        def loss_func_for(micro_batch: MicroBatch, output: torch.Tensor):
+            fields = micro_batch.response_fields
+            device = output.device
+            vf_loss, metrics = clipped_value_loss(
+                _response_values(micro_batch, output),
+                fields.returns.to(device),
+                fields.values.to(device),
+                fields.response_mask.to(device),
+                self.settings.cliprange_value,
+                aggregation,
+            )
+            reported = {"critic/vf_loss": vf_loss.detach().clone(), "critic/vf_clipfrac": metrics["vf_clipfrac"]}
+            return vf_loss * scale, reported
+
+        return loss_func_for
+
+
+def _response_values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+    # The value at input position p belongs to the next token, as the log-prob there does.
+    return micro_batch.to_response_grid(output[..., 0])

@@ -1,0 +1,43 @@
+"""The reference policy: a frozen copy of the actor's model that only computes log-probs."""
+from __future__ import annotations
+
+from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.workers import engine
+from rlmegatron.workers.actor import ActorSettings, compute_log_prob
+from rlmegatron.workers.batch import RolloutBatch
+from rlmegatron.workers.offload import Offloader
+
+
+class ReferenceWorker:
+    """One rank of the reference policy: no DDP, no optimizer, no gradients.
+
+    It takes the actor's settings because log-probs must be computed exactly as the actor's
+    (same temperature); only their batching fields and temperature are used.
+    """
+
+    def __init__(self, settings: ActorSettings, model_provider: engine.ModelProvider, layout: ParallelLayout):
+        self.settings = settings
+        self.model_provider = model_provider
+        self.layout = layout
+        self.chunks: list = []
+        self.offloader: Offloader | None = None
+
+    def init(self, parallel_state_ready: bool = False) -> None:
+        if not parallel_state_ready:
+            init_model_parallel(self.layout)
+        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=False)
+        self.offloader = Offloader(self.chunks)
+
+    def load_weights(self, path: str) -> None:
+        engine.load_weights(self.chunks, path)
+
+    def offload(self) -> None:
+        """Weights to host memory between uses, so the reference costs no GPU memory while idle."""
+        self.offloader.offload()
+
+    def onload(self) -> None:
+        self.offloader.onload()
+
+    def compute_log_prob(self, batch: RolloutBatch):
+        """log p_ref(response token) [B, R], zero outside response_mask."""
+        return compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]

@@ -1,0 +1,190 @@
+"""What the actor and critic share: settings, optimizer, weights I/O, offload, and the PPO mini-batch loop."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from rlmegatron.algorithms import LossAggregation, local_denominator
+from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.workers import engine
+from rlmegatron.workers.batch import MicroBatch, RolloutBatch
+from rlmegatron.workers.offload import Offloader
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Batching and optimizer fields of a trained worker (verl's names and meanings)."""
+
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step
+    ppo_epochs: int = 1
+    micro_batch_size: int = 2  # sequences per micro-batch when max_token_len is None
+    max_token_len: Optional[int] = None  # dynamic batch size: tokens per micro-batch
+    use_packing: bool = True  # THD packing: padding costs no compute
+    loss_agg_mode: str = "token-mean"
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+
+def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
+    """This rank's micro-batches of `batch` under `settings`' batching fields."""
+    return engine.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size, settings.max_token_len)
+
+
+class TrainingWorker:
+    """One rank of a DDP-wrapped model with Megatron's DistributedOptimizer; subclasses define the loss."""
+
+    metric_prefix: str  # "actor" or "critic"
+
+    def __init__(self, settings: TrainingSettings, model_provider: engine.ModelProvider, layout: ParallelLayout):
+        self.settings = settings
+        self.model_provider = model_provider
+        self.layout = layout
+        self.chunks: list = []
+        self.optimizer = None
+        self.offloader: Optional[Offloader] = None
+
+    def init(self, parallel_state_ready: bool = False) -> None:
+        """Build the parallel groups (unless a colocated worker did), the model chunks and the optimizer."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if not parallel_state_ready:
+            init_model_parallel(self.layout)
+        # Adam state is sharded over DP (Megatron's DistributedOptimizer), on CPU too via the CPU layer.
+        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True, use_distributed_optimizer=True)
+        opt = self.settings.optimizer
+        config = engine.unwrap(self.chunks[0]).config
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                use_distributed_optimizer=True,
+                bf16=config.bf16,
+                fp16=config.fp16,
+                params_dtype=config.params_dtype,
+            ),
+            self.chunks,
+        )
+        self.offloader = Offloader(self.chunks, self.optimizer)
+
+    def save_weights(self, path: str) -> None:
+        engine.save_weights(self.chunks, path)
+
+    def load_weights(self, path: str, skip_prefixes: tuple[str, ...] = ()) -> None:
+        engine.load_weights(self.chunks, path, skip_prefixes)
+        # The distributed optimizer keeps its own fp32 copy of bf16/fp16 weights.
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
+    def offload(self) -> None:
+        """Weights, grads and optimizer state to host memory (frees the GPU for rollout)."""
+        self.offloader.offload()
+
+    def onload(self) -> None:
+        self.offloader.onload()
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        return micro_batches(self.settings, batch)
+
+    def _aggregation(self, mini_batch: RolloutBatch) -> LossAggregation:
+        # Every rank holds the whole mini-batch, so its mask gives the global denominator directly.
+        mode = self.settings.loss_agg_mode
+        return LossAggregation(
+            mode=mode,
+            global_denominator=local_denominator(mini_batch.response_mask, mode),
+            max_response_length=mini_batch.response_length,
+        )
+
+    def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: str) -> dict[str, float]:
+        """For each epoch and mini-batch: accumulate gradients over micro-batches, then one optimizer step.
+
+        `loss_func_factory(mini_batch, scale)` returns a Megatron loss function whose loss is
+        multiplied by `scale`; `summed` names the reported metric that adds up over micro-batches.
+        """
+        for chunk in self.chunks:
+            chunk.train()
+        s = self.settings
+        history: dict[str, list[float]] = defaultdict(list)
+        for _ in range(s.ppo_epochs):
+            for start in range(0, len(batch), s.ppo_mini_batch_size):
+                mini_batch = batch.select(list(range(start, min(start + s.ppo_mini_batch_size, len(batch)))))
+                for name, value in self._train_mini_batch(mini_batch, loss_func_factory, summed).items():
+                    history[name].append(value)
+        metrics = {name: sum(values) / len(values) for name, values in history.items()}
+        metrics[f"{self.metric_prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def _train_mini_batch(self, mini_batch: RolloutBatch, loss_func_factory: Callable, summed: str):
+        micro_batches = self._micro_batches(mini_batch)
+        # Megatron divides each micro-batch loss by their count and DDP averages over DP; the
+        # global denominator already makes the sum over both exact, so undo those two factors.
+        loss_func_for = loss_func_factory(mini_batch, len(micro_batches) * engine.dp_size())
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        collected = engine.forward_backward(self.chunks, micro_batches, loss_func_for, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        metrics = _reduce_metrics(collected, summed)
+        metrics[f"{self.metric_prefix}/grad_norm"] = float(grad_norm)
+        metrics.update(_moe_aux_losses(engine.unwrap(self.chunks[0]).config, self.metric_prefix))
+        return metrics
+
+
+def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
+    """The loss functions' metric dicts (last stage only) -> one dict every rank agrees on.
+
+    `summed` carries the global denominator, so its sum over micro-batches and DP ranks is the
+    mini-batch value; every other metric is a per-micro-batch mean, averaged.
+    """
+    names = _names_from_last_stage(sorted(collected[0]) if collected else [])
+    sums = torch.zeros(len(names) + 1)
+    if engine.is_last_stage():
+        for item in collected:
+            for k, name in enumerate(names):
+                value = item[name].float().cpu()
+                sums[k] += value if name == summed else value / len(collected)
+        sums[-1] = 1.0  # counts the DP ranks that contributed
+    sums = engine.share_from_last_stage(sums.to("cuda" if torch.cuda.is_available() else "cpu")).cpu()
+    return {name: float(sums[k] if name == summed else sums[k] / sums[-1]) for k, name in enumerate(names)}
+
+
+def _names_from_last_stage(names: list[str]) -> list[str]:
+    from megatron.core import parallel_state as ps
+
+    holder = [names]
+    group = ps.get_pipeline_model_parallel_group()
+    torch.distributed.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
+    return holder[0]
+
+
+def _moe_aux_losses(config, prefix: str) -> dict[str, float]:
+    """Router auxiliary losses Megatron tracked during this step, averaged over MoE layers, then cleared."""
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    moe_utils.reduce_aux_losses_tracker_across_ranks()
+    metrics = {}
+    for name, entry in tracker.items():
+        values = entry["values"]
+        metrics[f"{prefix}/moe_{name}"] = float(values.sum() / max(1, int((values != 0).sum())))
+    moe_utils.clear_aux_losses_tracker()
+    return metrics
