@@ -85,6 +85,8 @@ class ModelConfig(Section):
     """Tokenizer directory or hub id; defaults to `path`."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     trust_remote_code: bool = False
+    random_init: bool = False
+    """Start from randomly initialised weights (seeded by trainer.seed); `path` then needs only a config.json."""
 
     def architecture_source(self) -> tuple[str, str] | None:
         """(spec field, path) of the config.json that describes the model, or None if there is none."""

@@ -1,0 +1,80 @@
+"""Rank side of a checkpoint: model and optimizer through dist_checkpointing, and this rank's RNG states."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def _model_sharded_state_dict(chunks: list) -> dict:
+    from rlmegatron.workers.engine import unwrap
+
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_training_state(worker, path: str) -> None:
+    """A trained worker's weights and optimizer (Adam moments, step) as one distributed checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    model = _model_sharded_state_dict(worker.chunks)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": model, "optimizer": worker.optimizer.sharded_state_dict(model)}, path)
+
+
+def load_training_state(worker, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from rlmegatron.workers.engine import unwrap
+
+    model = _model_sharded_state_dict(worker.chunks)
+    state = dist_checkpointing.load(
+        {"model": model, "optimizer": worker.optimizer.sharded_state_dict(model, is_loading=True)}, path
+    )
+    if len(worker.chunks) == 1:
+        unwrap(worker.chunks[0]).load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(worker.chunks):
+            unwrap(chunk).load_state_dict(state["model"][f"model{i}"])
+    worker.optimizer.load_state_dict(state["optimizer"])
+
+
+def rng_states() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "megatron_tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    get_cuda_rng_tracker().set_states(states["megatron_tracker"])
+
+
+def save_rank_state(rank, path: str) -> None:
+    """Everything the PolicyRank `rank` trains (actor, critic) plus its RNG; the reference is frozen and rebuilt."""
+    save_training_state(rank.actor, os.path.join(path, "actor"))
+    if rank.critic is not None:
+        save_training_state(rank.critic, os.path.join(path, "critic"))
+    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    torch.save(rng_states(), os.path.join(path, "rng", f"rank_{rank.rank}.pt"))
+    torch.distributed.barrier()
+
+
+def load_rank_state(rank, path: str) -> None:
+    load_training_state(rank.actor, os.path.join(path, "actor"))
+    if rank.critic is not None:
+        load_training_state(rank.critic, os.path.join(path, "critic"))
+    set_rng_states(torch.load(os.path.join(path, "rng", f"rank_{rank.rank}.pt"), weights_only=False))

@@ -1,0 +1,224 @@
+"""One trainer rank of the policy: actor, optional reference and critic, and a colocated rollout engine (the hybrid engine)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.workers import RolloutBatch
+
+if TYPE_CHECKING:
+    from rlmegatron.config import JobSpec
+
+
+def parallel_layout(megatron) -> "ParallelLayout":
+    from rlmegatron.runtime import ParallelLayout
+
+    return ParallelLayout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        vpp=megatron.virtual_pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+    )
+
+
+def actor_settings(spec: JobSpec):
+    """The actor's worker settings from the spec; mini-batches count prompts in the spec, sequences here."""
+    from rlmegatron.algorithms import PolicyLossConfig
+    from rlmegatron.workers import ActorSettings
+
+    actor = spec.actor
+    return ActorSettings(
+        ppo_mini_batch_size=actor.ppo_mini_batch_size * spec.rollout.n,
+        ppo_epochs=actor.ppo_epochs,
+        micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+        max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+        loss_agg_mode=actor.loss_agg_mode,
+        optimizer=_optimizer_settings(actor.optim),
+        temperature=spec.rollout.temperature or 1.0,
+        policy_loss="gspo" if spec.algorithm.adv_estimator == "gspo" else "vanilla",
+        policy_loss_config=PolicyLossConfig(
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            tis_cap=actor.tis_imp_ratio_cap,
+        ),
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        entropy_coeff=actor.entropy_coeff,
+    )
+
+
+def critic_settings(spec: JobSpec):
+    from rlmegatron.workers import CriticSettings
+
+    critic = spec.critic
+    return CriticSettings(
+        ppo_mini_batch_size=critic.ppo_mini_batch_size * spec.rollout.n,
+        ppo_epochs=critic.ppo_epochs,
+        micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
+        max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+        loss_agg_mode=spec.actor.loss_agg_mode,
+        optimizer=_optimizer_settings(critic.optim),
+        cliprange_value=critic.cliprange_value,
+    )
+
+
+def _optimizer_settings(optim):
+    from rlmegatron.workers import OptimizerSettings
+
+    return OptimizerSettings(
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+    )
+
+
+class PolicyRank:
+    """Everything one trainer rank holds: a plain class; the process group must already be up.
+
+    Every rank receives the same full batch and returns the same full result (the workers
+    gather over data parallelism), except `generate`, which serves only the requests it is given.
+    """
+
+    def __init__(self, spec: JobSpec) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
+        from rlmegatron.models.weight_map import WeightMap
+        from rlmegatron.rollout.local import LocalEngine
+        from rlmegatron.runtime import init_model_parallel
+        from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
+
+        self.spec = spec
+        self.rank = torch.distributed.get_rank()
+        layout = parallel_layout(spec.actor.megatron)
+        init_model_parallel(layout, seed=spec.trainer.seed)
+        facts = model_facts(read_hf_config(spec.model.path), layout.tp)
+        config = transformer_config(facts, layout, dtype=spec.model.dtype)
+        self.weight_map = WeightMap(facts)
+
+        def provider_for(model_facts_):
+            return lambda pre, post, vp: build_gpt_model(model_facts_, config, vp_stage=vp)
+
+        # Each model is built right after the same seeding, so random inits agree across ranks and roles.
+        self._seed_everything(spec.trainer.seed)
+        self.actor = ActorWorker(actor_settings(spec), provider_for(facts), layout)
+        self.actor.init(parallel_state_ready=True)
+        self.reference = None
+        if spec.needs_reference:
+            self._seed_everything(spec.trainer.seed)
+            self.reference = ReferenceWorker(self.actor.settings, provider_for(facts), layout)
+            self.reference.init(parallel_state_ready=True)
+        self.critic = None
+        if spec.critic.enable:
+            self._seed_everything(spec.trainer.seed)
+            untied = dataclasses.replace(facts, tie_word_embeddings=False)
+            self.critic = CriticWorker(critic_settings(spec), provider_for(untied), layout)
+            self.critic.init(parallel_state_ready=True)
+        if not spec.model.random_init:
+            self._load_hf_weights(facts)
+
+        hf_config = AutoConfig.from_pretrained(spec.model.path)
+        engine_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        eos = hf_config.eos_token_id
+        self.engine = LocalEngine(
+            engine_model,
+            pad_token_id=hf_config.pad_token_id or 0,
+            eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            seed=spec.rollout.seed + self.rank,
+        )
+        self.sync_weights("init")
+
+    def _load_hf_weights(self, facts) -> None:
+        from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+        from rlmegatron.workers.engine import unwrap
+
+        checkpoint = HFCheckpoint(self.spec.model.path)
+        for worker in (self.actor, self.reference):
+            if worker is not None:
+                load_hf_weights([unwrap(chunk) for chunk in worker.chunks], self.weight_map, checkpoint)
+        checkpoint.close()
+        if self.critic is not None:
+            # The critic's trunk starts from the actor; its value head keeps its own init.
+            path = os.path.join(self.spec.trainer.run_dir, "init_actor")
+            self.actor.save_weights(path)
+            self.critic.load_actor_weights(path)
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    # --- the step's phases, in the order the trainer calls them ---
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        return self.engine.generate(requests) if requests else []
+
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs, entropy = self.actor.compute_log_prob(batch, with_entropy=True)
+        return log_probs.cpu(), entropy.cpu()
+
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.reference.compute_log_prob(batch).cpu()
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch).cpu()
+
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        return self.critic.update(batch)
+
+    def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
+        return self.actor.update(batch)
+
+    def sync_weights(self, version: str) -> None:
+        """Trained weights -> this rank's engine, as HF-named full tensors (every rank gets the whole stream)."""
+        from rlmegatron.resharding import HFWeightExporter
+
+        self.engine.update_weights(HFWeightExporter(self.actor.chunks, self.weight_map).stream(), version)
+
+    # --- checkpoints ---
+
+    def save_checkpoint(self, path: str) -> None:
+        from rlmegatron.checkpoint.state import save_rank_state
+
+        save_rank_state(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from rlmegatron.checkpoint.state import load_rank_state
+
+        load_rank_state(self, path)
+        self.sync_weights(f"resumed:{Path(path).name}")
+
+    def export_hf(self, path: str) -> Optional[str]:
+        """The policy as an HF checkpoint (safetensors + config.json), written by rank 0; returns the path there."""
+        from safetensors.torch import save_file
+
+        from rlmegatron.resharding import HFWeightExporter
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in
+                   HFWeightExporter(self.actor.chunks, self.weight_map).stream()}
+        if self.rank != 0:
+            return None
+        os.makedirs(path, exist_ok=True)
+        if self.weight_map.facts.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as out:
+            json.dump(self.weight_map.facts.hf, out, indent=2)
+        return path

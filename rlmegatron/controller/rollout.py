@@ -1,0 +1,179 @@
+"""Driver-side rollout data: prompts -> requests, engine results -> a RolloutBatch, scores and step metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlmegatron.data import Sample
+from rlmegatron.rewards import RewardInput, RewardResult
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
+from rlmegatron.workers import RolloutBatch
+
+
+@dataclass
+class Rollout:
+    """One step's responses: row i is response `results[i]` to prompt `prompts[i]`, in group `uids[i]`."""
+
+    prompts: list[Sample]
+    uids: list[int]
+    results: list[GenerationResult]
+    batch: RolloutBatch
+    scores: torch.Tensor
+    """[B] what the reward function returned."""
+    rewards: torch.Tensor
+    """[B] scores plus any shaping (DAPO overlong penalty): what the estimator sees."""
+    reward_metrics: dict[str, float]
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def select(self, rows: Sequence[int]) -> Rollout:
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return Rollout(
+            prompts=[self.prompts[i] for i in rows],
+            uids=[self.uids[i] for i in rows],
+            results=[self.results[i] for i in rows],
+            batch=self.batch.select(index),
+            scores=self.scores[index],
+            rewards=self.rewards[index],
+            reward_metrics=self.reward_metrics,
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        return Rollout(
+            prompts=[p for part in parts for p in part.prompts],
+            uids=[u for part in parts for u in part.uids],
+            results=[r for part in parts for r in part.results],
+            batch=concat_batches([part.batch for part in parts]),
+            scores=torch.cat([part.scores for part in parts]),
+            rewards=torch.cat([part.rewards for part in parts]),
+            reward_metrics=parts[-1].reward_metrics,
+        )
+
+
+def sampling_spec(params, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int) -> SamplingSpec:
+    return SamplingSpec(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+        seed=seed,
+    )
+
+
+def shard_requests(requests: list[GenerationRequest], parts: int) -> list[list[GenerationRequest]]:
+    """Contiguous, near-equal shares of the requests, one per engine."""
+    size, extra = divmod(len(requests), parts)
+    shares, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        shares.append(requests[start:end])
+        start = end
+    return shares
+
+
+def merge_results(shares: list[list[GenerationRequest]], answers: list[list[GenerationResult]]) -> list[GenerationResult]:
+    """Per-engine results -> one list whose request_index counts over all requests."""
+    merged, offset = [], 0
+    for share, results in zip(shares, answers):
+        for result in results:
+            merged.append(GenerationResult(
+                request_index=result.request_index + offset,
+                sample_index=result.sample_index,
+                output_token_ids=result.output_token_ids,
+                output_token_logprobs=result.output_token_logprobs,
+                finish_reason=result.finish_reason,
+                weight_version=result.weight_version,
+            ))
+        offset += len(share)
+    return merged
+
+
+def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], response_width: int) -> RolloutBatch:
+    """Left-padded prompts then right-padded responses; rollout log-probs aligned with response_mask."""
+    prompt_width = max(len(p) for p in prompt_ids)
+    rows = len(results)
+    input_ids = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(rows, response_width)
+    rollout_log_probs = torch.zeros(rows, response_width)
+    for row, (prompt, result) in enumerate(zip(prompt_ids, results)):
+        out = torch.tensor(result.output_token_ids, dtype=torch.long)
+        input_ids[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
+        input_ids[row, prompt_width : prompt_width + len(out)] = out
+        attention_mask[row, prompt_width - len(prompt) : prompt_width + len(out)] = 1
+        response_mask[row, : len(out)] = 1
+        rollout_log_probs[row, : len(out)] = torch.tensor(result.output_token_logprobs)
+    return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs)
+
+
+def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Rows of several batches in one; narrower prompt blocks are left-padded to the widest."""
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def left_pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0))
+
+    return RolloutBatch(
+        input_ids=torch.cat([left_pad(b.input_ids) for b in batches]),
+        attention_mask=torch.cat([left_pad(b.attention_mask) for b in batches]),
+        response_mask=torch.cat([b.response_mask for b in batches]),
+        rollout_log_probs=torch.cat([b.rollout_log_probs for b in batches]),
+    )
+
+
+def reward_inputs(prompts: list[Sample], results: list[GenerationResult], tokenizer: Any) -> list[RewardInput]:
+    return [
+        RewardInput(
+            sample_id=prompt.sample_id,
+            data_source=prompt.data_source,
+            solution_str=tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+            ground_truth=prompt.ground_truth,
+            response_length=len(result.output_token_ids),
+            extra_info=prompt.extra_info,
+        )
+        for prompt, result in zip(prompts, results)
+    ]
+
+
+def scored(prompts: list[Sample], uids: list[int], results: list[GenerationResult], batch: RolloutBatch,
+           reward: RewardResult) -> Rollout:
+    return Rollout(prompts, uids, results, batch, torch.tensor(reward.scores, dtype=torch.float32),
+                   torch.tensor(reward.rewards, dtype=torch.float32), reward.metrics)
+
+
+def token_level(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence reward placed on its last response token."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    tokens = torch.zeros_like(response_mask)
+    tokens[torch.arange(len(last)), last] = per_sequence
+    return tokens * response_mask
+
+
+def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {f"{name}/mean": float(values.mean()), f"{name}/max": float(values.max()), f"{name}/min": float(values.min())}
+
+
+def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float]:
+    """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths."""
+    batch = rollout.batch
+    mask = batch.response_mask.bool()
+    response_lengths = batch.response_mask.sum(-1)
+    prompt_lengths = batch.attention_mask.sum(-1) - response_lengths
+    metrics = {
+        **_stats("critic/score", rollout.scores),
+        **_stats("critic/rewards", rollout.rewards),
+        **_stats("response_length", response_lengths),
+        "response_length/clip_ratio": float((response_lengths >= max_response_length).float().mean()),
+        **_stats("prompt_length", prompt_lengths),
+    }
+    for name, value in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
+        if value is not None:
+            metrics.update(_stats(f"critic/{name}", value[mask]))
+    return metrics

@@ -1,0 +1,214 @@
+"""The single-controller fit loop: generate -> reward -> log-probs/values -> advantages -> update -> weight sync."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rlmegatron.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantages
+from rlmegatron.controller import rollout as R
+from rlmegatron.rollout.engine import GenerationRequest
+
+
+class Timer:
+    """Seconds per phase of one step, summed when a phase runs more than once (DAPO's extra rounds)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{phase}": value for phase, value in self.seconds.items()}
+
+
+@dataclass
+class FitResult:
+    steps: int
+    seconds: float
+    last_checkpoint: Optional[str]
+    exported_hf: Optional[str]
+
+
+class Trainer:
+    """Drives one worker group (the policy ranks with their colocated engines) from the driver process."""
+
+    def __init__(self, spec, workers, tokenizer, train_loader, val_dataset, reward_manager, tracker, checkpoints):
+        self.spec, self.workers, self.tokenizer = spec, workers, tokenizer
+        self.train_loader, self.val_dataset = train_loader, val_dataset
+        self.reward_manager, self.tracker, self.checkpoints = reward_manager, tracker, checkpoints
+        kl = spec.algorithm.kl_ctrl
+        self.kl_ctrl = (FixedKLController(kl.kl_coef) if kl.type == "fixed"
+                        else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon))
+        self.step = 0
+        self.last_checkpoint: Optional[str] = None
+
+    def fit(self) -> FitResult:
+        spec, trainer = self.spec, self.spec.trainer
+        started = time.perf_counter()
+        self.resume()
+        if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
+            self.tracker.log_metrics(self.validate(), step=0)
+        while self.step < self.total_steps():
+            self.step += 1
+            timer, metrics = Timer(), {}
+            with timer("step"):
+                rollout = self.collect_rollout(timer, metrics)
+                batch = rollout.batch
+                if spec.critic.enable:
+                    with timer("values"):
+                        batch.values = self.workers.execute_rank_zero_result("compute_values", batch)
+                with timer("old_log_prob"):
+                    batch.old_log_probs, entropy = self.workers.execute_rank_zero_result("compute_log_prob", batch)
+                if spec.needs_reference:
+                    with timer("ref"):
+                        batch.ref_log_probs = self.workers.execute_rank_zero_result("compute_ref_log_prob", batch)
+                with timer("adv"):
+                    token_rewards = self.token_rewards(rollout, metrics)
+                    batch.advantages, batch.returns = compute_advantages(
+                        spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
+                        group_index=rollout.uids, gamma=spec.algorithm.gamma, lam=spec.algorithm.lam,
+                        norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+                if spec.critic.enable:
+                    with timer("update_critic"):
+                        metrics.update(self.workers.execute_rank_zero_result("update_critic", batch))
+                with timer("update_actor"):
+                    metrics.update(self.workers.execute_rank_zero_result("update_actor", batch))
+                with timer("update_weights"):
+                    self.workers.execute_all("sync_weights", f"step_{self.step}")
+            metrics.update(R.batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
+            metrics.update(self.step_counters(batch, timer))
+            if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
+                metrics.update(self.validate())
+            self.tracker.log_metrics(metrics, step=self.step)
+            if _every(trainer.save_freq, self.step):
+                self.save()
+        exported = self.export_policy()
+        return FitResult(self.step, time.perf_counter() - started, self.last_checkpoint, exported)
+
+    # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
+
+    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> R.Rollout:
+        sampling = self.spec.algorithm.dynamic_sampling
+        wanted = self.spec.data.train_batch_size * self.spec.rollout.n
+        kept: list[R.Rollout] = []
+        rounds = 0
+        while True:
+            rounds += 1
+            prompts = self.train_loader.next_batch()
+            with timer("gen"):
+                results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(rounds))
+            with timer("reward"):
+                part = self.score(prompts, results, first_uid=(self.step * 1000 + rounds) * len(prompts))
+            if not sampling.enable:
+                return part
+            kept.append(part.select(_rows_of_varied_groups(part)))
+            total = sum(len(k) for k in kept)
+            out_of_rounds = sampling.max_num_gen_batches and rounds >= sampling.max_num_gen_batches
+            if total >= wanted or out_of_rounds:
+                metrics["training/num_gen_batches"] = rounds
+                if total == 0:
+                    return part  # nothing varied: train on the last round, whose advantages are all zero
+                return R.Rollout.concat(kept).select(list(range(min(total, wanted))))
+
+    def generate(self, prompts, params, seed: int) -> list:
+        """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
+        # One seed per request, so a request's samples do not depend on which engine serves it.
+        requests = [
+            GenerationRequest(tuple(p.prompt_ids), R.sampling_spec(
+                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
+            for i, p in enumerate(prompts)
+        ]
+        shares = R.shard_requests(requests, self.workers.world_size)
+        answers = self.workers.execute_each("generate", [(share,) for share in shares])
+        return R.merge_results(shares, answers)
+
+    def score(self, prompts, results, first_uid: int) -> R.Rollout:
+        rows = [prompts[r.request_index] for r in results]
+        uids = [first_uid + r.request_index for r in results]
+        batch = R.build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
+        reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+        return R.scored(rows, uids, results, batch, reward)
+
+    def token_rewards(self, rollout: R.Rollout, metrics: dict[str, float]) -> torch.Tensor:
+        batch = rollout.batch
+        rewards = R.token_level(rollout.rewards, batch.response_mask)
+        if not self.spec.algorithm.use_kl_in_reward:
+            return rewards
+        rewards, kl_metrics = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                                               self.kl_ctrl, self.spec.algorithm.kl_penalty)
+        metrics.update({"actor/reward_kl_penalty": float(kl_metrics["kl"]),
+                        "actor/reward_kl_penalty_coeff": float(kl_metrics["kl_coef"])})
+        return rewards
+
+    # --- validation, counters, checkpoints, export ---
+
+    def validate(self) -> dict[str, float]:
+        prompts = [self.val_dataset[i] for i in range(len(self.val_dataset))]
+        batch_size = self.spec.data.val_batch_size or len(prompts)
+        scores: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            results = self.generate(chunk, self.spec.rollout.val_kwargs, seed=self.spec.rollout.seed)
+            rows = [chunk[r.request_index] for r in results]
+            reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+            for prompt, score in zip(rows, reward.scores):
+                scores[prompt.data_source].append(score)
+        return {f"val/{source}/score/mean": sum(v) / len(v) for source, v in scores.items()}
+
+    def step_counters(self, batch, timer: Timer) -> dict[str, float]:
+        tokens = float(batch.attention_mask.sum())
+        return {
+            "training/global_step": self.step,
+            "training/epoch": self.train_loader.epoch,
+            "perf/throughput": tokens / timer.seconds["step"] / self.workers.world_size,
+        }
+
+    def total_steps(self) -> int:
+        return self.spec.trainer.total_steps or self.spec.trainer.total_epochs * len(self.train_loader)
+
+    def sampling_seed(self, round_: int) -> int:
+        # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
+        return ((self.spec.rollout.seed * 1_000_003 + self.step) * 101 + round_) * 100_003
+
+    def save(self) -> None:
+        self.last_checkpoint = self.checkpoints.save(self.step, self.workers, self.trainer_state())
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+
+    def resume(self) -> None:
+        found = self.checkpoints.find_resume_point(self.spec.trainer.resume)
+        if found is None:
+            return
+        state = self.checkpoints.load(found, self.workers)
+        self.step = int(state["step"])
+        self.train_loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        self.last_checkpoint = str(found)
+        print(f"resumed from {found} at step {self.step}", flush=True)
+
+    def export_policy(self) -> Optional[str]:
+        path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
+        return self.workers.execute_rank_zero_result("export_hf", path)
+
+
+def _every(freq: int, step: int) -> bool:
+    return freq > 0 and step % freq == 0
+
+
+def _rows_of_varied_groups(rollout: R.Rollout) -> list[int]:
+    """Rows whose group's scores are not all equal: an all-equal group has zero advantage everywhere."""
+    by_group: dict[int, list[int]] = defaultdict(list)
+    for row, uid in enumerate(rollout.uids):
+        by_group[uid].append(row)
+    return [row for rows in by_group.values() if len({float(rollout.scores[r]) for r in rows}) > 1 for row in rows]
