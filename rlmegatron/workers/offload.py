@@ -25,8 +25,10 @@ class Offloader:
 
     def _tensors(self):
         for chunk in self.chunks:
-            for buffers in (getattr(chunk, "buffers", []), getattr(chunk, "expert_parallel_buffers", [])):
-                for buffer in buffers:
+            # Megatron's DDP replaces nn.Module.buffers() with its list of contiguous param/grad buffers;
+            # a frozen (unwrapped) chunk has none.
+            if hasattr(chunk, "module"):
+                for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
                     yield buffer.param_data
                     yield buffer.grad_data
             yield from chunk.parameters()
