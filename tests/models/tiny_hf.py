@@ -26,11 +26,11 @@ FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 
 
-def save_tiny_model(family: str, directory: str, seed: int = 0) -> str:
+def save_tiny_model(family: str, directory: str, seed: int = 0, **overrides) -> str:
     """Save a random `family` model to `directory`; router biases get noise so they are not all zero."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIGS[family]})
+    config = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
