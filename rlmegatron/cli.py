@@ -68,7 +68,14 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    return _validated_then_not_implemented(args, "train")
+    # The spec is checked before anything heavy: a bad config never starts Ray or a worker.
+    spec = _load_spec_or_report(args)
+    if spec is None:
+        return EXIT_BAD_SPEC
+    from rlmegatron.controller.job import run_training
+
+    run_training(spec)
+    return EXIT_OK
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -90,17 +97,6 @@ def convert(args: argparse.Namespace) -> int:
     from rlmegatron.models.convert_cli import main as convert_main
 
     return convert_main(args.convert_args)
-
-
-def _validated_then_not_implemented(args: argparse.Namespace, name: str) -> int:
-    if _load_spec_or_report(args) is None:
-        return EXIT_BAD_SPEC
-    return _not_implemented(name)
-
-
-def _not_implemented(name: str) -> int:
-    print(f"rlm {name}: not implemented yet in this build", file=sys.stderr)
-    return EXIT_NOT_IMPLEMENTED
 
 
 def _load_spec_or_report(args: argparse.Namespace) -> JobSpec | None:

@@ -61,14 +61,6 @@ def test_missing_config_file_exits_2(capsys):
     assert capsys.readouterr().err == "no/such.yaml: cannot read the spec: No such file or directory\n"
 
 
-@pytest.mark.parametrize("command", ["train"])  # plan and prepare are built: tests/planner, tests/data
-def test_unbuilt_commands_validate_first_then_say_so(command, capsys, monkeypatch):
-    monkeypatch.chdir(REPO_ROOT)
-    assert main([command, QUICKSTART]) == EXIT_NOT_IMPLEMENTED
-    assert capsys.readouterr().err == f"rlm {command}: not implemented yet in this build\n"
-    assert main([command, QUICKSTART, "rollout.n=0"]) == EXIT_BAD_SPEC
-
-
 def test_convert_is_not_built_yet(capsys):
     assert main(["convert", "hf-to-megatron", "ckpt/"]) == EXIT_NOT_IMPLEMENTED
     assert "rlm convert: not implemented yet in this build" in capsys.readouterr().err

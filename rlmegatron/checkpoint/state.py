@@ -16,6 +16,14 @@ def _model_sharded_state_dict(chunks: list) -> dict:
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def _optimizer_state(worker, model: dict, is_loading: bool) -> dict:
+    # The default (fully_sharded_model_space) uses flattened ranges, which this dist_checkpointing rejects;
+    # dp_reshardable saves each DP rank's flat shard, so a resume needs the same DP size.
+    return worker.optimizer.sharded_state_dict(
+        model, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+    )
+
+
 def save_training_state(worker, path: str) -> None:
     """A trained worker's weights and optimizer (Adam moments, step) as one distributed checkpoint."""
     from megatron.core import dist_checkpointing
@@ -23,7 +31,7 @@ def save_training_state(worker, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     model = _model_sharded_state_dict(worker.chunks)
     torch.distributed.barrier()
-    dist_checkpointing.save({"model": model, "optimizer": worker.optimizer.sharded_state_dict(model)}, path)
+    dist_checkpointing.save({"model": model, "optimizer": _optimizer_state(worker, model, is_loading=False)}, path)
 
 
 def load_training_state(worker, path: str) -> None:
@@ -33,7 +41,7 @@ def load_training_state(worker, path: str) -> None:
 
     model = _model_sharded_state_dict(worker.chunks)
     state = dist_checkpointing.load(
-        {"model": model, "optimizer": worker.optimizer.sharded_state_dict(model, is_loading=True)}, path
+        {"model": model, "optimizer": _optimizer_state(worker, model, is_loading=True)}, path
     )
     if len(worker.chunks) == 1:
         unwrap(worker.chunks[0]).load_state_dict(state["model"])

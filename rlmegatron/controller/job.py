@@ -18,6 +18,8 @@ class JobReport:
     tracking: str
     checkpoint: Optional[str]
     exported_hf: Optional[str]
+    history: dict[str, list[tuple[int, float]]]
+    """Every logged metric as (step, value) pairs."""
 
 
 def start_ray(spec: JobSpec) -> None:
@@ -87,6 +89,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
         tracking=_tracking_location(spec, tracker),
         checkpoint=result.last_checkpoint,
         exported_hf=result.exported_hf,
+        history=tracker.history,
     )
     print(tracker.summary(), flush=True)
     print(format_report(report), flush=True)

@@ -1,0 +1,15 @@
+"""Entry point the controller tests run in a fresh process: train a spec, write the metric history as JSON."""
+import json
+import sys
+
+from rlmegatron.config import load_spec
+from rlmegatron.controller.job import run_training
+
+# dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
+if __name__ == "__main__":
+    out, use_ray, *overrides = sys.argv[1:]
+    report = run_training(load_spec("configs/quickstart.yaml", overrides), use_ray=use_ray == "ray")
+    with open(out, "w") as handle:
+        json.dump({"history": report.history, "checkpoint": report.checkpoint, "exported_hf": report.exported_hf,
+                   "seconds": report.seconds, "steps": report.steps,
+                   "ray_imported": "ray" in sys.modules}, handle)
