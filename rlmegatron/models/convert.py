@@ -2,8 +2,8 @@
 
 Import streams: each rank reads, per parameter, only its TP/EP slice of each HF
 tensor (`safe_open(...).get_slice`), fuses it with the weight map's rule and
-copies it into the parameter. Export loads the checkpoint at TP=PP=EP=1 and
-writes HF-named safetensors shards.
+copies it into the parameter. Export loads the checkpoint at any layout and
+writes the weight-sync stream (resharding.HFWeightExporter) as HF safetensors shards.
 """
 from __future__ import annotations
 
@@ -250,35 +250,57 @@ def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = N
     return facts, WeightMap(facts, meta.stacked_experts), chunks
 
 
-def export_hf(chunk, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a TP=PP=EP=1 chunk as HF safetensors shards, their index and config.json."""
+def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model, at any layout, as HF safetensors shards, their index and config.json.
+
+    Collective: every rank streams the gathered tensors (resharding.HFWeightExporter); rank 0
+    writes each shard as soon as it is full, so it holds at most one shard beyond its own weights.
+    """
     from safetensors.torch import save_file
 
-    os.makedirs(out, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor, _ in canonical_weights(chunk):
-        for key, value in weight_map.megatron_to_hf(name, tensor.detach()).items():
-            if shard_bytes and shard_bytes + value.nbytes > max_shard_bytes:
-                shards.append({})
-                shard_bytes = 0
-            shards[-1][key] = value.clone()
-            shard_bytes += value.nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
-             "weight_map": {key: name for name, shard in zip(names, shards) for key in sorted(shard)}}
-    Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    Path(out, "config.json").write_text(json.dumps(config, indent=1))
+    from rlmegatron.resharding import HFWeightExporter
+
+    writer = torch.distributed.get_rank() == 0
+    staging = Path(out, ".incomplete")
+    if writer:
+        staging.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_keys: list[list[str]] = []
+    total = 0
+
+    def flush():
+        if shard:
+            save_file(shard, str(staging / f"shard-{len(shard_keys)}.safetensors"), metadata={"format": "pt"})
+            shard_keys.append(sorted(shard))
+            shard.clear()
+
+    for key, value in HFWeightExporter(chunks, weight_map).stream():
+        if not writer:
+            continue
+        if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > max_shard_bytes:
+            flush()
+        shard[key] = value.detach().cpu().contiguous()
+        total += value.nbytes
+    if writer:
+        flush()
+        names = [f"model-{i + 1:05d}-of-{len(shard_keys):05d}.safetensors" for i in range(len(shard_keys))]
+        for i, name in enumerate(names):
+            os.replace(staging / f"shard-{i}.safetensors", Path(out, name))
+        staging.rmdir()
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {key: name for name, keys in zip(names, shard_keys) for key in keys}}
+        Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        Path(out, "config.json").write_text(json.dumps(config, indent=1))
+    torch.distributed.barrier()
 
 
-def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None) -> None:
-    """Rank body of `rlm convert mcore-to-hf`: every rank loads at TP=PP=EP=1, rank 0 writes."""
-    _, weight_map, chunks = load_mcore(mcore_path, ParallelLayout())
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None,
+                layout: ParallelLayout = ParallelLayout()) -> None:
+    """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
+    _, weight_map, chunks = load_mcore(mcore_path, layout)
+    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
+    export_hf(chunks, weight_map, out, config)
     if torch.distributed.get_rank() == 0:
-        config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
-        export_hf(chunks[0], weight_map, out, config)
         _copy_tokenizer(hf_config_dir or mcore_path, out)
     torch.distributed.barrier()
 

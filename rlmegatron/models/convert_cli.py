@@ -33,8 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--mcore-path", required=True)
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--hf-config", default=None, help="directory whose config.json/tokenizer files to ship")
-    to_hf.add_argument("--nproc", type=int, default=None)
-    to_hf.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    layout_args(to_hf)  # each rank loads only its shard at this layout; the export stream gathers
     check = sub.add_parser("verify", help="max-abs and cosine logit diff, Megatron vs HF transformers")
     check.add_argument("--hf-path", required=True)
     check.add_argument("--mcore-path", required=True)
@@ -60,7 +59,7 @@ def _job(direction: str, args: dict):
     if direction == "hf-to-mcore":
         return convert.hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
     if direction == "mcore-to-hf":
-        return convert.mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config)
+        return convert.mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns))
     return convert.verify(ns.hf_path, ns.mcore_path, _layout(ns))
 
 

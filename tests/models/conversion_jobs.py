@@ -62,15 +62,15 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
             entry = {"logits_vs_hf": _max_diff(reference, megatron_logits(chunks, facts, tokens))}
             mcore_dir = os.path.join(workdir, family, str(layout))
             save_mcore(chunks, weight_map, mcore_dir, "fp32")
-            facts, weight_map, chunks = load_mcore(mcore_dir, ParallelLayout())
-            entry["reloaded_tp1_logits_vs_hf"] = _max_diff(reference, megatron_logits(chunks, facts, tokens))
+            out = os.path.join(workdir, family, f"{layout}-hf")
+            export_hf(chunks, weight_map, out, facts.hf)  # straight from the sharded layout
             if torch.distributed.get_rank() == 0:
-                out = os.path.join(workdir, family, f"{layout}-hf")
-                export_hf(chunks[0], weight_map, out, facts.hf)
                 exported = _read_safetensors(out)
                 entry["key_mismatch"] = sorted(set(original) ^ set(exported))
                 entry["not_bitwise"] = sorted(k for k in original.keys() & exported.keys()
                                               if not torch.equal(original[k], exported[k]))
-            torch.distributed.barrier()
+                entry["from_pretrained_logits_vs_hf"] = float((hf_logits(out, tokens) - reference).abs().max())
+            facts, weight_map, chunks = load_mcore(mcore_dir, ParallelLayout())
+            entry["reloaded_tp1_logits_vs_hf"] = _max_diff(reference, megatron_logits(chunks, facts, tokens))
             report[label] = entry
     return report

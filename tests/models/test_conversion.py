@@ -29,3 +29,5 @@ def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
         assert max(e["reloaded_tp1_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
         assert entries[0]["key_mismatch"] == [], (label, entries[0]["key_mismatch"])
         assert entries[0]["not_bitwise"] == [], (label, entries[0]["not_bitwise"])
+        # The exported directory loads with transformers' from_pretrained and gives the original logits.
+        assert entries[0]["from_pretrained_logits_vs_hf"] < LOGIT_TOLERANCE, label
