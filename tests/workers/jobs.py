@@ -7,7 +7,16 @@ from dataclasses import replace
 import torch
 
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
-from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings, RolloutBatch, gpt_model_provider
+from rlmegatron.workers import (
+    ActorSettings,
+    ActorWorker,
+    CriticSettings,
+    CriticWorker,
+    OptimizerSettings,
+    ReferenceWorker,
+    RolloutBatch,
+    gpt_model_provider,
+)
 from tests.helpers.megatron_parity import transformer_config
 
 VOCAB = 128
@@ -35,16 +44,37 @@ def rollout_batch(n: int = 8, seed: int = 3) -> RolloutBatch:
     )
 
 
-def make_actor(layout: ParallelLayout, kind: str = "dense", **settings) -> ActorWorker:
+def model_provider(layout: ParallelLayout, kind: str = "dense", tie_embeddings: bool | None = None):
+    """Build the parallel groups for `layout` and a provider of the tiny `kind` GPTModel."""
     init_model_parallel(layout)
     config = transformer_config(kind, layout, dispatcher="alltoall")
-    provider = gpt_model_provider(config, VOCAB, PROMPT + RESPONSE, tie_embeddings=(kind == "dense"), use_te=False)
-    # adam_eps=1: the first Adam step is ~lr*g, not lr*sign(g), so grad rounding is not amplified.
-    defaults = dict(ppo_mini_batch_size=8, micro_batch_size=2, temperature=0.7, use_kl_loss=True,
-                    entropy_coeff=0.01, optimizer=OptimizerSettings(lr=1e-2, adam_eps=1.0, clip_grad=1.0))
-    actor = ActorWorker(ActorSettings(**{**defaults, **settings}), provider, layout)
+    tie = (kind == "dense") if tie_embeddings is None else tie_embeddings
+    return gpt_model_provider(config, VOCAB, PROMPT + RESPONSE, tie_embeddings=tie, use_te=False)
+
+
+# adam_eps=1: the first Adam step is ~lr*g, not lr*sign(g), so grad rounding is not amplified.
+OPTIMIZER = OptimizerSettings(lr=1e-2, adam_eps=1.0, clip_grad=1.0)
+ACTOR_DEFAULTS = dict(ppo_mini_batch_size=8, micro_batch_size=2, temperature=0.7, use_kl_loss=True,
+                      entropy_coeff=0.01, optimizer=OPTIMIZER)
+
+
+def make_actor(layout: ParallelLayout, kind: str = "dense", **settings) -> ActorWorker:
+    actor = ActorWorker(ActorSettings(**{**ACTOR_DEFAULTS, **settings}), model_provider(layout, kind), layout)
     actor.init(parallel_state_ready=True)
     return actor
+
+
+def make_reference(layout: ParallelLayout) -> ReferenceWorker:
+    reference = ReferenceWorker(ActorSettings(**ACTOR_DEFAULTS), model_provider(layout), layout)
+    reference.init(parallel_state_ready=True)
+    return reference
+
+
+def make_critic(layout: ParallelLayout) -> CriticWorker:
+    settings = CriticSettings(ppo_mini_batch_size=8, micro_batch_size=2, cliprange_value=0.5, optimizer=OPTIMIZER)
+    critic = CriticWorker(settings, model_provider(layout, tie_embeddings=False), layout)
+    critic.init(parallel_state_ready=True)
+    return critic
 
 
 def full_parameters(path: str, kind: str = "dense") -> dict[str, torch.Tensor]:
@@ -54,55 +84,94 @@ def full_parameters(path: str, kind: str = "dense") -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
 
 
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
 def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
-    """Log-probs, entropy and one PPO update at each layout vs TP=PP=1, plus packing and dynamic-bsz checks."""
+    """The TP=PP=1 actor vs padded, dynamic-bsz and each layout's actor; reference worker; offload round trip."""
     batch = rollout_batch()
     weights = os.path.join(workdir, "weights")
     make_actor(ParallelLayout()).save_weights(weights)
-    # Every actor, the TP=1 reference included, starts from the checkpoint (see the report on why).
-    reference = make_actor(ParallelLayout())
+    # Every actor, the TP=1 baseline included, starts from the checkpoint: fresh models differ by init RNG.
+    baseline = make_actor(ParallelLayout())
+    baseline.load_weights(weights)
+    log_probs, entropy = baseline.compute_log_prob(batch)
+    train_batch = replace(batch, old_log_probs=log_probs - 0.05 * batch.response_mask)
+    metrics = baseline.update(train_batch)
+    baseline.save_weights(os.path.join(workdir, "updated-baseline"))
+    report = {"log_probs": log_probs, "entropy": entropy, "metrics": metrics, "variants": {}}
+
+    reference = make_reference(ParallelLayout())
     reference.load_weights(weights)
-    ref_log_probs, ref_entropy = reference.compute_log_prob(batch)
-    padded = make_actor(ParallelLayout(), use_packing=False)
-    padded.load_weights(weights)
-    padded_log_probs, padded_entropy = padded.compute_log_prob(batch)
+    ref_log_probs = reference.compute_log_prob(batch)
+    reference.offload()
+    reference.onload()
+    report["reference_equal"] = torch.equal(ref_log_probs, log_probs)
+    report["reference_equal_after_offload"] = torch.equal(reference.compute_log_prob(batch), log_probs)
 
-    train_batch = replace(batch, old_log_probs=ref_log_probs - 0.05 * batch.response_mask)
-    report = {
-        "log_probs": ref_log_probs,
-        "entropy": ref_entropy,
-        "padded_log_probs_diff": float((padded_log_probs - ref_log_probs).abs().max()),
-        "padded_entropy_diff": float((padded_entropy - ref_entropy).abs().max()),
-        "layouts": {},
-    }
-    metrics = reference.update(train_batch)
-    report["metrics"] = metrics
-    reference.save_weights(os.path.join(workdir, "updated-ref"))
-    padded_metrics = padded.update(train_batch)
-    report["padded_pg_loss_diff"] = abs(padded_metrics["actor/pg_loss"] - metrics["actor/pg_loss"])
-    padded.save_weights(os.path.join(workdir, "updated-padded"))
+    # A second update after an offload round trip must equal one without: weights, grads and Adam state survive.
+    offloaded = make_actor(ParallelLayout())
+    offloaded.load_weights(weights)
+    offloaded.update(train_batch)
+    offloaded.offload()
+    report["offloaded_bytes"] = offloaded.offloader.offloaded_bytes
+    offloaded.onload()
+    offloaded.update(train_batch)
+    offloaded.save_weights(os.path.join(workdir, "twice-offloaded"))
+    baseline.update(train_batch)
+    baseline.save_weights(os.path.join(workdir, "twice-baseline"))
 
-    for layout in layouts:
-        actor = make_actor(layout)
+    # The dynamic-bsz budget of 9 tokens gives DP ranks different micro-batch counts than the fixed size 2.
+    variants = [("padded", ParallelLayout(), {"use_packing": False}),
+                ("dynamic-bsz", ParallelLayout(), {"max_token_len": 9}),
+                *[(str(layout), layout, {}) for layout in layouts]]
+    for label, layout, settings in variants:
+        actor = make_actor(layout, **settings)
         actor.load_weights(weights)
-        log_probs, entropy = actor.compute_log_prob(batch)
-        layout_metrics = actor.update(train_batch)
-        actor.save_weights(os.path.join(workdir, f"updated-{layout}"))
-        report["layouts"][str(layout)] = {
-            "log_probs_diff": float((log_probs - ref_log_probs).abs().max()),
-            "entropy_diff": float((entropy - ref_entropy).abs().max()),
-            "pg_loss_diff": abs(layout_metrics["actor/pg_loss"] - metrics["actor/pg_loss"]),
+        variant_log_probs, variant_entropy = actor.compute_log_prob(batch)
+        variant_metrics = actor.update(train_batch)
+        actor.save_weights(os.path.join(workdir, f"updated-{label}"))
+        report["variants"][label] = {
+            "log_probs_diff": float((variant_log_probs - log_probs).abs().max()),
+            "entropy_diff": float((variant_entropy - entropy).abs().max()),
+            "pg_loss_diff": abs(variant_metrics["actor/pg_loss"] - metrics["actor/pg_loss"]),
         }
 
-    expected = full_parameters(os.path.join(workdir, "updated-ref"))
-    initial = full_parameters(weights)
-    report["update_size"] = max(float((expected[n] - initial[n]).abs().max()) for n in expected)
-    for label in ["padded", *map(str, layouts)]:
-        params = full_parameters(os.path.join(workdir, f"updated-{label}"))
-        diff = max(float((params[n] - expected[n]).abs().max()) for n in expected)
-        if label == "padded":
-            report["padded_param_diff"] = diff
-        else:
-            report["layouts"][label]["param_diff"] = diff
+    expected = full_parameters(os.path.join(workdir, "updated-baseline"))
+    report["update_size"] = _max_diff(expected, full_parameters(weights))
+    for label, _, _ in variants:
+        report["variants"][label]["param_diff"] = _max_diff(full_parameters(os.path.join(workdir, f"updated-{label}")), expected)
+    report["offload_param_diff"] = _max_diff(
+        full_parameters(os.path.join(workdir, "twice-offloaded")), full_parameters(os.path.join(workdir, "twice-baseline"))
+    )
     return report
 
+
+def critic_and_moe_job(workdir: str) -> dict:
+    """Critic values at TP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
+    batch = rollout_batch()
+    actor_weights = os.path.join(workdir, "actor")
+    make_actor(ParallelLayout()).save_weights(actor_weights)
+    critic = make_critic(ParallelLayout())
+    critic.load_actor_weights(actor_weights)
+    values = critic.compute_values(batch)
+    # The saved critic stands in for a reward-model checkpoint: it has a value head to load.
+    critic_weights = os.path.join(workdir, "critic")
+    critic.save_weights(critic_weights)
+
+    tp2_critic = make_critic(ParallelLayout(tp=2))
+    tp2_critic.load_weights(critic_weights)
+    report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max())}
+    gen = torch.Generator().manual_seed(5)
+    returns = (values + 0.3 * torch.randn(values.shape, generator=gen)) * batch.response_mask
+    train_batch = replace(batch, values=values, returns=returns)
+    report["critic_metrics"] = [tp2_critic.update(train_batch) for _ in range(4)]
+
+    moe = make_actor(ParallelLayout(ep=2), kind="moe")
+    before = {n: p.detach().clone() for n, p in moe.chunks[0].module.named_parameters()}
+    moe_log_probs, _ = moe.compute_log_prob(batch, with_entropy=False)
+    report["moe_metrics"] = moe.update(replace(batch, old_log_probs=moe_log_probs))
+    after = dict(moe.chunks[0].module.named_parameters())
+    report["moe_param_change"] = {n: float((after[n] - before[n]).abs().max()) for n in before}
+    return report
