@@ -1,4 +1,4 @@
-"""The critic worker: a GPTModel with a scalar value head, its values on response tokens and the clipped value-loss update."""
+"""The critic worker: a GPTModel with a scalar value head, values on response tokens, the clipped value-loss update."""
 from __future__ import annotations
 
 from dataclasses import dataclass

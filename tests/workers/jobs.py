@@ -141,10 +141,10 @@ def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
     expected = full_parameters(os.path.join(workdir, "updated-baseline"))
     report["update_size"] = _max_diff(expected, full_parameters(weights))
     for label, _, _ in variants:
-        report["variants"][label]["param_diff"] = _max_diff(full_parameters(os.path.join(workdir, f"updated-{label}")), expected)
-    report["offload_param_diff"] = _max_diff(
-        full_parameters(os.path.join(workdir, "twice-offloaded")), full_parameters(os.path.join(workdir, "twice-baseline"))
-    )
+        updated = full_parameters(os.path.join(workdir, f"updated-{label}"))
+        report["variants"][label]["param_diff"] = _max_diff(updated, expected)
+    twice_offloaded = full_parameters(os.path.join(workdir, "twice-offloaded"))
+    report["offload_param_diff"] = _max_diff(twice_offloaded, full_parameters(os.path.join(workdir, "twice-baseline")))
     return report
 
 

@@ -1,4 +1,4 @@
-"""Actor and reference workers on CPU/gloo: parity across layouts, packing and dynamic batch size; offload round trip."""
+"""Actor and reference workers on CPU/gloo: parity over layouts, packing and dynamic batch size; offload."""
 from dataclasses import replace
 
 import pytest
