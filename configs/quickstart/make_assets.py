@@ -7,7 +7,7 @@ from pathlib import Path
 from rlmegatron.data import build_char_tokenizer
 
 HERE = Path(__file__).parent
-ALPHABET = string.digits
+ALPHABET = string.digits + string.ascii_lowercase
 
 
 def echo_rows(count: int, seed: int) -> list[dict]:
@@ -25,7 +25,11 @@ def echo_rows(count: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    tokenizer = build_char_tokenizer(HERE / "model")
+    tokenizer = build_char_tokenizer()
+    # The prompt's text alone, no ChatML turn markers: the digit to echo is then the last prompt token, which
+    # a randomly initialised 80k-parameter model learns to copy within minutes on two CPU cores.
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(str(HERE / "model"))
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
         "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128,

@@ -90,7 +90,7 @@ class Trainer:
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
                 metrics.update(self.validate())
             self.tracker.log_metrics(metrics, step=self.step)
-            if _every(trainer.save_freq, self.step):
+            if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
                 self.save()
         exported = self.export_policy()
         return FitResult(self.step, time.perf_counter() - started, self.last_checkpoint, exported)

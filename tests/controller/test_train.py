@@ -80,3 +80,20 @@ def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert not result["ray_imported"]
     assert (Path(result["exported_hf"]) / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("ppo_critic", ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "critic.optim.lr=1e-3"]),
+    ("dapo", ["algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_num_gen_batches=3",
+              "reward.manager=dapo", "actor.clip_ratio_high=0.28", "actor.use_kl_loss=true"]),
+])
+def test_ppo_with_critic_and_dapo_run_in_process(tmp_path, name, overrides):
+    result = train(tmp_path, name, "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
+                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=2", "tracking.backends=[console]",
+                   *overrides)
+    history = result["history"]
+    assert [s for s, _ in history["actor/pg_loss"]] == [1, 2]
+    if name == "ppo_critic":
+        assert all(math.isfinite(v) for _, v in history["critic/vf_loss"] + history["critic/values/mean"])
+    else:
+        assert "training/num_gen_batches" in history and "actor/kl_loss" in history
