@@ -117,7 +117,8 @@ class PolicyRank:
 
         # Each model is built right after the same seeding, so random inits agree across ranks and roles.
         self._seed_everything(spec.trainer.seed)
-        self.actor = ActorWorker(actor_settings(spec), provider_for(facts), layout)
+        settings = dataclasses.replace(actor_settings(spec), vocab_size=facts.vocab_size)
+        self.actor = ActorWorker(settings, provider_for(facts), layout)
         self.actor.init(parallel_state_ready=True)
         self.reference = None
         if spec.needs_reference:

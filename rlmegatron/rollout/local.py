@@ -1,6 +1,8 @@
 """In-process rollout engine: batched, KV-cached generation with a transformers causal LM on CPU or GPU."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,6 +44,33 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) ->
         outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
         logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
     return logits
+
+
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF checkpoint names, sharing storage with its parameters.
+
+    transformers 5 keeps MoE experts stacked in memory (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]) while checkpoints, and so the export stream, name them per
+    expert; those names map to views into the stacked tensors.
+    """
+    named = {}
+    for name, tensor in model.state_dict().items():
+        match = _STACKED_EXPERTS.match(name)
+        if match is None:
+            named[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        for expert, slab in enumerate(tensor):
+            if kind == "down_proj":
+                named[f"{prefix}.{expert}.down_proj.weight"] = slab
+            else:
+                gate, up = slab.chunk(2, dim=0)
+                named[f"{prefix}.{expert}.gate_proj.weight"] = gate
+                named[f"{prefix}.{expert}.up_proj.weight"] = up
+    return named
 
 
 class LocalEngine(RolloutEngine):
@@ -165,13 +194,17 @@ class LocalEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """Copy HF checkpoint-named tensors into the model in place; an unknown name or shape is an error."""
         self._check_usable()
+        targets = checkpoint_named_weights(self.model)  # per call: release/resume may move the storage
         for item in named_tensors:
-            pairs = item.named_tensors() if isinstance(item, FlattenedBucket) else [item]
-            # strict=False only because each call carries part of the model; unknown names still fail below.
-            incompatible = self.model.load_state_dict(dict(pairs), strict=False)
-            if incompatible.unexpected_keys:
-                raise KeyError(f"weights the model does not have: {incompatible.unexpected_keys}")
+            for name, tensor in item.named_tensors() if isinstance(item, FlattenedBucket) else [item]:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"weight the model does not have: {name}")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
+                target.copy_(tensor)
         self.weight_version = version
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Optional
+
 import torch
 
 from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
@@ -17,6 +19,9 @@ class ActorSettings(TrainingSettings):
     """How the actor batches and what its loss is (verl's actor fields, same meanings)."""
 
     temperature: float = 1.0  # the rollout temperature; logits are divided by it
+    # The tokenizer's vocabulary. Megatron pads the output layer to a TP-divisible size, and the padding
+    # rows' logits (0 for weights imported from HF) would otherwise take probability mass.
+    vocab_size: Optional[int] = None
     policy_loss: str = "vanilla"
     policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
@@ -25,10 +30,12 @@ class ActorSettings(TrainingSettings):
     entropy_coeff: float = 0.0
 
 
-def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, temperature: float, with_entropy: bool):
+def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
     """log p(response token) [n, R] and entropy [n, R] (or None) from one micro-batch's vocab-parallel logits."""
     labels = micro_batch.labels.to(logits.device)
-    log_probs, entropy = vocab_parallel_log_probs_and_entropy(logits, labels, temperature, with_entropy)
+    log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+        logits, labels, settings.temperature, with_entropy, settings.vocab_size
+    )
     grid_log_probs = micro_batch.to_response_grid(log_probs)
     return grid_log_probs, (micro_batch.to_response_grid(entropy) if with_entropy else None)
 
@@ -37,7 +44,7 @@ def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch,
     """log p(response token) [B, R] (and entropy [B, R]) under `chunks`' weights, zero outside response_mask."""
 
     def per_token(micro_batch, logits):
-        log_probs, entropy = response_log_probs(micro_batch, logits, settings.temperature, with_entropy)
+        log_probs, entropy = response_log_probs(micro_batch, logits, settings, with_entropy)
         mask = micro_batch.response_fields.response_mask.to(log_probs.device)
         return (log_probs * mask,) + ((entropy * mask,) if with_entropy else ())
 
@@ -74,7 +81,7 @@ class ActorWorker(TrainingWorker):
             fields = micro_batch.response_fields
             device = logits.device
             mask = fields.response_mask.to(device)
-            log_probs, entropy = response_log_probs(micro_batch, logits, s.temperature, with_entropy=True)
+            log_probs, entropy = response_log_probs(micro_batch, logits, s, with_entropy=True)
             pg_loss, pg_metrics = policy_loss_fn(
                 fields.old_log_probs.to(device),
                 log_probs,

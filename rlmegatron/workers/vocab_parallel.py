@@ -40,12 +40,26 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_log_probs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(label) and entropy per token of logits [..., vocab/TP] scaled by the rollout temperature."""
-    from megatron.core import tensor_parallel
+    """log p(label) and entropy per token of logits [..., vocab/TP] scaled by the rollout temperature.
+
+    Ids at or beyond `vocab_size` (Megatron's TP padding of the vocabulary) get no probability.
+    """
+    from megatron.core import parallel_state, tensor_parallel
 
     scaled = logits.float() / temperature
+    if vocab_size is not None:
+        shard = scaled.shape[-1]
+        first_id = parallel_state.get_tensor_model_parallel_rank() * shard
+        if first_id + shard > vocab_size:
+            padding = torch.arange(first_id, first_id + shard, device=scaled.device) >= vocab_size
+            # A large finite value, not -inf: the entropy's p * logit must stay 0 * x, never 0 * inf.
+            scaled = scaled.masked_fill(padding, -1e30)
     entropy = vocab_parallel_entropy(scaled) if with_entropy else None
     # vocab_parallel_cross_entropy subtracts the max from its input in place; the entropy above
     # saved only its own tensors, so sharing `scaled` is safe and saves a vocab-sized copy.
