@@ -39,6 +39,11 @@ def load_training_state(worker, path: str) -> None:
 
     from rlmegatron.workers.engine import unwrap
 
+    for optimizer in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
+        if not optimizer.optimizer.state:
+            # A fresh torch Adam has no state (no `step`) to load into; Megatron-LM fills it with one
+            # zero-gradient step the same way. The weights it touches are overwritten by the load below.
+            optimizer._init_optimizer_states_with_dummy_values()
     model = _model_sharded_state_dict(worker.chunks)
     state = dist_checkpointing.load(
         {"model": model, "optimizer": _optimizer_state(worker, model, is_loading=True)}, path
@@ -48,7 +53,8 @@ def load_training_state(worker, path: str) -> None:
     else:
         for i, chunk in enumerate(worker.chunks):
             unwrap(chunk).load_state_dict(state["model"][f"model{i}"])
-    worker.optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
+        worker.optimizer.load_state_dict(state["optimizer"])
 
 
 def rng_states() -> dict:

@@ -1,6 +1,7 @@
 """`rlm train` end to end on CPU: spec rejection before Ray, the Ray loop on 2 ranks, resume, the rank class without Ray."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,9 @@ from rlmegatron.cli import EXIT_BAD_SPEC, main
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
 # Tiny steps: 4 prompts x 4 samples, validation on step 2, a checkpoint every 2 steps.
-SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.test_freq=2",
-         "trainer.save_freq=2", "tracking.backends=[console,mlflow]"]
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "trainer.test_freq=2",
+         "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null", "tracking.backends=[console,mlflow]",
+         "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
 
 
@@ -43,11 +45,17 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
-    """3 steps on 2 Ray ranks, checkpoint at step 2; then the same run_dir resumed at step 2 and run to step 3."""
+    """3 steps on 2 Ray ranks (checkpoints at 2 and 3); then a copy of the run as if killed right after step 2's
+    checkpoint, resumed with resume=auto and run to step 3."""
     tmp = tmp_path_factory.mktemp("ray")
-    run_dir = f"trainer.run_dir={tmp / 'run'}"
-    first = train(tmp, "first", "ray", "trainer.total_steps=3", run_dir, "trainer.resume=disable")
-    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", run_dir, "trainer.resume=auto")
+    first = train(tmp, "first", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'run'}",
+                  "trainer.resume=disable")
+    killed = tmp / "killed" / "checkpoints"
+    killed.mkdir(parents=True)
+    shutil.copytree(tmp / "run" / "checkpoints" / "step_2", killed / "step_2")
+    (killed / "latest").write_text("step_2")
+    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'killed'}",
+                    "trainer.resume=auto")
     return tmp, first, resumed
 
 
@@ -60,7 +68,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
                  "timing_s/step", "perf/throughput", "val/echo/score/mean"):
         assert name in history, name
         assert all(math.isfinite(v) for _, v in history[name]), name
-    assert (tmp / "run" / "checkpoints" / "latest").read_text() == "step_2"
+    assert (tmp / "run" / "checkpoints" / "latest").read_text() == "step_3"  # save_freq=2, and the last step
     assert (tmp / "run" / "mlflow.db").is_file()
     exported = Path(first["exported_hf"])
     assert (exported / "model.safetensors").is_file() and (exported / "config.json").is_file()
@@ -70,6 +78,7 @@ def test_resume_gives_the_same_next_step_metrics(ray_run):
     _, first, resumed = ray_run
     assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3]
     expected, got = at_step(first["history"], 3), at_step(resumed["history"], 3)
+    assert expected["actor/grad_norm"] > 0  # the step did train: equal metrics are not trivially equal
     assert expected.keys() == got.keys()
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
@@ -83,7 +92,8 @@ def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
 
 
 @pytest.mark.parametrize("name,overrides", [
-    ("ppo_critic", ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "critic.optim.lr=1e-3"]),
+    ("ppo_critic", ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
+                    "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3"]),
     ("dapo", ["algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_num_gen_batches=3",
               "reward.manager=dapo", "actor.clip_ratio_high=0.28", "actor.use_kl_loss=true"]),
 ])
