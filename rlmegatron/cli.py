@@ -11,7 +11,6 @@ if TYPE_CHECKING:
 
 # Exit codes: a rejected spec is the user's to fix; an unbuilt command is ours.
 EXIT_OK = 0
-EXIT_NOT_IMPLEMENTED = 1
 EXIT_BAD_SPEC = 2
 
 

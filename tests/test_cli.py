@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_NOT_IMPLEMENTED, main
+from rlmegatron.cli import EXIT_BAD_SPEC, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "configs/quickstart.yaml"
@@ -61,9 +61,11 @@ def test_missing_config_file_exits_2(capsys):
     assert capsys.readouterr().err == "no/such.yaml: cannot read the spec: No such file or directory\n"
 
 
-def test_convert_is_not_built_yet(capsys):
-    assert main(["convert", "hf-to-megatron", "ckpt/"]) == EXIT_NOT_IMPLEMENTED
-    assert "rlm convert: not implemented yet in this build" in capsys.readouterr().err
+def test_convert_rejects_an_unknown_direction(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "hf-to-megatron", "ckpt/"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'hf-to-megatron'" in capsys.readouterr().err
 
 
 def test_cli_module_imports_no_pydantic_until_a_command_runs():

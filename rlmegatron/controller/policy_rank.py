@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 from pathlib import Path
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
 
 
-def parallel_layout(megatron) -> "ParallelLayout":
+def parallel_layout(megatron):
     from rlmegatron.runtime import ParallelLayout
 
     return ParallelLayout(
@@ -207,19 +206,8 @@ class PolicyRank:
         self.sync_weights(f"resumed:{Path(path).name}")
 
     def export_hf(self, path: str) -> Optional[str]:
-        """The policy as an HF checkpoint (safetensors + config.json), written by rank 0; returns the path there."""
-        from safetensors.torch import save_file
+        """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
+        from rlmegatron.models.convert import export_hf
 
-        from rlmegatron.resharding import HFWeightExporter
-
-        tensors = {name: t.detach().cpu().contiguous() for name, t in
-                   HFWeightExporter(self.actor.chunks, self.weight_map).stream()}
-        if self.rank != 0:
-            return None
-        os.makedirs(path, exist_ok=True)
-        if self.weight_map.facts.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json"), "w") as out:
-            json.dump(self.weight_map.facts.hf, out, indent=2)
-        return path
+        export_hf(self.actor.chunks, self.weight_map, path, self.weight_map.facts.hf)
+        return path if self.rank == 0 else None

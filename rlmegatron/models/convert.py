@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional
 

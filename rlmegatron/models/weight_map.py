@@ -102,7 +102,7 @@ class WeightMap:
         self.rules[megatron] = Rule(megatron, sources, transform, exported)
 
     def _build(self) -> None:
-        facts, hf = self.facts, self.facts.hf
+        facts = self.facts
         self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB)
         self._add("decoder.final_layernorm.weight", ["model.norm.weight"])
         lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"

@@ -126,6 +126,34 @@ def _patch_alltoall_split_sizes():
     mappings._AllToAll.forward = staticmethod(forward)
 
 
+def _patch_shape_exchange():
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        def shape(tensor):
+            return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
+
+        recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+        requests = p2p._p2p_ops(
+            tensor_send_prev=shape(tensor_send_prev),
+            tensor_recv_prev=recv_prev_shape,
+            tensor_send_next=shape(tensor_send_next),
+            tensor_recv_next=recv_next_shape,
+            group=self.pp_group,
+            prev_pipeline_rank=self.prev_rank,
+            next_pipeline_rank=self.next_rank,
+        )
+        for request in requests.values():
+            request.wait()
+        return tuple([0, 0, 0] if t is None else t.tolist() for t in (recv_prev_shape, recv_next_shape))
+
+    # Variable-length micro-batches swap shapes with batch_isend_irecv regardless of batch_p2p_comm;
+    # gloo pairs those by posting order, so at PP=2 under VPP the shapes cross and the ranks hang.
+    # Megatron's unbatched p2p orders sends and receives by rank parity instead.
+    p2p.P2PCommunicator._communicate_shapes = communicate_shapes
+
+
 def enable_cpu_compat() -> None:
     """Apply every CPU patch (idempotent). Call before building any Megatron model."""
     global _ENABLED
@@ -166,6 +194,7 @@ def enable_cpu_compat() -> None:
         # ColumnParallelLinear fallback loses the TP sum of the rope-key gradient at TP>1.
         multi_latent_attention.TELinear = DuplicatedLinear
     _patch_alltoall_split_sizes()
+    _patch_shape_exchange()
     _ENABLED = True
 
 

@@ -71,7 +71,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
     assert (tmp / "run" / "checkpoints" / "latest").read_text() == "step_3"  # save_freq=2, and the last step
     assert (tmp / "run" / "mlflow.db").is_file()
     exported = Path(first["exported_hf"])
-    assert (exported / "model.safetensors").is_file() and (exported / "config.json").is_file()
+    assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
 
 
 def test_resume_gives_the_same_next_step_metrics(ray_run):
@@ -88,7 +88,7 @@ def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]")
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert not result["ray_imported"]
-    assert (Path(result["exported_hf"]) / "model.safetensors").is_file()
+    assert (Path(result["exported_hf"]) / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.parametrize("name,overrides", [

@@ -32,7 +32,7 @@ def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(nodes):
     assert "ray start --head" in script and "ray stop" in script and "pkill" not in script
     assert ("--exclude=\"$HEAD_NODE\"" in script) and "(( NNODES > 1 ))" in script
     assert 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-' in script and "GLOO_SOCKET_IFNAME" in script
-    assert f"EXPECTED_GPUS=$((NNODES * GPUS_PER_NODE))" in script and "RAY_JOIN_TIMEOUT_S" in script
+    assert "EXPECTED_GPUS=$((NNODES * GPUS_PER_NODE))" in script and "RAY_JOIN_TIMEOUT_S" in script
     train = shlex.join(["rlm", "train", CONFIG, "rollout.n=4", "data.train_files=[a b.parquet]",
                         f"placement.nnodes={nodes}", "placement.gpus_per_node=8"])
     assert train in script

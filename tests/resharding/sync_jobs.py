@@ -29,7 +29,7 @@ def _actor_from_hf(hf_dir: str, layout: ParallelLayout):
     return actor, weight_map
 
 
-def _rollout_batch(prompts: torch.Tensor, results) -> "RolloutBatch":
+def _rollout_batch(prompts: torch.Tensor, results):
     """Prompts and the engine's samples as the actor's batch: left-padded prompt, right-padded response."""
     from rlmegatron.workers import RolloutBatch
 

@@ -13,8 +13,8 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def parity_reports(tmp_path_factory):
-    # No PP2xVPP2: Megatron exchanges the variable micro-batch shapes with batch_isend_irecv even when
-    # batch_p2p_comm=False, and gloo pairs those by posting order, so the interleaved schedule hangs.
+    # PP2xVPP2 is left out: with the CPU layer's shape-exchange fix it trains on 2 ranks, but this
+    # 4-rank job (DP=2 on top) still hangs under the interleaved schedule; not yet understood.
     layouts = [L(tp=2), L(pp=2), L(tp=2, pp=2)]
     return run_ranks(parity_job, 4, layouts, str(tmp_path_factory.mktemp("parity")), timeout_s=300)
 
