@@ -38,12 +38,7 @@ def actor_settings(spec: JobSpec):
 
     actor = spec.actor
     return ActorSettings(
-        ppo_mini_batch_size=actor.ppo_mini_batch_size * spec.rollout.n,
-        ppo_epochs=actor.ppo_epochs,
-        micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-        max_token_len=actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-        loss_agg_mode=actor.loss_agg_mode,
-        optimizer=_optimizer_settings(actor.optim),
+        **_training_fields(actor, spec),
         temperature=spec.rollout.temperature or 1.0,
         policy_loss="gspo" if spec.algorithm.adv_estimator == "gspo" else "vanilla",
         policy_loss_config=PolicyLossConfig(
@@ -62,15 +57,18 @@ def actor_settings(spec: JobSpec):
 def critic_settings(spec: JobSpec):
     from rlmegatron.workers import CriticSettings
 
-    critic = spec.critic
-    return CriticSettings(
-        ppo_mini_batch_size=critic.ppo_mini_batch_size * spec.rollout.n,
-        ppo_epochs=critic.ppo_epochs,
-        micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
-        max_token_len=critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+    return CriticSettings(**_training_fields(spec.critic, spec), cliprange_value=spec.critic.cliprange_value)
+
+
+def _training_fields(role, spec: JobSpec) -> dict:
+    """Batching and optimizer settings of a trained role (actor or critic) from its spec section."""
+    return dict(
+        ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
+        ppo_epochs=role.ppo_epochs,
+        micro_batch_size=role.ppo_micro_batch_size_per_gpu,
+        max_token_len=role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
         loss_agg_mode=spec.actor.loss_agg_mode,
-        optimizer=_optimizer_settings(critic.optim),
-        cliprange_value=critic.cliprange_value,
+        optimizer=_optimizer_settings(role.optim),
     )
 
 

@@ -88,7 +88,7 @@ def iter_rows(files: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
         if path.suffix == ".parquet":
             yield from _parquet_rows(path)
         elif path.suffix == ".jsonl":
-            yield from _jsonl_rows(path)
+            yield from jsonl_rows(path)
         else:
             raise DatasetError(f"{file}: unsupported data file type; use .parquet or .jsonl")
 
@@ -101,7 +101,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         yield f"{path}:row {number}", row
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file:line, object) for each non-blank line; a line that is not a JSON object is a DatasetError."""
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():

@@ -1,13 +1,12 @@
 """GSM8K preparation: the original train/test jsonl files into verl-format parquet files."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlmegatron.data.dataset import DatasetError
+from rlmegatron.data.dataset import DatasetError, jsonl_rows
 
 DATA_SOURCE = "openai/gsm8k"
 SPLITS = ("train", "test")
@@ -45,20 +44,10 @@ def gsm8k_row(question: str, solution: str, split: str, index: int, location: st
 
 def read_gsm8k_jsonl(path: Path, split: str) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{location}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not all(
-                isinstance(record.get(key), str) for key in ("question", "answer")
-            ):
-                raise DatasetError(f"{location}: expected an object with string 'question' and 'answer'")
-            rows.append(gsm8k_row(record["question"], record["answer"], split, len(rows), location))
+    for location, record in jsonl_rows(path):
+        if not all(isinstance(record.get(key), str) for key in ("question", "answer")):
+            raise DatasetError(f"{location}: expected an object with string 'question' and 'answer'")
+        rows.append(gsm8k_row(record["question"], record["answer"], split, len(rows), location))
     return rows
 
 
