@@ -1,0 +1,26 @@
+"""configs/gsm8k_cpu_smoke.yaml: `rlm prepare gsm8k` on the real files, then three GRPO steps end to end on CPU."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def test_three_grpo_steps_on_real_gsm8k(tmp_path):
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.fail(f"the GSM8K files are expected at {GSM8K} (shared/ beside the checkout)")
+    data = tmp_path / "data"
+    rlm = [sys.executable, "-m", "rlmegatron"]
+    subprocess.run([*rlm, "prepare", "gsm8k", "--src", str(GSM8K), "--out", str(data)], cwd=REPO_ROOT, check=True)
+    run = subprocess.run(
+        [*rlm, "train", "configs/gsm8k_cpu_smoke.yaml", f"trainer.run_dir={tmp_path / 'run'}",
+         f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "trained 3 steps" in run.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir()
+    assert (tmp_path / "run" / "hf_policy" / "model.safetensors.index.json").is_file()
