@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 CORE = [
     "torch>=2.6",
     "megatron-core>=0.16,<0.20",
-    "ray>=2.40",
+    "ray[default]>=2.40",  # [default]: the dashboard that `ray job submit` (launch/submit.sh) talks to
     "pydantic>=2.5,<3",
     "pyyaml>=6",
     "mlflow>=2.15",
