@@ -7,15 +7,16 @@ from pathlib import Path
 from rlmegatron.runtime.launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def test_quickstart_runs_as_a_ray_job_on_a_local_head(tmp_path):
     dashboard, gcs = free_port(), free_port()
     # A short temp dir: Ray's socket paths must fit in 107 characters. No token auth on a loopback test head.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+    # submit.sh and the job's `rlm train` find ray and rlm on PATH, as in an activated environment.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"}
     temp_dir = f"/tmp/rlm-ray-{os.getpid()}"
-    head = [RAY, "start", "--head", "--num-cpus", "3", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+    head = ["ray", "start", "--head", "--num-cpus", "3", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
             "--dashboard-port", str(dashboard), "--temp-dir", temp_dir, "--disable-usage-stats"]
     subprocess.run(head, env={**env, "RAY_ADDRESS": ""}, check=True, capture_output=True, timeout=120)
     try:
@@ -30,4 +31,4 @@ def test_quickstart_runs_as_a_ray_job_on_a_local_head(tmp_path):
         assert "succeeded" in output and "trained 2 steps" in output
         assert (run_dir / "checkpoints" / "step_2").is_dir()
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
