@@ -160,12 +160,7 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         fp16=dtype == "fp16",
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.sequence_parallel,
+        **layout.transformer_config_fields(),
     )
     experts = next((hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if hf.get(k)), 0)
     if experts:

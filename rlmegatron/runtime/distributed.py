@@ -23,6 +23,18 @@ class ParallelLayout:
     etp: Optional[int] = None  # None: experts use the dense TP size
     sequence_parallel: bool = False
 
+    def transformer_config_fields(self) -> dict:
+        """The TransformerConfig fields that carry this layout."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            sequence_parallel=self.sequence_parallel,
+        )
+
     def __str__(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
         parts += [f"VPP{self.vpp}"] if self.vpp else []

@@ -37,12 +37,7 @@ def transformer_config(kind: str, layout: ParallelLayout, dispatcher: str = "all
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         **transformer_config_overrides("cpu"),
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.sequence_parallel,
+        **layout.transformer_config_fields(),
     )
     moe = dict(
         num_moe_experts=4,
