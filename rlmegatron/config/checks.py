@@ -336,17 +336,18 @@ def _check_lengths(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
 
 def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
     rollout, placement, problems = spec.rollout, spec.placement, []
-    if rollout.engine == "sglang":
-        if placement.device == "cpu":
-            reason = "SGLang needs CUDA GPUs; use rollout.engine=local with placement.device=cpu"
-            problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
-        elif placement.mode == "colocate" and not rollout.sglang.enable_memory_saver:
+    if rollout.engine == "sglang" and placement.device == "cuda":
+        if placement.mode == "colocate" and not rollout.sglang.enable_memory_saver:
             reason = (
                 "colocated engines must release GPU memory while the trainer runs; "
                 "set it to true, or use placement.mode=disaggregate"
             )
             problems.append(SpecProblem("rollout.sglang.enable_memory_saver", False, reason))
     tp, ep = rollout.tensor_parallel_size, rollout.expert_parallel_size
+    if placement.mode == "colocate" and tp > placement.gpus_per_node:
+        reason = (f"a colocated engine lives on one node, which has placement.gpus_per_node="
+                  f"{placement.gpus_per_node}; use placement.mode=disaggregate for engines that span nodes")
+        problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
     pool = placement.rollout_pool_size
     if pool is not None:
         if rollout.num_gpus is not None and rollout.num_gpus > pool:

@@ -235,6 +235,8 @@ class SGLangConfig(Section):
     load_format: Text = "auto"
     skip_tokenizer_init: bool = True
     """The trainer sends token ids, so the server needs no tokenizer."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """A server not healthy this long after launch fails the job, with its log tail."""
     extra_args: dict[str, Any] = {}
     """Extra server flags, passed verbatim: {key: value} becomes --key value; true becomes a bare --key."""
 

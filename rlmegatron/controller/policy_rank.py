@@ -1,10 +1,10 @@
 """One trainer rank of the policy: actor, optional reference and critic, and a colocated rollout engine (the hybrid engine)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import random
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -93,11 +93,11 @@ class PolicyRank:
     """
 
     def __init__(self, spec: JobSpec) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
+        from rlmegatron.controller.engines import build_colocated_engine
         from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
         from rlmegatron.models.weight_map import WeightMap
-        from rlmegatron.rollout.local import LocalEngine
         from rlmegatron.runtime import init_model_parallel
         from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
 
@@ -131,15 +131,8 @@ class PolicyRank:
         if not spec.model.random_init:
             self._load_hf_weights(facts)
 
-        hf_config = AutoConfig.from_pretrained(spec.model.path)
-        engine_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        eos = hf_config.eos_token_id
-        self.engine = LocalEngine(
-            engine_model,
-            pad_token_id=hf_config.pad_token_id or 0,
-            eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
-            seed=spec.rollout.seed + self.rank,
-        )
+        self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+        self.engine_asleep = False
         self.sync_weights("init")
 
     def _load_hf_weights(self, facts) -> None:
@@ -165,8 +158,25 @@ class PolicyRank:
 
     # --- the step's phases, in the order the trainer calls them ---
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        return self.engine.generate(requests) if requests else []
+    def serves_rollout(self) -> bool:
+        return self.engine is not None
+
+    def generate(self, requests: list[GenerationRequest]) -> Optional[list[GenerationResult]]:
+        """None: the engine was restarted mid-call and needs weights (`resync_restarted_engines`) before a retry."""
+        from rlmegatron.rollout.sglang import EngineRestarted
+
+        if not requests:
+            return []
+        try:
+            return self.engine.generate(requests)
+        except EngineRestarted:
+            return None
+
+    def release_rollout_memory(self) -> None:
+        """Colocated: the engine gives its memory back while the trainer runs; `sync_weights` wakes it."""
+        if self.engine is not None:
+            self.engine.release_memory()
+            self.engine_asleep = True
 
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, entropy = self.actor.compute_log_prob(batch, with_entropy=True)
@@ -184,11 +194,24 @@ class PolicyRank:
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         return self.actor.update(batch)
 
-    def sync_weights(self, version: str) -> None:
-        """Trained weights -> this rank's engine, as HF-named full tensors (every rank gets the whole stream)."""
+    def sync_weights(self, version: str, restarted_only: bool = False) -> None:
+        """Trained weights -> the engines, as HF-named full tensors. The export is collective, so every rank
+        walks the whole stream; ranks without an engine to feed (or, with `restarted_only`, without a
+        restarted one) just let it pass."""
         from rlmegatron.resharding import HFWeightExporter
 
-        self.engine.update_weights(HFWeightExporter(self.actor.chunks, self.weight_map).stream(), version)
+        stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
+        if self.engine is None or (restarted_only and not self.engine.stale):
+            collections.deque(stream, maxlen=0)
+        elif self.engine_asleep:
+            self.engine.wake_up_with_weights(stream, version)
+            self.engine_asleep = False
+        else:
+            self.engine.update_weights(stream, version)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
 
     # --- checkpoints ---
 
@@ -201,7 +224,6 @@ class PolicyRank:
         from rlmegatron.checkpoint.state import load_rank_state
 
         load_rank_state(self, path)
-        self.sync_weights(f"resumed:{Path(path).name}")
 
     def export_hf(self, path: str) -> Optional[str]:
         """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""

@@ -50,7 +50,9 @@ class Trainer:
         self.kl_ctrl = (FixedKLController(kl.kl_coef) if kl.type == "fixed"
                         else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon))
         self.step = 0
+        self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
+        self.engine_ranks = [rank for rank, serves in enumerate(workers.execute_all("serves_rollout")) if serves]
 
     def fit(self) -> FitResult:
         spec, trainer = self.spec, self.spec.trainer
@@ -63,6 +65,7 @@ class Trainer:
             timer, metrics = Timer(), {}
             with timer("step"):
                 rollout = self.collect_rollout(timer, metrics)
+                self.workers.execute_all("release_rollout_memory")
                 batch = rollout.batch
                 if spec.critic.enable:
                     with timer("values"):
@@ -84,7 +87,8 @@ class Trainer:
                 with timer("update_actor"):
                     metrics.update(self.workers.execute_rank_zero_result("update_actor", batch))
                 with timer("update_weights"):
-                    self.workers.execute_all("sync_weights", f"step_{self.step}")
+                    self.weight_version = f"step_{self.step}"
+                    self.workers.execute_all("sync_weights", self.weight_version)
             metrics.update(R.batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
@@ -128,9 +132,23 @@ class Trainer:
                 params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
             for i, p in enumerate(prompts)
         ]
-        shares = R.shard_requests(requests, self.workers.world_size)
-        answers = self.workers.execute_each("generate", [(share,) for share in shares])
-        return R.merge_results(shares, answers)
+        shares = R.shard_requests(requests, len(self.engine_ranks))
+        answers: list = [None] * len(shares)
+        while pending := [i for i, answer in enumerate(answers) if answer is None]:
+            per_rank = [([],)] * self.workers.world_size
+            for i in pending:
+                per_rank[self.engine_ranks[i]] = (shares[i],)
+            replies = self.workers.execute_each("generate", per_rank)
+            for i in pending:
+                answers[i] = replies[self.engine_ranks[i]]
+            if any(answers[i] is None for i in pending):
+                # A restarted engine has no trained weights: push them (collective), then resend its share.
+                # The engine bounds its own restarts, so this loop ends.
+                self.workers.execute_all("sync_weights", self.weight_version, True)
+        results = R.merge_results(shares, answers)
+        if len(results) != len(requests) * params.n:
+            raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
+        return results
 
     def score(self, prompts, results, first_uid: int) -> R.Rollout:
         rows = [prompts[r.request_index] for r in results]
@@ -192,6 +210,9 @@ class Trainer:
             return
         state = self.checkpoints.load(found, self.workers)
         self.step = int(state["step"])
+        self.weight_version = f"step_{self.step}"
+        self.workers.execute_all("sync_weights", self.weight_version)
+        self.workers.execute_all("sync_weights", self.weight_version)
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self.last_checkpoint = str(found)

@@ -6,12 +6,7 @@ import socket
 from typing import Any, Callable
 
 from rlmegatron.controller.placement import ResourcePool
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+from rlmegatron.runtime.launcher import free_port
 
 
 def rank_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -47,11 +42,13 @@ class RankHost:
     def shutdown(self) -> None:
         from rlmegatron.runtime import destroy_distributed
 
+        if self.rank is not None and hasattr(self.rank, "shutdown"):
+            self.rank.shutdown()
         destroy_distributed()
 
 
 def master_address() -> tuple[str, int]:
-    return socket.gethostbyname(socket.gethostname()), free_port()
+    return socket.gethostbyname(socket.gethostname()), free_port(host="")
 
 
 class RayWorkerGroup:

@@ -66,6 +66,9 @@ class GenerationResult:
 class RolloutEngine(abc.ABC):
     """Generates samples and takes new weights; results come back ordered by (request_index, sample_index)."""
 
+    stale: bool = False
+    """Restarted after a failure and not yet given the trained weights: `generate` refuses until `update_weights`."""
+
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
 
@@ -78,6 +81,13 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None: ...
+
+    def wake_up_with_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """After training: weights memory back, new weights in, then the KV cache (and CUDA graphs) back,
+        so the KV cache never competes with the weight buckets for memory."""
+        self.resume_memory(["weights"])
+        self.update_weights(named_tensors, version)
+        self.resume_memory(["kv_cache", "cuda_graph"])
 
     @abc.abstractmethod
     def health(self) -> bool: ...

@@ -35,6 +35,10 @@ class SGLangRequestError(RuntimeError):
     """The server answered and refused the request (4xx or success=false): retrying will not help."""
 
 
+class EngineRestarted(RuntimeError):
+    """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
+
+
 def sampling_params(spec: SamplingSpec) -> dict[str, Any]:
     """SGLang `sampling_params` for one sample (n is expanded client-side so each sample retries alone)."""
     params: dict[str, Any] = {
@@ -184,7 +188,9 @@ class SGLangEngine(RolloutEngine):
     """One SGLang server (one TP group) launched and supervised by this engine.
 
     A server that stops answering is restarted, re-synced through `resync`, and the samples that were in
-    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine. Samples
+    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine. Without
+    `resync` (colocated: only a collective export has the weights) the engine turns `stale` and `generate`
+    raises `EngineRestarted` until the caller has pushed weights; the caller then sends the requests again. Samples
     the server itself aborted come back with finish reason `abort` for the caller to drop or resubmit.
     """
 
@@ -236,6 +242,8 @@ class SGLangEngine(RolloutEngine):
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
             epoch = self._epoch
+            if self.stale:
+                raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec))
                 return parse_generate_response(answer, request_index, sample_index)
@@ -257,13 +265,7 @@ class SGLangEngine(RolloutEngine):
                 torch.cuda.ipc_collect()
         self.client.flush_cache()
         self.weight_version = version
-
-    def wake_up_with_weights(self, named_tensors: WeightStream, version: str) -> None:
-        """After training: weights memory back, new weights in, then the KV cache (and CUDA graphs) back,
-        so the KV cache never competes with the weight buckets for memory."""
-        self.resume_memory(["weights"])
-        self.update_weights(named_tensors, version)
-        self.resume_memory(["kv_cache", "cuda_graph"])
+        self.stale = False
 
     def update_weights_distributed(self, named_tensors: WeightStream, version: str, group: DistributedGroupSpec) -> None:
         """Disaggregated: per bucket, announce names/dtypes/shapes, then broadcast the tensors from rank 0 in
@@ -284,6 +286,7 @@ class SGLangEngine(RolloutEngine):
             announce.result()
         self.client.flush_cache()
         self.weight_version = version
+        self.stale = False
 
     def _join_update_group(self, group: DistributedGroupSpec) -> torch.distributed.ProcessGroup:
         world_size = 1 + self.spec.tp_size  # tp_size counts the server's ranks on all its nodes
@@ -299,10 +302,13 @@ class SGLangEngine(RolloutEngine):
     # Memory and control ------------------------------------------------------------------------------
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self.client.release_memory_occupation(check_memory_tags(tags))
+        """A server without the memory saver cannot release anything, so it keeps its memory."""
+        if self.spec.enable_memory_saver:
+            self.client.release_memory_occupation(check_memory_tags(tags))
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self.client.resume_memory_occupation(check_memory_tags(tags))
+        if self.spec.enable_memory_saver:
+            self.client.resume_memory_occupation(check_memory_tags(tags))
 
     def pause_generation(self) -> None:
         self.client.pause_generation()
@@ -337,6 +343,9 @@ class SGLangEngine(RolloutEngine):
             if self.resync is not None:
                 stream, version = self.resync()
                 self.update_weights(stream, version)
+            else:
+                # The weights live in the trainer, whose export is collective: the caller must sync.
+                self.stale = True
             self._epoch += 1
 
 

@@ -40,6 +40,8 @@ class ServerSpec:
     port: int
     host: str = "127.0.0.1"
     python: str = "python"
+    device: str = "cuda"
+    """`cpu` runs SGLang's CPU backend (and the loopback test server)."""
     tp_size: int = 1
     ep_size: int = 1
     enable_dp_attention: bool = False
@@ -92,6 +94,8 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--mem-fraction-static", str(spec.mem_fraction_static),
         "--load-format", spec.load_format,
     ]
+    if spec.device != "cuda":
+        command += ["--device", spec.device]
     if spec.enable_dp_attention:
         # dp-attention splits attention across the TP ranks of this one server; its dp_size is the TP size.
         command += ["--enable-dp-attention", "--dp-size", str(spec.tp_size)]

@@ -26,9 +26,10 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or did not finish in time."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now; "" probes every interface (a rendezvous other nodes connect to)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -186,10 +186,11 @@ CASES = [
         id="max-new-tokens-fits-response",
     ),
     pytest.param(
-        {"rollout.engine": "sglang"},
+        {"placement.gpus_per_node": 2, "rollout.tensor_parallel_size": 4},
         "tiny-qwen3",
-        "job.yaml: rollout.engine=sglang: SGLang needs CUDA GPUs; use rollout.engine=local with placement.device=cpu",
-        id="sglang-needs-cuda",
+        "job.yaml: rollout.tensor_parallel_size=4: a colocated engine lives on one node, which has "
+        "placement.gpus_per_node=2; use placement.mode=disaggregate for engines that span nodes",
+        id="colocated-engine-within-a-node",
     ),
     pytest.param(
         {"placement.device": "cuda", "rollout.engine": "sglang", "rollout.sglang.enable_memory_saver": False},

@@ -1,6 +1,7 @@
 """`rlm train` end to end on CPU: spec rejection before Ray, the Ray loop on 2 ranks, resume, the rank class without Ray."""
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -107,3 +108,42 @@ def test_ppo_with_critic_and_dapo_run_in_process(tmp_path, name, overrides):
         assert all(math.isfinite(v) for _, v in history["critic/vf_loss"] + history["critic/values/mean"])
     else:
         assert "training/num_gen_batches" in history and "actor/kl_loss" in history
+
+
+def test_colocated_sglang_engine_that_dies_mid_step_is_restarted_resynced_and_the_step_completes(tmp_path):
+    """The SGLang path of the loop against the loopback server that speaks SGLang's protocol: it dies on the 5th
+    of step 1's 16 generate calls; the engine restarts it, the trainer pushes the weights again and resends."""
+    fake_sglang = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
+    calls = tmp_path / "calls.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake_sglang), str(REPO_ROOT)])}
+    out = tmp_path / "sglang.json"
+    subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), "local", *SMALL, "trainer.total_steps=2",
+                    "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1",
+                    "trainer.test_freq=-1", "tracking.backends=[console]", "rollout.engine=sglang",
+                    f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
+                    f"rollout.sglang.extra_args.fake-record={calls}",
+                    f"rollout.sglang.extra_args.fake-marker={tmp_path / 'died'}",
+                    "rollout.sglang.extra_args.fake-die-after-generates=5"],
+                   cwd=REPO_ROOT, env=env, check=True, timeout=300)
+    history = json.loads(out.read_text())["history"]
+    assert [s for s, _ in history["actor/pg_loss"]] == [1, 2]
+    assert all(math.isfinite(v) for _, v in history["actor/pg_loss"] + history["actor/grad_norm"])
+
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    first, second = sorted({r["pid"] for r in records}, key=[r["pid"] for r in records].index)
+    assert len({r["pid"] for r in records}) == 2  # one restart
+    died, restarted = [r for r in records if r["pid"] == first], [r for r in records if r["pid"] == second]
+    # The replacement gets the weights before any request, then step 1's 16 samples (the share that saw the
+    # failure is sent again whole), the colocated release, the wake-up with step 1's weights, and step 2.
+    assert [r["path"] for r in died].count("/generate") < 5
+    paths = [r["path"] for r in restarted]
+    first_generate = paths.index("/generate")
+    assert "/update_weights_from_tensor" in paths[:first_generate] and "/flush_cache" in paths[:first_generate]
+    release = paths.index("/release_memory_occupation")
+    assert paths[first_generate:release] == ["/generate"] * 16
+    resume_weights, resume_cache = [i for i, p in enumerate(paths) if p == "/resume_memory_occupation"][:2]
+    assert restarted[release]["tags"] == ["weights", "kv_cache", "cuda_graph"]
+    assert restarted[resume_weights]["tags"] == ["weights"]
+    assert set(paths[resume_weights + 1 : resume_cache]) == {"/update_weights_from_tensor", "/flush_cache"}
+    assert restarted[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
+    assert paths[resume_cache + 1 :].count("/generate") == 16

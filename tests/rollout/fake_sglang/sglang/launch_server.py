@@ -48,6 +48,9 @@ class FakeServer:
         self.generates = 0
         self.lock = threading.Lock()
         self.groups = {}
+        config = os.path.join(args.model_path, "config.json")
+        # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
+        self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
 
     def record(self, path, **details):
         with self.lock, open(self.args.fake_record, "a") as log:
@@ -71,7 +74,7 @@ class FakeServer:
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
         output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
         for step in range(params["max_new_tokens"]):
-            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % 1000
+            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % self.vocab
             output_ids.append(token)
             if token in params["stop_token_ids"]:
                 finish = {"type": "stop", "matched": token}
@@ -197,6 +200,7 @@ def main():
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--dp-size", type=int, default=1)
