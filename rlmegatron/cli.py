@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 # Exit codes: a rejected spec is the user's to fix; an unbuilt command is ours.
 EXIT_OK = 0
 EXIT_BAD_SPEC = 2
+EXIT_TRAINING_STOPPED = 3
+EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,9 +73,21 @@ def train(args: argparse.Namespace) -> int:
     spec = _load_spec_or_report(args)
     if spec is None:
         return EXIT_BAD_SPEC
+    from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.controller.job import run_training
+    from rlmegatron.controller.trainer import TrainingStopped
 
-    run_training(spec)
+    try:
+        run_training(spec)
+    except TrainingStopped as stopped:
+        print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
+        return EXIT_TRAINING_STOPPED
+    except (KeyboardInterrupt, SystemExit) as stop:
+        code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
+        latest = CheckpointManager(spec.trainer.run_dir).latest()
+        print(f"interrupted; workers and engines stopped; last complete checkpoint: {latest or 'none'}",
+              file=sys.stderr, flush=True)
+        return code
     return EXIT_OK
 
 

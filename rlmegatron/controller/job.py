@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -22,6 +25,13 @@ class JobReport:
     """Every logged metric as (step, value) pairs."""
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (scancel, kill) takes Ctrl-C's way out, through run_training's cleanup of the rank processes,
+    engine servers and Ray. Called again after ray.init, whose core worker installs a handler that aborts."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def start_ray(spec: JobSpec) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local one just big enough for the placement."""
     import ray
@@ -36,8 +46,10 @@ def start_ray(spec: JobSpec) -> None:
         0 if placement.mode == "colocate" else placement.rollout_pool_size or 0)
     gpus = ranks if placement.device == "cuda" else 0
     # A CPU rank is one CPU bundle: ask for exactly that many, whatever the machine has.
+    # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
+    python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+             runtime_env={"env_vars": {"PYTHONPATH": python_path}})
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
@@ -58,8 +70,10 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     pools = None
+    exit_on_sigterm()
     if use_ray:
         start_ray(spec)
+        exit_on_sigterm()
         pools = create_pools(spec.placement)
         if not pools.colocated:
             raise NotImplementedError("placement.mode=disaggregate needs SGLang engines in the rollout pool")

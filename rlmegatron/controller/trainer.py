@@ -31,6 +31,10 @@ class Timer:
         return {f"timing_s/{phase}": value for phase, value in self.seconds.items()}
 
 
+class TrainingStopped(RuntimeError):
+    """The loop stopped on a step it must not apply (a NaN or infinite loss or gradient norm)."""
+
+
 @dataclass
 class FitResult:
     steps: int
@@ -82,9 +86,9 @@ class Trainer:
                         group_index=rollout.uids, gamma=spec.algorithm.gamma, lam=spec.algorithm.lam,
                         norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
                 if spec.critic.enable:
-                    with timer("update_critic"):
+                    with timer("update_critic"), self.stop_on_non_finite():
                         metrics.update(self.workers.execute_rank_zero_result("update_critic", batch))
-                with timer("update_actor"):
+                with timer("update_actor"), self.stop_on_non_finite():
                     metrics.update(self.workers.execute_rank_zero_result("update_actor", batch))
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
@@ -98,6 +102,17 @@ class Trainer:
                 self.save()
         exported = self.export_policy()
         return FitResult(self.step, time.perf_counter() - started, self.last_checkpoint, exported)
+
+    @contextmanager
+    def stop_on_non_finite(self):
+        from rlmegatron.workers.training import NonFiniteUpdate
+
+        try:
+            yield
+        except NonFiniteUpdate as error:
+            cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
+            raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
+                                  f"complete one is {self.last_checkpoint or 'none'}") from None
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 

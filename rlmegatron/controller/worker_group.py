@@ -99,12 +99,18 @@ class RayWorkerGroup:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Orderly where the ranks are idle; a rank still busy (an interrupted step) is killed after `timeout_s`,
+        and its engine servers go with it (`lifeline`)."""
         import ray
 
-        ray.get([host.shutdown.remote() for host in self.ranks])
-        for host in self.ranks:
-            ray.kill(host)
+        try:
+            ray.get([host.shutdown.remote() for host in self.ranks], timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            pass
+        finally:
+            for host in self.ranks:
+                ray.kill(host)
 
 
 class LocalWorkerGroup:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -128,7 +129,8 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 class ServerProcess:
-    """A server (or router) subprocess writing stdout+stderr to `log_path`; restartable."""
+    """A server (or router) subprocess writing stdout+stderr to `log_path`; restartable. It runs under
+    `lifeline`, so it ends with this process even when this process is killed outright."""
 
     def __init__(self, command: list[str], log_path: Path, env: Mapping[str, str] = {}) -> None:
         self.command = command
@@ -141,7 +143,8 @@ class ServerProcess:
         log = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                [sys.executable, "-m", "rlmegatron.lifeline", str(os.getpid()), "--", *self.command],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                 start_new_session=True,  # its own process group, so stop() also ends the TP worker children
             )
         finally:

@@ -1,6 +1,7 @@
 """What the actor and critic share: settings, optimizer, weights I/O, offload, and the PPO mini-batch loop."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -140,11 +141,26 @@ class TrainingWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = engine.forward_backward(self.chunks, micro_batches, loss_func_for, forward_only=False)
+        metrics = _reduce_metrics(collected, summed)  # collective: every rank sees, and stops on, the same values
+        terms = {name: value for name, value in metrics.items() if name.endswith(("_loss", "/entropy"))}
+        _raise_if_not_finite(terms, "before the optimizer step; the weights are unchanged")
         _, grad_norm, _ = self.optimizer.step()
-        metrics = _reduce_metrics(collected, summed)
         metrics[f"{self.metric_prefix}/grad_norm"] = float(grad_norm)
+        _raise_if_not_finite({f"{self.metric_prefix}/grad_norm": float(grad_norm)},
+                             "after the optimizer step, so the weights in memory are not usable")
         metrics.update(_moe_aux_losses(engine.unwrap(self.chunks[0]).config, self.metric_prefix))
         return metrics
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """A loss term or gradient norm is NaN or infinite: training stops rather than step, or save, on it."""
+
+
+def _raise_if_not_finite(values: dict[str, float], when: str) -> None:
+    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    if bad:
+        found = ", ".join(f"{name}={value}" for name, value in sorted(bad.items()))
+        raise NonFiniteUpdate(f"{found}: stopped {when}")
 
 
 def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:

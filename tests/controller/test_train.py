@@ -2,9 +2,10 @@
 import json
 import math
 import os
-import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,39 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_mi
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
 
 
-def train(tmp: Path, name: str, use_ray: str, *overrides: str) -> dict:
+FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
+RLM = str(Path(sys.executable).parent / "rlm")
+
+
+def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None = None) -> dict:
     out = tmp / f"{name}.json"
     subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
-                   cwd=REPO_ROOT, check=True, timeout=300)
+                   cwd=REPO_ROOT, check=True, timeout=300, env=env)
     return json.loads(out.read_text())
+
+
+def with_fake_sglang(tmp: Path, name: str, die_after_generates: int = 0) -> tuple[list[str], dict]:
+    """Overrides and environment that put the loopback SGLang server (tests/rollout/fake_sglang) behind the loop;
+    every process of the run carries RLM_TEST_RUN=name in its environment, so survivors can be found."""
+    overrides = ["rollout.engine=sglang", f"rollout.sglang.python={sys.executable}",
+                 "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={tmp / name}.calls",
+                 f"rollout.sglang.extra_args.fake-marker={tmp / name}.died",
+                 f"rollout.sglang.extra_args.fake-die-after-generates={die_after_generates}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]), "RLM_TEST_RUN": name}
+    return overrides, env
+
+
+def processes_of_run(name: str) -> list[str]:
+    """Live processes whose environment carries RLM_TEST_RUN=name, as 'pid cmdline'."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"RLM_TEST_RUN={name}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found.append(f"{proc.name} {command}")
+        except OSError:
+            pass
+    return found
 
 
 def at_step(history: dict, step: int) -> dict[str, float]:
@@ -32,7 +61,7 @@ def at_step(history: dict, step: int) -> dict[str, float]:
 
 
 def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
-    import rlmegatron.controller.job as job
+    from rlmegatron.controller import job
 
     monkeypatch.chdir(REPO_ROOT)
     started = []
@@ -46,22 +75,31 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
-    """3 steps on 2 Ray ranks (checkpoints at 2 and 3); then a copy of the run as if killed right after step 2's
-    checkpoint, resumed with resume=auto and run to step 3."""
+    """2 Ray ranks, each leading a (loopback) SGLang engine: 3 uninterrupted steps, checkpoints at 2 and 3, one
+    engine dying in step 1; then a run killed by SIGTERM once step 2's checkpoint is in, resumed to step 3."""
     tmp = tmp_path_factory.mktemp("ray")
+    sglang, env = with_fake_sglang(tmp, "first", die_after_generates=3)
     first = train(tmp, "first", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'run'}",
-                  "trainer.resume=disable")
-    killed = tmp / "killed" / "checkpoints"
-    killed.mkdir(parents=True)
-    shutil.copytree(tmp / "run" / "checkpoints" / "step_2", killed / "step_2")
-    (killed / "latest").write_text("step_2")
+                  "trainer.resume=disable", *sglang, env=env)
+    sglang, env = with_fake_sglang(tmp, "killed")
+    killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+                               f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
+                              cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    latest = tmp / "killed" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not (latest.is_file() and latest.read_text() == "step_2") and killed.poll() is None:
+        assert time.monotonic() < deadline, "no step_2 checkpoint within 240 s"
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGTERM)
+    _, stderr = killed.communicate(timeout=120)
+    sglang, env = with_fake_sglang(tmp, "resumed")
     resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'killed'}",
-                    "trainer.resume=auto")
-    return tmp, first, resumed
+                    "trainer.resume=auto", *sglang, env=env)
+    return tmp, first, resumed, (killed.returncode, stderr)
 
 
 def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
-    tmp, first, _ = ray_run
+    tmp, first, _, _ = ray_run
     history = first["history"]
     assert first["steps"] == 3 and [s for s, _ in history["critic/score/mean"]] == [1, 2, 3]
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean", "response_length/mean",
@@ -76,12 +114,44 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
 
 
 def test_resume_gives_the_same_next_step_metrics(ray_run):
-    _, first, resumed = ray_run
+    _, first, resumed, _ = ray_run
     assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3]
     expected, got = at_step(first["history"], 3), at_step(resumed["history"], 3)
     assert expected["actor/grad_norm"] > 0  # the step did train: equal metrics are not trivially equal
     assert expected.keys() == got.keys()
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint(ray_run):
+    tmp, _, _, (code, stderr) = ray_run
+    assert code != 0 and "interrupted" in stderr, stderr[-2000:]
+    assert f"last complete checkpoint: {tmp / 'killed' / 'checkpoints' / 'step_2'}" in stderr
+    deadline = time.monotonic() + 30  # Ray's own daemons take a moment to go
+    while processes_of_run("killed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_of_run("killed") == []
+    # Step 2's checkpoint is what the resumed run (above) started from; only step 3 ran there.
+
+
+def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_completed(ray_run):
+    """The uninterrupted run's metrics are finite and equal the resumed run's (tests above), so losing a server
+    in step 1 cost no sample; here: the replacement got the weights before any request, then the colocated cycle."""
+    records = [json.loads(line) for line in (ray_run[0] / "first.calls").read_text().splitlines()]
+    servers = list(dict.fromkeys(r["pid"] for r in records))
+    assert len(servers) == 3  # two engines, one of them restarted
+    replacement = [r for r in records if r["pid"] == servers[-1]]
+    paths = [r["path"] for r in replacement]
+    first_generate = paths.index("/generate")
+    assert {"/update_weights_from_tensor", "/flush_cache"} <= set(paths[:first_generate])
+    # Its engine's whole share of step 1 (2 prompts x 4 samples) is sent again, then memory is released for
+    # training, and the wake-up brings weights back before the new weights, the KV cache after them.
+    release = paths.index("/release_memory_occupation")
+    assert paths[first_generate:release] == ["/generate"] * 8
+    assert replacement[release]["tags"] == ["weights", "kv_cache", "cuda_graph"]
+    resume_weights, resume_cache = [i for i, p in enumerate(paths) if p == "/resume_memory_occupation"][:2]
+    assert resume_weights == release + 1 and replacement[resume_weights]["tags"] == ["weights"]
+    assert set(paths[resume_weights + 1 : resume_cache]) == {"/update_weights_from_tensor", "/flush_cache"}
+    assert replacement[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
 
 
 def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
@@ -110,40 +180,21 @@ def test_ppo_with_critic_and_dapo_run_in_process(tmp_path, name, overrides):
         assert "training/num_gen_batches" in history and "actor/kl_loss" in history
 
 
-def test_colocated_sglang_engine_that_dies_mid_step_is_restarted_resynced_and_the_step_completes(tmp_path):
-    """The SGLang path of the loop against the loopback server that speaks SGLang's protocol: it dies on the 5th
-    of step 1's 16 generate calls; the engine restarts it, the trainer pushes the weights again and resends."""
-    fake_sglang = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
-    calls = tmp_path / "calls.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake_sglang), str(REPO_ROOT)])}
-    out = tmp_path / "sglang.json"
-    subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), "local", *SMALL, "trainer.total_steps=2",
-                    "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1",
-                    "trainer.test_freq=-1", "tracking.backends=[console]", "rollout.engine=sglang",
-                    f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
-                    f"rollout.sglang.extra_args.fake-record={calls}",
-                    f"rollout.sglang.extra_args.fake-marker={tmp_path / 'died'}",
-                    "rollout.sglang.extra_args.fake-die-after-generates=5"],
-                   cwd=REPO_ROOT, env=env, check=True, timeout=300)
-    history = json.loads(out.read_text())["history"]
-    assert [s for s, _ in history["actor/pg_loss"]] == [1, 2]
-    assert all(math.isfinite(v) for _, v in history["actor/pg_loss"] + history["actor/grad_norm"])
 
-    records = [json.loads(line) for line in calls.read_text().splitlines()]
-    first, second = sorted({r["pid"] for r in records}, key=[r["pid"] for r in records].index)
-    assert len({r["pid"] for r in records}) == 2  # one restart
-    died, restarted = [r for r in records if r["pid"] == first], [r for r in records if r["pid"] == second]
-    # The replacement gets the weights before any request, then step 1's 16 samples (the share that saw the
-    # failure is sent again whole), the colocated release, the wake-up with step 1's weights, and step 2.
-    assert [r["path"] for r in died].count("/generate") < 5
-    paths = [r["path"] for r in restarted]
-    first_generate = paths.index("/generate")
-    assert "/update_weights_from_tensor" in paths[:first_generate] and "/flush_cache" in paths[:first_generate]
-    release = paths.index("/release_memory_occupation")
-    assert paths[first_generate:release] == ["/generate"] * 16
-    resume_weights, resume_cache = [i for i, p in enumerate(paths) if p == "/resume_memory_occupation"][:2]
-    assert restarted[release]["tags"] == ["weights", "kv_cache", "cuda_graph"]
-    assert restarted[resume_weights]["tags"] == ["weights"]
-    assert set(paths[resume_weights + 1 : resume_cache]) == {"/update_weights_from_tensor", "/flush_cache"}
-    assert restarted[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
-    assert paths[resume_cache + 1 :].count("/generate") == 16
+def test_a_nan_loss_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path):
+    # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN, and so are its advantages.
+    (tmp_path / "calls").mkdir()
+    env = {**os.environ, "RLM_NAN_REWARD_DIR": str(tmp_path / "calls"), "RLM_NAN_AFTER": "16"}
+    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(tmp_path / "out.json"), "local", *SMALL,
+                          "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
+                          "trainer.save_freq=1", "trainer.test_freq=-1", "tracking.backends=[console]",
+                          "reward.function=tests/controller/nan_reward.py:compute_score"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (f"TrainingStopped: step 2: actor/pg_loss=nan: stopped before the optimizer step; the weights are "
+            f"unchanged. No checkpoint is written for this step; the last complete one is {checkpoints / 'step_1'}"
+            in run.stderr), run.stderr[-3000:]
+    assert (checkpoints / "latest").read_text() == "step_1"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_1"]
+    assert (checkpoints / "step_1" / "trainer_state.json").is_file()
