@@ -344,10 +344,16 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
             )
             problems.append(SpecProblem("rollout.sglang.enable_memory_saver", False, reason))
     tp, ep = rollout.tensor_parallel_size, rollout.expert_parallel_size
-    if placement.mode == "colocate" and tp > placement.gpus_per_node:
-        reason = (f"a colocated engine lives on one node, which has placement.gpus_per_node="
-                  f"{placement.gpus_per_node}; use placement.mode=disaggregate for engines that span nodes")
+    node_gpus, node_field = ((placement.gpus_per_node, "placement.gpus_per_node") if placement.mode == "colocate"
+                             else (placement.rollout_gpus_per_node, "placement.rollout_gpus_per_node"))
+    if node_gpus is not None and tp > node_gpus:
+        # Launching a server across nodes is written (sglang_server.launch_node); supervising one is not yet.
+        reason = f"an engine must fit on one node, which has {node_field}={node_gpus}; engines spanning nodes " \
+                 "are not supported yet"
         problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
+    if placement.mode == "disaggregate" and rollout.engine != "sglang":
+        reason = "a disaggregated rollout pool runs SGLang servers that receive weights over NCCL; use sglang"
+        problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
     pool = placement.rollout_pool_size
     if pool is not None:
         if rollout.num_gpus is not None and rollout.num_gpus > pool:

@@ -56,6 +56,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from transformers import AutoTokenizer
 
     from rlmegatron.checkpoint import CheckpointManager
+    from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
     from rlmegatron.controller.trainer import Trainer
@@ -69,29 +70,33 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
-    pools = None
-    exit_on_sigterm()
-    if use_ray:
-        start_ray(spec)
-        exit_on_sigterm()
-        pools = create_pools(spec.placement)
-        if not pools.colocated:
-            raise NotImplementedError("placement.mode=disaggregate needs SGLang engines in the rollout pool")
-        workers = RayWorkerGroup(pools.trainer, PolicyRank, spec)
-    else:
-        workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec)
     tracker = Tracker.from_spec(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
+    pools = workers = engines = None
     status = "FAILED"
+    exit_on_sigterm()
     try:
-        trainer = Trainer(spec, workers, tokenizer, loader, val_set, reward_manager, tracker,
+        if use_ray:
+            start_ray(spec)
+            exit_on_sigterm()
+            pools = create_pools(spec.placement)
+            workers = RayWorkerGroup(pools.trainer, PolicyRank, spec)
+        else:
+            workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec)
+        if spec.placement.mode == "colocate":
+            engines = ColocatedEngines(workers)
+        else:
+            engines = DisaggregatedEngines(spec, workers, pools.rollout if pools else None)
+        trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker,
                           CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep))
         result = trainer.fit()
         status = "FINISHED"
     finally:
         tracker.finish(status)
         reward_manager.close()
-        workers.shutdown()
+        for part in (engines, workers):
+            if part is not None:
+                part.shutdown()
         if pools is not None:
             remove_pools(pools)
     rewards = tracker.series(REWARD_SCORE_MEAN)

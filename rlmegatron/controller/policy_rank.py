@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import os
 import random
+import socket
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -131,9 +132,10 @@ class PolicyRank:
         if not spec.model.random_init:
             self._load_hf_weights(facts)
 
-        self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
-        self.engine_asleep = False
-        self.sync_weights("init")
+        self.engine, self.engine_asleep, self.weight_push = None, False, None
+        if spec.placement.mode == "colocate":
+            self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+            self.sync_weights("init")
 
     def _load_hf_weights(self, facts) -> None:
         from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
@@ -162,15 +164,9 @@ class PolicyRank:
         return self.engine is not None
 
     def generate(self, requests: list[GenerationRequest]) -> Optional[list[GenerationResult]]:
-        """None: the engine was restarted mid-call and needs weights (`resync_restarted_engines`) before a retry."""
-        from rlmegatron.rollout.sglang import EngineRestarted
+        from rlmegatron.controller.engines import generate_or_none
 
-        if not requests:
-            return []
-        try:
-            return self.engine.generate(requests)
-        except EngineRestarted:
-            return None
+        return generate_or_none(self.engine, requests)
 
     def release_rollout_memory(self) -> None:
         """Colocated: the engine gives its memory back while the trainer runs; `sync_weights` wakes it."""
@@ -194,14 +190,36 @@ class PolicyRank:
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         return self.actor.update(batch)
 
-    def sync_weights(self, version: str, restarted_only: bool = False) -> None:
-        """Trained weights -> the engines, as HF-named full tensors. The export is collective, so every rank
-        walks the whole stream; ranks without an engine to feed (or, with `restarted_only`, without a
-        restarted one) just let it pass."""
+    def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
+        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
+        from transformers import AutoConfig
+
+        from rlmegatron.rollout.buckets import travel_rules_for
+        from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush
+        from rlmegatron.runtime.launcher import free_port
+
+        if self.rank != 0:
+            return
+        if self.weight_push is None:
+            hf_config = AutoConfig.from_pretrained(self.spec.model.path)
+            self.weight_push = DistributedWeightPush(self.spec.rollout.update_weights_bucket_mb << 20,
+                                                     travel_rules_for(hf_config))
+        address = socket.gethostbyname(socket.gethostname())
+        for engine, url, tp_size in endpoints:
+            port = free_port("")
+            group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
+                                         "nccl" if self.spec.placement.device == "cuda" else "gloo")
+            self.weight_push.connect(engine, url, tp_size, group)
+
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        """Trained weights -> the engines (all, or the `restarted` ones), as HF-named full tensors. The export is
+        collective, so every rank walks the whole stream; ranks with nothing to feed just let it pass."""
         from rlmegatron.resharding import HFWeightExporter
 
         stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
-        if self.engine is None or (restarted_only and not self.engine.stale):
+        if self.weight_push is not None:
+            self.weight_push.push(stream, version, only=restarted)
+        elif self.engine is None or (restarted is not None and not self.engine.stale):
             collections.deque(stream, maxlen=0)
         elif self.engine_asleep:
             self.engine.wake_up_with_weights(stream, version)

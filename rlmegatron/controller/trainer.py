@@ -46,8 +46,9 @@ class FitResult:
 class Trainer:
     """Drives one worker group (the policy ranks with their colocated engines) from the driver process."""
 
-    def __init__(self, spec, workers, tokenizer, train_loader, val_dataset, reward_manager, tracker, checkpoints):
-        self.spec, self.workers, self.tokenizer = spec, workers, tokenizer
+    def __init__(self, spec, workers, engines, tokenizer, train_loader, val_dataset, reward_manager, tracker,
+                 checkpoints):
+        self.spec, self.workers, self.engines, self.tokenizer = spec, workers, engines, tokenizer
         self.train_loader, self.val_dataset = train_loader, val_dataset
         self.reward_manager, self.tracker, self.checkpoints = reward_manager, tracker, checkpoints
         kl = spec.algorithm.kl_ctrl
@@ -56,7 +57,6 @@ class Trainer:
         self.step = 0
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
-        self.engine_ranks = [rank for rank, serves in enumerate(workers.execute_all("serves_rollout")) if serves]
 
     def fit(self) -> FitResult:
         spec, trainer = self.spec, self.spec.trainer
@@ -69,7 +69,7 @@ class Trainer:
             timer, metrics = Timer(), {}
             with timer("step"):
                 rollout = self.collect_rollout(timer, metrics)
-                self.workers.execute_all("release_rollout_memory")
+                self.engines.release_memory()
                 batch = rollout.batch
                 if spec.critic.enable:
                     with timer("values"):
@@ -92,7 +92,7 @@ class Trainer:
                     metrics.update(self.workers.execute_rank_zero_result("update_actor", batch))
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
-                    self.workers.execute_all("sync_weights", self.weight_version)
+                    self.engines.sync(self.weight_version)
             metrics.update(R.batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
@@ -147,20 +147,14 @@ class Trainer:
                 params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
             for i, p in enumerate(prompts)
         ]
-        shares = R.shard_requests(requests, len(self.engine_ranks))
-        answers: list = [None] * len(shares)
-        while pending := [i for i, answer in enumerate(answers) if answer is None]:
-            per_rank = [([],)] * self.workers.world_size
-            for i in pending:
-                per_rank[self.engine_ranks[i]] = (shares[i],)
-            replies = self.workers.execute_each("generate", per_rank)
-            for i in pending:
-                answers[i] = replies[self.engine_ranks[i]]
-            if any(answers[i] is None for i in pending):
-                # A restarted engine has no trained weights: push them (collective), then resend its share.
-                # The engine bounds its own restarts, so this loop ends.
-                self.workers.execute_all("sync_weights", self.weight_version, True)
-        results = R.merge_results(shares, answers)
+        shares = R.shard_requests(requests, self.engines.count)
+        answers = self.engines.generate(dict(enumerate(shares)))
+        while restarted := [engine for engine, answer in answers.items() if answer is None]:
+            # A restarted engine has no trained weights: push them (collective), then resend its share.
+            # Each engine bounds its own restarts, so this loop ends.
+            self.engines.sync(self.weight_version, restarted)
+            answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}))
+        results = R.merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
         return results
@@ -226,8 +220,8 @@ class Trainer:
         state = self.checkpoints.load(found, self.workers)
         self.step = int(state["step"])
         self.weight_version = f"step_{self.step}"
-        self.workers.execute_all("sync_weights", self.weight_version)
-        self.workers.execute_all("sync_weights", self.weight_version)
+        self.engines.sync(self.weight_version)
+        self.engines.sync(self.weight_version)
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self.last_checkpoint = str(found)

@@ -221,7 +221,6 @@ class SGLangEngine(RolloutEngine):
         self.restarts = 0
         self._epoch = 0
         self._recovery_lock = threading.Lock()
-        self._group: torch.distributed.ProcessGroup | None = None
         self.weight_version: str | None = None
         self.process.start()
         self.process.wait_ready(self.client.health, startup_timeout_s)
@@ -266,38 +265,6 @@ class SGLangEngine(RolloutEngine):
         self.client.flush_cache()
         self.weight_version = version
         self.stale = False
-
-    def update_weights_distributed(self, named_tensors: WeightStream, version: str, group: DistributedGroupSpec) -> None:
-        """Disaggregated: per bucket, announce names/dtypes/shapes, then broadcast the tensors from rank 0 in
-        exactly that order while the server's request is pending."""
-        if self._group is None:
-            self._group = self._join_update_group(group)
-        for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
-            pairs = bucket.named_tensors()
-            announce = _in_thread(lambda: self.client.update_weights_from_distributed(
-                names=[name for name, _ in pairs],
-                dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
-                shapes=[list(tensor.shape) for _, tensor in pairs],
-                group_name=group.group_name,
-                weight_version=version,
-            ))
-            for _, tensor in pairs:
-                torch.distributed.broadcast(tensor, group_src=0, group=self._group)
-            announce.result()
-        self.client.flush_cache()
-        self.weight_version = version
-        self.stale = False
-
-    def _join_update_group(self, group: DistributedGroupSpec) -> torch.distributed.ProcessGroup:
-        world_size = 1 + self.spec.tp_size  # tp_size counts the server's ranks on all its nodes
-        pending = _in_thread(lambda: self.client.init_weights_update_group(
-            group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
-        ))
-        process_group = init_custom_process_group(
-            group.backend, f"tcp://{group.master_address}:{group.master_port}", world_size, 0, group.group_name
-        )
-        pending.result()
-        return process_group
 
     # Memory and control ------------------------------------------------------------------------------
 
@@ -347,6 +314,51 @@ class SGLangEngine(RolloutEngine):
                 # The weights live in the trainer, whose export is collective: the caller must sync.
                 self.stale = True
             self._epoch += 1
+
+
+class DistributedWeightPush:
+    """Trainer side of disaggregated sync (run on one trainer rank): one process group per server, with this
+    process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
+    does; one bucketed pass over the weight stream, each bucket broadcast to every server in turn."""
+
+    def __init__(self, bucket_bytes: int, travel_rules: Sequence[TravelRule] = (), timeout_s: float = 600.0) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.travel_rules = tuple(travel_rules)
+        self.timeout_s = timeout_s
+        self.servers: dict[int, tuple[SGLangClient, DistributedGroupSpec, torch.distributed.ProcessGroup]] = {}
+
+    def connect(self, key: int, url: str, tp_size: int, group: DistributedGroupSpec) -> None:
+        """Joins a group with server `key`; a restarted server gets a new group (its old members are gone)."""
+        client = SGLangClient(url, self.timeout_s)
+        world_size = 1 + tp_size  # tp_size counts the server's ranks on all its nodes
+        pending = _in_thread(lambda: client.init_weights_update_group(
+            group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
+        ))
+        process_group = init_custom_process_group(
+            group.backend, f"tcp://{group.master_address}:{group.master_port}", world_size, 0, group.group_name
+        )
+        pending.result()
+        self.servers[key] = (client, group, process_group)
+
+    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> None:
+        """Per bucket and server: announce names/dtypes/shapes, then broadcast in exactly that order while the
+        server's request is pending. `only` limits the push to those servers (restarted ones)."""
+        targets = [self.servers[key] for key in (self.servers if only is None else only)]
+        for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
+            pairs = bucket.named_tensors()
+            for client, group, process_group in targets:
+                announce = _in_thread(lambda: client.update_weights_from_distributed(
+                    names=[name for name, _ in pairs],
+                    dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
+                    shapes=[list(tensor.shape) for _, tensor in pairs],
+                    group_name=group.group_name,
+                    weight_version=version,
+                ))
+                for _, tensor in pairs:
+                    torch.distributed.broadcast(tensor, group_src=0, group=process_group)
+                announce.result()
+        for client, _, _ in targets:
+            client.flush_cache()
 
 
 def _in_thread(call: Callable[[], Any]) -> Future:

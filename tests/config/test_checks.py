@@ -188,8 +188,8 @@ CASES = [
     pytest.param(
         {"placement.gpus_per_node": 2, "rollout.tensor_parallel_size": 4},
         "tiny-qwen3",
-        "job.yaml: rollout.tensor_parallel_size=4: a colocated engine lives on one node, which has "
-        "placement.gpus_per_node=2; use placement.mode=disaggregate for engines that span nodes",
+        "job.yaml: rollout.tensor_parallel_size=4: an engine must fit on one node, which has "
+        "placement.gpus_per_node=2; engines spanning nodes are not supported yet",
         id="colocated-engine-within-a-node",
     ),
     pytest.param(

@@ -198,3 +198,32 @@ def test_a_nan_loss_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_pa
     assert (checkpoints / "latest").read_text() == "step_1"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_1"]
     assert (checkpoints / "step_1" / "trainer_state.json").is_file()
+
+
+def test_disaggregated_engine_gets_weights_over_its_group_and_a_restarted_one_rejoins(tmp_path):
+    sglang, env = with_fake_sglang(tmp_path, "disaggregated", die_after_generates=3)
+    result = train(tmp_path, "disaggregated", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
+                   "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
+                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                   "tracking.backends=[console]", *sglang, env=env)
+    assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
+    assert all(math.isfinite(v) for _, v in result["history"]["actor/grad_norm"])
+
+    records = [json.loads(line) for line in (tmp_path / "disaggregated.calls").read_text().splitlines()]
+    servers = list(dict.fromkeys(r["pid"] for r in records))
+    assert len(servers) == 2  # the engine died once in step 1
+    index = json.loads((Path(result["exported_hf"]) / "model.safetensors.index.json").read_text())
+    for pid in servers:
+        calls = [r for r in records if r["pid"] == pid]
+        paths = [r["path"] for r in calls]
+        # Weights only over the process group: joined first, then every HF tensor broadcast before a request.
+        assert paths[0] == "/init_weights_update_group" and calls[0]["backend"] == "gloo"
+        assert (calls[0]["rank_offset"], calls[0]["world_size"]) == (1, 2)
+        first_generate = paths.index("/generate") if "/generate" in paths else len(paths)  # it may die first
+        pushed = {name for r in calls[:first_generate] if r["path"] == "/update_weights_from_distributed"
+                  for name in r["names"]}
+        assert pushed == set(index["weight_map"])
+        assert not {"/update_weights_from_tensor", "/release_memory_occupation"} & set(paths)
+    # The replacement serves step 1 again in full (16 samples) and step 2 after its second push.
+    paths = [r["path"] for r in records if r["pid"] == servers[1]]
+    assert paths.count("/generate") == 32 and paths.count("/init_weights_update_group") == 1

@@ -13,7 +13,7 @@ import torch
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.rollout.buckets import DEEPSEEK_FUSED_QKV_A
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang import DistributedGroupSpec, SGLangClient, SGLangEngine
+from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, SGLangEngine
 from rlmegatron.rollout.sglang_server import ServerSpec, ServerStartupError, router_command, server_command
 from rlmegatron.runtime.launcher import free_port
 
@@ -155,8 +155,10 @@ def test_server_that_never_becomes_healthy_reports_its_log_tail(tmp_path):
 def test_distributed_update_broadcasts_in_announced_order(tmp_path):
     engine = make_engine(tmp_path)
     try:
+        push = DistributedWeightPush(bucket_bytes=1024, travel_rules=(DEEPSEEK_FUSED_QKV_A,))
         group = DistributedGroupSpec("127.0.0.1", free_port(), group_name="sync_test", backend="gloo")
-        engine.update_weights_distributed(iter(weights()), "v3", group)
+        push.connect(0, engine.spec.url, engine.spec.tp_size, group)
+        push.push(iter(weights()), "v3")
         pushed = server_weights(engine)
         assert pushed["version"] == "v3"
         assert pushed["weights"] == {name: digest(tensor) for name, tensor in weights()}
