@@ -184,6 +184,7 @@ def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> 
                 dim, rank, size = _tp_chunk(name, tensor.shape, weight_map.full_shape(rule, checkpoint.shape))
                 padded = weight_map.facts.padded_vocab_size if rule.transform == "vocab" else None
                 parts = [checkpoint.read(s, dim, rank, size, padded) for s in rule.sources]
+                weight_map.check_copies(rule, parts[0], lambda key: checkpoint.read(Source(key), dim, rank, size, padded))
                 value = weight_map.fuse(rule, parts, rows=tensor.shape[0])
                 if value.shape != tensor.shape:
                     raise WeightMapError(f"{name}: HF tensors give shape {tuple(value.shape)}, "
@@ -322,30 +323,33 @@ def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor) -> Optional
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    batch, seq_len = tokens.shape
+    seq_len = tokens.shape[1]
+    # One sequence per micro-batch: the interleaved (VPP) schedule needs at least PP micro-batches.
+    micro_batches = tokens.split(1)
 
     def keep_logits(output):
         return torch.zeros(()), {"logits": output}
 
-    def forward_step(_, model):
-        positions = torch.arange(seq_len).expand(batch, seq_len)
-        return model(tokens, positions, None), keep_logits
+    def forward_step(data_iterator, model):
+        sequence = next(data_iterator)
+        return model(sequence, torch.arange(seq_len).expand_as(sequence), None), keep_logits
 
     for chunk in chunks:
         chunk.eval()
+    iterators = [iter(micro_batches) for _ in chunks]  # each virtual stage walks the micro-batches itself
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[iter([None])] * len(chunks) if len(chunks) > 1 else iter([None]),
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=1,
+            num_microbatches=len(micro_batches),
             seq_length=seq_len,
-            micro_batch_size=batch,
+            micro_batch_size=1,
             forward_only=True,
         )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    logits = outputs[0]["logits"]  # [b, s, vocab / TP]
+    logits = torch.cat([output["logits"] for output in outputs])  # [b, s, vocab / TP]
     if ps.get_tensor_model_parallel_world_size() > 1:
         logits = gather_from_tensor_model_parallel_region(logits)
     return logits[..., : facts.vocab_size].float()
@@ -371,7 +375,7 @@ def verify(hf_path: str, mcore_path: str, layout: ParallelLayout) -> Optional[di
     from megatron.core import parallel_state as ps
 
     facts, _, chunks = load_mcore(mcore_path, layout, dtype="fp32")
-    tokens = verify_tokens(facts.vocab_size)
+    tokens = verify_tokens(facts.vocab_size, batch=max(2, layout.pp))  # a micro-batch per sequence, >= PP
     logits = megatron_logits(chunks, facts, tokens)
     if logits is None or ps.get_tensor_model_parallel_rank() != 0:
         return None

@@ -46,6 +46,11 @@ class ModelFacts:
     def num_layers(self) -> int:
         return self.hf["num_hidden_layers"]
 
+    @property
+    def num_mtp_layers(self) -> int:
+        """DeepSeek's multi-token-prediction layers, stored in HF after the decoder layers."""
+        return self.hf.get("num_nextn_predict_layers") or 0
+
 
 def read_hf_config(path: str | Path) -> dict:
     """The config.json in `path` (a directory or the file), with a multimodal text_config unwrapped."""
@@ -220,20 +225,24 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         moe_router_group_topk=hf.get("topk_group"),
         moe_router_topk_scaling_factor=hf.get("routed_scaling_factor"),
         moe_shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None,
+        mtp_num_layers=facts.num_mtp_layers or None,
     )
     return MLATransformerConfig(**config, **common)
 
 
 def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: Optional[int] = None):
-    """This rank's GPTModel chunk (pre/post process from the current pipeline stage)."""
+    """This rank's GPTModel chunk (pre/post process from the current pipeline stage; MTP layers on the last)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from rlmegatron.models.spec import decoder_block_spec
+    from rlmegatron.models.mtp import GPTModelWithMTP
+    from rlmegatron.models.spec import decoder_block_spec, mtp_block_spec
 
-    return GPTModel(
+    model_class = GPTModelWithMTP if config.mtp_num_layers else GPTModel
+    return model_class(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
+        mtp_block_spec=mtp_block_spec(config, use_te=use_te, vp_stage=vp_stage),
         vocab_size=facts.padded_vocab_size,
         max_sequence_length=facts.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -5,7 +5,7 @@ import dataclasses
 import importlib.util
 from typing import Any, Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -26,10 +26,27 @@ def transformer_engine_available() -> bool:
 def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
     """Block spec for the layers this pipeline stage builds (MoE/dense pattern from `config.moe_layer_freq`)."""
     use_te = transformer_engine_available() if use_te is None else use_te
-    spec = get_gpt_decoder_block_spec(
+    spec = _megatron_decoder_block_spec(config, use_te, vp_stage)
+    return spec if use_te else _substitute(spec)
+
+
+def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
+    """Spec of the multi-token-prediction layers this stage builds (all on the last one), or None.
+
+    Megatron builds each MTP layer's transformer layer from the last decoder layer's spec.
+    """
+    if not config.mtp_num_layers:
+        return None
+    use_te = transformer_engine_available() if use_te is None else use_te
+    decoder = _megatron_decoder_block_spec(config, use_te, vp_stage)
+    spec = get_gpt_mtp_block_spec(config, decoder, use_transformer_engine=use_te, vp_stage=vp_stage)
+    return spec if use_te or spec is None else _substitute(spec)
+
+
+def _megatron_decoder_block_spec(config, use_te: bool, vp_stage: Optional[int]):
+    return get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
     )
-    return spec if use_te else _substitute(spec)
 
 
 def _substitute(node: Any, field: str = "") -> Any:

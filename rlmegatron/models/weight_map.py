@@ -41,6 +41,9 @@ class Rule:
     sources: tuple[Source, ...]
     transform: str = IDENTITY
     exported: bool = True  # False: a Megatron copy of a tensor another rule exports (tied output layer)
+    # HF keys holding the (single) source again, as DeepSeek's MTP layers hold the embedding and output
+    # head: written on export, and on import checked equal to the source, since Megatron keeps one copy.
+    copies: tuple[str, ...] = ()
 
 
 # Names of the same Megatron tensor under Transformer Engine / grouped-GEMM specs -> the local-spec name.
@@ -58,7 +61,8 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 def canonical_name(local_name: str, layer_offset: Mapping[int, int] | int = 0, expert_offset: int = 0) -> str:
     """Rank-local Megatron name (any spec) -> the map's name: local-spec form, global layer and expert ids.
 
-    `layer_offset` is a dict local layer index -> global layer index, or a constant offset.
+    `layer_offset` is a dict local layer index -> global layer index, or a constant offset. MTP layers
+    (`mtp.layers.K.`) all live on the last pipeline stage, so their local index is already global.
     """
     name = local_name.removeprefix("module.")
     for pattern, replacement in _ALIASES:
@@ -97,31 +101,47 @@ class WeightMap:
         self._export_map = WeightMap(facts, stacked_experts=False) if stacked_experts else self
 
     # ---- the table --------------------------------------------------------------------------
-    def _add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True):
+    def _add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True,
+             copies: Sequence[str] = ()):
         sources = tuple(s if isinstance(s, Source) else Source(s) for s in hf)
-        self.rules[megatron] = Rule(megatron, sources, transform, exported)
+        self.rules[megatron] = Rule(megatron, sources, transform, exported, tuple(copies))
 
     def _build(self) -> None:
         facts = self.facts
-        self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB)
+        mtp_prefixes = [f"model.layers.{facts.num_layers + k}." for k in range(facts.num_mtp_layers)]
+        embedding_copies = [h + "embed_tokens.weight" for h in mtp_prefixes]
+        head_copies = [h + "shared_head.head.weight" for h in mtp_prefixes]
+        if facts.tie_word_embeddings:  # the embedding rule is the one that exports the head
+            embedding_copies, head_copies = embedding_copies + head_copies, []
+        self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB, copies=embedding_copies)
         self._add("decoder.final_layernorm.weight", ["model.norm.weight"])
         lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
         # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
-        self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings)
+        self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings, copies=head_copies)
         moe_layers = self._moe_layers()
         for layer in range(facts.num_layers):
-            m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-            self._add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
-            self._add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
-            self._add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
-            if facts.family == "deepseek_v3":
-                self._mla(m + "self_attention.", h + "self_attn.")
-            else:
-                self._gqa(m + "self_attention.", h + "self_attn.")
-            if layer in moe_layers:
-                self._moe(m + "mlp.", h)
-            else:
-                self._glu_mlp(m + "mlp.", h + "mlp.")
+            self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=layer in moe_layers)
+        for k, h in enumerate(mtp_prefixes):
+            m = f"mtp.layers.{k}."
+            self._add(m + "enorm.weight", [h + "enorm.weight"])
+            self._add(m + "hnorm.weight", [h + "hnorm.weight"])
+            self._add(m + "eh_proj.weight", [h + "eh_proj.weight"])
+            self._add(m + "final_layernorm.weight", [h + "shared_head.norm.weight"])
+            # Megatron builds an MTP layer's transformer layer from the last decoder layer's spec.
+            self._layer(m + "transformer_layer.", h, moe=facts.num_layers - 1 in moe_layers)
+
+    def _layer(self, m: str, h: str, moe: bool) -> None:
+        self._add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
+        self._add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
+        self._add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
+        if self.facts.family == "deepseek_v3":
+            self._mla(m + "self_attention.", h + "self_attn.")
+        else:
+            self._gqa(m + "self_attention.", h + "self_attn.")
+        if moe:
+            self._moe(m + "mlp.", h)
+        else:
+            self._glu_mlp(m + "mlp.", h + "mlp.")
 
     def _gqa(self, m: str, h: str) -> None:
         hf, family = self.facts.hf, self.facts.family
@@ -183,22 +203,22 @@ class WeightMap:
 
     def hf_keys(self) -> set[str]:
         """Every HF key some rule reads."""
-        return {s.key for rule in self.rules.values() for s in rule.sources}
+        return {key for rule in self.rules.values() for key in [s.key for s in rule.sources] + list(rule.copies)}
 
     def ignorable_hf_key(self, key: str) -> bool:
         """HF keys that carry no weights Megatron needs: rotary caches, an lm_head duplicating a tied embedding."""
         return key.endswith("rotary_emb.inv_freq") or (self.facts.tie_word_embeddings and key == "lm_head.weight")
 
     def check_hf_keys(self, keys: set[str]) -> None:
-        """Raise listing HF keys no rule maps (MTP layers named separately) and keys the rules need but lack."""
-        layers = self.facts.num_layers
-        mtp = sorted(k for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= layers)
-        if mtp:
-            raise WeightMapError(
-                f"the checkpoint has multi-token-prediction layers (layer index >= num_hidden_layers={layers}), "
-                f"which this converter does not bridge yet; {len(mtp)} keys, e.g. {mtp[:3]}"
-            )
+        """Raise listing HF keys no rule maps (undeclared MTP layers named separately) and keys the rules need but lack."""
         unmapped = sorted(k for k in keys - self.hf_keys() if not self.ignorable_hf_key(k))
+        declared = self.facts.num_layers + self.facts.num_mtp_layers
+        undeclared = [k for k in unmapped if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= declared]
+        if undeclared:
+            raise WeightMapError(
+                f"the checkpoint has layers past num_hidden_layers + num_nextn_predict_layers = {declared}, "
+                f"multi-token-prediction layers its config.json does not declare; {len(undeclared)} keys, e.g. {undeclared[:3]}"
+            )
         if unmapped:
             raise WeightMapError(f"{len(unmapped)} HF keys no {self.facts.family} rule maps: {unmapped[:20]}")
         missing = sorted(self.hf_keys() - keys)
@@ -266,9 +286,20 @@ class WeightMap:
             parts.append(tensor)
         return self.fuse(rule, parts, rows=self.facts.padded_vocab_size)
 
+    def check_copies(self, rule: Rule, source: torch.Tensor, read: Callable[[str], torch.Tensor]) -> None:
+        """Raise unless each of the rule's HF copies, as `read` returns it, equals its source tensor."""
+        for key in rule.copies:
+            if not torch.equal(read(key), source):
+                raise WeightMapError(
+                    f"{key} differs from {rule.sources[0].key}: DeepSeek's MTP layers share the main model's embedding "
+                    f"and output head, and Megatron holds one tensor for both, so converting would lose one of them"
+                )
+
     def megatron_to_hf(self, megatron_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """HF-named full tensors of one full Megatron tensor; {} for a tied copy."""
         rule = self._export_map.rule(megatron_name)
         if not rule.exported:
             return {}
-        return {s.key: t.contiguous() for s, t in zip(rule.sources, self.split(rule, tensor))}
+        hf = {s.key: t.contiguous() for s, t in zip(rule.sources, self.split(rule, tensor))}
+        # Copies are clones: safetensors refuses to save tensors that share memory.
+        return hf | {key: hf[rule.sources[0].key].clone() for key in rule.copies}

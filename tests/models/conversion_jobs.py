@@ -1,33 +1,41 @@
 """Rank-side bodies of the conversion tests: every family through every layout in one process group."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from rlmegatron.runtime import ParallelLayout
-from tests.models.tiny_hf import MOE_FAMILIES
+from rlmegatron.runtime import ParallelLayout as L
+from tests.models.tiny_hf import FAMILY_CONFIGS, MOE_FAMILIES
 
-# (TP, PP, EP); MoE with TP>1 runs with sequence parallelism, as Megatron requires.
-LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1))
-MOE_LAYOUTS = LAYOUTS + ((1, 1, 2),)
-# Each layout costs ~12 s on 2 cores (4 ranks, dist_checkpointing save + load), so by default every
+LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
+# Interleaved pipeline (--vpp); it needs a layer per virtual stage, so it runs on the 4-layer tiny models.
+VPP_LAYOUT = L(pp=2, vpp=2)
+# Experts over EP, behind PP, and split over fewer TP ranks than the dense layers (--etp).
+EXPERT_LAYOUTS = (L(ep=2), L(pp=2, ep=2), L(tp=2, ep=2, etp=1))
+# Each layout costs 3-10 s on 2 cores (4 ranks, dist_checkpointing save + load), so by default every
 # family runs its most-sharded layouts and one family of each kind runs all of them;
 # RLM_FULL_CONVERT_MATRIX=1 runs every layout of every family.
 DEFAULT_LAYOUTS = {
-    "qwen3": LAYOUTS, "llama": ((2, 2, 1),), "qwen2": ((2, 2, 1),),
-    "qwen3_moe": MOE_LAYOUTS, "qwen2_moe": ((2, 2, 1), (1, 1, 2)), "mixtral": ((1, 1, 2),),
-    "deepseek_v3": ((2, 2, 1), (1, 1, 2)),
+    "qwen3": LAYOUTS, "llama": (L(tp=2, pp=2), VPP_LAYOUT), "qwen2": (L(tp=2, pp=2),),
+    "qwen3_moe": LAYOUTS + (L(ep=2), L(tp=2, ep=2, etp=1)), "qwen2_moe": (L(tp=2, pp=2), L(ep=2)),
+    "mixtral": (L(ep=2),),
+    # Its MTP layer lives on the last stage: there with TP, and with its experts over EP.
+    "deepseek_v3": (L(tp=2, pp=2), L(pp=2, ep=2)),
 }
 
 
-def layouts_for(family: str) -> list[ParallelLayout]:
+def layouts_for(family: str) -> list[L]:
     moe = family in MOE_FAMILIES
     if os.environ.get("RLM_FULL_CONVERT_MATRIX") == "1":
-        chosen = MOE_LAYOUTS if moe else LAYOUTS
+        chosen = LAYOUTS + (EXPERT_LAYOUTS if moe else ())
+        if FAMILY_CONFIGS[family]["num_hidden_layers"] >= VPP_LAYOUT.pp * VPP_LAYOUT.vpp:
+            chosen += (VPP_LAYOUT,)
     else:
         chosen = DEFAULT_LAYOUTS[family]
-    return [ParallelLayout(tp=tp, pp=pp, ep=ep, sequence_parallel=moe and tp > 1) for tp, pp, ep in chosen]
+    # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
+    return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
 
 
 def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
@@ -44,9 +52,15 @@ def _max_diff(reference: torch.Tensor, logits):
     return None if logits is None else float((reference - logits).abs().max())
 
 
+def _differences(original: dict[str, torch.Tensor], exported_dir: str) -> dict[str, list[str]]:
+    exported = _read_safetensors(exported_dir)
+    return {"key_mismatch": sorted(set(original) ^ set(exported)),
+            "not_bitwise": sorted(k for k in original.keys() & exported.keys() if not torch.equal(original[k], exported[k]))}
+
+
 def round_trip_job(families: list[str], workdir: str) -> dict:
     """Per family and layout: HF->Megatron logits vs HF, Megatron->HF bitwise, and the checkpoint reloaded
-    at TP=PP=EP=1 (a different layout) giving the same logits. Every rank returns its view."""
+    at TP=PP=EP=1 (a different layout) giving the same logits and HF tensors. Every rank returns its view."""
     from rlmegatron.models.convert import export_hf, hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
 
     report = {}
@@ -65,12 +79,13 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
             out = os.path.join(workdir, family, f"{layout}-hf")
             export_hf(chunks, weight_map, out, facts.hf)  # straight from the sharded layout
             if torch.distributed.get_rank() == 0:
-                exported = _read_safetensors(out)
-                entry["key_mismatch"] = sorted(set(original) ^ set(exported))
-                entry["not_bitwise"] = sorted(k for k in original.keys() & exported.keys()
-                                              if not torch.equal(original[k], exported[k]))
+                entry["exported"] = _differences(original, out)
                 entry["from_pretrained_logits_vs_hf"] = float((hf_logits(out, tokens) - reference).abs().max())
-            facts, weight_map, chunks = load_mcore(mcore_dir, ParallelLayout())
+            facts, weight_map, chunks = load_mcore(mcore_dir, L())
             entry["reloaded_tp1_logits_vs_hf"] = _max_diff(reference, megatron_logits(chunks, facts, tokens))
+            reloaded_out = os.path.join(workdir, family, f"{layout}-reloaded-hf")
+            export_hf(chunks, weight_map, reloaded_out, facts.hf)
+            if torch.distributed.get_rank() == 0:
+                entry["reloaded_exported"] = _differences(original, reloaded_out)
             report[label] = entry
     return report

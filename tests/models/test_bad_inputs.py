@@ -45,11 +45,19 @@ def test_hf_keys_the_map_needs_but_lacks_are_listed():
         weight_map.check_hf_keys(weight_map.hf_keys() - {"model.norm.weight"})
 
 
-def test_multi_token_prediction_layers_are_refused_by_name():
-    facts = model_facts({"model_type": "qwen2", **COMMON, **FAMILY_CONFIGS["qwen2"]}, tp=1)
-    weight_map = WeightMap(facts)
+def test_multi_token_prediction_layers_the_config_does_not_declare_are_refused_by_name():
+    weight_map = WeightMap(_qwen2_facts())
     with pytest.raises(WeightMapError, match="multi-token-prediction"):
-        weight_map.check_hf_keys(weight_map.hf_keys() | {"model.layers.2.eh_proj.weight"})
+        weight_map.check_hf_keys(weight_map.hf_keys() | {f"model.layers.{weight_map.facts.num_layers}.eh_proj.weight"})
+
+
+def test_an_mtp_copy_of_the_embedding_that_differs_from_it_is_refused_by_name():
+    weight_map = WeightMap(model_facts({"model_type": "deepseek_v3", **COMMON, **FAMILY_CONFIGS["deepseek_v3"]}, tp=1))
+    rule = weight_map.rule("embedding.word_embeddings.weight")
+    embedding = torch.randn(200, 64)
+    weight_map.check_copies(rule, embedding, lambda key: embedding.clone())
+    with pytest.raises(WeightMapError, match=r"model\.layers\.4\.embed_tokens\.weight differs"):
+        weight_map.check_copies(rule, embedding, lambda key: embedding + 1)
 
 
 def test_full_tensor_map_round_trips_qkv_and_glu():

@@ -33,6 +33,7 @@ def test_deepseek_v3_is_mla_with_dense_prefix_grouped_sigmoid_router_and_yarn():
     assert config.moe_router_topk_scaling_factor == hf["routed_scaling_factor"]
     assert config.rope_type == "yarn" and config.rotary_scaling_factor == hf["rope_scaling"]["factor"]
     assert config.moe_shared_expert_intermediate_size == hf["n_shared_experts"] * hf["moe_intermediate_size"]
+    assert config.mtp_num_layers == hf["num_nextn_predict_layers"]
 
 
 def test_qwen_families_carry_their_attention_and_router_flags():

@@ -1,14 +1,17 @@
 """Tiny random-weight HF checkpoints of every bridged family, saved with transformers' own save_pretrained."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=200,
               max_position_embeddings=64, rms_norm_eps=1e-6)
 FAMILY_CONFIGS = {
-    "llama": dict(num_hidden_layers=2, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+    # Four layers where the conversion matrix runs the interleaved pipeline (a layer per virtual stage).
+    "llama": dict(num_hidden_layers=4, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    "qwen2": dict(num_hidden_layers=2),
+    "qwen2": dict(num_hidden_layers=4),
     "qwen3": dict(num_hidden_layers=2, head_dim=16, tie_word_embeddings=True),
     "qwen2_moe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False),
@@ -18,7 +21,7 @@ FAMILY_CONFIGS = {
     "deepseek_v3": dict(num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_key_value_heads=4,
-                        num_nextn_predict_layers=0,
+                        num_nextn_predict_layers=1,
                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
@@ -37,6 +40,36 @@ def save_tiny_model(family: str, directory: str, seed: int = 0, **overrides) -> 
         for name, param in model.named_parameters():
             # Random norms/biases too: default ones/zeros would hide a swapped mapping.
             if param.dim() == 1 or "e_score_correction_bias" in name:
-                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+                param.copy_(_random_norm_or_bias(name, param))
     model.save_pretrained(directory)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        _append_mtp_layers(directory, config)
     return directory
+
+
+def _random_norm_or_bias(name: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.randn_like(like) * 0.1 + (1.0 if "norm" in name else 0.0)
+
+
+def _append_mtp_layers(directory: str, config) -> None:
+    """Add DeepSeek's multi-token-prediction layers to the saved checkpoint, as DeepSeek ships them
+    (transformers neither builds nor saves them): random weights shaped like the last decoder layer's,
+    the MTP-only tensors, and copies of the main embedding and head."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    last = f"model.layers.{config.num_hidden_layers - 1}."
+    hidden = config.hidden_size
+    for k in range(config.num_nextn_predict_layers):
+        mtp = f"model.layers.{config.num_hidden_layers + k}."
+        for key in [key for key in tensors if key.startswith(last)]:
+            weight = tensors[key]
+            name = mtp + key.removeprefix(last)
+            tensors[name] = _random_norm_or_bias(name, weight) if weight.dim() == 1 else torch.randn_like(weight) * 0.05
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{mtp}{norm}.weight"] = _random_norm_or_bias("norm", torch.empty(hidden))
+        tensors[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.05
+        tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
