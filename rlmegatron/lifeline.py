@@ -3,7 +3,8 @@ group when OWNER_PID dies. Standard library only, outside the heavy packages, so
 
 Servers run in their own session so that stopping one also stops its TP worker children; that same session
 would let them outlive a trainer rank killed with SIGKILL (Ray's `ray.kill`, the OOM killer). PR_SET_PDEATHSIG
-is no help: it fires when the launching *thread* exits, and restarts are launched from short-lived threads.
+set in the server directly is no help: it fires when the launching *thread* exits, and restarts are launched
+from short-lived threads. The lifeline's own main thread lives as long as it does, so the server gets it there.
 """
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import time
 
 POLL_S = 0.5
 GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    """In the server, before exec: SIGTERM when this lifeline dies, for the case the poll below cannot handle,
+    a SIGKILL of the lifeline itself (Ray kills a dead worker's child processes that way)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _end_group(child: subprocess.Popen) -> None:
@@ -34,7 +45,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m rlmegatron.lifeline OWNER_PID -- COMMAND...", file=sys.stderr)
         return 2
     owner, command = int(argv[0]), argv[2:]
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
     # A stop of the group (SIGTERM) reaches the server directly; wait for it rather than die first.
     signal.signal(signal.SIGTERM, lambda *_: None)
     while child.poll() is None:

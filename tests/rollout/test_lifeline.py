@@ -60,3 +60,16 @@ def test_stop_ends_the_server_and_reports_its_exit_code(tmp_path):
     failing = ServerProcess([sys.executable, "-c", "raise SystemExit(7)"], tmp_path / "failing.log")
     failing.start()
     assert failing.process.wait(10) == 7
+
+
+def test_the_server_ends_when_its_lifeline_is_killed(tmp_path):
+    """Ray kills a dead worker's direct children with SIGKILL: that child is the lifeline, not the server."""
+    from rlmegatron.rollout.sglang_server import ServerProcess
+
+    server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "server.log")
+    server.start()
+    pgid = server.process.pid
+    assert wait_until(lambda: len(group_members(pgid)) == 2, 10)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    assert wait_until(lambda: not group_members(pgid), 10), group_members(pgid)
