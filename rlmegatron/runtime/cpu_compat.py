@@ -144,14 +144,34 @@ def _patch_shape_exchange():
             prev_pipeline_rank=self.prev_rank,
             next_pipeline_rank=self.next_rank,
         )
-        for request in requests.values():
-            request.wait()
+        for direction, request in requests.items():
+            if direction.startswith("recv"):
+                request.wait()
+            else:
+                self._unfinished_shape_sends.append(request)  # holds the shape tensor until sent
         return tuple([0, 0, 0] if t is None else t.tolist() for t in (recv_prev_shape, recv_next_shape))
+
+    original_communicate = p2p.P2PCommunicator._communicate
+
+    def communicate(self, **kwargs):
+        self._unfinished_shape_sends = []
+        received = original_communicate(self, **kwargs)
+        for request in self._unfinished_shape_sends:
+            request.wait()
+        return received
 
     # Variable-length micro-batches swap shapes with batch_isend_irecv regardless of batch_p2p_comm;
     # gloo pairs those by posting order, so at PP=2 under VPP the shapes cross and the ranks hang.
     # Megatron's unbatched p2p orders sends and receives by rank parity instead.
     p2p.P2PCommunicator._communicate_shapes = communicate_shapes
+    # gloo's send wait() blocks the host until the peer posts the matching receive (NCCL's only orders
+    # the stream), and Megatron waits on the shape sends before it posts the tensor exchange. When pipeline
+    # rank 0 runs all its micro-batches in the interleaved warmup (PP2xVPP2 with 2 of them), its last
+    # warmup step only sends an activation while rank 1's step also sends a gradient back: rank 1 waits
+    # for rank 0 to take the gradient's shape, which rank 0 does in its next step, once its activation is
+    # taken, which rank 1 does only after that shape wait. Waiting on shape sends after the tensor
+    # exchange is posted breaks the cycle.
+    p2p.P2PCommunicator._communicate = communicate
 
 
 def enable_cpu_compat() -> None:

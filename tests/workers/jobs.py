@@ -88,8 +88,8 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
-    """The TP=PP=1 actor vs padded, dynamic-bsz and each layout's actor; reference worker; offload round trip."""
+def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir: str) -> dict:
+    """The TP=PP=1 actor vs padded, dynamic-bsz and each (label, layout, actor settings); reference; offload."""
     batch = rollout_batch()
     weights = os.path.join(workdir, "weights")
     make_actor(ParallelLayout()).save_weights(weights)
@@ -125,7 +125,7 @@ def parity_job(layouts: list[ParallelLayout], workdir: str) -> dict:
     # The dynamic-bsz budget of 9 tokens gives DP ranks different micro-batch counts than the fixed size 2.
     variants = [("padded", ParallelLayout(), {"use_packing": False}),
                 ("dynamic-bsz", ParallelLayout(), {"max_token_len": 9}),
-                *[(str(layout), layout, {}) for layout in layouts]]
+                *layout_variants]
     for label, layout, settings in variants:
         actor = make_actor(layout, **settings)
         actor.load_weights(weights)
