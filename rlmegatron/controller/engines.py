@@ -15,19 +15,21 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
+from rlmegatron.tracking.progress import Progress
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
 
 
-def generate_or_none(engine: RolloutEngine, requests: list[GenerationRequest]) -> Optional[list[GenerationResult]]:
+def generate_or_none(engine: RolloutEngine, requests: list[GenerationRequest],
+                     progress: Progress = None) -> Optional[list[GenerationResult]]:
     """None: the engine was restarted mid-call and needs the weights before the requests are sent again."""
     from rlmegatron.rollout.sglang import EngineRestarted
 
     if not requests:
         return []
     try:
-        return engine.generate(requests)
+        return engine.generate(requests, progress)
     except EngineRestarted:
         return None
 
@@ -113,10 +115,11 @@ class ColocatedEngines:
     def count(self) -> int:
         return len(self.ranks)
 
-    def generate(self, shares: dict[int, list[GenerationRequest]]) -> dict[int, Optional[list[GenerationResult]]]:
+    def generate(self, shares: dict[int, list[GenerationRequest]],
+                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
         per_rank = [([],)] * self.workers.world_size
         for engine, share in shares.items():
-            per_rank[self.ranks[engine]] = (share,)
+            per_rank[self.ranks[engine]] = (share, progress)
         replies = self.workers.execute_each("generate", per_rank)
         return {engine: replies[self.ranks[engine]] for engine in shares}
 
@@ -151,8 +154,8 @@ class EngineHost:
         self.engine = sglang_engine(self.spec, AutoConfig.from_pretrained(self.spec.model.path), devices, host)
         return self.engine.spec.url
 
-    def generate(self, requests: list[GenerationRequest]) -> Optional[list[GenerationResult]]:
-        return generate_or_none(self.engine, requests)
+    def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> Optional[list[GenerationResult]]:
+        return generate_or_none(self.engine, requests, progress)
 
     def weights_pushed(self, version: str) -> None:
         """The trainer broadcast `version` to this server, around the engine, over its weight-update group."""
@@ -186,8 +189,10 @@ class DisaggregatedEngines:
         """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
         self.workers.execute_all("connect_engines", [(e, self.urls[e], self.tp_size) for e in engines])
 
-    def generate(self, shares: dict[int, list[GenerationRequest]]) -> dict[int, Optional[list[GenerationResult]]]:
-        replies = self._call([self.leaders[e] for e in shares], "generate", [(share,) for share in shares.values()])
+    def generate(self, shares: dict[int, list[GenerationRequest]],
+                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+        replies = self._call([self.leaders[e] for e in shares], "generate",
+                             [(share, progress) for share in shares.values()])
         return dict(zip(shares, replies))
 
     def release_memory(self) -> None:

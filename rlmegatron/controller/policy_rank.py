@@ -163,10 +163,10 @@ class PolicyRank:
     def serves_rollout(self) -> bool:
         return self.engine is not None
 
-    def generate(self, requests: list[GenerationRequest]) -> Optional[list[GenerationResult]]:
+    def generate(self, requests: list[GenerationRequest], progress=None) -> Optional[list[GenerationResult]]:
         from rlmegatron.controller.engines import generate_or_none
 
-        return generate_or_none(self.engine, requests)
+        return generate_or_none(self.engine, requests, progress)
 
     def release_rollout_memory(self) -> None:
         """Colocated: the engine gives its memory back while the trainer runs; `sync_weights` wakes it."""
@@ -184,11 +184,11 @@ class PolicyRank:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
 
-    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.critic.update(batch)
+    def update_critic(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
+        return self.critic.update(batch, progress if self.rank == 0 else None)
 
-    def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.actor.update(batch)
+    def update_actor(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
+        return self.actor.update(batch, progress if self.rank == 0 else None)
 
     def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""

@@ -13,6 +13,7 @@ import torch
 from rlmegatron.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantages
 from rlmegatron.controller import rollout as R
 from rlmegatron.rollout.engine import GenerationRequest
+from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
 
 class Timer:
@@ -44,7 +45,8 @@ class FitResult:
 
 
 class Trainer:
-    """Drives one worker group (the policy ranks with their colocated engines) from the driver process."""
+    """Drives the policy ranks (actor, reference, critic) and the rollout engines, colocated in those ranks or
+    on their own pool, from the driver process."""
 
     def __init__(self, spec, workers, engines, tokenizer, train_loader, val_dataset, reward_manager, tracker,
                  checkpoints):
@@ -87,9 +89,9 @@ class Trainer:
                         norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
                 if spec.critic.enable:
                     with timer("update_critic"), self.stop_on_non_finite():
-                        metrics.update(self.workers.execute_rank_zero_result("update_critic", batch))
+                        metrics.update(self.update("critic", batch))
                 with timer("update_actor"), self.stop_on_non_finite():
-                    metrics.update(self.workers.execute_rank_zero_result("update_actor", batch))
+                    metrics.update(self.update("actor", batch))
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
                     self.engines.sync(self.weight_version)
@@ -102,6 +104,14 @@ class Trainer:
                 self.save()
         exported = self.export_policy()
         return FitResult(self.step, time.perf_counter() - started, self.last_checkpoint, exported)
+
+    def update(self, role: str, batch) -> dict[str, float]:
+        """One PPO update of the actor or critic, with a bar over its optimizer steps."""
+        settings = getattr(self.spec, role)
+        mini_batch = settings.ppo_mini_batch_size * self.spec.rollout.n
+        steps = settings.ppo_epochs * -(-len(batch) // mini_batch)
+        with progress_sink(ProgressBar(f"update_{role}", steps)) as progress:
+            return self.workers.execute_rank_zero_result(f"update_{role}", batch, progress)
 
     @contextmanager
     def stop_on_non_finite(self):
@@ -139,7 +149,7 @@ class Trainer:
                     return part  # nothing varied: train on the last round, whose advantages are all zero
                 return R.Rollout.concat(kept).select(list(range(min(total, wanted))))
 
-    def generate(self, prompts, params, seed: int) -> list:
+    def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
         # One seed per request, so a request's samples do not depend on which engine serves it.
         requests = [
@@ -148,12 +158,13 @@ class Trainer:
             for i, p in enumerate(prompts)
         ]
         shares = R.shard_requests(requests, self.engines.count)
-        answers = self.engines.generate(dict(enumerate(shares)))
-        while restarted := [engine for engine, answer in answers.items() if answer is None]:
-            # A restarted engine has no trained weights: push them (collective), then resend its share.
-            # Each engine bounds its own restarts, so this loop ends.
-            self.engines.sync(self.weight_version, restarted)
-            answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}))
+        with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress:
+            answers = self.engines.generate(dict(enumerate(shares)), progress)
+            while restarted := [engine for engine, answer in answers.items() if answer is None]:
+                # A restarted engine has no trained weights: push them (collective), then resend its share.
+                # Each engine bounds its own restarts, so this loop ends.
+                self.engines.sync(self.weight_version, restarted)
+                answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
         results = R.merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
@@ -185,7 +196,7 @@ class Trainer:
         scores: dict[str, list[float]] = defaultdict(list)
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            results = self.generate(chunk, self.spec.rollout.val_kwargs, seed=self.spec.rollout.seed)
+            results = self.generate(chunk, self.spec.rollout.val_kwargs, seed=self.spec.rollout.seed, label="validation")
             rows = [chunk[r.request_index] for r in results]
             reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
             for prompt, score in zip(rows, reward.scores):

@@ -83,7 +83,9 @@ class RayWorkerGroup:
         """Call `method` on every rank with the same arguments; results in rank order."""
         import ray
 
-        return ray.get([host.call.remote(method, *args) for host in self.ranks])
+        # One copy in the object store for all ranks, not one serialization per rank (batches are large).
+        shared = [ray.put(arg) for arg in args]
+        return ray.get([host.call.remote(method, *shared) for host in self.ranks])
 
     def execute_rank_zero_result(self, method: str, *args: Any) -> Any:
         """Call on every rank (the workers run collectives) and return rank 0's result: every rank holds the same."""

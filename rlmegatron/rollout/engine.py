@@ -8,6 +8,7 @@ from typing import Iterable, Literal, Sequence, Union
 import torch
 
 from rlmegatron.rollout.buckets import FlattenedBucket
+from rlmegatron.tracking.progress import Progress
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -70,7 +71,8 @@ class RolloutEngine(abc.ABC):
     """Restarted after a failure and not yet given the trained weights: `generate` refuses until `update_weights`."""
 
     @abc.abstractmethod
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
+    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
+        """`progress` is told of finished samples (`tracking.progress.report`)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:

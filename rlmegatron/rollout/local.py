@@ -20,6 +20,7 @@ from rlmegatron.rollout.engine import (
     WeightStream,
     check_memory_tags,
 )
+from rlmegatron.tracking.progress import Progress, report
 
 
 @dataclass
@@ -104,7 +105,7 @@ class LocalEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
         self._check_usable()
         samples = [
             _Sample(
@@ -123,6 +124,7 @@ class LocalEngine(RolloutEngine):
         results: list[GenerationResult] = []
         for start in range(0, len(samples), self.max_batch_size):
             results.extend(self._generate_batch(samples[start : start + self.max_batch_size]))
+            report(progress, len(samples[start : start + self.max_batch_size]))
         return results
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from rlmegatron.rollout.engine import (
 )
 from rlmegatron.rollout.sglang_protocol import init_custom_process_group, serialize_flattened_bucket
 from rlmegatron.rollout.sglang_server import ServerProcess, ServerSpec, server_command
+from rlmegatron.tracking.progress import Progress, report
 
 
 class ServerUnavailable(ConnectionError):
@@ -227,10 +228,16 @@ class SGLangEngine(RolloutEngine):
 
     # Generation --------------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
         samples = [(i, s, request) for i, request in enumerate(requests) for s in range(request.sampling.n)]
+
+        def one(sample) -> GenerationResult:
+            result = self._generate_one(*sample)
+            report(progress)
+            return result
+
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(samples)))) as pool:
-            return list(pool.map(lambda sample: self._generate_one(*sample), samples))
+            return list(pool.map(one, samples))
 
     def _generate_one(self, request_index: int, sample_index: int, request: GenerationRequest) -> GenerationResult:
         spec = request.sampling

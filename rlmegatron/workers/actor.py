@@ -63,14 +63,14 @@ class ActorWorker(TrainingWorker):
         """log p(response token) [B, R] (and entropy [B, R]) under the current weights, zero outside response_mask."""
         return compute_log_prob(self.chunks, self.settings, batch, with_entropy)
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """PPO: for each epoch and mini-batch, accumulate gradients over micro-batches, then one optimizer step."""
         s = self.settings
         if batch.old_log_probs is None or batch.advantages is None:
             raise ValueError("update needs old_log_probs and advantages")
         if s.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
-        return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss")
+        return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
 
     def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
         s = self.settings

@@ -82,11 +82,11 @@ class CriticWorker(TrainingWorker):
 
         return engine.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """Clipped value loss against `batch.returns`, with `batch.values` as the rollout-time values."""
         if batch.values is None or batch.returns is None:
             raise ValueError("critic update needs values and returns")
-        return self._run_mini_batches(batch, self._loss_func_factory, summed="critic/vf_loss")
+        return self._run_mini_batches(batch, self._loss_func_factory, summed="critic/vf_loss", progress=progress)
 
     def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
         aggregation = self._aggregation(mini_batch)

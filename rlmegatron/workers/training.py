@@ -10,6 +10,7 @@ import torch
 
 from rlmegatron.algorithms import LossAggregation, local_denominator
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.tracking.progress import Progress, report
 from rlmegatron.workers import engine
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
 from rlmegatron.workers.offload import Offloader
@@ -113,11 +114,13 @@ class TrainingWorker:
             max_response_length=mini_batch.response_length,
         )
 
-    def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: str) -> dict[str, float]:
+    def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: str,
+                          progress: Progress = None) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate gradients over micro-batches, then one optimizer step.
 
         `loss_func_factory(mini_batch, scale)` returns a Megatron loss function whose loss is
-        multiplied by `scale`; `summed` names the reported metric that adds up over micro-batches.
+        multiplied by `scale`; `summed` names the reported metric that adds up over micro-batches;
+        `progress` hears of each finished optimizer step.
         """
         for chunk in self.chunks:
             chunk.train()
@@ -128,6 +131,7 @@ class TrainingWorker:
                 mini_batch = batch.select(list(range(start, min(start + s.ppo_mini_batch_size, len(batch)))))
                 for name, value in self._train_mini_batch(mini_batch, loss_func_factory, summed).items():
                     history[name].append(value)
+                report(progress)
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
         metrics[f"{self.metric_prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics

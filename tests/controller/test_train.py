@@ -27,9 +27,10 @@ RLM = str(Path(sys.executable).parent / "rlm")
 
 def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None = None) -> dict:
     out = tmp / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
-                   cwd=REPO_ROOT, check=True, timeout=300, env=env)
-    return json.loads(out.read_text())
+    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
+                         cwd=REPO_ROOT, timeout=300, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return {**json.loads(out.read_text()), "stderr": run.stderr}
 
 
 def with_fake_sglang(tmp: Path, name: str, die_after_generates: int = 0) -> tuple[list[str], dict]:
@@ -108,6 +109,10 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
         assert name in history, name
         assert all(math.isfinite(v) for _, v in history[name]), name
     assert (tmp / "run" / "checkpoints" / "latest").read_text() == "step_3"  # save_freq=2, and the last step
+    # Progress bars, fed from the ranks through Ray: 16 samples per step, one optimizer step per update.
+    full = "[" + "#" * 30 + "]"
+    assert first["stderr"].count(f"rollout        {full} 16/16") == 3
+    assert first["stderr"].count(f"update_actor   {full} 1/1") == 3
     assert (tmp / "run" / "mlflow.db").is_file()
     exported = Path(first["exported_hf"])
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()

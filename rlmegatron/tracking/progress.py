@@ -1,0 +1,97 @@
+"""Progress bars for the long phases of a step (rollout samples, update mini-batches), fed from the ranks.
+
+A rank reports through whatever `progress_sink` handed it: in one process a plain callable, under Ray a tiny
+counter actor that a driver thread polls, so reporting never blocks a rank on the driver.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, TextIO
+
+Progress = Any
+"""What a rank receives: a callable taking a count, or a Ray handle to a `ProgressCounter`; None reports nothing."""
+
+
+def report(progress: Optional[Progress], count: int = 1) -> None:
+    if progress is None:
+        return
+    if hasattr(progress, "add"):
+        progress.add.remote(count)  # fire and forget: the rank does not wait for the driver
+    else:
+        progress(count)
+
+
+class ProgressBar:
+    """`label [#####.....] done/total elapsed` redrawn in place on a terminal; on a log file, one line at each
+    quarter, so logs stay readable."""
+
+    def __init__(self, label: str, total: int, stream: Optional[TextIO] = None, width: int = 30) -> None:
+        self.label, self.total, self.width = label, max(total, 1), width
+        self.stream = stream or sys.stderr
+        self.done, self.started = 0, time.perf_counter()
+        self.interactive = self.stream.isatty()
+        self._quarters_shown = 0
+        self._lock = threading.Lock()
+
+    def advance(self, count: int = 1) -> None:
+        with self._lock:
+            self.done = min(self.total, self.done + count)
+            self._draw()
+
+    def complete(self) -> None:
+        """The phase is over: every unit is in hand, whatever reports are still on their way."""
+        self.advance(self.total - self.done)
+
+    def _draw(self) -> None:
+        filled = self.width * self.done // self.total
+        line = (f"{self.label:<14} [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.started:6.1f}s")
+        if self.interactive:
+            self.stream.write("\r" + line + ("\n" if self.done == self.total else ""))
+            self.stream.flush()
+        elif 4 * self.done // self.total > self._quarters_shown:
+            self._quarters_shown = 4 * self.done // self.total
+            print(line, file=self.stream, flush=True)
+
+
+class ProgressCounter:
+    """The Ray actor behind a sink: ranks add, the driver takes what accumulated since its last look."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def add(self, count: int) -> None:
+        self.pending += count
+
+    def take(self) -> int:
+        pending, self.pending = self.pending, 0
+        return pending
+
+
+@contextmanager
+def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
+    """What to hand the ranks so that their reports advance `bar`."""
+    ray = sys.modules.get("ray")  # a run without Ray never imports it
+    if ray is None or not ray.is_initialized():
+        yield bar.advance
+        bar.complete()
+        return
+    counter = ray.remote(num_cpus=0)(ProgressCounter).remote()
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(poll_s):
+            bar.advance(ray.get(counter.take.remote()))
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield counter
+    finally:
+        stop.set()
+        poller.join()
+        ray.kill(counter)
+    bar.complete()  # reports are fire-and-forget: the last ones may still be on their way
