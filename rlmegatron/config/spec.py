@@ -209,7 +209,7 @@ class CriticConfig(PPOUpdateConfig):
     """Fields left unset are taken from actor.megatron."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     init_from: Text = "actor"
-    """`actor` starts the value model from the actor's weights; otherwise a checkpoint path."""
+    """`actor` starts the value model from the actor's weights (the only choice so far)."""
     cliprange_value: float = Field(0.5, gt=0)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import random
@@ -132,10 +133,28 @@ class PolicyRank:
         if not spec.model.random_init:
             self._load_hf_weights(facts)
 
+        # Roles whose memory waits in host memory between the phases that use them (`*.offload`).
+        self.offload_parts = {role: parts for role, parts in (
+            ("actor", _offload_parts(spec.actor.offload)), ("reference", _offload_parts(spec.ref.offload)),
+            ("critic", _offload_parts(spec.critic.offload))) if parts and getattr(self, role) is not None}
+        for role, parts in self.offload_parts.items():
+            getattr(self, role).offload(parts)
         self.engine, self.engine_asleep, self.weight_push = None, False, None
         if spec.placement.mode == "colocate":
             self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
             self.sync_weights("init")
+
+    @contextlib.contextmanager
+    def _resident(self, *roles: str):
+        """The offloaded ones among `roles` back in device memory for one phase, and away again after it."""
+        offloaded = [role for role in roles if role in self.offload_parts]
+        for role in offloaded:
+            getattr(self, role).onload()
+        try:
+            yield
+        finally:
+            for role in offloaded:
+                getattr(self, role).offload(self.offload_parts[role])
 
     def _load_hf_weights(self, facts) -> None:
         from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
@@ -175,20 +194,25 @@ class PolicyRank:
             self.engine_asleep = True
 
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        log_probs, entropy = self.actor.compute_log_prob(batch, with_entropy=True)
+        with self._resident("actor"):
+            log_probs, entropy = self.actor.compute_log_prob(batch, with_entropy=True)
         return log_probs.cpu(), entropy.cpu()
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.reference.compute_log_prob(batch).cpu()
+        with self._resident("reference"):
+            return self.reference.compute_log_prob(batch).cpu()
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        return self.critic.compute_values(batch).cpu()
+        with self._resident("critic"):
+            return self.critic.compute_values(batch).cpu()
 
     def update_critic(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
-        return self.critic.update(batch, progress if self.rank == 0 else None)
+        with self._resident("critic"):
+            return self.critic.update(batch, progress if self.rank == 0 else None)
 
     def update_actor(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
-        return self.actor.update(batch, progress if self.rank == 0 else None)
+        with self._resident("actor"):
+            return self.actor.update(batch, progress if self.rank == 0 else None)
 
     def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
@@ -216,16 +240,17 @@ class PolicyRank:
         collective, so every rank walks the whole stream; ranks with nothing to feed just let it pass."""
         from rlmegatron.resharding import HFWeightExporter
 
-        stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
-        if self.weight_push is not None:
-            self.weight_push.push(stream, version, only=restarted)
-        elif self.engine is None or (restarted is not None and not self.engine.stale):
-            collections.deque(stream, maxlen=0)
-        elif self.engine_asleep:
-            self.engine.wake_up_with_weights(stream, version)
-            self.engine_asleep = False
-        else:
-            self.engine.update_weights(stream, version)
+        with self._resident("actor"):
+            stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
+            if self.weight_push is not None:
+                self.weight_push.push(stream, version, only=restarted)
+            elif self.engine is None or (restarted is not None and not self.engine.stale):
+                collections.deque(stream, maxlen=0)
+            elif self.engine_asleep:
+                self.engine.wake_up_with_weights(stream, version)
+                self.engine_asleep = False
+            else:
+                self.engine.update_weights(stream, version)
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -236,16 +261,26 @@ class PolicyRank:
     def save_checkpoint(self, path: str) -> None:
         from rlmegatron.checkpoint.state import save_rank_state
 
-        save_rank_state(self, path)
+        with self._resident("actor", "critic"):
+            save_rank_state(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         from rlmegatron.checkpoint.state import load_rank_state
 
-        load_rank_state(self, path)
+        with self._resident("actor", "critic"):
+            load_rank_state(self, path)
 
     def export_hf(self, path: str) -> Optional[str]:
         """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
         from rlmegatron.models.convert import export_hf
 
-        export_hf(self.actor.chunks, self.weight_map, path, self.weight_map.facts.hf)
+        with self._resident("actor"):
+            export_hf(self.actor.chunks, self.weight_map, path, self.weight_map.facts.hf)
         return path if self.rank == 0 else None
+
+
+def _offload_parts(offload) -> tuple[str, ...]:
+    """The parts an `*.offload` section asks for (the reference's has params only)."""
+    from rlmegatron.workers.offload import PARTS
+
+    return tuple(part for part in PARTS if getattr(offload, part, False))

@@ -1,7 +1,11 @@
 """Offload a worker's parameters, gradients and optimizer state to (pinned) CPU memory between phases, and back."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+
+PARTS = ("params", "grads", "optimizer")
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -23,19 +27,23 @@ class Offloader:
         self.optimizer = optimizer
         self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
-    def _tensors(self):
+    def _tensors(self, parts: frozenset[str]):
         for chunk in self.chunks:
             # Megatron's DDP replaces nn.Module.buffers() with its list of contiguous param/grad buffers;
             # a frozen (unwrapped) chunk has none.
             if hasattr(chunk, "module"):
                 for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-                    yield buffer.param_data
-                    yield buffer.grad_data
-            yield from chunk.parameters()
-            for param in chunk.parameters():
-                if getattr(param, "main_grad", None) is not None:
-                    yield param.main_grad
-        if self.optimizer is not None:
+                    if "params" in parts:
+                        yield buffer.param_data
+                    if "grads" in parts:
+                        yield buffer.grad_data
+            if "params" in parts:
+                yield from chunk.parameters()
+            if "grads" in parts:
+                for param in chunk.parameters():
+                    if getattr(param, "main_grad", None) is not None:
+                        yield param.main_grad
+        if self.optimizer is not None and "optimizer" in parts:
             for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 inner = getattr(optimizer, "optimizer", None)
                 if inner is None:
@@ -45,11 +53,16 @@ class Offloader:
                 for state in inner.state.values():
                     yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
-    def offload(self) -> None:
+    def offload(self, parts: Iterable[str] = PARTS) -> None:
+        """`parts`: any of params, grads, optimizer; a storage that an offloaded part shares goes with it
+        (with fp32 weights the distributed optimizer's main params are views of the param buffers)."""
         if self._saved:
             raise RuntimeError("already offloaded")
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"unknown offload parts {sorted(unknown)}; known: {list(PARTS)}")
         seen = set()
-        for tensor in self._tensors():
+        for tensor in self._tensors(frozenset(parts)):
             if tensor is None:
                 continue
             storage = tensor.untyped_storage()

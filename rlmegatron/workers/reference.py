@@ -1,6 +1,8 @@
 """The reference policy: a frozen copy of the actor's model that only computes log-probs."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.workers import engine
 from rlmegatron.workers.actor import ActorSettings, compute_log_prob
@@ -31,9 +33,9 @@ class ReferenceWorker:
     def load_weights(self, path: str) -> None:
         engine.load_weights(self.chunks, path)
 
-    def offload(self) -> None:
+    def offload(self, parts: Sequence[str] = ("params",)) -> None:
         """Weights to host memory between uses, so the reference costs no GPU memory while idle."""
-        self.offloader.offload()
+        self.offloader.offload(parts)
 
     def onload(self) -> None:
         self.offloader.onload()

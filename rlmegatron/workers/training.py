@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -13,7 +13,7 @@ from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.tracking.progress import Progress, report
 from rlmegatron.workers import engine
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
-from rlmegatron.workers.offload import Offloader
+from rlmegatron.workers.offload import PARTS, Offloader
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ class TrainingWorker:
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
 
-    def offload(self) -> None:
-        """Weights, grads and optimizer state to host memory (frees the GPU for rollout)."""
-        self.offloader.offload()
+    def offload(self, parts: Sequence[str] = PARTS) -> None:
+        """Weights, grads and/or optimizer state to host memory (frees the GPU for rollout)."""
+        self.offloader.offload(parts)
 
     def onload(self) -> None:
         self.offloader.onload()
