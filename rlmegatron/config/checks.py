@@ -450,9 +450,8 @@ def _check_input_paths(spec: JobSpec) -> list[SpecProblem]:
         reason = "is not auto, disable, or an existing checkpoint path"
         problems.append(SpecProblem("trainer.resume", resume, reason))
     init_from = spec.critic.init_from
-    if spec.critic.enable and init_from != "actor":
-        # Loading a reward model needs a converter for its score head (HF `score.weight`), not written yet.
-        reason = "only `actor` is supported yet: the value model starts from the actor's weights"
+    if spec.critic.enable and init_from != "actor" and not (Path(init_from) / "config.json").is_file():
+        reason = "is neither `actor` nor an HF reward/value model directory (no config.json there)"
         problems.append(SpecProblem("critic.init_from", init_from, reason))
     return problems
 

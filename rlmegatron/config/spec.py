@@ -209,7 +209,8 @@ class CriticConfig(PPOUpdateConfig):
     """Fields left unset are taken from actor.megatron."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     init_from: Text = "actor"
-    """`actor` starts the value model from the actor's weights (the only choice so far)."""
+    """`actor` starts the value model from the actor's weights; otherwise the directory of an HF reward/value model
+    of the same architecture with one label (`*ForSequenceClassification`, `*ForTokenClassification`)."""
     cliprange_value: float = Field(0.5, gt=0)
 
 

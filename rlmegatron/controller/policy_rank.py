@@ -132,6 +132,8 @@ class PolicyRank:
             self.critic.init(parallel_state_ready=True)
         if not spec.model.random_init:
             self._load_hf_weights(facts)
+        if self.critic is not None and spec.critic.init_from != "actor":
+            self.critic.load_reward_model(spec.critic.init_from, untied)
 
         # Roles whose memory waits in host memory between the phases that use them (`*.offload`).
         self.offload_parts = {role: parts for role, parts in (
@@ -165,7 +167,7 @@ class PolicyRank:
             if worker is not None:
                 load_hf_weights([unwrap(chunk) for chunk in worker.chunks], self.weight_map, checkpoint)
         checkpoint.close()
-        if self.critic is not None:
+        if self.critic is not None and self.spec.critic.init_from == "actor":
             # The critic's trunk starts from the actor; its value head keeps its own init.
             path = os.path.join(self.spec.trainer.run_dir, "init_actor")
             self.actor.save_weights(path)

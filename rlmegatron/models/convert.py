@@ -169,8 +169,10 @@ def _tp_chunk(name: str, local_shape: torch.Size, full_shape: tuple[int, ...]) -
     return dim, rank, size
 
 
-def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> None:
-    """Fill every weight of this rank's chunks from the HF checkpoint, reading only this rank's slices."""
+def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint, keep_initialised: tuple[str, ...] = ()
+                    ) -> None:
+    """Fill every weight of this rank's chunks from the HF checkpoint, reading only this rank's slices;
+    `keep_initialised` names the Megatron parameters the checkpoint may lack (they keep their init)."""
     checkpoint_keys = set(checkpoint.key_files)
     weight_map.check_hf_keys(checkpoint_keys)
     unfilled = []
@@ -179,7 +181,7 @@ def load_hf_weights(chunks, weight_map: WeightMap, checkpoint: HFCheckpoint) -> 
             for name, tensor, is_param in canonical_weights(chunk):
                 rule = weight_map.rules.get(name)
                 if rule is None:
-                    unfilled.append(name) if is_param else None
+                    unfilled.append(name) if is_param and name not in keep_initialised else None
                     continue
                 dim, rank, size = _tp_chunk(name, tensor.shape, weight_map.full_shape(rule, checkpoint.shape))
                 padded = weight_map.facts.padded_vocab_size if rule.transform == "vocab" else None

@@ -88,8 +88,11 @@ _MOE_NAMES = {
 class WeightMap:
     """Every rule of one model (its family and sizes), keyed by Megatron name."""
 
-    def __init__(self, facts: ModelFacts, stacked_experts: bool = False):
+    def __init__(self, facts: ModelFacts, stacked_experts: bool = False, value_head: Sequence[str] = ()):
+        """`value_head`: the HF keys of a reward/value model's scalar head (`score.weight`, maybe `score.bias`),
+        which then fill the critic's value head in place of the LM head."""
         self.facts = facts
+        self.value_head = tuple(value_head)
         hf = facts.hf
         self.head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         self.num_query_groups = hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -98,7 +101,7 @@ class WeightMap:
         self.rules: dict[str, Rule] = {}
         self._build()
         # Stacked HF experts are exported per expert, the form transformers saves and loads.
-        self._export_map = WeightMap(facts, stacked_experts=False) if stacked_experts else self
+        self._export_map = WeightMap(facts, False, self.value_head) if stacked_experts else self
 
     # ---- the table --------------------------------------------------------------------------
     def _add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True,
@@ -116,8 +119,13 @@ class WeightMap:
         self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB, copies=embedding_copies)
         self._add("decoder.final_layernorm.weight", ["model.norm.weight"])
         lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
-        # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
-        self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings, copies=head_copies)
+        if self.value_head:
+            for key in self.value_head:
+                self._add(f"output_layer.{key.rpartition('.')[2]}", [key])
+        else:
+            # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
+            self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings,
+                      copies=head_copies)
         moe_layers = self._moe_layers()
         for layer in range(facts.num_layers):
             self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=layer in moe_layers)

@@ -69,6 +69,27 @@ class CriticWorker(TrainingWorker):
     def __init__(self, settings: CriticSettings, model_provider: engine.ModelProvider, layout):
         super().__init__(settings, value_model_provider(model_provider), layout)
 
+    def load_reward_model(self, path: str, facts) -> None:
+        """Initialise from an HF reward/value model (`*ForSequenceClassification` or `*ForTokenClassification`
+        with one label, same architecture as the policy): its trunk, and its `score` head as the value head.
+        A head without bias leaves the value head's bias at 0."""
+        from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+        from rlmegatron.models.weight_map import Source, WeightMap
+
+        checkpoint = HFCheckpoint(path)
+        try:
+            head = tuple(key for key in ("score.weight", "score.bias") if key in checkpoint.key_files)
+            if "score.weight" not in head or checkpoint.shape(Source("score.weight"))[0] != 1:
+                raise ValueError(f"critic.init_from={path}: not a reward/value model with one label "
+                                 "(expected a score.weight of shape [1, hidden_size])")
+            weight_map = WeightMap(facts, value_head=head)
+            load_hf_weights([engine.unwrap(chunk) for chunk in self.chunks], weight_map, checkpoint,
+                            keep_initialised=("output_layer.bias",))
+        finally:
+            checkpoint.close()
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
     def load_actor_weights(self, path: str) -> None:
         """Initialise from a policy checkpoint: every weight but the output layer (the value head keeps its init)."""
         self.load_weights(path, skip_prefixes=("output_layer.",))

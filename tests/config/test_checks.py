@@ -343,8 +343,8 @@ CASES = [
     pytest.param(
         {"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 8, "critic.init_from": "/nonexistent/vm"},
         "tiny-qwen3",
-        "job.yaml: critic.init_from=/nonexistent/vm: only `actor` is supported yet: the value model starts from "
-        "the actor's weights",
+        "job.yaml: critic.init_from=/nonexistent/vm: is neither `actor` nor an HF reward/value model directory "
+        "(no config.json there)",
         id="critic-init-path-exists",
     ),
     pytest.param(

@@ -77,6 +77,20 @@ def make_critic(layout: ParallelLayout) -> CriticWorker:
     return critic
 
 
+def make_reward_model_critic(layout: ParallelLayout, path: str) -> CriticWorker:
+    """A critic built from an HF reward model's config.json and initialised from its weights."""
+    from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
+
+    init_model_parallel(layout)
+    facts = replace(model_facts(read_hf_config(path), layout.tp), tie_word_embeddings=False)
+    config = transformer_config(facts, layout)
+    settings = CriticSettings(ppo_mini_batch_size=8, micro_batch_size=2, optimizer=OPTIMIZER)
+    critic = CriticWorker(settings, lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
+    critic.init(parallel_state_ready=True)
+    critic.load_reward_model(path, facts)
+    return critic
+
+
 def full_parameters(path: str, kind: str = "dense") -> dict[str, torch.Tensor]:
     """Weights saved at any layout, loaded at TP=PP=1 as full tensors."""
     actor = make_actor(ParallelLayout(), kind)
@@ -174,4 +188,7 @@ def critic_and_moe_job(workdir: str) -> dict:
     report["moe_metrics"] = moe.update(replace(batch, old_log_probs=moe_log_probs))
     after = dict(moe.chunks[0].module.named_parameters())
     report["moe_param_change"] = {n: float((after[n] - before[n]).abs().max()) for n in before}
+
+    reward_model = os.path.join(workdir, "reward_model")  # written by the test
+    report["reward_model_values"] = make_reward_model_critic(ParallelLayout(tp=2), reward_model).compute_values(batch)
     return report

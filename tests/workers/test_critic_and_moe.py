@@ -1,17 +1,56 @@
 """Critic worker (TP=2 values equal TP=1, the value loss falls) and a MoE actor's update at EP=2, on CPU/gloo."""
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from rlmegatron.runtime import run_ranks
-from tests.workers.jobs import critic_and_moe_job
+from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
+from tests.workers.jobs import VOCAB, critic_and_moe_job, rollout_batch
+
+
+def save_reward_model(directory: Path) -> Path:
+    """A tiny random Qwen3 token-classification model with one label: a value model as verl trains them."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.for_model("qwen3", **{**COMMON, **FAMILY_CONFIGS["qwen3"], "vocab_size": VOCAB,
+                                             "tie_word_embeddings": False, "num_labels": 1})
+    torch.manual_seed(11)
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.bias.normal_()  # a zero bias would hide a head loaded without it
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_values(directory: Path) -> torch.Tensor:
+    """V(prefix before each response token) from transformers: the head's score at the preceding position."""
+    from transformers import AutoModelForTokenClassification
+
+    batch = rollout_batch()
+    model = AutoModelForTokenClassification.from_pretrained(directory, dtype=torch.float32).eval()
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        scores = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=positions).logits[..., 0]
+    prompt = batch.input_ids.shape[1] - batch.response_mask.shape[1]
+    return scores[:, prompt - 1 : -1] * batch.response_mask
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    reports = run_ranks(critic_and_moe_job, 4, str(tmp_path_factory.mktemp("critic")), timeout_s=300)
+    workdir = tmp_path_factory.mktemp("critic")
+    save_reward_model(workdir / "reward_model")
+    reports = run_ranks(critic_and_moe_job, 4, str(workdir), timeout_s=300)
     assert all((r["values"] == reports[0]["values"]).all() for r in reports), "ranks disagree"
     return reports[0]
+
+
+def test_critic_from_an_hf_reward_model_at_tp2_gives_its_values(report, tmp_path_factory):
+    expected = hf_values(save_reward_model(tmp_path_factory.mktemp("reference") / "reward_model"))
+    assert expected.abs().sum() > 0
+    assert (report["reward_model_values"] - expected).abs().max() < 1e-4
 
 
 def test_critic_values_at_tp2_equal_tp1(report):
