@@ -14,12 +14,14 @@ LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
 VPP_LAYOUT = L(pp=2, vpp=2)
 # Experts over EP, behind PP, and split over fewer TP ranks than the dense layers (--etp).
 EXPERT_LAYOUTS = (L(ep=2), L(pp=2, ep=2), L(tp=2, ep=2, etp=1))
+FULL_MATRIX = os.environ.get("RLM_FULL_CONVERT_MATRIX") == "1"
 # Each layout costs 3-10 s on 2 cores (4 ranks, dist_checkpointing save + load), so by default every
 # family runs its most-sharded layouts and one family of each kind runs all of them;
 # RLM_FULL_CONVERT_MATRIX=1 runs every layout of every family.
 DEFAULT_LAYOUTS = {
     "qwen3": LAYOUTS, "llama": (L(tp=2, pp=2), VPP_LAYOUT), "qwen2": (L(tp=2, pp=2),),
-    "qwen3_moe": LAYOUTS + (L(ep=2), L(tp=2, ep=2, etp=1)), "qwen2_moe": (L(tp=2, pp=2), L(ep=2)),
+    # TP2 without PP is left to the full matrix: TP2xPP2 and the ETP layout cover it.
+    "qwen3_moe": (L(), L(pp=2), L(tp=2, pp=2), L(ep=2), L(tp=2, ep=2, etp=1)), "qwen2_moe": (L(tp=2, pp=2), L(ep=2)),
     "mixtral": (L(ep=2),),
     # Its MTP layer lives on the last stage: there with TP, and with its experts over EP.
     "deepseek_v3": (L(tp=2, pp=2), L(pp=2, ep=2)),
@@ -28,7 +30,7 @@ DEFAULT_LAYOUTS = {
 
 def layouts_for(family: str) -> list[L]:
     moe = family in MOE_FAMILIES
-    if os.environ.get("RLM_FULL_CONVERT_MATRIX") == "1":
+    if FULL_MATRIX:
         chosen = LAYOUTS + (EXPERT_LAYOUTS if moe else ())
         if FAMILY_CONFIGS[family]["num_hidden_layers"] >= VPP_LAYOUT.pp * VPP_LAYOUT.vpp:
             chosen += (VPP_LAYOUT,)
@@ -58,6 +60,50 @@ def _differences(original: dict[str, torch.Tensor], exported_dir: str) -> dict[s
             "not_bitwise": sorted(k for k in original.keys() & exported.keys() if not torch.equal(original[k], exported[k]))}
 
 
+def hf_mtp_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the checkpoint's first MTP layer as DeepSeek-V3 defines it, which transformers does not build:
+    at position i, the main model's final hidden state and the embedding of token i+1 predict token i+2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    layers = AutoConfig.from_pretrained(hf_dir).num_hidden_layers
+    # One decoder layer more, so transformers loads the MTP layer's transformer block (layer `layers`) too.
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, num_hidden_layers=layers + 1)
+    config = model.config
+    config.num_hidden_layers = layers  # the main forward stops before the MTP layer
+    prefix = f"model.layers.{layers}."
+    mtp = {k.removeprefix(prefix): v for k, v in _read_safetensors(hf_dir).items() if k.startswith(prefix)}
+
+    def norm(name: str, x: torch.Tensor) -> torch.Tensor:
+        module = DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        module.weight.data = mtp[f"{name}.weight"]
+        return module(x)
+
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state
+        embedded = model.model.embed_tokens(tokens.roll(-1, dims=1))
+        x = torch.cat([norm("enorm", embedded), norm("hnorm", hidden)], dim=-1) @ mtp["eh_proj.weight"].T
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                                  position_ids=positions)
+        x = model.model.layers[layers](x, attention_mask=mask, position_ids=positions,
+                                       position_embeddings=model.model.rotary_emb(x, positions))
+        return model.lm_head(norm("shared_head.norm", x))
+
+
+def megatron_mtp_logits(model, facts, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the first MTP layer of an unsharded Megatron model (TP=PP=1), through Megatron's own MTP forward."""
+    captured = {}
+    hook = model.mtp.register_forward_hook(lambda module, args, output: captured.update(hidden=output))
+    with torch.no_grad():
+        model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=tokens)  # labels: MTP runs
+        hook.remove()
+        # The block returns the main hidden states and each MTP layer's, after its final norm, along the sequence.
+        logits, _ = model.output_layer(captured["hidden"][tokens.shape[1]:])
+    return logits.transpose(0, 1)[..., : facts.vocab_size]
+
+
 def round_trip_job(families: list[str], workdir: str) -> dict:
     """Per family and layout: HF->Megatron logits vs HF, Megatron->HF bitwise, and the checkpoint reloaded
     at TP=PP=EP=1 (a different layout) giving the same logits and HF tensors. Every rank returns its view."""
@@ -67,7 +113,7 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
     for family in families:
         hf_dir = os.path.join(workdir, family, "hf")
         original = _read_safetensors(hf_dir)
-        reference = None
+        reference = mtp_reference = None
         for layout in layouts_for(family):
             label = f"{family}/{layout}"
             facts, weight_map, chunks = import_hf(hf_dir, layout)
@@ -83,6 +129,11 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
                 entry["from_pretrained_logits_vs_hf"] = float((hf_logits(out, tokens) - reference).abs().max())
             facts, weight_map, chunks = load_mcore(mcore_dir, L())
             entry["reloaded_tp1_logits_vs_hf"] = _max_diff(reference, megatron_logits(chunks, facts, tokens))
+            if facts.num_mtp_layers:
+                # The last position's next token is past the end: Megatron and the reference pad it differently.
+                mtp_reference = hf_mtp_logits(hf_dir, tokens) if mtp_reference is None else mtp_reference
+                entry["reloaded_tp1_mtp_logits_vs_hf"] = _max_diff(
+                    mtp_reference[:, :-1], megatron_mtp_logits(chunks[0], facts, tokens)[:, :-1])
             reloaded_out = os.path.join(workdir, family, f"{layout}-reloaded-hf")
             export_hf(chunks, weight_map, reloaded_out, facts.hf)
             if torch.distributed.get_rank() == 0:
