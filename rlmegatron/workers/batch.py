@@ -88,6 +88,25 @@ def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
+def split_to_multiple(groups: list[list[int]], lengths: list[int], multiple: int) -> list[list[int]]:
+    """Split the micro-batches with the most tokens until their count is a multiple of `multiple`.
+
+    Megatron's interleaved (VPP) schedule takes micro-batches in groups of PP and refuses a partial group;
+    splitting only shrinks micro-batches, so a token budget still holds, and the loss normalisation counts
+    micro-batches after the split.
+    """
+    groups = [list(group) for group in groups]
+    while len(groups) % multiple:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            raise ValueError(f"the interleaved pipeline needs a multiple of {multiple} micro-batches per data-parallel "
+                             f"rank, and {len(groups)} sequences cannot make one; give each rank more sequences")
+        largest = max(splittable, key=lambda g: sum(lengths[i] for i in g))
+        at = groups.index(largest)
+        groups[at : at + 1] = [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return groups
+
+
 @dataclass
 class MicroBatch:
     """Model inputs for some rows of a RolloutBatch, unpadded, and the way back to the [rows, R] response grid.

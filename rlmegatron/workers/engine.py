@@ -6,7 +6,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
-from rlmegatron.workers.batch import fixed_micro_batches, token_budget_micro_batches
+from rlmegatron.workers.batch import fixed_micro_batches, split_to_multiple, token_budget_micro_batches
 
 # (pre_process, post_process, vp_stage) -> the GPTModel chunk for this rank; the HF bridge plugs in here.
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
@@ -99,6 +99,8 @@ def shard_micro_batches(batch: RolloutBatch, pack: bool, micro_batch_size: int,
         groups = token_budget_micro_batches(mine, lengths, max_token_len)
     else:
         groups = fixed_micro_batches(mine, micro_batch_size)
+    if ps.get_virtual_pipeline_model_parallel_world_size():
+        groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
     # Sequence parallelism splits the sequence over TP ranks, so lengths must divide by TP.
     multiple = ps.get_tensor_model_parallel_world_size()
     return [build_micro_batch(batch, rows, pack, multiple) for rows in groups]

@@ -1,0 +1,20 @@
+"""Micro-batch counts the interleaved pipeline accepts (pure functions, no ranks)."""
+import pytest
+
+from rlmegatron.workers.batch import split_to_multiple, token_budget_micro_batches
+
+
+def test_a_token_budget_split_is_cut_further_into_whole_pipeline_groups():
+    lengths = [9, 7, 5, 4, 3, 2, 2]
+    groups = token_budget_micro_batches(list(range(7)), lengths, max_token_len=12)
+    assert len(groups) == 3  # what Megatron's interleaved schedule refuses at PP=2
+    split = split_to_multiple(groups, lengths, 2)
+    assert len(split) == 4
+    assert sorted(i for g in split for i in g) == list(range(7))  # every sequence once
+    assert max(sum(lengths[i] for i in g) for g in split) <= 12  # the budget still holds
+
+
+def test_already_whole_groups_are_left_alone_and_too_few_sequences_say_so():
+    assert split_to_multiple([[0, 1], [2]], [3, 3, 3], 2) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="multiple of 4 micro-batches"):
+        split_to_multiple([[0, 1], [2]], [3, 3, 3], 4)
