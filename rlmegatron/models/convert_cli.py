@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--ep", type=int, default=1)
             p.add_argument("--etp", type=int, default=None)
         p.add_argument("--nproc", type=int, default=None,
-                       help="ranks to spawn here (gloo on CPU, nccl on GPUs); default: torchrun's, else TP*PP")
+                       help="ranks to spawn here (gloo on CPU, nccl on GPUs); default: torchrun's, else the "
+                            "fewest that TPxPP and ETPxEPxPP both divide")
         p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
 
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron.core.dist_checkpointing")
@@ -51,6 +53,11 @@ def _layout(args):
                           etp=getattr(args, "etp", None), sequence_parallel=tp > 1)
 
 
+def default_nproc(layout) -> int:
+    """The fewest ranks that hold the dense layers (TP x PP) and the experts (ETP x EP x PP) alike."""
+    return layout.pp * math.lcm(layout.tp, (layout.etp or layout.tp) * layout.ep)
+
+
 def _job(direction: str, args: dict):
     """What every rank runs; a module-level function so spawned ranks can import it."""
     from rlmegatron.models import convert
@@ -77,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = [_job(args.direction, vars(args))]
             destroy_distributed()
         else:
-            nproc = args.nproc or layout.tp * layout.pp * layout.ep
+            nproc = args.nproc or default_nproc(layout)
             results = run_ranks(_job, nproc, args.direction, vars(args), device=device, timeout_s=24 * 3600)
     except (RankFailure, ValueError) as err:
         print(f"rlm convert {args.direction}: {err}", file=sys.stderr)
