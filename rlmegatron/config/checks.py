@@ -344,12 +344,12 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
             )
             problems.append(SpecProblem("rollout.sglang.enable_memory_saver", False, reason))
     tp, ep = rollout.tensor_parallel_size, rollout.expert_parallel_size
-    node_gpus, node_field = ((placement.gpus_per_node, "placement.gpus_per_node") if placement.mode == "colocate"
-                             else (placement.rollout_gpus_per_node, "placement.rollout_gpus_per_node"))
-    if node_gpus is not None and tp > node_gpus:
-        # Launching a server across nodes is written (sglang_server.launch_node); supervising one is not yet.
-        reason = f"an engine must fit on one node, which has {node_field}={node_gpus}; engines spanning nodes " \
-                 "are not supported yet"
+    node_gpus = placement.gpus_per_node if placement.mode == "colocate" else placement.rollout_gpus_per_node
+    if node_gpus is not None and tp > node_gpus and tp % node_gpus:
+        reason = (
+            f"is larger than a node's {node_gpus} GPUs but not a whole number of nodes; a multi-node "
+            f"engine spans whole nodes, so use a divisor of {node_gpus} or a multiple of it"
+        )
         problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
     if placement.mode == "disaggregate" and rollout.engine != "sglang":
         reason = "a disaggregated rollout pool runs SGLang servers that receive weights over NCCL; use sglang"

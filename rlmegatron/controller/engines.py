@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -34,24 +35,122 @@ def generate_or_none(engine: RolloutEngine, requests: list[GenerationRequest],
         return None
 
 
+# --- where servers sit -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Place:
+    """One slot that can hold a server TP rank: a trainer rank (colocated) or a rollout-pool GPU (disaggregated)."""
+
+    node: str
+    device: str
+    address: str
+    rendezvous_port: int
+    """Free on this node; the server's node 0 uses it as SGLang's dist-init address when it spans nodes."""
+
+
+def this_place(device: str) -> Place:
+    from rlmegatron.runtime.launcher import free_port
+
+    return Place(socket.gethostname(), device_id(device), socket.gethostbyname(socket.gethostname()), free_port(""))
+
+
+@dataclass(frozen=True)
+class ServerNode:
+    """One node's share of engine `engine`: `slots` (indices of places, in server TP order) of which the first
+    launches this node's server process; `node_rank` 0 serves HTTP."""
+
+    engine: int
+    node_rank: int
+    nnodes: int
+    slots: tuple[int, ...]
+    dist_init_addr: Optional[str]
+
+
+def server_nodes(places: Sequence[Place], tp: int, engines: int) -> list[list[ServerNode]]:
+    """Engine e takes slots e*tp .. e*tp+tp-1. SGLang splits a server's TP ranks evenly over whole nodes, so
+    an engine's slots must form equal runs on distinct nodes."""
+    layout = []
+    for engine in range(engines):
+        slots = range(engine * tp, (engine + 1) * tp)
+        runs: list[list[int]] = []
+        for slot in slots:
+            if runs and places[runs[-1][0]].node == places[slot].node:
+                runs[-1].append(slot)
+            else:
+                runs.append([slot])
+        nodes = [places[run[0]].node for run in runs]
+        if len(set(nodes)) != len(runs) or len({len(run) for run in runs}) != 1:
+            raise RuntimeError(f"engine {engine} would take {[len(run) for run in runs]} GPUs on nodes {nodes}; "
+                               "a server spans whole nodes with the same number of GPUs on each")
+        head = places[runs[0][0]]
+        address = f"{head.address}:{head.rendezvous_port}" if len(runs) > 1 else None
+        layout.append([ServerNode(engine, rank, len(runs), tuple(run), address) for rank, run in enumerate(runs)])
+    return layout
+
+
 # --- inside a trainer rank (colocated) ---------------------------------------------------------------------------
 
 
-def build_colocated_engine(spec: JobSpec, hf_config) -> Optional[RolloutEngine]:
-    """Collective over the trainer ranks; returns None on ranks that do not lead an engine."""
+class EngineMember:
+    """A trainer rank in a colocated engine's group other than its leader: shares its copy of each weight bucket
+    with the leader (`share_buckets`) and, if it is the first rank on a later node of a server that spans nodes,
+    runs that node's server process."""
+
+    def __init__(self, spec: JobSpec, group, travel_rules, node_process=None) -> None:
+        self.bucket_bytes = spec.rollout.update_weights_bucket_mb << 20
+        self.tp_size, self.group, self.node_process = spec.rollout.tensor_parallel_size, group, node_process
+        self.travel_rules = travel_rules
+        if node_process is not None:
+            node_process.start()
+
+    def update_weights(self, named_tensors, version: str) -> None:
+        from rlmegatron.rollout.sglang import share_buckets
+
+        share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.tp_size, self.group, post=None)
+
+    wake_up_with_weights = update_weights
+
+    def release_memory(self) -> None:
+        """The leader releases the server's memory on every node."""
+
+    def relaunch(self) -> None:
+        """The server restarted: this node's process goes down with it and starts again."""
+        if self.node_process is not None:
+            self.node_process.stop()
+            self.node_process.start()
+
+    def shutdown(self) -> None:
+        if self.node_process is not None:
+            self.node_process.stop()
+
+
+def build_colocated_engine(spec: JobSpec, hf_config) -> tuple[Optional[int], Any]:
+    """Collective over the trainer ranks. Returns (engine index, engine) for the rank leading an engine,
+    (engine index, EngineMember) for the other ranks of its group, (None, None) for ranks outside every group."""
     if spec.rollout.engine == "local":
-        return _local_engine(spec, hf_config)
+        return torch.distributed.get_rank(), _local_engine(spec, hf_config)
+    from rlmegatron.rollout.buckets import travel_rules_for
+    from rlmegatron.rollout.sglang_server import launch_node
+
     tp = spec.rollout.tensor_parallel_size
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    # Every rank reports where it runs, so a leader knows the devices of the ranks its server spans.
     places: list = [None] * world
-    torch.distributed.all_gather_object(places, (socket.gethostname(), device_id(spec.placement.device)))
-    if rank % tp or rank // tp >= (spec.rollout.num_gpus or world) // tp:
-        return None
-    group = places[rank : rank + tp]
-    if len({host for host, _ in group}) > 1:
-        raise RuntimeError(f"the engine of ranks {rank}..{rank + tp - 1} would span nodes {group}")
-    return sglang_engine(spec, hf_config, [device for _, device in group], host="127.0.0.1")
+    torch.distributed.all_gather_object(places, this_place(spec.placement.device))
+    layout = server_nodes(places, tp, (spec.rollout.num_gpus or world) // tp)
+    # Every rank creates every group, in the same order, as new_group requires.
+    groups = [torch.distributed.new_group([s for node in nodes for s in node.slots], backend="gloo")
+              for nodes in layout] if tp > 1 else [None] * len(layout)
+    mine = next(((node, index) for nodes in layout for node in nodes
+                 for index, slot in enumerate(node.slots) if slot == rank), None)
+    if mine is None:
+        return None, None
+    node, index = mine
+    server = _server_spec(spec, [places[slot].device for slot in node.slots], "127.0.0.1", node)
+    if node.node_rank == 0 and index == 0:
+        return node.engine, sglang_engine(spec, server, hf_config, ipc_group=groups[node.engine])
+    return node.engine, EngineMember(spec, groups[node.engine], travel_rules_for(hf_config),
+                                     launch_node(server, _log_dir(spec), start=False) if index == 0 else None)
 
 
 def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
@@ -70,10 +169,8 @@ def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
     )
 
 
-def sglang_engine(spec: JobSpec, hf_config, devices: Sequence[str], host: str) -> RolloutEngine:
-    """A supervised SGLang server on `devices` of this node, serving HTTP on `host`."""
-    from rlmegatron.rollout.buckets import travel_rules_for
-    from rlmegatron.rollout.sglang import SGLangEngine
+def _server_spec(spec: JobSpec, devices: Sequence[str], host: str, node: ServerNode):
+    """The launch spec of `node`'s share of a server on `devices` of that node, serving HTTP on `host`."""
     from rlmegatron.rollout.sglang_server import ServerSpec
     from rlmegatron.runtime.launcher import free_port
 
@@ -83,14 +180,27 @@ def sglang_engine(spec: JobSpec, hf_config, devices: Sequence[str], host: str) -
     else:
         # CPU buckets reach the unrelated server process through named shared memory, not fd passing.
         torch.multiprocessing.set_sharing_strategy("file_system")
-    server = ServerSpec.from_rollout_config(spec.rollout, spec.model.path, port=free_port(host), host=host,
-                                            device=spec.placement.device, env=env)
+    return ServerSpec.from_rollout_config(spec.rollout, spec.model.path, port=free_port(host), host=host,
+                                          device=spec.placement.device, env=env, nnodes=node.nnodes,
+                                          node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
+
+
+def _log_dir(spec: JobSpec) -> str:
+    return str(Path(spec.trainer.run_dir) / "logs")
+
+
+def sglang_engine(spec: JobSpec, server, hf_config, ipc_group=None) -> RolloutEngine:
+    """A supervised SGLang server: node 0 of `server`, launched here and waited on."""
+    from rlmegatron.rollout.buckets import travel_rules_for
+    from rlmegatron.rollout.sglang import SGLangEngine
+
     return SGLangEngine(
         server,
-        log_dir=str(Path(spec.trainer.run_dir) / "logs"),
+        log_dir=_log_dir(spec),
         bucket_bytes=spec.rollout.update_weights_bucket_mb << 20,
         travel_rules=travel_rules_for(hf_config),
         startup_timeout_s=spec.rollout.sglang.startup_timeout_s,
+        ipc_group=ipc_group,
     )
 
 
@@ -137,22 +247,37 @@ class ColocatedEngines:
 
 
 class EngineHost:
-    """One GPU of the rollout pool (one CPU rank on CPU). The first host of each `tensor_parallel_size`
-    consecutive ones launches and supervises the server on their devices; the others hold their GPU for it."""
+    """One GPU of the rollout pool (one CPU rank on CPU). The first host of each node of a server launches that
+    node's process on the node's devices; the host of node 0 supervises the server. The others hold their GPU."""
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.engine: Optional[RolloutEngine] = None
+        self.node_process = None
 
-    def device(self) -> str:
-        return device_id(self.spec.placement.device)
+    def place(self) -> Place:
+        return this_place(self.spec.placement.device)
 
-    def launch(self, devices: list[str]) -> str:
+    def launch(self, devices: list[str], node: ServerNode) -> Optional[str]:
+        """Returns the server's URL on node 0's host; None on the other nodes' hosts."""
         from transformers import AutoConfig
 
-        host = socket.gethostbyname(socket.gethostname())
-        self.engine = sglang_engine(self.spec, AutoConfig.from_pretrained(self.spec.model.path), devices, host)
+        from rlmegatron.rollout.sglang_server import launch_node
+
+        server = _server_spec(self.spec, devices, socket.gethostbyname(socket.gethostname()), node)
+        if node.node_rank:
+            self.node_process = launch_node(server, _log_dir(self.spec))
+            return None
+        self.engine = sglang_engine(self.spec, server, AutoConfig.from_pretrained(self.spec.model.path))
         return self.engine.spec.url
+
+    def relaunch(self) -> None:
+        """The server restarted after a failure: other nodes restart their process, node 0 waits for all of them."""
+        if self.node_process is not None:
+            self.node_process.stop()
+            self.node_process.start()
+        else:
+            self.engine.relaunch()
 
     def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> Optional[list[GenerationResult]]:
         return generate_or_none(self.engine, requests, progress)
@@ -165,6 +290,8 @@ class EngineHost:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.node_process is not None:
+            self.node_process.stop()
 
 
 class DisaggregatedEngines:
@@ -174,10 +301,16 @@ class DisaggregatedEngines:
         self.workers, self.tp_size = workers, spec.rollout.tensor_parallel_size
         size = spec.rollout.num_gpus or spec.placement.rollout_pool_size
         self.hosts = _ray_hosts(spec, pool, size) if pool is not None else [EngineHost(spec) for _ in range(size)]
-        devices = self._call(self.hosts, "device", [()] * size)
-        self.leaders = self.hosts[:: self.tp_size]
-        self.urls = self._call(self.leaders, "launch", [(devices[i : i + self.tp_size],)
-                                                        for i in range(0, size, self.tp_size)])
+        places = self._call(self.hosts, "place", [()] * size)
+        layout = server_nodes(places, self.tp_size, size // self.tp_size)
+        # Per engine: the launching host of each node, node 0's (the leader) last, so a caller without Ray
+        # has started the other nodes before the leader waits for the whole server.
+        self.node_hosts = [[self.hosts[node.slots[0]] for node in nodes[1:] + nodes[:1]] for nodes in layout]
+        self.leaders = [hosts[-1] for hosts in self.node_hosts]
+        launchers = [(node, self.hosts[node.slots[0]]) for nodes in layout for node in nodes[1:] + nodes[:1]]
+        urls = self._call([host for _, host in launchers], "launch",
+                          [([places[slot].device for slot in node.slots], node) for node, _ in launchers])
+        self.urls = [url for url in urls if url is not None]
         self.connect(list(range(self.count)))
         self.sync("init")
 
@@ -200,6 +333,8 @@ class DisaggregatedEngines:
 
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
         if restarted is not None:
+            self._call([host for e in restarted for host in self.node_hosts[e]], "relaunch",
+                       [()] * sum(len(self.node_hosts[e]) for e in restarted))
             self.connect(restarted)  # a restarted server left its old group
         self.workers.execute_all("sync_weights", version, restarted)
         targets = list(range(self.count)) if restarted is None else restarted

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.workers import RolloutBatch
 
 if TYPE_CHECKING:
@@ -141,9 +141,10 @@ class PolicyRank:
             ("critic", _offload_parts(spec.critic.offload))) if parts and getattr(self, role) is not None}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
-        self.engine, self.engine_asleep, self.weight_push = None, False, None
+        # Colocated: `engine` is the engine this rank leads, or its EngineMember share of one led by another rank.
+        self.engine_index, self.engine, self.engine_asleep, self.weight_push = None, None, False, None
         if spec.placement.mode == "colocate":
-            self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+            self.engine_index, self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
             self.sync_weights("init")
 
     @contextlib.contextmanager
@@ -182,7 +183,7 @@ class PolicyRank:
     # --- the step's phases, in the order the trainer calls them ---
 
     def serves_rollout(self) -> bool:
-        return self.engine is not None
+        return isinstance(self.engine, RolloutEngine)
 
     def generate(self, requests: list[GenerationRequest], progress=None) -> Optional[list[GenerationResult]]:
         from rlmegatron.controller.engines import generate_or_none
@@ -246,9 +247,13 @@ class PolicyRank:
             stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
             if self.weight_push is not None:
                 self.weight_push.push(stream, version, only=restarted)
-            elif self.engine is None or (restarted is not None and not self.engine.stale):
+                return
+            if self.engine is None or (restarted is not None and self.engine_index not in restarted):
                 collections.deque(stream, maxlen=0)
-            elif self.engine_asleep:
+                return
+            if restarted is not None:
+                self.engine.relaunch()
+            if self.engine_asleep:
                 self.engine.wake_up_with_weights(stream, version)
                 self.engine_asleep = False
             else:

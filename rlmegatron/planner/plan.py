@@ -124,16 +124,7 @@ def _layout_problems(spec: JobSpec, plan: Plan, settings: PlanSettings) -> list[
     problems = []
     gpu = f"the {settings.gpu_mem_gb:g} GB GPU (--gpu-mem-gb)"
     rollout = spec.rollout
-    per_node = spec.placement.gpus_per_node
-    if spec.placement.mode == "disaggregate" and spec.placement.rollout_gpus_per_node is not None:
-        per_node = spec.placement.rollout_gpus_per_node
     tp = rollout.tensor_parallel_size
-    if tp > per_node and tp % per_node:
-        reason = (
-            f"is larger than a node's {per_node} GPUs but not a whole number of nodes; a multi-node "
-            f"engine spans whole nodes, so use a divisor of {per_node} or a multiple of it"
-        )
-        problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
     engine = plan.engine
     if engine.kv_cache <= 0:
         reason = (

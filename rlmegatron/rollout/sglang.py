@@ -8,7 +8,6 @@ import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from rlmegatron.rollout.engine import (
     check_memory_tags,
 )
 from rlmegatron.rollout.sglang_protocol import init_custom_process_group, serialize_flattened_bucket
-from rlmegatron.rollout.sglang_server import ServerProcess, ServerSpec, server_command
+from rlmegatron.rollout.sglang_server import ServerSpec, launch_node
 from rlmegatron.tracking.progress import Progress, report
 
 
@@ -207,10 +206,14 @@ class SGLangEngine(RolloutEngine):
         request_timeout_s: float = 600.0,
         max_concurrency: int = 64,
         max_restarts: int = 3,
+        ipc_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
-        """`generation_url` sends generation elsewhere, e.g. to the router in front of several engines."""
+        """`generation_url` sends generation elsewhere, e.g. to the router in front of several engines.
+        `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
+        bucket (`share_buckets`). Without it this process shares one copy with every server TP rank."""
         self.spec = spec
-        self.process = ServerProcess(server_command(spec), Path(log_dir) / f"sglang_{spec.port}.log", spec.env)
+        self.process = launch_node(spec, log_dir, start=False)
+        self.ipc_group = ipc_group
         self.client = SGLangClient(spec.url, request_timeout_s)
         self.generation_client = SGLangClient(generation_url, request_timeout_s) if generation_url else self.client
         self.bucket_bytes = bucket_bytes
@@ -223,8 +226,7 @@ class SGLangEngine(RolloutEngine):
         self._epoch = 0
         self._recovery_lock = threading.Lock()
         self.weight_version: str | None = None
-        self.process.start()
-        self.process.wait_ready(self.client.health, startup_timeout_s)
+        self.relaunch()
 
     # Generation --------------------------------------------------------------------------------------
 
@@ -261,14 +263,9 @@ class SGLangEngine(RolloutEngine):
     # Weights -----------------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
-        """Colocated: each bucket travels as a shared-memory/IPC handle, one copy per server TP rank."""
-        bucketer = Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True, shared_memory=True)
-        for bucket in bucketer.buckets(named_tensors):
-            payload = serialize_flattened_bucket(bucket)
-            # Returns only after the server loaded the bucket, so the reused buffer is free again.
-            self.client.update_weights_from_tensor([payload] * self.spec.tp_size, weight_version=version)
-            if bucket.flattened_tensor.is_cuda:
-                torch.cuda.ipc_collect()
+        """Colocated: each bucket travels as a shared-memory/IPC handle, one per server TP rank."""
+        share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
+                      post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
         self.client.flush_cache()
         self.weight_version = version
         self.stale = False
@@ -293,6 +290,12 @@ class SGLangEngine(RolloutEngine):
     def health(self) -> bool:
         return self.process.alive and self.client.health()
 
+    def relaunch(self) -> None:
+        """After a multi-node restart, once the caller started the other nodes: this node up, the server ready."""
+        if not self.process.alive:
+            self.process.start()
+        self.process.wait_ready(self.client.health, self.startup_timeout_s)
+
     def shutdown(self) -> None:
         self.process.stop()
 
@@ -312,6 +315,12 @@ class SGLangEngine(RolloutEngine):
                 raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
             self.restarts += 1
             self.process.stop()
+            if self.spec.nnodes > 1:
+                # The other nodes' processes belong to other hosts: the caller restarts all of them together
+                # (`relaunch` here) before it pushes the weights.
+                self.stale = True
+                self._epoch += 1
+                return
             self.process.start()
             self.process.wait_ready(self.client.health, self.startup_timeout_s)
             if self.resync is not None:
@@ -321,6 +330,30 @@ class SGLangEngine(RolloutEngine):
                 # The weights live in the trainer, whose export is collective: the caller must sync.
                 self.stale = True
             self._epoch += 1
+
+
+def share_buckets(named_tensors: WeightStream, bucket_bytes: int, travel_rules: Sequence[TravelRule], tp_size: int,
+                  group: torch.distributed.ProcessGroup | None, post: Callable[[list[str]], Any] | None) -> None:
+    """Colocated push, run by every rank of `group` on the same stream (the export yields it on every rank).
+
+    Each rank shares its own copy of each bucket, so server TP rank i opens memory of trainer rank i, which sits on
+    its GPU and its node: no cross-device reads, and a server spanning nodes works. The group's first rank, which
+    gets `post`, sends the tp_size handles in one request. Without a group, one copy serves every TP rank.
+    """
+    bucketer = Bucketer(bucket_bytes, travel_rules, reuse_buffer=True, shared_memory=True)
+    for bucket in bucketer.buckets(named_tensors):
+        payload = serialize_flattened_bucket(bucket)
+        if group is None:
+            payloads = [payload] * tp_size
+        else:
+            payloads = [None] * group.size() if post is not None else None
+            torch.distributed.gather_object(payload, payloads, group_dst=0, group=group)
+        if post is not None:
+            post(payloads)  # returns once the server loaded the bucket
+        if group is not None:
+            torch.distributed.barrier(group=group)  # ...so every rank may reuse its buffer
+        if bucket.flattened_tensor.is_cuda:
+            torch.cuda.ipc_collect()
 
 
 class DistributedWeightPush:

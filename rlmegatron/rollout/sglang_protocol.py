@@ -32,6 +32,8 @@ class _BucketPickler(pickle._Pickler):  # type: ignore[misc]
     dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers}
 
     def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return cuda_tensor_reduction(obj)
         if isinstance(obj, FlattenedTensorMetadata):
             # Positional in field order, which SGLang's dataclass shares.
             return _SGLangMetadataClass, (obj.name, obj.shape, obj.dtype, obj.start_idx, obj.end_idx, obj.numel)
@@ -45,6 +47,25 @@ class _BucketPickler(pickle._Pickler):  # type: ignore[misc]
             self.memoize(obj)
             return
         super().save_global(obj, name)
+
+
+_CUDA_DEVICE_ARG = 6  # of torch's rebuild_cuda_tensor arguments
+
+
+def cuda_tensor_reduction(tensor: torch.Tensor):
+    """torch's IPC reduction of a CUDA tensor with the device named by UUID instead of index.
+
+    An index means nothing in a process that sees other GPUs (each Ray worker sees only its own as device 0),
+    so SGLang patches torch's `rebuild_cuda_tensor` (sglang.srt.utils.patch_torch) to take a device UUID and
+    find it among its own devices; a sender must send the UUID, as SGLang's patched reducer does.
+    """
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    device = args[_CUDA_DEVICE_ARG]
+    if not isinstance(device, str):  # already a UUID if this process has SGLang's patch installed
+        device = str(torch.cuda.get_device_properties(device).uuid)
+    return rebuild, (*args[:_CUDA_DEVICE_ARG], device, *args[_CUDA_DEVICE_ARG + 1:])
 
 
 def serialize_flattened_bucket(bucket: FlattenedBucket) -> str:

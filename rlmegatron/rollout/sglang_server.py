@@ -186,9 +186,11 @@ class ServerProcess:
         )
 
 
-def launch_node(spec: ServerSpec, log_dir: str) -> ServerProcess:
-    """Starts this node's share of a (possibly multi-node) server; the per-node Ray actor calls it.
-    Only node 0 serves HTTP, so only node 0's process is worth waiting on for readiness."""
-    process = ServerProcess(server_command(spec), Path(log_dir) / f"sglang_{spec.port}_node{spec.node_rank}.log", spec.env)
-    process.start()
+def launch_node(spec: ServerSpec, log_dir: str, start: bool = True) -> ServerProcess:
+    """This node's share of a (possibly multi-node) server. Only node 0 serves HTTP, so readiness is
+    node 0's health, which SGLang reports once every node joined."""
+    name = f"sglang_{spec.port}.log" if spec.nnodes == 1 else f"sglang_{spec.port}_node{spec.node_rank}.log"
+    process = ServerProcess(server_command(spec), Path(log_dir) / name, spec.env)
+    if start:
+        process.start()
     return process

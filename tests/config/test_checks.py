@@ -186,11 +186,11 @@ CASES = [
         id="max-new-tokens-fits-response",
     ),
     pytest.param(
-        {"placement.gpus_per_node": 2, "rollout.tensor_parallel_size": 4},
+        {"placement.gpus_per_node": 4, "placement.nnodes": 2, "rollout.tensor_parallel_size": 6},
         "tiny-qwen3",
-        "job.yaml: rollout.tensor_parallel_size=4: an engine must fit on one node, which has "
-        "placement.gpus_per_node=2; engines spanning nodes are not supported yet",
-        id="colocated-engine-within-a-node",
+        "job.yaml: rollout.tensor_parallel_size=6: is larger than a node's 4 GPUs but not a whole number of nodes; "
+        "a multi-node engine spans whole nodes, so use a divisor of 4 or a multiple of it",
+        id="engine-spans-whole-nodes",
     ),
     pytest.param(
         {"placement.device": "cuda", "rollout.engine": "sglang", "rollout.sglang.enable_memory_saver": False},

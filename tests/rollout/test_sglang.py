@@ -126,6 +126,17 @@ def test_colocated_sync_round_trips_buckets_in_order(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC handles need a GPU")
+def test_cuda_buckets_reach_the_server_through_ipc_handles_naming_the_device_by_uuid(tmp_path):
+    engine = make_engine(tmp_path)
+    try:
+        device = torch.cuda.device_count() - 1
+        engine.update_weights(((name, tensor.to(f"cuda:{device}")) for name, tensor in weights()), version="v2")
+        assert server_weights(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
+    finally:
+        engine.shutdown()
+
+
 def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
     resyncs = []
 

@@ -3,6 +3,9 @@
 It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
 buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
 and can crash on purpose (`--fake-die-after-generates`) or fail to start (`--fake-fail-start`).
+
+Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
+once every other node joined; other nodes serve no HTTP; losing any node ends the whole server.
 """
 import argparse
 import base64
@@ -10,6 +13,7 @@ import hashlib
 import json
 import os
 import pickle
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +38,21 @@ def expect(body, schema):
             raise BadRequest(f"{key} has type {type(body[key]).__name__}")
 
 
+def accept_device_uuids():
+    """As SGLang does before it unpickles weights: CUDA handles name their device by UUID."""
+    from torch.multiprocessing import reductions
+
+    original = reductions.rebuild_cuda_tensor
+
+    def rebuild_cuda_tensor(*args):
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        if not isinstance(args[6], str) or args[6] not in uuids:
+            raise BadRequest(f"CUDA tensor device {args[6]!r} is not the UUID of one of this server's GPUs")
+        return original(*args[:6], uuids.index(args[6]), *args[7:])
+
+    reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
+
+
 def tensor_digest(tensor):
     return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
             hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
@@ -48,6 +67,7 @@ class FakeServer:
         self.generates = 0
         self.lock = threading.Lock()
         self.groups = {}
+        self.nodes_joined = threading.Event()
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
@@ -94,18 +114,22 @@ class FakeServer:
         if "weights" in self.released:
             raise BadRequest("weights are released; resume them before pushing weights")
         received = []
-        for payload in body["serialized_named_tensors"]:  # what TP rank i would open
+        for payload in body["serialized_named_tensors"]:  # what TP rank i would open (on its own node)
             bucket = pickle.loads(base64.b64decode(payload))
             flat = bucket["flattened_tensor"]
             if flat.dim() != 1 or flat.dtype != torch.uint8:
                 raise BadRequest("flattened_tensor must be 1-D uint8")
-            received.append({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).clone()
+            received.append({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).cpu().clone()
                              for m in bucket["metadata"]})
+        if any(names.keys() != received[0].keys() or any(not torch.equal(names[n], received[0][n]) for n in names)
+               for names in received):
+            raise BadRequest("the TP ranks' copies of a bucket differ")
         for name, tensor in received[0].items():
             self.weights[name] = tensor
         if body["weight_version"] is not None:
             self.weight_version = body["weight_version"]
         self.record("/update_weights_from_tensor", names=list(received[0]),
+                    distinct_payloads=len(set(body["serialized_named_tensors"])),
                     modules=sorted({type(m).__module__ for m in bucket["metadata"]}))
         return {"success": True, "message": "Succeeded to update model weights."}
 
@@ -169,7 +193,7 @@ def make_handler(server):
 
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
-                self.reply(200)
+                self.reply(200 if server.nodes_joined.is_set() else 503)
             elif self.path == "/fake/weights":
                 self.reply(200, {"version": server.weight_version,
                                  "weights": {n: tensor_digest(t) for n, t in server.weights.items()}})
@@ -209,6 +233,9 @@ def main():
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-dp-attention", action="store_true")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--dist-init-addr", default="")
     parser.add_argument("--fake-record", required=True)
     parser.add_argument("--fake-marker", default="")
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
@@ -218,9 +245,47 @@ def main():
     if args.fake_fail_start:
         print(args.fake_fail_start, flush=True)
         raise SystemExit(1)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(FakeServer(args)))
+    if args.node_rank > 0:
+        follow_node_zero(args)
+    accept_device_uuids()
+    server = FakeServer(args)
+    if args.nnodes > 1:
+        threading.Thread(target=gather_nodes, args=(args, server), daemon=True).start()
+    else:
+        server.nodes_joined.set()
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
     httpd.daemon_threads = True
     httpd.serve_forever()
+
+
+def gather_nodes(args, server):
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    listener = socket.create_server(("", int(port)))
+    peers = [listener.accept()[0] for _ in range(args.nnodes - 1)]
+    server.record("/fake/nodes_joined", nnodes=args.nnodes)
+    server.nodes_joined.set()
+    for peer in peers:
+        threading.Thread(target=end_with, args=(peer,), daemon=True).start()
+
+
+def follow_node_zero(args):
+    """A later node: joins node 0, then lives exactly as long as node 0 does."""
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            end_with(socket.create_connection((host, int(port))))
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def end_with(peer):
+    """Losing a node aborts the server, as a broken NCCL communicator does."""
+    while peer.recv(1):
+        pass
+    os._exit(5)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Where SGLang servers sit: engines over whole nodes, and a colocated server spanning two nodes run for real
+against the loopback SGLang stand-in (node identity is the only thing faked: both "nodes" are this machine)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmegatron.controller import engines
+from rlmegatron.controller.engines import Place, server_nodes
+from rlmegatron.runtime.launcher import free_port, run_ranks
+from tests.rollout.test_sglang import digest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
+
+
+def places(per_node: list[int]) -> list[Place]:
+    return [Place(f"n{node}", str(gpu), f"10.0.0.{node}", 5000 + node)
+            for node, count in enumerate(per_node) for gpu in range(count)]
+
+
+def test_engines_take_whole_nodes_and_rendezvous_at_their_first_node():
+    layout = server_nodes(places([2, 2, 2, 2]), tp=4, engines=2)
+    assert [[(n.node_rank, n.nnodes, n.slots, n.dist_init_addr) for n in nodes] for nodes in layout] == [
+        [(0, 2, (0, 1), "10.0.0.0:5000"), (1, 2, (2, 3), "10.0.0.0:5000")],
+        [(0, 2, (4, 5), "10.0.0.2:5002"), (1, 2, (6, 7), "10.0.0.2:5002")],
+    ]
+    within = server_nodes(places([4, 4]), tp=2, engines=4)
+    assert [(n.engine, n.nnodes, n.slots, n.dist_init_addr) for nodes in within for n in nodes] == [
+        (0, 1, (0, 1), None), (1, 1, (2, 3), None), (2, 1, (4, 5), None), (3, 1, (6, 7), None)]
+
+
+def test_an_engine_over_unequal_parts_of_nodes_is_refused():
+    with pytest.raises(RuntimeError, match=r"engine 0 would take \[3, 1\] GPUs on nodes \['n0', 'n1'\]"):
+        server_nodes(places([3, 3]), tp=4, engines=1)
+
+
+def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [(f"model.layers.{i}.mlp.up_proj.weight", scale * torch.randn(64, 32, generator=generator))
+            for i in range(6)]
+
+
+def _serve_across_two_nodes(calls: str, run_dir: str) -> dict:
+    """Rank r plays node r: rank 0 leads the server (node 0, HTTP), rank 1 runs node 1's process."""
+    from transformers import AutoConfig
+
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.engines import build_colocated_engine, generate_or_none
+    from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+    from rlmegatron.rollout.sglang import SGLangClient
+
+    rank = torch.distributed.get_rank()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])
+    engines.this_place = lambda device: Place(f"node{rank}", "cpu", "127.0.0.1", free_port(""))
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.nnodes=2", "placement.gpus_per_node=1",
+        "rollout.engine=sglang", "rollout.tensor_parallel_size=2", "rollout.update_weights_bucket_mb=1",
+        f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
+        f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={run_dir}"])
+    index, engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+    requests = [GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=3))]
+    seen = {"index": index, "kind": type(engine).__name__}
+
+    engine.update_weights(iter(weights(1.0)), "v1")
+    if rank == 0:
+        seen["before"] = [r.weight_version for r in generate_or_none(engine, requests)]
+    torch.distributed.barrier()
+    if rank == 1:
+        engine.node_process.stop()  # node 1 is lost; node 0 goes down with it
+    torch.distributed.barrier()
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while engine.process.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen["after_loss"] = generate_or_none(engine, requests)
+        seen["stale"] = engine.stale
+    torch.distributed.barrier()
+    engine.relaunch()  # what a sync for a restarted engine does, on every rank of its group
+    engine.update_weights(iter(weights(2.0)), "v2")
+    if rank == 0:
+        seen["again"] = [r.weight_version for r in generate_or_none(engine, requests)]
+        seen["restarts"] = engine.restarts
+        seen["pushed"] = SGLangClient(engine.spec.url)._call("GET", "/fake/weights")
+    torch.distributed.barrier()
+    engine.shutdown()
+    return seen
+
+
+def test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts_whole(tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    leader, member = run_ranks(_serve_across_two_nodes, 2, str(calls), str(tmp_path), timeout_s=240)
+    assert (leader["index"], leader["kind"], member["index"], member["kind"]) == (0, "SGLangEngine", 0, "EngineMember")
+    assert leader["before"] == ["v1", "v1"]
+    # Losing node 1 takes the server down; the engine waits for the caller to restart every node and resync.
+    assert leader["after_loss"] is None and leader["stale"] and leader["restarts"] == 1
+    assert leader["again"] == ["v2", "v2"]
+    assert leader["pushed"] == {"version": "v2", "weights": {name: digest(t) for name, t in weights(2.0)}}
+
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    lives = list(dict.fromkeys(r["pid"] for r in records))
+    assert len(lives) == 2
+    for pid, scale, version in zip(lives, (1.0, 2.0), ("v1", "v2")):
+        life = [r for r in records if r["pid"] == pid]
+        assert life[0] == {"pid": pid, "path": "/fake/nodes_joined", "nnodes": 2}
+        updates = [r for r in life if r["path"] == "/update_weights_from_tensor"]
+        # Every bucket came as two handles, one from each rank, so each TP rank reads memory on its own node.
+        assert updates and all(r["distinct_payloads"] == 2 for r in updates)
+        assert [n for r in updates for n in r["names"]] == [name for name, _ in weights(scale)]
+    assert "/generate" in [r["path"] for r in records if r["pid"] == lives[1]]
+
+
+class RecordingTrainer:
+    """The trainer ranks as DisaggregatedEngines addresses them; the weight groups themselves are tested with
+    DistributedWeightPush in tests/rollout/test_sglang.py."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def execute_all(self, method: str, *args) -> None:
+        self.calls.append((method, *args))
+
+
+def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.engines import DisaggregatedEngines
+    from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
+    hosts = iter(range(2))  # the pool's two hosts, one per "node"
+    monkeypatch.setattr(engines, "this_place", lambda device: Place(f"node{next(hosts)}", "cpu", "127.0.0.1",
+                                                                    free_port("")))
+    calls = tmp_path / "calls.jsonl"
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
+        "placement.mode=disaggregate", "placement.rollout_nnodes=2", "placement.rollout_gpus_per_node=1",
+        "rollout.engine=sglang", "rollout.tensor_parallel_size=2", f"rollout.sglang.python={sys.executable}",
+        "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={calls}",
+        f"trainer.run_dir={tmp_path}"])
+    trainer = RecordingTrainer()
+    pool = DisaggregatedEngines(spec, trainer)
+    try:
+        assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
+        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None)]
+        requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
+        pool.hosts[1].node_process.stop()
+        deadline = time.monotonic() + 30
+        while pool.leaders[0].engine.process.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
+        pool.sync("v1", restarted=[0])
+        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "v1", [0])]
+        assert [len(r.output_token_ids) for r in pool.generate(requests)[0]] == [2]
+    finally:
+        pool.shutdown()
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [r["path"] for r in records] == ["/fake/nodes_joined", "/fake/nodes_joined", "/generate"]
