@@ -271,16 +271,17 @@ class WeightMap:
             return [tensor[: self.facts.vocab_size]]
         return [tensor]
 
-    def merge_tp_shards(self, megatron_name: str, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-        """TP shards of a Megatron tensor -> the full tensor `split` takes; inverse of reading per-rank chunks.
+    def tp_pieces(self, megatron_name: str, shard_len: int, size: int) -> list[tuple[int, int, list[int]]]:
+        """Where the TP shards of a Megatron tensor go in the full tensor `split` takes, along the partition dim:
+        (start in a shard, length, start in the full tensor for each TP rank) per contiguous piece.
 
-        QKV shards hold whole query groups and vocab shards whole rows, so they concatenate;
-        GLU fc1 shards are [gate_i; up_i] and are regrouped into [gate; up].
+        QKV shards hold whole query groups and vocab shards whole rows, so each shard is one piece;
+        GLU fc1 shards are [gate_i; up_i] and regroup into [gate; up].
         """
-        if self.rule(megatron_name).transform == GLU and dim == 0:
-            halves = [torch.chunk(shard, 2, dim=0) for shard in shards]
-            return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
-        return torch.cat(list(shards), dim=dim)
+        if self.rule(megatron_name).transform == GLU:
+            half = shard_len // 2
+            return [(0, half, [r * half for r in range(size)]), (half, half, [(size + r) * half for r in range(size)])]
+        return [(0, shard_len, [r * shard_len for r in range(size)])]
 
     def hf_to_megatron(self, megatron_name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Full Megatron tensor from full HF tensors keyed by HF name (stacked sources indexed as needed)."""

@@ -6,7 +6,9 @@ largest tensor. All ranks issue the same collectives in the same order:
 
 1. a one-off plan: every rank's weight names, shapes and owning pipeline stage;
 2. per weight, in the weight map's order: TP (or expert-TP) all-gather on the
-   owning stage, with the per-rank fc1 layout undone by the weight map;
+   owning stage, in row chunks of at most `gather_chunk_bytes` written straight
+   into their places in the full tensor (the per-rank fc1 layout undone on the
+   way), so the gather costs the full tensor plus one chunk;
    for experts, an EP all-gather of the same local expert slot, which yields
    the experts of every EP rank under their global ids;
 3. a broadcast from the owning pipeline stage to the others;
@@ -74,10 +76,11 @@ def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]
 class HFWeightExporter:
     """Plans once per model, then streams HF-named full tensors on every call (e.g. every training step)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], weight_map: WeightMap):
+    def __init__(self, chunks: Sequence[torch.nn.Module], weight_map: WeightMap, gather_chunk_bytes: int = 64 << 20):
         from megatron.core import parallel_state as ps
 
         self.weight_map = weight_map
+        self.gather_chunk_bytes = gather_chunk_bytes
         self._local = {name: (tensor, dim) for name, _, tensor, dim in _local_weights(chunks)}
         stage = ps.get_pipeline_model_parallel_rank()
         mine = [
@@ -147,9 +150,28 @@ class HFWeightExporter:
             group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
         if dim is None or size == 1:
             return shard
-        shards = [torch.empty_like(shard) for _ in range(size)]
-        torch.distributed.all_gather(shards, shard.contiguous(), group=group)
-        return self.weight_map.merge_tp_shards(name, shards, dim)
+        shard = shard.contiguous()
+        full_shape = list(shard.shape)
+        full_shape[dim] *= size
+        full = torch.empty(full_shape, dtype=shard.dtype, device=shard.device)
+        pieces = self.weight_map.tp_pieces(name, shard.shape[dim], size)
+        row_bytes = shard[0].numel() * shard.element_size()
+        rows = max(1, self.gather_chunk_bytes // (size * row_bytes))
+        # Chunks run over the shard's rows (contiguous); along dim 0 they stay inside one piece.
+        for start, length, targets in pieces if dim == 0 else [(0, shard.shape[0], None)]:
+            for a in range(start, start + length, rows):
+                b = min(a + rows, start + length)
+                gathered = torch.empty((size * (b - a), *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+                torch.distributed.all_gather_into_tensor(gathered, shard[a:b], group=group)
+                gathered = gathered.view(size, b - a, *shard.shape[1:])
+                for rank in range(size):
+                    if dim == 0:
+                        full.narrow(0, targets[rank] + a - start, b - a).copy_(gathered[rank])
+                        continue
+                    for piece_start, piece_length, piece_targets in pieces:
+                        full[a:b].narrow(dim, piece_targets[rank], piece_length).copy_(
+                            gathered[rank].narrow(dim, piece_start, piece_length))
+        return full
 
     def _broadcast_from_stage(self, entry: _Entry, tensor: Optional[torch.Tensor]) -> torch.Tensor:
         from megatron.core import parallel_state as ps

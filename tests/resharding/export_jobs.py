@@ -24,14 +24,17 @@ def export_job(cases: list[tuple[str, ParallelLayout]], workdir: str) -> dict:
                 original.update(load_file(os.path.join(hf_dir, name)))
         _, weight_map, chunks = import_hf(hf_dir, layout)
         exporter = HFWeightExporter(chunks, weight_map)
-        streamed = {}
-        for step in range(2):  # the plan is reused: every step's sync streams the same names
-            streamed = dict(exporter.stream())
         expected = {k: v for k, v in original.items() if not weight_map.ignorable_hf_key(k)}
+        # The plan is reused: every step's sync streams the same names. The second stream gathers TP shards
+        # a few rows at a time (many chunks per piece, chunks ending mid-piece), the first in one chunk.
+        streams = [dict(exporter.stream())]
+        exporter.gather_chunk_bytes = 200
+        streams.append(dict(exporter.stream()))
         report[f"{family}/{layout}"] = {
-            "missing": sorted(set(expected) - set(streamed)),
-            "extra": sorted(set(streamed) - set(expected)),
-            "mismatched": sorted(k for k in expected if k in streamed and not torch.equal(expected[k], streamed[k])),
-            "count": len(streamed),
+            "missing": sorted({k for streamed in streams for k in set(expected) - set(streamed)}),
+            "extra": sorted({k for streamed in streams for k in set(streamed) - set(expected)}),
+            "mismatched": sorted({k for streamed in streams for k in expected
+                                  if k in streamed and not torch.equal(expected[k], streamed[k])}),
+            "count": min(len(streamed) for streamed in streams),
         }
     return report
