@@ -351,6 +351,9 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
             f"engine spans whole nodes, so use a divisor of {node_gpus} or a multiple of it"
         )
         problems.append(SpecProblem("rollout.tensor_parallel_size", tp, reason))
+    if (rollout.sglang.router or rollout.sglang.router_url) and rollout.engine != "sglang":
+        reason = "a router spreads requests over SGLang servers; use rollout.engine=sglang or turn the router off"
+        problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
     if placement.mode == "disaggregate" and rollout.engine != "sglang":
         reason = "a disaggregated rollout pool runs SGLang servers that receive weights over NCCL; use sglang"
         problems.append(SpecProblem("rollout.engine", rollout.engine, reason))

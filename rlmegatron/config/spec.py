@@ -240,6 +240,13 @@ class SGLangConfig(Section):
     """A server not healthy this long after launch fails the job, with its log tail."""
     extra_args: dict[str, Any] = {}
     """Extra server flags, passed verbatim: {key: value} becomes --key value; true becomes a bare --key."""
+    router: bool = False
+    """Put sglang_router in front of the servers: it spreads every engine's requests over all of them (cache-aware
+    by default), while weights still go straight to each server. rlm train starts it on the driver's node."""
+    router_url: Text | None = None
+    """An sglang_router that is already running, for the servers to join instead of starting one."""
+    router_args: dict[str, Any] = {}
+    """Extra router flags, passed verbatim like extra_args (e.g. policy: round_robin)."""
 
 
 class RolloutConfig(SamplingParams):

@@ -146,7 +146,9 @@ def build_colocated_engine(spec: JobSpec, hf_config) -> tuple[Optional[int], Any
     if mine is None:
         return None, None
     node, index = mine
-    server = _server_spec(spec, [places[slot].device for slot in node.slots], "127.0.0.1", node)
+    # Behind a router (on the driver's node) a server must be reachable from there, not just from this node.
+    host = places[rank].address if spec.rollout.sglang.router_url else "127.0.0.1"
+    server = _server_spec(spec, [places[slot].device for slot in node.slots], host, node)
     if node.node_rank == 0 and index == 0:
         return node.engine, sglang_engine(spec, server, hf_config, ipc_group=groups[node.engine])
     return node.engine, EngineMember(spec, groups[node.engine], travel_rules_for(hf_config),
@@ -199,6 +201,7 @@ def sglang_engine(spec: JobSpec, server, hf_config, ipc_group=None) -> RolloutEn
         log_dir=_log_dir(spec),
         bucket_bytes=spec.rollout.update_weights_bucket_mb << 20,
         travel_rules=travel_rules_for(hf_config),
+        router_url=spec.rollout.sglang.router_url,
         startup_timeout_s=spec.rollout.sglang.startup_timeout_s,
         ipc_group=ipc_group,
     )
@@ -243,6 +246,33 @@ class ColocatedEngines:
         """The ranks stop their engines when the worker group shuts down."""
 
 
+# --- in front of the servers ----------------------------------------------------------------------------------------
+
+
+def start_router(spec: JobSpec):
+    """`rollout.sglang.router`: an sglang_router on this (the driver's) node, healthy, with no workers yet; the
+    servers join it once they hold trained weights. Returns the spec naming it in rollout.sglang.router_url,
+    and its process."""
+    from rlmegatron.rollout.sglang import SGLangClient
+    from rlmegatron.rollout.sglang_server import ServerProcess, router_command
+    from rlmegatron.runtime.launcher import free_port
+
+    sglang = spec.rollout.sglang
+    host = socket.gethostbyname(socket.gethostname())
+    port = free_port(host)
+    process = ServerProcess(router_command(sglang.python, [], port, host, sglang.router_args),
+                            Path(_log_dir(spec)) / "sglang_router.log")
+    process.start()
+    url = f"http://{host}:{port}"
+    try:
+        process.wait_ready(SGLangClient(url).health, sglang.startup_timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+    rollout = spec.rollout.model_copy(update={"sglang": sglang.model_copy(update={"router_url": url})})
+    return spec.model_copy(update={"rollout": rollout}), process
+
+
 # --- on the rollout pool (disaggregated) -------------------------------------------------------------------------
 
 
@@ -284,8 +314,7 @@ class EngineHost:
 
     def weights_pushed(self, version: str) -> None:
         """The trainer broadcast `version` to this server, around the engine, over its weight-update group."""
-        self.engine.weight_version = version
-        self.engine.stale = False
+        self.engine.mark_synced(version)
 
     def shutdown(self) -> None:
         if self.engine is not None:

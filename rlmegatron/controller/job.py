@@ -56,7 +56,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from transformers import AutoTokenizer
 
     from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines
+    from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
     from rlmegatron.controller.trainer import Trainer
@@ -72,10 +72,12 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker.from_spec(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    pools = workers = engines = None
+    pools = workers = engines = router = None
     status = "FAILED"
     exit_on_sigterm()
     try:
+        if spec.rollout.sglang.router and not spec.rollout.sglang.router_url:
+            spec, router = start_router(spec)
         if use_ray:
             start_ray(spec)
             exit_on_sigterm()
@@ -97,6 +99,8 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
         for part in (engines, workers):
             if part is not None:
                 part.shutdown()
+        if router is not None:
+            router.stop()
         if pools is not None:
             remove_pools(pools)
     rewards = tracker.series(REWARD_SCORE_MEAN)

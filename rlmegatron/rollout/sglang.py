@@ -2,9 +2,12 @@
 launches, supervises, restarts and re-syncs a server."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -151,6 +154,42 @@ class SGLangClient:
             return False
 
 
+class RouterClient:
+    """Worker registration at an sglang_router: the current `/workers` API, or the `/add_worker`/`/remove_worker`
+    one of routers up to 0.2.x where `/workers` does not exist. Generation goes through `client`."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, join_timeout_s: float = 60.0) -> None:
+        self.client = SGLangClient(url, timeout_s)
+        self.join_timeout_s = join_timeout_s
+
+    def workers(self) -> list[str]:
+        return [worker["url"] for worker in self.client._call("GET", "/workers")["workers"]]
+
+    def add_worker(self, url: str) -> None:
+        try:
+            self.client._call("POST", "/workers", {"url": url, "worker_type": "regular"})
+        except SGLangRequestError as error:
+            if "HTTP 404" not in str(error) and "HTTP 405" not in str(error):
+                raise
+            self.client._call("POST", f"/add_worker?url={urllib.parse.quote(url, safe=':/')}")
+            return
+        # The current API queues the registration: wait until the worker is listed, so requests find it.
+        deadline = time.monotonic() + self.join_timeout_s
+        while url not in self.workers():
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"the router at {self.client.base_url} did not list {url} "
+                                        f"within {self.join_timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def remove_worker(self, url: str) -> None:
+        try:
+            self.client._call("DELETE", f"/workers/{urllib.parse.quote(url, safe='')}")
+        except SGLangRequestError as error:
+            if "HTTP 404" not in str(error) and "HTTP 405" not in str(error):
+                raise
+            self.client._call("POST", f"/remove_worker?url={urllib.parse.quote(url, safe=':/')}")
+
+
 def parse_generate_response(answer: dict, request_index: int, sample_index: int) -> GenerationResult:
     meta = answer["meta_info"]
     output_ids = [int(token) for token in answer["output_ids"]]
@@ -201,21 +240,23 @@ class SGLangEngine(RolloutEngine):
         bucket_bytes: int,
         travel_rules: Sequence[TravelRule] = (),
         resync: WeightResync | None = None,
-        generation_url: str | None = None,
+        router_url: str | None = None,
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         max_concurrency: int = 64,
         max_restarts: int = 3,
         ipc_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
-        """`generation_url` sends generation elsewhere, e.g. to the router in front of several engines.
-        `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
+        """`router_url`: the sglang_router in front of several servers; generation goes through it, and this
+        server is one of its workers exactly while it holds trained weights. `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
         bucket (`share_buckets`). Without it this process shares one copy with every server TP rank."""
         self.spec = spec
         self.process = launch_node(spec, log_dir, start=False)
         self.ipc_group = ipc_group
         self.client = SGLangClient(spec.url, request_timeout_s)
-        self.generation_client = SGLangClient(generation_url, request_timeout_s) if generation_url else self.client
+        self.router = RouterClient(router_url, request_timeout_s) if router_url else None
+        self.generation_client = self.router.client if self.router else self.client
+        self.in_router = False
         self.bucket_bytes = bucket_bytes
         self.travel_rules = tuple(travel_rules)
         self.resync = resync
@@ -231,6 +272,9 @@ class SGLangEngine(RolloutEngine):
     # Generation --------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
+        if self.router is not None and not self.health():
+            # Behind a router this engine's own requests may all be served elsewhere: look at its server itself.
+            self._recover(self._epoch)
         samples = [(i, s, request) for i, request in enumerate(requests) for s in range(request.sampling.n)]
 
         def one(sample) -> GenerationResult:
@@ -267,8 +311,16 @@ class SGLangEngine(RolloutEngine):
         share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
                       post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
         self.client.flush_cache()
+        self.mark_synced(version)
+
+    def mark_synced(self, version: str) -> None:
+        """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
+        router if it is not one of its workers."""
         self.weight_version = version
         self.stale = False
+        if self.router is not None and not self.in_router:
+            self.router.add_worker(self.spec.url)
+            self.in_router = True
 
     # Memory and control ------------------------------------------------------------------------------
 
@@ -297,6 +349,10 @@ class SGLangEngine(RolloutEngine):
         self.process.wait_ready(self.client.health, self.startup_timeout_s)
 
     def shutdown(self) -> None:
+        if self.in_router:
+            with contextlib.suppress(ServerUnavailable, SGLangRequestError):  # the router may be gone already
+                self.router.remove_worker(self.spec.url)
+            self.in_router = False
         self.process.stop()
 
     # Failure -----------------------------------------------------------------------------------------
@@ -314,6 +370,10 @@ class SGLangEngine(RolloutEngine):
             if self.restarts >= self.max_restarts:
                 raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
             self.restarts += 1
+            if self.in_router:
+                # Until it holds the trained weights again, the router must not send it anything.
+                self.router.remove_worker(self.spec.url)
+                self.in_router = False
             self.process.stop()
             if self.spec.nnodes > 1:
                 # The other nodes' processes belong to other hosts: the caller restarts all of them together

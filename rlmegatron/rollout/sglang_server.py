@@ -115,9 +115,11 @@ def server_command(spec: ServerSpec) -> list[str]:
 def router_command(
     python: str, worker_urls: list[str], port: int, host: str = "127.0.0.1", extra_args: Mapping[str, Any] = {}
 ) -> list[str]:
-    """sglang_router in front of several servers; generation goes to the router, weight updates to each server."""
-    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(port), *extra_flags(extra_args)]
+    """sglang_router in front of several servers; generation goes to the router, weight updates to each server.
+    Without worker URLs the servers join later, each once it holds trained weights."""
+    workers = ["--worker-urls", *worker_urls] if worker_urls else []
+    return [python, "-m", "sglang_router.launch_router", *workers, "--host", host, "--port", str(port),
+            *extra_flags(extra_args)]
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -186,6 +186,13 @@ CASES = [
         id="max-new-tokens-fits-response",
     ),
     pytest.param(
+        {"rollout.engine": "local", "rollout.sglang.router": True},
+        "tiny-qwen3",
+        "job.yaml: rollout.engine=local: a router spreads requests over SGLang servers; use rollout.engine=sglang "
+        "or turn the router off",
+        id="router-needs-sglang",
+    ),
+    pytest.param(
         {"placement.gpus_per_node": 4, "placement.nnodes": 2, "rollout.tensor_parallel_size": 6},
         "tiny-qwen3",
         "job.yaml: rollout.tensor_parallel_size=6: is larger than a node's 4 GPUs but not a whole number of nodes; "

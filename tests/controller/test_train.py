@@ -94,8 +94,10 @@ def ray_run(tmp_path_factory):
     killed.send_signal(signal.SIGTERM)
     _, stderr = killed.communicate(timeout=120)
     sglang, env = with_fake_sglang(tmp, "resumed")
+    # Behind a router, which may send any request to either server: the samples must not change.
+    router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
     resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'killed'}",
-                    "trainer.resume=auto", *sglang, env=env)
+                    "trainer.resume=auto", *sglang, *router, env=env)
     return tmp, first, resumed, (killed.returncode, stderr)
 
 
@@ -119,7 +121,10 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
 
 
 def test_resume_gives_the_same_next_step_metrics(ray_run):
-    _, first, resumed, _ = ray_run
+    tmp, first, resumed, _ = ray_run
+    routed = [json.loads(line) for line in (tmp / "resumed.router").read_text().splitlines()]
+    assert [r["path"] for r in routed].count("add") == 2  # both colocated servers, once they had the weights
+    assert len({r["worker"] for r in routed if r["path"] == "generate"}) == 2
     assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3]
     expected, got = at_step(first["history"], 3), at_step(resumed["history"], 3)
     assert expected["actor/grad_norm"] > 0  # the step did train: equal metrics are not trivially equal
@@ -213,12 +218,13 @@ def test_a_nan_loss_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_pa
     assert (checkpoints / "step_1" / "trainer_state.json").is_file()
 
 
-def test_disaggregated_engine_gets_weights_over_its_group_and_a_restarted_one_rejoins(tmp_path):
+def test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_restarted_one_rejoins(tmp_path):
     sglang, env = with_fake_sglang(tmp_path, "disaggregated", die_after_generates=3)
+    router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp_path / 'router.jsonl'}"]
     result = train(tmp_path, "disaggregated", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
                    "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                   "tracking.backends=[console]", *sglang, env=env)
+                   "tracking.backends=[console]", *sglang, *router, env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert all(math.isfinite(v) for _, v in result["history"]["actor/grad_norm"])
 
@@ -240,3 +246,8 @@ def test_disaggregated_engine_gets_weights_over_its_group_and_a_restarted_one_re
     # The replacement serves step 1 again in full (16 samples) and step 2 after its second push.
     paths = [r["path"] for r in records if r["pid"] == servers[1]]
     assert paths.count("/generate") == 32 and paths.count("/init_weights_update_group") == 1
+    # Generation went through the router, which had the server only while it held trained weights.
+    routed = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
+    assert [r["path"] for r in routed if r["path"] != "generate"] == ["add", "remove", "add", "remove"]
+    # Every answer the router returned came from the replacement: the first server died with its replies in flight.
+    assert sum(r["path"] == "generate" for r in routed) == 32

@@ -11,6 +11,8 @@ CASES = [
     ("qwen3_moe", L(tp=2, ep=2, sequence_parallel=True)),  # expert TP (ETP=TP) plus EP
     ("deepseek_v3", L(tp=2, pp=2, sequence_parallel=True)),  # MLA, dense-first layers, expert bias
     ("deepseek_v3", L(ep=4)),
+    ("llama", L(pp=2, vpp=2)),  # interleaved stages: two model chunks per rank
+    ("qwen3_moe", L(tp=2, ep=2, etp=1, sequence_parallel=True)),  # experts whole, dense layers over TP
 ]
 
 

@@ -13,8 +13,21 @@ import torch
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.rollout.buckets import DEEPSEEK_FUSED_QKV_A
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, SGLangEngine
-from rlmegatron.rollout.sglang_server import ServerSpec, ServerStartupError, router_command, server_command
+from rlmegatron.rollout.sglang import (
+    DistributedGroupSpec,
+    DistributedWeightPush,
+    EngineRestarted,
+    RouterClient,
+    SGLangClient,
+    SGLangEngine,
+)
+from rlmegatron.rollout.sglang_server import (
+    ServerProcess,
+    ServerSpec,
+    ServerStartupError,
+    router_command,
+    server_command,
+)
 from rlmegatron.runtime.launcher import free_port
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
@@ -47,7 +60,7 @@ def digest(tensor: torch.Tensor) -> list:
             hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
 
 
-def make_engine(tmp_path: Path, resync=None, **fake_flags) -> SGLangEngine:
+def make_engine(tmp_path: Path, resync=None, router_url=None, **fake_flags) -> SGLangEngine:
     spec = ServerSpec(
         model_path="fake/model", port=free_port(), python=sys.executable, load_format="dummy",
         extra_args={"fake-record": str(tmp_path / "calls.jsonl"), "fake-marker": str(tmp_path / "died"),
@@ -55,7 +68,8 @@ def make_engine(tmp_path: Path, resync=None, **fake_flags) -> SGLangEngine:
         env={"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])},
     )
     return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=(DEEPSEEK_FUSED_QKV_A,),
-                        resync=resync, startup_timeout_s=30, request_timeout_s=30, max_concurrency=8)
+                        resync=resync, router_url=router_url, startup_timeout_s=30, request_timeout_s=30,
+                        max_concurrency=8)
 
 
 def calls(tmp_path: Path) -> list[dict]:
@@ -177,3 +191,58 @@ def test_distributed_update_broadcasts_in_announced_order(tmp_path):
         assert (init["rank_offset"], init["world_size"], init["backend"]) == (1, 2, "gloo")
     finally:
         engine.shutdown()
+
+
+def start_router(tmp_path: Path, legacy: bool = False) -> tuple[ServerProcess, str]:
+    port = free_port()
+    extra = {"fake-record": str(tmp_path / "router.jsonl"), "fake-legacy": legacy}
+    process = ServerProcess(router_command(sys.executable, [], port, extra_args=extra), tmp_path / "router.log",
+                            {"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])})
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    process.wait_ready(SGLangClient(url).health, 30)
+    return process, url
+
+
+def test_servers_join_the_router_with_weights_and_leave_it_to_restart(tmp_path):
+    router, url = start_router(tmp_path)
+    engines = [make_engine(tmp_path, router_url=url) for _ in range(2)]
+    workers = RouterClient(url).workers
+    try:
+        assert workers() == []  # no server serves before it holds trained weights
+        for engine in engines:
+            engine.update_weights(iter(weights()), "v1")
+        assert workers() == [engines[0].spec.url, engines[1].spec.url]
+        requests = [GenerationRequest((i, i + 1), SamplingSpec(max_new_tokens=2)) for i in range(6)]
+        assert [r.weight_version for r in engines[0].generate(requests)] == ["v1"] * 6
+        # The first engine's share went through the router, to both servers.
+        served = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
+        assert {r["worker"] for r in served if r["path"] == "generate"} == set(workers())
+
+        engines[1].process.stop()  # its server dies; its engine notices before sending its share
+        with pytest.raises(EngineRestarted):
+            engines[1].generate(requests)
+        assert workers() == [engines[0].spec.url] and engines[1].restarts == 1
+        assert [r.weight_version for r in engines[0].generate(requests)] == ["v1"] * 6  # the router skips it
+        engines[1].update_weights(iter(weights()), "v1")
+        assert workers() == [engines[0].spec.url, engines[1].spec.url]
+        assert len(engines[1].generate(requests)) == 6
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        assert workers() == []
+        router.stop()
+
+
+def test_a_router_with_the_older_worker_api_is_joined_and_left(tmp_path):
+    router, url = start_router(tmp_path, legacy=True)
+    engine = make_engine(tmp_path, router_url=url)
+    try:
+        engine.update_weights(iter(weights()), "v1")
+        assert len(engine.generate([GenerationRequest((1, 2), SamplingSpec(n=2, max_new_tokens=2))])) == 2
+    finally:
+        engine.shutdown()
+        router.stop()
+    calls = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
+    assert [c["path"] for c in calls] == ["add", "generate", "generate", "remove"]
+    assert {c.get("url", c.get("worker")) for c in calls} == {engine.spec.url}

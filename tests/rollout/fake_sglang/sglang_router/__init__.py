@@ -1,0 +1,1 @@
+"""Loopback stand-in for sglang_router (see launch_router.py)."""
