@@ -71,13 +71,27 @@ def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+_megatron_groups: list = []
+"""The process groups the last initialize_model_parallel created, destroyed when the layout is rebuilt."""
+
+
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """(Re)build Megatron's parallel groups for `layout` and seed its RNG streams."""
+    """(Re)build Megatron's parallel groups for `layout` and seed its RNG streams. Collective.
+
+    Megatron's destroy_model_parallel only forgets its groups; each gloo group keeps three threads and its
+    sockets, so a process that changes layout thirty times (the conversion matrix) ran ~2,000 threads per rank.
+    Rebuilding therefore destroys the previous layout's groups: models built under it are unusable after."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from torch.distributed.distributed_c10d import _world
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for group in _megatron_groups:
+        if group in _world.pg_map:  # Megatron destroys its gloo data-parallel groups itself
+            torch.distributed.destroy_process_group(group)
+    _megatron_groups.clear()
+    existing = set(_world.pg_map)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -86,6 +100,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
     )
+    _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -94,5 +109,6 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _megatron_groups.clear()  # destroyed with everything else just below
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

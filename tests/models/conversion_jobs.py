@@ -14,30 +14,17 @@ LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
 VPP_LAYOUT = L(pp=2, vpp=2)
 # Experts over EP, behind PP, and split over fewer TP ranks than the dense layers (--etp).
 EXPERT_LAYOUTS = (L(ep=2), L(pp=2, ep=2), L(tp=2, ep=2, etp=1))
-FULL_MATRIX = os.environ.get("RLM_FULL_CONVERT_MATRIX") == "1"
-# Each layout costs 3-10 s on 2 cores (4 ranks, dist_checkpointing save + load), so by default every
-# family runs its most-sharded layouts and one family of each kind runs all of them;
-# RLM_FULL_CONVERT_MATRIX=1 runs every layout of every family.
-DEFAULT_LAYOUTS = {
-    "qwen3": LAYOUTS, "llama": (L(tp=2, pp=2), VPP_LAYOUT), "qwen2": (L(tp=2, pp=2),),
-    # TP2 without PP is left to the full matrix: TP2xPP2 and the ETP layout cover it.
-    "qwen3_moe": (L(), L(pp=2), L(tp=2, pp=2), L(ep=2), L(tp=2, ep=2, etp=1)), "qwen2_moe": (L(tp=2, pp=2), L(ep=2)),
-    "mixtral": (L(ep=2),),
-    # Its MTP layer lives on the last stage: there with TP, and with its experts over EP.
-    "deepseek_v3": (L(tp=2, pp=2), L(pp=2, ep=2)),
-}
 
 
 def layouts_for(family: str) -> list[L]:
-    moe = family in MOE_FAMILIES
-    if FULL_MATRIX:
-        chosen = LAYOUTS + (EXPERT_LAYOUTS if moe else ())
-        if FAMILY_CONFIGS[family]["num_hidden_layers"] >= VPP_LAYOUT.pp * VPP_LAYOUT.vpp:
-            chosen += (VPP_LAYOUT,)
-    else:
-        chosen = DEFAULT_LAYOUTS[family]
+    """Every layout the converter promises for the family: TP/PP combinations, the expert layouts for MoE, and
+    the interleaved pipeline where the tiny model has a layer per virtual stage."""
+    chosen = LAYOUTS + (EXPERT_LAYOUTS if family in MOE_FAMILIES else ())
+    if FAMILY_CONFIGS[family]["num_hidden_layers"] >= VPP_LAYOUT.pp * VPP_LAYOUT.vpp:
+        chosen += (VPP_LAYOUT,)
     # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
-    return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
+    return [dataclasses.replace(layout, sequence_parallel=family in MOE_FAMILIES and layout.tp > 1)
+            for layout in chosen]
 
 
 def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
