@@ -76,7 +76,7 @@ def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]
 class HFWeightExporter:
     """Plans once per model, then streams HF-named full tensors on every call (e.g. every training step)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], weight_map: WeightMap, gather_chunk_bytes: int = 64 << 20):
+    def __init__(self, chunks: Sequence[torch.nn.Module], weight_map: WeightMap, gather_chunk_bytes: int = 16 << 20):
         from megatron.core import parallel_state as ps
 
         self.weight_map = weight_map
