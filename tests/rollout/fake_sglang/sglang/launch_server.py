@@ -16,9 +16,10 @@ import pickle
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch
+from fake_http import JSONHandler
 
 SAMPLING_KEYS = {"n": int, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
                  "top_k": int, "stop_token_ids": list, "sampling_seed": int}
@@ -182,14 +183,9 @@ def make_handler(server):
     }
     control = {"/pause_generation", "/continue_generation", "/flush_cache"}
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JSONHandler):
         def reply(self, code, payload=None):
-            data = b"" if payload is None else json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            super().reply(code, b"" if payload is None else json.dumps(payload).encode())
 
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
@@ -212,9 +208,6 @@ def make_handler(server):
                     self.reply(404, {"error": self.path})
             except BadRequest as error:
                 self.reply(400, {"success": False, "message": str(error)})
-
-        def log_message(self, *args):
-            pass
 
     return Handler
 

@@ -14,7 +14,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from fake_http import JSONHandler
 
 
 class FakeRouter:
@@ -69,14 +71,7 @@ class FakeRouter:
 
 
 def make_handler(router):
-    class Handler(BaseHTTPRequestHandler):
-        def reply(self, code, data=b""):
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self):
             if self.path == "/health":
                 self.reply(200)
@@ -115,9 +110,6 @@ def make_handler(router):
                 self.reply(202 if found else 404)
             else:
                 self.reply(404)
-
-        def log_message(self, *args):
-            pass
 
     return Handler
 
