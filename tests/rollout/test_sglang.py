@@ -5,6 +5,8 @@ import hashlib
 import json
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,21 @@ def test_cuda_buckets_reach_the_server_through_ipc_handles_naming_the_device_by_
         assert server_weights(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
     finally:
         engine.shutdown()
+
+
+def test_paused_generation_holds_requests_until_continued(tmp_path):
+    engine = make_engine(tmp_path)
+    try:
+        engine.pause_generation()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(engine.generate, [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))])
+            time.sleep(0.5)
+            assert not pending.done()
+            engine.continue_generation()
+            assert len(pending.result(timeout=30)) == 1
+    finally:
+        engine.shutdown()
+    assert [c["path"] for c in calls(tmp_path)] == ["/pause_generation", "/continue_generation", "/generate"]
 
 
 def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):

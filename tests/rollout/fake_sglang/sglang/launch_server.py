@@ -69,6 +69,8 @@ class FakeServer:
         self.lock = threading.Lock()
         self.groups = {}
         self.nodes_joined = threading.Event()
+        self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
+        self.unpaused.set()
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
@@ -85,6 +87,7 @@ class FakeServer:
             raise BadRequest(f"bad sampling_params {params}")
         if "kv_cache" in self.released or "weights" in self.released:
             raise BadRequest("memory is released")
+        self.unpaused.wait()
         with self.lock:
             self.generates += 1
             count = self.generates
@@ -201,6 +204,8 @@ def make_handler(server):
             try:
                 if self.path in control:
                     server.record(self.path)
+                    if self.path != "/flush_cache":
+                        (server.unpaused.clear if self.path == "/pause_generation" else server.unpaused.set)()
                     self.reply(200)
                 elif self.path in posts:
                     self.reply(200, posts[self.path](body))
