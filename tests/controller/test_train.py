@@ -19,6 +19,7 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_mi
          "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null", "tracking.backends=[console,mlflow]",
          "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
+CONSOLE_ONLY = "tracking.backends=[console]"
 
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
@@ -83,7 +84,8 @@ def ray_run(tmp_path_factory):
     first = train(tmp, "first", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'run'}",
                   "trainer.resume=disable", *sglang, env=env)
     sglang, env = with_fake_sglang(tmp, "killed")
-    killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+    # Only the first run needs MLflow; importing it costs the others seconds each.
+    killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang, CONSOLE_ONLY,
                                f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                               cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
     latest = tmp / "killed" / "checkpoints" / "latest"
@@ -97,7 +99,7 @@ def ray_run(tmp_path_factory):
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
     resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'killed'}",
-                    "trainer.resume=auto", *sglang, *router, env=env)
+                    "trainer.resume=auto", *sglang, *router, CONSOLE_ONLY, env=env)
     return tmp, first, resumed, (killed.returncode, stderr)
 
 

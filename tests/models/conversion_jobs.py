@@ -7,24 +7,22 @@ import os
 import torch
 
 from rlmegatron.runtime import ParallelLayout as L
-from tests.models.tiny_hf import FAMILY_CONFIGS, MOE_FAMILIES
+from tests.models.tiny_hf import MOE_FAMILIES
 
+# Every family at every layout the converter promises (TP/PP, and EP for MoE).
 LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
-# Interleaved pipeline (--vpp); it needs a layer per virtual stage, so it runs on the 4-layer tiny models.
-VPP_LAYOUT = L(pp=2, vpp=2)
-# Experts over EP, behind PP, and split over fewer TP ranks than the dense layers (--etp).
-EXPERT_LAYOUTS = (L(ep=2), L(pp=2, ep=2), L(tp=2, ep=2, etp=1))
+MOE_LAYOUTS = (L(ep=2),)
+# Layouts whose code path does not depend on the family run on one family each: the interleaved pipeline (--vpp,
+# a layer per virtual stage), experts over fewer TP ranks than the dense layers (--etp), and EP behind PP, where
+# DeepSeek's MTP layer sits on the last stage with its experts spread.
+EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),), "deepseek_v3": (L(pp=2, ep=2),)}
 
 
 def layouts_for(family: str) -> list[L]:
-    """Every layout the converter promises for the family: TP/PP combinations, the expert layouts for MoE, and
-    the interleaved pipeline where the tiny model has a layer per virtual stage."""
-    chosen = LAYOUTS + (EXPERT_LAYOUTS if family in MOE_FAMILIES else ())
-    if FAMILY_CONFIGS[family]["num_hidden_layers"] >= VPP_LAYOUT.pp * VPP_LAYOUT.vpp:
-        chosen += (VPP_LAYOUT,)
+    moe = family in MOE_FAMILIES
+    chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(family, ())
     # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
-    return [dataclasses.replace(layout, sequence_parallel=family in MOE_FAMILIES and layout.tp > 1)
-            for layout in chosen]
+    return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
 
 
 def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
