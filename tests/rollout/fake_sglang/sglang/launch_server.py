@@ -75,6 +75,14 @@ class FakeServer:
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
 
+    def first_to_die(self):
+        """Only one server of a run dies: the one that creates the marker (atomically: servers race for it)."""
+        try:
+            os.close(os.open(self.args.fake_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
     def record(self, path, **details):
         with self.lock, open(self.args.fake_record, "a") as log:
             log.write(json.dumps({"pid": os.getpid(), "path": path, **details}) + "\n")
@@ -91,8 +99,7 @@ class FakeServer:
         with self.lock:
             self.generates += 1
             count = self.generates
-        if count == self.args.fake_die_after_generates and not os.path.exists(self.args.fake_marker):
-            open(self.args.fake_marker, "w").close()
+        if count == self.args.fake_die_after_generates and self.first_to_die():
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
