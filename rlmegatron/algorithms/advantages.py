@@ -199,6 +199,12 @@ def remax_advantages(
     return advantages, returns
 
 
+def estimator_options(estimator: str) -> frozenset[str]:
+    """The keyword inputs ``estimator`` reads (e.g. ``gamma``, ``group_index``): its keyword-only parameters."""
+    parameters = inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def compute_advantages(
     estimator: str,
     token_level_rewards: torch.Tensor,

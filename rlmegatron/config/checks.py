@@ -134,6 +134,15 @@ def _check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
                 "needs tensor_model_parallel_size > 1 (Megatron refuses it at TP=1); set it to false",
             )
         )
+    if m.context_parallel_size > 1:
+        # Until sequences are split over the CP ranks, CP>1 would only crash at model build (local attention).
+        problems.append(
+            SpecProblem(
+                f"{prefix}.context_parallel_size",
+                m.context_parallel_size,
+                "is not supported yet (sequences are not split over context-parallel ranks); use 1",
+            )
+        )
     vpp = m.virtual_pipeline_model_parallel_size
     if vpp is not None and m.pipeline_model_parallel_size == 1:
         problems.append(

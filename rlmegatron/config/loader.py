@@ -13,6 +13,7 @@ from rlmegatron.config.checks import check_spec
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
 from rlmegatron.config.fieldpaths import unknown_key_reason
 from rlmegatron.config.overrides import Override, apply_overrides
+from rlmegatron.config.relevance import unused_settings
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.config.yamlio import dump_yaml, parse_yaml
 
@@ -38,7 +39,7 @@ def spec_from_raw(
         spec = JobSpec.model_validate(merged)
     except ValidationError as err:
         raise SpecError(problems + _attributed(_problems_from_pydantic(err), file, applied)) from None
-    problems += _attributed(check_spec(spec), file, applied)
+    problems += _attributed(check_spec(spec) + unused_settings(spec, merged), file, applied)
     if problems:
         raise SpecError(problems)
     return spec

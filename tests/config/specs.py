@@ -24,7 +24,7 @@ def minimal_spec(model: str = "tiny-qwen3") -> dict[str, Any]:
                 "max_response_length": 64,
                 "train_batch_size": 16,
             },
-            "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 2},
+            "actor": {"ppo_mini_batch_size": 8},
             "rollout": {"engine": "local", "n": 4},
             "placement": {"device": "cpu", "nnodes": 1, "gpus_per_node": 8},
         }

@@ -408,9 +408,9 @@ def test_minimal_spec_has_no_problems(model):
             },
             "tiny-qwen3",
         ),
-        ({"actor.use_dynamic_bsz": True, "actor.ppo_micro_batch_size_per_gpu": 3}, "tiny-qwen3"),
+        ({"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 256}, "tiny-qwen3"),
     ],
-    ids=["kv-head-replication", "moe-tp-sp-ep-pp-vpp", "deepseek-uneven-pp", "dynamic-bsz-ignores-micro"],
+    ids=["kv-head-replication", "moe-tp-sp-ep-pp-vpp", "deepseek-uneven-pp", "dynamic-bsz-token-budget"],
 )
 def test_valid_layouts_pass(settings, model):
     assert problems_with(settings, model) == []
@@ -431,8 +431,11 @@ def test_local_model_dir_without_config_json_is_named(tmp_path):
     ]
 
 
-def test_unused_ref_layout_is_not_checked():
-    assert problems_with({"ref.megatron.tensor_model_parallel_size": 3}) == []
+def test_a_ref_layout_without_a_kl_term_is_rejected_not_checked():
+    assert problems_with({"ref.megatron.tensor_model_parallel_size": 3}) == [
+        "job.yaml: ref.megatron.tensor_model_parallel_size=3: the reference model is only built for a KL term "
+        "(actor.use_kl_loss or algorithm.use_kl_in_reward), and neither is on; remove it or turn one on"
+    ]
 
 
 def test_role_laid_out_like_the_actor_does_not_repeat_its_problems():

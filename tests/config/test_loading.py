@@ -47,6 +47,9 @@ def test_critic_is_enabled_by_gae():
 def test_ref_and_critic_take_unset_megatron_fields_from_the_actor():
     raw = minimal_spec()
     raw["actor"]["megatron"] = {"tensor_model_parallel_size": 2, "extra": {"foo": 1}}
+    raw["actor"]["use_kl_loss"] = True  # the reference and the critic must exist for their layouts to matter
+    raw["algorithm"] = {"adv_estimator": "gae"}
+    raw["critic"] = {"ppo_mini_batch_size": 8}
     raw["ref"] = {"megatron": {"pipeline_model_parallel_size": 2}}
     spec = spec_from_raw(raw)
     assert spec.ref.megatron.tensor_model_parallel_size == 2

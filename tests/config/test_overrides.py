@@ -62,7 +62,8 @@ def test_invalid_yaml_value_is_reported():
 def test_pass_through_dicts_take_any_nested_key():
     spec = spec_from_raw(
         minimal_spec(),
-        ["actor.megatron.extra.moe_router_dtype=fp32", "rollout.sglang.extra_args.disable-radix-cache=true"],
+        ["actor.megatron.extra.moe_router_dtype=fp32", "rollout.engine=sglang",
+         "rollout.sglang.extra_args.disable-radix-cache=true"],
     )
     assert spec.actor.megatron.extra == {"moe_router_dtype": "fp32"}
     assert spec.rollout.sglang.extra_args == {"disable-radix-cache": True}

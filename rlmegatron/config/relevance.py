@@ -1,0 +1,166 @@
+"""Settings that would change nothing: a field the user set where the rest of the spec makes it meaningless.
+
+A setting that does nothing is worse than a missing one (users tune it and plan around it), so a field written in
+the YAML or on the command line is rejected when the spec it lands in never reads it: the KL coefficient without
+the KL loss, the critic's optimizer without a critic, SGLang's memory fraction with the local engine. Only a value
+the user wrote that differs from what the field would be without it counts: defaults, derived defaults (a
+`ref.megatron` field equal to the actor's) and the fully resolved spec `rlm validate` prints all load back cleanly.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlmegatron.config.errors import NO_VALUE, SpecProblem
+from rlmegatron.config.spec import JobSpec
+
+
+def explicit_paths(raw: Mapping[str, Any], prefix: str = "") -> set[str]:
+    """Every dotted path the raw spec writes, sections included ({"a": {"b": 1}} -> {"a", "a.b"})."""
+    paths = set()
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        paths.add(path)
+        if isinstance(value, Mapping):
+            paths |= explicit_paths(value, f"{path}.")
+    return paths
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`fields` (dotted paths; a trailing '.' covers a whole section) only matter when `applies(spec)`;
+    `why(spec)` says why they don't here and what to do instead."""
+
+    fields: tuple[str, ...]
+    applies: Callable[[JobSpec], bool]
+    why: Callable[[JobSpec], str]
+    exempt: tuple[str, ...] = ()
+
+
+def _estimator_takes(option: str) -> Callable[[JobSpec], bool]:
+    def applies(spec: JobSpec) -> bool:
+        # The estimator's own signature says which options it reads, so a new or plug-in estimator needs no entry.
+        from rlmegatron.algorithms.advantages import estimator_options
+
+        return option in estimator_options(spec.algorithm.adv_estimator)
+
+    return applies
+
+
+def _sglang_only(spec: JobSpec) -> str:
+    return "only SGLang servers use it, and rollout.engine=local generates in every trainer rank; remove it"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("ref.",), lambda s: s.needs_reference,
+         lambda s: "the reference model is only built for a KL term (actor.use_kl_loss or "
+                   "algorithm.use_kl_in_reward), and neither is on; remove it or turn one on"),
+    Rule(("ref.megatron.use_distributed_optimizer", "ref.megatron.recompute_granularity",
+          "ref.megatron.recompute_method", "ref.megatron.recompute_num_layers"), lambda s: False,
+         lambda s: "the reference model never trains (no optimizer, no backward pass); remove it"),
+    Rule(("critic.",), lambda s: bool(s.critic.enable),
+         lambda s: f"there is no critic: algorithm.adv_estimator={s.algorithm.adv_estimator} uses no value model; "
+                   "remove it or use algorithm.adv_estimator=gae",
+         exempt=("critic.enable",)),
+    Rule(("actor.kl_loss_coef", "actor.kl_loss_type"), lambda s: s.actor.use_kl_loss,
+         lambda s: "only applies with actor.use_kl_loss=true; remove it or turn the KL loss on"),
+    Rule(("algorithm.kl_penalty", "algorithm.kl_ctrl."), lambda s: s.algorithm.use_kl_in_reward,
+         lambda s: "only applies with algorithm.use_kl_in_reward=true; remove it or turn the in-reward KL on"),
+    Rule(("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
+         lambda s: s.algorithm.kl_ctrl.type == "adaptive",
+         lambda s: "only the adaptive KL controller reads it; remove it or set algorithm.kl_ctrl.type=adaptive"),
+    Rule(("algorithm.gamma",), _estimator_takes("gamma"),
+         lambda s: f"algorithm.adv_estimator={s.algorithm.adv_estimator} does not discount rewards; remove it"),
+    Rule(("algorithm.lam",), _estimator_takes("lam"),
+         lambda s: f"algorithm.adv_estimator={s.algorithm.adv_estimator} has no GAE lambda; remove it"),
+    Rule(("algorithm.norm_adv_by_std_in_grpo",), _estimator_takes("norm_adv_by_std"),
+         lambda s: f"algorithm.adv_estimator={s.algorithm.adv_estimator} does not divide by a group std; remove it"),
+    Rule(("reward.overlong_buffer.length", "reward.overlong_buffer.penalty_factor"),
+         lambda s: s.reward.overlong_buffer.enable,
+         lambda s: "only applies with reward.overlong_buffer.enable=true; remove it or enable the buffer"),
+    Rule(("algorithm.dynamic_sampling.max_num_gen_batches",), lambda s: s.algorithm.dynamic_sampling.enable,
+         lambda s: "only applies with algorithm.dynamic_sampling.enable=true; remove it or enable it"),
+    Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,
+         lambda s: "trainer.total_steps is set and ends the run; remove one of the two"),
+    Rule(("data.val_batch_size", "rollout.val_kwargs."), lambda s: bool(s.data.val_files),
+         lambda s: "only applies to validation, and data.val_files is empty; remove it or add validation files"),
+    Rule(("data.val_files",), lambda s: s.trainer.val_before_train or s.trainer.test_freq > 0,
+         lambda s: "validation never runs (trainer.val_before_train=false, trainer.test_freq=-1); "
+                   "remove it or set one of those"),
+    Rule(("tracking.tracking_uri", "tracking.project_name"), lambda s: "mlflow" in s.tracking.backends,
+         lambda s: "only the mlflow backend uses it; remove it or add mlflow to tracking.backends"),
+    Rule(("model.hf_config",), lambda s: s.model.architecture_source()[0] == "model.hf_config",
+         lambda s: "model.path is a local directory, whose own config.json is read; remove it"),
+    Rule(("actor.ppo_max_token_len_per_gpu",), lambda s: s.actor.use_dynamic_bsz,
+         lambda s: "only applies with actor.use_dynamic_bsz=true; remove it or turn dynamic batching on"),
+    Rule(("actor.ppo_micro_batch_size_per_gpu",), lambda s: not s.actor.use_dynamic_bsz,
+         lambda s: "actor.use_dynamic_bsz=true packs micro-batches by actor.ppo_max_token_len_per_gpu instead; "
+                   "remove it"),
+    Rule(("critic.ppo_max_token_len_per_gpu",), lambda s: s.critic.use_dynamic_bsz,
+         lambda s: "only applies with critic.use_dynamic_bsz=true; remove it or turn dynamic batching on"),
+    Rule(("critic.ppo_micro_batch_size_per_gpu",), lambda s: not s.critic.use_dynamic_bsz,
+         lambda s: "critic.use_dynamic_bsz=true packs micro-batches by critic.ppo_max_token_len_per_gpu instead; "
+                   "remove it"),
+    Rule(("ref.log_prob_max_token_len_per_gpu",), lambda s: s.ref.log_prob_use_dynamic_bsz,
+         lambda s: "only applies with ref.log_prob_use_dynamic_bsz=true; remove it or turn dynamic batching on"),
+    Rule(("ref.log_prob_micro_batch_size_per_gpu",), lambda s: not s.ref.log_prob_use_dynamic_bsz,
+         lambda s: "ref.log_prob_use_dynamic_bsz=true packs micro-batches by ref.log_prob_max_token_len_per_gpu "
+                   "instead; remove it"),
+    Rule(("rollout.tensor_parallel_size", "rollout.expert_parallel_size", "rollout.enable_dp_attention",
+          "rollout.mem_fraction_static", "rollout.num_gpus", "rollout.update_weights_bucket_mb", "rollout.sglang."),
+         lambda s: s.rollout.engine == "sglang", _sglang_only,
+         # The router fields have their own check (config/checks.py), which names the engine to use.
+         exempt=("rollout.sglang.router", "rollout.sglang.router_url")),
+    Rule(("rollout.sglang.router_args",),
+         lambda s: s.rollout.engine != "sglang" or (s.rollout.sglang.router and not s.rollout.sglang.router_url),
+         lambda s: "only applies to a router rlm train starts (rollout.sglang.router=true without router_url); "
+                   "remove it"),
+)
+
+
+def unused_settings(spec: JobSpec, raw: Mapping[str, Any]) -> list[SpecProblem]:
+    """One problem per field the raw spec sets, to a value of its own, that `spec` never reads (see RULES)."""
+    written = explicit_paths(raw)
+    problems = []
+    for rule in RULES:
+        matched = sorted(path for path in written if _covered(path, rule) and not _has_child(path, written))
+        if matched and not rule.applies(spec):
+            problems += [SpecProblem(path, _value_at(spec, path), rule.why(spec)) for path in matched
+                         if _value_at(spec, path) != _value_without(raw, path)]
+    return problems
+
+
+def _value_without(raw: Mapping[str, Any], path: str) -> Any:
+    """What the field at `path` resolves to when the raw spec does not set it."""
+    *sections, key = path.split(".")
+    stripped = copy.deepcopy(dict(raw))
+    node = stripped
+    for section in sections:
+        node = node[section]
+    del node[key]
+    try:
+        return _value_at(JobSpec.model_validate(stripped), path)
+    except ValueError:
+        return NO_VALUE
+
+
+def _covered(path: str, rule: Rule) -> bool:
+    if any(path == e or path.startswith(e + ".") for e in rule.exempt):
+        return False
+    return any(path.startswith(f) if f.endswith(".") else path == f or path.startswith(f + ".") for f in rule.fields)
+
+
+def _has_child(path: str, written: set[str]) -> bool:
+    """A section the user wrote keys under: report the keys, not the section."""
+    return any(other.startswith(path + ".") for other in written)
+
+
+def _value_at(spec: JobSpec, path: str) -> Any:
+    node: Any = spec
+    for key in path.split("."):
+        node = node.get(key, NO_VALUE) if isinstance(node, dict) else getattr(node, key, NO_VALUE)
+        if node is NO_VALUE:
+            return NO_VALUE
+    return node.model_dump(mode="json") if hasattr(node, "model_dump") else node

@@ -1,0 +1,73 @@
+"""Settings the rest of the spec makes meaningless are rejected when the user sets them, never when defaulted."""
+import pytest
+
+from rlmegatron.config import dump_spec, spec_from_raw
+from rlmegatron.config.yamlio import parse_yaml
+from tests.config.specs import minimal_spec, problems_with
+
+SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in every trainer rank; remove it"
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"actor.kl_loss_coef": 0.1}, "actor.kl_loss_coef=0.1: only applies with actor.use_kl_loss=true"),
+        ({"algorithm.kl_ctrl.kl_coef": 0.1}, "algorithm.kl_ctrl.kl_coef=0.1: only applies with "
+                                             "algorithm.use_kl_in_reward=true"),
+        ({"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.horizon": 5},
+         "algorithm.kl_ctrl.horizon=5: only the adaptive KL controller reads it"),
+        ({"algorithm.gamma": 0.9}, "algorithm.gamma=0.9: algorithm.adv_estimator=grpo does not discount rewards"),
+        ({"algorithm.lam": 0.9}, "algorithm.lam=0.9: algorithm.adv_estimator=grpo has no GAE lambda"),
+        ({"algorithm.adv_estimator": "rloo", "algorithm.norm_adv_by_std_in_grpo": False},
+         "algorithm.norm_adv_by_std_in_grpo=false: algorithm.adv_estimator=rloo does not divide by a group std"),
+        ({"critic.optim.lr": 0.1}, "critic.optim.lr=0.1: there is no critic"),
+        ({"ref.offload.params": True}, "ref.offload.params=true: the reference model is only built for a KL term"),
+        ({"actor.use_kl_loss": True, "ref.megatron.recompute_granularity": "full"},
+         "ref.megatron.recompute_granularity=full: the reference model never trains"),
+        ({"reward.overlong_buffer.length": 8}, "reward.overlong_buffer.length=8: only applies with "
+                                               "reward.overlong_buffer.enable=true"),
+        ({"algorithm.dynamic_sampling.max_num_gen_batches": 3},
+         "algorithm.dynamic_sampling.max_num_gen_batches=3: only applies with algorithm.dynamic_sampling.enable"),
+        ({"trainer.total_steps": 5, "trainer.total_epochs": 2}, "trainer.total_epochs=2: trainer.total_steps is set"),
+        ({"trainer.val_before_train": False}, "data.val_files=[val.parquet]: validation never runs"),
+        ({"tracking.project_name": "p"}, "tracking.project_name=p: only the mlflow backend uses it"),
+        ({"model.hf_config": "x/config.json"}, "model.hf_config=x/config.json: model.path is a local directory"),
+        ({"actor.ppo_max_token_len_per_gpu": 512}, "actor.ppo_max_token_len_per_gpu=512: only applies with "
+                                                   "actor.use_dynamic_bsz=true"),
+        ({"actor.use_dynamic_bsz": True, "actor.ppo_micro_batch_size_per_gpu": 2},
+         "actor.ppo_micro_batch_size_per_gpu=2: actor.use_dynamic_bsz=true packs micro-batches by "
+         "actor.ppo_max_token_len_per_gpu instead"),
+        ({"rollout.mem_fraction_static": 0.5}, f"rollout.mem_fraction_static=0.5: {SGLANG_ONLY}"),
+        ({"rollout.sglang.extra_args": {"foo": 1}}, f"rollout.sglang.extra_args.foo=1: {SGLANG_ONLY}"),
+        ({"rollout.engine": "sglang", "rollout.sglang.router_args": {"policy": "round_robin"}},
+         "rollout.sglang.router_args.policy=round_robin: only applies to a router rlm train starts"),
+    ],
+    ids=lambda value: None if isinstance(value, dict) else value.split("=")[0],
+)
+def test_a_setting_that_would_change_nothing_is_rejected(settings, expected):
+    problems = problems_with(settings)
+    assert len(problems) == 1 and problems[0].startswith("job.yaml: " + expected), problems
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"actor.use_kl_loss": True, "actor.kl_loss_coef": 0.1},
+        {"algorithm.adv_estimator": "gae", "algorithm.gamma": 0.9, "algorithm.lam": 0.9, "critic.optim.lr": 0.1,
+         "critic.ppo_mini_batch_size": 8},
+        {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.gamma": 0.9},
+        {"actor.kl_loss_coef": 0.001},  # the default: nothing to reject
+        {"actor.megatron": {"pipeline_model_parallel_size": 2}, "ref.megatron": {"pipeline_model_parallel_size": 2}},
+        {"rollout.engine": "sglang", "rollout.mem_fraction_static": 0.5, "rollout.sglang.router": True,
+         "rollout.sglang.router_args": {"policy": "round_robin"}},
+    ],
+)
+def test_a_setting_that_is_read_passes(settings):
+    assert problems_with(settings) == []
+
+
+def test_the_resolved_spec_loads_back_although_it_writes_every_field():
+    raw = minimal_spec()
+    raw["actor"]["megatron"] = {"pipeline_model_parallel_size": 2}  # the ref and critic layouts derive from it
+    resolved = parse_yaml(dump_spec(spec_from_raw(raw)))
+    assert spec_from_raw(resolved) == spec_from_raw(raw)
