@@ -19,7 +19,8 @@ QUICKSTART = "configs/quickstart.yaml"
 # comes from the gradient.
 BASE = ["placement.gpus_per_node=1", "data.train_batch_size=4", "rollout.n=4", "data.max_response_length=3",
         f"rollout.stop_token_ids=[{','.join(map(str, range(41, 73)))}]", "actor.ppo_mini_batch_size=4",
-        "actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=16",
+        "actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4",
+        "critic.ppo_micro_batch_size_per_gpu=16",
         "actor.optim.adam_beta1=0", "actor.optim.weight_decay=0", "critic.optim.lr=1e-3", "algorithm.gamma=0.9",
         "reward.function=tests/controller/graded_reward.py:compute_score", "trainer.total_steps=2",
         "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume=disable",
@@ -53,7 +54,8 @@ class RecordingTrainer(Trainer):
 
     def generate(self, prompts, params, seed, label="rollout"):
         results = super().generate(prompts, params, seed, label)
-        gap = max(logit_gap(self.engine_model, prompts[r.request_index].prompt_ids, r.output_token_ids) for r in results)
+        gap = max(logit_gap(self.engine_model, prompts[r.request_index].prompt_ids, r.output_token_ids)
+                  for r in results)
         if label == "gen_baseline":
             self.steps[-1]["greedy"] = {
                 "n": params.n, "temperature": params.temperature, "gap": gap,
