@@ -1,6 +1,7 @@
 """The single-controller fit loop: generate -> reward -> log-probs/values -> advantages -> update -> weight sync."""
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -10,10 +11,20 @@ from typing import Any, Optional
 
 import torch
 
-from rlmegatron.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, compute_advantages
+from rlmegatron.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_advantages,
+)
+from rlmegatron.config.spec import SamplingParams
 from rlmegatron.controller import rollout as R
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
+
+# ReMax's baseline response: the policy's most likely one (temperature 0 is greedy on the local engine and on SGLang).
+GREEDY = SamplingParams(n=1, temperature=0.0)
 
 
 class Timer:
@@ -56,6 +67,9 @@ class Trainer:
         kl = spec.algorithm.kl_ctrl
         self.kl_ctrl = (FixedKLController(kl.kl_coef) if kl.type == "fixed"
                         else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon))
+        # An estimator that declares `reward_baselines` (ReMax) compares each sample with the greedy response.
+        estimator = inspect.signature(ADVANTAGE_ESTIMATORS.get(spec.algorithm.adv_estimator)).parameters
+        self.uses_greedy_baseline = "reward_baselines" in estimator
         self.step = 0
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
@@ -71,6 +85,7 @@ class Trainer:
             timer, metrics = Timer(), {}
             with timer("step"):
                 rollout = self.collect_rollout(timer, metrics)
+                baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
                 self.engines.release_memory()
                 batch = rollout.batch
                 if spec.critic.enable:
@@ -85,8 +100,8 @@ class Trainer:
                     token_rewards = self.token_rewards(rollout, metrics)
                     batch.advantages, batch.returns = compute_advantages(
                         spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
-                        group_index=rollout.uids, gamma=spec.algorithm.gamma, lam=spec.algorithm.lam,
-                        norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+                        group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
+                        lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
                 if spec.critic.enable:
                     with timer("update_critic"), self.stop_on_non_finite():
                         metrics.update(self.update("critic", batch))
@@ -176,6 +191,24 @@ class Trainer:
         batch = R.build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
         reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
         return R.scored(rows, uids, results, batch, reward)
+
+    def greedy_baselines(self, rollout: R.Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
+        """ReMax's baseline, one per row: the reward of one greedy response to the row's prompt, generated once per
+        prompt after dynamic sampling chose the rows (a dropped prompt costs no pass) and scored by the same reward
+        manager. Like the samples' it includes any shaping (DAPO's overlong penalty). The greedy responses are
+        never trained on; only their mean reward reaches the metrics."""
+        first_row: dict[int, int] = {}
+        for row, uid in enumerate(rollout.uids):
+            first_row.setdefault(uid, row)
+        uids, prompts = list(first_row), [rollout.prompts[row] for row in first_row.values()]
+        with timer("gen_baseline"):
+            results = self.generate(prompts, GREEDY, seed=self.spec.rollout.seed, label="gen_baseline")
+        with timer("reward"):
+            rows = [prompts[r.request_index] for r in results]
+            reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+        by_uid = {uids[r.request_index]: value for r, value in zip(results, reward.rewards)}
+        metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
+        return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
 
     def token_rewards(self, rollout: R.Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch

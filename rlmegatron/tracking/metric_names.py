@@ -5,11 +5,12 @@ critic/vf_loss, critic/vf_clipfrac, critic/grad_norm            (PPO with a crit
 critic/score/{mean,max,min}          reward-function scores per response
 critic/rewards/{mean,max,min}        rewards after penalties (KL in reward, DAPO overlong)
 critic/advantages/{mean,max,min}, critic/returns/mean, critic/values/mean
+critic/reward_baseline/mean          ReMax: reward of the greedy response per prompt (not trained on)
 response_length/{mean,max,min}, response_length/clip_ratio       clip_ratio: share hitting max length
 prompt_length/{mean,max,min}
 reward/errors, reward/timeouts       reward functions that raised / ran past reward.timeout_s
 reward/overlong_penalty/mean, reward/overlong_ratio              DAPO manager
-timing_s/{gen,reward,old_log_prob,ref,adv,update_actor,update_critic,update_weights,step}
+timing_s/{gen,gen_baseline,reward,old_log_prob,ref,adv,update_actor,update_critic,update_weights,step}
 perf/throughput                      tokens per second per GPU over the whole step
 val/{data_source}/score/mean         validation, one per data source (val/ prefix)
 training/epoch, training/global_step

@@ -22,6 +22,7 @@ from rlmegatron.rollout.sglang import (
     RouterClient,
     SGLangClient,
     SGLangEngine,
+    sampling_params,
 )
 from rlmegatron.rollout.sglang_server import (
     ServerProcess,
@@ -117,6 +118,18 @@ def test_generate_schema_results_and_finish_reasons(tmp_path):
     finally:
         engine.shutdown()
     assert not engine.health()
+
+
+def test_the_remax_greedy_pass_asks_the_server_for_greedy_samples():
+    """SGLang samples greedily (top_k becomes 1) exactly when 0 <= temperature < 1e-6 (its SamplingParams
+    __post_init__): the trainer's greedy pass reaches the server at temperature 0, without a default replacing
+    the 0, one sample per prompt, with the samples' token budget and stop tokens."""
+    from rlmegatron.controller.rollout import sampling_spec
+    from rlmegatron.controller.trainer import GREEDY
+
+    params = sampling_params(sampling_spec(GREEDY, max_new_tokens=3, stop_token_ids=(7,), seed=5))
+    assert 0 <= params["temperature"] < 1e-6
+    assert (params["n"], params["max_new_tokens"], params["stop_token_ids"]) == (1, 3, [7])
 
 
 def test_colocated_sync_round_trips_buckets_in_order(tmp_path):
