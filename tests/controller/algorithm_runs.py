@@ -19,12 +19,20 @@ QUICKSTART = "configs/quickstart.yaml"
 # comes from the gradient.
 BASE = ["placement.gpus_per_node=1", "data.train_batch_size=4", "rollout.n=4", "data.max_response_length=3",
         f"rollout.stop_token_ids=[{','.join(map(str, range(41, 73)))}]", "actor.ppo_mini_batch_size=4",
-        "actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_mini_batch_size=4",
-        "critic.ppo_micro_batch_size_per_gpu=16",
-        "actor.optim.adam_beta1=0", "actor.optim.weight_decay=0", "critic.optim.lr=1e-3", "algorithm.gamma=0.9",
+        "actor.ppo_micro_batch_size_per_gpu=16",
+        "actor.optim.adam_beta1=0", "actor.optim.weight_decay=0",
         "reward.function=tests/controller/graded_reward.py:compute_score", "trainer.total_steps=2",
-        "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume=disable",
+        "trainer.save_freq=-1", "trainer.test_freq=-1", "data.val_files=[]", "trainer.resume=disable",
         "tracking.backends=[console]"]
+CRITIC = ["critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=16", "critic.optim.lr=1e-3"]
+
+
+def overrides_for(estimator: str) -> list[str]:
+    """BASE plus what `estimator` reads: the spec rejects a critic section or a gamma nobody uses."""
+    from rlmegatron.algorithms.advantages import estimator_options
+
+    return (BASE + [f"algorithm.adv_estimator={estimator}"] + (CRITIC if estimator == "gae" else [])
+            + (["algorithm.gamma=0.9"] if "gamma" in estimator_options(estimator) else []))
 
 
 def logit_gap(model, prompt_ids, output_ids) -> float:
@@ -94,7 +102,7 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.tracking import Tracker, TrackingSetup
 
-    spec = load_spec(QUICKSTART, BASE + case["overrides"] + [f"trainer.run_dir={run_dir}"])
+    spec = load_spec(QUICKSTART, overrides_for(case["estimator"]) + case["overrides"] + [f"trainer.run_dir={run_dir}"])
     settings = dataclasses.replace(actor_settings(spec), vocab_size=rank.actor.settings.vocab_size)
     if case.get("policy_loss"):
         # Until the spec has `actor.policy_loss.loss_mode`, the loss is set here; once it has, the case passes
@@ -129,7 +137,7 @@ def main(out: str, cases: list[dict]) -> None:
 
     run_root = Path(out).parent
     # Built for gae, so the rank holds a critic; the other cases' specs leave it unused.
-    spec = load_spec(QUICKSTART, BASE + ["algorithm.adv_estimator=gae", f"trainer.run_dir={run_root / 'build'}"])
+    spec = load_spec(QUICKSTART, overrides_for("gae") + [f"trainer.run_dir={run_root / 'build'}"])
     workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec)
     rank = workers.host.rank
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)

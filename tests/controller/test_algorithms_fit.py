@@ -21,12 +21,11 @@ GAMMA = 0.9  # algorithm.gamma in tests/controller/algorithm_runs.py
 MAX_RESPONSE = 3  # data.max_response_length there
 
 # Each policy loss trains on grpo's advantages.
-CASES = [{"name": f"estimator-{name}", "overrides": [f"algorithm.adv_estimator={name}"]}
-         for name in ADVANTAGE_ESTIMATORS.names()]
-CASES += [{"name": f"loss-{name}", "overrides": ["algorithm.adv_estimator=grpo"], "policy_loss": name}
+CASES = [{"name": f"estimator-{name}", "estimator": name, "overrides": []} for name in ADVANTAGE_ESTIMATORS.names()]
+CASES += [{"name": f"loss-{name}", "estimator": "grpo", "overrides": [], "policy_loss": name}
           for name in POLICY_LOSSES.names()]
-CASES.append({"name": "remax-dynamic-sampling",
-              "overrides": ["algorithm.adv_estimator=remax", "algorithm.dynamic_sampling.enable=true"]})
+CASES.append({"name": "remax-dynamic-sampling", "estimator": "remax",
+              "overrides": ["algorithm.dynamic_sampling.enable=true"]})
 
 
 @pytest.fixture(scope="module")

@@ -197,7 +197,8 @@ def test_dapo_runs_in_process(tmp_path):
 
 def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases(tmp_path):
     ppo = ["trainer.total_steps=2", "placement.gpus_per_node=1", "trainer.save_freq=2", "trainer.test_freq=-1",
-           "tracking.backends=[console]", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
+           "data.val_files=[]", "tracking.backends=[console]", "algorithm.adv_estimator=gae",
+           "critic.ppo_mini_batch_size=4",
            "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3", "actor.use_kl_loss=true"]
     offload = ["actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
                "ref.offload.params=true", "critic.offload.params=true", "critic.offload.grads=true",
@@ -218,7 +219,8 @@ def test_a_nan_loss_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_pa
     env = {**os.environ, "RLM_NAN_REWARD_DIR": str(tmp_path / "calls"), "RLM_NAN_AFTER": "16"}
     run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(tmp_path / "out.json"), "local", *SMALL,
                           "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
-                          "trainer.save_freq=1", "trainer.test_freq=-1", "tracking.backends=[console]",
+                          "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_files=[]",
+                          "tracking.backends=[console]",
                           "reward.function=tests/controller/nan_reward.py:compute_score"],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
@@ -237,6 +239,7 @@ def test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_
     result = train(tmp_path, "disaggregated", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
                    "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                   "data.val_files=[]",
                    "tracking.backends=[console]", *sglang, *router, env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert all(math.isfinite(v) for _, v in result["history"]["actor/grad_norm"])
