@@ -216,3 +216,22 @@ def test_every_mapped_field_is_a_spec_field():
         for field in fields:
             if not field.startswith(pending or ("\0",)):
                 assert path_problem(JobSpec, tuple(field.rstrip(".").split("."))) is None, (key, field)
+
+
+def test_conversions_that_read_other_keys():
+    def translated(*args):
+        translation = translate(args, BASE)
+        return {o.path: o.value for o in translation.overrides}, [str(p) for p in translation.problems]
+
+    # A critic from the policy's own checkpoint is rlmegatron's critic.init_from=actor.
+    assert translated("critic.model.path=Qwen/Qwen2.5-0.5B-Instruct")[0] == {"critic.init_from": "actor"}
+    assert translated("critic.model.path=/rm")[0] == {"critic.init_from": "/rm"}
+    assert translated("trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_4")[0] == {
+        "trainer.resume": "/ckpt/step_4"}
+    assert translated("trainer.resume_mode=resume_path")[1] == [
+        "command line: trainer.resume_mode=resume_path: needs trainer.resume_from_path=PATH (rlmegatron's "
+        "trainer.resume=PATH)"]
+    assert translated("trainer.logger=[console,wandb]")[1] == [
+        "command line: trainer.logger=[console, wandb]: rlmegatron tracks to console and mlflow only; drop wandb"]
+    assert translated("actor_rollout_ref.rollout.do_sample=False", "actor_rollout_ref.actor.kl_loss_type=mse")[0] == {
+        "rollout.temperature": 0.0, "actor.kl_loss_type": "k2"}
