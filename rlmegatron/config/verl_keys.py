@@ -312,8 +312,8 @@ def _megatron(verl: str, role: str, offload: tuple[str, ...]) -> dict[str, Entry
         f"{verl}.dist_checkpointing_path": Always((None,), "the model starts from model.path",
                                                   "the model starts from model.path; `rlm convert mcore-to-hf` "
                                                   "turns a Megatron checkpoint into one"),
-        f"{verl}.override_ddp_config": NoMeaning("DDP settings are fixed by rlmegatron (grads in fp32 buckets, "
-                                                 "the distributed optimizer per use_distributed_optimizer)"),
+        f"{verl}.override_ddp_config": NoMeaning(f"DDP is set up by rlmegatron; the one choice is "
+                                                 f"{ours}.use_distributed_optimizer"),
         f"{verl}.override_mcore_model_config": NoMeaning(f"Megatron settings go in {ours}.extra"),
         f"{verl}.forward_only": NoMeaning("rlmegatron knows which roles train"),
     })
