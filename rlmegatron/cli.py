@@ -18,7 +18,13 @@ EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `rlm` and `python -m rlmegatron`; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after an option (`rlm train CONFIG --verl KEY=VALUE`), which argparse leaves over.
+    args, left_over = parser.parse_known_args(argv)
+    if left_over and not (hasattr(args, "overrides") and all("=" in arg for arg in left_over)):
+        parser.error("unrecognized arguments: " + " ".join(left_over))
+    if left_over:
+        args.overrides += left_over
     return args.command(args)
 
 
@@ -27,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlm",
         description="RL post-training (GRPO, PPO, DAPO) of LLMs on Megatron-Core.",
         epilog="Overrides are dotted keys with YAML values, applied on top of CONFIG: "
-        "actor.optim.lr=1e-6 rollout.n=8 data.train_files=[a.parquet,b.parquet]",
+        "actor.optim.lr=1e-6 rollout.n=8 data.train_files=[a.parquet,b.parquet]. With --verl they are verl's "
+        "keys (actor_rollout_ref.actor.optim.lr=1e-6 ...), translated onto the spec.",
     )
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
@@ -44,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
             subparser.add_argument("config", metavar="CONFIG", help="job spec YAML file")
             subparser.add_argument(
                 "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.n=8"
+            )
+            subparser.add_argument(
+                "--verl", action="store_true",
+                help="the overrides are verl's keys (actor_rollout_ref.actor.optim.lr=1e-6 ...): each is mapped onto "
+                "the spec, accepted with a note, or rejected with rlmegatron's equivalent",
             )
             if name == "plan":
                 from rlmegatron.planner.command import add_plan_options
@@ -113,12 +125,20 @@ def convert(args: argparse.Namespace) -> int:
 
 
 def _load_spec_or_report(args: argparse.Namespace) -> JobSpec | None:
-    """The checked spec, or None after printing every problem to stderr, one per line."""
+    """The checked spec, or None after printing every problem to stderr, one per line. With --verl, the notes on
+    verl keys that were accepted as what rlmegatron does anyway go to stderr too."""
     from rlmegatron.config import SpecError, load_spec
 
     try:
-        return load_spec(args.config, args.overrides)
+        if not args.verl:
+            return load_spec(args.config, args.overrides)
+        from rlmegatron.config.verl_keys import load_verl_spec
+
+        spec, notes = load_verl_spec(args.config, args.overrides)
     except SpecError as err:
         for problem in err.problems:
             print(problem, file=sys.stderr)
         return None
+    for note in notes:
+        print(note, file=sys.stderr)
+    return spec

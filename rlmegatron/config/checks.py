@@ -24,6 +24,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_optimizers(spec)
     problems += _check_input_paths(spec)
     problems += _check_validation(spec)
+    problems += _check_tracking(spec)
     return problems
 
 
@@ -417,6 +418,9 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
             "set it to false, or use algorithm.adv_estimator=gae"
         )
         problems.append(SpecProblem("critic.enable", True, reason))
+    if spec.trainer.critic_warmup and not spec.critic.enable:
+        reason = "lets only the critic train for its first steps, and there is no critic; set it to 0"
+        problems.append(SpecProblem("trainer.critic_warmup", spec.trainer.critic_warmup, reason))
     if spec.reward.overlong_buffer.enable and spec.reward.manager != "dapo":
         reason = "is applied by the dapo reward manager; set reward.manager=dapo"
         problems.append(SpecProblem("reward.overlong_buffer.enable", True, reason))
@@ -479,3 +483,11 @@ def _check_validation(spec: JobSpec) -> list[SpecProblem]:
         reason = "needs data.val_files; add some or set it to -1"
         problems.append(SpecProblem("trainer.test_freq", spec.trainer.test_freq, reason))
     return problems
+
+
+def _check_tracking(spec: JobSpec) -> list[SpecProblem]:
+    backend = spec.tracking.rollout_trace.backend
+    if backend is None or backend in spec.tracking.backends:
+        return []
+    reason = f"the samples go to the run's {backend} tracker; add {backend} to tracking.backends"
+    return [SpecProblem("tracking.rollout_trace.backend", backend, reason)]

@@ -26,11 +26,11 @@ _SECTION_TYPE_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
 def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
     """Read the YAML at `path`, apply `overrides` (`a.b=value`), validate, and run every cross-field check."""
     file = str(path)
-    return spec_from_raw(_read_spec_file(file), overrides, file)
+    return spec_from_raw(read_spec_file(file), overrides, file)
 
 
 def spec_from_raw(
-    raw: dict[str, Any], overrides: Sequence[str] = (), file: str = "<spec>"
+    raw: dict[str, Any], overrides: Sequence[str | Override] = (), file: str = "<spec>"
 ) -> JobSpec:
     """As load_spec, for a spec already parsed from YAML; problems are attributed to `file`."""
     merged, applied, override_problems = apply_overrides(raw, overrides, JobSpec)
@@ -50,7 +50,7 @@ def dump_spec(spec: JobSpec) -> str:
     return dump_yaml(spec.model_dump(mode="json"))
 
 
-def _read_spec_file(file: str) -> dict[str, Any]:
+def read_spec_file(file: str) -> dict[str, Any]:
     def fail(reason: str) -> SpecError:
         return SpecError([SpecProblem("", NO_VALUE, reason, file=file)])
 
@@ -100,12 +100,19 @@ def _attributed(
 ) -> list[SpecProblem]:
     """Name the command line as the source of problems on overridden fields, and the YAML file otherwise."""
 
-    def source(field: str) -> str:
-        for override in applied:
+    def source(field: str) -> Override | None:
+        for override in reversed(applied):  # the last override of a field is the one in force
             if field == override.path or field.startswith((override.path + ".", override.path + "[")):
-                return COMMAND_LINE
+                return override
             if override.path.startswith(field + "."):
-                return COMMAND_LINE
-        return file
+                return override
+        return None
 
-    return [replace(problem, file=source(problem.field)) for problem in problems]
+    attributed = []
+    for problem in problems:
+        override = source(problem.field)
+        if override is None:
+            attributed.append(replace(problem, file=file))
+        else:
+            attributed.append(replace(problem, file=COMMAND_LINE, reason=override.blame(problem.reason)))
+    return attributed

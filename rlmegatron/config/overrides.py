@@ -18,10 +18,16 @@ from rlmegatron.config.yamlio import parse_yaml
 class Override:
     keys: tuple[str, ...]
     value: Any
+    origin: str = ""
+    """The key the user wrote, when it is not `path` itself (a verl key translated onto the spec)."""
 
     @property
     def path(self) -> str:
         return ".".join(self.keys)
+
+    def blame(self, reason: str) -> str:
+        """`reason`, naming the key the user wrote when this override was translated from it."""
+        return f"{reason} (set by {self.origin})" if self.origin else reason
 
 
 def parse_override(text: str) -> Override | SpecProblem:
@@ -38,20 +44,21 @@ def parse_override(text: str) -> Override | SpecProblem:
 
 
 def apply_overrides(
-    raw: dict[str, Any], overrides: Sequence[str], root: type[BaseModel]
+    raw: dict[str, Any], overrides: Sequence[str | Override], root: type[BaseModel]
 ) -> tuple[dict[str, Any], list[Override], list[SpecProblem]]:
-    """A copy of `raw` with every valid override applied, the overrides applied, and the rejected ones."""
+    """A copy of `raw` with every valid override (text, or already parsed) applied, the overrides applied, and the
+    rejected ones."""
     result = copy.deepcopy(raw)
     applied: list[Override] = []
     problems: list[SpecProblem] = []
     for text in overrides:
-        parsed = parse_override(text)
+        parsed = text if isinstance(text, Override) else parse_override(text)
         if isinstance(parsed, SpecProblem):
             problems.append(parsed)
             continue
         reason = path_problem(root, parsed.keys) or _set_in(result, parsed)
         if reason:
-            problems.append(SpecProblem(parsed.path, parsed.value, reason))
+            problems.append(SpecProblem(parsed.path, parsed.value, parsed.blame(reason)))
         else:
             applied.append(parsed)
     return result, applied, problems

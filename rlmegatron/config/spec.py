@@ -12,7 +12,8 @@ Some defaults derive from other fields and are filled in when the spec is valida
 `ref.megatron` and `critic.megatron` take every field they do not set from
 `actor.megatron`; an unset `expert_tensor_parallel_size` follows that role's
 `tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
-`data.max_response_length`; `model.tokenizer_path` follows `model.path`;
+`data.max_response_length`; `rollout.log_prob_micro_batch_size_per_gpu` follows
+`actor.ppo_micro_batch_size_per_gpu`; `model.tokenizer_path` follows `model.path`;
 `critic.enable` follows whether `algorithm.adv_estimator` is `gae`; `trainer.run_dir`
 is `runs/<trainer.experiment_name>`. Cross-field rules live in `checks.py`.
 """
@@ -268,6 +269,9 @@ class RolloutConfig(SamplingParams):
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     update_weights_bucket_mb: PositiveInt = 512
     """Size of the flattened buckets that carry weights from the trainer to the engines."""
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Sequences per forward pass on each data-parallel rank when the actor recomputes the rollout's log-probs (the
+    old log-probs; ignored with actor.use_dynamic_bsz); null follows actor.ppo_micro_batch_size_per_gpu."""
     val_kwargs: ValSamplingParams = Field(default_factory=ValSamplingParams)
 
 
@@ -361,6 +365,19 @@ class TrainerConfig(Section):
     """null keeps every checkpoint."""
     seed: int = 42
     val_before_train: bool = True
+    critic_warmup: int = Field(0, ge=0)
+    """Steps at the start in which only the critic trains, so the actor's first advantages come from a value model
+    that has seen some returns (PPO with a critic only)."""
+
+
+class RolloutTraceConfig(Section):
+    """A few of each step's rollout samples as text (verl's rollout trace): what the policy wrote, and its score."""
+
+    backend: Literal["mlflow", "console"] | None = None
+    """mlflow: a table (.json) and a text file (.txt) per step among the run's artifacts, under rollout_samples/;
+    console: printed after the step's metrics; null logs none."""
+    prompts_per_step: PositiveInt | None = 2
+    """Prompts per step whose samples are logged, each with all of its rollout.n responses; null logs every one."""
 
 
 class TrackingConfig(Section):
@@ -371,6 +388,7 @@ class TrackingConfig(Section):
     """MLflow server or store; null uses MLFLOW_TRACKING_URI, else ./mlruns."""
     project_name: Text = "rlmegatron"
     """MLflow experiment that groups the runs (verl's trainer.project_name); each run is trainer.experiment_name."""
+    rollout_trace: RolloutTraceConfig = Field(default_factory=RolloutTraceConfig)
 
 
 class JobSpec(Section):
@@ -405,6 +423,8 @@ class JobSpec(Section):
             self.critic.enable = self.algorithm.adv_estimator == "gae"
         if self.rollout.max_new_tokens is None:
             self.rollout.max_new_tokens = self.data.max_response_length
+        if self.rollout.log_prob_micro_batch_size_per_gpu is None:
+            self.rollout.log_prob_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
         if self.model.tokenizer_path is None:
             self.model.tokenizer_path = self.model.path
         if self.trainer.run_dir is None:

@@ -53,6 +53,7 @@ def actor_settings(spec: JobSpec):
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
         entropy_coeff=actor.entropy_coeff,
+        log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
     )
 
 

@@ -141,6 +141,34 @@ def reward_inputs(prompts: list[Sample], results: list[GenerationResult], tokeni
     ]
 
 
+def traced_samples(rollout: Rollout, tokenizer: Any, prompts: int | None) -> list[dict[str, Any]]:
+    """The rows of the first `prompts` groups (every group when None), as text: what the policy saw and wrote, and
+    what it scored. The prompt keeps its special tokens (the chat template); the response is decoded as the reward
+    function read it."""
+    groups = list(dict.fromkeys(rollout.uids))
+    chosen = set(groups if prompts is None else groups[:prompts])
+    prompt_texts: dict[int, str] = {}
+    samples = []
+    for row, uid in enumerate(rollout.uids):
+        if uid not in chosen:
+            continue
+        prompt = rollout.prompts[row]
+        if uid not in prompt_texts:
+            prompt_texts[uid] = tokenizer.decode(prompt.prompt_ids, skip_special_tokens=False)
+        result = rollout.results[row]
+        samples.append({
+            "sample_id": prompt.sample_id,
+            "sample": result.sample_index,
+            "prompt": prompt_texts[uid],
+            "response": tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+            "ground_truth": str(prompt.ground_truth),
+            "score": float(rollout.scores[row]),
+            "reward": float(rollout.rewards[row]),
+            "response_length": len(result.output_token_ids),
+        })
+    return samples
+
+
 def scored(prompts: list[Sample], uids: list[int], results: list[GenerationResult], batch: RolloutBatch,
            reward: RewardResult) -> Rollout:
     return Rollout(prompts, uids, results, batch, torch.tensor(reward.scores, dtype=torch.float32),

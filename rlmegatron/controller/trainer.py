@@ -105,8 +105,9 @@ class Trainer:
                 if spec.critic.enable:
                     with timer("update_critic"), self.stop_on_non_finite():
                         metrics.update(self.update("critic", batch))
-                with timer("update_actor"), self.stop_on_non_finite():
-                    metrics.update(self.update("actor", batch))
+                if self.step > trainer.critic_warmup:
+                    with timer("update_actor"), self.stop_on_non_finite():
+                        metrics.update(self.update("actor", batch))
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
                     self.engines.sync(self.weight_version)
@@ -115,6 +116,7 @@ class Trainer:
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
                 metrics.update(self.validate())
             self.tracker.log_metrics(metrics, step=self.step)
+            self.trace(rollout)
             if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
                 self.save()
         exported = self.export_policy()
@@ -220,6 +222,13 @@ class Trainer:
         metrics.update({"actor/reward_kl_penalty": float(kl_metrics["kl"]),
                         "actor/reward_kl_penalty_coeff": float(kl_metrics["kl_coef"])})
         return rewards
+
+    def trace(self, rollout: R.Rollout) -> None:
+        """A few of the step's samples as text, for reading what the policy wrote (tracking.rollout_trace)."""
+        trace = self.spec.tracking.rollout_trace
+        if trace.backend is not None:
+            samples = R.traced_samples(rollout, self.tokenizer, trace.prompts_per_step)
+            self.tracker.log_rollout_samples(samples, self.step, trace.backend)
 
     # --- validation, counters, checkpoints, export ---
 

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
@@ -36,6 +36,8 @@ class TrackingSetup:
 class Backend(Protocol):
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None: ...
+
     def finish(self, status: str) -> None: ...
 
 
@@ -60,13 +62,16 @@ class Tracker:
         self.setup = setup
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.backends: list[Backend] = []
+        self.backend_named: dict[str, Backend] = {}
         for name in setup.backends:
             if name == "mlflow":
-                self.backends.append(MlflowBackend(setup, params or {}, resolved_yaml))
+                backend: Backend = MlflowBackend(setup, params or {}, resolved_yaml)
             elif name == "console":
-                self.backends.append(ConsoleBackend(console_stream or sys.stdout))
+                backend = ConsoleBackend(console_stream or sys.stdout)
             else:
                 raise ValueError(f"unknown tracking backend {name!r}; use mlflow or console")
+            self.backends.append(backend)
+            self.backend_named[name] = backend
 
     @classmethod
     def from_spec(cls, spec: JobSpec, console_stream: TextIO | None = None) -> Tracker:
@@ -87,6 +92,12 @@ class Tracker:
             self.history.setdefault(key, []).append((step, value))
         for backend in self.backends:
             backend.log_metrics(clean, step)
+
+    def log_rollout_samples(self, samples: Sequence[Mapping[str, Any]], step: int, backend: str) -> None:
+        """Rollout samples as text (rollout.traced_samples' rows) to one of the configured backends."""
+        if backend not in self.backend_named:
+            raise ValueError(f"rollout samples go to the {backend} tracker, which is not in tracking.backends")
+        self.backend_named[backend].log_samples(samples, step)
 
     def series(self, key: str) -> list[float]:
         return [value for _, value in self.history.get(key, [])]
@@ -113,8 +124,25 @@ class ConsoleBackend:
         self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
         self.stream.flush()
 
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
+        self.stream.write(format_samples(samples, step))
+        self.stream.flush()
+
     def finish(self, status: str) -> None:
         pass  # nothing buffered
+
+
+def format_samples(samples: Sequence[Mapping[str, Any]], step: int) -> str:
+    """Rollout samples for reading: each prompt once, then each of its responses with its score."""
+    lines = [f"══ step {step}: rollout samples ══"]
+    shown_prompt = None
+    for sample in samples:
+        if sample["prompt"] != shown_prompt or sample["sample"] == 0:
+            shown_prompt = sample["prompt"]
+            lines += [f"── prompt {sample['sample_id']} (ground truth: {sample['ground_truth']}) ──", sample["prompt"]]
+        lines += [f"── response {sample['sample']}: score {sample['score']:.4g}, reward {sample['reward']:.4g}, "
+                  f"{sample['response_length']} tokens ──", sample["response"]]
+    return "\n".join(lines) + "\n"
 
 
 def format_metrics_table(metrics: Mapping[str, float], step: int, columns: int = 3) -> str:
@@ -185,6 +213,17 @@ class MlflowBackend:
         entries = [Metric(key, value, timestamp, step) for key, value in metrics.items()]
         for start in range(0, len(entries), 1000):  # MLflow's per-batch metric limit
             self.client.log_batch(self.run_id, metrics=entries[start : start + 1000])
+
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
+        """Artifacts rollout_samples/step_NNNNNN.json (a table the MLflow UI shows and mlflow.load_table reads, one
+        row per sample) and .txt (the same, to read)."""
+        if not samples:
+            return
+        name = f"rollout_samples/step_{step:06d}"
+        columns = {key: [sample[key] for sample in samples] for key in samples[0]}
+        self.client.log_table(self.run_id, data={"step": [step] * len(samples), **columns},
+                              artifact_file=f"{name}.json")
+        self.client.log_text(self.run_id, format_samples(samples, step), f"{name}.txt")
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)

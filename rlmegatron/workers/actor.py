@@ -1,7 +1,7 @@
 """The actor worker: log-probs/entropy of responses and the PPO update of a Megatron GPTModel, Ray-free."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from typing import Optional
 
@@ -28,6 +28,7 @@ class ActorSettings(TrainingSettings):
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    log_prob_micro_batch_size: Optional[int] = None  # the old-log-prob pass's; None uses micro_batch_size
 
 
 def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
@@ -61,7 +62,11 @@ class ActorWorker(TrainingWorker):
 
     def compute_log_prob(self, batch: RolloutBatch, with_entropy: bool = True):
         """log p(response token) [B, R] (and entropy [B, R]) under the current weights, zero outside response_mask."""
-        return compute_log_prob(self.chunks, self.settings, batch, with_entropy)
+        settings = self.settings
+        if settings.log_prob_micro_batch_size is not None:
+            # No backward pass here, so larger micro-batches than the update's fit in the same memory.
+            settings = replace(settings, micro_batch_size=settings.log_prob_micro_batch_size)
+        return compute_log_prob(self.chunks, settings, batch, with_entropy)
 
     def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """PPO: for each epoch and mini-batch, accumulate gradients over micro-batches, then one optimizer step."""

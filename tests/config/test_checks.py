@@ -315,6 +315,20 @@ CASES = [
         id="min-lr-below-lr",
     ),
     pytest.param(
+        {"trainer.critic_warmup": 2},
+        "tiny-qwen3",
+        "job.yaml: trainer.critic_warmup=2: lets only the critic train for its first steps, and there is no critic; "
+        "set it to 0",
+        id="critic-warmup-needs-critic",
+    ),
+    pytest.param(
+        {"tracking.rollout_trace.backend": "mlflow"},
+        "tiny-qwen3",
+        "job.yaml: tracking.rollout_trace.backend=mlflow: the samples go to the run's mlflow tracker; add mlflow to "
+        "tracking.backends",
+        id="rollout-trace-backend-is-tracked",
+    ),
+    pytest.param(
         {"model.path": "Qwen/Qwen3-1.7B"},
         "tiny-qwen3",
         "job.yaml: model.path=Qwen/Qwen3-1.7B: is not a local directory and model.hf_config is not set; hub ids "

@@ -129,7 +129,7 @@ def test_shipped_job_specs_validate(config, monkeypatch):
 
 def test_importing_the_config_package_loads_no_torch_or_megatron():
     probe = (
-        "import sys, rlmegatron.config; "
+        "import sys, rlmegatron.config, rlmegatron.config.verl_keys; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers'}))"
     )
     result = subprocess.run(

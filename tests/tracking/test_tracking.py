@@ -1,6 +1,7 @@
 """Tracking: the MLflow sqlite store holds what was logged, console tables, ASCII plots, URI choice."""
 import io
 
+import pytest
 import yaml
 
 from rlmegatron.config.spec import JobSpec
@@ -101,3 +102,23 @@ def test_summary_plots_the_reward_curve(tmp_path):
 
 def test_flatten_uses_dotted_keys():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+
+
+def test_console_prints_rollout_samples_each_prompt_once_then_its_responses(tmp_path):
+    stream = io.StringIO()
+    tracker = Tracker(TrackingSetup(["console"], tmp_path, "p", "e"), console_stream=stream)
+    samples = [{"sample_id": "echo#3", "sample": k, "prompt": "echo:x", "response": response, "ground_truth": "x",
+                "score": score, "reward": score, "response_length": 1}
+               for k, (response, score) in enumerate([("x", 1.0), ("q", 0.0)])]
+    tracker.log_rollout_samples(samples, step=4, backend="console")
+    assert stream.getvalue().splitlines() == [
+        "══ step 4: rollout samples ══",
+        "── prompt echo#3 (ground truth: x) ──",
+        "echo:x",
+        "── response 0: score 1, reward 1, 1 tokens ──",
+        "x",
+        "── response 1: score 0, reward 0, 1 tokens ──",
+        "q",
+    ]
+    with pytest.raises(ValueError, match="mlflow tracker, which is not in tracking.backends"):
+        tracker.log_rollout_samples(samples, step=4, backend="mlflow")
