@@ -103,6 +103,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("critic.ppo_micro_batch_size_per_gpu",), lambda s: not s.critic.use_dynamic_bsz,
          lambda s: "critic.use_dynamic_bsz=true packs micro-batches by critic.ppo_max_token_len_per_gpu instead; "
                    "remove it"),
+    Rule(("rollout.log_prob_micro_batch_size_per_gpu",), lambda s: not s.actor.use_dynamic_bsz,
+         lambda s: "actor.use_dynamic_bsz=true packs the old-log-prob pass by actor.ppo_max_token_len_per_gpu "
+                   "instead; remove it"),
+    Rule(("tracking.rollout_trace.prompts_per_step",), lambda s: s.tracking.rollout_trace.backend is not None,
+         lambda s: "no samples are traced (tracking.rollout_trace.backend is null); remove it or set a backend"),
     Rule(("ref.log_prob_max_token_len_per_gpu",), lambda s: s.ref.log_prob_use_dynamic_bsz,
          lambda s: "only applies with ref.log_prob_use_dynamic_bsz=true; remove it or turn dynamic batching on"),
     Rule(("ref.log_prob_micro_batch_size_per_gpu",), lambda s: not s.ref.log_prob_use_dynamic_bsz,

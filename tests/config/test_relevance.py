@@ -37,6 +37,10 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"actor.use_dynamic_bsz": True, "actor.ppo_micro_batch_size_per_gpu": 2},
          "actor.ppo_micro_batch_size_per_gpu=2: actor.use_dynamic_bsz=true packs micro-batches by "
          "actor.ppo_max_token_len_per_gpu instead"),
+        ({"actor.use_dynamic_bsz": True, "rollout.log_prob_micro_batch_size_per_gpu": 2},
+         "rollout.log_prob_micro_batch_size_per_gpu=2: actor.use_dynamic_bsz=true packs the old-log-prob pass"),
+        ({"tracking.rollout_trace.prompts_per_step": 4},
+         "tracking.rollout_trace.prompts_per_step=4: no samples are traced"),
         ({"rollout.mem_fraction_static": 0.5}, f"rollout.mem_fraction_static=0.5: {SGLANG_ONLY}"),
         ({"rollout.sglang.extra_args": {"foo": 1}}, f"rollout.sglang.extra_args.foo=1: {SGLANG_ONLY}"),
         ({"rollout.engine": "sglang", "rollout.sglang.router_args": {"policy": "round_robin"}},

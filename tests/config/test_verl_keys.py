@@ -201,9 +201,12 @@ def test_translations_that_combine_yield_or_conflict(base, tmp_path):
         "command line: actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true: rlmegatron uses "
         "actor.use_dynamic_bsz for this, which is false; set that instead",
     ]
-    _, notes = spec_with("actor_rollout_ref.actor.use_dynamic_bsz=True",
-                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
-                         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True")
+    # With dynamic batching the command's micro-batch size would change nothing, which the spec rejects.
+    dynamic = [arg for arg in GSM8K_GRPO if not arg.startswith(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                                                  "actor_rollout_ref.rollout.log_prob_micro"))]
+    _, notes = load_verl_spec(base, [*dynamic, "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True"])
     assert ("note: actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true: rlmegatron uses actor.use_dynamic_bsz "
             "for this, which is the same") in notes
 
