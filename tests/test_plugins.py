@@ -57,7 +57,9 @@ def test_plugin_problem_covers_loading_and_the_call(plugin_file, tmp_path):
     assert plugin_problem(f"{plugin_file}:needs_more", ["x", "y"]) == (
         "cannot be called as needs_more(x, y): missing a required argument: 'z'"
     )
-    assert plugin_problem(f"{plugin_file}:LIMIT", ["x"]) == "is not a function that can be called as (x); it is of type int"
+    assert plugin_problem(f"{plugin_file}:LIMIT", ["x"]) == (
+        "is not a function that can be called as (x); it is of type int"
+    )
     assert plugin_problem(f"{plugin_file}:nope", ["x"]) == "my_plugin.py defines no 'nope'"
     # Keywords chosen by the plug-in's own signature (the estimator protocol):
     assert plugin_problem(f"{plugin_file}:needs_more", ["x", "y"], lambda fn: ["z"]) is None

@@ -1,4 +1,4 @@
-"""The actor's loss terms: the policy losses (PPO/DAPO, GSPO, GPG, CISPO, Clip-Cov, KL-Cov, with TIS) and the entropy bonus.
+"""The actor's loss terms: policy losses (PPO/DAPO, GSPO, GPG, CISPO, Clip-Cov, KL-Cov; TIS) and the entropy bonus.
 
 Every policy loss has the signature of :class:`PolicyLoss` and returns ``(loss, metrics)``: ``loss``
 follows ``aggregation`` (so it can carry a global DP/micro-batch denominator) and ``metrics`` holds
@@ -123,7 +123,7 @@ def _clipped_surrogate(
     response_mask: torch.Tensor,
     dual_clip: float | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token max(-A * ratio, -A * clip(ratio)), then the dual clip at ``dual_clip`` on A < 0; plus clip fractions."""
+    """Per-token max(-A * ratio, -A * clip(ratio)), then a dual clip at ``dual_clip`` on A < 0; and clip fractions."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)

@@ -413,7 +413,7 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
         algorithms.estimator_inputs,
         hint=f"; an estimator may take {one_of(algorithms.ESTIMATOR_INPUTS)} by name",
     )
-    problems += [problem] if problem else _estimator_problems(spec, estimate, algorithms.estimator_inputs(estimate))
+    problems += [problem] if problem else _estimator_problems(spec, algorithms.estimator_inputs(estimate))
     loss_field, loss_mode = "actor.policy_loss.loss_mode", spec.actor.policy_loss.loss_mode
     loss, problem = _resolve(
         loss_field, loss_mode, algorithms.POLICY_LOSSES, algorithms.POLICY_LOSS_POSITIONAL,
@@ -454,6 +454,7 @@ def _resolve(
     if is_plugin_reference(value):
         reason = plugin_problem(value, positional, keywords)
         if reason:
+            # `hint` explains a call that does not fit (call_problem's "cannot be called as ..."), not a load error.
             return None, SpecProblem(field, value, reason + (hint if reason.startswith("cannot be called") else ""))
         return load_plugin(value), None
     if value not in registry:
@@ -461,7 +462,8 @@ def _resolve(
     return registry.get(value), None
 
 
-def _estimator_problems(spec: JobSpec, estimate: Callable, inputs: tuple[str, ...]) -> list[SpecProblem]:
+def _estimator_problems(spec: JobSpec, inputs: tuple[str, ...]) -> list[SpecProblem]:
+    """What the estimator taking `inputs` needs from the rest of the spec, and knobs it would ignore."""
     estimator, n, problems = spec.algorithm.adv_estimator, spec.rollout.n, []
     in_groups = estimator in GROUP_ESTIMATORS if not is_plugin_reference(estimator) else "group_index" in inputs
     if in_groups and n < 2:

@@ -206,13 +206,13 @@ class ActorConfig(PPOUpdateConfig):
     clip_ratio_c: Annotated[float, Field(gt=1)] | None = 3.0
     """Dual-clip bound on the loss of negative-advantage tokens; null turns the dual clip off."""
     loss_agg_mode: Text = "token-mean"
-    """How per-token losses become one: token-mean, seq-mean-token-sum, seq-mean-token-mean or
-    seq-mean-token-sum-norm (verl's meanings)."""
+    """How per-token losses become one scalar: a mode registered in rlmegatron.algorithms (verl's names and
+    meanings: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, ...)."""
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Text = "low_var_kl"
-    """KL estimator of the KL loss (use_kl_loss): k1, k2, k3/low_var_kl or abs (verl's names)."""
+    """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     tis_imp_ratio_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
 
@@ -348,7 +348,7 @@ class AlgorithmConfig(Section):
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: Text = "k1"
-    """KL estimator for the in-reward penalty (use_kl_in_reward): k1, k2, k3/low_var_kl or abs (verl's names)."""
+    """KL estimator for the in-reward penalty (use_kl_in_reward), registered like actor.kl_loss_type."""
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 

@@ -1,4 +1,4 @@
-"""Policy losses (PPO clip with DAPO clip-higher, dual clip, TIS; GSPO, GPG, CISPO, Clip-Cov, KL-Cov) and the entropy bonus.
+"""Policy losses (PPO with DAPO clip-higher, dual clip, TIS; GSPO, GPG, CISPO, Clip-Cov, KL-Cov), entropy bonus.
 
 verl counterparts (verl.trainer.ppo.core_algos): ``vanilla`` -> compute_policy_loss_vanilla
 (clip_ratio_low/high, clip_ratio_c, tis_imp_ratio_cap), ``gspo`` -> compute_policy_loss_gspo,
