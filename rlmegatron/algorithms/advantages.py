@@ -41,7 +41,10 @@ ESTIMATOR_INPUTS = ("values", "group_index", "reward_baselines", "gamma", "lam",
 
 def estimator_inputs(estimate: AdvantageEstimator) -> tuple[str, ...]:
     """The :data:`ESTIMATOR_INPUTS` that ``estimate`` declares (after its two positional parameters)."""
-    names = list(inspect.signature(estimate).parameters)[len(ESTIMATOR_POSITIONAL) :]
+    try:
+        names = list(inspect.signature(estimate).parameters)[len(ESTIMATOR_POSITIONAL) :]
+    except (TypeError, ValueError):  # a builtin without an introspectable signature declares nothing
+        return ()
     return tuple(name for name in names if name in ESTIMATOR_INPUTS)
 
 
@@ -297,11 +300,10 @@ def compute_advantages(
         "norm_adv_by_std": norm_adv_by_std,
         "epsilon": epsilon,
     }
-    parameters = inspect.signature(estimate).parameters
     kwargs = {}
     for name in estimator_inputs(estimate):
         if supplied[name] is not None:
             kwargs[name] = supplied[name]
-        elif parameters[name].default is inspect.Parameter.empty:
+        elif inspect.signature(estimate).parameters[name].default is inspect.Parameter.empty:
             raise ValueError(f"advantage estimator {estimator!r} needs {name!r}, which was not given")
     return estimate(token_level_rewards, response_mask, **kwargs)
