@@ -15,9 +15,6 @@ from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 # `group_index`); a plug-in estimator is one when its signature takes `group_index`.
 GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "gspo", "gpg", "opo"})
 
-# Estimator inputs the spec sets, as the trainer passes them to compute_advantages.
-_ESTIMATOR_KNOBS = {"gamma": "gamma", "lam": "lam", "norm_adv_by_std": "norm_adv_by_std_in_grpo"}
-
 
 def check_spec(spec: JobSpec) -> list[SpecProblem]:
     """Every cross-field problem in `spec`, empty when it can run; reads the model's config.json."""
@@ -463,7 +460,7 @@ def _resolve(
 
 
 def _estimator_problems(spec: JobSpec, inputs: tuple[str, ...]) -> list[SpecProblem]:
-    """What the estimator taking `inputs` needs from the rest of the spec, and knobs it would ignore."""
+    """What the estimator taking `inputs` needs from the rest of the spec."""
     estimator, n, problems = spec.algorithm.adv_estimator, spec.rollout.n, []
     in_groups = estimator in GROUP_ESTIMATORS if not is_plugin_reference(estimator) else "group_index" in inputs
     if in_groups and n < 2:
@@ -482,11 +479,6 @@ def _estimator_problems(spec: JobSpec, inputs: tuple[str, ...]) -> list[SpecProb
             "set it to false, or use algorithm.adv_estimator=gae"
         )
         problems.append(SpecProblem("critic.enable", True, reason))
-    for name, knob in _ESTIMATOR_KNOBS.items():
-        value, default = getattr(spec.algorithm, knob), type(spec.algorithm).model_fields[knob].default
-        if name not in inputs and value != default:
-            reason = f"algorithm.adv_estimator={estimator} does not use it; remove it"
-            problems.append(SpecProblem(f"algorithm.{knob}", value, reason))
     return problems
 
 

@@ -335,12 +335,6 @@ CASES = [
         id="gspo-estimator-means-gspo-loss",
     ),
     pytest.param(
-        {"algorithm.gamma": 0.9},
-        "tiny-qwen3",
-        "job.yaml: algorithm.gamma=0.9: algorithm.adv_estimator=grpo does not use it; remove it",
-        id="estimator-knob-the-estimator-ignores",
-    ),
-    pytest.param(
         {"actor.policy_loss.loss_mode": "clip_cov", "actor.policy_loss.clip_cov_lb": 6.0},
         "tiny-qwen3",
         "job.yaml: actor.policy_loss.clip_cov_lb=6.0: must be below actor.policy_loss.clip_cov_ub=5.0",
