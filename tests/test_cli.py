@@ -42,6 +42,17 @@ def test_validate_prints_one_problem_per_line_and_exits_2():
     ]
 
 
+def test_validate_names_an_unknown_algorithm_or_plugin_and_exits_2(monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    code = main(["validate", QUICKSTART, "actor.policy_loss.loss_mode=cispoo", "algorithm.adv_estimator=my_est.py:fn"])
+    assert code == EXIT_BAD_SPEC
+    assert capsys.readouterr().err.splitlines() == [
+        f"command line: algorithm.adv_estimator=my_est.py:fn: no such file {REPO_ROOT / 'my_est.py'}",
+        "command line: actor.policy_loss.loss_mode=cispoo: is not a registered policy loss (cispo, clip_cov, gpg, "
+        "gspo, kl_cov, ppo or vanilla) nor a path/to/file.py:function plug-in; did you mean 'cispo'?",
+    ]
+
+
 def test_help_lists_the_five_subcommands():
     result = rlm("--help")
     assert result.returncode == 0

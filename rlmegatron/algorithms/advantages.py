@@ -1,10 +1,14 @@
-"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax): rewards in, masked (advantages, returns) out.
+"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax, GPG, OPO): rewards in, masked (advantages, returns) out.
 
 Both outputs are [batch, resp_len]. Each estimator takes ``(token_level_rewards, response_mask)``
-positionally and its own inputs as keyword-only arguments with the standard names of
-:func:`compute_advantages`, which can therefore feed any registered estimator from one call site.
-Results are constants for the policy update (computed under ``no_grad``) and are 0 wherever
-``response_mask`` is 0.
+positionally and its own inputs by the standard names of :func:`compute_advantages`
+(:data:`ESTIMATOR_INPUTS`), which can therefore feed any registered estimator, or a user's
+``path/to/file.py:function`` with the same protocol, from one call site. Results are constants for
+the policy update (computed under ``no_grad``) and are 0 wherever ``response_mask`` is 0.
+
+Group statistics are computed in float64 and the advantages cast back to the rewards' dtype: a
+group whose rewards are all equal (say 0.1, which float32 cannot hold exactly) then gets
+advantages of exactly 0, not rounding noise that the std division would blow up.
 
 Conventions follow verl's ``core_algos`` so a verl user gets the same numbers on right-padded
 batches. Where a mask has holes (multi-turn: tool-output tokens inside the response), GAE and
@@ -29,14 +33,32 @@ GroupIndex = Union[torch.Tensor, Sequence[Hashable]]
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
+# What the two positional arguments are called in the protocol, and every input the trainer can
+# pass by name; an estimator declares the ones it needs as parameters of these names.
+ESTIMATOR_POSITIONAL = ("token_level_rewards", "response_mask")
+ESTIMATOR_INPUTS = ("values", "group_index", "reward_baselines", "gamma", "lam", "norm_adv_by_std", "epsilon")
 
-def _broadcast_over_tokens(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return zero_outside_mask(per_sequence.unsqueeze(-1).expand(response_mask.shape), response_mask)
+
+def estimator_inputs(estimate: AdvantageEstimator) -> tuple[str, ...]:
+    """The :data:`ESTIMATOR_INPUTS` that ``estimate`` declares (after its two positional parameters)."""
+    try:
+        names = list(inspect.signature(estimate).parameters)[len(ESTIMATOR_POSITIONAL) :]
+    except (TypeError, ValueError):  # a builtin without an introspectable signature declares nothing
+        return ()
+    return tuple(name for name in names if name in ESTIMATOR_INPUTS)
+
+
+def _broadcast_over_tokens(
+    per_sequence: torch.Tensor, response_mask: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """[batch] -> [batch, resp_len] on the valid tokens, in ``dtype`` (the rewards' dtype)."""
+    per_token = per_sequence.to(dtype).unsqueeze(-1).expand(response_mask.shape)
+    return zero_outside_mask(per_token, response_mask)
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Outcome reward per sequence: the sum of its token rewards."""
-    return masked_sum(token_level_rewards, response_mask, dim=-1)
+    """Outcome reward per sequence (the sum of its token rewards), in float64 for the group statistics."""
+    return masked_sum(token_level_rewards.double(), response_mask, dim=-1)
 
 
 def dense_group_ids(group_index: GroupIndex, device: torch.device) -> torch.Tensor:
@@ -51,11 +73,13 @@ def dense_group_ids(group_index: GroupIndex, device: torch.device) -> torch.Tens
 def group_statistics(
     scores: torch.Tensor, group_index: GroupIndex
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence (group mean, group unbiased std, group size) of ``scores`` [batch].
+    """Per-sequence (group mean, group unbiased std, group size) of ``scores`` [batch], in float64.
 
     A group of one gets mean 0 and std 1, as verl does: there is nothing to compare against, so
-    the raw score passes through rather than becoming a degenerate 0 or 0/0.
+    the raw score passes through rather than becoming a degenerate 0 or 0/0. In float64 the mean
+    of n equal float32 scores is exactly that score, so their deviations are exactly 0.
     """
+    scores = scores.double()
     ids = dense_group_ids(group_index, scores.device)
     if ids.shape != scores.shape:
         raise ValueError(f"group_index has {ids.numel()} entries for {scores.numel()} sequences")
@@ -125,7 +149,7 @@ def grpo_advantages(
     advantage = scores - mean
     if norm_adv_by_std:
         advantage = advantage / (std + epsilon)
-    advantages = _broadcast_over_tokens(advantage, response_mask)
+    advantages = _broadcast_over_tokens(advantage, response_mask, token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -143,7 +167,8 @@ def rloo_advantages(
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
     mean, _, size = group_statistics(scores, group_index)
-    advantages = _broadcast_over_tokens((scores - mean) * size / (size - 1).clamp(min=1), response_mask)
+    leave_one_out = (scores - mean) * size / (size - 1).clamp(min=1)
+    advantages = _broadcast_over_tokens(leave_one_out, response_mask, token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -176,7 +201,8 @@ def reinforce_plus_plus_baseline_advantages(
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
     mean, _, _ = group_statistics(scores, group_index)
-    advantages = masked_whiten(_broadcast_over_tokens(scores - mean, response_mask), response_mask)
+    centred = _broadcast_over_tokens(scores - mean, response_mask, torch.float64)
+    advantages = masked_whiten(centred, response_mask).to(token_level_rewards.dtype)
     return advantages, advantages
 
 
@@ -195,14 +221,60 @@ def remax_advantages(
     """
     rewards = zero_outside_mask(token_level_rewards, response_mask)
     returns = zero_outside_mask(rewards.flip(-1).cumsum(-1).flip(-1), response_mask)
-    advantages = returns - _broadcast_over_tokens(reward_baselines, response_mask)
+    advantages = returns - _broadcast_over_tokens(reward_baselines, response_mask, returns.dtype)
     return advantages, returns
 
 
+@ADVANTAGE_ESTIMATORS.register("gpg")
+@torch.no_grad()
+def gpg_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: GroupIndex,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): alpha * (score - group mean), with F_norm = 1 and alpha = B / (B - M).
+
+    B counts the batch's sequences and M those in groups whose scores are all equal: such a group
+    contributes no gradient, and alpha rescales the rest so the batch's gradient keeps its size
+    (the paper's accurate gradient estimation). A group of one keeps its raw score, as in the other
+    group estimators, so it is not among the M. (verl's ``gpg`` counts nonzero scores instead.)
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    mean, std, size = group_statistics(scores, group_index)
+    zero_gradient = ((size > 1) & (std == 0)).sum()
+    alpha = scores.numel() / (scores.numel() - zero_gradient).clamp(min=1)
+    advantages = _broadcast_over_tokens(alpha * (scores - mean), response_mask, token_level_rewards.dtype)
+    return advantages, advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+@torch.no_grad()
+def opo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: GroupIndex,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): score minus the length-weighted group mean sum_j l_j r_j / sum_j l_j.
+
+    With exactly on-policy updates that baseline minimises the gradient variance. A group of one
+    has baseline 0 (its raw score passes through), as in verl.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    lengths = response_mask.double().sum(dim=-1)
+    ids = dense_group_ids(group_index, scores.device)
+    _, _, size = group_statistics(scores, group_index)
+    weighted = torch.zeros_like(size).index_add_(0, ids, lengths * scores)
+    total_length = torch.zeros_like(size).index_add_(0, ids, lengths)
+    baseline = torch.where(size > 1, weighted[ids] / total_length[ids].clamp(min=1), 0.0)
+    advantages = _broadcast_over_tokens(scores - baseline, response_mask, token_level_rewards.dtype)
+    return advantages, advantages
+
+
 def estimator_options(estimator: str) -> frozenset[str]:
-    """The keyword inputs ``estimator`` reads (e.g. ``gamma``, ``group_index``): its keyword-only parameters."""
-    parameters = inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters.values()
-    return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    """The inputs ``estimator`` (a registered name or a plug-in reference) reads, e.g. ``gamma``, ``group_index``."""
+    return frozenset(estimator_inputs(ADVANTAGE_ESTIMATORS.resolve(estimator)))
 
 
 def compute_advantages(
@@ -218,12 +290,12 @@ def compute_advantages(
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the registered ``estimator``, passing it exactly the keyword inputs it declares.
+    """Run ``estimator`` (a registered name or ``path/to/file.py:function``), passing it exactly the inputs it declares.
 
     A trainer can hand over everything it has; an estimator that needs an input left as ``None``
     fails loudly instead of running on a default.
     """
-    estimate = ADVANTAGE_ESTIMATORS.get(estimator)
+    estimate = ADVANTAGE_ESTIMATORS.resolve(estimator)
     supplied = {
         "values": values,
         "group_index": group_index,
@@ -234,11 +306,9 @@ def compute_advantages(
         "epsilon": epsilon,
     }
     kwargs = {}
-    for name, parameter in inspect.signature(estimate).parameters.items():
-        if parameter.kind is not inspect.Parameter.KEYWORD_ONLY:
-            continue
-        if supplied.get(name) is not None:
+    for name in estimator_inputs(estimate):
+        if supplied[name] is not None:
             kwargs[name] = supplied[name]
-        elif parameter.default is inspect.Parameter.empty:
+        elif inspect.signature(estimate).parameters[name].default is inspect.Parameter.empty:
             raise ValueError(f"advantage estimator {estimator!r} needs {name!r}, which was not given")
     return estimate(token_level_rewards, response_mask, **kwargs)

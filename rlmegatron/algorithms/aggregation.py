@@ -1,8 +1,8 @@
 """Loss aggregation: turning a [batch, resp_len] per-token loss into a scalar that is exact under DP and micro-batching.
 
 Every mode is written as ``numerator / denominator`` where the numerator is a sum over sequences
-of a per-sequence quantity, and the denominator counts *tokens* (``token-*`` modes) or non-empty
-*sequences* (``seq-mean-*`` modes):
+of a per-sequence quantity, and the denominator counts *tokens* (``token-*`` modes), non-empty
+*sequences* (``seq-mean-*`` modes), or nothing at all:
 
 ===========================  ====================================  ===================
 mode                         numerator                             denominator
@@ -10,8 +10,12 @@ mode                         numerator                             denominator
 ``token-mean``               sum_i sum_t l_it                      valid tokens
 ``seq-mean-token-sum``       sum_i sum_t l_it                      non-empty sequences
 ``seq-mean-token-mean``      sum_i (sum_t l_it / n_i)              non-empty sequences
-``seq-mean-token-sum-norm``  sum_i sum_t l_it / max_response_len   non-empty sequences
+``seq-mean-token-sum-norm``  sum_i sum_t l_it / max_response_len   1
 ===========================  ====================================  ===================
+
+``seq-mean-token-sum-norm`` is Dr. GRPO's constant normaliser, as verl's ``agg_loss`` computes it:
+the token sum over the whole batch divided by the maximum response length only, so a config ported
+from verl gets the same gradient scale (not one divided again by the number of sequences).
 
 Because the numerator is additive over sequences, a micro-batch divided by the denominator of the
 *whole* mini-batch (all micro-batches on all DP ranks, see :func:`global_denominator`) contributes
@@ -64,7 +68,10 @@ def per_sequence_mean_numerator(
     return (per_sequence_sum / mask_count(response_mask, dim=-1).clamp(min=1)).sum()
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+LENGTH_NORMALISED = "seq-mean-token-sum-norm"
+
+
+@LOSS_AGGREGATIONS.register(LENGTH_NORMALISED)
 def length_normalised_numerator(
     loss_per_token: torch.Tensor, response_mask: torch.Tensor, max_response_length: int
 ) -> torch.Tensor:
@@ -72,15 +79,17 @@ def length_normalised_numerator(
     return masked_sum(loss_per_token, response_mask) / max_response_length
 
 
-def counts_tokens(mode: str) -> bool:
-    """Whether ``mode`` is normalised by valid tokens (else by non-empty sequences)."""
-    LOSS_AGGREGATIONS.get(mode)
-    return mode.startswith("token-")
-
-
 def local_denominator(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """This micro-batch's share of the denominator: its valid tokens or its non-empty sequences."""
-    if counts_tokens(mode):
+    """This micro-batch's share of the denominator: its valid tokens, its non-empty sequences, or 0.
+
+    ``seq-mean-token-sum-norm`` counts nothing (its share is 0, and :func:`aggregate_loss` divides
+    it by 1 whatever denominator it is given), so summing shares over micro-batches and DP ranks
+    stays correct for every mode.
+    """
+    LOSS_AGGREGATIONS.get(mode)
+    if mode == LENGTH_NORMALISED:
+        return torch.zeros((), dtype=torch.int64, device=response_mask.device)
+    if mode.startswith("token-"):
         return mask_count(response_mask)
     return (mask_count(response_mask, dim=-1) > 0).sum()
 
@@ -110,6 +119,7 @@ class LossAggregation:
 
     ``global_denominator``: from :func:`global_denominator` for the same ``mode``; ``None`` divides
     by this micro-batch's own count (correct only when the micro-batch is the whole batch).
+    ``seq-mean-token-sum-norm`` ignores it: its only normaliser is the constant length.
     ``max_response_length``: the constant of ``seq-mean-token-sum-norm``; ``None`` uses the mask
     width, so set it whenever micro-batches are padded to different widths.
     """
@@ -128,6 +138,8 @@ def aggregate_loss(
     """Aggregate a [batch, resp_len] loss to a scalar following ``aggregation`` (see the module docstring)."""
     max_response_length = aggregation.max_response_length or response_mask.shape[-1]
     numerator = LOSS_AGGREGATIONS.get(aggregation.mode)(loss_per_token, response_mask, max_response_length)
+    if aggregation.mode == LENGTH_NORMALISED:
+        return numerator
     denominator = aggregation.global_denominator
     if denominator is None:
         denominator = local_denominator(response_mask, aggregation.mode)

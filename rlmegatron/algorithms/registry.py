@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
+from rlmegatron.plugins import is_plugin_reference, load_plugin
+
 EntryT = TypeVar("EntryT", bound=Callable)
 
 
@@ -41,6 +43,14 @@ class Registry(Generic[EntryT]):
             raise UnknownNameError(
                 f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
             ) from None
+
+    def resolve(self, reference: str) -> EntryT:
+        """The entry registered as `reference`, or the user's function for a plug-in `path/to/file.py:function`.
+
+        Loading by reference works in any process (a trainer rank, a Ray worker), so a spec can name a
+        plug-in that runs far from the driver that validated it.
+        """
+        return load_plugin(reference) if is_plugin_reference(reference) else self.get(reference)
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))

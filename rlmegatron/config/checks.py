@@ -1,15 +1,19 @@
 """Cross-field checks on a parsed JobSpec: parallel layouts vs model and cluster, batch arithmetic, option clashes."""
 from __future__ import annotations
 
+import difflib
 from math import gcd, prod
 from pathlib import Path
+from typing import Any, Callable
 
 from rlmegatron.config.architecture import ArchitectureError, ModelArchitecture, read_architecture
 from rlmegatron.config.errors import NO_VALUE, SpecProblem, one_of, render_value
-from rlmegatron.config.spec import JobSpec, MegatronConfig, ModelConfig, PPOUpdateConfig
+from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, PPOUpdateConfig
+from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
-# Estimators whose baseline is the other responses to the same prompt.
-GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "gspo"})
+# Registered estimators whose baseline is the other responses to the same prompt (they take
+# `group_index`); a plug-in estimator is one when its signature takes `group_index`.
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "gspo", "gpg", "opo"})
 
 
 def check_spec(spec: JobSpec) -> list[SpecProblem]:
@@ -399,31 +403,117 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
 
 
 def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
-    estimator, n, problems = spec.algorithm.adv_estimator, spec.rollout.n, []
-    if estimator in GROUP_ESTIMATORS and n < 2:
+    # The registries hold torch functions, so they load only when a spec is checked.
+    from rlmegatron import algorithms
+
+    problems = []
+    for field, value, registry in (
+        ("actor.loss_agg_mode", spec.actor.loss_agg_mode, algorithms.LOSS_AGGREGATIONS),
+        ("actor.kl_loss_type", spec.actor.kl_loss_type, algorithms.KL_ESTIMATORS),
+        ("algorithm.kl_penalty", spec.algorithm.kl_penalty, algorithms.KL_ESTIMATORS),
+    ):
+        if value not in registry:
+            problems.append(SpecProblem(field, value, _unknown_name(value, registry, plugins=False)))
+    estimator_field, estimator = "algorithm.adv_estimator", spec.algorithm.adv_estimator
+    estimate, problem = _resolve(
+        estimator_field, estimator, algorithms.ADVANTAGE_ESTIMATORS, algorithms.ESTIMATOR_POSITIONAL,
+        algorithms.estimator_inputs,
+        hint=f"; an estimator may take {one_of(algorithms.ESTIMATOR_INPUTS)} by name",
+    )
+    problems += [problem] if problem else _estimator_problems(spec, algorithms.estimator_inputs(estimate))
+    loss_field, loss_mode = "actor.policy_loss.loss_mode", spec.actor.policy_loss.loss_mode
+    loss, problem = _resolve(
+        loss_field, loss_mode, algorithms.POLICY_LOSSES, algorithms.POLICY_LOSS_POSITIONAL,
+        algorithms.POLICY_LOSS_KEYWORDS,
+    )
+    problems += [problem] if problem else _unread_loss_knobs(spec.actor, loss, algorithms)
+    if estimator == "gspo" and loss_mode != "gspo":
         reason = (
-            f"algorithm.adv_estimator={estimator} compares the responses to each prompt, "
-            "which needs rollout.n >= 2"
+            "algorithm.adv_estimator=gspo is grpo's advantage with the gspo loss; to pair grpo's "
+            "advantage with another loss, use algorithm.adv_estimator=grpo"
         )
-        problems.append(SpecProblem("rollout.n", n, reason))
-    if spec.algorithm.dynamic_sampling.enable and n < 2:
+        problems.append(SpecProblem(loss_field, loss_mode, reason))
+    knobs = spec.actor.policy_loss
+    if knobs.clip_cov_lb >= knobs.clip_cov_ub:
+        reason = f"must be below actor.policy_loss.clip_cov_ub={render_value(knobs.clip_cov_ub)}"
+        problems.append(SpecProblem("actor.policy_loss.clip_cov_lb", knobs.clip_cov_lb, reason))
+    if spec.algorithm.dynamic_sampling.enable and spec.rollout.n < 2:
         reason = "drops groups whose rewards are all equal, which needs rollout.n >= 2"
         problems.append(SpecProblem("algorithm.dynamic_sampling.enable", True, reason))
-    if estimator == "gae" and not spec.critic.enable:
-        reason = "algorithm.adv_estimator=gae needs a value model; set it to true or leave it unset"
-        problems.append(SpecProblem("critic.enable", False, reason))
-    if estimator != "gae" and spec.critic.enable:
-        reason = (
-            f"algorithm.adv_estimator={estimator} does not use a value model; "
-            "set it to false, or use algorithm.adv_estimator=gae"
-        )
-        problems.append(SpecProblem("critic.enable", True, reason))
     if spec.trainer.critic_warmup and not spec.critic.enable:
         reason = "lets only the critic train for its first steps, and there is no critic; set it to 0"
         problems.append(SpecProblem("trainer.critic_warmup", spec.trainer.critic_warmup, reason))
     if spec.reward.overlong_buffer.enable and spec.reward.manager != "dapo":
         reason = "is applied by the dapo reward manager; set reward.manager=dapo"
         problems.append(SpecProblem("reward.overlong_buffer.enable", True, reason))
+    return problems
+
+
+def _unknown_name(value: str, registry: Any, plugins: bool) -> str:
+    reason = f"is not a registered {registry.kind} ({one_of(registry.names())})"
+    if plugins:
+        reason += " nor a path/to/file.py:function plug-in"
+    close = difflib.get_close_matches(value, registry.names(), n=1, cutoff=0.6)
+    return reason + (f"; did you mean '{close[0]}'?" if close else "")
+
+
+def _resolve(
+    field: str, value: str, registry: Any, positional: tuple[str, ...], keywords: Any, hint: str = ""
+) -> tuple[Callable | None, SpecProblem | None]:
+    """The function a registered name or a plug-in reference stands for, or the problem that stops it."""
+    if is_plugin_reference(value):
+        reason = plugin_problem(value, positional, keywords)
+        if reason:
+            # `hint` explains a call that does not fit (call_problem's "cannot be called as ..."), not a load error.
+            return None, SpecProblem(field, value, reason + (hint if reason.startswith("cannot be called") else ""))
+        return load_plugin(value), None
+    if value not in registry:
+        return None, SpecProblem(field, value, _unknown_name(value, registry, plugins=True))
+    return registry.get(value), None
+
+
+def _estimator_problems(spec: JobSpec, inputs: tuple[str, ...]) -> list[SpecProblem]:
+    """What the estimator taking `inputs` needs from the rest of the spec."""
+    estimator, n, problems = spec.algorithm.adv_estimator, spec.rollout.n, []
+    in_groups = estimator in GROUP_ESTIMATORS if not is_plugin_reference(estimator) else "group_index" in inputs
+    if in_groups and n < 2:
+        reason = (
+            f"algorithm.adv_estimator={estimator} compares the responses to each prompt, "
+            "which needs rollout.n >= 2"
+        )
+        problems.append(SpecProblem("rollout.n", n, reason))
+    if "values" in inputs and not spec.critic.enable:
+        fix = "set it to true or leave it unset" if estimator == "gae" else "set it to true"
+        reason = f"algorithm.adv_estimator={estimator} needs a value model; {fix}"
+        problems.append(SpecProblem("critic.enable", False, reason))
+    if "values" not in inputs and spec.critic.enable:
+        reason = (
+            f"algorithm.adv_estimator={estimator} does not use a value model; "
+            "set it to false, or use algorithm.adv_estimator=gae"
+        )
+        problems.append(SpecProblem("critic.enable", True, reason))
+    return problems
+
+
+def _unread_loss_knobs(actor: ActorConfig, loss: Callable, algorithms: Any) -> list[SpecProblem]:
+    """Loss settings the chosen loss never reads must keep their defaults (a user's loss may read any)."""
+    read = algorithms.config_fields_read(loss)
+    if read is None:
+        return []
+    defaults = ActorConfig().policy_loss_settings()
+    problems = []
+    for name, (field, value) in actor.policy_loss_settings().items():
+        if name in read or value == defaults[name][1]:
+            continue
+        readers = sorted(
+            loss_name for loss_name in algorithms.POLICY_LOSSES.names()
+            if name in algorithms.config_fields_read(algorithms.POLICY_LOSSES.get(loss_name))
+        )
+        reason = (
+            f"actor.policy_loss.loss_mode={actor.policy_loss.loss_mode} does not use it; remove it, "
+            f"or use a loss that does ({one_of(readers)})"
+        )
+        problems.append(SpecProblem(field, value, reason))
     return problems
 
 

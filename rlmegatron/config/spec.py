@@ -14,25 +14,31 @@ Some defaults derive from other fields and are filled in when the spec is valida
 `tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
 `data.max_response_length`; `rollout.log_prob_micro_batch_size_per_gpu` follows
 `actor.ppo_micro_batch_size_per_gpu`; `model.tokenizer_path` follows `model.path`;
-`critic.enable` follows whether `algorithm.adv_estimator` is `gae`; `trainer.run_dir`
-is `runs/<trainer.experiment_name>`. Cross-field rules live in `checks.py`.
+`critic.enable` follows whether `algorithm.adv_estimator` is `gae`;
+`actor.policy_loss.loss_mode` follows `algorithm.adv_estimator`: `gspo` for `gspo` (GRPO's
+advantage with the sequence-ratio loss), `vanilla` otherwise; `trainer.run_dir` is
+`runs/<trainer.experiment_name>`. Cross-field rules live in `checks.py`.
+
+Algorithm names are checked against the registries of `rlmegatron.algorithms`, not retyped here:
+`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`, `actor.loss_agg_mode`,
+`actor.kl_loss_type` and `algorithm.kl_penalty` take a registered name, and the first two also a
+user's `path/to/file.py:function` plug-in.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from rlmegatron.plugins import is_plugin_reference
+
 PositiveInt = Annotated[int, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 
-_PLUGIN_REF = re.compile(r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$")
-
 
 def _require_plugin_ref(value: str) -> str:
-    if not _PLUGIN_REF.match(value):
+    if not is_plugin_reference(value):
         raise ValueError("must look like path/to/file.py:name")
     return value
 
@@ -59,7 +65,6 @@ Text = Annotated[str, Field(strict=False)]
 PluginRef = Annotated[str, AfterValidator(_require_plugin_ref)]
 DataFile = Annotated[str, AfterValidator(_require_data_file)]
 StepFrequency = Annotated[int, AfterValidator(_require_frequency)]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "abs"]
 
 
 class Section(BaseModel):
@@ -174,23 +179,55 @@ class PPOUpdateConfig(Section):
     ppo_epochs: PositiveInt = 1
 
 
+class PolicyLossConfig(Section):
+    """Which policy loss the actor minimises, and the knobs of the covariance losses (verl's actor.policy_loss)."""
+
+    loss_mode: Text | None = None
+    """A policy loss registered in rlmegatron.algorithms (vanilla, gspo, ...) or path/to/file.py:function;
+    null follows algorithm.adv_estimator (gspo for gspo, else vanilla)."""
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """clip_cov: share of the valid tokens whose gradient is dropped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: tokens are dropped only if their advantage/log-prob covariance exceeds this..."""
+    clip_cov_ub: float = 5.0
+    """...and stays below this."""
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1)
+    """kl_cov: share of the valid tokens (those of largest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = Field(0.1, ge=0)
+    """kl_cov: weight of that penalty, |log(pi / pi_old)| per token."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1)
-    """Dual-clip bound on the loss of negative-advantage tokens."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    clip_ratio_c: Annotated[float, Field(gt=1)] | None = 3.0
+    """Dual-clip bound on the loss of negative-advantage tokens; null turns the dual clip off."""
+    loss_agg_mode: Text = "token-mean"
+    """How per-token losses become one scalar: a mode registered in rlmegatron.algorithms (verl's names and
+    meanings: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, ...)."""
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: KLEstimator = "low_var_kl"
+    kl_loss_type: Text = "low_var_kl"
+    """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     tis_imp_ratio_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
+
+    def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
+        """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""
+        knobs = self.policy_loss
+        return {
+            "clip_ratio_low": ("actor.clip_ratio_low", self.clip_ratio_low),
+            "clip_ratio_high": ("actor.clip_ratio_high", self.clip_ratio_high),
+            "clip_ratio_c": ("actor.clip_ratio_c", self.clip_ratio_c),
+            "tis_cap": ("actor.tis_imp_ratio_cap", self.tis_imp_ratio_cap),
+            **{name: (f"actor.policy_loss.{name}", getattr(knobs, name))
+               for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
+        }
 
 
 class RefConfig(Section):
@@ -308,15 +345,14 @@ class DynamicSamplingConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal[
-        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gspo"
-    ] = "grpo"
+    adv_estimator: Text = "grpo"
+    """An advantage estimator registered in rlmegatron.algorithms (grpo, gae, rloo, ...) or path/to/file.py:function."""
     gamma: Probability = 1.0
     lam: Probability = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: KLEstimator = "k1"
-    """KL estimator for the in-reward penalty (use_kl_in_reward)."""
+    kl_penalty: Text = "k1"
+    """KL estimator for the in-reward penalty (use_kl_in_reward), registered like actor.kl_loss_type."""
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 
@@ -421,6 +457,8 @@ class JobSpec(Section):
                 megatron.expert_tensor_parallel_size = megatron.tensor_model_parallel_size
         if self.critic.enable is None:
             self.critic.enable = self.algorithm.adv_estimator == "gae"
+        if self.actor.policy_loss.loss_mode is None:
+            self.actor.policy_loss.loss_mode = "gspo" if self.algorithm.adv_estimator == "gspo" else "vanilla"
         if self.rollout.max_new_tokens is None:
             self.rollout.max_new_tokens = self.data.max_response_length
         if self.rollout.log_prob_micro_batch_size_per_gpu is None:

@@ -42,13 +42,9 @@ def actor_settings(spec: JobSpec):
     return ActorSettings(
         **_training_fields(actor, spec),
         temperature=spec.rollout.temperature or 1.0,
-        policy_loss="gspo" if spec.algorithm.adv_estimator == "gspo" else "vanilla",
-        policy_loss_config=PolicyLossConfig(
-            clip_ratio_low=actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c,
-            tis_cap=actor.tis_imp_ratio_cap,
-        ),
+        policy_loss=actor.policy_loss.loss_mode,
+        policy_loss_config=PolicyLossConfig(**{name: value for name, (_, value) in
+                                               actor.policy_loss_settings().items()}),
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,

@@ -68,7 +68,7 @@ class Trainer:
         self.kl_ctrl = (FixedKLController(kl.kl_coef) if kl.type == "fixed"
                         else AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon))
         # An estimator that declares `reward_baselines` (ReMax) compares each sample with the greedy response.
-        estimator = inspect.signature(ADVANTAGE_ESTIMATORS.get(spec.algorithm.adv_estimator)).parameters
+        estimator = inspect.signature(ADVANTAGE_ESTIMATORS.resolve(spec.algorithm.adv_estimator)).parameters
         self.uses_greedy_baseline = "reward_baselines" in estimator
         self.step = 0
         self.weight_version = "init"

@@ -1,6 +1,6 @@
 """Prompt datasets: typed records, verl-format reading, resumable batching, and dataset preparation."""
 from rlmegatron.data.dataset import DatasetError, PromptDataset, RLDataset, build_dataset, templated_prompt_ids
-from rlmegatron.data.plugins import PluginError, load_plugin
+from rlmegatron.plugins import PluginError, load_plugin
 from rlmegatron.data.records import Sample
 from rlmegatron.data.sampler import PromptDataLoader, ResumableBatchSampler, SamplerState
 from rlmegatron.data.tokenizer import build_char_tokenizer

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlmegatron.data.plugins import load_plugin
+from rlmegatron.plugins import load_plugin
 from rlmegatron.data.records import Sample, sample_from_row
 
 if TYPE_CHECKING:

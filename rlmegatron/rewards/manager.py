@@ -70,7 +70,7 @@ def _init_worker(function_ref: str | None) -> None:
 
         _worker_function = default_compute_score
     else:
-        from rlmegatron.data.plugins import load_plugin
+        from rlmegatron.plugins import load_plugin
 
         _worker_function = load_plugin(function_ref)
 

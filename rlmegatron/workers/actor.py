@@ -22,7 +22,7 @@ class ActorSettings(TrainingSettings):
     # The tokenizer's vocabulary. Megatron pads the output layer to a TP-divisible size, and the padding
     # rows' logits (0 for weights imported from HF) would otherwise take probability mass.
     vocab_size: Optional[int] = None
-    policy_loss: str = "vanilla"
+    policy_loss: str = "vanilla"  # a registered name or a user's path/to/file.py:function
     policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -80,7 +80,7 @@ class ActorWorker(TrainingWorker):
     def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
         s = self.settings
         aggregation = self._aggregation(mini_batch)
-        policy_loss_fn = POLICY_LOSSES.get(s.policy_loss)
+        policy_loss_fn = POLICY_LOSSES.resolve(s.policy_loss)
 
         def loss_func_for(micro_batch: MicroBatch, logits: torch.Tensor):
             fields = micro_batch.response_fields
@@ -102,9 +102,7 @@ class ActorWorker(TrainingWorker):
                 loss = loss + entropy_term
             reported = {
                 "actor/pg_loss": pg_loss.detach(),
-                "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
-                "actor/pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"],
-                "actor/ppo_kl": pg_metrics["ppo_kl"],
+                **{f"actor/{name}": value for name, value in pg_metrics.items()},
                 "actor/entropy": entropy_metrics["entropy"],
             }
             if s.use_kl_loss:

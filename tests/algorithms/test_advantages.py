@@ -4,7 +4,8 @@ verl counterparts (verl.trainer.ppo.core_algos): gae -> compute_gae_advantage_re
 grpo -> compute_grpo_outcome_advantage, rloo -> compute_rloo_outcome_advantage,
 reinforce_plus_plus -> compute_reinforce_plus_plus_outcome_advantage,
 reinforce_plus_plus_baseline -> compute_reinforce_plus_plus_baseline_outcome_advantage,
-remax -> compute_remax_outcome_advantage.
+remax -> compute_remax_outcome_advantage, opo -> compute_opo_outcome_advantage,
+gpg -> compute_gpg_outcome_advantage (whose alpha counts nonzero scores; ours is the paper's).
 """
 
 import math
@@ -15,9 +16,12 @@ import torch
 from torch.testing import assert_close
 
 from rlmegatron.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     compute_advantages,
     gae_advantages,
+    gpg_advantages,
     grpo_advantages,
+    opo_advantages,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     remax_advantages,
@@ -175,6 +179,45 @@ def test_group_estimators_match_their_formulas_on_random_inputs():
     assert_close(reinforce_plus_plus_baseline_advantages(rewards, mask, group_index=index)[0], expected)
 
 
+def test_gpg_by_hand():
+    """GPG (Chu et al. 2025, F_norm = 1): alpha * (score - group mean), alpha = B / (B - M)."""
+    rewards, mask = _outcome_batch()
+    advantages, returns = gpg_advantages(rewards, mask, group_index=GROUPS)
+    # B = 6 sequences; group b (1, 1) is all equal, so M = 2 and alpha = 6 / 4 = 1.5.
+    # a: 1.5 * (1 - 1/3) = 1, 1.5 * (0 - 1/3) = -0.5 (twice); b: 0, 0; c (alone, mean 0): 1.5 * 0.5 = 0.75
+    assert_close(advantages, _broadcast([1.0, -0.5, -0.5, 0.0, 0.0, 0.75], mask))
+    assert torch.equal(returns, advantages)
+    # Every group varied: M = 0, alpha = 1, and GPG is Dr. GRPO's score - mean.
+    varied = outcome_rewards(T([1.0, 0.0, 0.0, 1.0, 0.0, 0.5]), mask)
+    assert_close(gpg_advantages(varied, mask, group_index=GROUPS)[0],
+                 grpo_advantages(varied, mask, group_index=GROUPS, norm_adv_by_std=False)[0])
+
+
+def test_opo_by_hand():
+    """OPO (Hao et al. 2025): score minus the length-weighted group mean sum_j l_j r_j / sum_j l_j."""
+    rewards, mask = _outcome_batch()
+    advantages, returns = opo_advantages(rewards, mask, group_index=GROUPS)
+    # a: lengths 3, 1, 2 and scores 1, 0, 0 -> baseline 3 / 6 = 0.5 -> 0.5, -0.5, -0.5
+    # b: lengths 2, 3 and scores 1, 1 -> baseline 5 / 5 = 1 -> 0, 0; c: alone, baseline 0 -> 0.5
+    assert_close(advantages, _broadcast([0.5, -0.5, -0.5, 0.0, 0.0, 0.5], mask))
+    assert torch.equal(returns, advantages)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gpg", "opo", "reinforce_plus_plus_baseline"])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(estimator):
+    """Rewards of 0.1 in float32: the group mean is exact in float64, so score - mean is exactly 0."""
+    group = 8
+    scores = torch.full((group,), 0.1, dtype=torch.float32)
+    # The teeth: accumulated in float32, the mean of eight 0.1s is not 0.1, and GRPO's 1/(std + 1e-6)
+    # would turn that 7e-9 into an advantage of about -0.007 for every sample.
+    float32_mean = torch.zeros(1).index_add_(0, torch.zeros(group, dtype=torch.long), scores) / group
+    assert (scores - float32_mean).abs().max() > 0
+    mask = torch.ones(group, 3)
+    advantages, _ = compute_advantages(estimator, outcome_rewards(scores, mask), mask, group_index=[0] * group)
+    assert advantages.dtype == torch.float32
+    assert torch.equal(advantages, torch.zeros_like(advantages))
+
+
 # ---------------------------------------------------------------- REINFORCE++, ReMax
 
 
@@ -234,9 +277,7 @@ def test_remax_by_hand():
 # ---------------------------------------------------------------- shared properties and dispatch
 
 
-@pytest.mark.parametrize(
-    "estimator", ["gae", "grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
-)
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS.names())
 def test_every_estimator_is_masked_shaped_and_gradient_free(estimator):
     generator = torch.Generator().manual_seed(6)
     index, rewards, mask, _ = _random_groups(generator)
@@ -266,3 +307,25 @@ def test_compute_advantages_forwards_options_and_demands_required_inputs():
         compute_advantages("gae", rewards, mask, gamma=1.0, lam=1.0)
     with pytest.raises(ValueError, match="'rloo' needs 'group_index'"):
         compute_advantages("rloo", rewards, mask)
+
+
+PLUGIN_ESTIMATOR = """
+def centred(token_level_rewards, response_mask, group_index, gamma=0.5):
+    # group_index by position-or-keyword name, gamma defaulted but supplied
+    scores = (token_level_rewards * response_mask).sum(-1)
+    advantage = (scores - scores.mean()) * gamma
+    return advantage.unsqueeze(-1) * response_mask, scores.unsqueeze(-1) * response_mask
+"""
+
+
+def test_compute_advantages_runs_a_plugin_with_the_inputs_it_names(tmp_path):
+    (tmp_path / "my_estimators.py").write_text(PLUGIN_ESTIMATOR)
+    reference = f"{tmp_path / 'my_estimators.py'}:centred"
+    rewards, mask = _outcome_batch()
+    advantages, returns = compute_advantages(reference, rewards, mask, group_index=GROUPS, gamma=0.25, lam=0.9)
+    # scores 1, 0, 0, 1, 1, 0.5: mean 3.5 / 6; times gamma 0.25 (lam is not among its inputs)
+    expected = [(score - 3.5 / 6) * 0.25 for score in SCORES]
+    assert_close(advantages, _broadcast(expected, mask))
+    assert_close(returns, _broadcast(SCORES, mask))
+    with pytest.raises(ValueError, match="needs 'group_index'"):
+        compute_advantages(reference, rewards, mask)

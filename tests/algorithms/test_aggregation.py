@@ -1,9 +1,9 @@
 """Loss aggregation modes and their exactness under DP shards and uneven micro-batches.
 
-The single-batch values mirror verl.trainer.ppo.core_algos.agg_loss for ``token-mean``,
-``seq-mean-token-sum`` and ``seq-mean-token-mean``. For ``seq-mean-token-sum-norm`` verl's agg_loss
-returns sum / max_len without the 1/num_sequences of Dr. GRPO's objective; ours includes it, so
-ours * num_sequences == verl's (checked below).
+The single-batch values mirror verl.trainer.ppo.core_algos.agg_loss for every mode, including
+``seq-mean-token-sum-norm``: the token sum over the batch divided by the max response length only.
+(An earlier version here also divided that by the number of sequences, so a config ported from verl
+trained with gradients num_sequences times smaller; the expected values below changed with it.)
 """
 
 import multiprocessing
@@ -38,23 +38,23 @@ HAND_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
         ("token-mean", 10.0 / 4.0),  # (1 + 2 + 3 + 4) / 4 valid tokens = 2.5
         ("seq-mean-token-sum", 10.0 / 2.0),  # (6 + 4) / 2 non-empty sequences = 5
         ("seq-mean-token-mean", 3.0),  # (6/3 + 4/1) / 2 = (2 + 4) / 2 = 3
-        ("seq-mean-token-sum-norm", 10.0 / 3.0 / 2.0),  # (6 + 4) / max_len 3 / 2 sequences = 1.6667
+        ("seq-mean-token-sum-norm", 10.0 / 3.0),  # (6 + 4) / max_len 3 = 3.3333; no division by the 2 sequences
     ],
 )
 def test_modes_by_hand(mode, expected):
     assert_close(aggregate_loss(HAND_LOSS, HAND_MASK, LossAggregation(mode)), torch.tensor(expected))
 
 
-def test_token_sum_norm_is_verl_value_over_num_sequences():
-    verl_agg_loss = 10.0 / 3.0  # verl: sum of token sums / loss_mask.shape[-1]
-    ours = aggregate_loss(HAND_LOSS, HAND_MASK, LossAggregation("seq-mean-token-sum-norm"))
-    assert_close(ours * 2, torch.tensor(verl_agg_loss))
+def test_token_sum_norm_divides_by_the_constant_only():
+    # Whatever denominator a caller passes (the sequence count, say), only the constant length divides.
+    norm = LossAggregation("seq-mean-token-sum-norm", global_denominator=torch.tensor(2), max_response_length=5)
+    assert_close(aggregate_loss(HAND_LOSS, HAND_MASK, norm), torch.tensor(10.0 / 5.0))
+    # Twice the sequences, twice the loss: the sum is not averaged over sequences.
+    doubled = aggregate_loss(torch.cat([HAND_LOSS, HAND_LOSS]), torch.cat([HAND_MASK, HAND_MASK]), norm)
+    assert_close(doubled, torch.tensor(2 * 10.0 / 5.0))
 
 
 def test_explicit_normaliser_and_global_denominator():
-    # (6 + 4) / 5 / 2 = 1
-    norm = LossAggregation("seq-mean-token-sum-norm", max_response_length=5)
-    assert_close(aggregate_loss(HAND_LOSS, HAND_MASK, norm), torch.tensor(1.0))
     # numerator 10 over a caller-supplied 8 tokens
     assert_close(aggregate_loss(HAND_LOSS, HAND_MASK, LossAggregation("token-mean", 8)), torch.tensor(1.25))
     assert_close(
@@ -64,8 +64,10 @@ def test_explicit_normaliser_and_global_denominator():
 
 def test_denominators_by_hand():
     assert local_denominator(HAND_MASK, "token-mean").item() == 4
-    for mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         assert local_denominator(HAND_MASK, mode).item() == 2  # the padding row is no sequence
+    assert local_denominator(HAND_MASK, "seq-mean-token-sum-norm").item() == 0  # counts nothing
+    assert global_denominator([HAND_MASK, HAND_MASK[1:2]], "seq-mean-token-sum-norm").item() == 0
     # 4 + 1 tokens; 2 + 1 sequences
     assert global_denominator([HAND_MASK, HAND_MASK[1:2]], "token-mean").item() == 5
     assert global_denominator([HAND_MASK, HAND_MASK[1:2]], "seq-mean-token-mean").item() == 3
@@ -110,6 +112,8 @@ def _reference(loss, mask, mode, max_len):
         )
     if mode == "token-mean":
         return torch.cat(per_sequence).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return torch.stack(per_sequence).sum()  # Dr. GRPO / verl: a sum over sequences, no mean
     return torch.stack(per_sequence).mean()
 
 

@@ -1,6 +1,8 @@
-"""The generic registry and the names each algorithm registry exposes."""
+"""The generic registry, plug-in references, and the names each algorithm registry exposes."""
 
 import pytest
+
+from rlmegatron.plugins import PluginError
 
 from rlmegatron.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -51,12 +53,24 @@ def test_conflicting_registration_is_refused_but_reregistering_is_idempotent():
 
 def test_package_registries_expose_the_documented_names():
     assert set(ADVANTAGE_ESTIMATORS.names()) == {
-        "gae", "grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+        "gae", "grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg", "opo",
     }
-    assert set(POLICY_LOSSES.names()) == {"vanilla", "ppo", "gspo"}
+    assert set(POLICY_LOSSES.names()) == {"vanilla", "ppo", "gspo", "gpg", "cispo", "clip_cov", "kl_cov"}
     assert set(KL_ESTIMATORS.names()) == {"k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"}
     assert set(LOSS_AGGREGATIONS.names()) == {
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
     }
     # GSPO changes the ratio, not the advantage: its estimator name is GRPO's.
     assert ADVANTAGE_ESTIMATORS.get("gspo") is grpo_advantages
+
+
+def test_resolve_takes_a_registered_name_or_a_plugin_reference(tmp_path):
+    registry = Registry("widget")
+    registry.register("square")(lambda x: x * x)
+    (tmp_path / "widgets.py").write_text("def cube(x):\n    return x ** 3\n")
+    assert registry.resolve("square")(3) == 9
+    assert registry.resolve(f"{tmp_path / 'widgets.py'}:cube")(3) == 27
+    with pytest.raises(UnknownNameError, match="unknown widget 'cube'"):
+        registry.resolve("cube")
+    with pytest.raises(PluginError, match="widgets.py defines no 'cub'"):
+        registry.resolve(f"{tmp_path / 'widgets.py'}:cub")

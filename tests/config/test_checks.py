@@ -8,11 +8,13 @@ import json
 import pytest
 
 from rlmegatron.config import JobSpec, check_spec
-from tests.config.specs import MODELS_DIR, minimal_spec, problems_of, problems_with
+from rlmegatron.config.checks import GROUP_ESTIMATORS
+from tests.config.specs import MODELS_DIR, REPO_ROOT, minimal_spec, problems_of, problems_with
 
 RANKS = "the 8 trainer CPU ranks (placement.nnodes × placement.gpus_per_node)"
 QWEN25 = {"model.path": "Qwen/Qwen2.5-0.5B", "model.hf_config": str(MODELS_DIR / "qwen2.5-0.5b")}
 DEEPSEEK = {"model.path": "deepseek-ai/DeepSeek-V3", "model.hf_config": str(MODELS_DIR / "deepseek-v3")}
+PLUGINS = REPO_ROOT / "tests" / "config" / "algorithm_plugins.py"
 # 24 ranks so that sizes like 3 fit the cluster and only the model can reject them.
 RANKS_24 = {"placement.nnodes": 3, "data.train_batch_size": 24, "actor.ppo_mini_batch_size": 24}
 
@@ -284,6 +286,105 @@ CASES = [
         id="critic-unused-by-grpo",
     ),
     pytest.param(
+        {"algorithm.adv_estimator": "grpoo"},
+        "tiny-qwen3",
+        "job.yaml: algorithm.adv_estimator=grpoo: is not a registered advantage estimator (gae, gpg, grpo, gspo, "
+        "opo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax or rloo) nor a path/to/file.py:function "
+        "plug-in; did you mean 'grpo'?",
+        id="estimator-name-is-registered",
+    ),
+    pytest.param(
+        {"actor.policy_loss.loss_mode": "clipcov"},
+        "tiny-qwen3",
+        "job.yaml: actor.policy_loss.loss_mode=clipcov: is not a registered policy loss (cispo, clip_cov, gpg, gspo, "
+        "kl_cov, ppo or vanilla) nor a path/to/file.py:function plug-in; did you mean 'clip_cov'?",
+        id="loss-mode-is-registered",
+    ),
+    pytest.param(
+        {"actor.loss_agg_mode": "token-sum"},
+        "tiny-qwen3",
+        "job.yaml: actor.loss_agg_mode=token-sum: is not a registered loss aggregation mode (seq-mean-token-mean, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm or token-mean); did you mean 'token-mean'?",
+        id="loss-agg-mode-is-registered",
+    ),
+    pytest.param(
+        {"actor.kl_loss_type": "k4", "actor.use_kl_loss": True},
+        "tiny-qwen3",
+        "job.yaml: actor.kl_loss_type=k4: is not a registered KL estimator (abs, k1, k2, k3, kl, low_var_kl or mse)",
+        id="kl-loss-type-is-registered",
+    ),
+    pytest.param(
+        {"actor.policy_loss.clip_cov_ratio": 0.01},
+        "tiny-qwen3",
+        "job.yaml: actor.policy_loss.clip_cov_ratio=0.01: actor.policy_loss.loss_mode=vanilla does not use it; "
+        "remove it, or use a loss that does (clip_cov)",
+        id="loss-knob-the-loss-ignores",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": "gspo", "actor.clip_ratio_c": 10.0},
+        "tiny-qwen3",
+        "job.yaml: actor.clip_ratio_c=10.0: actor.policy_loss.loss_mode=gspo does not use it; remove it, "
+        "or use a loss that does (ppo or vanilla)",
+        id="gspo-has-no-dual-clip",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": "gspo", "actor.policy_loss.loss_mode": "vanilla"},
+        "tiny-qwen3",
+        "job.yaml: actor.policy_loss.loss_mode=vanilla: algorithm.adv_estimator=gspo is grpo's advantage with the "
+        "gspo loss; to pair grpo's advantage with another loss, use algorithm.adv_estimator=grpo",
+        id="gspo-estimator-means-gspo-loss",
+    ),
+    pytest.param(
+        {"actor.policy_loss.loss_mode": "clip_cov", "actor.policy_loss.clip_cov_lb": 6.0},
+        "tiny-qwen3",
+        "job.yaml: actor.policy_loss.clip_cov_lb=6.0: must be below actor.policy_loss.clip_cov_ub=5.0",
+        id="clip-cov-window",
+    ),
+    pytest.param(
+        {"actor.policy_loss.loss_mode": "/nonexistent/my_loss.py:reinforce"},
+        "tiny-qwen3",
+        "job.yaml: actor.policy_loss.loss_mode=/nonexistent/my_loss.py:reinforce: no such file /nonexistent/my_loss.py",
+        id="loss-plugin-file-exists",
+    ),
+    pytest.param(
+        {"actor.policy_loss.loss_mode": f"{PLUGINS}:reinforce"},
+        "tiny-qwen3",
+        f"job.yaml: actor.policy_loss.loss_mode={PLUGINS}:reinforce: algorithm_plugins.py defines no 'reinforce'",
+        id="loss-plugin-function-exists",
+    ),
+    pytest.param(
+        {"actor.policy_loss.loss_mode": f"{PLUGINS}:loss_without_aggregation"},
+        "tiny-qwen3",
+        f"job.yaml: actor.policy_loss.loss_mode={PLUGINS}:loss_without_aggregation: cannot be called as "
+        "loss_without_aggregation(old_log_prob, log_prob, advantages, response_mask, config=, aggregation=, "
+        "rollout_log_prob=): got an unexpected keyword argument 'aggregation'",
+        id="loss-plugin-signature-fits",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": f"{PLUGINS}:estimator_wanting_a_teacher"},
+        "tiny-qwen3",
+        f"job.yaml: algorithm.adv_estimator={PLUGINS}:estimator_wanting_a_teacher: cannot be called as "
+        "estimator_wanting_a_teacher(token_level_rewards, response_mask): missing a required argument: "
+        "'teacher_scores'; an estimator may take values, group_index, reward_baselines, gamma, lam, "
+        "norm_adv_by_std or epsilon by name",
+        id="estimator-plugin-signature-fits",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": f"{PLUGINS}:value_baseline_estimator"},
+        "tiny-qwen3",
+        f"job.yaml: critic.enable=false: algorithm.adv_estimator={PLUGINS}:value_baseline_estimator needs a value "
+        "model; set it to true",
+        id="estimator-plugin-taking-values-needs-critic",
+    ),
+    pytest.param(
+        {"algorithm.adv_estimator": f"{PLUGINS}:centred_estimator", "rollout.n": 1,
+         "actor.ppo_micro_batch_size_per_gpu": 1},
+        "tiny-qwen3",
+        f"job.yaml: rollout.n=1: algorithm.adv_estimator={PLUGINS}:centred_estimator compares the responses to "
+        "each prompt, which needs rollout.n >= 2",
+        id="group-plugin-estimator-needs-group",
+    ),
+    pytest.param(
         {"reward.overlong_buffer.enable": True, "reward.overlong_buffer.length": 16},
         "tiny-qwen3",
         "job.yaml: reward.overlong_buffer.enable=true: is applied by the dapo reward manager; set reward.manager=dapo",
@@ -391,6 +492,38 @@ def test_check_fires_with_field_value_and_fix(settings, model, message):
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_minimal_spec_has_no_problems(model):
     assert problems_of(minimal_spec(model)) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"actor.clip_ratio_c": None},
+        {"algorithm.adv_estimator": "gspo"},
+        {"actor.policy_loss.loss_mode": "clip_cov", "actor.policy_loss.clip_cov_ratio": 0.01,
+         "actor.policy_loss.clip_cov_lb": 0.5, "actor.policy_loss.clip_cov_ub": 2.0},
+        {"actor.policy_loss.loss_mode": "kl_cov", "actor.policy_loss.kl_cov_ratio": 0.01,
+         "actor.policy_loss.ppo_kl_coef": 1.0, "actor.clip_ratio_low": 0.2},
+        {"actor.policy_loss.loss_mode": f"{PLUGINS}:reinforce_loss", "actor.policy_loss.clip_cov_ratio": 0.01},
+        {"algorithm.adv_estimator": f"{PLUGINS}:centred_estimator"},
+        {"algorithm.adv_estimator": f"{PLUGINS}:value_baseline_estimator", "critic.enable": True,
+         "critic.ppo_mini_batch_size": 8, "algorithm.gamma": 0.9},
+        {"algorithm.adv_estimator": "gpg", "actor.policy_loss.loss_mode": "gpg"},
+        {"actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.kl_loss_type": "mse", "actor.use_kl_loss": True},
+    ],
+    ids=["no-dual-clip", "gspo", "clip-cov-knobs", "kl-cov-knobs-and-the-default-clip", "loss-plugin-reads-anything",
+         "estimator-plugin", "value-estimator-plugin-with-critic", "gpg", "verl-names"],
+)
+def test_algorithm_choices_that_pass(settings):
+    """Registered names, plug-ins that fit their protocol, and knobs the chosen algorithm reads (or left default)."""
+    assert problems_with(settings) == []
+
+
+def test_group_estimators_are_exactly_those_that_take_group_index():
+    from rlmegatron.algorithms import ADVANTAGE_ESTIMATORS, estimator_inputs
+
+    takes_groups = {name for name in ADVANTAGE_ESTIMATORS
+                    if "group_index" in estimator_inputs(ADVANTAGE_ESTIMATORS.get(name))}
+    assert GROUP_ESTIMATORS == takes_groups
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,13 @@ def test_derived_defaults_follow_the_fields_they_derive_from():
     assert spec.actor.megatron.expert_tensor_parallel_size == spec.actor.megatron.tensor_model_parallel_size
 
 
+def test_loss_mode_follows_the_estimator_unless_set():
+    assert spec_from_raw(minimal_spec()).actor.policy_loss.loss_mode == "vanilla"
+    assert spec_from_raw(minimal_spec(), ["algorithm.adv_estimator=gspo"]).actor.policy_loss.loss_mode == "gspo"
+    chosen = spec_from_raw(minimal_spec(), ["actor.policy_loss.loss_mode=cispo"])
+    assert chosen.actor.policy_loss.loss_mode == "cispo"
+
+
 def test_critic_is_enabled_by_gae():
     spec = spec_from_raw(minimal_spec(), ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=8"])
     assert spec.critic.enable is True
@@ -111,10 +118,17 @@ def test_numbers_in_free_text_fields_are_text():
     assert spec.trainer.experiment_name == "2024"
 
 
-def test_dump_reloads_to_the_same_spec():
+@pytest.mark.parametrize(
+    "algorithm",
+    [[], ["algorithm.adv_estimator=gspo"],
+     ["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.01"]],
+    ids=["grpo", "gspo-derived-loss", "clip-cov"],
+)
+def test_dump_reloads_to_the_same_spec(algorithm):
     raw = minimal_spec()
     raw["ref"] = {"megatron": {"pipeline_model_parallel_size": 2}}
-    spec = spec_from_raw(raw, ["actor.use_kl_loss=true"])
+    spec = spec_from_raw(raw, ["actor.use_kl_loss=true", *algorithm])
+    # Every knob is written out, those the chosen loss does not read at their defaults, so it loads back.
     assert spec_from_raw(parse_yaml(dump_spec(spec))) == spec
 
 

@@ -104,10 +104,6 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
 
     spec = load_spec(QUICKSTART, overrides_for(case["estimator"]) + case["overrides"] + [f"trainer.run_dir={run_dir}"])
     settings = dataclasses.replace(actor_settings(spec), vocab_size=rank.actor.settings.vocab_size)
-    if case.get("policy_loss"):
-        # Until the spec has `actor.policy_loss.loss_mode`, the loss is set here; once it has, the case passes
-        # that override instead and this goes.
-        settings = dataclasses.replace(settings, policy_loss=case["policy_loss"])
     rank.actor.settings = settings
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker(TrackingSetup([], run_dir, spec.tracking.project_name, spec.trainer.experiment_name))

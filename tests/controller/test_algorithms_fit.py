@@ -22,7 +22,7 @@ MAX_RESPONSE = 3  # data.max_response_length there
 
 # Each policy loss trains on grpo's advantages.
 CASES = [{"name": f"estimator-{name}", "estimator": name, "overrides": []} for name in ADVANTAGE_ESTIMATORS.names()]
-CASES += [{"name": f"loss-{name}", "estimator": "grpo", "overrides": [], "policy_loss": name}
+CASES += [{"name": f"loss-{name}", "estimator": "grpo", "overrides": [f"actor.policy_loss.loss_mode={name}"]}
           for name in POLICY_LOSSES.names()]
 CASES.append({"name": "remax-dynamic-sampling", "estimator": "remax",
               "overrides": ["algorithm.dynamic_sampling.enable=true"]})

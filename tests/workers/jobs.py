@@ -162,6 +162,21 @@ def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir:
     return report
 
 
+def plugin_loss_job(reference: str) -> dict:
+    """One update with the user's loss `reference` and one with the built-in `gpg`, from the same initial weights."""
+    batch = rollout_batch()
+    report = {}
+    for name in (reference, "gpg"):
+        torch.manual_seed(0)  # the tiny model initialises on the CPU generator: the same weights both times
+        actor = make_actor(ParallelLayout(), policy_loss=name)
+        initial = {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
+        log_probs, _ = actor.compute_log_prob(batch, with_entropy=False)
+        metrics = actor.update(replace(batch, old_log_probs=log_probs))
+        updated = {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
+        report[name] = {"metrics": metrics, "initial": initial, "updated": updated}
+    return report
+
+
 def critic_and_moe_job(workdir: str) -> dict:
     """Critic values at TP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
     batch = rollout_batch()

@@ -1,12 +1,16 @@
 """Actor and reference workers on CPU/gloo: parity over layouts, packing and dynamic batch size; offload."""
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
-from tests.workers.jobs import make_actor, parity_job, rollout_batch
+from tests.workers.jobs import make_actor, parity_job, plugin_loss_job, rollout_batch
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 TOLERANCE = 1e-5
 
@@ -36,6 +40,22 @@ def test_log_probs_entropy_and_update_match_tp1(parity_reports):
     for name in ["actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/lr",
                  "actor/pg_loss", "actor/kl_loss"]:
         assert name in report["metrics"], name
+
+
+def test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates(tmp_path):
+    """The README's ten-line REINFORCE loss, loaded by path in a spawned rank, updates exactly like `gpg`."""
+    [code] = re.findall(r"```python\n(# my_losses.py\n.*?)```", README.read_text(), flags=re.DOTALL)
+    (tmp_path / "my_losses.py").write_text(code)
+    reference = f"{tmp_path / 'my_losses.py'}:reinforce"
+    report = run_ranks(plugin_loss_job, 1, reference, timeout_s=300)[0]
+    plugin, builtin = report[reference], report["gpg"]
+    assert all(torch.equal(plugin["initial"][n], p) for n, p in builtin["initial"].items())
+    update_size = max(float((builtin["updated"][n] - p).abs().max()) for n, p in builtin["initial"].items())
+    assert update_size > 1e-5, "the update must move the weights for the comparison to mean anything"
+    assert plugin["metrics"]["actor/pg_loss"] == pytest.approx(builtin["metrics"]["actor/pg_loss"], abs=1e-7)
+    assert max(float((plugin["updated"][n] - p).abs().max()) for n, p in builtin["updated"].items()) < 1e-7
+    assert "actor/advantage_mean" in plugin["metrics"] and "actor/ppo_kl" not in plugin["metrics"]
+    assert "actor/ppo_kl" in builtin["metrics"]
 
 
 def test_reference_log_probs_equal_the_actors(parity_reports):
