@@ -98,6 +98,7 @@ class PolicyRank:
         from transformers import AutoConfig
 
         from rlmegatron.controller.engines import build_colocated_engine
+        from rlmegatron.models.convert import HFCheckpoint
         from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
         from rlmegatron.models.weight_map import WeightMap
         from rlmegatron.runtime import init_model_parallel
@@ -107,7 +108,12 @@ class PolicyRank:
         self.rank = torch.distributed.get_rank()
         layout = parallel_layout(spec.actor.megatron)
         init_model_parallel(layout, seed=spec.trainer.seed)
-        facts = model_facts(read_hf_config(spec.model.path), layout.tp)
+        if spec.model.random_init:
+            facts = model_facts(read_hf_config(spec.model.path), layout.tp)
+        else:  # from the checkpoint, which decides whether DeepSeek's MTP layers are built
+            facts = HFCheckpoint(spec.model.path).facts(layout.tp)
+            if self.rank == 0 and facts.mtp_off_note:
+                print(f"{spec.model.path}: {facts.mtp_off_note}", flush=True)
         config = transformer_config(facts, layout, dtype=spec.model.dtype)
         self.weight_map = WeightMap(facts)
 
