@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import socket
+import sys
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -113,7 +114,7 @@ class PolicyRank:
         else:  # from the checkpoint, which decides whether DeepSeek's MTP layers are built
             facts = HFCheckpoint(spec.model.path).facts(layout.tp)
             if self.rank == 0 and facts.mtp_off_note:
-                print(f"{spec.model.path}: {facts.mtp_off_note}", flush=True)
+                print(f"{spec.model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
         config = transformer_config(facts, layout, dtype=spec.model.dtype)
         self.weight_map = WeightMap(facts)
 
