@@ -137,7 +137,8 @@ class ConvertMeta:
         try:
             return cls(**json.loads(meta.read_text()))
         except (ValueError, TypeError) as err:
-            raise ConversionError(f"{meta}: unreadable ({err}); rewrite the checkpoint with `rlm convert hf-to-mcore`") from err
+            raise ConversionError(f"{meta}: unreadable ({err}); rewrite the checkpoint with "
+                                  "`rlm convert hf-to-mcore`") from err
 
 
 def build_chunks(facts: ModelFacts, layout: ParallelLayout, dtype: str, perform_initialization: bool = False):
@@ -244,7 +245,8 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
     dist_checkpointing.save(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
         facts = weight_map.facts
-        ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers).save(out)
+        meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers)
+        meta.save(out)
         if tokenizer_dir:
             _copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()

@@ -54,9 +54,8 @@ class ModelFacts:
         declared = self.hf.get("num_nextn_predict_layers") or 0
         if declared <= self.num_mtp_layers:
             return None
-        return (f"config.json declares num_nextn_predict_layers={declared} but the checkpoint holds no "
-                f"multi-token-prediction tensors (model.layers.{self.num_layers}.*), as transformers saves DeepSeek-V3: "
-                "MTP is off")
+        return (f"config.json declares num_nextn_predict_layers={declared} but the checkpoint holds no multi-token-"
+                f"prediction tensors (model.layers.{self.num_layers}.*), as transformers saves DeepSeek-V3: MTP is off")
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -101,7 +100,7 @@ def mtp_layers_in(hf: dict, keys: Collection[str]) -> int:
 
 
 def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layers: Optional[int] = None) -> ModelFacts:
-    """Facts of the model `hf` describes; `mtp_layers` (None: as config.json declares) is how many MTP layers to build."""
+    """Facts of the model `hf` describes; `mtp_layers` is how many MTP layers to build (None: as config.json says)."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
@@ -134,8 +133,8 @@ def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layer
 
 
 def _llama3_rope_scaling(hf: dict, rope: dict) -> dict:
-    """The four fields of Llama-3 rope scaling as transformers reads them: it requires the three factors, and takes
-    original_max_position_embeddings from the config's top level first, then the rope dict, then max_position_embeddings."""
+    """The four fields of Llama-3 rope scaling as transformers reads them: it requires the three factors and takes
+    original_max_position_embeddings from the config's top level, else the rope dict, else max_position_embeddings."""
     missing = [field for field in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(field) is None]
     if missing:
         raise UnsupportedModelError(f"rope_scaling (rope_type llama3) lacks {' and '.join(missing)}; "

@@ -18,14 +18,18 @@ MOE_LAYOUTS = (L(ep=2),)
 EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),), "deepseek_v3": (L(pp=2, ep=2),)}
 # A variant's difference does not depend on the layout, so each runs at one: rope scaling on the rotary embedding
 # of both pipeline stages and both TP ranks; DeepSeek without MTP where its MTP layer would sit, with experts spread.
-VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, pp=2), "deepseek_v3_no_mtp": L(pp=2, ep=2)}
+VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, pp=2),
+                   "deepseek_v3_no_mtp": L(pp=2, ep=2)}
 assert VARIANT_LAYOUTS.keys() == VARIANTS.keys()
 
 
 def layouts_for(name: str) -> list[L]:
     """The layouts a family, or a variant (tiny_hf.VARIANTS), is converted at."""
     moe = family_of(name) in MOE_FAMILIES
-    chosen = (VARIANT_LAYOUTS[name],) if name in VARIANTS else LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
+    if name in VARIANTS:
+        chosen = (VARIANT_LAYOUTS[name],)
+    else:
+        chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
     # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
     return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
 

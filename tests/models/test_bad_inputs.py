@@ -80,8 +80,8 @@ def test_full_tensor_map_round_trips_qkv_and_glu():
 # ---- `rlm convert`: every bad input is one line naming its culprit, exit 2, no traceback, before any rank ----------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Tiny checkpoints the cases break: a dense Llama, a DeepSeek-V3 (4 experts), and a converter checkpoint's
-    metadata (all that is read of it before the ranks start)."""
+    """Tiny checkpoints the cases break: a dense Llama, a DeepSeek-V3 (4 experts) with and without its MTP tensors,
+    and a converter checkpoint's metadata (all that is read of one before the ranks start)."""
     from rlmegatron.models.convert import ConvertMeta
 
     root = tmp_path_factory.mktemp("bad_inputs")
@@ -92,14 +92,20 @@ def models(tmp_path_factory):
     return root
 
 
-def _broken_copy(models, tmp_path, name="llama", config=None, drop_tensor=None, shard=None):
-    """A copy of checkpoint `name` with config.json fields replaced (None: removed), a tensor dropped, or the shard's
-    bytes replaced by `shard(bytes)`."""
-    target = tmp_path / f"broken-{name}"
-    shutil.copytree(models / name, target)
+def _to_mcore(hf, out, *flags):
+    return ["hf-to-mcore", "--hf-path", str(hf), "--out", str(out), *flags]
+
+
+def _to_hf(mcore, out, *flags):
+    return ["mcore-to-hf", "--mcore-path", str(mcore), "--out", str(out), *flags]
+
+
+def _broken(models, tmp_path, config=None, drop_tensor=None, shard=None):
+    """A copy of the Llama with config.json fields replaced, a tensor dropped, or its shard's bytes -> shard(bytes)."""
+    target = tmp_path / "broken"
+    shutil.copytree(models / "llama", target)
     if config is not None:
-        hf = {**read_hf_config(target), **config}
-        (target / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+        (target / "config.json").write_text(json.dumps({**read_hf_config(target), **config}))
     if drop_tensor is not None:
         tensors = load_file(target / "model.safetensors")
         save_file({k: v for k, v in tensors.items() if k != drop_tensor}, target / "model.safetensors")
@@ -109,102 +115,77 @@ def _broken_copy(models, tmp_path, name="llama", config=None, drop_tensor=None, 
 
 
 def _index_naming_a_lost_shard(models, tmp_path):
-    target = _broken_copy(models, tmp_path)
-    (target / "model.safetensors").rename(target / "model-00001-of-00002.safetensors")
-    keys = safe_keys(target / "model-00001-of-00002.safetensors")
-    index = {"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in keys},
-                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    target = _broken(models, tmp_path)
+    kept = "model-00001-of-00002.safetensors"
+    (target / "model.safetensors").rename(target / kept)
+    keys = dict.fromkeys(load_file(target / kept), kept)
+    index = {"weight_map": {**keys, "lm_head.weight": "model-00002-of-00002.safetensors"}}
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
     return target
 
 
-def safe_keys(path):
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as handle:
-        return list(handle.keys())
+def _with_file(directory, name, text):
+    (directory / name).write_text(text)
+    return directory
 
 
-LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
-# (id, argv builder (models dir, tmp dir) -> argv, what the one line must name)
-CONVERT_CASES = [
-    ("hf-path-missing", lambda m, t: ["hf-to-mcore", "--hf-path", str(t / "nope"), "--out", str(t / "o")],
-     "--hf-path={t}/nope: no such directory"),
-    ("hf-path-without-config", lambda m, t: ["hf-to-mcore", "--hf-path", str(t), "--out", str(t / "o")],
-     "{t} is not a Hugging Face model directory: no config.json in it"),
-    ("config-not-json", lambda m, t: ["hf-to-mcore", "--hf-path", str(_write(t / "config.json", "{")), "--out", str(t / "o")],
-     "{t}/config.json: not a JSON config"),
-    ("no-safetensors", lambda m, t: ["hf-to-mcore", "--hf-path", str(_config_only(m, t)), "--out", str(t / "o")],
-     "has no model.safetensors or model.safetensors.index.json"),
-    ("unsupported-model-type", lambda m, t: ["hf-to-mcore", "--hf-path", str(_broken_copy(m, t, config={"model_type": "gpt2"})),
-                                             "--out", str(t / "o")],
-     "config.json: model_type 'gpt2' is not supported"),
-    ("unsupported-activation", lambda m, t: ["hf-to-mcore", "--hf-path", str(_broken_copy(m, t, config={"hidden_act": "gelu"})),
-                                             "--out", str(t / "o")],
-     "config.json: hidden_act='gelu' unsupported"),
-    ("llama3-rope-lacks-a-field", lambda m, t: ["hf-to-mcore", "--hf-path",
-                                                str(_broken_copy(m, t, config={"rope_parameters": LLAMA_ROPE})), "--out", str(t / "o")],
-     "config.json: rope_scaling (rope_type llama3) lacks low_freq_factor"),
-    ("truncated-shard", lambda m, t: ["hf-to-mcore", "--hf-path", str(_broken_copy(m, t, shard=lambda b: b[: len(b) // 2])),
-                                      "--out", str(t / "o")],
-     "broken-llama/model.safetensors: truncated or corrupt safetensors file"),
-    ("corrupt-shard", lambda m, t: ["hf-to-mcore", "--hf-path", str(_broken_copy(m, t, shard=lambda b: b"\x10" + b[1:])),
-                                    "--out", str(t / "o")],
-     "broken-llama/model.safetensors: truncated or corrupt safetensors file"),
-    ("index-names-a-lost-shard", lambda m, t: ["hf-to-mcore", "--hf-path", str(_index_naming_a_lost_shard(m, t)),
-                                               "--out", str(t / "o")],
-     "missing safetensors shards named by its index: ['model-00002-of-00002.safetensors']"),
-    ("tensor-missing", lambda m, t: ["hf-to-mcore", "--hf-path", str(_broken_copy(m, t, drop_tensor="model.norm.weight")),
-                                     "--out", str(t / "o")],
-     "map needs are absent: ['model.norm.weight']"),
-    ("out-not-empty", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(m / "deepseek_v3")],
-     "--out={m}/deepseek_v3: exists and is not empty"),
-    ("out-is-a-file", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(_write(t / "f", "x") / "f")],
-     "--out={t}/f: exists and is not empty"),
-    ("tp-vs-heads", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--tp", "3"],
-     "--tp=3: does not divide the model's 4 attention heads; use 1, 2 or 4"),
-    ("pp-vs-layers", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--pp", "3"],
-     "--pp=3: does not divide the model's 4 layers; use 1, 2 or 4"),
-    ("vpp-vs-stage-layers", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--pp", "2",
-                                          "--vpp", "3"],
-     "--vpp=3: does not divide the layers of each pipeline stage (2); use 1 or 2"),
-    ("vpp-without-pp", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--vpp", "2"],
-     "--vpp=2: needs --pp > 1"),
-    ("ep-on-dense", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--ep", "2"],
-     "--ep=2: the model is dense"),
-    ("ep-vs-experts", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "deepseek_v3"), "--out", str(t / "o"), "--ep", "3"],
-     "--ep=3: does not divide the 4 experts; use 1, 2 or 4"),
-    ("etp-vs-expert-size", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "deepseek_v3"), "--out", str(t / "o"),
-                                         "--etp", "3"],
-     "--etp=3: does not divide the experts' hidden size 32"),
-    ("nproc-vs-layout", lambda m, t: ["hf-to-mcore", "--hf-path", str(m / "llama"), "--out", str(t / "o"), "--tp", "2",
-                                      "--nproc", "3"],
-     "--nproc=3: Megatron needs a multiple of TP×PP and of ETP×EP×PP; use 2"),
-    ("mcore-path-missing", lambda m, t: ["mcore-to-hf", "--mcore-path", str(t / "nope"), "--out", str(t / "o")],
-     "--mcore-path={t}/nope: no such directory"),
-    ("mcore-path-not-converted", lambda m, t: ["mcore-to-hf", "--mcore-path", str(m / "llama"), "--out", str(t / "o")],
-     "{m}/llama is not a checkpoint written by `rlm convert` (no rlm_convert.json)"),
-    ("mcore-tp-vs-heads", lambda m, t: ["mcore-to-hf", "--mcore-path", str(m / "mcore"), "--out", str(t / "o"), "--tp", "3"],
-     "--tp=3: does not divide the model's 4 attention heads"),
-    ("hf-config-missing", lambda m, t: ["mcore-to-hf", "--mcore-path", str(m / "mcore"), "--out", str(t / "o"),
-                                        "--hf-config", str(t / "nope")],
-     "--hf-config={t}/nope: no such directory"),
-    ("verify-hf-path-missing", lambda m, t: ["verify", "--hf-path", str(t / "nope"), "--mcore-path", str(m / "mcore")],
-     "--hf-path={t}/nope: no such directory"),
-]
+LLAMA3_ROPE_WITHOUT_LOW = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+# id -> (argv from (models dir m, test's tmp dir t), what the one line must say; {m} and {t} are those dirs)
+CONVERT_CASES = {
+    "hf-path-missing": (lambda m, t: _to_mcore(t / "nope", t / "o"), "--hf-path={t}/nope: no such directory"),
+    "hf-path-without-config": (lambda m, t: _to_mcore(t, t / "o"),
+                               "{t} is not a Hugging Face model directory: no config.json in it"),
+    "config-not-json": (lambda m, t: _to_mcore(_with_file(t, "config.json", "{"), t / "o"),
+                        "{t}/config.json: not a JSON config"),
+    "no-safetensors": (lambda m, t: _to_mcore(_with_file(t, "config.json", (m / "llama/config.json").read_text()),
+                                              t / "o"),
+                       "{t} has no model.safetensors or model.safetensors.index.json"),
+    "unsupported-model-type": (lambda m, t: _to_mcore(_broken(m, t, config={"model_type": "gpt2"}), t / "o"),
+                               "{t}/broken/config.json: model_type 'gpt2' is not supported"),
+    "unsupported-activation": (lambda m, t: _to_mcore(_broken(m, t, config={"hidden_act": "gelu"}), t / "o"),
+                               "{t}/broken/config.json: hidden_act='gelu' unsupported"),
+    "llama3-rope-lacks-a-field": (
+        lambda m, t: _to_mcore(_broken(m, t, config={"rope_parameters": LLAMA3_ROPE_WITHOUT_LOW}), t / "o"),
+        "{t}/broken/config.json: rope_scaling (rope_type llama3) lacks low_freq_factor"),
+    "truncated-shard": (lambda m, t: _to_mcore(_broken(m, t, shard=lambda b: b[: len(b) // 2]), t / "o"),
+                        "{t}/broken/model.safetensors: truncated or corrupt safetensors file"),
+    "corrupt-shard": (lambda m, t: _to_mcore(_broken(m, t, shard=lambda b: b"\x10" + b[1:]), t / "o"),
+                      "{t}/broken/model.safetensors: truncated or corrupt safetensors file"),
+    "index-names-a-lost-shard": (lambda m, t: _to_mcore(_index_naming_a_lost_shard(m, t), t / "o"),
+                                 "missing safetensors shards named by its index: ['model-00002-of-00002.safetensors']"),
+    "tensor-missing": (lambda m, t: _to_mcore(_broken(m, t, drop_tensor="model.norm.weight"), t / "o"),
+                       "{t}/broken: 1 HF tensors the llama map needs are absent: ['model.norm.weight']"),
+    "out-not-empty": (lambda m, t: _to_mcore(m / "llama", m / "deepseek_v3"),
+                      "--out={m}/deepseek_v3: exists and is not empty"),
+    "out-is-a-file": (lambda m, t: _to_mcore(m / "llama", _with_file(t, "f", "x") / "f"),
+                      "--out={t}/f: exists and is not empty"),
+    "tp-vs-heads": (lambda m, t: _to_mcore(m / "llama", t / "o", "--tp", "3"),
+                    "--tp=3: does not divide the model's 4 attention heads; use 1, 2 or 4"),
+    "pp-vs-layers": (lambda m, t: _to_mcore(m / "llama", t / "o", "--pp", "3"),
+                     "--pp=3: does not divide the model's 4 layers; use 1, 2 or 4"),
+    "vpp-vs-stage-layers": (lambda m, t: _to_mcore(m / "llama", t / "o", "--pp", "2", "--vpp", "3"),
+                            "--vpp=3: does not divide the layers of each pipeline stage (2); use 1 or 2"),
+    "vpp-without-pp": (lambda m, t: _to_mcore(m / "llama", t / "o", "--vpp", "2"), "--vpp=2: needs --pp > 1"),
+    "ep-on-dense": (lambda m, t: _to_mcore(m / "llama", t / "o", "--ep", "2"), "--ep=2: the model is dense"),
+    "ep-vs-experts": (lambda m, t: _to_mcore(m / "deepseek_v3", t / "o", "--ep", "3"),
+                      "--ep=3: does not divide the 4 experts; use 1, 2 or 4"),
+    "etp-vs-expert-size": (lambda m, t: _to_mcore(m / "deepseek_v3", t / "o", "--etp", "3"),
+                           "--etp=3: does not divide the experts' hidden size 32"),
+    "nproc-vs-layout": (lambda m, t: _to_mcore(m / "llama", t / "o", "--tp", "2", "--nproc", "3"),
+                        "--nproc=3: Megatron needs a multiple of TP×PP and of ETP×EP×PP; use 2"),
+    "mcore-path-missing": (lambda m, t: _to_hf(t / "nope", t / "o"), "--mcore-path={t}/nope: no such directory"),
+    "mcore-path-not-converted": (lambda m, t: _to_hf(m / "llama", t / "o"),
+                                 "{m}/llama is not a checkpoint written by `rlm convert` (no rlm_convert.json)"),
+    "mcore-tp-vs-heads": (lambda m, t: _to_hf(m / "mcore", t / "o", "--tp", "3"),
+                          "--tp=3: does not divide the model's 4 attention heads"),
+    "hf-config-missing": (lambda m, t: _to_hf(m / "mcore", t / "o", "--hf-config", str(t / "nope")),
+                          "--hf-config={t}/nope: no such directory"),
+    "verify-hf-path-missing": (lambda m, t: ["verify", "--hf-path", str(t / "nope"), "--mcore-path", str(m / "mcore")],
+                               "--hf-path={t}/nope: no such directory"),
+}
 
 
-def _write(path, text):
-    path.write_text(text)
-    return path.parent
-
-
-def _config_only(models, tmp_path):
-    shutil.copy(models / "llama" / "config.json", tmp_path / "config.json")
-    return tmp_path
-
-
-@pytest.mark.parametrize("argv, culprit", [case[1:] for case in CONVERT_CASES], ids=[case[0] for case in CONVERT_CASES])
+@pytest.mark.parametrize("argv, culprit", CONVERT_CASES.values(), ids=CONVERT_CASES.keys())
 def test_convert_refuses_a_bad_input_in_one_line_before_any_rank(models, tmp_path, capsys, argv, culprit):
     from rlmegatron.models.convert_cli import main
 
@@ -217,23 +198,21 @@ def test_convert_refuses_a_bad_input_in_one_line_before_any_rank(models, tmp_pat
 
 
 def test_rlm_convert_says_one_line_and_rlm_debug_adds_the_traceback(models, tmp_path):
-    command = [sys.executable, "-m", "rlmegatron", "convert", "hf-to-mcore", "--hf-path", str(m := models / "llama"),
-               "--out", str(tmp_path / "o"), "--tp", "3"]
+    command = [sys.executable, "-m", "rlmegatron", "convert", *_to_mcore(models / "llama", tmp_path / "o", "--tp", "3")]
     plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and plain.stdout == ""
     assert plain.stderr.splitlines() == [
         "rlm convert hf-to-mcore: --tp=3: does not divide the model's 4 attention heads; use 1, 2 or 4"], plain.stderr
-    assert m.is_dir() and not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists()
     debug = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RLM_DEBUG": "1"})
     assert debug.returncode == 2 and "Traceback" in debug.stderr and "ConversionError" in debug.stderr
 
 
 def test_a_deepseek_v3_without_mtp_tensors_converts_without_mtp_said_once(models, tmp_path, capsys):
-    from rlmegatron.models.convert import HFCheckpoint
     from rlmegatron.models.convert_cli import _layout, build_parser, preflight
 
     def checked(name):
-        args = build_parser().parse_args(["hf-to-mcore", "--hf-path", str(models / name), "--out", str(tmp_path / name)])
+        args = build_parser().parse_args(_to_mcore(models / name, tmp_path / name))
         preflight(args, _layout(args))
         return capsys.readouterr().err.splitlines()
 

@@ -47,8 +47,10 @@ def _llama3_rope(factor: float, low: float, high: float, original: int, theta: f
 VARIANTS = {
     # Llama-3.2's rope scaling (1B/3B config.json), and one with none of Llama-3.1's constants whose
     # frequencies, unlike those, are scaled well within the 16 positions the logits are compared at.
-    "llama3.2_rope": Variant("llama", dict(max_position_embeddings=131072, rope_scaling=_llama3_rope(32.0, 1.0, 4.0, 8192, 500000.0))),
-    "llama_custom_rope": Variant("llama", dict(max_position_embeddings=1024, rope_scaling=_llama3_rope(16.0, 2.0, 8.0, 256, 10000.0))),
+    "llama3.2_rope": Variant("llama", dict(max_position_embeddings=131072,
+                                           rope_scaling=_llama3_rope(32.0, 1.0, 4.0, 8192, theta=500000.0))),
+    "llama_custom_rope": Variant("llama", dict(max_position_embeddings=1024,
+                                               rope_scaling=_llama3_rope(16.0, 2.0, 8.0, 256, theta=10000.0))),
     # num_nextn_predict_layers says 1, but transformers neither builds nor saves MTP layers.
     "deepseek_v3_no_mtp": Variant("deepseek_v3", {}, mtp_tensors=False),
 }
@@ -59,7 +61,8 @@ def family_of(name: str) -> str:
 
 
 def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> str:
-    """Save a random model of family or variant `name` to `directory`; router biases get noise so they are not all zero."""
+    """Save a random model of family or VARIANTS entry `name` to `directory`; router biases get noise so they are
+    not all zero."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     variant = VARIANTS.get(name, Variant(name, {}))
