@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import socket
+import sys
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -95,6 +96,7 @@ class PolicyRank:
         from transformers import AutoConfig
 
         from rlmegatron.controller.engines import build_colocated_engine
+        from rlmegatron.models.convert import HFCheckpoint
         from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
         from rlmegatron.models.weight_map import WeightMap
         from rlmegatron.runtime import init_model_parallel
@@ -104,7 +106,12 @@ class PolicyRank:
         self.rank = torch.distributed.get_rank()
         layout = parallel_layout(spec.actor.megatron)
         init_model_parallel(layout, seed=spec.trainer.seed)
-        facts = model_facts(read_hf_config(spec.model.path), layout.tp)
+        if spec.model.random_init:
+            facts = model_facts(read_hf_config(spec.model.path), layout.tp)
+        else:  # from the checkpoint, which decides whether DeepSeek's MTP layers are built
+            facts = HFCheckpoint(spec.model.path).facts(layout.tp)
+            if self.rank == 0 and facts.mtp_off_note:
+                print(f"{spec.model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
         config = transformer_config(facts, layout, dtype=spec.model.dtype)
         self.weight_map = WeightMap(facts)
 

@@ -21,6 +21,7 @@ from rlmegatron.models.hf_config import (
     UnsupportedModelError,
     build_gpt_model,
     model_facts,
+    mtp_layers_in,
     read_hf_config,
     transformer_config,
 )
@@ -37,36 +38,52 @@ class ConversionError(ValueError):
 
 
 class HFCheckpoint:
-    """Lazy view of a HF safetensors checkpoint: which file holds each key, and sliced reads of it."""
+    """Lazy view of a HF safetensors checkpoint: which file holds each key, and sliced reads of it.
+
+    Every shard's header is read when the view is made, so a truncated or corrupt file is named before any
+    rank builds a model."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         self.config = read_hf_config(self.path)
+        self._handles: dict[str, object] = {}
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            self.key_files = json.loads(index.read_text())["weight_map"]
+            try:
+                self.key_files = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConversionError(f"{index}: not a safetensors index (no readable weight_map: {err!r})") from err
         elif (self.path / "model.safetensors").is_file():
-            with safe_open(self.path / "model.safetensors", "pt") as handle:
-                self.key_files = {key: "model.safetensors" for key in handle.keys()}
+            self.key_files = {key: "model.safetensors" for key in self._shard("model.safetensors").keys()}
         else:
             raise ConversionError(f"{self.path} has no model.safetensors or model.safetensors.index.json")
         absent = sorted({f for f in self.key_files.values() if not (self.path / f).is_file()})
         if absent:
             raise ConversionError(f"{self.path} is missing safetensors shards named by its index: {absent}")
-        self._handles: dict[str, object] = {}
-        self._open = safe_open
+        for file in sorted(set(self.key_files.values())):
+            self._shard(file)
+
+    def _shard(self, file: str):
+        """The open shard `file`; safetensors checks its header and that the file holds every tensor it lists."""
+        if file not in self._handles:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                self._handles[file] = safe_open(self.path / file, "pt")
+            except SafetensorError as err:
+                raise ConversionError(f"{self.path / file}: truncated or corrupt safetensors file ({err})") from err
+        return self._handles[file]
+
+    def facts(self, tp: int) -> ModelFacts:
+        """The model's facts, with DeepSeek's MTP layers only when the checkpoint holds their tensors."""
+        return model_facts(self.config, tp, mtp_layers=mtp_layers_in(self.config, self.key_files))
 
     @property
     def stacked_experts(self) -> bool:
         return any(key.endswith("experts.gate_up_proj") for key in self.key_files)
 
     def _slice(self, key: str):
-        file = self.key_files[key]
-        if file not in self._handles:
-            self._handles[file] = self._open(self.path / file, "pt")
-        return self._handles[file].get_slice(key)
+        return self._shard(self.key_files[key]).get_slice(key)
 
     def read(self, source: Source, dim: Optional[int] = None, rank: int = 0, size: int = 1,
              padded_rows: Optional[int] = None) -> torch.Tensor:
@@ -107,6 +124,7 @@ class ConvertMeta:
     padded_vocab_size: int
     dtype: str
     stacked_experts: bool
+    num_mtp_layers: Optional[int] = None  # None (files written before it was recorded): as config.json declares
 
     def save(self, directory: str | Path) -> None:
         Path(directory, META_FILE).write_text(json.dumps(self.__dict__, indent=1))
@@ -116,7 +134,11 @@ class ConvertMeta:
         meta = Path(directory, META_FILE)
         if not meta.is_file():
             raise ConversionError(f"{directory} is not a checkpoint written by `rlm convert` (no {META_FILE})")
-        return cls(**json.loads(meta.read_text()))
+        try:
+            return cls(**json.loads(meta.read_text()))
+        except (ValueError, TypeError) as err:
+            raise ConversionError(f"{meta}: unreadable ({err}); rewrite the checkpoint with "
+                                  "`rlm convert hf-to-mcore`") from err
 
 
 def build_chunks(facts: ModelFacts, layout: ParallelLayout, dtype: str, perform_initialization: bool = False):
@@ -205,7 +227,7 @@ def _sharded_state_dict(chunks):
 def import_hf(hf_path: str, layout: ParallelLayout, dtype: str = "fp32"):
     """(facts, weight map, chunks) of this rank's model at `layout`, weights streamed from the HF checkpoint."""
     checkpoint = HFCheckpoint(hf_path)
-    facts = model_facts(checkpoint.config, layout.tp)
+    facts = checkpoint.facts(layout.tp)
     weight_map = WeightMap(facts, stacked_experts=checkpoint.stacked_experts)
     init_model_parallel(layout)
     chunks = build_chunks(facts, layout, dtype)
@@ -223,7 +245,8 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
     dist_checkpointing.save(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
         facts = weight_map.facts
-        ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts).save(out)
+        meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers)
+        meta.save(out)
         if tokenizer_dir:
             _copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
@@ -240,7 +263,7 @@ def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = N
     from megatron.core import dist_checkpointing
 
     meta = ConvertMeta.load(mcore_path)
-    facts = model_facts(meta.hf_config, layout.tp, padded_vocab=meta.padded_vocab_size)
+    facts = model_facts(meta.hf_config, layout.tp, padded_vocab=meta.padded_vocab_size, mtp_layers=meta.num_mtp_layers)
     init_model_parallel(layout)
     chunks = build_chunks(facts, layout, dtype or meta.dtype)
     state = dist_checkpointing.load(_sharded_state_dict(chunks), mcore_path)

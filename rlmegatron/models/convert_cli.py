@@ -5,9 +5,20 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
+# The job spec's name of each parallel size, and the flag that sets it here.
+FLAGS = {
+    "tensor_model_parallel_size": "--tp",
+    "pipeline_model_parallel_size": "--pp",
+    "virtual_pipeline_model_parallel_size": "--vpp",
+    "expert_model_parallel_size": "--ep",
+    "expert_tensor_parallel_size": "--etp",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,14 +81,121 @@ def _job(direction: str, args: dict):
     return convert.verify(ns.hf_path, ns.mcore_path, _layout(ns))
 
 
+def _existing_dir(flag: str, path: str) -> Path:
+    from rlmegatron.models.convert import ConversionError
+
+    if not Path(path).is_dir():
+        raise ConversionError(f"{flag}={path}: no such directory")
+    return Path(path)
+
+
+def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[str]:
+    """The job spec's checks of a layout against the model (rlmegatron.config.checks), worded with this CLI's flags."""
+    from rlmegatron.config.architecture import _architecture_from
+    from rlmegatron.config.checks import _check_layout_fits_model, _check_layout_options
+    from rlmegatron.config.spec import MegatronConfig
+
+    arch = _architecture_from(hf, source)
+    megatron = MegatronConfig(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp or layout.tp, sequence_parallel=layout.sequence_parallel)
+    # Without --nproc the converter spawns as many ranks as the layout needs: no world size narrows the choices.
+    world = world or math.lcm(arch.num_attention_heads, arch.num_hidden_layers, arch.num_experts or 1,
+                              arch.moe_intermediate_size or 1)
+    cluster = SimpleNamespace(placement=SimpleNamespace(trainer_world_size=world))
+    problems = _check_layout_options("", megatron) + _check_layout_fits_model("", megatron, arch, cluster)
+    lines = []
+    for problem in problems:
+        name = problem.field.rsplit(".", 1)[-1]
+        line = f"{FLAGS.get(name, name)}={problem.value}: {problem.reason}"
+        for field, flag in FLAGS.items():
+            line = line.replace(field, flag)
+        lines.append(line)
+    return lines
+
+
+def preflight(args, layout) -> None:
+    """Everything checkable before a rank starts, checked once here: the inputs exist and parse, the output
+    overwrites nothing, the model is supported and the layout divides it. Raises ValueError, one line per problem."""
+    from rlmegatron.models.convert import META_FILE, ConversionError, ConvertMeta, HFCheckpoint
+    from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
+    from rlmegatron.models.weight_map import WeightMap, WeightMapError
+
+    if args.direction in ("hf-to-mcore", "verify"):
+        checkpoint = HFCheckpoint(_existing_dir("--hf-path", args.hf_path))
+    if args.direction in ("mcore-to-hf", "verify"):
+        meta = ConvertMeta.load(_existing_dir("--mcore-path", args.mcore_path))
+    if getattr(args, "hf_config", None):
+        read_hf_config(_existing_dir("--hf-config", args.hf_config))
+    if args.direction != "verify" and Path(args.out).exists():
+        out = Path(args.out)
+        if not out.is_dir() or any(out.iterdir()):
+            raise ConversionError(f"--out={out}: exists and is not empty; a conversion never overwrites a "
+                                  "checkpoint: name a new directory, or remove this one")
+    if args.direction == "hf-to-mcore":
+        source = checkpoint.path / "config.json"
+    else:
+        source = Path(args.mcore_path, META_FILE)
+
+    def facts_at(tp: int):
+        try:
+            if args.direction == "hf-to-mcore":
+                return checkpoint.facts(tp)
+            return model_facts(meta.hf_config, tp, padded_vocab=meta.padded_vocab_size, mtp_layers=meta.num_mtp_layers)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{source}: {err}") from err
+
+    # Whether the model is supported at all comes first; then TP's rules (heads, experts), before the padded
+    # vocabulary a converted checkpoint fixes is checked at that TP.
+    hf = facts_at(1).hf
+    world = args.nproc or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    problems = _layout_problems(hf, source, layout, world)
+    if world and world % default_nproc(layout):
+        problems.append(f"--nproc={world}: Megatron needs a multiple of TP×PP and of ETP×EP×PP; "
+                        f"use {default_nproc(layout)} or a multiple of it")
+    if problems:
+        raise ConversionError("\n".join(problems))
+    facts = facts_at(layout.tp)
+    try:
+        transformer_config(facts, layout)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{source}: {err}") from err
+    except ValueError as err:  # Megatron-Core's own checks of the model at this layout
+        raise UnsupportedModelError(f"{source}: Megatron-Core refuses this model at {layout}: {err}") from err
+    if args.direction == "hf-to-mcore":
+        try:
+            WeightMap(facts, stacked_experts=checkpoint.stacked_experts).check_hf_keys(set(checkpoint.key_files))
+        except WeightMapError as err:
+            raise WeightMapError(f"{checkpoint.path}: {err}") from err
+    if facts.mtp_off_note and os.environ.get("RANK", "0") == "0":
+        print(f"rlm convert {args.direction}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
+
+
+def _refuse(direction: str, err: BaseException) -> int:
+    """A user's mistake: one line per problem, exit 2; RLM_DEBUG=1 adds the traceback. Under torchrun rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RLM_DEBUG") == "1":
+            traceback.print_exception(err)
+        for line in str(err).splitlines():
+            print(f"rlm convert {direction}: {line}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from rlmegatron.models.convert import ConversionError, UnsupportedModelError
+    from rlmegatron.models.weight_map import WeightMapError
     from rlmegatron.runtime import RankFailure, destroy_distributed, init_distributed, run_ranks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layout = _layout(args)
+    try:
+        preflight(args, layout)
+    except (ConversionError, UnsupportedModelError, WeightMapError) as err:
+        return _refuse(args.direction, err)
     try:
         if "RANK" in os.environ and args.nproc is None:  # under torchrun
             init_distributed(device)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -40,16 +41,21 @@ class ModelFacts:
     tie_word_embeddings: bool
     max_position_embeddings: int
     rotary_base: float
-    llama3_rope_factor: Optional[float]  # None: no Llama-3 rope scaling
+    llama3_rope_scaling: Optional[dict]  # Llama-3 rope scaling's four fields; None: no such scaling
+    num_mtp_layers: int  # DeepSeek's multi-token-prediction layers, stored in HF after the decoder layers
 
     @property
     def num_layers(self) -> int:
         return self.hf["num_hidden_layers"]
 
     @property
-    def num_mtp_layers(self) -> int:
-        """DeepSeek's multi-token-prediction layers, stored in HF after the decoder layers."""
-        return self.hf.get("num_nextn_predict_layers") or 0
+    def mtp_off_note(self) -> Optional[str]:
+        """What to tell the user when config.json declares MTP layers the checkpoint does not hold."""
+        declared = self.hf.get("num_nextn_predict_layers") or 0
+        if declared <= self.num_mtp_layers:
+            return None
+        return (f"config.json declares num_nextn_predict_layers={declared} but the checkpoint holds no multi-token-"
+                f"prediction tensors (model.layers.{self.num_layers}.*), as transformers saves DeepSeek-V3: MTP is off")
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -59,7 +65,12 @@ def read_hf_config(path: str | Path) -> dict:
         config_file = config_file / "config.json"
     if not config_file.is_file():
         raise UnsupportedModelError(f"{path} is not a Hugging Face model directory: no config.json in it")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnsupportedModelError(f"{config_file}: not a JSON config ({err})") from err
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{config_file}: not a JSON object")
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
     return config
@@ -80,7 +91,16 @@ def _rope(hf: dict) -> tuple[float, dict]:
     return float(theta), params
 
 
-def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None) -> ModelFacts:
+def mtp_layers_in(hf: dict, keys: Collection[str]) -> int:
+    """DeepSeek's MTP layers a checkpoint with these tensor names holds: the declared ones, or none when the first
+    is absent (a DeepSeek-V3 saved by transformers, which does not implement MTP, says 1 and has none)."""
+    declared = hf.get("num_nextn_predict_layers") or 0
+    first = f"model.layers.{hf['num_hidden_layers']}."
+    return declared if declared and any(key.startswith(first) for key in keys) else 0
+
+
+def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layers: Optional[int] = None) -> ModelFacts:
+    """Facts of the model `hf` describes; `mtp_layers` is how many MTP layers to build (None: as config.json says)."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
@@ -95,15 +115,10 @@ def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None) -> ModelF
         raise UnsupportedModelError(f"padded vocab size {padded} (fixed by the checkpoint) is not divisible by TP={tp}")
     theta, rope = _rope(hf)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    llama3_factor = None
-    if rope_type == "llama3":
-        # Megatron's llama3 scaling takes only the factor; the rest must be Llama-3's own constants.
-        for field, expected in (("low_freq_factor", 1), ("high_freq_factor", 4), ("original_max_position_embeddings", 8192)):
-            if rope.get(field, expected) != expected:
-                raise UnsupportedModelError(f"rope_scaling.{field}={rope[field]!r} unsupported (Megatron fixes it to {expected})")
-        llama3_factor = float(rope["factor"])
-    elif rope_type not in ("default", "yarn") or (rope_type == "yarn" and model_type != "deepseek_v3"):
+    # MLA's rotary embedding is DeepSeek's own (yarn); every other family uses GPTModel's (llama3 scaling).
+    if rope_type not in (("default", "yarn") if model_type == "deepseek_v3" else ("default", "llama3")):
         raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} unsupported for {model_type}")
+    llama3_rope = _llama3_rope_scaling(hf, rope) if rope_type == "llama3" else None
     return ModelFacts(
         hf=hf,
         family=FAMILIES[model_type],
@@ -112,8 +127,25 @@ def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None) -> ModelF
         tie_word_embeddings=arch.tie_word_embeddings,
         max_position_embeddings=arch.max_position_embeddings or 4096,
         rotary_base=theta,
-        llama3_rope_factor=llama3_factor,
+        llama3_rope_scaling=llama3_rope,
+        num_mtp_layers=arch.num_mtp_layers if mtp_layers is None else mtp_layers,
     )
+
+
+def _llama3_rope_scaling(hf: dict, rope: dict) -> dict:
+    """The four fields of Llama-3 rope scaling as transformers reads them: it requires the three factors and takes
+    original_max_position_embeddings from the config's top level, else the rope dict, else max_position_embeddings."""
+    missing = [field for field in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(field) is None]
+    if missing:
+        raise UnsupportedModelError(f"rope_scaling (rope_type llama3) lacks {' and '.join(missing)}; "
+                                    "transformers requires factor, low_freq_factor and high_freq_factor")
+    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or hf.get("max_position_embeddings")
+    if original is None:
+        raise UnsupportedModelError("rope_scaling (rope_type llama3) lacks original_max_position_embeddings, "
+                                    "and config.json has no max_position_embeddings to fall back on")
+    return dict(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)
 
 
 def _reject(hf: dict, field: str, allowed: Any, why: str) -> None:
@@ -239,7 +271,7 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
     from rlmegatron.models.spec import decoder_block_spec, mtp_block_spec
 
     model_class = GPTModelWithMTP if config.mtp_num_layers else GPTModel
-    return model_class(
+    model = model_class(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
         mtp_block_spec=mtp_block_spec(config, use_te=use_te, vp_stage=vp_stage),
@@ -250,7 +282,15 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
         share_embeddings_and_output_weights=facts.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(facts.rotary_base),
-        rope_scaling=facts.llama3_rope_factor is not None,
-        rope_scaling_factor=facts.llama3_rope_factor or 8.0,
         vp_stage=vp_stage,
     )
+    if facts.llama3_rope_scaling:
+        _scale_llama3_rope(model.rotary_pos_emb, facts.llama3_rope_scaling)
+    return model
+
+
+def _scale_llama3_rope(rotary_pos_emb, scaling: dict) -> None:
+    """Llama-3 scaling of the rotary frequencies with all four of the checkpoint's fields. Megatron-Core's
+    RotaryEmbedding (0.16 and 0.19 alike) hands its `_apply_scaling` only the factor, fixing the other three to
+    Llama-3.1's values, which Llama-3.2 and many fine-tunes do not use; `_apply_scaling` itself takes all four."""
+    rotary_pos_emb.inv_freq = rotary_pos_emb._apply_scaling(rotary_pos_emb.inv_freq, **scaling)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from rlmegatron.runtime import ParallelLayout as L
-from tests.models.tiny_hf import MOE_FAMILIES
+from tests.models.tiny_hf import MOE_FAMILIES, VARIANTS, family_of
 
 # Every family at every layout the converter promises (TP/PP, and EP for MoE).
 LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
@@ -16,11 +16,20 @@ MOE_LAYOUTS = (L(ep=2),)
 # a layer per virtual stage), experts over fewer TP ranks than the dense layers (--etp), and EP behind PP, where
 # DeepSeek's MTP layer sits on the last stage with its experts spread.
 EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),), "deepseek_v3": (L(pp=2, ep=2),)}
+# A variant's difference does not depend on the layout, so each runs at one: rope scaling on the rotary embedding
+# of both pipeline stages and both TP ranks; DeepSeek without MTP where its MTP layer would sit, with experts spread.
+VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, pp=2),
+                   "deepseek_v3_no_mtp": L(pp=2, ep=2)}
+assert VARIANT_LAYOUTS.keys() == VARIANTS.keys()
 
 
-def layouts_for(family: str) -> list[L]:
-    moe = family in MOE_FAMILIES
-    chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(family, ())
+def layouts_for(name: str) -> list[L]:
+    """The layouts a family, or a variant (tiny_hf.VARIANTS), is converted at."""
+    moe = family_of(name) in MOE_FAMILIES
+    if name in VARIANTS:
+        chosen = (VARIANT_LAYOUTS[name],)
+    else:
+        chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
     # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
     return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
 
@@ -104,7 +113,8 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
             facts, weight_map, chunks = import_hf(hf_dir, layout)
             tokens = verify_tokens(facts.vocab_size)
             reference = hf_logits(hf_dir, tokens) if reference is None else reference
-            entry = {"logits_vs_hf": _max_diff(reference, megatron_logits(chunks, facts, tokens))}
+            entry = {"logits_vs_hf": _max_diff(reference, megatron_logits(chunks, facts, tokens)),
+                     "mtp_layers": facts.num_mtp_layers}
             mcore_dir = os.path.join(workdir, family, str(layout))
             save_mcore(chunks, weight_map, mcore_dir, "fp32")
             out = os.path.join(workdir, family, f"{layout}-hf")

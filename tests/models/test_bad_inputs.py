@@ -1,16 +1,22 @@
-"""Bad converter inputs fail early with errors that say what is wrong: non-HF dirs, missing shards, stray keys."""
+"""Bad converter inputs fail early with errors that say what is wrong: non-HF dirs, missing shards, stray keys,
+and `rlm convert` says each in one line, exit 2, before any rank starts."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from rlmegatron.models.convert import ConversionError, HFCheckpoint
-from rlmegatron.models.hf_config import UnsupportedModelError, model_facts
+from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
 from rlmegatron.models.weight_map import WeightMap, WeightMapError
-from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
+from rlmegatron.runtime import ParallelLayout
+from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS, save_tiny_model
 
 
 def _qwen2_facts():
@@ -69,3 +75,151 @@ def test_full_tensor_map_round_trips_qkv_and_glu():
     assert torch.equal(fused[:32], q[:32]) and torch.equal(fused[32:48], k[:16]) and torch.equal(fused[48:64], v[:16])
     assert all(torch.equal(hf[key], t) for key, t in
                weight_map.megatron_to_hf("decoder.layers.0.self_attention.linear_qkv.weight", fused).items())
+
+
+# ---- `rlm convert`: every bad input is one line naming its culprit, exit 2, no traceback, before any rank ----------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny checkpoints the cases break: a dense Llama, a DeepSeek-V3 (4 experts) with and without its MTP tensors,
+    and a converter checkpoint's metadata (all that is read of one before the ranks start)."""
+    from rlmegatron.models.convert import ConvertMeta
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    for name in ("llama", "deepseek_v3", "deepseek_v3_no_mtp"):
+        save_tiny_model(name, str(root / name))
+    (root / "mcore").mkdir()
+    ConvertMeta(read_hf_config(root / "llama"), 256, "fp32", False, 0).save(root / "mcore")
+    return root
+
+
+def _to_mcore(hf, out, *flags):
+    return ["hf-to-mcore", "--hf-path", str(hf), "--out", str(out), *flags]
+
+
+def _to_hf(mcore, out, *flags):
+    return ["mcore-to-hf", "--mcore-path", str(mcore), "--out", str(out), *flags]
+
+
+def _broken(models, tmp_path, config=None, drop_tensor=None, shard=None):
+    """A copy of the Llama with config.json fields replaced, a tensor dropped, or its shard's bytes -> shard(bytes)."""
+    target = tmp_path / "broken"
+    shutil.copytree(models / "llama", target)
+    if config is not None:
+        (target / "config.json").write_text(json.dumps({**read_hf_config(target), **config}))
+    if drop_tensor is not None:
+        tensors = load_file(target / "model.safetensors")
+        save_file({k: v for k, v in tensors.items() if k != drop_tensor}, target / "model.safetensors")
+    if shard is not None:
+        (target / "model.safetensors").write_bytes(shard((target / "model.safetensors").read_bytes()))
+    return target
+
+
+def _index_naming_a_lost_shard(models, tmp_path):
+    target = _broken(models, tmp_path)
+    kept = "model-00001-of-00002.safetensors"
+    (target / "model.safetensors").rename(target / kept)
+    keys = dict.fromkeys(load_file(target / kept), kept)
+    index = {"weight_map": {**keys, "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def _with_file(directory, name, text):
+    (directory / name).write_text(text)
+    return directory
+
+
+LLAMA3_ROPE_WITHOUT_LOW = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+# id -> (argv from (models dir m, test's tmp dir t), what the one line must say; {m} and {t} are those dirs)
+CONVERT_CASES = {
+    "hf-path-missing": (lambda m, t: _to_mcore(t / "nope", t / "o"), "--hf-path={t}/nope: no such directory"),
+    "hf-path-without-config": (lambda m, t: _to_mcore(t, t / "o"),
+                               "{t} is not a Hugging Face model directory: no config.json in it"),
+    "config-not-json": (lambda m, t: _to_mcore(_with_file(t, "config.json", "{"), t / "o"),
+                        "{t}/config.json: not a JSON config"),
+    "no-safetensors": (lambda m, t: _to_mcore(_with_file(t, "config.json", (m / "llama/config.json").read_text()),
+                                              t / "o"),
+                       "{t} has no model.safetensors or model.safetensors.index.json"),
+    "unsupported-model-type": (lambda m, t: _to_mcore(_broken(m, t, config={"model_type": "gpt2"}), t / "o"),
+                               "{t}/broken/config.json: model_type 'gpt2' is not supported"),
+    "unsupported-activation": (lambda m, t: _to_mcore(_broken(m, t, config={"hidden_act": "gelu"}), t / "o"),
+                               "{t}/broken/config.json: hidden_act='gelu' unsupported"),
+    "llama3-rope-lacks-a-field": (
+        lambda m, t: _to_mcore(_broken(m, t, config={"rope_parameters": LLAMA3_ROPE_WITHOUT_LOW}), t / "o"),
+        "{t}/broken/config.json: rope_scaling (rope_type llama3) lacks low_freq_factor"),
+    "truncated-shard": (lambda m, t: _to_mcore(_broken(m, t, shard=lambda b: b[: len(b) // 2]), t / "o"),
+                        "{t}/broken/model.safetensors: truncated or corrupt safetensors file"),
+    "corrupt-shard": (lambda m, t: _to_mcore(_broken(m, t, shard=lambda b: b"\x10" + b[1:]), t / "o"),
+                      "{t}/broken/model.safetensors: truncated or corrupt safetensors file"),
+    "index-names-a-lost-shard": (lambda m, t: _to_mcore(_index_naming_a_lost_shard(m, t), t / "o"),
+                                 "missing safetensors shards named by its index: ['model-00002-of-00002.safetensors']"),
+    "tensor-missing": (lambda m, t: _to_mcore(_broken(m, t, drop_tensor="model.norm.weight"), t / "o"),
+                       "{t}/broken: 1 HF tensors the llama map needs are absent: ['model.norm.weight']"),
+    "out-not-empty": (lambda m, t: _to_mcore(m / "llama", m / "deepseek_v3"),
+                      "--out={m}/deepseek_v3: exists and is not empty"),
+    "out-is-a-file": (lambda m, t: _to_mcore(m / "llama", _with_file(t, "f", "x") / "f"),
+                      "--out={t}/f: exists and is not empty"),
+    "tp-vs-heads": (lambda m, t: _to_mcore(m / "llama", t / "o", "--tp", "3"),
+                    "--tp=3: does not divide the model's 4 attention heads; use 1, 2 or 4"),
+    "pp-vs-layers": (lambda m, t: _to_mcore(m / "llama", t / "o", "--pp", "3"),
+                     "--pp=3: does not divide the model's 4 layers; use 1, 2 or 4"),
+    "vpp-vs-stage-layers": (lambda m, t: _to_mcore(m / "llama", t / "o", "--pp", "2", "--vpp", "3"),
+                            "--vpp=3: does not divide the layers of each pipeline stage (2); use 1 or 2"),
+    "vpp-without-pp": (lambda m, t: _to_mcore(m / "llama", t / "o", "--vpp", "2"), "--vpp=2: needs --pp > 1"),
+    "ep-on-dense": (lambda m, t: _to_mcore(m / "llama", t / "o", "--ep", "2"), "--ep=2: the model is dense"),
+    "ep-vs-experts": (lambda m, t: _to_mcore(m / "deepseek_v3", t / "o", "--ep", "3"),
+                      "--ep=3: does not divide the 4 experts; use 1, 2 or 4"),
+    "etp-vs-expert-size": (lambda m, t: _to_mcore(m / "deepseek_v3", t / "o", "--etp", "3"),
+                           "--etp=3: does not divide the experts' hidden size 32"),
+    "nproc-vs-layout": (lambda m, t: _to_mcore(m / "llama", t / "o", "--tp", "2", "--nproc", "3"),
+                        "--nproc=3: Megatron needs a multiple of TP×PP and of ETP×EP×PP; use 2"),
+    "mcore-path-missing": (lambda m, t: _to_hf(t / "nope", t / "o"), "--mcore-path={t}/nope: no such directory"),
+    "mcore-path-not-converted": (lambda m, t: _to_hf(m / "llama", t / "o"),
+                                 "{m}/llama is not a checkpoint written by `rlm convert` (no rlm_convert.json)"),
+    "mcore-tp-vs-heads": (lambda m, t: _to_hf(m / "mcore", t / "o", "--tp", "3"),
+                          "--tp=3: does not divide the model's 4 attention heads"),
+    "hf-config-missing": (lambda m, t: _to_hf(m / "mcore", t / "o", "--hf-config", str(t / "nope")),
+                          "--hf-config={t}/nope: no such directory"),
+    "verify-hf-path-missing": (lambda m, t: ["verify", "--hf-path", str(t / "nope"), "--mcore-path", str(m / "mcore")],
+                               "--hf-path={t}/nope: no such directory"),
+}
+
+
+@pytest.mark.parametrize("argv, culprit", CONVERT_CASES.values(), ids=CONVERT_CASES.keys())
+def test_convert_refuses_a_bad_input_in_one_line_before_any_rank(models, tmp_path, capsys, argv, culprit):
+    from rlmegatron.models.convert_cli import main
+
+    assert main(argv(models, tmp_path)) == 2
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlm convert "), lines
+    assert culprit.format(m=models, t=tmp_path) in lines[0]
+    assert "Traceback" not in out.err
+
+
+def test_rlm_convert_says_one_line_and_rlm_debug_adds_the_traceback(models, tmp_path):
+    command = [sys.executable, "-m", "rlmegatron", "convert", *_to_mcore(models / "llama", tmp_path / "o", "--tp", "3")]
+    plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and plain.stdout == ""
+    assert plain.stderr.splitlines() == [
+        "rlm convert hf-to-mcore: --tp=3: does not divide the model's 4 attention heads; use 1, 2 or 4"], plain.stderr
+    assert not (tmp_path / "o").exists()
+    debug = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RLM_DEBUG": "1"})
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "ConversionError" in debug.stderr
+
+
+def test_a_deepseek_v3_without_mtp_tensors_converts_without_mtp_said_once(models, tmp_path, capsys):
+    from rlmegatron.models.convert_cli import _layout, build_parser, preflight
+
+    def checked(name):
+        args = build_parser().parse_args(_to_mcore(models / name, tmp_path / name))
+        preflight(args, _layout(args))
+        return capsys.readouterr().err.splitlines()
+
+    assert checked("deepseek_v3") == []
+    assert checked("deepseek_v3_no_mtp") == [
+        "rlm convert hf-to-mcore: config.json declares num_nextn_predict_layers=1 but the checkpoint holds no "
+        "multi-token-prediction tensors (model.layers.4.*), as transformers saves DeepSeek-V3: MTP is off"]
+    facts = HFCheckpoint(models / "deepseek_v3_no_mtp").facts(tp=1)
+    assert facts.num_mtp_layers == 0 and transformer_config(facts, ParallelLayout()).mtp_num_layers is None
+    assert HFCheckpoint(models / "deepseek_v3").facts(tp=1).num_mtp_layers == 1

@@ -5,30 +5,33 @@ import pytest
 
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from tests.models.conversion_jobs import layouts_for, round_trip_job
-from tests.models.tiny_hf import FAMILIES, save_tiny_model
+from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model
 
 LOGIT_TOLERANCE = 1e-4
-MATRIX_TIMEOUT_S = 600  # ~1.5 minutes on 2 cores for the 35 family/layout pairs
+MATRIX_TIMEOUT_S = 600  # ~1.5 minutes on 2 cores for the 38 family/layout pairs
+CHECKPOINTS = FAMILIES + tuple(VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("convert"))
-    for family in FAMILIES:
-        save_tiny_model(family, f"{workdir}/{family}/hf")
+    for name in CHECKPOINTS:
+        save_tiny_model(name, f"{workdir}/{name}/hf")
     # One process group for everything: each spawned rank pays megatron's import once.
-    return run_ranks(round_trip_job, 4, list(FAMILIES), workdir, timeout_s=MATRIX_TIMEOUT_S)
+    return run_ranks(round_trip_job, 4, list(CHECKPOINTS), workdir, timeout_s=MATRIX_TIMEOUT_S)
 
 
 # The fixture runs inside the first test, so that test carries the matrix's time limit too.
 @pytest.mark.timeout(MATRIX_TIMEOUT_S + 60)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CHECKPOINTS)
 def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
     for layout in layouts_for(family):
         label = f"{family}/{layout}"
         entries = [report[label] for report in reports]
         logit_diffs = [e["logits_vs_hf"] for e in entries if e["logits_vs_hf"] is not None]
         assert logit_diffs and max(logit_diffs) < LOGIT_TOLERANCE, (label, logit_diffs)
+        # A DeepSeek-V3 saved by transformers has no MTP tensors: converted without MTP layers, not refused.
+        assert entries[0]["mtp_layers"] == (1 if family == "deepseek_v3" else 0), label
         assert max(e["reloaded_tp1_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
         # DeepSeek's MTP layer, which transformers ignores, against DeepSeek-V3's definition of it.
         if "reloaded_tp1_mtp_logits_vs_hf" in entries[0]:

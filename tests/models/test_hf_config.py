@@ -5,9 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
 from rlmegatron.runtime import ParallelLayout
+from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS, VARIANTS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -52,7 +54,7 @@ def test_qwen_families_carry_their_attention_and_router_flags():
     [
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}}, "lacks low_freq_factor"),
         ({"use_sliding_window": True}, "sliding_window"),
     ],
 )
@@ -65,3 +67,27 @@ def test_unsupported_values_name_the_field(change, field):
 def test_expert_count_not_divisible_by_ep_is_refused():
     with pytest.raises(UnsupportedModelError, match="EP=3"):
         _derive(_config_dir("qwen3_moe"), ParallelLayout(ep=3))
+
+
+@pytest.mark.parametrize("variant", ["llama3.2_rope", "llama_custom_rope"])
+def test_llama3_rope_frequencies_are_transformers_for_all_four_fields(variant):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from rlmegatron.models.hf_config import _scale_llama3_rope
+
+    config = AutoConfig.for_model("llama", **{**COMMON, **FAMILY_CONFIGS["llama"], **VARIANTS[variant].config})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    facts = model_facts(config.to_dict(), tp=1)
+
+    def rotary(**scaling):
+        return RotaryEmbedding(kv_channels=config.head_dim, rotary_percent=1.0, rotary_base=int(facts.rotary_base),
+                               use_cpu_initialization=True, **scaling)
+
+    ours = rotary()
+    _scale_llama3_rope(ours, facts.llama3_rope_scaling)
+    torch.testing.assert_close(ours.inv_freq, expected, rtol=1e-6, atol=0)
+    # Megatron-Core's own scaling takes only the factor: right for Llama-3.2's fields, wrong for the others.
+    megatron_own = rotary(rope_scaling=True, rope_scaling_factor=facts.llama3_rope_scaling["factor"]).inv_freq
+    assert torch.allclose(megatron_own, expected, rtol=1e-6, atol=0) == (variant == "llama3.2_rope")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -29,11 +30,44 @@ FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 
 
-def save_tiny_model(family: str, directory: str, seed: int = 0, **overrides) -> str:
-    """Save a random `family` model to `directory`; router biases get noise so they are not all zero."""
+@dataclass(frozen=True)
+class Variant:
+    """A checkpoint of `family` as users have it, with `config` over the family's tiny config."""
+
+    family: str
+    config: dict
+    mtp_tensors: bool = True  # DeepSeek's MTP layers as DeepSeek ships them; False: as transformers saves them
+
+
+def _llama3_rope(factor: float, low: float, high: float, original: int, theta: float) -> dict:
+    return dict(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+                original_max_position_embeddings=original, rope_theta=theta)
+
+
+VARIANTS = {
+    # Llama-3.2's rope scaling (1B/3B config.json), and one with none of Llama-3.1's constants whose
+    # frequencies, unlike those, are scaled well within the 16 positions the logits are compared at.
+    "llama3.2_rope": Variant("llama", dict(max_position_embeddings=131072,
+                                           rope_scaling=_llama3_rope(32.0, 1.0, 4.0, 8192, theta=500000.0))),
+    "llama_custom_rope": Variant("llama", dict(max_position_embeddings=1024,
+                                               rope_scaling=_llama3_rope(16.0, 2.0, 8.0, 256, theta=10000.0))),
+    # num_nextn_predict_layers says 1, but transformers neither builds nor saves MTP layers.
+    "deepseek_v3_no_mtp": Variant("deepseek_v3", {}, mtp_tensors=False),
+}
+
+
+def family_of(name: str) -> str:
+    return VARIANTS[name].family if name in VARIANTS else name
+
+
+def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> str:
+    """Save a random model of family or VARIANTS entry `name` to `directory`; router biases get noise so they are
+    not all zero."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIGS[family], **overrides})
+    variant = VARIANTS.get(name, Variant(name, {}))
+    config = AutoConfig.for_model(variant.family, **{**COMMON, **FAMILY_CONFIGS[variant.family], **variant.config,
+                                                     **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -42,7 +76,7 @@ def save_tiny_model(family: str, directory: str, seed: int = 0, **overrides) -> 
             if param.dim() == 1 or "e_score_correction_bias" in name:
                 param.copy_(_random_norm_or_bias(name, param))
     model.save_pretrained(directory)
-    if getattr(config, "num_nextn_predict_layers", 0):
+    if getattr(config, "num_nextn_predict_layers", 0) and variant.mtp_tensors:
         _append_mtp_layers(directory, config)
     return directory
 
