@@ -128,8 +128,8 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
 
 def _already_complete(spec: JobSpec, checkpoint, planned: int) -> JobReport:
     """Rerunning a finished job trains nothing: say so, and how to train on or start over."""
-    print(f"already complete: {checkpoint.path} is step {checkpoint.step} of the {planned} this job trains; nothing "
-          f"to do. To train on, raise trainer.total_steps above {checkpoint.step}; to start over, give a new "
+    print(f"already complete: {checkpoint.path} is at step {checkpoint.step}, and this job trains {planned} steps; "
+          f"nothing to do. To train on, raise trainer.total_steps above {checkpoint.step}; to start over, give a new "
           f"trainer.run_dir", flush=True)
     return JobReport(steps=checkpoint.step, resumed_from=checkpoint.step, seconds=0.0, reward_first=None,
                      reward_last=None, tracking="unchanged", checkpoint=str(checkpoint.path), exported_hf=None,

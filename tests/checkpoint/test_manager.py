@@ -190,6 +190,9 @@ def test_an_explicit_resume_path_must_be_complete_loadable_and_the_newest(tmp_pa
                                               r"EOFError: Ran out of input; name another checkpoint"):
         other.load_resume_point(ranks)
     assert ranks.loads == ["step_1"]
+    fresh = CheckpointManager(tmp_path / "d")  # a new run_dir: nothing there to overwrite
+    assert fresh.plan_resume(str(a / "step_1")).step == 1
+    assert fresh.load_resume_point(FakeRanks()) == (a / "step_1", {"step": 1})
     # Resuming from step_1 inside a run_dir whose step_2 is complete would overwrite step_2.
     manager, _ = saved(tmp_path / "c", [1, 2])
     c = tmp_path / "c" / "checkpoints"

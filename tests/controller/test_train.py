@@ -90,7 +90,7 @@ def mlflow_history(db: Path) -> dict[str, list[tuple[int, float]]]:
 def ray_run(tmp_path_factory):
     """`rlm train` on 2 Ray ranks, each leading a (loopback) SGLang engine, one of which dies in step 1; SIGTERM
     once step 4's checkpoint is in. Then step 4's shards are damaged in place (their sizes intact), and the run is
-    resumed in the same run_dir (trainer.resume=auto) to step 3 behind a router: it falls back to step 2."""
+    resumed in the same run_dir (trainer.resume=auto) to step 5 behind a router: it falls back to step 2."""
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
@@ -110,7 +110,7 @@ def ray_run(tmp_path_factory):
     sglang, env = with_fake_sglang(tmp, "resumed")
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
-    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'killed'}",
+    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
                     "trainer.resume=auto", *sglang, *router, env=env)
     return tmp, first, resumed, killed.returncode
 
@@ -137,7 +137,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
     steps = len(history["critic/score/mean"])
     assert first["stderr"].count(f"rollout        {full} 16/16") >= steps  # a step in flight may add one
     assert first["stderr"].count(f"update_actor   {full} 1/1") >= steps
-    assert (tmp / "killed" / "checkpoints" / "latest").read_text() == "step_3"
+    assert (tmp / "killed" / "checkpoints" / "latest").read_text() == "step_5"
     exported = Path(resumed["exported_hf"])
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
 
@@ -147,7 +147,7 @@ def test_resume_gives_the_same_next_step_metrics(ray_run):
     routed = [json.loads(line) for line in (tmp / "resumed.router").read_text().splitlines()]
     assert [r["path"] for r in routed].count("add") == 2  # both colocated servers, once they had the weights
     assert len({r["worker"] for r in routed if r["path"] == "generate"}) == 2
-    assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3]
+    assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3, 4, 5]
     expected, got = at_step(first["history"], 3), at_step(resumed["history"], 3)
     assert expected["actor/grad_norm"] > 0  # the step did train: equal metrics are not trivially equal
     assert expected.keys() == got.keys()
@@ -166,12 +166,13 @@ def test_a_checkpoint_that_does_not_load_is_named_and_the_ranks_fall_back_to_the
                      failed[0]), failed[0]
     assert f"checkpoint {checkpoints / 'step_4'} renamed to step_4.invalid" in lines
     assert f"resumed from {checkpoints / 'step_2'} at step 2" in resumed["stdout"]
-    # Kept, out of the way of the step this run wrote; nothing complete was overwritten.
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2", "step_3", "step_4.invalid"]
+    # Kept, out of the way of the step this run wrote again (trainer.save_freq=2); nothing complete was overwritten.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2", "step_4", "step_4.invalid",
+                                                             "step_5"]
 
 
 def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
-    """The killed run logged steps 3 and 4 after the step-2 checkpoint; the resumed run logged step 3 again."""
+    """The killed run logged steps 3 and 4 (maybe 5) after the step-2 checkpoint; the resumed run logged 3-5."""
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
@@ -187,19 +188,19 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
     assert [s for s, _ in first["history"]["critic/score/mean"]][:4] == [1, 2, 3, 4]
     for key in first["history"]:
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
-        assert steps == sorted(set(steps)) and set(steps) <= {0, 1, 2, 3}, key
+        assert steps == sorted(set(steps)) and set(steps) <= {0, 1, 2, 3, 4, 5}, key
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
                for key in ("critic/score/mean", "actor/grad_norm")}
     for key, points in history.items():
-        # Steps 1-2 as the killed run logged them, step 3 as the resumed run did.
+        # Steps 1-2 as the killed run logged them, steps 3-5 as the resumed run did.
         assert points == [p for p in first["history"][key] if p[0] <= 2] + [tuple(p) for p in resumed["history"][key]]
     assert f"mlflow: run {superseded.info.run_id} logged" in resumed["stderr"]
 
 
 def test_the_summary_names_the_steps_the_resumed_run_trained(ray_run):
     stdout = ray_run[2]["stdout"]
-    assert "trained step 3 (1 step, resumed from step 2) in " in stdout
-    assert "critic/score/mean" in stdout and "steps 3-3" in stdout
+    assert "trained steps 3-5 (3 steps, resumed from step 2) in " in stdout
+    assert "critic/score/mean" in stdout and "steps 3-5" in stdout
 
 
 def test_rerunning_a_finished_job_says_it_is_complete_and_changes_nothing(ray_run, monkeypatch, capsys):
@@ -207,10 +208,11 @@ def test_rerunning_a_finished_job_says_it_is_complete_and_changes_nothing(ray_ru
     run_dir = tmp / "killed"
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     monkeypatch.chdir(REPO_ROOT)
-    assert main(["train", QUICKSTART, *SMALL, "trainer.total_steps=3", f"trainer.run_dir={run_dir}"]) == 0
+    assert main(["train", QUICKSTART, *SMALL, "trainer.total_steps=5", f"trainer.run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
-    assert (f"already complete: {run_dir / 'checkpoints' / 'step_3'} is step 3 of the 3 this job trains; nothing to "
-            "do. To train on, raise trainer.total_steps above 3; to start over, give a new trainer.run_dir") in out
+    assert (f"already complete: {run_dir / 'checkpoints' / 'step_5'} is at step 5, and this job trains 5 steps; "
+            "nothing to do. To train on, raise trainer.total_steps above 5; to start over, give a new "
+            "trainer.run_dir") in out
     assert "trained" not in out
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
@@ -224,7 +226,7 @@ def test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoin
     while processes_of_run("killed") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_of_run("killed") == []
-    # Step 2's checkpoint is what the resumed run (above) started from; only step 3 ran there.
+    # Step 2's checkpoint is what the resumed run (above) started from, step 4's having been damaged.
 
 
 def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_completed(ray_run):
