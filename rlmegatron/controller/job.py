@@ -75,8 +75,8 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
     newest = checkpoints.plan_resume(spec.trainer.resume)  # before anything starts: it may refuse the run
-    if newest is not None and newest.step >= total_steps(spec, loader):
-        return _already_complete(spec, newest, total_steps(spec, loader))
+    if newest is not None and newest.step >= (planned := total_steps(spec, loader)):
+        return _already_complete(newest, planned)
     tracker = Tracker.from_spec(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     pools = workers = engines = router = None
@@ -126,13 +126,13 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     return report
 
 
-def _already_complete(spec: JobSpec, checkpoint, planned: int) -> JobReport:
+def _already_complete(checkpoint, planned: int) -> JobReport:
     """Rerunning a finished job trains nothing: say so, and how to train on or start over."""
     print(f"already complete: {checkpoint.path} is at step {checkpoint.step}, and this job trains {planned} steps; "
           f"nothing to do. To train on, raise trainer.total_steps above {checkpoint.step}; to start over, give a new "
           f"trainer.run_dir", flush=True)
     return JobReport(steps=checkpoint.step, resumed_from=checkpoint.step, seconds=0.0, reward_first=None,
-                     reward_last=None, tracking="unchanged", checkpoint=str(checkpoint.path), exported_hf=None,
+                     reward_last=None, tracking="not opened", checkpoint=str(checkpoint.path), exported_hf=None,
                      history={})
 
 

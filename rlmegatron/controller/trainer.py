@@ -39,7 +39,7 @@ class TrainingStopped(RuntimeError):
 @dataclass
 class FitResult:
     steps: int
-    """The last step trained (or, resumed at the end, the checkpoint's)."""
+    """The last step trained."""
     resumed_from: int
     """The checkpoint's step this run started from (0: a fresh start); it trained resumed_from+1 .. steps."""
     seconds: float
