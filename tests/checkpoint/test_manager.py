@@ -237,7 +237,7 @@ def test_rlm_train_refuses_a_run_dir_with_no_usable_checkpoint(tmp_path, rlm_tra
                 "overwrite; give a new trainer.run_dir to start fresh, or trainer.resume=auto to continue from step_1"),
     ("{root}/step_1/actor", "trainer.resume={root}/step_1/actor: not a complete checkpoint: no manifest.json (its "
                             "save did not finish); name a checkpoint directory (step_N), or use trainer.resume=auto"),
-])
+], ids=["disable", "path"])
 def test_rlm_train_names_a_resume_setting_that_would_lose_data_or_is_not_a_checkpoint(tmp_path, rlm_train, capsys,
                                                                                        resume, says):
     saved(tmp_path, [1])
