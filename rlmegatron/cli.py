@@ -85,7 +85,7 @@ def train(args: argparse.Namespace) -> int:
     spec = _load_spec_or_report(args)
     if spec is None:
         return EXIT_BAD_SPEC
-    from rlmegatron.checkpoint import CheckpointManager
+    from rlmegatron.checkpoint import CheckpointError, CheckpointManager
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
 
@@ -94,6 +94,9 @@ def train(args: argparse.Namespace) -> int:
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
+    except CheckpointError as problem:  # none usable, a bad trainer.resume, a run_dir a start would overwrite
+        print(problem, file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
         latest = CheckpointManager(spec.trainer.run_dir).latest()

@@ -1,4 +1,6 @@
-"""Save and resume: atomic step checkpoints (weights, optimizer, RNG, dataloader, step) and the `latest` marker."""
-from rlmegatron.checkpoint.manager import CheckpointManager
+"""Save and resume: step checkpoints (weights, optimizer, RNG, dataloader, step) complete once their manifest is in,
+resume from the newest one that loads, and the `latest` marker."""
+from rlmegatron.checkpoint.integrity import CheckpointLoadFailed
+from rlmegatron.checkpoint.manager import CheckpointError, CheckpointManager
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointError", "CheckpointLoadFailed", "CheckpointManager"]

@@ -396,7 +396,8 @@ class TrainerConfig(Section):
     """Checkpoints, logs and prepared data of this run; defaults to runs/<experiment_name>."""
     experiment_name: Text = "default"
     resume: Text = "auto"
-    """`auto` resumes from the newest checkpoint in run_dir, `disable` starts fresh, else a checkpoint path."""
+    """`auto` resumes from the newest complete checkpoint in run_dir that loads, `disable` starts fresh (refused while
+    run_dir holds a complete checkpoint), else a checkpoint path (no fallback). See README, Checkpoints and resume."""
     max_ckpt_to_keep: PositiveInt | None = None
     """null keeps every checkpoint."""
     seed: int = 42

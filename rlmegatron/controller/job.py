@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 @dataclass
 class JobReport:
     steps: int
+    """The last step trained (a job found already complete: its checkpoint's step)."""
+    resumed_from: int
+    """The checkpoint's step the run started from (0: a fresh start): it trained resumed_from+1 .. steps."""
     seconds: float
     reward_first: Optional[float]
     reward_last: Optional[float]
@@ -59,7 +62,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
-    from rlmegatron.controller.trainer import Trainer
+    from rlmegatron.controller.trainer import Trainer, total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
     from rlmegatron.rewards import build_reward_manager
@@ -70,6 +73,10 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
+    checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
+    newest = checkpoints.plan_resume(spec.trainer.resume)  # before anything starts: it may refuse the run
+    if newest is not None and newest.step >= (planned := total_steps(spec, loader)):
+        return _already_complete(newest, planned)
     tracker = Tracker.from_spec(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     pools = workers = engines = router = None
@@ -89,8 +96,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             engines = ColocatedEngines(workers)
         else:
             engines = DisaggregatedEngines(spec, workers, pools.rollout if pools else None)
-        trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker,
-                          CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep))
+        trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
         result = trainer.fit()
         status = "FINISHED"
     finally:
@@ -106,6 +112,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     rewards = tracker.series(REWARD_SCORE_MEAN)
     report = JobReport(
         steps=result.steps,
+        resumed_from=result.resumed_from,
         seconds=result.seconds,
         reward_first=rewards[0] if rewards else None,
         reward_last=rewards[-1] if rewards else None,
@@ -119,6 +126,16 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     return report
 
 
+def _already_complete(checkpoint, planned: int) -> JobReport:
+    """Rerunning a finished job trains nothing: say so, and how to train on or start over."""
+    print(f"already complete: {checkpoint.path} is at step {checkpoint.step}, and this job trains {planned} steps; "
+          f"nothing to do. To train on, raise trainer.total_steps above {checkpoint.step}; to start over, give a new "
+          f"trainer.run_dir", flush=True)
+    return JobReport(steps=checkpoint.step, resumed_from=checkpoint.step, seconds=0.0, reward_first=None,
+                     reward_last=None, tracking="not opened", checkpoint=str(checkpoint.path), exported_hf=None,
+                     history={})
+
+
 def _tracking_location(spec: JobSpec, tracker) -> str:
     from rlmegatron.tracking import resolve_tracking_uri
 
@@ -129,10 +146,17 @@ def _tracking_location(spec: JobSpec, tracker) -> str:
 
 
 def format_report(report: JobReport) -> str:
-    reward = ("n/a" if report.reward_first is None
-              else f"{report.reward_first:.3f} (step 1) -> {report.reward_last:.3f} (step {report.steps})")
+    from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
+
+    first, count = report.resumed_from + 1, report.steps - report.resumed_from
+    steps = f"step {first}" if count == 1 else f"steps {first}-{report.steps}"
+    resumed = f", resumed from step {report.resumed_from}" if report.resumed_from else ""
+    rewards = report.history.get(REWARD_SCORE_MEAN)
+    reward = ("n/a" if not rewards
+              else f"{rewards[0][1]:.3f} (step {rewards[0][0]}) -> {rewards[-1][1]:.3f} (step {rewards[-1][0]})")
     return "\n".join([
-        f"trained {report.steps} steps in {report.seconds:.1f} s; critic/score/mean {reward}",
+        f"trained {steps} ({count} step{'s' * (count != 1)}{resumed}) in {report.seconds:.1f} s; "
+        f"critic/score/mean {reward}",
         f"tracking:   {report.tracking}",
         f"checkpoint: {report.checkpoint or 'none saved (trainer.save_freq)'}",
         f"hf export:  {report.exported_hf}",

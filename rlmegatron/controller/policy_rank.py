@@ -276,9 +276,10 @@ class PolicyRank:
             save_rank_state(self, path)
 
     def load_checkpoint(self, path: str) -> None:
+        from rlmegatron.checkpoint.integrity import load_failures_named
         from rlmegatron.checkpoint.state import load_rank_state
 
-        with self._resident("actor", "critic"):
+        with self._resident("actor", "critic"), load_failures_named(path):
             load_rank_state(self, path)
 
     def export_hf(self, path: str) -> Optional[str]:

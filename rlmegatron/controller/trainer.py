@@ -50,6 +50,9 @@ class TrainingStopped(RuntimeError):
 @dataclass
 class FitResult:
     steps: int
+    """The last step trained."""
+    resumed_from: int
+    """The checkpoint's step this run started from (0: a fresh start); it trained resumed_from+1 .. steps."""
     seconds: float
     last_checkpoint: Optional[str]
     exported_hf: Optional[str]
@@ -73,6 +76,7 @@ class Trainer:
         self.step = 0
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
+        self.resumed_from = 0
 
     def fit(self) -> FitResult:
         spec, trainer = self.spec, self.spec.trainer
@@ -120,7 +124,7 @@ class Trainer:
             if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
                 self.save()
         exported = self.export_policy()
-        return FitResult(self.step, time.perf_counter() - started, self.last_checkpoint, exported)
+        return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
 
     def update(self, role: str, batch) -> dict[str, float]:
         """One PPO update of the actor or critic, with a bar over its optimizer steps."""
@@ -254,7 +258,7 @@ class Trainer:
         }
 
     def total_steps(self) -> int:
-        return self.spec.trainer.total_steps or self.spec.trainer.total_epochs * len(self.train_loader)
+        return total_steps(self.spec, self.train_loader)
 
     def sampling_seed(self, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
@@ -267,22 +271,28 @@ class Trainer:
         return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
 
     def resume(self) -> None:
-        found = self.checkpoints.find_resume_point(self.spec.trainer.resume)
-        if found is None:
-            return
-        state = self.checkpoints.load(found, self.workers)
-        self.step = int(state["step"])
-        self.weight_version = f"step_{self.step}"
-        self.engines.sync(self.weight_version)
-        self.engines.sync(self.weight_version)
-        self.train_loader.load_state_dict(state["dataloader"])
-        self.kl_ctrl.value = float(state["kl_coef"])
-        self.last_checkpoint = str(found)
-        print(f"resumed from {found} at step {self.step}", flush=True)
+        """The checkpoint CheckpointManager.plan_resume chose (or the one before it, if it does not load) into every
+        rank, the engines and the data loader; then the records continue from its step."""
+        found = self.checkpoints.load_resume_point(self.workers)
+        if found is not None:
+            path, state = found
+            self.step = self.resumed_from = int(state["step"])
+            self.weight_version = f"step_{self.step}"
+            self.engines.sync(self.weight_version)
+            self.engines.sync(self.weight_version)
+            self.train_loader.load_state_dict(state["dataloader"])
+            self.kl_ctrl.value = float(state["kl_coef"])
+            self.last_checkpoint = str(path)
+            print(f"resumed from {path} at step {self.step}", flush=True)
+        self.tracker.start(self.step)
 
     def export_policy(self) -> Optional[str]:
         path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
         return self.workers.execute_rank_zero_result("export_hf", path)
+
+
+def total_steps(spec, train_loader) -> int:
+    return spec.trainer.total_steps or spec.trainer.total_epochs * len(train_loader)
 
 
 def _every(freq: int, step: int) -> bool:

@@ -4,9 +4,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def ascii_plot(values: Sequence[float], *, width: int = 60, height: int = 10, title: str = "") -> str:
+def ascii_plot(values: Sequence[float], *, steps: Sequence[int] | None = None, width: int = 60, height: int = 10,
+               title: str = "") -> str:
     """`height` rows of `width` plot columns with the y range labelled, an x-axis line and the step
-    range below; longer series are averaged into `width` buckets so the plot keeps its shape."""
+    range below (`steps`: each value's step, default 1, 2, ...; a resumed run's start later); longer
+    series are averaged into `width` buckets so the plot keeps its shape."""
     if not values:
         return f"{title}: no data" if title else "no data"
     columns = _bucket_means(list(values), width)
@@ -22,7 +24,8 @@ def ascii_plot(values: Sequence[float], *, width: int = 60, height: int = 10, ti
         label = f"{high:.4g}" if index == 0 else f"{low:.4g}" if index == height - 1 else ""
         lines.append(f"{label:>{label_width}} |{''.join(row)}")
     lines.append(f"{'':>{label_width}} +{'-' * len(columns)}")
-    lines.append(f"{'':>{label_width}}  steps 1-{len(values)}")
+    first, last = (steps[0], steps[-1]) if steps else (1, len(values))
+    lines.append(f"{'':>{label_width}}  steps {first}-{last}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from rlmegatron.config.spec import JobSpec
 
 RUN_ID_FILE = "mlflow_run.json"
+SUPERSEDES_TAG = "rlmegatron.supersedes"
+"""On a run that took over from the run of the same run_dir whose points after the resumed step were superseded."""
+SUPERSEDED_BY_TAG = "rlmegatron.superseded_by"
+RESUMED_AT_TAG = "rlmegatron.resumed_at_step"
 _MLFLOW_PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer parameter values
 _MLFLOW_BATCH_LIMIT = 100  # params per log_batch call
 
@@ -34,6 +38,8 @@ class TrackingSetup:
 
 
 class Backend(Protocol):
+    def start(self, step: int) -> None: ...
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
     def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None: ...
@@ -86,6 +92,12 @@ class Tracker:
         )
         return cls(setup, flatten(spec.model_dump(mode="json")), dump_spec(spec), console_stream)
 
+    def start(self, step: int) -> None:
+        """Open every backend at `step`, the checkpoint's step the run resumes from (0: a fresh start); what a
+        backend holds from an earlier attempt after that step is superseded by what this run logs."""
+        for backend in self.backends:
+            backend.start(step)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         clean = {key: float(value) for key, value in metrics.items()}
         for key, value in clean.items():
@@ -103,8 +115,10 @@ class Tracker:
         return [value for _, value in self.history.get(key, [])]
 
     def summary(self, key: str = REWARD_SCORE_MEAN, width: int = 60, height: int = 10) -> str:
-        """An ASCII plot of one metric over the run, for the last lines of the log."""
-        return ascii_plot(self.series(key), width=width, height=height, title=key)
+        """An ASCII plot of one metric over the steps this run trained, for the last lines of the log."""
+        points = self.history.get(key, [])
+        return ascii_plot([value for _, value in points], steps=[step for step, _ in points], width=width,
+                          height=height, title=key)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close every backend; status is MLflow's: FINISHED, FAILED or KILLED."""
@@ -119,6 +133,9 @@ class ConsoleBackend:
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
+
+    def start(self, step: int) -> None:
+        pass  # a stream has no earlier attempt to continue
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
@@ -162,20 +179,53 @@ def _format_value(value: float) -> str:
 
 
 class MlflowBackend:
-    """An MLflow run: params and the resolved YAML at start, metrics every step. The default store
-    is a sqlite file in the run directory with artifacts beside it, so a run needs no server; a
-    resumed run (same run directory) continues the same MLflow run."""
+    """An MLflow run: params and the resolved YAML at start, metrics every step. The default store is a sqlite file
+    in the run directory with artifacts beside it, so a run needs no server. A run resumed in the same run directory
+    continues that directory's MLflow run (RUN_ID_FILE), unless that run logged steps after the checkpoint resumed
+    from (it was stopped between checkpoints): MLflow cannot delete a metric point, so a new run of the same name
+    takes over, holding the earlier run's points up to that step and tagged with the run it supersedes, and the
+    earlier run is deleted (MLflow's soft delete: `mlflow runs restore --run-id ID` brings it back). Either way the
+    run a user sees holds each step once."""
 
     def __init__(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None) -> None:
         # Imported here: mlflow takes seconds to import, and most commands never track.
         from mlflow.tracking import MlflowClient
 
         setup.run_dir.mkdir(parents=True, exist_ok=True)
+        self.setup, self.params, self.resolved_yaml = setup, params, resolved_yaml
         self.tracking_uri = resolve_tracking_uri(setup)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        self.run_id = self._resumed_run_id(setup.run_dir) or self._start_run(setup, params, resolved_yaml)
+        self.run_id: str | None = None
 
-    def _start_run(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None) -> str:
+    def start(self, step: int) -> None:
+        previous = self._previous_run()
+        if previous is None:
+            self.run_id = self._start_run(self.setup, self.params, self.resolved_yaml)
+            return
+        # A fresh start (step 0) keeps nothing: even step 0's validation is logged again.
+        kept, superseded = [], 0
+        for key in previous.data.metrics:
+            for point in self.client.get_metric_history(previous.info.run_id, key):
+                if step > 0 and point.step <= step:
+                    kept.append(point)
+                else:
+                    superseded += 1
+        if not superseded:
+            self.client.update_run(previous.info.run_id, status="RUNNING")
+            self.run_id = previous.info.run_id
+            return
+        self.run_id = self._start_run(self.setup, self.params, self.resolved_yaml,
+                                      {SUPERSEDES_TAG: previous.info.run_id, RESUMED_AT_TAG: str(step)})
+        self._log_points(kept)
+        self.client.set_tag(previous.info.run_id, SUPERSEDED_BY_TAG, self.run_id)
+        self.client.delete_run(previous.info.run_id)
+        print(f"mlflow: run {previous.info.run_id} logged {superseded} metric points after step {step}, where this "
+              f"run resumes; run {self.run_id} takes over with its points up to step {step}, and "
+              f"{previous.info.run_id} is deleted (`mlflow runs restore --run-id {previous.info.run_id}` brings it "
+              f"back)", file=sys.stderr, flush=True)
+
+    def _start_run(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None,
+                   tags: Mapping[str, str] | None = None) -> str:
         from mlflow.entities import Param
 
         experiment = self.client.get_experiment_by_name(setup.project_name)
@@ -186,7 +236,7 @@ class MlflowBackend:
             if self.tracking_uri.startswith("sqlite:"):
                 artifact_location = (setup.run_dir.resolve() / "mlartifacts").as_uri()
             experiment_id = self.client.create_experiment(setup.project_name, artifact_location=artifact_location)
-        run = self.client.create_run(experiment_id, run_name=setup.experiment_name)
+        run = self.client.create_run(experiment_id, run_name=setup.experiment_name, tags=dict(tags or {}))
         run_id = run.info.run_id
         entries = [Param(key, _param_text(value)) for key, value in params.items()]
         for start in range(0, len(entries), _MLFLOW_BATCH_LIMIT):
@@ -196,23 +246,32 @@ class MlflowBackend:
         (setup.run_dir / RUN_ID_FILE).write_text(json.dumps({"run_id": run_id, "tracking_uri": self.tracking_uri}))
         return run_id
 
-    def _resumed_run_id(self, run_dir: Path) -> str | None:
-        saved_file = run_dir / RUN_ID_FILE
+    def _previous_run(self):
+        """This run directory's MLflow run, if it is in this store and not deleted."""
+        from mlflow.exceptions import MlflowException
+
+        saved_file = self.setup.run_dir / RUN_ID_FILE
         if not saved_file.is_file():
             return None
         saved = json.loads(saved_file.read_text())
         if saved.get("tracking_uri") != self.tracking_uri:
             return None  # the store moved; start a new run rather than write to an unknown one
-        self.client.update_run(saved["run_id"], status="RUNNING")
-        return saved["run_id"]
+        try:
+            run = self.client.get_run(saved["run_id"])
+        except MlflowException:
+            return None  # not in this store (it was recreated)
+        return None if run.info.lifecycle_stage == "deleted" else run
+
+    def _log_points(self, points: list) -> None:
+        for start in range(0, len(points), 1000):  # MLflow's per-batch metric limit
+            self.client.log_batch(self.run_id, metrics=points[start : start + 1000])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        assert self.run_id is not None, "Tracker.start opens the run"
         timestamp = int(time.time() * 1000)
-        entries = [Metric(key, value, timestamp, step) for key, value in metrics.items()]
-        for start in range(0, len(entries), 1000):  # MLflow's per-batch metric limit
-            self.client.log_batch(self.run_id, metrics=entries[start : start + 1000])
+        self._log_points([Metric(key, value, timestamp, step) for key, value in metrics.items()])
 
     def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
         """Artifacts rollout_samples/step_NNNNNN.json (a table the MLflow UI shows and mlflow.load_table reads, one
@@ -226,7 +285,8 @@ class MlflowBackend:
         self.client.log_text(self.run_id, format_samples(samples, step), f"{name}.txt")
 
     def finish(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        if self.run_id is not None:  # None: the run stopped before training started
+            self.client.set_terminated(self.run_id, status=status)
 
 
 def resolve_tracking_uri(setup: TrackingSetup) -> str:

@@ -21,6 +21,6 @@ def test_three_grpo_steps_on_real_gsm8k(tmp_path):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "trained 3 steps" in run.stdout
+    assert "trained steps 1-3 (3 steps) in " in run.stdout
     assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir()
     assert (tmp_path / "run" / "hf_policy" / "model.safetensors.index.json").is_file()

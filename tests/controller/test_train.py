@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -20,7 +21,6 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_mi
          "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null", "tracking.backends=[console,mlflow]",
          "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
-CONSOLE_ONLY = "tracking.backends=[console]"
 
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
@@ -32,7 +32,7 @@ def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None 
     run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
                          cwd=REPO_ROOT, timeout=300, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return {**json.loads(out.read_text()), "stderr": run.stderr}
+    return {**json.loads(out.read_text()), "stdout": run.stdout, "stderr": run.stderr}
 
 
 def with_fake_sglang(tmp: Path, name: str, die_after_generates: int = 0) -> tuple[list[str], dict]:
@@ -89,7 +89,8 @@ def mlflow_history(db: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
     """`rlm train` on 2 Ray ranks, each leading a (loopback) SGLang engine, one of which dies in step 1; SIGTERM
-    once step 4's checkpoint is in. Then a run resumed from its step-2 checkpoint to step 3, behind a router."""
+    once step 4's checkpoint is in. Then step 4's shards are damaged in place (their sizes intact), and the run is
+    resumed in the same run_dir (trainer.resume=auto) to step 5 behind a router: it falls back to step 2."""
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
@@ -104,13 +105,22 @@ def ray_run(tmp_path_factory):
         killed.send_signal(signal.SIGTERM)
         killed.wait(timeout=120)
     first = {"history": mlflow_history(tmp / "killed" / "mlflow.db"), "stderr": (tmp / "killed.stderr").read_text()}
+    for shard in (tmp / "killed" / "checkpoints" / "step_4" / "actor").glob("*.distcp"):
+        damage_tail(shard)
     sglang, env = with_fake_sglang(tmp, "resumed")
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
-    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=3", f"trainer.run_dir={tmp / 'resumed'}",
-                    f"trainer.resume={tmp / 'killed' / 'checkpoints' / 'step_2'}", *sglang, *router, CONSOLE_ONLY,
-                    env=env)
+    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
+                    "trainer.resume=auto", *sglang, *router, env=env)
     return tmp, first, resumed, killed.returncode
+
+
+def damage_tail(file: Path) -> None:
+    """Zero the last eighth of a file in place: its size (all a manifest checks) stays right, its content does not."""
+    size = file.stat().st_size
+    with open(file, "r+b") as handle:
+        handle.seek(size - size // 8)
+        handle.write(b"\0" * (size // 8))
 
 
 def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
@@ -127,7 +137,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
     steps = len(history["critic/score/mean"])
     assert first["stderr"].count(f"rollout        {full} 16/16") >= steps  # a step in flight may add one
     assert first["stderr"].count(f"update_actor   {full} 1/1") >= steps
-    assert (tmp / "resumed" / "checkpoints" / "latest").read_text() == "step_3"
+    assert (tmp / "killed" / "checkpoints" / "latest").read_text() == "step_5"
     exported = Path(resumed["exported_hf"])
     assert (exported / "model.safetensors.index.json").is_file() and (exported / "config.json").is_file()
 
@@ -137,11 +147,74 @@ def test_resume_gives_the_same_next_step_metrics(ray_run):
     routed = [json.loads(line) for line in (tmp / "resumed.router").read_text().splitlines()]
     assert [r["path"] for r in routed].count("add") == 2  # both colocated servers, once they had the weights
     assert len({r["worker"] for r in routed if r["path"] == "generate"}) == 2
-    assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3]
+    assert [s for s, _ in resumed["history"]["critic/score/mean"]] == [3, 4, 5]
     expected, got = at_step(first["history"], 3), at_step(resumed["history"], 3)
     assert expected["actor/grad_norm"] > 0  # the step did train: equal metrics are not trivially equal
     assert expected.keys() == got.keys()
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_a_checkpoint_that_does_not_load_is_named_and_the_ranks_fall_back_to_the_one_before(ray_run):
+    """Step 4's manifest is intact, so its load is tried; it fails in both Ray ranks midway, and the step-3 metrics
+    (test above) equal the uninterrupted run's: the ranks reloaded step 2 whole."""
+    tmp, _, resumed, _ = ray_run
+    checkpoints = tmp / "killed" / "checkpoints"
+    lines = resumed["stderr"].splitlines()
+    failed = [line for line in lines if line.startswith(f"checkpoint {checkpoints / 'step_4'}: does not load: ")]
+    assert len(failed) == 1 and "Traceback" not in resumed["stderr"]
+    assert re.search(r"does not load: actor/__\d_\d\.distcp: \w+Error: .+; falling back to the one before it$",
+                     failed[0]), failed[0]
+    assert f"checkpoint {checkpoints / 'step_4'} renamed to step_4.invalid" in lines
+    assert f"resumed from {checkpoints / 'step_2'} at step 2" in resumed["stdout"]
+    # Kept, out of the way of the step this run wrote again (trainer.save_freq=2); nothing complete was overwritten.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2", "step_4", "step_4.invalid",
+                                                             "step_5"]
+
+
+def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
+    """The killed run logged steps 3 and 4 (maybe 5) after the step-2 checkpoint; the resumed run logged 3-5."""
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    from rlmegatron.tracking.tracker import SUPERSEDED_BY_TAG, SUPERSEDES_TAG
+
+    tmp, first, resumed, _ = ray_run
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'killed' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("rlmegatron").experiment_id
+    [run] = client.search_runs([experiment])  # the active runs: what a user sees
+    [superseded] = client.search_runs([experiment], run_view_type=ViewType.DELETED_ONLY)
+    assert run.data.tags[SUPERSEDES_TAG] == superseded.info.run_id
+    assert superseded.data.tags[SUPERSEDED_BY_TAG] == run.info.run_id
+    assert [s for s, _ in first["history"]["critic/score/mean"]][:4] == [1, 2, 3, 4]
+    for key in first["history"]:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert steps == sorted(set(steps)) and set(steps) <= {0, 1, 2, 3, 4, 5}, key
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("critic/score/mean", "actor/grad_norm")}
+    for key, points in history.items():
+        # Steps 1-2 as the killed run logged them, steps 3-5 as the resumed run did.
+        assert points == [p for p in first["history"][key] if p[0] <= 2] + [tuple(p) for p in resumed["history"][key]]
+    assert f"mlflow: run {superseded.info.run_id} logged" in resumed["stderr"]
+
+
+def test_the_summary_names_the_steps_the_resumed_run_trained(ray_run):
+    stdout = ray_run[2]["stdout"]
+    assert "trained steps 3-5 (3 steps, resumed from step 2) in " in stdout
+    assert "critic/score/mean" in stdout and "steps 3-5" in stdout
+
+
+def test_rerunning_a_finished_job_says_it_is_complete_and_changes_nothing(ray_run, monkeypatch, capsys):
+    tmp = ray_run[0]
+    run_dir = tmp / "killed"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["train", QUICKSTART, *SMALL, "trainer.total_steps=5", f"trainer.run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert (f"already complete: {run_dir / 'checkpoints' / 'step_5'} is at step 5, and this job trains 5 steps; "
+            "nothing to do. To train on, raise trainer.total_steps above 5; to start over, give a new "
+            "trainer.run_dir") in out
+    assert "trained" not in out
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint(ray_run):
@@ -153,7 +226,7 @@ def test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoin
     while processes_of_run("killed") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_of_run("killed") == []
-    # Step 2's checkpoint is what the resumed run (above) started from; only step 3 ran there.
+    # Step 2's checkpoint is what the resumed run (above) started from, step 4's having been damaged.
 
 
 def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_completed(ray_run):

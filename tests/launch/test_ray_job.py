@@ -34,8 +34,8 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
         output = job.stdout + job.stderr
         assert job.returncode == 0, output[-3000:]
         assert "succeeded" in output
-        learned = re.search(r"trained 80 steps in [\d.]+ s; critic/score/mean ([\d.]+) \(step 1\) -> ([\d.]+) "
-                            r"\(step 80\)", output)
+        learned = re.search(r"trained steps 1-80 \(80 steps\) in [\d.]+ s; critic/score/mean ([\d.]+) \(step 1\) "
+                            r"-> ([\d.]+) \(step 80\)", output)
         assert learned, output[-3000:]
         first, last = float(learned.group(1)), float(learned.group(2))
         assert first <= 0.2 and last >= 0.8, (first, last)

@@ -24,6 +24,7 @@ def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
     tracker = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
+    tracker.start(0)
     tracker.log_metrics({"critic/score/mean": 0.25, "actor/pg_loss": -0.5}, step=1)
     tracker.log_metrics({"critic/score/mean": 0.75}, step=2)
     tracker.finish()
@@ -44,13 +45,59 @@ def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path
     resolved = yaml.safe_load((next((run_dir / "mlartifacts").rglob("resolved_spec.yaml"))).read_text())
     assert resolved["actor"]["optim"]["lr"] == 3e-6
 
-    # A resumed run in the same run directory continues the same MLflow run.
+    # A run resumed from step 2 in the same run directory continues the same MLflow run: it logged nothing later.
     resumed = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
+    resumed.start(2)
     assert resumed.backends[0].run_id == run.info.run_id
     resumed.log_metrics({"critic/score/mean": 1.0}, step=3)
     resumed.finish("KILLED")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
     assert client.get_run(run.info.run_id).info.status == "KILLED"
+
+
+def test_a_run_resumed_before_steps_it_logged_shows_each_step_once(tmp_path, monkeypatch, capsys):
+    """Killed after logging step 3 with its newest checkpoint at step 1: a new run holds steps 1-3 once, the
+    killed run's step 1 and the resumed run's steps 2-3; the killed run is deleted but restorable."""
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    from rlmegatron.tracking.tracker import RESUMED_AT_TAG, SUPERSEDED_BY_TAG, SUPERSEDES_TAG
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    killed = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    killed.start(0)
+    killed.log_metrics({"val/echo/score/mean": 0.1}, step=0)
+    for step in (1, 2, 3):
+        killed.log_metrics({"critic/score/mean": step / 10, "actor/pg_loss": -step}, step=step)
+    killed.finish("KILLED")
+    resumed = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    resumed.start(1)
+    for step in (2, 3):
+        resumed.log_metrics({"critic/score/mean": step, "actor/pg_loss": step}, step=step)
+    resumed.finish()
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("proj").experiment_id
+    [run] = client.search_runs([experiment])
+    [old] = client.search_runs([experiment], run_view_type=ViewType.DELETED_ONLY)
+    assert old.info.run_id == killed.backends[0].run_id and run.info.run_id == resumed.backends[0].run_id
+    assert (run.data.tags[SUPERSEDES_TAG], run.data.tags[RESUMED_AT_TAG]) == (old.info.run_id, "1")
+    assert old.data.tags[SUPERSEDED_BY_TAG] == run.info.run_id
+    assert run.info.run_name == "exp1" and run.data.params["actor.optim.lr"] == "3e-06"
+    history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+               for key in ("val/echo/score/mean", "critic/score/mean", "actor/pg_loss")}
+    assert history == {"val/echo/score/mean": [(0, 0.1)], "critic/score/mean": [(1, 0.1), (2, 2.0), (3, 3.0)],
+                       "actor/pg_loss": [(1, -1.0), (2, 2.0), (3, 3.0)]}
+    assert f"mlflow: run {old.info.run_id} logged 4 metric points after step 1" in capsys.readouterr().err
+    # The superseded run is kept whole, so restoring it brings back what it logged.
+    assert [m.step for m in client.get_metric_history(old.info.run_id, "critic/score/mean")] == [1, 2, 3]
+
+    # A fresh start (step 0) in the same run directory keeps nothing of the run before it, not even step 0.
+    again = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    again.start(0)
+    again.finish()
+    [fresh] = client.search_runs([experiment])
+    assert fresh.info.run_id == again.backends[0].run_id and fresh.data.metrics == {}
 
 
 def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp_path, monkeypatch):
@@ -91,13 +138,15 @@ def test_ascii_plot_shape():
     assert plot_rows[-1].startswith("0.0202 |*")  # the minimum, bottom left
     assert steps.strip() == "steps 1-100"
     assert ascii_plot([]) == "no data"
+    assert ascii_plot([0.5, 0.7], steps=[21, 22]).splitlines()[-1].strip() == "steps 21-22"
 
 
 def test_summary_plots_the_reward_curve(tmp_path):
     tracker = Tracker(TrackingSetup(["console"], tmp_path, "p", "e"), console_stream=io.StringIO())
-    for step in range(1, 4):
-        tracker.log_metrics({"critic/score/mean": step / 3}, step)
-    assert tracker.summary(height=3).splitlines()[0] == "critic/score/mean"
+    for step in range(21, 24):  # a run resumed from step 20
+        tracker.log_metrics({"critic/score/mean": step / 30}, step)
+    lines = tracker.summary(height=3).splitlines()
+    assert lines[0] == "critic/score/mean" and lines[-1].strip() == "steps 21-23"
 
 
 def test_flatten_uses_dotted_keys():
