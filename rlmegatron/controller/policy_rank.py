@@ -319,15 +319,13 @@ class PolicyRank:
 
 
 def _shared_model_facts(hf: dict, tps: list[int]):
-    """The model's facts for roles at tensor-parallel sizes `tps` (the actor's first), with one padded vocabulary
-    that every TP divides: every role's weights then have the same shapes and move between the roles' layouts
-    through a distributed checkpoint. It is the actor's own padding whenever that fits the others."""
+    """The model's facts for roles at tensor-parallel sizes `tps`, with one padded vocabulary that splits into
+    aligned shares at each of them: every role's weights then have the same shapes and move between the roles'
+    layouts through a distributed checkpoint. It is the actor's own padding when every other role's TP divides the
+    actor's."""
     from rlmegatron.models.hf_config import model_facts
 
-    facts = model_facts(hf, tps[0])
-    if any(facts.padded_vocab_size % tp for tp in tps):
-        facts = model_facts(hf, math.lcm(*tps))
-    return facts
+    return model_facts(hf, math.lcm(*tps))
 
 
 def _offload_parts(offload) -> tuple[str, ...]:

@@ -130,3 +130,13 @@ def test_the_reference_batches_its_forward_by_its_own_settings(runs):
     assert sum(n for n, _ in same["ref_micro_batches"]) == 8
     # ref.log_prob_micro_batch_size_per_gpu=3 at TP=1: this DP rank's 4 sequences as 3 + 1.
     assert [n for n, _ in own["ref_micro_batches"]] == [3, 1]
+
+
+def test_every_role_gets_one_padded_vocabulary_that_its_tensor_parallel_size_divides():
+    from rlmegatron.controller.policy_rank import _shared_model_facts
+    from rlmegatron.models.hf_config import read_hf_config
+
+    hf = read_hf_config(REPO_ROOT / "configs" / "quickstart" / "model")  # 128 tokens
+    assert _shared_model_facts(hf, [2, 1, 1]).padded_vocab_size == 256  # the actor's own (TP=2) padding
+    assert _shared_model_facts(hf, [1, 2]).padded_vocab_size == 256  # 128-row shares at TP=2 too
+    assert _shared_model_facts(hf, [2, 3]).padded_vocab_size == 768  # 128-row shares at TP=2 and at TP=3
