@@ -28,6 +28,10 @@ RUNS = {
 }
 
 
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
 def _roles_job(workdir: str) -> dict:
     from rlmegatron.config import load_spec
     from rlmegatron.controller.policy_rank import PolicyRank
@@ -67,15 +71,17 @@ def _roles_job(workdir: str) -> dict:
         report["generated"] = [(r.output_token_ids, r.output_token_logprobs) for r in rank.generate(requests)]
         report["values_after"] = rank.compute_values(batch)
         report["log_probs_after"] = rank.compute_log_prob(batch)[0]
-        checkpoint = os.path.join(workdir, name, "checkpoint")
-        rank.save_checkpoint(checkpoint)
-        rank.update_critic(train)
-        rank.update_actor(train)
-        moved = rank.compute_values(batch)
-        rank.load_checkpoint(checkpoint)
-        report["checkpoint_moved"] = float((moved - report["values_after"]).abs().max())
-        report["values_restored"] = rank.compute_values(batch)
-        report["log_probs_restored"] = rank.compute_log_prob(batch)[0]
+        if name == "own_layouts":  # the actor-layout round trip is the resume tests' (tests/controller/test_train.py)
+            checkpoint = os.path.join(workdir, name, "checkpoint")
+            rank.save_checkpoint(checkpoint)
+            rank.update_critic(train)
+            rank.update_actor(train)
+            moved = rank.compute_values(batch), rank.compute_log_prob(batch)[0]
+            rank.load_checkpoint(checkpoint)
+            report["checkpoint_moved"] = [max_diff(moved[0], report["values_after"]),
+                                          max_diff(moved[1], report["log_probs_after"])]
+            report["values_restored"] = rank.compute_values(batch)
+            report["log_probs_restored"] = rank.compute_log_prob(batch)[0]
         rank.shutdown()
     return reports
 
@@ -87,10 +93,6 @@ def runs(tmp_path_factory):
         for key in ("ref_log_probs", "values", "values_after", "log_probs_after"):
             assert torch.equal(reports[0][name][key], reports[1][name][key]), "ranks disagree"
     return reports[0]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 def test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run(runs):
@@ -115,10 +117,10 @@ def test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run(ru
 
 
 def test_each_role_saves_and_restores_its_checkpoint_at_its_layout(runs):
-    for report in runs.values():
-        assert report["checkpoint_moved"] > 0
-        assert torch.equal(report["values_restored"], report["values_after"])
-        assert torch.equal(report["log_probs_restored"], report["log_probs_after"])
+    report = runs["own_layouts"]
+    assert min(report["checkpoint_moved"]) > 1e-4  # the updates after the save moved both roles
+    assert torch.equal(report["values_restored"], report["values_after"])
+    assert torch.equal(report["log_probs_restored"], report["log_probs_after"])
 
 
 def test_the_reference_batches_its_forward_by_its_own_settings(runs):
