@@ -1,5 +1,6 @@
 """PolicyRank on 2 gloo ranks with the reference and the critic at their own layouts (and batching), against the run
-where both follow the actor's layout: the fit loop's phases in its order, checkpoint round trip and offload included."""
+where both follow the actor's layout: HF weights loaded into each role at its layout, the critic started from the
+actor's, the fit loop's phases in its order, a checkpoint round trip and offload."""
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +33,19 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def _roles_job(workdir: str) -> dict:
+def write_hf_model(directory: Path) -> Path:
+    """The quickstart model (config, tokenizer) with seeded random weights, as an HF checkpoint."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(REPO_ROOT / "configs" / "quickstart" / "model", directory)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+def _roles_job(workdir: str, model: str) -> dict:
     from rlmegatron.config import load_spec
     from rlmegatron.controller.policy_rank import PolicyRank
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
@@ -54,7 +67,8 @@ def _roles_job(workdir: str) -> dict:
                 for row, mask in zip(batch.input_ids, batch.attention_mask)]
     reports = {}
     for name, overrides in RUNS.items():
-        spec = load_spec("configs/quickstart.yaml", [*COMMON, *overrides, f"trainer.run_dir={workdir}/{name}"])
+        spec = load_spec("configs/quickstart.yaml", [*COMMON, *overrides, f"trainer.run_dir={workdir}/{name}",
+                                                     f"model.path={model}", "model.random_init=false"])
         rank = PolicyRank(spec)
         report = reports[name] = {"layouts": {role: str(layout) for role, layout in rank.layouts.items()}}
         micro_batches.clear()
@@ -88,7 +102,8 @@ def _roles_job(workdir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    reports = run_ranks(_roles_job, 2, str(tmp_path_factory.mktemp("roles")), timeout_s=300)
+    workdir = tmp_path_factory.mktemp("roles")
+    reports = run_ranks(_roles_job, 2, str(workdir), str(write_hf_model(workdir / "model")), timeout_s=300)
     for name in RUNS:
         for key in ("ref_log_probs", "values", "values_after", "log_probs_after"):
             assert torch.equal(reports[0][name][key], reports[1][name][key]), "ranks disagree"
@@ -101,7 +116,8 @@ def test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run(ru
     assert own["layouts"] == {"actor": "TP2xPP1xETP2", "reference": "TP1xPP1xETP1", "critic": "TP1xPP2xETP1"}
     mask = same["log_probs"] != 0
     assert mask.any() and same["values"].abs().sum() > 0
-    # The reference is the initial policy: its log-probs are the actor's, whatever its layout.
+    # The reference is the initial policy, loaded from the HF checkpoint at its own TP: its log-probs are the
+    # actor's, whatever its layout.
     assert max_diff(own["ref_log_probs"], same["ref_log_probs"]) < TOLERANCE
     assert max_diff(own["ref_log_probs"], same["log_probs"]) < TOLERANCE
     assert max_diff(own["values"], same["values"]) < TOLERANCE
