@@ -207,6 +207,8 @@ def critic_and_moe_job(workdir: str) -> dict:
         moe_ref_log_probs = reference.compute_log_prob(batch)
     moe_log_probs = moe.compute_log_prob(batch, with_entropy=False)[0]
     report["moe_log_probs"] = moe_log_probs
+    report["moe_local_experts"] = [len(chunk.decoder.layers[0].mlp.experts.local_experts)
+                                   for chunk in (moe.chunks[0].module, reference.chunks[0])]
     report["moe_reference_diff"] = float((moe_ref_log_probs - moe_log_probs).abs().max())
 
     reward_model = os.path.join(workdir, "reward_model")  # written by the test

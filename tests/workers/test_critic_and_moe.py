@@ -56,6 +56,7 @@ def test_critic_from_an_hf_reward_model_at_tp2_gives_its_values(report, tmp_path
 
 def test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs(report):
     assert report["moe_log_probs"].abs().sum() > 0
+    assert report["moe_local_experts"] == [2, 1]  # of the 4 experts, at EP=2 and at EP=4
     assert report["moe_reference_diff"] < 1e-5
 
 
