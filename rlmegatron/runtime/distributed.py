@@ -164,7 +164,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, others: Sequen
         _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
         model_parallel_cuda_manual_seed(seed)
         _layouts[key] = _LayoutState(_parallel_state_globals(), get_cuda_rng_tracker().get_states())
-    _active = next(reversed(_layouts))
+    _active = key  # the live globals are the last-built layout's
     _activate(_groups_key(layout))
 
 
@@ -207,9 +207,9 @@ def set_rng_tracker_states(states: dict[str, dict]) -> None:
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
+    global _active
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    global _active
     _megatron_groups.clear()  # destroyed with everything else just below
     _layouts.clear()
     _active = None
