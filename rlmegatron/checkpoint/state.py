@@ -58,37 +58,42 @@ def load_training_state(worker, path: str) -> None:
 
 
 def rng_states() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from rlmegatron.runtime.distributed import rng_tracker_states
 
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "megatron_tracker": get_cuda_rng_tracker().get_states(),
+        "megatron_trackers": rng_tracker_states(),  # one per role layout
     }
 
 
 def set_rng_states(states: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from rlmegatron.runtime.distributed import set_rng_tracker_states
 
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
-    get_cuda_rng_tracker().set_states(states["megatron_tracker"])
+    set_rng_tracker_states(states["megatron_trackers"])
+
+
+def _trained_roles(rank):
+    """(name, worker) of each role the PolicyRank `rank` trains (actor, critic); the reference is frozen and rebuilt."""
+    return [(role, getattr(rank, role)) for role in ("actor", "critic") if getattr(rank, role) is not None]
 
 
 def save_rank_state(rank, path: str) -> None:
-    """Everything the PolicyRank `rank` trains (actor, critic) plus its RNG; the reference is frozen and rebuilt."""
-    save_training_state(rank.actor, os.path.join(path, "actor"))
-    if rank.critic is not None:
-        save_training_state(rank.critic, os.path.join(path, "critic"))
+    """Everything the PolicyRank `rank` trains plus its RNG; each role at its own layout."""
+    for role, worker in _trained_roles(rank):
+        with rank.phase(role):
+            save_training_state(worker, os.path.join(path, role))
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     torch.save(rng_states(), os.path.join(path, "rng", f"rank_{rank.rank}.pt"))
     torch.distributed.barrier()
 
 
 def load_rank_state(rank, path: str) -> None:
-    load_training_state(rank.actor, os.path.join(path, "actor"))
-    if rank.critic is not None:
-        load_training_state(rank.critic, os.path.join(path, "critic"))
+    for role, worker in _trained_roles(rank):
+        with rank.phase(role):
+            load_training_state(worker, os.path.join(path, role))
     set_rng_states(torch.load(os.path.join(path, "rng", f"rank_{rank.rank}.pt"), weights_only=False))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from math import gcd, prod
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
     problems += _check_input_paths(spec)
+    problems += _check_remote_code(spec.model)
     problems += _check_validation(spec)
     problems += _check_tracking(spec)
     return problems
@@ -560,6 +562,40 @@ def _check_input_paths(spec: JobSpec) -> list[SpecProblem]:
         reason = "is neither `actor` nor an HF reward/value model directory (no config.json there)"
         problems.append(SpecProblem("critic.init_from", init_from, reason))
     return problems
+
+
+def _check_remote_code(model: ModelConfig) -> list[SpecProblem]:
+    """A local model or tokenizer directory whose own code (`auto_map`) transformers needs to load it."""
+    if model.trust_remote_code:
+        return []
+    problems = []
+    for directory, file, loader in ((model.path, "config.json", "AutoConfig"),
+                                    (model.tokenizer_path, "tokenizer_config.json", "AutoTokenizer")):
+        try:
+            auto_map = json.loads((Path(directory) / file).read_text(encoding="utf-8")).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue  # no such local file: nothing declares custom code (or the architecture check says why)
+        declared = auto_map.get(loader) if isinstance(auto_map, dict) else None
+        if not declared:
+            continue
+        # transformers falls back on a class of its own where it has one, so only a failed load needs the code.
+        if _loads_without_remote_code(loader, directory):
+            continue
+        code = ", ".join(name for name in (declared if isinstance(declared, list) else [declared]) if name)
+        reason = (f"{Path(directory) / file} names its own code ({code}), without which transformers cannot load it; "
+                  "set it to true if you trust that code")
+        problems.append(SpecProblem("model.trust_remote_code", False, reason))
+    return problems
+
+
+def _loads_without_remote_code(loader: str, directory: str) -> bool:
+    import transformers  # only for a directory that declares custom code
+
+    try:
+        getattr(transformers, loader).from_pretrained(directory, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - it names its own code and does not load without it
+        return False
+    return True
 
 
 def _check_validation(spec: JobSpec) -> list[SpecProblem]:

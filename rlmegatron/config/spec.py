@@ -91,6 +91,8 @@ class ModelConfig(Section):
     """Tokenizer directory or hub id; defaults to `path`."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     trust_remote_code: bool = False
+    """Let transformers (the tokenizer, the config, the local engine's model) and SGLang run the code a model
+    directory names in its config.json or tokenizer_config.json (`auto_map`); `rlm validate` says when it must."""
     random_init: bool = False
     """Start from randomly initialised weights (seeded by trainer.seed); `path` then needs only a config.json."""
 
@@ -232,10 +234,12 @@ class ActorConfig(PPOUpdateConfig):
 
 class RefConfig(Section):
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
-    """Fields left unset are taken from actor.megatron."""
+    """The reference's own layout (it may differ from the actor's); fields left unset are taken from actor.megatron."""
     offload: ParamOffloadConfig = Field(default_factory=ParamOffloadConfig)
     log_prob_micro_batch_size_per_gpu: PositiveInt = 1
+    """Sequences per forward pass of the reference on each data-parallel rank (unless log_prob_use_dynamic_bsz)."""
     log_prob_use_dynamic_bsz: bool = False
+    """Pack the reference's micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sequence count."""
     log_prob_max_token_len_per_gpu: PositiveInt = 16384
 
 
@@ -244,7 +248,7 @@ class CriticConfig(PPOUpdateConfig):
     """null enables the critic exactly when algorithm.adv_estimator is gae."""
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
-    """Fields left unset are taken from actor.megatron."""
+    """The critic's own layout (it may differ from the actor's); fields left unset are taken from actor.megatron."""
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     init_from: Text = "actor"
     """`actor` starts the value model from the actor's weights; otherwise the directory of an HF reward/value model

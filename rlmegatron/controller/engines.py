@@ -161,7 +161,8 @@ def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
     from rlmegatron.rollout.local import LocalEngine
 
     device = "cuda" if spec.placement.device == "cuda" else "cpu"
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                             trust_remote_code=spec.model.trust_remote_code).to(device)
     eos = hf_config.eos_token_id
     return LocalEngine(
         model,
@@ -183,6 +184,7 @@ def _server_spec(spec: JobSpec, devices: Sequence[str], host: str, node: ServerN
         # CPU buckets reach the unrelated server process through named shared memory, not fd passing.
         torch.multiprocessing.set_sharing_strategy("file_system")
     return ServerSpec.from_rollout_config(spec.rollout, spec.model.path, port=free_port(host), host=host,
+                                          trust_remote_code=spec.model.trust_remote_code,
                                           device=spec.placement.device, env=env, nnodes=node.nnodes,
                                           node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
 
@@ -298,7 +300,9 @@ class EngineHost:
         if node.node_rank:
             self.node_process = launch_node(server, _log_dir(self.spec))
             return None
-        self.engine = sglang_engine(self.spec, server, AutoConfig.from_pretrained(self.spec.model.path))
+        model = self.spec.model
+        hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        self.engine = sglang_engine(self.spec, server, hf_config)
         return self.engine.spec.url
 
     def relaunch(self) -> None:

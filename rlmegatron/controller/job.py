@@ -69,7 +69,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.tracking import Tracker
     from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path, trust_remote_code=spec.model.trust_remote_code)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)

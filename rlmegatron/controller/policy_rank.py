@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import random
 import socket
@@ -54,6 +55,16 @@ def actor_settings(spec: JobSpec):
     )
 
 
+def reference_settings(actor, ref):
+    """The actor's settings `actor` (log-probs are computed exactly as the actor's: temperature, vocabulary) with
+    the reference's own forward batching from its spec section `ref`."""
+    return dataclasses.replace(
+        actor,
+        micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+        max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+    )
+
+
 def critic_settings(spec: JobSpec):
     from rlmegatron.workers import CriticSettings
 
@@ -93,51 +104,45 @@ class PolicyRank:
     """
 
     def __init__(self, spec: JobSpec) -> None:
-        from transformers import AutoConfig
-
         from rlmegatron.controller.engines import build_colocated_engine
-        from rlmegatron.models.convert import HFCheckpoint
-        from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
+        from rlmegatron.models.hf_config import build_gpt_model, transformer_config
         from rlmegatron.models.weight_map import WeightMap
-        from rlmegatron.runtime import init_model_parallel
+        from rlmegatron.runtime import init_model_parallel, layout_scope
         from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
 
         self.spec = spec
         self.rank = torch.distributed.get_rank()
-        layout = parallel_layout(spec.actor.megatron)
-        init_model_parallel(layout, seed=spec.trainer.seed)
-        if spec.model.random_init:
-            facts = model_facts(read_hf_config(spec.model.path), layout.tp)
-        else:  # from the checkpoint, which decides whether DeepSeek's MTP layers are built
-            facts = HFCheckpoint(spec.model.path).facts(layout.tp)
-            if self.rank == 0 and facts.mtp_off_note:
-                print(f"{spec.model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
-        config = transformer_config(facts, layout, dtype=spec.model.dtype)
+        # Each role runs at its own layout: all layouts' groups are built once, the actor's is the active one, and
+        # `phase` switches to another role's for the duration of that role's work.
+        sections = {"actor": spec.actor.megatron, "reference": spec.ref.megatron, "critic": spec.critic.megatron}
+        roles = ["actor"] + ["reference"] * spec.needs_reference + ["critic"] * bool(spec.critic.enable)
+        self.layouts = {role: parallel_layout(sections[role]) for role in roles}
+        init_model_parallel(self.layouts["actor"], seed=spec.trainer.seed,
+                            others=[self.layouts[role] for role in roles[1:]])
+        facts = _shared_model_facts(spec, [layout.tp for layout in self.layouts.values()])
+        untied = dataclasses.replace(facts, tie_word_embeddings=False)  # the critic's output layer is its value head
         self.weight_map = WeightMap(facts)
 
-        def provider_for(model_facts_):
+        def provider_for(role, model_facts_):
+            config = transformer_config(model_facts_, self.layouts[role], dtype=spec.model.dtype)
             return lambda pre, post, vp: build_gpt_model(model_facts_, config, vp_stage=vp)
 
-        # Each model is built right after the same seeding, so random inits agree across ranks and roles.
-        self._seed_everything(spec.trainer.seed)
+        def build(role, worker_class, settings, model_facts_):
+            with layout_scope(self.layouts[role]):
+                # Seeded alike, so each role's random init is the same on every rank and in every run.
+                self._seed_everything(spec.trainer.seed)
+                worker = worker_class(settings, provider_for(role, model_facts_), self.layouts[role])
+                worker.init(parallel_state_ready=True)
+            return worker
+
         settings = dataclasses.replace(actor_settings(spec), vocab_size=facts.vocab_size)
-        self.actor = ActorWorker(settings, provider_for(facts), layout)
-        self.actor.init(parallel_state_ready=True)
-        self.reference = None
-        if spec.needs_reference:
-            self._seed_everything(spec.trainer.seed)
-            self.reference = ReferenceWorker(self.actor.settings, provider_for(facts), layout)
-            self.reference.init(parallel_state_ready=True)
-        self.critic = None
-        if spec.critic.enable:
-            self._seed_everything(spec.trainer.seed)
-            untied = dataclasses.replace(facts, tie_word_embeddings=False)
-            self.critic = CriticWorker(critic_settings(spec), provider_for(untied), layout)
-            self.critic.init(parallel_state_ready=True)
-        if not spec.model.random_init:
-            self._load_hf_weights(facts)
-        if self.critic is not None and spec.critic.init_from != "actor":
-            self.critic.load_reward_model(spec.critic.init_from, untied)
+        self.actor = build("actor", ActorWorker, settings, facts)
+        self.reference = self.critic = None
+        if "reference" in roles:
+            self.reference = build("reference", ReferenceWorker, reference_settings(settings, spec.ref), facts)
+        if "critic" in roles:
+            self.critic = build("critic", CriticWorker, critic_settings(spec), untied)
+        self._load_initial_weights(untied)
 
         # Roles whose memory waits in host memory between the phases that use them (`*.offload`).
         self.offload_parts = {role: parts for role, parts in (
@@ -148,35 +153,61 @@ class PolicyRank:
         # Colocated: `engine` is the engine this rank leads, or its EngineMember share of one led by another rank.
         self.engine_index, self.engine, self.engine_asleep, self.weight_push = None, None, False, None
         if spec.placement.mode == "colocate":
-            self.engine_index, self.engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+            self.engine_index, self.engine = build_colocated_engine(spec, self._hf_config())
             self.sync_weights("init")
 
-    @contextlib.contextmanager
-    def _resident(self, *roles: str):
-        """The offloaded ones among `roles` back in device memory for one phase, and away again after it."""
-        offloaded = [role for role in roles if role in self.offload_parts]
-        for role in offloaded:
-            getattr(self, role).onload()
-        try:
-            yield
-        finally:
-            for role in offloaded:
-                getattr(self, role).offload(self.offload_parts[role])
+    def _hf_config(self):
+        from transformers import AutoConfig
 
-    def _load_hf_weights(self, facts) -> None:
+        return AutoConfig.from_pretrained(self.spec.model.path, trust_remote_code=self.spec.model.trust_remote_code)
+
+    @contextlib.contextmanager
+    def phase(self, role: str):
+        """`role`'s parallel groups active, and its memory back in the device if offloaded, for one phase."""
+        from rlmegatron.runtime import layout_scope
+
+        offloaded = self.offload_parts.get(role)
+        with layout_scope(self.layouts[role]):
+            if offloaded:
+                getattr(self, role).onload()
+            try:
+                yield
+            finally:
+                if offloaded:
+                    getattr(self, role).offload(offloaded)
+
+    def _load_initial_weights(self, untied) -> None:
+        """The HF checkpoint into the actor and reference; the actor's initial weights into the critic (or a reward
+        model), and into the reference of a random-init run: each at its role's layout."""
         from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+        from rlmegatron.runtime import layout_scope
         from rlmegatron.workers.engine import unwrap
 
-        checkpoint = HFCheckpoint(self.spec.model.path)
-        for worker in (self.actor, self.reference):
-            if worker is not None:
-                load_hf_weights([unwrap(chunk) for chunk in worker.chunks], self.weight_map, checkpoint)
-        checkpoint.close()
-        if self.critic is not None and self.spec.critic.init_from == "actor":
-            # The critic's trunk starts from the actor; its value head keeps its own init.
-            path = os.path.join(self.spec.trainer.run_dir, "init_actor")
+        spec = self.spec
+        if not spec.model.random_init:
+            checkpoint = HFCheckpoint(spec.model.path)
+            for role in ("actor", "reference"):
+                if getattr(self, role) is not None:
+                    with layout_scope(self.layouts[role]):
+                        load_hf_weights([unwrap(chunk) for chunk in getattr(self, role).chunks], self.weight_map,
+                                        checkpoint)
+            checkpoint.close()
+        # A distributed checkpoint of the actor reshards to any other role's layout.
+        from_actor = [role for role, wanted in (("reference", spec.model.random_init),
+                                                ("critic", spec.critic.init_from == "actor"))
+                      if wanted and getattr(self, role) is not None]
+        if from_actor:
+            path = os.path.join(spec.trainer.run_dir, "init_actor")
             self.actor.save_weights(path)
-            self.critic.load_actor_weights(path)
+            for role in from_actor:
+                with layout_scope(self.layouts[role]):
+                    if role == "critic":
+                        self.critic.load_actor_weights(path)  # the value head keeps its own init
+                    else:
+                        self.reference.load_weights(path)
+        if self.critic is not None and spec.critic.init_from != "actor":
+            with layout_scope(self.layouts["critic"]):
+                self.critic.load_reward_model(spec.critic.init_from, untied)
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -201,30 +232,28 @@ class PolicyRank:
             self.engine_asleep = True
 
     def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._resident("actor"):
+        with self.phase("actor"):
             log_probs, entropy = self.actor.compute_log_prob(batch, with_entropy=True)
         return log_probs.cpu(), entropy.cpu()
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
-        with self._resident("reference"):
+        with self.phase("reference"):
             return self.reference.compute_log_prob(batch).cpu()
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        with self._resident("critic"):
+        with self.phase("critic"):
             return self.critic.compute_values(batch).cpu()
 
     def update_critic(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
-        with self._resident("critic"):
+        with self.phase("critic"):
             return self.critic.update(batch, progress if self.rank == 0 else None)
 
     def update_actor(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
-        with self._resident("actor"):
+        with self.phase("actor"):
             return self.actor.update(batch, progress if self.rank == 0 else None)
 
     def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
-        from transformers import AutoConfig
-
         from rlmegatron.rollout.buckets import travel_rules_for
         from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush
         from rlmegatron.runtime.launcher import free_port
@@ -232,9 +261,8 @@ class PolicyRank:
         if self.rank != 0:
             return
         if self.weight_push is None:
-            hf_config = AutoConfig.from_pretrained(self.spec.model.path)
             self.weight_push = DistributedWeightPush(self.spec.rollout.update_weights_bucket_mb << 20,
-                                                     travel_rules_for(hf_config))
+                                                     travel_rules_for(self._hf_config()))
         address = socket.gethostbyname(socket.gethostname())
         for engine, url, tp_size in endpoints:
             port = free_port("")
@@ -247,7 +275,7 @@ class PolicyRank:
         collective, so every rank walks the whole stream; ranks with nothing to feed just let it pass."""
         from rlmegatron.resharding import HFWeightExporter
 
-        with self._resident("actor"):
+        with self.phase("actor"):
             stream = HFWeightExporter(self.actor.chunks, self.weight_map).stream()
             if self.weight_push is not None:
                 self.weight_push.push(stream, version, only=restarted)
@@ -272,23 +300,43 @@ class PolicyRank:
     def save_checkpoint(self, path: str) -> None:
         from rlmegatron.checkpoint.state import save_rank_state
 
-        with self._resident("actor", "critic"):
-            save_rank_state(self, path)
+        save_rank_state(self, path)
 
     def load_checkpoint(self, path: str) -> None:
         from rlmegatron.checkpoint.integrity import load_failures_named
         from rlmegatron.checkpoint.state import load_rank_state
 
-        with self._resident("actor", "critic"), load_failures_named(path):
+        with load_failures_named(path):
             load_rank_state(self, path)
 
     def export_hf(self, path: str) -> Optional[str]:
         """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
         from rlmegatron.models.convert import export_hf
 
-        with self._resident("actor"):
+        with self.phase("actor"):
             export_hf(self.actor.chunks, self.weight_map, path, self.weight_map.facts.hf)
         return path if self.rank == 0 else None
+
+
+def vocab_tp(tps: list[int]) -> int:
+    """The TP size to pad the vocabulary for, given the roles' TP sizes: one padded vocabulary that splits into
+    aligned shares at each of them, so every role's weights have the same shapes and move between the roles'
+    layouts through a distributed checkpoint. It is the actor's own when every other role's TP divides the actor's."""
+    return math.lcm(*tps)
+
+
+def _shared_model_facts(spec: JobSpec, tps: list[int]):
+    """The model's facts for roles at TP sizes `tps` (see vocab_tp); from a checkpoint, the checkpoint decides
+    whether DeepSeek's MTP layers are built."""
+    from rlmegatron.models.convert import HFCheckpoint
+    from rlmegatron.models.hf_config import model_facts, read_hf_config
+
+    if spec.model.random_init:
+        return model_facts(read_hf_config(spec.model.path), vocab_tp(tps))
+    facts = HFCheckpoint(spec.model.path).facts(vocab_tp(tps))
+    if torch.distributed.get_rank() == 0 and facts.mtp_off_note:
+        print(f"{spec.model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
+    return facts
 
 
 def _offload_parts(offload) -> tuple[str, ...]:

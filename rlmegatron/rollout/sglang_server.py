@@ -50,6 +50,8 @@ class ServerSpec:
     enable_memory_saver: bool = True
     load_format: str = "auto"
     skip_tokenizer_init: bool = True
+    trust_remote_code: bool = False
+    """The model's own code (its config.json auto_map) may run in the server."""
     extra_args: Mapping[str, Any] = field(default_factory=dict)
     nnodes: int = 1
     node_rank: int = 0
@@ -104,6 +106,8 @@ def server_command(spec: ServerSpec) -> list[str]:
         command.append("--enable-memory-saver")
     if spec.skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
+    if spec.trust_remote_code:
+        command.append("--trust-remote-code")
     if spec.nnodes > 1:
         if not spec.dist_init_addr:
             raise ValueError("a multi-node server needs dist_init_addr (node 0's HOST:PORT)")

@@ -5,6 +5,7 @@ from rlmegatron.runtime.distributed import (
     destroy_distributed,
     init_distributed,
     init_model_parallel,
+    layout_scope,
 )
 from rlmegatron.runtime.launcher import RankFailure, run_ranks
 
@@ -15,5 +16,6 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
     "init_model_parallel",
+    "layout_scope",
     "run_ranks",
 ]

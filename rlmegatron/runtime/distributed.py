@@ -1,10 +1,14 @@
 """Process-group and model-parallel setup: cuda + nccl on GPUs, cpu + gloo (with the CPU layer) otherwise."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import datetime
 import os
+import types
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
@@ -71,44 +75,143 @@ def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+@dataclass
+class _LayoutState:
+    """One layout's Megatron model-parallel state while another layout is active."""
+
+    parallel_state: dict  # parallel_state's module globals: its groups, ranks and sizes
+    rng_states: dict  # the model-parallel RNG tracker's states (dropout, init)
+
+
 _megatron_groups: list = []
-"""The process groups the last initialize_model_parallel created, destroyed when the layout is rebuilt."""
+"""The process groups the last init_model_parallel created (every layout's), destroyed when it rebuilds."""
+_layouts: dict[ParallelLayout, _LayoutState] = {}
+_active: Optional[ParallelLayout] = None
 
 
-def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """(Re)build Megatron's parallel groups for `layout` and seed its RNG streams. Collective.
+def _groups_key(layout: ParallelLayout) -> ParallelLayout:
+    # Sequence parallelism lives in the TransformerConfig, not in the groups.
+    return dataclasses.replace(layout, sequence_parallel=False)
+
+
+def _parallel_state_globals() -> dict:
+    """parallel_state's private module globals. Megatron-Core 0.16 and 0.19 both keep every group, rank list and
+    size there, and every reader (Megatron's and ours) looks them up at call time, so swapping them swaps layouts."""
+    from megatron.core import parallel_state
+
+    return {name: value for name, value in vars(parallel_state).items()
+            if name.startswith("_") and not name.startswith("__")
+            and not callable(value) and not isinstance(value, types.ModuleType)}
+
+
+def _set_parallel_state_globals(values: dict) -> None:
+    from megatron.core import parallel_state
+
+    for name, value in values.items():
+        setattr(parallel_state, name, value)
+
+
+def _activate(key: Optional[ParallelLayout]) -> None:
+    """Make `key`'s groups and RNG streams Megatron's current ones, keeping the outgoing layout's as they now are."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    global _active
+    if key == _active:
+        return
+    tracker = get_cuda_rng_tracker()
+    if _active is not None:
+        _layouts[_active] = _LayoutState(_parallel_state_globals(), tracker.get_states())
+    if key is not None:
+        _set_parallel_state_globals(_layouts[key].parallel_state)
+        tracker.set_states(dict(_layouts[key].rng_states))
+    _active = key
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, others: Sequence[ParallelLayout] = ()) -> None:
+    """(Re)build Megatron's parallel groups for `layout` and each of `others`, seeding each layout's RNG streams;
+    `layout` is active afterwards and `layout_scope` switches to another. Collective.
 
     Megatron's destroy_model_parallel only forgets its groups; each gloo group keeps three threads and its
     sockets, so a process that changes layout thirty times (the conversion matrix) ran ~2,000 threads per rank.
-    Rebuilding therefore destroys the previous layout's groups: models built under it are unusable after."""
+    Rebuilding therefore destroys every previous layout's groups: models built under them are unusable after."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
     from torch.distributed.distributed_c10d import _world
 
+    global _active
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     for group in _megatron_groups:
         if group in _world.pg_map:  # Megatron destroys its gloo data-parallel groups itself
             torch.distributed.destroy_process_group(group)
     _megatron_groups.clear()
-    existing = set(_world.pg_map)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
-    _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
-    model_parallel_cuda_manual_seed(seed)
+    _layouts.clear()
+    _active = None
+    blank = _parallel_state_globals()
+    for key in dict.fromkeys(_groups_key(each) for each in (layout, *others)):
+        # Each layout starts from Megatron's uninitialised state, with containers of its own.
+        _set_parallel_state_globals({name: copy.copy(value) if isinstance(value, (list, dict)) else value
+                                     for name, value in blank.items()})
+        existing = set(_world.pg_map)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=key.tp,
+            pipeline_model_parallel_size=key.pp,
+            virtual_pipeline_model_parallel_size=key.vpp,
+            context_parallel_size=key.cp,
+            expert_model_parallel_size=key.ep,
+            expert_tensor_parallel_size=key.etp,
+        )
+        _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
+        model_parallel_cuda_manual_seed(seed)
+        _layouts[key] = _LayoutState(_parallel_state_globals(), get_cuda_rng_tracker().get_states())
+    _active = key  # the live globals are the last-built layout's
+    _activate(_groups_key(layout))
+
+
+@contextlib.contextmanager
+def layout_scope(layout: ParallelLayout) -> Iterator[None]:
+    """`layout`'s parallel groups and RNG streams active for the duration (models built under a layout run only
+    under it); the previously active layout's again after."""
+    key = _groups_key(layout)
+    if key not in _layouts:
+        raise ValueError(f"no parallel groups were built for {layout}; pass it to init_model_parallel")
+    previous = _active
+    _activate(key)
+    try:
+        yield
+    finally:
+        _activate(previous)
+
+
+def rng_tracker_states() -> dict[str, dict]:
+    """Every built layout's model-parallel RNG states, by layout (a checkpoint keeps them to resume exactly)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states = {str(key): state.rng_states for key, state in _layouts.items()}
+    if _active is not None:
+        states[str(_active)] = get_cuda_rng_tracker().get_states()
+    return states
+
+
+def set_rng_tracker_states(states: dict[str, dict]) -> None:
+    """Restore `rng_tracker_states()`; a layout the checkpoint did not have keeps its fresh seeding."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    for key, state in _layouts.items():
+        if str(key) in states:
+            state.rng_states = states[str(key)]
+    if _active is not None:
+        get_cuda_rng_tracker().set_states(dict(_layouts[_active].rng_states))
 
 
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
+    global _active
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _megatron_groups.clear()  # destroyed with everything else just below
+    _layouts.clear()
+    _active = None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

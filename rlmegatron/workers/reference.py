@@ -13,8 +13,8 @@ from rlmegatron.workers.offload import Offloader
 class ReferenceWorker:
     """One rank of the reference policy: no DDP, no optimizer, no gradients.
 
-    It takes the actor's settings because log-probs must be computed exactly as the actor's
-    (same temperature); only their batching fields and temperature are used.
+    It takes ActorSettings because log-probs must be computed exactly as the actor's (temperature,
+    vocabulary); only those and the batching fields are used, and the batching is the reference's own.
     """
 
     def __init__(self, settings: ActorSettings, model_provider: engine.ModelProvider, layout: ParallelLayout):

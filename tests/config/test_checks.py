@@ -10,6 +10,7 @@ import pytest
 from rlmegatron.config import JobSpec, check_spec
 from rlmegatron.config.checks import GROUP_ESTIMATORS
 from tests.config.specs import MODELS_DIR, REPO_ROOT, minimal_spec, problems_of, problems_with
+from tests.helpers.remote_code import write_remote_code_model
 
 RANKS = "the 8 trainer CPU ranks (placement.nnodes × placement.gpus_per_node)"
 QWEN25 = {"model.path": "Qwen/Qwen2.5-0.5B", "model.hf_config": str(MODELS_DIR / "qwen2.5-0.5b")}
@@ -597,3 +598,16 @@ def test_check_spec_returns_every_problem():
     raw["placement"]["rollout_nnodes"] = 2
     fields = {problem.field for problem in check_spec(JobSpec.model_validate(raw))}
     assert fields >= {"actor.megatron.tensor_model_parallel_size", "rollout.n", "placement.rollout_nnodes"}
+
+
+def test_a_tokenizer_that_loads_only_with_its_own_code_needs_trust_remote_code(tmp_path):
+    model = write_remote_code_model(tmp_path / "model")
+    assert problems_with({"model.path": str(model)}) == [
+        f"job.yaml: model.trust_remote_code=false: {model}/tokenizer_config.json names its own code "
+        "(tokenization_echo.EchoTokenizer), without which transformers cannot load it; "
+        "set it to true if you trust that code"
+    ]
+    # Its config.json names code too, but transformers has a class of its own for model_type qwen3.
+    quickstart_tokenizer = str(REPO_ROOT / "configs" / "quickstart" / "model")
+    assert problems_with({"model.path": str(model), "model.tokenizer_path": quickstart_tokenizer}) == []
+    assert problems_with({"model.path": str(model), "model.trust_remote_code": True}) == []

@@ -161,3 +161,16 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
         pool.shutdown()
     records = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [r["path"] for r in records] == ["/fake/nodes_joined", "/fake/nodes_joined", "/generate"]
+
+
+def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeypatch):
+    from rlmegatron.config import load_spec
+    from rlmegatron.rollout.sglang_server import server_command
+
+    monkeypatch.chdir(REPO_ROOT)
+    node = engines.ServerNode(engine=0, node_rank=0, nnodes=1, slots=(0,), dist_init_addr=None)
+    for trust in (False, True):
+        spec = load_spec("configs/quickstart.yaml", ["rollout.engine=sglang", "placement.device=cuda",
+                                                     f"model.trust_remote_code={str(trust).lower()}"])
+        command = server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node))
+        assert ("--trust-remote-code" in command) == trust

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlmegatron.cli import EXIT_BAD_SPEC, main
+from tests.helpers.remote_code import write_remote_code_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
@@ -250,12 +251,18 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
     assert replacement[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
 
 
-def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
+def test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code(tmp_path):
+    # model.trust_remote_code: the tokenizer, config and rollout model are the directory's own classes (a tokenizer
+    # transformers cannot load without them; tests/config shows `rlm validate` refusing it without the setting).
+    model = write_remote_code_model(tmp_path / "model")
+    env = {**os.environ, "RLM_REMOTE_CODE_MARKER": str(tmp_path / "built"), "HF_MODULES_CACHE": str(tmp_path / "hf")}
     result = train(tmp_path, "local", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
-                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]")
+                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]",
+                   f"model.path={model}", "model.trust_remote_code=true", env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert not result["ray_imported"]
     assert (Path(result["exported_hf"]) / "model.safetensors.index.json").is_file()
+    assert set((tmp_path / "built").read_text().split()) == {"EchoConfig", "EchoTokenizer", "EchoForCausalLM"}
 
 
 def test_dapo_runs_in_process(tmp_path):

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.runtime import ParallelLayout, init_model_parallel, layout_scope
 from rlmegatron.workers import (
     ActorSettings,
     ActorWorker,
@@ -44,9 +44,11 @@ def rollout_batch(n: int = 8, seed: int = 3) -> RolloutBatch:
     )
 
 
-def model_provider(layout: ParallelLayout, kind: str = "dense", tie_embeddings: bool | None = None):
-    """Build the parallel groups for `layout` and a provider of the tiny `kind` GPTModel."""
-    init_model_parallel(layout)
+def model_provider(layout: ParallelLayout, kind: str = "dense", tie_embeddings: bool | None = None,
+                   init_groups: bool = True):
+    """Build the parallel groups for `layout` (unless already built) and a provider of the tiny `kind` GPTModel."""
+    if init_groups:
+        init_model_parallel(layout)
     config = transformer_config(kind, layout, dispatcher="alltoall")
     tie = (kind == "dense") if tie_embeddings is None else tie_embeddings
     return gpt_model_provider(config, VOCAB, PROMPT + RESPONSE, tie_embeddings=tie, use_te=False)
@@ -203,6 +205,26 @@ def critic_and_moe_job(workdir: str) -> dict:
     report["moe_metrics"] = moe.update(replace(batch, old_log_probs=moe_log_probs))
     after = dict(moe.chunks[0].module.named_parameters())
     report["moe_param_change"] = {n: float((after[n] - before[n]).abs().max()) for n in before}
+
+    # A reference at EP=4 beside the EP=2 actor: each built and run under its own groups, switched by layout_scope.
+    actor_layout, reference_layout = ParallelLayout(ep=2), ParallelLayout(ep=4)
+    init_model_parallel(actor_layout, others=[reference_layout])
+    moe = ActorWorker(ActorSettings(**ACTOR_DEFAULTS), model_provider(actor_layout, "moe", init_groups=False),
+                      actor_layout)
+    moe.init(parallel_state_ready=True)
+    moe.save_weights(os.path.join(workdir, "moe"))
+    moe.load_weights(os.path.join(workdir, "moe"))  # fresh inits differ over DP ranks here; the saved replica does not
+    with layout_scope(reference_layout):
+        reference = ReferenceWorker(ActorSettings(**ACTOR_DEFAULTS),
+                                    model_provider(reference_layout, "moe", init_groups=False), reference_layout)
+        reference.init(parallel_state_ready=True)
+        reference.load_weights(os.path.join(workdir, "moe"))
+        moe_ref_log_probs = reference.compute_log_prob(batch)
+    moe_log_probs = moe.compute_log_prob(batch, with_entropy=False)[0]
+    report["moe_log_probs"] = moe_log_probs
+    report["moe_local_experts"] = [len(chunk.decoder.layers[0].mlp.experts.local_experts)
+                                   for chunk in (moe.chunks[0].module, reference.chunks[0])]
+    report["moe_reference_diff"] = float((moe_ref_log_probs - moe_log_probs).abs().max())
 
     reward_model = os.path.join(workdir, "reward_model")  # written by the test
     report["reward_model_values"] = make_reward_model_critic(ParallelLayout(tp=2), reward_model).compute_values(batch)

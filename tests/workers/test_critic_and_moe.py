@@ -1,4 +1,5 @@
-"""Critic worker (TP=2 values equal TP=1, the value loss falls) and a MoE actor's update at EP=2, on CPU/gloo."""
+"""Critic worker (TP=2 values equal TP=1, the value loss falls), a MoE actor's update at EP=2 and its reference at
+EP=4 in the same processes, on CPU/gloo."""
 import math
 from pathlib import Path
 
@@ -51,6 +52,12 @@ def test_critic_from_an_hf_reward_model_at_tp2_gives_its_values(report, tmp_path
     expected = hf_values(save_reward_model(tmp_path_factory.mktemp("reference") / "reward_model"))
     assert expected.abs().sum() > 0
     assert (report["reward_model_values"] - expected).abs().max() < 1e-4
+
+
+def test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs(report):
+    assert report["moe_log_probs"].abs().sum() > 0
+    assert report["moe_local_experts"] == [2, 1]  # of the 4 experts, at EP=2 and at EP=4
+    assert report["moe_reference_diff"] < 1e-5
 
 
 def test_critic_values_at_tp2_equal_tp1(report):
