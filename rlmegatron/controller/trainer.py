@@ -212,7 +212,7 @@ class Trainer:
         }
 
     def total_steps(self) -> int:
-        return self.spec.trainer.total_steps or self.spec.trainer.total_epochs * len(self.train_loader)
+        return run_total_steps(self.spec, self.train_loader)
 
     def sampling_seed(self, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
@@ -241,6 +241,11 @@ class Trainer:
     def export_policy(self) -> Optional[str]:
         path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
         return self.workers.execute_rank_zero_result("export_hf", path)
+
+
+def run_total_steps(spec, train_loader) -> int:
+    """The run's trainer steps: trainer.total_steps, else trainer.total_epochs passes over the training data."""
+    return spec.trainer.total_steps or spec.trainer.total_epochs * len(train_loader)
 
 
 def _every(freq: int, step: int) -> bool:
