@@ -58,8 +58,23 @@ def load_training_state(worker, path: str) -> None:
             unwrap(chunk).load_state_dict(state["model"][f"model{i}"])
     with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
         worker.optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(worker.optimizer, state["optimizer"])
     # After the optimizer, whose param groups carry the saved learning rates: the schedule sets them anew.
     worker.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _restore_adam_steps(optimizer, loaded) -> None:
+    """Megatron-Core's dp_reshardable load restores torch Adam's `step` from the checkpoint's param groups, then
+    copies the step of the template (the dummy step's 1) over it with the Adam moments; put the saved one back.
+    (Fused GPU Adams keep their step in the param groups only, which the load gets right.)"""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner, state in zip(chained, [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]):
+        if "param_state" not in state:  # not the distributed optimizer
+            continue
+        steps = {group["step"] for group in state["optimizer"]["param_groups"] if "step" in group}
+        for param_state in inner.optimizer.state.values():
+            if "step" in param_state and len(steps) == 1:
+                param_state["step"] = torch.tensor(float(*steps), dtype=param_state["step"].dtype)
 
 
 def rng_states() -> dict:

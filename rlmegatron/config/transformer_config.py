@@ -8,7 +8,7 @@ all call it, and the weight map checks that every model Megatron builds agrees w
 model's config.json, from another spec field, or because the runtime needs them (RESERVED). Fields
 where rlmegatron only picks a default (dropout, the MoE dispatcher, the router's dtype, the aux-loss
 coefficient, ...) are the user's to change. No torch here: megatron is imported only to list the
-TransformerConfig fields, and only when `extra` is not empty.
+TransformerConfig fields, and only when `extra` holds a key that is neither reserved nor the pipeline split.
 """
 from __future__ import annotations
 
@@ -122,19 +122,21 @@ def pipeline_stage_layers(num_layers: int, pp: int, vpp: Optional[int] = None, f
 
 def extra_problems(prefix: str, extra: Mapping[str, Any], multi_latent_attention: bool) -> list[SpecProblem]:
     """Keys of `{prefix}.extra` that are no TransformerConfig field, or that rlmegatron sets itself."""
-    if not extra:
-        return []
+    problems = [SpecProblem(f"{prefix}.extra.{key}", value, RESERVED[key].format(prefix=prefix))
+                for key, value in extra.items() if key in RESERVED]
+    others = {key: value for key, value in extra.items() if key not in RESERVED and key not in (FIRST_STAGE, LAST_STAGE)}
+    if not others:  # the pipeline split is checked by pipeline_stage_layers; nothing to look up in Megatron
+        return problems
     known = transformer_config_fields(multi_latent_attention)
-    problems = []
-    for key, value in extra.items():
+    for key, value in others.items():
         field = f"{prefix}.extra.{key}"
-        if key in RESERVED:
-            problems.append(SpecProblem(field, value, RESERVED[key].format(prefix=prefix)))
-        elif key not in known:
+        if key not in known:
             kind = "MLATransformerConfig" if multi_latent_attention else "TransformerConfig"
-            closest = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
-            problems.append(SpecProblem(field, value, f"is not a field of Megatron-Core's {kind}; "
-                                                      f"did you mean '{closest[0]}'?"))
+            (closest,) = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
+            hint = f"did you mean '{closest}'?"
+            if closest in RESERVED:
+                hint += " That one " + RESERVED[closest].format(prefix=prefix)
+            problems.append(SpecProblem(field, value, f"is not a field of Megatron-Core's {kind}; {hint}"))
     return problems
 
 
