@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -74,6 +75,17 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
     assert "rollout.n=0" in capsys.readouterr().err
     assert started == []
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_a_warmup_longer_than_the_epochs_is_rejected_before_any_worker_starts(monkeypatch, capsys):
+    from rlmegatron.controller import job
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    assert main(["train", QUICKSTART, "trainer.total_steps=null", "actor.optim.lr_warmup_steps=100000"]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"actor\.optim\.lr_warmup_steps=100000: must be below the run's (\d+) steps "
+                        r"\(trainer\.total_epochs=1 x \1 batches of data\.train_files\); lower it", err), err
 
 
 def mlflow_history(db: Path) -> dict[str, list[tuple[int, float]]]:
@@ -178,9 +190,14 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
 
 
 def test_the_policy_rank_runs_in_process_without_ray(tmp_path):
+    # A 1-step warm-up, then a linear decay that reaches min_lr at the run's last (second) step.
+    schedule = ["actor.optim.lr=1e-3", "actor.optim.min_lr=1e-4", "actor.optim.lr_warmup_steps=1",
+                "actor.optim.lr_decay_style=linear"]
     result = train(tmp_path, "local", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
-                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]")
+                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]",
+                   *schedule)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
+    assert result["history"]["actor/lr"] == [[1, pytest.approx(1e-3)], [2, pytest.approx(1e-4)]]
     assert not result["ray_imported"]
     assert (Path(result["exported_hf"]) / "model.safetensors.index.json").is_file()
 
