@@ -213,9 +213,12 @@ def test_dapo_runs_in_process(tmp_path):
 
 
 def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases(tmp_path):
+    # The critic warms up for 1 step, then decays (cosine) to min_lr at step 2, with the plain (per-rank) Adam.
     ppo = ["trainer.total_steps=2", "placement.gpus_per_node=1", "trainer.save_freq=2", "trainer.test_freq=-1",
            "tracking.backends=[console]", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4",
-           "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3", "actor.use_kl_loss=true"]
+           "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3", "actor.use_kl_loss=true",
+           "critic.optim.lr_warmup_steps=1", "critic.optim.lr_decay_style=cosine", "critic.optim.min_lr=1e-4",
+           "critic.megatron.use_distributed_optimizer=false"]
     offload = ["actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
                "ref.offload.params=true", "critic.offload.params=true", "critic.offload.grads=true",
                "critic.offload.optimizer=true"]
@@ -224,6 +227,7 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     history = resident["history"]
     assert all(math.isfinite(v) for _, v in history["critic/vf_loss"] + history["critic/values/mean"])
     assert history["actor/grad_norm"][-1][1] > 0 and "actor/kl_loss" in history
+    assert history["critic/lr"] == [[1, pytest.approx(1e-3)], [2, pytest.approx(1e-4)]]
     # Offloading frees every storage and restores it bit for bit, so the run is the same run.
     assert at_step(offloaded["history"], 2) == at_step(history, 2)
 
