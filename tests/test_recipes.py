@@ -34,3 +34,33 @@ def test_recipe_header_names_hardware_memory_and_source(recipe):
     assert "Expected memory (rlm plan" in header
     assert "Checked against:" in header
     assert re.search(r"H100|24 GB", header)
+
+
+def test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_use(monkeypatch):
+    """61 layers over PP=16: the recipe's spec becomes an MLATransformerConfig whose stages Megatron fills as the
+    split function, and with it the checks and the planner, say: one layer first, then four per stage."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from rlmegatron.config import load_spec, read_architecture
+    from rlmegatron.config.transformer_config import pipeline_stage_layers
+    from rlmegatron.controller.policy_rank import parallel_layout
+    from rlmegatron.models.hf_config import model_facts, read_hf_config, spec_config_options, transformer_config
+    from rlmegatron.planner.memory import stage_layers
+
+    monkeypatch.chdir(CONFIGS.parent)
+    spec = load_spec(str(CONFIGS / "deepseek_v3_671b_grpo.yaml"))
+    megatron = spec.actor.megatron
+    layout = parallel_layout(megatron)
+    facts = model_facts(read_hf_config(spec.model.hf_config), layout.tp)
+    config = transformer_config(facts, layout, dtype=spec.model.dtype, options=spec_config_options(megatron),
+                                perform_initialization=False)
+    assert (config.num_layers, config.pipeline_model_parallel_size, config.num_layers_in_first_pipeline_stage) == (
+        61, 16, 1)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
+    built = [list(range(get_transformer_layer_offset(config, None, rank),
+                        get_transformer_layer_offset(config, None, rank) + get_num_layers_to_build(config, None, rank)))
+             for rank in range(16)]
+    assert [len(layers) for layers in built] == [1] + [4] * 15
+    assert built == [list(chunk) for (chunk,) in pipeline_stage_layers(61, 16, first=1)]
+    assert built == stage_layers(read_architecture(spec.model.hf_config).num_hidden_layers, megatron)

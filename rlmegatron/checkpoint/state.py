@@ -25,13 +25,15 @@ def _optimizer_state(worker, model: dict, is_loading: bool) -> dict:
 
 
 def save_training_state(worker, path: str) -> None:
-    """A trained worker's weights and optimizer (Adam moments, step) as one distributed checkpoint."""
+    """A trained worker's weights, optimizer (Adam moments, step) and learning-rate schedule position as one
+    distributed checkpoint; the schedule is the same on every rank, so it is saved once, as common state."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(path, exist_ok=True)
     model = _model_sharded_state_dict(worker.chunks)
     torch.distributed.barrier()
-    dist_checkpointing.save({"model": model, "optimizer": _optimizer_state(worker, model, is_loading=False)}, path)
+    dist_checkpointing.save({"model": model, "optimizer": _optimizer_state(worker, model, is_loading=False),
+                             "lr_scheduler": worker.scheduler.state_dict()}, path)
 
 
 def load_training_state(worker, path: str) -> None:
@@ -40,7 +42,8 @@ def load_training_state(worker, path: str) -> None:
     from rlmegatron.workers.engine import unwrap
 
     for optimizer in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
-        if not optimizer.optimizer.state:
+        # The non-distributed optimizers create their state while building the sharded state dict.
+        if not optimizer.optimizer.state and hasattr(optimizer, "_init_optimizer_states_with_dummy_values"):
             # A fresh torch Adam has no state (no `step`) to load into; Megatron-LM fills it with one
             # zero-gradient step the same way. The weights it touches are overwritten by the load below.
             optimizer._init_optimizer_states_with_dummy_values()
@@ -55,6 +58,23 @@ def load_training_state(worker, path: str) -> None:
             unwrap(chunk).load_state_dict(state["model"][f"model{i}"])
     with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
         worker.optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(worker.optimizer, state["optimizer"])
+    # After the optimizer, whose param groups carry the saved learning rates: the schedule sets them anew.
+    worker.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _restore_adam_steps(optimizer, loaded) -> None:
+    """Megatron-Core's dp_reshardable load restores torch Adam's `step` from the checkpoint's param groups, then
+    copies the step of the template (the dummy step's 1) over it with the Adam moments; put the saved one back.
+    (Fused GPU Adams keep their step in the param groups only, which the load gets right.)"""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for inner, state in zip(chained, [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]):
+        if "param_state" not in state:  # not the distributed optimizer
+            continue
+        steps = {group["step"] for group in state["optimizer"]["param_groups"] if "step" in group}
+        for param_state in inner.optimizer.state.values():
+            if "step" in param_state and len(steps) == 1:
+                param_state["step"] = torch.tensor(float(*steps), dtype=param_state["step"].dtype)
 
 
 def rng_states() -> dict:

@@ -9,7 +9,14 @@ from typing import Any, Callable
 
 from rlmegatron.config.architecture import ArchitectureError, ModelArchitecture, read_architecture
 from rlmegatron.config.errors import NO_VALUE, SpecProblem, one_of, render_value
-from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, PPOUpdateConfig
+from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, OptimConfig, PPOUpdateConfig
+from rlmegatron.config.transformer_config import (
+    FIRST_STAGE,
+    LAST_STAGE,
+    PipelineSplitError,
+    extra_problems,
+    pipeline_stage_layers,
+)
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
 # Registered estimators whose baseline is the other responses to the same prompt (they take
@@ -87,6 +94,7 @@ def _check_parallel_layouts(spec: JobSpec, arch: ModelArchitecture | None) -> li
     for role, megatron in roles:
         problems += _check_layout_fits_world(f"{role}.megatron", megatron, spec)
         problems += _check_layout_options(f"{role}.megatron", megatron)
+        problems += extra_problems(f"{role}.megatron", megatron.extra, arch is not None and arch.mla is not None)
         if arch is not None:
             problems += _check_layout_fits_model(f"{role}.megatron", megatron, arch, spec)
     return problems
@@ -150,6 +158,12 @@ def _check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
                 "is not supported yet (sequences are not split over context-parallel ranks); use 1",
             )
         )
+    for name in ("recompute_method", "recompute_num_layers"):
+        # Compared with the default, not with "was it set": a dumped spec sets every field.
+        if getattr(m, name) != MegatronConfig.model_fields[name].default and m.recompute_granularity != "full":
+            reason = (f"picks the layers of full recompute, but recompute_granularity={m.recompute_granularity}; "
+                      "remove it or set recompute_granularity=full")
+            problems.append(SpecProblem(f"{prefix}.{name}", getattr(m, name), reason))
     vpp = m.virtual_pipeline_model_parallel_size
     if vpp is not None and m.pipeline_model_parallel_size == 1:
         problems.append(
@@ -217,46 +231,15 @@ def _check_layout_fits_model(
 def _pipeline_split_problem(
     prefix: str, m: MegatronConfig, num_layers: int, world: int
 ) -> SpecProblem | None:
-    """Mirror of Megatron-Core's layer split rules (TransformerConfig.__post_init__, 0.16)."""
-    pp, vpp, extra = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size, m.extra
-    if "pipeline_model_parallel_layout" in extra:
-        return None  # an explicit layout string is validated by Megatron against the model itself
-    first = extra.get("num_layers_in_first_pipeline_stage")
-    last = extra.get("num_layers_in_last_pipeline_stage")
-    pp_field = f"{prefix}.pipeline_model_parallel_size"
-    if first is not None or last is not None:
-        middle_layers = num_layers - (first or 0) - (last or 0)
-        middle_stages = pp - (first is not None) - (last is not None)
-        if bool(middle_layers) != bool(middle_stages) or (middle_stages and middle_layers % middle_stages):
-            reason = (
-                f"leaves {middle_layers} layers for {middle_stages} middle stages after "
-                "extra.num_layers_in_first/last_pipeline_stage; they must split evenly"
-            )
-            return SpecProblem(pp_field, pp, reason)
-        stage_sizes = [size for size in (first, last) if size is not None]
-        if middle_stages:
-            stage_sizes.append(middle_layers // middle_stages)
-    else:
-        # Megatron counts the embedding and the loss as layers when asked to balance them.
-        padded = (
-            num_layers
-            + bool(extra.get("account_for_embedding_in_pipeline_split"))
-            + bool(extra.get("account_for_loss_in_pipeline_split"))
-        )
-        if padded % pp:
-            reason = (
-                f"does not divide the model's {padded} layers; use "
-                f"{one_of(_common_divisors(padded, world))}, or split unevenly with "
-                "extra.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
-            )
-            return SpecProblem(pp_field, pp, reason)
-        stage_sizes = [padded // pp]
-    if vpp is not None and any(size % vpp for size in stage_sizes):
-        reason = (
-            f"does not divide the layers of each pipeline stage ({one_of(sorted(set(stage_sizes)))}); "
-            f"use {one_of(_common_divisors(*stage_sizes))}"
-        )
-        return SpecProblem(f"{prefix}.virtual_pipeline_model_parallel_size", vpp, reason)
+    """The layout's pipeline split, by the one split function the model, the weight map and the planner use."""
+    try:
+        pipeline_stage_layers(num_layers, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size,
+                              m.extra.get(FIRST_STAGE), m.extra.get(LAST_STAGE))
+    except PipelineSplitError as err:
+        field = err.field
+        value = m.extra.get(field.removeprefix("extra.")) if field.startswith("extra.") else getattr(m, field)
+        fits_world = [v for v in err.valid if world % v == 0] if field == "pipeline_model_parallel_size" else err.valid
+        return SpecProblem(f"{prefix}.{field}", value, err.reason(fits_world))
     return None
 
 
@@ -532,14 +515,32 @@ def _check_placement(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
-def _check_optimizers(spec: JobSpec) -> list[SpecProblem]:
+def _trained_optimizers(spec: JobSpec) -> list[tuple[str, OptimConfig]]:
     optimizers = [("actor", spec.actor.optim)]
     if spec.critic.enable:
         optimizers.append(("critic", spec.critic.optim))
-    return [
+    return optimizers
+
+
+def _check_optimizers(spec: JobSpec) -> list[SpecProblem]:
+    problems = [
         SpecProblem(f"{role}.optim.min_lr", optim.min_lr, f"exceeds {role}.optim.lr={render_value(optim.lr)}")
-        for role, optim in optimizers
+        for role, optim in _trained_optimizers(spec)
         if optim.min_lr > optim.lr
+    ]
+    if spec.trainer.total_steps is not None:
+        problems += schedule_problems(spec, spec.trainer.total_steps, "trainer.total_steps")
+    return problems
+
+
+def schedule_problems(spec: JobSpec, total_steps: int, source: str) -> list[SpecProblem]:
+    """Learning-rate schedules that do not fit the run's `total_steps` (known from `source`): the schedule
+    warms up over its first lr_warmup_steps trainer steps and decays over the rest."""
+    return [
+        SpecProblem(f"{role}.optim.lr_warmup_steps", optim.lr_warmup_steps,
+                    f"must be below the run's {total_steps} steps ({source}); lower it")
+        for role, optim in _trained_optimizers(spec)
+        if optim.lr_warmup_steps >= total_steps
     ]
 
 

@@ -59,10 +59,12 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from transformers import AutoTokenizer
 
     from rlmegatron.checkpoint import CheckpointManager
+    from rlmegatron.config import SpecError
+    from rlmegatron.config.checks import schedule_problems
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
-    from rlmegatron.controller.trainer import Trainer, total_steps
+    from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
     from rlmegatron.rewards import build_reward_manager
@@ -74,9 +76,14 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
+    total_steps = run_total_steps(spec, loader)
+    if spec.trainer.total_steps is None:  # else check_spec has checked the schedules against it
+        source = f"trainer.total_epochs={spec.trainer.total_epochs} x {len(loader)} batches of data.train_files"
+        if problems := schedule_problems(spec, total_steps, source):
+            raise SpecError(problems)
     newest = checkpoints.plan_resume(spec.trainer.resume)  # before anything starts: it may refuse the run
-    if newest is not None and newest.step >= (planned := total_steps(spec, loader)):
-        return _already_complete(newest, planned)
+    if newest is not None and newest.step >= total_steps:
+        return _already_complete(newest, total_steps)
     tracker = Tracker.from_spec(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     pools = workers = engines = router = None
@@ -89,9 +96,9 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
-            workers = RayWorkerGroup(pools.trainer, PolicyRank, spec)
+            workers = RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps)
         else:
-            workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec)
+            workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps)
         if spec.placement.mode == "colocate":
             engines = ColocatedEngines(workers)
         else:

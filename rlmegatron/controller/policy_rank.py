@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 
 def parallel_layout(megatron):
+    from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
     from rlmegatron.runtime import ParallelLayout
 
     return ParallelLayout(
@@ -32,17 +33,20 @@ def parallel_layout(megatron):
         ep=megatron.expert_model_parallel_size,
         etp=megatron.expert_tensor_parallel_size,
         sequence_parallel=megatron.sequence_parallel,
+        first_stage_layers=megatron.extra.get(FIRST_STAGE),
+        last_stage_layers=megatron.extra.get(LAST_STAGE),
     )
 
 
-def actor_settings(spec: JobSpec):
-    """The actor's worker settings from the spec; mini-batches count prompts in the spec, sequences here."""
+def actor_settings(spec: JobSpec, total_steps: int):
+    """The actor's worker settings from the spec; mini-batches count prompts in the spec, sequences here;
+    the learning-rate schedule spans the run's `total_steps` trainer steps."""
     from rlmegatron.algorithms import PolicyLossConfig
     from rlmegatron.workers import ActorSettings
 
     actor = spec.actor
     return ActorSettings(
-        **_training_fields(actor, spec),
+        **_training_fields(actor, spec, total_steps),
         temperature=spec.rollout.temperature or 1.0,
         policy_loss=actor.policy_loss.loss_mode,
         policy_loss_config=PolicyLossConfig(**{name: value for name, (_, value) in
@@ -65,13 +69,14 @@ def reference_settings(actor, ref):
     )
 
 
-def critic_settings(spec: JobSpec):
+def critic_settings(spec: JobSpec, total_steps: int):
     from rlmegatron.workers import CriticSettings
 
-    return CriticSettings(**_training_fields(spec.critic, spec), cliprange_value=spec.critic.cliprange_value)
+    return CriticSettings(**_training_fields(spec.critic, spec, total_steps),
+                          cliprange_value=spec.critic.cliprange_value)
 
 
-def _training_fields(role, spec: JobSpec) -> dict:
+def _training_fields(role, spec: JobSpec, total_steps: int) -> dict:
     """Batching and optimizer settings of a trained role (actor or critic) from its spec section."""
     return dict(
         ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
@@ -79,15 +84,20 @@ def _training_fields(role, spec: JobSpec) -> dict:
         micro_batch_size=role.ppo_micro_batch_size_per_gpu,
         max_token_len=role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
         loss_agg_mode=spec.actor.loss_agg_mode,
-        optimizer=_optimizer_settings(role.optim),
+        optimizer=_optimizer_settings(role.optim, total_steps),
+        use_distributed_optimizer=role.megatron.use_distributed_optimizer,
     )
 
 
-def _optimizer_settings(optim):
+def _optimizer_settings(optim, total_steps: int):
     from rlmegatron.workers import OptimizerSettings
 
     return OptimizerSettings(
         lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_style=optim.lr_decay_style,
+        lr_decay_steps=total_steps,
         weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1,
         adam_beta2=optim.adam_beta2,
@@ -103,9 +113,10 @@ class PolicyRank:
     gather over data parallelism), except `generate`, which serves only the requests it is given.
     """
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, total_steps: int) -> None:
+        """`total_steps`: the run's trainer steps (Trainer.total_steps), which the learning-rate schedules span."""
         from rlmegatron.controller.engines import build_colocated_engine
-        from rlmegatron.models.hf_config import build_gpt_model, transformer_config
+        from rlmegatron.models.hf_config import build_gpt_model, spec_config_options, transformer_config
         from rlmegatron.models.weight_map import WeightMap
         from rlmegatron.runtime import init_model_parallel, layout_scope
         from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
@@ -124,7 +135,8 @@ class PolicyRank:
         self.weight_map = WeightMap(facts)
 
         def provider_for(role, model_facts_):
-            config = transformer_config(model_facts_, self.layouts[role], dtype=spec.model.dtype)
+            config = transformer_config(model_facts_, self.layouts[role], dtype=spec.model.dtype,
+                                        options=spec_config_options(sections[role]))
             return lambda pre, post, vp: build_gpt_model(model_facts_, config, vp_stage=vp)
 
         def build(role, worker_class, settings, model_facts_):
@@ -135,13 +147,13 @@ class PolicyRank:
                 worker.init(parallel_state_ready=True)
             return worker
 
-        settings = dataclasses.replace(actor_settings(spec), vocab_size=facts.vocab_size)
+        settings = dataclasses.replace(actor_settings(spec, total_steps), vocab_size=facts.vocab_size)
         self.actor = build("actor", ActorWorker, settings, facts)
         self.reference = self.critic = None
         if "reference" in roles:
             self.reference = build("reference", ReferenceWorker, reference_settings(settings, spec.ref), facts)
         if "critic" in roles:
-            self.critic = build("critic", CriticWorker, critic_settings(spec), untied)
+            self.critic = build("critic", CriticWorker, critic_settings(spec, total_steps), untied)
         self._load_initial_weights(untied)
 
         # Roles whose memory waits in host memory between the phases that use them (`*.offload`).

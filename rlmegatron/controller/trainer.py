@@ -258,7 +258,7 @@ class Trainer:
         }
 
     def total_steps(self) -> int:
-        return total_steps(self.spec, self.train_loader)
+        return run_total_steps(self.spec, self.train_loader)
 
     def sampling_seed(self, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
@@ -291,7 +291,8 @@ class Trainer:
         return self.workers.execute_rank_zero_result("export_hf", path)
 
 
-def total_steps(spec, train_loader) -> int:
+def run_total_steps(spec, train_loader) -> int:
+    """The run's trainer steps: trainer.total_steps, else trainer.total_epochs passes over the training data."""
     return spec.trainer.total_steps or spec.trainer.total_epochs * len(train_loader)
 
 

@@ -25,7 +25,7 @@ from rlmegatron.models.hf_config import (
     read_hf_config,
     transformer_config,
 )
-from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, canonical_name
+from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, canonical_name, global_layers
 from rlmegatron.runtime.distributed import ParallelLayout, init_model_parallel
 
 META_FILE = "rlm_convert.json"  # next to the dist checkpoint: HF config and the facts export needs
@@ -160,7 +160,7 @@ def _placement(chunk) -> tuple[dict[int, int], int]:
     """(local -> global layer index, global id of this rank's first expert) for a chunk."""
     from megatron.core import parallel_state as ps
 
-    layers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    layers = global_layers(chunk)
     experts = chunk.config.num_moe_experts or 0
     expert_offset = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     return layers, expert_offset

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
+        p.add_argument("--first-stage-layers", type=int, default=None,
+                       help="decoder layers on the first pipeline stage when it differs from the rest")
+        p.add_argument("--last-stage-layers", type=int, default=None,
+                       help="decoder layers on the last pipeline stage when it differs from the rest")
         if with_ep:
             p.add_argument("--ep", type=int, default=1)
             p.add_argument("--etp", type=int, default=None)
@@ -61,7 +65,8 @@ def _layout(args):
     tp = getattr(args, "tp", 1)
     # MoE with TP>1 needs sequence parallelism in Megatron; it changes no dense weight or logit.
     return ParallelLayout(tp=tp, pp=getattr(args, "pp", 1), vpp=getattr(args, "vpp", None), ep=getattr(args, "ep", 1),
-                          etp=getattr(args, "etp", None), sequence_parallel=tp > 1)
+                          etp=getattr(args, "etp", None), sequence_parallel=tp > 1,
+                          first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
 
 
 def default_nproc(layout) -> int:

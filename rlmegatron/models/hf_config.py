@@ -5,11 +5,12 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from rlmegatron.config.architecture import ArchitectureError, _architecture_from
+from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.runtime.distributed import ParallelLayout
 
 # model_type -> family whose weight map and config rules apply.
@@ -168,8 +169,9 @@ def _moe_layer_freq(hf: dict) -> list[int]:
 
 
 def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "fp32", use_te: bool = False,
-                       perform_initialization: bool = True):
-    """Megatron TransformerConfig (MLATransformerConfig for DeepSeek-V3) for `facts` at `layout`."""
+                       perform_initialization: bool = True, options: Optional[Mapping[str, Any]] = None):
+    """Megatron TransformerConfig (MLATransformerConfig for DeepSeek-V3) for `facts` at `layout`; `options`
+    (spec_config_options) go on top of the fields rlmegatron sets."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     hf, family = facts.hf, facts.family
@@ -228,7 +230,7 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
             config["moe_router_pre_softmax"] = not hf.get("norm_topk_prob", False)
         if family == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
             config.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"], moe_shared_expert_gate=True)
-        return TransformerConfig(**config, **common)
+        return TransformerConfig(**{**config, **common, **(options or {})})
     # DeepSeek-V3: MLA, sigmoid router with expert bias and group-limited routing, shared experts.
     _reject(hf, "scoring_func", (None, "sigmoid"), "Megatron's DeepSeek router here is sigmoid")
     _reject(hf, "topk_method", (None, "noaux_tc"), "only the aux-loss-free (expert bias) router is bridged")
@@ -259,7 +261,18 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         moe_shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None,
         mtp_num_layers=facts.num_mtp_layers or None,
     )
-    return MLATransformerConfig(**config, **common)
+    return MLATransformerConfig(**{**config, **common, **(options or {})})
+
+
+def spec_config_options(megatron) -> dict[str, Any]:
+    """TransformerConfig fields a spec's `megatron` section sets beyond its parallel layout: activation recompute,
+    and `extra` verbatim but for the pipeline split, which the layout carries (config.checks vets the keys)."""
+    options = {key: value for key, value in megatron.extra.items() if key not in (FIRST_STAGE, LAST_STAGE)}
+    if megatron.recompute_granularity != "none":
+        options["recompute_granularity"] = megatron.recompute_granularity
+    if megatron.recompute_granularity == "full":
+        options.update(recompute_method=megatron.recompute_method, recompute_num_layers=megatron.recompute_num_layers)
+    return options
 
 
 def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: Optional[int] = None):

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from rlmegatron.config.transformer_config import pipeline_stage_layers
 from rlmegatron.models.hf_config import ModelFacts
 
 IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
@@ -74,6 +75,25 @@ def canonical_name(local_name: str, layer_offset: Mapping[int, int] | int = 0, e
     if match := _EXPERT.search(name):
         name = f"{name[:match.start()]}.local_experts.{int(match.group(1)) + expert_offset}.{name[match.end():]}"
     return name
+
+
+def global_layers(model) -> dict[int, int]:
+    """Local -> global decoder layer index of this rank's GPTModel chunk, by the one pipeline split
+    (config.transformer_config.pipeline_stage_layers); a model Megatron built otherwise is an error, not a
+    checkpoint with misnamed layers."""
+    from megatron.core import parallel_state as ps
+
+    config = model.config
+    split = pipeline_stage_layers(config.num_layers, config.pipeline_model_parallel_size,
+                                  config.virtual_pipeline_model_parallel_size,
+                                  config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage)
+    expected = list(split[ps.get_pipeline_model_parallel_rank()][model.vp_stage or 0])
+    built = [layer.layer_number - 1 for layer in model.decoder.layers]
+    if built != expected:
+        raise WeightMapError(f"Megatron built decoder layers {built} on pipeline rank "
+                             f"{ps.get_pipeline_model_parallel_rank()}, virtual stage {model.vp_stage}; "
+                             f"the pipeline split puts {expected} there")
+    return dict(enumerate(expected))
 
 
 # Per family: (HF name of the MoE block, names of gate/up/down inside an expert, shared-expert HF prefix).

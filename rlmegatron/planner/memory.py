@@ -10,8 +10,9 @@ Sources of the formulas (all bytes, 1 GB = 1e9 bytes):
   (2022), 16-bit activations per layer and micro-batch: sbh(34 + 5as/h) without parallelism,
   sbh(34 + 5as/h)/t with tensor + sequence parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor
   parallelism alone; selective recompute drops the 5as/h attention-score term (flash attention does
-  too, so `none` overestimates Megatron-Core runs that use it); full recompute keeps 2sbh per layer
-  (divided by t under sequence parallelism) and rebuilds one recompute group at a time. The 1F1B
+  too, so `none` overestimates Megatron-Core runs that use it); full recompute keeps 2sbh per
+  recompute group (divided by t under sequence parallelism) and rebuilds one group at a time; its
+  block method checkpoints only the first recompute_num_layers layers of a stage. The 1F1B
   schedule keeps PP - i micro-batches in flight on stage i; the output layer and loss add 4sbv/t.
   The formula describes a 4h GELU MLP with multi-head attention; SwiGLU, GQA and MoE layers are
   charged the same, which overestimates MoE layers whose routed MLPs are narrower than 4h per token.
@@ -29,6 +30,7 @@ from math import ceil
 
 from rlmegatron.config.architecture import ModelArchitecture
 from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
+from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE, pipeline_stage_layers
 from rlmegatron.planner.parameters import ParameterCount
 
 GB = 1e9
@@ -89,23 +91,12 @@ class WeightSync:
     seconds: float
 
 
-def stage_layer_ranges(num_layers: int, megatron: MegatronConfig) -> list[range]:
-    """Layers of each pipeline stage, as Megatron splits them (explicit first/last stage sizes honoured)."""
-    pp, extra = megatron.pipeline_model_parallel_size, megatron.extra
-    first = extra.get("num_layers_in_first_pipeline_stage")
-    last = extra.get("num_layers_in_last_pipeline_stage")
-    middle_stages = pp - (first is not None) - (last is not None)
-    middle_layers = num_layers - (first or 0) - (last or 0)
-    # An uneven split without explicit sizes is rejected by check_spec; ceil keeps this total.
-    per_middle = ceil(middle_layers / middle_stages) if middle_stages else 0
-    sizes = ([first] if first is not None else []) + [per_middle] * middle_stages
-    sizes += [last] if last is not None else []
-    ranges, start = [], 0
-    for size in sizes:
-        end = min(start + size, num_layers)
-        ranges.append(range(start, end))
-        start = end
-    return ranges
+def stage_layers(num_layers: int, megatron: MegatronConfig) -> list[list[int]]:
+    """Layers of each pipeline stage, all its virtual stages together, by the split Megatron builds."""
+    split = pipeline_stage_layers(num_layers, megatron.pipeline_model_parallel_size,
+                                  megatron.virtual_pipeline_model_parallel_size,
+                                  megatron.extra.get(FIRST_STAGE), megatron.extra.get(LAST_STAGE))
+    return [[layer for chunk in chunks for layer in chunk] for chunks in split]
 
 
 def micro_batch(spec: JobSpec, update_sequences: int, use_dynamic_bsz: bool, max_tokens: int) -> MicroBatch:
@@ -134,7 +125,7 @@ def training_memory(
     dense_optim = optim / dense_dp if megatron.use_distributed_optimizer else optim
     expert_optim = optim / expert_dp if megatron.use_distributed_optimizer else optim
 
-    stages = stage_layer_ranges(arch.num_hidden_layers, megatron)
+    stages = stage_layers(arch.num_hidden_layers, megatron)
     candidates = []
     for index, layers in enumerate(stages):
         dense = sum(params.layers[i].dense for i in layers)
@@ -189,8 +180,11 @@ def _stage_activations(
         return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False), 0.0
     group = min(megatron.recompute_num_layers, num_layers)
     sp_split = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
-    checkpoints = ceil(num_layers / group) * _ACTIVATION_BYTES * s * b * arch.hidden_size / sp_split
-    return checkpoints, group * _layer_activations(arch, megatron, s, b, full_scores=True)
+    checkpoint = _ACTIVATION_BYTES * s * b * arch.hidden_size / sp_split
+    full = _layer_activations(arch, megatron, s, b, full_scores=True)
+    if megatron.recompute_method == "block":  # the first `group` layers keep their input only, the rest everything
+        return group * checkpoint + (num_layers - group) * full, full
+    return ceil(num_layers / group) * checkpoint, group * full
 
 
 def _output_activations(arch: ModelArchitecture, batch: MicroBatch, tp: int, cp: int) -> float:

@@ -22,7 +22,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from rlmegatron.models.weight_map import WeightMap, canonical_name
+from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
@@ -59,7 +59,7 @@ def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]
     weights = []
     for chunk_id, chunk in enumerate(chunks):
         model = chunk.module if hasattr(chunk, "module") else chunk
-        layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+        layers = global_layers(model)
         num_experts = model.config.num_moe_experts or 0
         expert_offset = ps.get_expert_model_parallel_rank() * (num_experts // ps.get_expert_model_parallel_world_size())
         modules = dict(model.named_modules())

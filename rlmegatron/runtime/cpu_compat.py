@@ -109,6 +109,10 @@ def _install_cpu_rng_tracker():
     # initialize_rng_tracker() looks this name up at call time.
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute saves and restores the CUDA generator beside the CPU one and the tracker's
+    # streams; on CPU those two are the whole state, so the CUDA part is empty.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _patch_alltoall_split_sizes():

@@ -26,6 +26,9 @@ class ParallelLayout:
     ep: int = 1
     etp: Optional[int] = None  # None: experts use the dense TP size
     sequence_parallel: bool = False
+    # Uneven pipeline: decoder layers on the first/last stage, the rest split evenly (None: even split).
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     def transformer_config_fields(self) -> dict:
         """The TransformerConfig fields that carry this layout."""
@@ -37,10 +40,14 @@ class ParallelLayout:
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
             sequence_parallel=self.sequence_parallel,
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
         )
 
     def __str__(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.first_stage_layers or self.last_stage_layers:
+            parts[-1] += f"({self.first_stage_layers or '-'},{self.last_stage_layers or '-'})"
         parts += [f"VPP{self.vpp}"] if self.vpp else []
         parts += [f"CP{self.cp}"] if self.cp > 1 else []
         parts += [f"EP{self.ep}"] if self.ep > 1 else []

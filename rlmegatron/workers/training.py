@@ -18,7 +18,16 @@ from rlmegatron.workers.offload import PARTS, Offloader
 
 @dataclass(frozen=True)
 class OptimizerSettings:
+    """Adam and its learning-rate schedule. The schedule advances once per trainer step (each PPO update, all
+    its mini-batches and epochs), as verl's does, and trainer step t (from 1) trains at Megatron's
+    OptimizerParamScheduler value at t: lr * t / lr_warmup_steps while t <= lr_warmup_steps, then `lr`
+    (constant) or a linear / cosine decay that reaches `min_lr` at t = lr_decay_steps, the run's last step."""
+
     lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int = 1
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -37,6 +46,7 @@ class TrainingSettings:
     use_packing: bool = True  # THD packing: padding costs no compute
     loss_agg_mode: str = "token-mean"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    use_distributed_optimizer: bool = True  # Adam state sharded over DP; else every rank keeps all of it
 
 
 def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
@@ -45,7 +55,7 @@ def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
 
 
 class TrainingWorker:
-    """One rank of a DDP-wrapped model with Megatron's DistributedOptimizer; subclasses define the loss."""
+    """One rank of a DDP-wrapped model with Megatron's (distributed) optimizer; subclasses define the loss."""
 
     metric_prefix: str  # "actor" or "critic"
 
@@ -55,34 +65,46 @@ class TrainingWorker:
         self.layout = layout
         self.chunks: list = []
         self.optimizer = None
+        self.scheduler = None
         self.offloader: Optional[Offloader] = None
 
     def init(self, parallel_state_ready: bool = False) -> None:
-        """Build the parallel groups (unless a colocated worker did), the model chunks and the optimizer."""
+        """Build the parallel groups (unless a colocated worker did), the model chunks, the optimizer and its
+        learning-rate schedule."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         if not parallel_state_ready:
             init_model_parallel(self.layout)
-        # Adam state is sharded over DP (Megatron's DistributedOptimizer), on CPU too via the CPU layer.
-        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True, use_distributed_optimizer=True)
+        # The distributed optimizer shards Adam state over DP, on CPU too via the CPU layer.
+        distributed = self.settings.use_distributed_optimizer
+        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True,
+                                                use_distributed_optimizer=distributed)
         opt = self.settings.optimizer
         config = engine.unwrap(self.chunks[0]).config
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
                 lr=opt.lr,
-                min_lr=opt.lr,
+                min_lr=opt.min_lr,
                 weight_decay=opt.weight_decay,
                 adam_beta1=opt.adam_beta1,
                 adam_beta2=opt.adam_beta2,
                 adam_eps=opt.adam_eps,
                 clip_grad=opt.clip_grad,
-                use_distributed_optimizer=True,
+                use_distributed_optimizer=distributed,
                 bf16=config.bf16,
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
             ),
             self.chunks,
+        )
+        # The spec, not a checkpoint, says what the schedule is (override): a resume restores only its position.
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=opt.lr_warmup_steps,
+            lr_decay_steps=opt.lr_decay_steps, lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay, wd_incr_steps=opt.lr_decay_steps, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )
         self.offloader = Offloader(self.chunks, self.optimizer)
 
@@ -124,6 +146,7 @@ class TrainingWorker:
         """
         for chunk in self.chunks:
             chunk.train()
+        self.scheduler.step(1)  # this trainer step's learning rate (see OptimizerSettings)
         s = self.settings
         history: dict[str, list[float]] = defaultdict(list)
         for _ in range(s.ppo_epochs):

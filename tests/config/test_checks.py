@@ -115,6 +115,75 @@ CASES = [
         id="uneven-pp-middle-stages",
     ),
     pytest.param(
+        {"actor.megatron.extra": {"num_layers_in_first_pipeline_stage": 1}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.num_layers_in_first_pipeline_stage=1: sizes a pipeline stage, so it needs "
+        "pipeline_model_parallel_size > 1; remove it or raise the pipeline size",
+        id="uneven-pp-needs-pp",
+    ),
+    pytest.param(
+        {"actor.megatron.extra": {"hidden_dropot": 0.1}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.hidden_dropot=0.1: is not a field of Megatron-Core's TransformerConfig; "
+        "did you mean 'hidden_dropout'?",
+        id="extra-unknown-key",
+    ),
+    pytest.param(
+        {**DEEPSEEK, "actor.megatron.extra": {"q_lora_rnk": 8}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.q_lora_rnk=8: is not a field of Megatron-Core's MLATransformerConfig; "
+        "did you mean 'q_lora_rank'? That one comes from the model's config.json (model.path / model.hf_config)",
+        id="extra-unknown-key-near-a-reserved-one",
+    ),
+    pytest.param(
+        {"actor.megatron.extra": {"hidden_size": 128}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.hidden_size=128: comes from the model's config.json "
+        "(model.path / model.hf_config)",
+        id="extra-model-field",
+    ),
+    pytest.param(
+        {"actor.megatron.extra": {"tensor_model_parallel_size": 2}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.tensor_model_parallel_size=2: is set from "
+        "actor.megatron.tensor_model_parallel_size; set that instead",
+        id="extra-layout-field",
+    ),
+    pytest.param(
+        {"actor.megatron.extra": {"bf16": True}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.bf16=true: is set from model.dtype; set that instead",
+        id="extra-dtype-field",
+    ),
+    pytest.param(
+        {"actor.megatron.extra": {"account_for_loss_in_pipeline_split": True}},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.extra.account_for_loss_in_pipeline_split=true: is not supported; use "
+        "actor.megatron.extra.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for lighter "
+        "end stages",
+        id="extra-other-pipeline-split",
+    ),
+    pytest.param(
+        {"actor.megatron.recompute_method": "block"},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.recompute_method=block: picks the layers of full recompute, but "
+        "recompute_granularity=none; remove it or set recompute_granularity=full",
+        id="recompute-method-needs-full",
+    ),
+    pytest.param(
+        {"actor.megatron.recompute_granularity": "selective", "actor.megatron.recompute_num_layers": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.recompute_num_layers=2: picks the layers of full recompute, but "
+        "recompute_granularity=selective; remove it or set recompute_granularity=full",
+        id="recompute-layers-need-full",
+    ),
+    pytest.param(
+        {"trainer.total_steps": 5, "actor.optim.lr_warmup_steps": 5},
+        "tiny-qwen3",
+        "job.yaml: actor.optim.lr_warmup_steps=5: must be below the run's 5 steps (trainer.total_steps); lower it",
+        id="warmup-below-total-steps",
+    ),
+    pytest.param(
         {"actor.megatron.tensor_model_parallel_size": 2},
         "tiny-qwen3-moe",
         "job.yaml: actor.megatron.sequence_parallel=false: MoE layers at tensor_model_parallel_size=2 need "

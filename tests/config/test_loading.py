@@ -53,7 +53,7 @@ def test_critic_is_enabled_by_gae():
 
 def test_ref_and_critic_take_unset_megatron_fields_from_the_actor():
     raw = minimal_spec()
-    raw["actor"]["megatron"] = {"tensor_model_parallel_size": 2, "extra": {"foo": 1}}
+    raw["actor"]["megatron"] = {"tensor_model_parallel_size": 2, "extra": {"hidden_dropout": 0.1}}
     raw["actor"]["use_kl_loss"] = True  # the reference and the critic must exist for their layouts to matter
     raw["algorithm"] = {"adv_estimator": "gae"}
     raw["critic"] = {"ppo_mini_batch_size": 8}
@@ -61,7 +61,7 @@ def test_ref_and_critic_take_unset_megatron_fields_from_the_actor():
     spec = spec_from_raw(raw)
     assert spec.ref.megatron.tensor_model_parallel_size == 2
     assert spec.ref.megatron.pipeline_model_parallel_size == 2
-    assert spec.ref.megatron.extra == {"foo": 1}
+    assert spec.ref.megatron.extra == {"hidden_dropout": 0.1}
     assert spec.critic.megatron.tensor_model_parallel_size == 2
     assert spec.critic.megatron.pipeline_model_parallel_size == 1
     assert spec.ref.megatron.expert_tensor_parallel_size == 2
@@ -86,7 +86,7 @@ def test_command_line_overrides_yaml(spec_file):
             "actor.optim.lr=1e-6",
             "rollout.n=8",
             "data.train_files=[a.parquet,b.parquet]",
-            "actor.megatron.extra.foo=1",
+            "actor.megatron.extra.hidden_dropout=0.1",
             "actor.use_kl_loss=true",
             "rollout.top_p=0.9",
         ],
@@ -94,7 +94,7 @@ def test_command_line_overrides_yaml(spec_file):
     assert spec.actor.optim.lr == 1e-6
     assert spec.rollout.n == 8
     assert spec.data.train_files == ["a.parquet", "b.parquet"]
-    assert spec.actor.megatron.extra == {"foo": 1}
+    assert spec.actor.megatron.extra == {"hidden_dropout": 0.1}
     assert spec.actor.use_kl_loss is True
     assert spec.rollout.top_p == 0.9
     assert spec.rollout.temperature == 0.7  # untouched YAML value survives

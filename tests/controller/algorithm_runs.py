@@ -103,7 +103,7 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
     from rlmegatron.tracking import Tracker, TrackingSetup
 
     spec = load_spec(QUICKSTART, overrides_for(case["estimator"]) + case["overrides"] + [f"trainer.run_dir={run_dir}"])
-    settings = dataclasses.replace(actor_settings(spec), vocab_size=rank.actor.settings.vocab_size)
+    settings = dataclasses.replace(actor_settings(spec, spec.trainer.total_steps), vocab_size=rank.actor.settings.vocab_size)
     rank.actor.settings = settings
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker(TrackingSetup([], run_dir, spec.tracking.project_name, spec.trainer.experiment_name))
@@ -134,7 +134,7 @@ def main(out: str, cases: list[dict]) -> None:
     run_root = Path(out).parent
     # Built for gae, so the rank holds a critic; the other cases' specs leave it unused.
     spec = load_spec(QUICKSTART, overrides_for("gae") + [f"trainer.run_dir={run_root / 'build'}"])
-    workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec)
+    workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, spec.trainer.total_steps)
     rank = workers.host.rank
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)

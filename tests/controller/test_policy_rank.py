@@ -69,7 +69,7 @@ def _roles_job(workdir: str, model: str) -> dict:
     for name, overrides in RUNS.items():
         spec = load_spec("configs/quickstart.yaml", [*COMMON, *overrides, f"trainer.run_dir={workdir}/{name}",
                                                      f"model.path={model}", "model.random_init=false"])
-        rank = PolicyRank(spec)
+        rank = PolicyRank(spec, spec.trainer.total_steps)
         report = reports[name] = {"layouts": {role: str(layout) for role, layout in rank.layouts.items()}}
         micro_batches.clear()
         report["log_probs"] = rank.compute_log_prob(batch)[0]

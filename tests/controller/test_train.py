@@ -77,6 +77,17 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
+def test_a_warmup_longer_than_the_epochs_is_rejected_before_any_worker_starts(monkeypatch, capsys):
+    from rlmegatron.controller import job
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    assert main(["train", QUICKSTART, "trainer.total_steps=null", "actor.optim.lr_warmup_steps=100000"]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"actor\.optim\.lr_warmup_steps=100000: must be below the run's (\d+) steps "
+                        r"\(trainer\.total_epochs=1 x \1 batches of data\.train_files\); lower it", err), err
+
+
 def mlflow_history(db: Path) -> dict[str, list[tuple[int, float]]]:
     """Every metric a run logged to its MLflow store, as the tracker's history: name -> [(step, value)]."""
     with sqlite3.connect(db) as store:
@@ -254,12 +265,16 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
 def test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code(tmp_path):
     # model.trust_remote_code: the tokenizer, config and rollout model are the directory's own classes (a tokenizer
     # transformers cannot load without them; tests/config shows `rlm validate` refusing it without the setting).
+    # The schedule: a 1-step warm-up, then a linear decay that reaches min_lr at the run's last (second) step.
     model = write_remote_code_model(tmp_path / "model")
     env = {**os.environ, "RLM_REMOTE_CODE_MARKER": str(tmp_path / "built"), "HF_MODULES_CACHE": str(tmp_path / "hf")}
+    schedule = ["actor.optim.lr=1e-3", "actor.optim.min_lr=1e-4", "actor.optim.lr_warmup_steps=1",
+                "actor.optim.lr_decay_style=linear"]
     result = train(tmp_path, "local", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "tracking.backends=[console]",
-                   f"model.path={model}", "model.trust_remote_code=true", env=env)
+                   f"model.path={model}", "model.trust_remote_code=true", *schedule, env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
+    assert result["history"]["actor/lr"] == [[1, pytest.approx(1e-3)], [2, pytest.approx(1e-4)]]
     assert not result["ray_imported"]
     assert (Path(result["exported_hf"]) / "model.safetensors.index.json").is_file()
     assert set((tmp_path / "built").read_text().split()) == {"EchoConfig", "EchoTokenizer", "EchoForCausalLM"}
@@ -276,10 +291,12 @@ def test_dapo_runs_in_process(tmp_path):
 
 
 def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases(tmp_path):
+    # The critic warms up for 1 step, then decays (cosine) to min_lr at step 2, with the plain (per-rank) Adam.
     ppo = ["trainer.total_steps=2", "placement.gpus_per_node=1", "trainer.save_freq=2", "trainer.test_freq=-1",
            "data.val_files=[]", "tracking.backends=[console]", "algorithm.adv_estimator=gae",
-           "critic.ppo_mini_batch_size=4",
-           "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3", "actor.use_kl_loss=true"]
+           "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3",
+           "actor.use_kl_loss=true", "critic.optim.lr_warmup_steps=1", "critic.optim.lr_decay_style=cosine",
+           "critic.optim.min_lr=1e-4", "critic.megatron.use_distributed_optimizer=false"]
     offload = ["actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true",
                "ref.offload.params=true", "critic.offload.params=true", "critic.offload.grads=true",
                "critic.offload.optimizer=true"]
@@ -288,6 +305,7 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     history = resident["history"]
     assert all(math.isfinite(v) for _, v in history["critic/vf_loss"] + history["critic/values/mean"])
     assert history["actor/grad_norm"][-1][1] > 0 and "actor/kl_loss" in history
+    assert history["critic/lr"] == [[1, pytest.approx(1e-3)], [2, pytest.approx(1e-4)]]
     # Offloading frees every storage and restores it bit for bit, so the run is the same run.
     assert at_step(offloaded["history"], 2) == at_step(history, 2)
 

@@ -229,6 +229,7 @@ def parity_job(kind: str, layouts: list[tuple[ParallelLayout, str]], num_microba
         _load(full, grads_dir)
         grads = _full_tensors(full)
         report["layouts"][label] = {
+            "decoder_layers": sum(len(chunk.module.decoder.layers) for chunk in chunks),  # on this rank
             "loss": loss,
             "grad_max_abs_diff": {name: float((grads[name] - g).abs().max()) for name, g in ref_grads.items()},
             "ref_grad_abs_max": {name: float(g.abs().max()) for name, g in ref_grads.items()},

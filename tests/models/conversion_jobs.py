@@ -13,9 +13,11 @@ from tests.models.tiny_hf import MOE_FAMILIES, VARIANTS, family_of
 LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
 MOE_LAYOUTS = (L(ep=2),)
 # Layouts whose code path does not depend on the family run on one family each: the interleaved pipeline (--vpp,
-# a layer per virtual stage), experts over fewer TP ranks than the dense layers (--etp), and EP behind PP, where
-# DeepSeek's MTP layer sits on the last stage with its experts spread.
-EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),), "deepseek_v3": (L(pp=2, ep=2),)}
+# a layer per virtual stage), experts over fewer TP ranks than the dense layers (--etp), and EP behind an uneven
+# PP (--first-stage-layers 1, as the DeepSeek-V3 recipe splits), where DeepSeek's MTP layer sits on the last
+# stage, after 3 decoder layers, with its experts spread.
+EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),),
+                 "deepseek_v3": (L(pp=2, ep=2, first_stage_layers=1),)}
 # A variant's difference does not depend on the layout, so each runs at one: rope scaling on the rotary embedding
 # of both pipeline stages and both TP ranks; DeepSeek without MTP where its MTP layer would sit, with experts spread.
 VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, pp=2),

@@ -44,7 +44,7 @@ def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
         assert entries[0]["from_pretrained_logits_vs_hf"] < LOGIT_TOLERANCE, label
 
 
-def test_cli_vpp_and_etp_flags_reach_the_layout_and_the_rank_count():
+def test_cli_vpp_etp_and_uneven_pipeline_flags_reach_the_layout_and_the_rank_count():
     from rlmegatron.models.convert_cli import _layout, build_parser, default_nproc
 
     args = build_parser().parse_args(["hf-to-mcore", "--hf-path", "hf", "--out", "mcore", "--tp", "2", "--pp", "2",
@@ -53,3 +53,6 @@ def test_cli_vpp_and_etp_flags_reach_the_layout_and_the_rank_count():
     assert layout == ParallelLayout(tp=2, pp=2, vpp=2, ep=2, etp=1, sequence_parallel=True)
     assert default_nproc(layout) == 4  # TP2 dense and EP2 x ETP1 experts share each stage's 2 ranks
     assert default_nproc(ParallelLayout(ep=2, etp=2)) == 4 and default_nproc(ParallelLayout(tp=2, ep=2)) == 4
+    uneven = build_parser().parse_args(["mcore-to-hf", "--mcore-path", "mcore", "--out", "hf", "--pp", "4",
+                                        "--first-stage-layers", "1", "--last-stage-layers", "2"])
+    assert _layout(uneven) == ParallelLayout(pp=4, first_stage_layers=1, last_stage_layers=2)

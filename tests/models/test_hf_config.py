@@ -91,3 +91,45 @@ def test_llama3_rope_frequencies_are_transformers_for_all_four_fields(variant):
     # Megatron-Core's own scaling takes only the factor: right for Llama-3.2's fields, wrong for the others.
     megatron_own = rotary(rope_scaling=True, rope_scaling_factor=facts.llama3_rope_scaling["factor"]).inv_freq
     assert torch.allclose(megatron_own, expected, rtol=1e-6, atol=0) == (variant == "llama3.2_rope")
+
+
+# What rlmegatron merely picks for the user, which megatron.extra may change; every other field it sets is
+# RESERVED (config.transformer_config), so `rlm validate` names where it comes from instead of overriding it.
+USER_CHOICES = {"hidden_dropout", "attention_dropout", "use_cpu_initialization", "moe_token_dispatcher_type",
+                "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_router_dtype"}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_every_field_rlmegatron_sets_is_reserved_or_a_user_choice(model_type, monkeypatch):
+    from megatron.core import transformer
+
+    from rlmegatron.config.transformer_config import RESERVED
+
+    from tests.models.recompute_jobs import hf_config
+
+    passed = {}
+    for name in ("TransformerConfig", "MLATransformerConfig"):
+        monkeypatch.setattr(transformer, name, lambda **fields: passed.update(fields))
+    _derive(hf_config(model_type), ParallelLayout(pp=2, first_stage_layers=1))
+    layout_split = {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"}  # from extra
+    assert set(passed) - set(RESERVED) - layout_split == USER_CHOICES & set(passed)
+
+
+def test_spec_recompute_and_extra_reach_the_transformer_config():
+    from rlmegatron.config.spec import MegatronConfig
+    from rlmegatron.controller.policy_rank import parallel_layout
+    from rlmegatron.models.hf_config import spec_config_options
+    from tests.models.recompute_jobs import hf_config
+
+    hf = hf_config("qwen3_moe", num_hidden_layers=4)
+    megatron = MegatronConfig(pipeline_model_parallel_size=2, recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=3, extra={"moe_aux_loss_coeff": 0.01, "moe_token_dispatcher_type":
+                                                             "allgather", "num_layers_in_last_pipeline_stage": 3})
+    config = transformer_config(model_facts(hf, 1), parallel_layout(megatron), options=spec_config_options(megatron))
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 3)
+    assert (config.moe_aux_loss_coeff, config.moe_token_dispatcher_type) == (0.01, "allgather")
+    assert (config.pipeline_model_parallel_size, config.num_layers_in_last_pipeline_stage) == (2, 3)
+    selective = transformer_config(model_facts(hf, 1), ParallelLayout(),
+                                   options=spec_config_options(MegatronConfig(recompute_granularity="selective")))
+    assert (selective.recompute_granularity, selective.recompute_method, selective.recompute_num_layers) == (
+        "selective", None, None)

@@ -26,9 +26,13 @@ def _assert_parity(reports, expected_layouts):
 
 
 def test_dense_tp2_pp2_vpp2_and_tp2xpp2_on_4_ranks(tmp_path):
-    layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(pp=2, vpp=2), ""), (L(tp=2, sequence_parallel=True), "")]
+    # Uneven pipelines too: 1 + 3 and 3 + 1 of the 4 layers (Megatron's num_layers_in_first/last_pipeline_stage).
+    layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(pp=2, vpp=2), ""), (L(tp=2, sequence_parallel=True), ""),
+               (L(pp=2, first_stage_layers=1), ""), (L(pp=2, last_stage_layers=1), "")]
     reports = run_ranks(parity_job, 4, "dense", layouts, 4, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2", "TP2xPP1xSP"])
+    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2", "TP2xPP1xSP", "TP1xPP2(1,-)", "TP1xPP2(-,1)"])
+    for label in ("TP1xPP2(1,-)", "TP1xPP2(-,1)"):
+        assert sorted({r["layouts"][label]["decoder_layers"] for r in reports}) == [1, 3], label
 
 
 def test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel(tmp_path):

@@ -229,3 +229,58 @@ def critic_and_moe_job(workdir: str) -> dict:
     reward_model = os.path.join(workdir, "reward_model")  # written by the test
     report["reward_model_values"] = make_reward_model_critic(ParallelLayout(tp=2), reward_model).compute_values(batch)
     return report
+
+
+# A warm-up of 2 trainer steps, then a decay to min_lr at step 5 (the schedule's last).
+SCHEDULE = dict(lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=5)
+
+
+def optimizer_job(workdir: str) -> dict:
+    """At DP=2: the lr of 5 updates per decay style (2 optimizer steps each), a resume from step 3's checkpoint
+    with the distributed and the plain optimizer, and one update of each optimizer at the same lr."""
+    from rlmegatron.checkpoint.state import load_training_state, save_training_state
+
+    batch = rollout_batch()
+    weights = os.path.join(workdir, "weights")
+    first = make_actor(ParallelLayout())
+    first.save_weights(weights)
+    log_probs, _ = first.compute_log_prob(batch, with_entropy=False)
+    train_batch = replace(batch, old_log_probs=log_probs - 0.05 * batch.response_mask)
+
+    def actor(distributed: bool, **optimizer):
+        worker = make_actor(ParallelLayout(), ppo_mini_batch_size=4, use_distributed_optimizer=distributed,
+                            optimizer=replace(OPTIMIZER, **optimizer))
+        worker.load_weights(weights)
+        return worker
+
+    def parameters(worker):
+        return {n: p.detach().clone() for n, p in worker.chunks[0].module.named_parameters()}
+
+    report = {"lr": {}, "resumed_lr": {}, "resumed_param_diff": {}}
+    finals, after_one = {}, {}
+    for style, distributed in (("constant", True), ("linear", False), ("cosine", True)):
+        worker = actor(distributed, lr_decay_style=style, **SCHEDULE)
+        report["lr"][style] = []
+        for step in range(1, 6):
+            report["lr"][style].append(worker.update(train_batch)["actor/lr"])
+            if step == 1:
+                after_one[style] = parameters(worker)
+            if step == 3:
+                save_training_state(worker, os.path.join(workdir, f"step3-{style}"))
+        finals[style] = parameters(worker)
+    for style, distributed in (("linear", False), ("cosine", True)):
+        worker = actor(distributed, lr_decay_style=style, **SCHEDULE)
+        load_training_state(worker, os.path.join(workdir, f"step3-{style}"))
+        report["resumed_lr"][style] = [worker.update(train_batch)["actor/lr"] for _ in range(2)]
+        report["resumed_param_diff"][style] = _max_diff(parameters(worker), finals[style])
+
+    # Step 1 of a 2-step warm-up trains at lr / 2: like a constant lr / 2, with either optimizer.
+    half = {}
+    for distributed in (True, False):
+        worker = actor(distributed, lr=SCHEDULE["lr"] / 2)
+        worker.update(train_batch)
+        half[distributed] = parameters(worker)
+    report["warmup_vs_half_lr_diff"] = _max_diff(after_one["constant"], half[True])
+    report["distributed_vs_plain_diff"] = _max_diff(half[True], half[False])
+    report["update_size"] = _max_diff(half[True], parameters(first))
+    return report
