@@ -108,8 +108,10 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker(TrackingSetup([], run_dir, spec.tracking.project_name, spec.trainer.experiment_name))
     before = engine_weights(rank)
+    checkpoints = CheckpointManager(spec.trainer.run_dir, None)
+    checkpoints.plan_resume(spec.trainer.resume)
     trainer = RecordingTrainer(spec, workers, engines, tokenizer, loader, None, reward_manager, tracker,
-                               CheckpointManager(spec.trainer.run_dir, None), engine_model=rank.engine.model)
+                               checkpoints, engine_model=rank.engine.model)
     trainer.fit()
     after = engine_weights(rank)
     exported = dict(HFWeightExporter(rank.actor.chunks, rank.weight_map).stream())
