@@ -88,12 +88,16 @@ def train(args: argparse.Namespace) -> int:
     from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
+    from rlmegatron.rewards import RewardFunctionError
 
     try:
         run_training(spec)
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
+    except RewardFunctionError as err:  # the user's reward plug-in: one line, like a spec problem
+        print(err, file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
         latest = CheckpointManager(spec.trainer.run_dir).latest()
