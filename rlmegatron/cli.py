@@ -89,6 +89,7 @@ def train(args: argparse.Namespace) -> int:
     from rlmegatron.config import SpecError
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
+    from rlmegatron.rewards import RewardFunctionError
 
     try:
         run_training(spec)
@@ -101,6 +102,9 @@ def train(args: argparse.Namespace) -> int:
         return EXIT_TRAINING_STOPPED
     except CheckpointError as problem:  # none usable, a bad trainer.resume, a run_dir a start would overwrite
         print(problem, file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
+    except RewardFunctionError as err:  # the user's reward plug-in: one line, like a spec problem
+        print(err, file=sys.stderr, flush=True)
         return EXIT_BAD_SPEC
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED

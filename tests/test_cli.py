@@ -83,3 +83,13 @@ def test_cli_module_imports_no_pydantic_until_a_command_runs():
     probe = "import sys, rlmegatron.cli; print('pydantic' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line(tmp_path):
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def compute_scor(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
+    result = rlm("train", QUICKSTART, f"reward.function={plugin}:compute_score", f"trainer.run_dir={tmp_path / 'run'}")
+    assert result.returncode == EXIT_BAD_SPEC
+    [line] = result.stderr.splitlines()
+    assert f"reward.function={plugin}:compute_score: " in line and line.endswith("reward.py defines no 'compute_score'")
+    assert not (tmp_path / "run").exists()  # failed before anything started

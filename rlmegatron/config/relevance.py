@@ -52,6 +52,18 @@ def _estimator_takes(option: str) -> Callable[[JobSpec], bool]:
     return applies
 
 
+def _async_reward_in_driver(spec: JobSpec) -> bool:
+    if spec.reward.num_workers > 0 or spec.reward.function is None:
+        return False
+    from rlmegatron.plugins import load_plugin
+    from rlmegatron.rewards.manager import is_async_function
+
+    try:
+        return is_async_function(load_plugin(spec.reward.function))
+    except Exception:  # a broken plug-in: the plug-in checks report that
+        return True
+
+
 def _sglang_only(spec: JobSpec) -> str:
     return "only SGLang servers use it, and rollout.engine=local generates in every trainer rank; remove it"
 
@@ -83,6 +95,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("reward.overlong_buffer.length", "reward.overlong_buffer.penalty_factor"),
          lambda s: s.reward.overlong_buffer.enable,
          lambda s: "only applies with reward.overlong_buffer.enable=true; remove it or enable the buffer"),
+    Rule(("reward.async_concurrency",), _async_reward_in_driver,
+         lambda s: "only bounds an `async def` reward function scored in the driver (reward.num_workers=0), and "
+                   + ("reward.num_workers>0 scores in worker processes" if s.reward.num_workers else
+                      f"reward.function={s.reward.function or 'null (the built-in rules)'} is not async")
+                   + "; remove it"),
     Rule(("algorithm.dynamic_sampling.max_num_gen_batches",), lambda s: s.algorithm.dynamic_sampling.enable,
          lambda s: "only applies with algorithm.dynamic_sampling.enable=true; remove it or enable it"),
     Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,

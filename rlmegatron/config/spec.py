@@ -328,8 +328,17 @@ class RewardConfig(Section):
     function: PluginRef | None = None
     """Custom reward as path/to/file.py:function_name; null picks the built-in rule for the data source."""
     manager: Literal["naive", "dapo"] = "naive"
-    num_workers: PositiveInt = 1
+    num_workers: int = Field(0, ge=0)
+    """Processes that score samples. 0: in the driver, with no process pool (a plain function one sample at a time
+    in the main thread, an `async def` one concurrently on an event loop); N: a pool of N worker processes, for
+    slow functions (N samples, and N timeouts, at once)."""
     timeout_s: float = Field(30.0, gt=0)
+    """Seconds one sample may take; past them it scores 0 and counts in reward/timeouts."""
+    batch_timeout_s: float | None = Field(600.0, gt=0)
+    """Seconds to score one batch (a step's rollout, a DAPO round, the ReMax baseline, a validation chunk); samples
+    not scored by then score 0 and count in reward/timeouts. null: no limit beyond timeout_s per sample."""
+    async_concurrency: PositiveInt = 64
+    """Samples an `async def` reward function scores at once in the driver (num_workers=0)."""
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 

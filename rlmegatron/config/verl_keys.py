@@ -588,8 +588,8 @@ VERL_KEYS: dict[str, Entry] = {
     "reward_model.enable": Always((False,), "rewards come from reward functions", _NO_REWARD_MODEL),
     "reward_model.reward_manager": _to("reward.manager"),
     "reward_model.launch_reward_fn_async": Always(
-        (False,), "responses are scored once generation ends, in reward.num_workers processes",
-        "responses are scored once generation ends; raise reward.num_workers to score in parallel"),
+        (False,), "responses are scored once generation ends, in the driver or in reward.num_workers processes",
+        "responses are scored once generation ends; set reward.num_workers to score in worker processes"),
     **{f"{prefix}.{verl}": _to(f"reward.overlong_buffer.{ours}")
        for prefix in ("reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg")
        for verl, ours in (("enable", "enable"), ("len", "length"), ("penalty_factor", "penalty_factor"))},

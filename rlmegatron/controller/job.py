@@ -56,6 +56,10 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
+    from rlmegatron.rewards import build_reward_manager
+
+    # First, before the heavy imports: a reward plug-in that does not load fails the run here, once.
+    reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     from transformers import AutoTokenizer
 
     from rlmegatron.checkpoint import CheckpointManager
@@ -67,7 +71,6 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
-    from rlmegatron.rewards import build_reward_manager
     from rlmegatron.tracking import Tracker
     from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
@@ -85,7 +88,6 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     if newest is not None and newest.step >= total_steps:
         return _already_complete(newest, total_steps)
     tracker = Tracker.from_spec(spec)
-    reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     pools = workers = engines = router = None
     status = "FAILED"
     exit_on_sigterm()

@@ -130,7 +130,7 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
 def reward_inputs(prompts: list[Sample], results: list[GenerationResult], tokenizer: Any) -> list[RewardInput]:
     return [
         RewardInput(
-            sample_id=prompt.sample_id,
+            sample_id=f"{prompt.sample_id}/{result.sample_index}",
             data_source=prompt.data_source,
             solution_str=tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
             ground_truth=prompt.ground_truth,

@@ -20,6 +20,7 @@ from rlmegatron.algorithms import (
 )
 from rlmegatron.config.spec import SamplingParams
 from rlmegatron.controller import rollout as R
+from rlmegatron.rewards import RewardResult
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
@@ -44,7 +45,7 @@ class Timer:
 
 
 class TrainingStopped(RuntimeError):
-    """The loop stopped on a step it must not apply (a NaN or infinite loss or gradient norm)."""
+    """The loop stopped on a step it must not apply (a NaN or infinite reward, loss or gradient norm)."""
 
 
 @dataclass
@@ -136,11 +137,12 @@ class Trainer:
 
     @contextmanager
     def stop_on_non_finite(self):
+        from rlmegatron.rewards import NonFiniteReward
         from rlmegatron.workers.training import NonFiniteUpdate
 
         try:
             yield
-        except NonFiniteUpdate as error:
+        except (NonFiniteUpdate, NonFiniteReward) as error:
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
             raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
                                   f"complete one is {self.last_checkpoint or 'none'}") from None
@@ -195,8 +197,13 @@ class Trainer:
         rows = [prompts[r.request_index] for r in results]
         uids = [first_uid + r.request_index for r in results]
         batch = R.build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
-        reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+        reward = self.rewards(rows, results)
         return R.scored(rows, uids, results, batch, reward)
+
+    def rewards(self, rows, results) -> RewardResult:
+        """The reward manager's scores; a NaN or infinite one stops the run here, before it reaches any loss."""
+        with self.stop_on_non_finite():
+            return self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
 
     def greedy_baselines(self, rollout: R.Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
         """ReMax's baseline, one per row: the reward of one greedy response to the row's prompt, generated once per
@@ -211,7 +218,7 @@ class Trainer:
             results = self.generate(prompts, GREEDY, seed=self.spec.rollout.seed, label="gen_baseline")
         with timer("reward"):
             rows = [prompts[r.request_index] for r in results]
-            reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+            reward = self.rewards(rows, results)
         by_uid = {uids[r.request_index]: value for r, value in zip(results, reward.rewards)}
         metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
         return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
@@ -244,7 +251,7 @@ class Trainer:
             chunk = prompts[start : start + batch_size]
             results = self.generate(chunk, self.spec.rollout.val_kwargs, seed=self.spec.rollout.seed, label="validation")
             rows = [chunk[r.request_index] for r in results]
-            reward = self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+            reward = self.rewards(rows, results)
             for prompt, score in zip(rows, reward.scores):
                 scores[prompt.data_source].append(score)
         return {f"val/{source}/score/mean": sum(v) / len(v) for source, v in scores.items()}

@@ -4,6 +4,8 @@ from rlmegatron.rewards.gsm8k import extract_gsm8k_answer, gsm8k_score
 from rlmegatron.rewards.manager import (
     DAPORewardManager,
     NaiveRewardManager,
+    NonFiniteReward,
+    RewardFunctionError,
     RewardInput,
     RewardResult,
     build_reward_manager,
@@ -13,6 +15,8 @@ from rlmegatron.rewards.math_reward import last_boxed_answer, math_score, normal
 __all__ = [
     "DAPORewardManager",
     "NaiveRewardManager",
+    "NonFiniteReward",
+    "RewardFunctionError",
     "RewardInput",
     "RewardResult",
     "UnknownDataSource",

@@ -3,8 +3,9 @@ import pytest
 
 from rlmegatron.config import dump_spec, spec_from_raw
 from rlmegatron.config.yamlio import parse_yaml
-from tests.config.specs import minimal_spec, problems_with
+from tests.config.specs import REPO_ROOT, minimal_spec, problems_with
 
+ASYNC_REWARD = f"{REPO_ROOT / 'tests' / 'config' / 'async_reward.py'}:compute_score"
 SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in every trainer rank; remove it"
 
 
@@ -26,6 +27,13 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
          "ref.megatron.recompute_granularity=full: the reference model never trains"),
         ({"reward.overlong_buffer.length": 8}, "reward.overlong_buffer.length=8: only applies with "
                                                "reward.overlong_buffer.enable=true"),
+        ({"reward.async_concurrency": 8}, "reward.async_concurrency=8: only bounds an `async def` reward function "
+                                          "scored in the driver (reward.num_workers=0), and reward.function=null "
+                                          "(the built-in rules) is not async; remove it"),
+        ({"reward.function": ASYNC_REWARD, "reward.num_workers": 2,
+          "reward.async_concurrency": 8},
+         "reward.async_concurrency=8: only bounds an `async def` reward function scored in the driver "
+         "(reward.num_workers=0), and reward.num_workers>0 scores in worker processes; remove it"),
         ({"algorithm.dynamic_sampling.max_num_gen_batches": 3},
          "algorithm.dynamic_sampling.max_num_gen_batches=3: only applies with algorithm.dynamic_sampling.enable"),
         ({"trainer.total_steps": 5, "trainer.total_epochs": 2}, "trainer.total_epochs=2: trainer.total_steps is set"),
@@ -61,6 +69,7 @@ def test_a_setting_that_would_change_nothing_is_rejected(settings, expected):
          "critic.ppo_mini_batch_size": 8},
         {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.gamma": 0.9},
         {"actor.kl_loss_coef": 0.001},  # the default: nothing to reject
+        {"reward.function": ASYNC_REWARD, "reward.async_concurrency": 8},
         {"actor.megatron": {"pipeline_model_parallel_size": 2}, "ref.megatron": {"pipeline_model_parallel_size": 2}},
         {"rollout.engine": "sglang", "rollout.mem_fraction_static": 0.5, "rollout.sglang.router": True,
          "rollout.sglang.router_args": {"policy": "round_robin"}},

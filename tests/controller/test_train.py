@@ -311,21 +311,31 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
 
 
 
-def test_a_nan_loss_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path):
-    # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN, and so are its advantages.
+@pytest.mark.parametrize("poisoned, plugin, calls_before_nan, expected", [
+    # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN: the run stops naming the reward
+    # function, the first sample and the value, before any loss sees them.
+    ("reward", "reward.function=tests/controller/nan_reward.py:compute_score", 16,
+     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample echo#\d+/0 \(and for 15 "
+     r"more of the batch's 16\); a reward must be a finite number"),
+    # Finite rewards, and a loss that is NaN from step 2's first micro-batch (two micro-batches per step).
+    ("loss", "actor.policy_loss.loss_mode=tests/controller/nan_loss.py:compute_policy_loss", 2,
+     r"actor/pg_loss=nan: stopped before the optimizer step; the weights are unchanged"),
+], ids=["reward", "loss"])
+def test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path, poisoned, plugin, calls_before_nan,
+                                                                     expected):
     (tmp_path / "calls").mkdir()
-    env = {**os.environ, "RLM_NAN_REWARD_DIR": str(tmp_path / "calls"), "RLM_NAN_AFTER": "16"}
+    env = {**os.environ, "RLM_NAN_REWARD_DIR": str(tmp_path / "calls"), "RLM_NAN_AFTER": str(calls_before_nan)}
     run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(tmp_path / "out.json"), "local", *SMALL,
                           "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
                           "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_files=[]",
-                          "tracking.backends=[console]",
-                          "reward.function=tests/controller/nan_reward.py:compute_score"],
+                          "tracking.backends=[console]", plugin],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert (f"TrainingStopped: step 2: actor/pg_loss=nan: stopped before the optimizer step; the weights are "
-            f"unchanged. No checkpoint is written for this step; the last complete one is {checkpoints / 'step_1'}"
-            in run.stderr), run.stderr[-3000:]
+    stopped = re.search(f"TrainingStopped: step 2: {expected}\\. No checkpoint is written for this step; the last "
+                        "complete one is (.*)\n", run.stderr)
+    assert stopped and stopped[1] == str(checkpoints / "step_1"), run.stderr[-3000:]
+    assert poisoned == "loss" or "pg_loss" not in run.stderr  # a NaN reward is never blamed on the loss
     assert (checkpoints / "latest").read_text() == "step_1"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_1"]
     assert (checkpoints / "step_1" / "trainer_state.json").is_file()
