@@ -53,8 +53,6 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
-    from transformers import AutoTokenizer
-
     from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
@@ -62,11 +60,13 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.controller.trainer import Trainer
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
+    from rlmegatron.preflight import ready_to_launch
     from rlmegatron.rewards import build_reward_manager
     from rlmegatron.tracking import Tracker
     from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
+    # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
+    tokenizer = ready_to_launch(spec)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)

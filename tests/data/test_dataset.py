@@ -77,6 +77,9 @@ def test_malformed_lines_name_file_and_line(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
         RLDataset([str(path)], tokenizer, data_config([path]))
     path.write_text(json.dumps({"question": "no messages"}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: no 'prompt' key \(it has 'question'\); set data.prompt_key"):
+        RLDataset([str(path)], tokenizer, data_config([path]))
+    path.write_text(json.dumps({"prompt": "not a list of messages"}) + "\n")
     with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'prompt' must be a non-empty list of chat messages"):
         RLDataset([str(path)], tokenizer, data_config([path]))
 
