@@ -83,3 +83,51 @@ def test_cli_module_imports_no_pydantic_until_a_command_runs():
     probe = "import sys, rlmegatron.cli; print('pydantic' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def _raising(error: BaseException):
+    def command(args):
+        raise error
+
+    return command
+
+
+def test_a_users_mistake_raised_in_a_ray_worker_is_its_message_alone(monkeypatch, capsys):
+    import ray.exceptions
+
+    from rlmegatron.data import DatasetError
+
+    # What ray.get raises for a worker's exception: a RayTaskError that is also a DatasetError, its text Ray's
+    # report of the remote traceback.
+    mistake = DatasetError("train.jsonl:3: not valid JSON")
+    remote = ray.exceptions.RayTaskError("RankHost.build", "Traceback (most recent call last):\n  ...",
+                                         mistake).as_instanceof_cause()
+    assert isinstance(remote, DatasetError) and str(remote) != str(mistake)
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(remote))
+    assert main(["validate", QUICKSTART]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err == "train.jsonl:3: not valid JSON\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(KeyError("a bug of ours")))
+    with pytest.raises(KeyError, match="a bug of ours"):
+        main(["validate", QUICKSTART])
+
+
+@pytest.mark.parametrize("where", ["before the command", "after it"])
+def test_debug_adds_the_traceback_to_a_users_mistake(where, monkeypatch, capsys):
+    from rlmegatron.plugins import PluginError
+
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(PluginError("reward.py defines no 'score'")))
+    argv = ["--debug", "validate", QUICKSTART] if where == "before the command" else ["validate", QUICKSTART, "--debug"]
+    assert main(argv) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "raise error" in err
+    assert err.endswith("PluginError: reward.py defines no 'score'\nreward.py defines no 'score'\n")
+
+
+def test_validate_notes_data_files_not_written_yet_and_exits_0(monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["validate", QUICKSTART, "data.train_files=[runs/not_prepared/train.parquet]"]) == 0
+    assert capsys.readouterr().err == ("note: data.train_files[0]=runs/not_prepared/train.parquet: not found (rlm "
+                                       "prepare writes it?); rlm train refuses to start without it\n")

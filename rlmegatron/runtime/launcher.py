@@ -28,8 +28,8 @@ class RankFailure(RuntimeError):
 
 
 class RankUserError(RankFailure, UserError):
-    """Every rank that failed did so on a user's mistake: the message is theirs, said once however many ranks said
-    it; the ranks' tracebacks are its cause (shown with RLM_DEBUG=1)."""
+    """The first rank to fail did so on a user's mistake (its peers then fail in their collectives): the message
+    is the mistake's, said once however many ranks made it; every rank's traceback is its cause (RLM_DEBUG=1)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,7 +109,7 @@ def run_ranks(
         proc.start()
 
     values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, str] = {}  # in the order the failures were seen: the first is the cause
     mistakes: dict[int, str] = {}  # the user errors among them
     deadline = time.monotonic() + timeout_s
     try:
@@ -147,7 +147,7 @@ def run_ranks(
             elif rank not in values:
                 lines.append(f"--- rank {rank} --- did not finish within {timeout_s:.0f} s (hung)")
         failure = RankFailure("\n".join(lines))
-        if errors and errors.keys() == mistakes.keys():
+        if errors and next(iter(errors)) in mistakes:
             raise RankUserError("\n".join(dict.fromkeys(mistakes[rank] for rank in sorted(mistakes)))) from failure
         raise failure
     return [values[rank] for rank in range(nprocs)]
