@@ -126,8 +126,8 @@ class _Checks:
                 HFCheckpoint(model.path).close()
             except (ConversionError, UnsupportedModelError) as err:
                 self.problem("model.path", model.path,
-                             f"{err}; point it at an HF checkpoint, or set model.random_init=true to start from "
-                             "random weights")
+                             f"{str(err).removeprefix(f'{Path(model.path)} ')}; point it at an HF checkpoint, or set "
+                             "model.random_init=true to start from random weights")
         # The spec checks have read this config.json: it exists and describes a decoder.
         arch_field, arch_path = model.architecture_source()
         self.vocab_size = read_architecture(arch_path).vocab_size

@@ -100,6 +100,15 @@ def train_file(path: str) -> list[str]:
     return [f"data.train_files=[{path}]"]
 
 
+def model_copy(a: Assets, field: str, name: str, **changes) -> list[str]:
+    """`field` set to a changed copy of the quickstart's model directory (Assets.model)."""
+    return [f"{field}={a.model(name, **changes)}"]
+
+
+def with_model(field: str, name: str, **changes) -> Callable[[Assets], list[str]]:
+    return validating(lambda a: model_copy(a, field, name, **changes))
+
+
 def plugin(a: Assets, field: str, file: str, source: str, name: str) -> list[str]:
     return [f"{field}={a.text(file, source)}:{name}"]
 
@@ -110,6 +119,13 @@ def reward(a: Assets, file: str, source: str) -> list[str]:
 
 def dataset_class(a: Assets, file: str, source: str) -> list[str]:
     return plugin(a, "data.dataset_class", file, source, "Prompts")
+
+
+def corrupted(a: Assets) -> bytes:
+    """A parquet file whose footer is intact and whose first data pages are garbage."""
+    data = bytearray(Path(a.parquet("to_corrupt.parquet", rows(64))).read_bytes())
+    data[40:400] = b"\xab" * 360
+    return bytes(data)
 
 
 CHAT_TEMPLATE_REFUSING_SYSTEM = (
@@ -169,8 +185,8 @@ CASES = {
                                 ("reward.function=", "ModuleNotFoundError", "no_such_module_xyz")),
     "reward-raises-on-import": Case(validating(lambda a: reward(a, "raising_reward.py", "raise RuntimeError('no')\n")),
                                     ("reward.function=", "raising_reward.py raised RuntimeError: no")),
-    "reward-wrong-signature": Case(validating(lambda a: reward(a, "two_reward.py",
-                                                               "def compute_score(solution, truth):\n    return 1.0\n")),
+    "reward-wrong-signature": Case(validating(lambda a: reward(a, "two_reward.py", "def compute_score(solution, "
+                                                                                   "truth):\n    return 1.0\n")),
                                    ("reward.function=", "too many positional arguments",
                                     "compute_score(data_source, solution_str, ground_truth, extra_info)")),
     "reward-not-callable": Case(validating(lambda a: reward(a, "const_reward.py", "compute_score = 1.0\n")),
@@ -237,16 +253,21 @@ CASES = {
         ("bad5.jsonl:5: not valid JSON",)),
     "json-line-not-an-object": Case(validating(lambda a: train_file(a.text("array.jsonl", "[1, 2]\n"))),
                                     ("array.jsonl:1: expected a JSON object, got list",)),
-    "jsonl-not-utf8": Case(validating(lambda a: train_file(a.text("latin1.jsonl", '{"a": "caf\xe9"}\n'.encode("latin-1")))),
+    "jsonl-not-utf8": Case(validating(lambda a: train_file(a.text("latin1.jsonl", b'{"a": "caf\xe9"}\n'))),
                            ("latin1.jsonl:1: not UTF-8 text",)),
-    "corrupt-parquet": Case(validating(lambda a: train_file(a.text("corrupt.parquet", b"PAR1 not really" * 10))),
-                            ("data.train_files[0]", "corrupt.parquet: not a readable parquet file")),
+    "not-a-parquet-file": Case(validating(lambda a: train_file(a.text("notparquet.parquet", b"PAR1 not really" * 9))),
+                               ("data.train_files[0]", "notparquet.parquet: not a readable parquet file")),
+    "corrupt-parquet-pages": Case(validating(lambda a: train_file(a.text("corrupt.parquet", corrupted(a)))),
+                                  ("data.train_files[0]", "corrupt.parquet: not a readable parquet file (at its "
+                                                          "start: ",
+                                   "write it again (rlm prepare) or replace it")),
     "truncated-parquet": Case(
         validating(lambda a: train_file(a.text("truncated.parquet",
                                                Path(a.parquet("whole.parquet", rows(64))).read_bytes()[:600]))),
         ("truncated.parquet: not a readable parquet file",)),
     "parquet-named-jsonl": Case(
-        validating(lambda a: train_file(a.text("parquet.jsonl", Path(a.parquet("real.parquet", rows(2))).read_bytes()))),
+        validating(lambda a: train_file(a.text("parquet.jsonl",
+                                               Path(a.parquet("real.parquet", rows(2))).read_bytes()))),
         ("parquet.jsonl:1: not UTF-8 text",)),
     "data-path-is-a-directory": Case(
         validating(lambda a: train_file(str((a.root / "dir.jsonl").mkdir() or a.root / "dir.jsonl"))),
@@ -261,8 +282,10 @@ CASES = {
                                              ("train.jsonl:1: the prompt is 6 tokens, over data.max_prompt_length=4",
                                               "data.filter_overlong_prompts=true"), problems=2),
     "chat-template-refuses-the-messages": Case(
-        validating(lambda a: [f"model.tokenizer_path={a.model('system_tok', files={'chat_template.jinja': CHAT_TEMPLATE_REFUSING_SYSTEM})}",
-                              *train_file(a.jsonl("system.jsonl", [row(0, prompt=[{"role": "system", "content": "x"}])]))]),
+        validating(lambda a: [*model_copy(a, "model.tokenizer_path", "system_tok",
+                                          files={"chat_template.jinja": CHAT_TEMPLATE_REFUSING_SYSTEM}),
+                              *train_file(a.jsonl("system.jsonl", [row(0, prompt=[{"role": "system",
+                                                                                   "content": "x"}])]))]),
         ("system.jsonl:1: the tokenizer's chat template fails on this prompt",
          "System role not supported")),
 
@@ -274,26 +297,26 @@ CASES = {
     "tokenizer-dir-without-tokenizer": Case(validate("model.tokenizer_path=configs/models/tiny-qwen3"),
                                             ("model.tokenizer_path=configs/models/tiny-qwen3", "holds no tokenizer")),
     "tokenizer-corrupt": Case(
-        validating(lambda a: [f"model.tokenizer_path={a.model('corrupt_tok', files={'tokenizer.json': '{oops'})}"]),
+        with_model("model.tokenizer_path", "corrupt_tok", files={"tokenizer.json": "{oops"}),
         ("model.tokenizer_path=", "corrupt_tok: cannot load its tokenizer")),
     "tokenizer-without-chat-template": Case(
-        validating(lambda a: [f"model.tokenizer_path={a.model('plain_tok', drop=('chat_template.jinja',))}"]),
+        with_model("model.tokenizer_path", "plain_tok", drop=("chat_template.jinja",)),
         ("model.tokenizer_path=", "plain_tok: the tokenizer has no chat template", "chat_template.jinja")),
     "tokenizer-larger-than-the-vocabulary": Case(
-        validating(lambda a: [f"model.path={a.model('small_vocab', config={'vocab_size': 64})}"]),
+        with_model("model.path", "small_vocab", config={"vocab_size": 64}),
         ("model.path=", "small_vocab: the tokenizer has 105 tokens, more than the model's vocabulary (vocab_size 64)")),
 
     # ---- the model -------------------------------------------------------------------------------------------
     "model-without-weights": Case(validate("model.random_init=false"),
-                                  ("model.path=configs/quickstart/model", "has no model.safetensors",
+                                  ("model.path=configs/quickstart/model: has no model.safetensors",
                                    "model.random_init=true")),
-    "model-family-unsupported": Case(validating(lambda a: [f"model.path={a.model('mistral', config={'model_type': 'mistral'})}"]),
+    "model-family-unsupported": Case(with_model("model.path", "mistral", config={"model_type": "mistral"}),
                                      ("model.path=", "mistral", "not supported")),
     "model-rope-unsupported": Case(
-        validating(lambda a: [f"model.path={a.model('yarn', config={'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0}})}"]),
+        with_model("model.path", "yarn", config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
         ("model.path=", "yarn", "rope_type='yarn' unsupported")),
     "model-pad-id-outside-vocabulary": Case(
-        validating(lambda a: [f"model.path={a.model('pad500', config={'pad_token_id': 500})}"]),
+        with_model("model.path", "pad500", config={"pad_token_id": 500}),
         ("model.path=", "pad500: pad_token_id=500 is outside the model's vocabulary (vocab_size 128)")),
     "model-path-missing-beside-hf-config": Case(
         validate("model.path=./no/such/model", "model.hf_config=configs/quickstart/model/config.json",

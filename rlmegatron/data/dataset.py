@@ -90,7 +90,7 @@ class PromptEncoder:
         except Exception as err:  # a Jinja template raises whatever its author chose (raise_exception, TypeError)
             where = f"{location}: " if location else ""
             raise DatasetError(
-                f"{where}the tokenizer's chat template fails on this prompt ({type(err).__name__}: {err}); "
+                f"{where}the tokenizer's chat template fails on this prompt ({type(err).__name__}: {_one_line(err)}); "
                 "fix the messages, or use a tokenizer whose template accepts them"
             ) from err
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -138,7 +138,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     except (pa.ArrowException, OSError) as err:
         where = f"after row {number}" if number else "at its start"
         raise DatasetError(
-            f"{path}: not a readable parquet file ({where}: {err}); write it again (rlm prepare) or replace it"
+            f"{path}: not a readable parquet file ({where}: {_one_line(err)}); write it again (rlm prepare) or "
+            "replace it"
         ) from None
 
 
@@ -179,3 +180,8 @@ def prompt_messages(row: dict[str, Any], prompt_key: str, location: str) -> list
             "({role, content}); set data.prompt_key if the prompt lives under another key"
         )
     return messages
+
+
+def _one_line(err: BaseException) -> str:
+    """A library's message for a line of ours: pyarrow's and Jinja's can span several."""
+    return " ".join(str(err).split())
