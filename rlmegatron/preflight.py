@@ -9,6 +9,7 @@ what is not there yet is a note there, and `rlm train` refuses to start without 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -36,7 +37,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)
 class Preflight:
     problems: list[SpecProblem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    """What `rlm validate` could not check yet (missing data files, hub ids not in the cache)."""
+    """What is worth knowing but stops nothing: what `rlm validate` cannot check yet (data files not written, hub
+    ids not in the cache), a model without an EOS id."""
     tokenizer: Any = None
     """The tokenizer the run uses, once it loaded."""
 
@@ -53,8 +55,10 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
 
 
 def ready_to_launch(spec: JobSpec) -> Any:
-    """The run's tokenizer once everything checks; a SpecError naming each problem otherwise."""
+    """The run's tokenizer once everything checks (notes go to stderr); a SpecError naming each problem otherwise."""
     result = preflight(spec, launching=True)
+    for note in result.notes:
+        print(note, file=sys.stderr, flush=True)
     if result.problems:
         raise SpecError(result.problems)
     return result.tokenizer

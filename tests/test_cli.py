@@ -1,4 +1,5 @@
 """The `rlm` command line: validate's exit codes and output, help, and the not-yet-built commands."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,20 @@ def test_validate_notes_data_files_not_written_yet_and_exits_0(monkeypatch, caps
     assert main(["validate", QUICKSTART, "data.train_files=[runs/not_prepared/train.parquet]"]) == 0
     assert capsys.readouterr().err == ("note: data.train_files[0]=runs/not_prepared/train.parquet: not found (rlm "
                                        "prepare writes it?); rlm train refuses to start without it\n")
+
+
+def test_validate_notes_a_hub_model_not_in_the_cache_and_a_model_without_eos(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    config = json.loads((REPO_ROOT / "configs/quickstart/model/config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["model.path=rlmegatron-tests/no-such-model", f"model.hf_config={tmp_path / 'config.json'}",
+            "model.tokenizer_path=configs/quickstart/model"]
+    assert main(["validate", QUICKSTART, *args]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "note: model.path=rlmegatron-tests/no-such-model: not a local directory nor in the local Hugging Face cache; "
+        "rlm train fetches it from the hub and refuses to start if it cannot; its config and tokenizer are checked "
+        "then",
+        f"note: model.hf_config={tmp_path / 'config.json'}: config.json sets no eos_token_id, so every response runs "
+        "to data.max_response_length tokens",
+    ]
