@@ -450,6 +450,8 @@ def test_submit_validates_the_job_as_submitted_before_writing_or_submitting(tmp_
 
 
 # ---- mistakes other branches handle: strict xfails until they merge ------------------------------------------
+# convert and ckpt are on main since this branch was cut (their four cases pass against main's code): drop their
+# marks when this branch merges. reward has not landed.
 def _tiny_llama(tmp_path: Path) -> Path:
     from tests.models.tiny_hf import save_tiny_model
 
