@@ -1,7 +1,8 @@
-"""Renders what launch/submit.sh runs: the Slurm batch script that brings up Ray, or the `ray job submit` line.
+"""Renders what launch/submit.sh runs: the Slurm batch script that brings up Ray, or the `ray job submit` line,
+once `rlm validate` has accepted exactly the job it will run.
 
-Only the standard library, so a login node without the project's environment can run it.
-submit.sh validates the arguments; this file is the single source of the generated text.
+Only the standard library, so any Python can run it; the validation runs in the project's environment (RLM_VENV's
+python, else this one). submit.sh checks its own arguments; this file is the single source of the generated text.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,24 @@ class Launch:
     @property
     def job_name(self) -> str:
         return "rlm-" + Path(self.config).stem
+
+
+def validate(launch: Launch, env: dict[str, str]) -> int:
+    """`rlm validate` of the job as it will run (spec, overrides, the placement the scheduler grants), from the
+    directory it runs in; its problems and notes go to stderr. 0 when it may be submitted."""
+    python = str(Path(env["RLM_VENV"], "bin", "python")) if env.get("RLM_VENV") else sys.executable
+    command = [python, "-m", "rlmegatron", "validate", *launch.train_command()[2:]]
+    try:
+        code = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL).returncode
+    except OSError as err:
+        code, reason = None, str(err)
+    else:
+        reason = f"exit code {code}"
+    if code in (0, 2):
+        return code
+    print(f"submit.sh: cannot validate the spec with {python} ({reason}); activate the project's environment, "
+          "or set RLM_VENV (or PYTHON) to one", file=sys.stderr)
+    return 2
 
 
 def render_ray_command(launch: Launch, env: dict[str, str]) -> list[str]:
@@ -154,6 +174,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[:split])
     launch = Launch(args.config, tuple(argv[split + 1 :]), args.nodes, args.gpus_per_node)
     env = dict(os.environ)
+    # Nothing is rendered, so nothing is written or submitted, for a job that would fail before its first worker.
+    code = validate(launch, env)
+    if code:
+        return code
     if args.backend == "slurm":
         sys.stdout.write(render_sbatch(launch, env))
     else:

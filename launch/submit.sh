@@ -21,6 +21,10 @@ usage: launch/submit.sh --backend slurm|ray --config CONFIG [--nodes N] [--gpus-
                     command) and submit nothing.
   -- KEY=VALUE ...  dotted overrides passed to `rlm train`, e.g. -- rollout.n=8 actor.optim.lr=1e-6
 
+  Before anything is written or submitted, `rlm validate` checks the job as it will run: the spec with
+  its overrides and the placement of --nodes/--gpus-per-node, from the repository root, with
+  $RLM_VENV/bin/python (else $PYTHON). Its problems are printed and submit.sh exits 2.
+
 environment: RAY_ADDRESS (ray backend), RLM_VENV (a venv the batch script activates),
   SBATCH_PARTITION / SBATCH_ACCOUNT / SBATCH_TIMELIMIT (read by sbatch itself),
   RAY_PORT, RAY_DASHBOARD_PORT, RAY_JOIN_TIMEOUT_S, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME
@@ -77,6 +81,15 @@ else
   [[ -n "$nodes" ]] && render_args+=(--nodes "$nodes")
   [[ -n "$gpus_per_node" ]] && render_args+=(--gpus-per-node "$gpus_per_node")
 fi
+if (( ! dry_run )); then
+  if [[ "$backend" == slurm ]]; then
+    command -v sbatch >/dev/null || fail "sbatch is not on PATH; run this on a Slurm login node"
+  else
+    command -v ray >/dev/null || fail "ray is not on PATH; activate the project's environment"
+  fi
+fi
+# render.py runs `rlm validate` on the job as submitted first: a spec that would fail exits 2 here (set -e),
+# before anything is written or submitted.
 rendered="$("$PYTHON" "$LAUNCH_DIR/render.py" "${render_args[@]}" -- "${overrides[@]+"${overrides[@]}"}")"
 
 if [[ "$backend" == slurm ]]; then
@@ -88,7 +101,6 @@ if [[ "$backend" == slurm ]]; then
     echo "sbatch $script"
     exit 0
   fi
-  command -v sbatch >/dev/null || fail "sbatch is not on PATH; run this on a Slurm login node"
   cd "$REPO_ROOT"
   mkdir -p runs/slurm
   printf '%s\n' "$rendered" > "$script"
@@ -99,6 +111,5 @@ if (( dry_run )); then
   echo "$rendered"
   exit 0
 fi
-command -v ray >/dev/null || fail "ray is not on PATH; activate the project's environment"
 cd "$REPO_ROOT"  # working_dir "." uploads the repository
 eval "exec $rendered"

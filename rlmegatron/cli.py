@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
 
-# Exit codes: a rejected spec is the user's to fix; an unbuilt command is ours.
+# Exit codes: a user's mistake (a rejected spec, a bad data file, a broken plug-in: any UserError) is theirs to fix.
 EXIT_OK = 0
 EXIT_BAD_SPEC = 2
 EXIT_TRAINING_STOPPED = 3
@@ -17,7 +19,11 @@ EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `rlm` and `python -m rlmegatron`; returns the process exit code."""
+    """Entry point of `rlm` and `python -m rlmegatron`; returns the process exit code.
+
+    A user's mistake (a UserError, also one raised in a Ray worker or a rank) is its message alone and exit 2;
+    RLM_DEBUG=1 or --debug adds the traceback. Anything else is a bug and keeps its traceback.
+    """
     parser = build_parser()
     # Overrides may come after an option (`rlm train CONFIG --verl KEY=VALUE`), which argparse leaves over.
     args, left_over = parser.parse_known_args(argv)
@@ -25,7 +31,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("unrecognized arguments: " + " ".join(left_over))
     if left_over:
         args.overrides += left_over
-    return args.command(args)
+    try:
+        return args.command(args)
+    except Exception as error:
+        from rlmegatron.errors import user_error_in
+
+        mistake = user_error_in(error)
+        if mistake is None:
+            raise
+        if args.debug or os.environ.get("RLM_DEBUG") == "1":
+            traceback.print_exception(error)
+        print(mistake, file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "actor.optim.lr=1e-6 rollout.n=8 data.train_files=[a.parquet,b.parquet]. With --verl they are verl's "
         "keys (actor_rollout_ref.actor.optim.lr=1e-6 ...), translated onto the spec.",
     )
+    debug_help = "show the traceback of a user's mistake too (as RLM_DEBUG=1 does)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     for name, summary, command, takes_spec in (
@@ -47,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         subparser = subcommands.add_parser(name, help=summary, description=summary)
         subparser.set_defaults(command=command)
+        if name != "convert":  # convert hands every argument to the converter: `rlm --debug convert ...`
+            # SUPPRESS: absent here, the top-level --debug (or its default) stands.
+            subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if takes_spec:
             subparser.add_argument("config", metavar="CONFIG", help="job spec YAML file")
             subparser.add_argument(
@@ -71,41 +93,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> int:
-    from rlmegatron.config import dump_spec
+    from rlmegatron.config import SpecError, dump_spec
+    from rlmegatron.preflight import preflight
 
-    spec = _load_spec_or_report(args)
-    if spec is None:
-        return EXIT_BAD_SPEC
+    spec = _load_spec(args)
+    # What the spec points at: model, tokenizer, data files, plug-ins (what is not there yet is only noted).
+    checked = preflight(spec, launching=False)
+    for note in checked.notes:
+        print(note, file=sys.stderr)
+    if checked.problems:
+        raise SpecError(checked.problems)
     sys.stdout.write(dump_spec(spec))
     return EXIT_OK
 
 
 def train(args: argparse.Namespace) -> int:
-    # The spec is checked before anything heavy: a bad config never starts Ray or a worker.
-    spec = _load_spec_or_report(args)
-    if spec is None:
-        return EXIT_BAD_SPEC
-    from rlmegatron.checkpoint import CheckpointError, CheckpointManager
-    from rlmegatron.config import SpecError
+    # The spec is checked before anything heavy, and run_training checks what it points at before Ray or a worker.
+    spec = _load_spec(args)
+    from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
-    from rlmegatron.rewards import RewardFunctionError
 
+    # A user's mistake found on the way (a SpecError, a CheckpointError, a reward plug-in that does not load, ...)
+    # is a UserError, which `main` reports in one line with exit 2.
     try:
         run_training(spec)
-    except SpecError as err:  # a rule that needs the data, checked once the data is read
-        for problem in err.problems:
-            print(problem, file=sys.stderr)
-        return EXIT_BAD_SPEC
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
-    except CheckpointError as problem:  # none usable, a bad trainer.resume, a run_dir a start would overwrite
-        print(problem, file=sys.stderr, flush=True)
-        return EXIT_BAD_SPEC
-    except RewardFunctionError as err:  # the user's reward plug-in: one line, like a spec problem
-        print(err, file=sys.stderr, flush=True)
-        return EXIT_BAD_SPEC
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
         latest = CheckpointManager(spec.trainer.run_dir).latest()
@@ -118,10 +133,7 @@ def train(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> int:
     from rlmegatron.planner.command import run_plan
 
-    spec = _load_spec_or_report(args)
-    if spec is None:
-        return EXIT_BAD_SPEC
-    return run_plan(spec, args)
+    return run_plan(_load_spec(args), args)
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -136,21 +148,16 @@ def convert(args: argparse.Namespace) -> int:
     return convert_main(args.convert_args)
 
 
-def _load_spec_or_report(args: argparse.Namespace) -> JobSpec | None:
-    """The checked spec, or None after printing every problem to stderr, one per line. With --verl, the notes on
-    verl keys that were accepted as what rlmegatron does anyway go to stderr too."""
-    from rlmegatron.config import SpecError, load_spec
+def _load_spec(args: argparse.Namespace) -> JobSpec:
+    """The checked spec (a SpecError names every problem). With --verl, the notes on verl keys that were accepted
+    as what rlmegatron does anyway go to stderr."""
+    from rlmegatron.config import load_spec
 
-    try:
-        if not args.verl:
-            return load_spec(args.config, args.overrides)
-        from rlmegatron.config.verl_keys import load_verl_spec
+    if not args.verl:
+        return load_spec(args.config, args.overrides)
+    from rlmegatron.config.verl_keys import load_verl_spec
 
-        spec, notes = load_verl_spec(args.config, args.overrides)
-    except SpecError as err:
-        for problem in err.problems:
-            print(problem, file=sys.stderr)
-        return None
+    spec, notes = load_verl_spec(args.config, args.overrides)
     for note in notes:
         print(note, file=sys.stderr)
     return spec

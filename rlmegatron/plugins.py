@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Union
 
+from rlmegatron.errors import UserError
+
 # The keywords a plug-in is called with, or a function of the plug-in giving them (for protocols
 # where the callee picks its inputs by name, like advantage estimators).
 Keywords = Union[Iterable[str], Callable[[Any], Iterable[str]]]
@@ -20,7 +22,7 @@ Keywords = Union[Iterable[str], Callable[[Any], Iterable[str]]]
 PLUGIN_REFERENCE = re.compile(r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class PluginError(ValueError):
+class PluginError(UserError, ValueError):
     """A plug-in reference that cannot be loaded; the message names the file and the attribute."""
 
 

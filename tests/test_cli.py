@@ -1,4 +1,5 @@
 """The `rlm` command line: validate's exit codes and output, help, and the not-yet-built commands."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,68 @@ def test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line(tmp
     [line] = result.stderr.splitlines()
     assert f"reward.function={plugin}:compute_score: " in line and line.endswith("reward.py defines no 'compute_score'")
     assert not (tmp_path / "run").exists()  # failed before anything started
+
+
+def _raising(error: BaseException):
+    def command(args):
+        raise error
+
+    return command
+
+
+def test_a_users_mistake_raised_in_a_ray_worker_is_its_message_alone(monkeypatch, capsys):
+    import ray.exceptions
+
+    from rlmegatron.data import DatasetError
+
+    # What ray.get raises for a worker's exception: a RayTaskError that is also a DatasetError, its text Ray's
+    # report of the remote traceback.
+    mistake = DatasetError("train.jsonl:3: not valid JSON")
+    remote = ray.exceptions.RayTaskError("RankHost.build", "Traceback (most recent call last):\n  ...",
+                                         mistake).as_instanceof_cause()
+    assert isinstance(remote, DatasetError) and str(remote) != str(mistake)
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(remote))
+    assert main(["validate", QUICKSTART]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err == "train.jsonl:3: not valid JSON\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(KeyError("a bug of ours")))
+    with pytest.raises(KeyError, match="a bug of ours"):
+        main(["validate", QUICKSTART])
+
+
+@pytest.mark.parametrize("where", ["before the command", "after it"])
+def test_debug_adds_the_traceback_to_a_users_mistake(where, monkeypatch, capsys):
+    from rlmegatron.plugins import PluginError
+
+    monkeypatch.setattr("rlmegatron.cli.validate", _raising(PluginError("reward.py defines no 'score'")))
+    argv = ["--debug", "validate", QUICKSTART] if where == "before the command" else ["validate", QUICKSTART, "--debug"]
+    assert main(argv) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "raise error" in err
+    assert err.endswith("PluginError: reward.py defines no 'score'\nreward.py defines no 'score'\n")
+
+
+def test_validate_notes_data_files_not_written_yet_and_exits_0(monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["validate", QUICKSTART, "data.train_files=[runs/not_prepared/train.parquet]"]) == 0
+    assert capsys.readouterr().err == ("note: data.train_files[0]=runs/not_prepared/train.parquet: not found (rlm "
+                                       "prepare writes it?); rlm train refuses to start without it\n")
+
+
+def test_validate_notes_a_hub_model_not_in_the_cache_and_a_model_without_eos(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    config = json.loads((REPO_ROOT / "configs/quickstart/model/config.json").read_text())
+    del config["eos_token_id"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["model.path=rlmegatron-tests/no-such-model", f"model.hf_config={tmp_path / 'config.json'}",
+            "model.tokenizer_path=configs/quickstart/model"]
+    assert main(["validate", QUICKSTART, *args]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "note: model.path=rlmegatron-tests/no-such-model: not a local directory nor in the local Hugging Face cache; "
+        "rlm train fetches it from the hub and refuses to start if it cannot; its config and tokenizer are checked "
+        "then",
+        f"note: model.hf_config={tmp_path / 'config.json'}: config.json sets no eos_token_id, so every response runs "
+        "to data.max_response_length tokens",
+    ]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rlmegatron.checkpoint.integrity import CheckpointLoadFailed, manifest_problem, write_manifest
+from rlmegatron.errors import UserError
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -20,7 +21,7 @@ SET_ASIDE = ".invalid"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint problem that is the user's to fix (none usable, a bad trainer.resume path, a run_dir that already
     holds what a run would overwrite): `rlm train` prints the message, one line per problem, and exits 2."""
 

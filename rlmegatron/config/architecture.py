@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlmegatron.errors import UserError
+
 # Families disagree on what to call the routed-expert count; the first present key wins.
 _EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 # Qwen2 has q/k/v biases but its config.json has no attention_bias key to say so.
@@ -13,7 +15,7 @@ _ALWAYS_QKV_BIAS = frozenset({"qwen2", "qwen2_moe"})
 _QK_NORM = frozenset({"qwen3", "qwen3_moe"})
 
 
-class ArchitectureError(ValueError):
+class ArchitectureError(UserError, ValueError):
     """The config.json is missing, is not JSON, or lacks a field every decoder has."""
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+from rlmegatron.errors import UserError
+
 
 class _NoValue:
     """Marks a problem that has no offending value to show (a missing field, an unreadable file)."""
@@ -35,12 +37,16 @@ class SpecProblem:
         return ": ".join(part for part in (self.file, subject, self.reason) if part)
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """Every problem found in a job spec, reported together so one run fixes them all."""
 
     def __init__(self, problems: Iterable[SpecProblem]):
         self.problems: tuple[SpecProblem, ...] = tuple(problems)
         super().__init__("\n".join(str(problem) for problem in self.problems))
+
+    def __reduce__(self):
+        # Rebuilt from its problems, not its text, when it crosses a process boundary (Ray, the rank launcher).
+        return (SpecError, (self.problems,))
 
 
 def render_value(value: Any) -> str:

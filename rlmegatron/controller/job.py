@@ -56,12 +56,6 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
-    from rlmegatron.rewards import build_reward_manager
-
-    # First, before the heavy imports: a reward plug-in that does not load fails the run here, once.
-    reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    from transformers import AutoTokenizer
-
     from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.config import SpecError
     from rlmegatron.config.checks import schedule_problems
@@ -71,10 +65,14 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
+    from rlmegatron.preflight import ready_to_launch
+    from rlmegatron.rewards import build_reward_manager
     from rlmegatron.tracking import Tracker
     from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path, trust_remote_code=spec.model.trust_remote_code)
+    # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
+    tokenizer = ready_to_launch(spec)
+    reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)

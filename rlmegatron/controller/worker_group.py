@@ -1,6 +1,7 @@
 """Worker groups: one process per rank hosting a plain rank class, as Ray actors or in-process (one rank, no Ray)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Any, Callable
@@ -47,6 +48,26 @@ class RankHost:
         destroy_distributed()
 
 
+# How long the other ranks get to report after one failed (they may be stuck in a collective with it).
+PEER_GRACE_S = 5.0
+
+
+def gather(refs: list) -> list:
+    """ray.get of one call on every rank. Ray raises the first failure at once and would later print each other
+    rank's failure, traceback and all, as an unhandled error: those that come within PEER_GRACE_S are fetched here,
+    so the first failure (a user's mistake is then one line) is all that is said."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PEER_GRACE_S)
+        for ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(ref)
+        raise
+
+
 def master_address() -> tuple[str, int]:
     return socket.gethostbyname(socket.gethostname()), free_port(host="")
 
@@ -77,7 +98,7 @@ class RayWorkerGroup:
             # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
             env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
             self.ranks.append(placed(rank).remote(env, pool.device))
-        ray.get([host.build.remote(rank_class, *args) for host in self.ranks])
+        gather([host.build.remote(rank_class, *args) for host in self.ranks])
 
     def execute_all(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments; results in rank order."""
@@ -85,7 +106,7 @@ class RayWorkerGroup:
 
         # One copy in the object store for all ranks, not one serialization per rank (batches are large).
         shared = [ray.put(arg) for arg in args]
-        return ray.get([host.call.remote(method, *shared) for host in self.ranks])
+        return gather([host.call.remote(method, *shared) for host in self.ranks])
 
     def execute_rank_zero_result(self, method: str, *args: Any) -> Any:
         """Call on every rank (the workers run collectives) and return rank 0's result: every rank holds the same."""
@@ -93,9 +114,7 @@ class RayWorkerGroup:
 
     def execute_each(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
         """Call `method` on rank i with `per_rank_args[i]` (e.g. each rank's share of the prompts)."""
-        import ray
-
-        return ray.get([host.call.remote(method, *args) for host, args in zip(self.ranks, per_rank_args)])
+        return gather([host.call.remote(method, *args) for host, args in zip(self.ranks, per_rank_args)])
 
     @property
     def world_size(self) -> int:

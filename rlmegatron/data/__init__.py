@@ -1,5 +1,5 @@
 """Prompt datasets: typed records, verl-format reading, resumable batching, and dataset preparation."""
-from rlmegatron.data.dataset import DatasetError, PromptDataset, RLDataset, build_dataset, templated_prompt_ids
+from rlmegatron.data.dataset import DatasetError, PromptDataset, PromptEncoder, RLDataset, build_dataset
 from rlmegatron.plugins import PluginError, load_plugin
 from rlmegatron.data.records import Sample
 from rlmegatron.data.sampler import PromptDataLoader, ResumableBatchSampler, SamplerState
@@ -10,6 +10,7 @@ __all__ = [
     "PluginError",
     "PromptDataLoader",
     "PromptDataset",
+    "PromptEncoder",
     "RLDataset",
     "ResumableBatchSampler",
     "Sample",
@@ -17,5 +18,4 @@ __all__ = [
     "build_char_tokenizer",
     "build_dataset",
     "load_plugin",
-    "templated_prompt_ids",
 ]

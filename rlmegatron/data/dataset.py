@@ -7,8 +7,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlmegatron.plugins import load_plugin
 from rlmegatron.data.records import Sample, sample_from_row
+from rlmegatron.errors import UserError
+from rlmegatron.plugins import load_plugin
 
 if TYPE_CHECKING:
     from rlmegatron.config.spec import DataConfig
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DatasetError(ValueError):
-    """A data file that cannot be used; the message starts with file:line (jsonl) or file:row (parquet)."""
+class DatasetError(UserError, ValueError):
+    """Data that cannot be used; for a row, the message starts with file:line (jsonl) or file:row N (parquet)."""
 
 
 class PromptDataset(Protocol):
@@ -37,9 +38,9 @@ class RLDataset:
         self.max_prompt_length = config.max_prompt_length
         self.samples: list[Sample] = []
         overlong: list[str] = []
+        encode = PromptEncoder(tokenizer)
         for location, row in iter_rows(self.files):
-            messages = _messages_or_fail(row, self.prompt_key, location)
-            prompt_ids = templated_prompt_ids(tokenizer, messages)
+            prompt_ids = encode(prompt_messages(row, self.prompt_key, location), location)
             if len(prompt_ids) > self.max_prompt_length:
                 overlong.append(f"{location} ({len(prompt_ids)} tokens)")
                 continue
@@ -71,12 +72,41 @@ def build_dataset(files: Sequence[str], tokenizer: Any, config: DataConfig) -> P
     return dataset_class(files, tokenizer, config)
 
 
-def templated_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat-templated prompt, ending with the assistant turn's opening."""
-    # Template to text, then encode without special tokens: the template already holds them,
-    # and the text form behaves the same across transformers versions (v5 returns dicts when tokenizing).
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+class PromptEncoder:
+    """Token ids of a chat-templated prompt, ending with the assistant turn's opening.
+
+    Template to text, then encode without special tokens: the template already holds the ones it wants, and
+    the text form behaves the same across transformers versions (v5 returns dicts when tokenizing). A tokenizer
+    that puts a BOS before every text by itself gets exactly one: its own, or the one its template wrote.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.bos_id = _bos_added_by(tokenizer)
+
+    def __call__(self, messages: list[dict[str, str]], location: str = "") -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # a Jinja template raises whatever its author chose (raise_exception, TypeError)
+            where = f"{location}: " if location else ""
+            raise DatasetError(
+                f"{where}the tokenizer's chat template fails on this prompt ({type(err).__name__}: {_one_line(err)}); "
+                "fix the messages, or use a tokenizer whose template accepts them"
+            ) from err
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+
+def _bos_added_by(tokenizer: Any) -> int | None:
+    """The BOS id the tokenizer prepends to a text when asked for special tokens; None if it adds none."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if special[:1] == [bos] and plain[:1] != [bos] else None
 
 
 def iter_rows(files: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -94,31 +124,54 @@ def iter_rows(files: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    # to_pylist keeps nested lists/structs as Python objects (pandas would give numpy arrays).
-    for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield f"{path}:row {number}", row
+    number = 0
+    try:
+        # Batch by batch, so reading the first rows (the pre-launch check) does not read the whole file.
+        # to_pylist keeps nested lists/structs as Python objects (pandas would give numpy arrays).
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path}:row {number}", row
+    except (pa.ArrowException, OSError) as err:
+        where = f"after row {number}" if number else "at its start"
+        raise DatasetError(
+            f"{path}: not a readable parquet file ({where}: {_one_line(err)}); write it again (rlm prepare) or "
+            "replace it"
+        ) from None
 
 
 def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(file:line, object) for each non-blank line; a line that is not a JSON object is a DatasetError."""
+    number = 0
     with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{location}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
-            yield location, row
+        try:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                location = f"{path}:{number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DatasetError(f"{location}: not valid JSON ({err.msg}); fix or remove that line") from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{location}: expected a JSON object, got {type(row).__name__}")
+                yield location, row
+        except UnicodeDecodeError:
+            raise DatasetError(f"{path}:{number + 1}: not UTF-8 text; a .jsonl file holds one JSON object per line") \
+                from None
 
 
-def _messages_or_fail(row: dict[str, Any], prompt_key: str, location: str) -> list[dict[str, str]]:
-    messages = row.get(prompt_key)
+def prompt_messages(row: dict[str, Any], prompt_key: str, location: str) -> list[dict[str, str]]:
+    """The row's chat messages under `prompt_key`; a DatasetError naming the row and the fix when there are none."""
+    if prompt_key not in row:
+        raise DatasetError(
+            f"{location}: no '{prompt_key}' key (it has {', '.join(map(repr, row)) or 'none'}); set data.prompt_key "
+            "to the one holding the chat messages"
+        )
+    messages = row[prompt_key]
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) and "role" in m and "content" in m for m in messages
     ):
@@ -127,3 +180,8 @@ def _messages_or_fail(row: dict[str, Any], prompt_key: str, location: str) -> li
             "({role, content}); set data.prompt_key if the prompt lives under another key"
         )
     return messages
+
+
+def _one_line(err: BaseException) -> str:
+    """A library's message for a line of ours: pyarrow's and Jinja's can span several."""
+    return " ".join(str(err).split())

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmegatron.data.dataset import PromptDataset
+from rlmegatron.data.dataset import DatasetError, PromptDataset
 from rlmegatron.data.records import Sample
 
 
@@ -26,7 +26,7 @@ class ResumableBatchSampler:
     def __init__(self, dataset_size: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = True) -> None:
         if dataset_size < batch_size and drop_last:
-            raise ValueError(
+            raise DatasetError(
                 f"the dataset has {dataset_size} prompts, fewer than one batch of {batch_size}; "
                 "lower data.train_batch_size or add data"
             )
@@ -68,7 +68,7 @@ class ResumableBatchSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "dataset_size", "batch_size", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(
+                raise DatasetError(
                     f"cannot resume the dataloader: checkpoint has {key}={state[key]}, "
                     f"this run has {getattr(self, key)}"
                 )

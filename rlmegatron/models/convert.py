@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from rlmegatron.errors import UserError
 from rlmegatron.models.hf_config import (
     ModelFacts,
     UnsupportedModelError,
@@ -33,7 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint is missing, incomplete, or does not fit the requested layout."""
 
 

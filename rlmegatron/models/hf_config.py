@@ -11,6 +11,7 @@ import torch
 
 from rlmegatron.config.architecture import ArchitectureError, _architecture_from
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
+from rlmegatron.errors import UserError
 from rlmegatron.runtime.distributed import ParallelLayout
 
 # model_type -> family whose weight map and config rules apply.
@@ -27,7 +28,7 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The HF config names an architecture, or a value, that the bridge cannot express in Megatron."""
 
 

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.errors import UserError
+
 if TYPE_CHECKING:
     from multiprocessing.pool import AsyncResult, Pool
 
@@ -49,7 +51,7 @@ _STDERR_FD = 2
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """`reward.function` cannot be used: it does not import, is not defined, or does not take verl's four
     arguments. The user's to fix; the message is one line naming the file and the problem."""
 

@@ -19,11 +19,17 @@ from typing import Any, Callable
 
 import torch
 
+from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.runtime.distributed import Device
 
 
 class RankFailure(RuntimeError):
     """One or more ranks raised, died or did not finish in time."""
+
+
+class RankUserError(RankFailure, UserError):
+    """The first rank to fail did so on a user's mistake (its peers then fail in their collectives): the message
+    is the mistake's, said once however many ranks made it; every rank's traceback is its cause (RLM_DEBUG=1)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,9 +65,10 @@ def _rank_main(fn, args, rank, world_size, port, device, threads, results):
         init_distributed(device)
         value = fn(*args)
         destroy_distributed()
-        results.put((rank, True, _serialize(value)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, True, _serialize(value), None))
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the parent as text
+        mistake = user_error_in(error)
+        results.put((rank, False, traceback.format_exc(), None if mistake is None else str(mistake)))
 
 
 def _stop(procs, grace_s: float) -> None:
@@ -102,12 +109,13 @@ def run_ranks(
         proc.start()
 
     values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, str] = {}  # in the order the failures were seen: the first is the cause
+    mistakes: dict[int, str] = {}  # the user errors among them
     deadline = time.monotonic() + timeout_s
     try:
         while len(values) + len(errors) < nprocs:
             try:
-                rank, ok, payload = results.get(timeout=0.5)
+                rank, ok, payload, mistake = results.get(timeout=0.5)
             except queue_lib.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
                 for r in dead:
@@ -120,6 +128,8 @@ def run_ranks(
                 values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
+                if mistake is not None:
+                    mistakes[rank] = mistake
                 # Peers are usually stuck in a collective with the failed rank; give
                 # them a moment to report their own error, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 5.0)
@@ -136,5 +146,8 @@ def run_ranks(
                 lines.append(f"--- rank {rank} --- stopped: still waiting (likely on a collective) after another rank failed")
             elif rank not in values:
                 lines.append(f"--- rank {rank} --- did not finish within {timeout_s:.0f} s (hung)")
-        raise RankFailure("\n".join(lines))
+        failure = RankFailure("\n".join(lines))
+        if errors and next(iter(errors)) in mistakes:
+            raise RankUserError("\n".join(dict.fromkeys(mistakes[rank] for rank in sorted(mistakes)))) from failure
+        raise failure
     return [values[rank] for rank in range(nprocs)]

@@ -150,3 +150,14 @@ def test_importing_the_config_package_loads_no_torch_or_megatron():
         [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_a_spec_error_crosses_a_process_boundary_with_its_problems():
+    import pickle
+
+    from rlmegatron.config import SpecError, SpecProblem
+
+    error = SpecError([SpecProblem("rollout.n", 0, "should be at least 1", file="job.yaml"),
+                       SpecProblem("data.train_files[0]", "a.jsonl", "no such file")])
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.problems == error.problems and str(copy) == str(error)

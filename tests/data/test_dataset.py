@@ -77,6 +77,9 @@ def test_malformed_lines_name_file_and_line(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
         RLDataset([str(path)], tokenizer, data_config([path]))
     path.write_text(json.dumps({"question": "no messages"}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: no 'prompt' key \(it has 'question'\); set data.prompt_key"):
+        RLDataset([str(path)], tokenizer, data_config([path]))
+    path.write_text(json.dumps({"prompt": "not a list of messages"}) + "\n")
     with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'prompt' must be a non-empty list of chat messages"):
         RLDataset([str(path)], tokenizer, data_config([path]))
 
@@ -95,3 +98,39 @@ def test_custom_dataset_class_is_loaded_from_file_and_gets_the_same_arguments(tm
     dataset = build_dataset(config.train_files, tokenizer, config)
     assert type(dataset).__name__ == "ReversedDataset"
     assert [s.ground_truth for s in dataset.samples] == ["0", "5", "2"]
+
+
+def _tokenizer_adding_bos(template: str):
+    """The char tokenizer plus a BOS its post-processor puts before every text, as Llama-style tokenizers do."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from rlmegatron.data.tokenizer import build_char_tokenizer
+
+    core = build_char_tokenizer().backend_tokenizer
+    core.add_special_tokens(["<s>"])
+    bos = core.token_to_id("<s>")
+    core.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="<|im_end|>",
+                                        chat_template=template)
+    assert tokenizer("a", add_special_tokens=True)["input_ids"][0] == bos
+    return tokenizer, bos
+
+
+@pytest.mark.parametrize("template", ["{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                                      "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
+                         ids=["template-writes-bos", "template-without-bos"])
+def test_a_tokenizer_that_adds_bos_gets_exactly_one(template):
+    from rlmegatron.data import PromptEncoder
+
+    tokenizer, bos = _tokenizer_adding_bos(template)
+    ids = PromptEncoder(tokenizer)([{"role": "user", "content": "hi"}])
+    assert ids == [bos, *tokenizer("hi", add_special_tokens=False)["input_ids"]]
+
+
+def test_a_tokenizer_without_bos_gets_none(tokenizer):
+    from rlmegatron.data import PromptEncoder
+
+    ids = PromptEncoder(tokenizer)([{"role": "user", "content": "hi"}])
+    assert ids == tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"]

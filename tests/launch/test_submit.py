@@ -12,6 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "launch" / "submit.sh"
 CONFIG = "configs/quickstart.yaml"
+# submit.sh validates the job at the size it is submitted at: these make the quickstart's batches split evenly over
+# 2 to 128 ranks (32 prompts x rollout.n=4 or 8 sequences, micro-batches of 1).
+FITS_ANY_SIZE = ["data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=1"]
 
 
 def submit(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -20,10 +23,16 @@ def submit(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SUBMIT), *args], cwd=REPO, env=full_env, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 16])
-def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(nodes):
-    result = submit("--backend", "slurm", "--config", CONFIG, "--nodes", str(nodes), "--gpus-per-node", "8",
-                    "--dry-run", "--", "rollout.n=4", "data.train_files=[a b.parquet]")
+@pytest.fixture(scope="module", params=[1, 2, 16])
+def slurm_dry_run(request):
+    """(nodes, result) of a Slurm dry run, shared by the tests that read it: each submit runs `rlm validate`."""
+    nodes = request.param
+    return nodes, submit("--backend", "slurm", "--config", CONFIG, "--nodes", str(nodes), "--gpus-per-node", "8",
+                         "--dry-run", "--", "rollout.n=4", "data.train_files=[a b.parquet]", *FITS_ANY_SIZE)
+
+
+def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(slurm_dry_run):
+    nodes, result = slurm_dry_run
     assert result.returncode == 0, result.stderr
     out = result.stdout
     script = out.split("# --- command ---")[0]
@@ -33,7 +42,7 @@ def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(nodes):
     assert ("--exclude=\"$HEAD_NODE\"" in script) and "(( NNODES > 1 ))" in script
     assert 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-' in script and "GLOO_SOCKET_IFNAME" in script
     assert "EXPECTED_GPUS=$((NNODES * GPUS_PER_NODE))" in script and "RAY_JOIN_TIMEOUT_S" in script
-    train = shlex.join(["rlm", "train", CONFIG, "rollout.n=4", "data.train_files=[a b.parquet]",
+    train = shlex.join(["rlm", "train", CONFIG, "rollout.n=4", "data.train_files=[a b.parquet]", *FITS_ANY_SIZE,
                         f"placement.nnodes={nodes}", "placement.gpus_per_node=8"])
     assert train in script
     command = out.split("# --- command ---\n")[1].strip()
@@ -41,8 +50,8 @@ def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(nodes):
     assert not (REPO / command.split()[1]).exists()  # a dry run writes nothing
 
 
-def test_generated_script_is_valid_bash(tmp_path):
-    result = submit("--backend", "slurm", "--config", CONFIG, "--nodes", "2", "--dry-run")
+def test_generated_script_is_valid_bash(slurm_dry_run, tmp_path):
+    _, result = slurm_dry_run
     script = tmp_path / "job.sbatch"
     script.write_text(result.stdout.split("# --- command ---")[0])
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
@@ -52,7 +61,8 @@ def test_generated_script_is_valid_bash(tmp_path):
 def test_ray_dry_run_prints_the_job_submit_command(nodes):
     args = ["--backend", "ray", "--config", CONFIG, "--dry-run"]
     args += ["--nodes", str(nodes), "--gpus-per-node", "8"] if nodes else []
-    result = submit(*args, "--", "rollout.n=4", RAY_ADDRESS="http://head:8265", MLFLOW_TRACKING_URI="http://mlflow:5000")
+    result = submit(*args, "--", "rollout.n=4", *FITS_ANY_SIZE, RAY_ADDRESS="http://head:8265",
+                    MLFLOW_TRACKING_URI="http://mlflow:5000")
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
     assert argv[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
@@ -60,7 +70,7 @@ def test_ray_dry_run_prints_the_job_submit_command(nodes):
     assert runtime_env["working_dir"] == "."
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     placement = [f"placement.nnodes={nodes}", "placement.gpus_per_node=8"] if nodes else []
-    assert argv[argv.index("--") + 1 :] == ["rlm", "train", CONFIG, "rollout.n=4", *placement]
+    assert argv[argv.index("--") + 1 :] == ["rlm", "train", CONFIG, "rollout.n=4", *FITS_ANY_SIZE, *placement]
 
 
 @pytest.mark.parametrize(

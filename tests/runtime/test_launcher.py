@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from rlmegatron.data import DatasetError
+from rlmegatron.errors import UserError
 from rlmegatron.runtime import RankFailure, run_ranks
 
 
@@ -21,6 +23,12 @@ def _rank1_raises():
     if torch.distributed.get_rank() == 1:
         raise ValueError("bad shard on rank one")
     torch.distributed.barrier()  # rank 0 waits on the dead peer, as a real job would
+
+
+def _rank1_reads_a_bad_file():
+    if torch.distributed.get_rank() == 1:
+        raise DatasetError("train.jsonl:3: not valid JSON")
+    torch.distributed.barrier()
 
 
 def _rank0_hangs():
@@ -46,7 +54,15 @@ def test_a_raising_rank_is_reported_with_its_traceback():
         run_ranks(_rank1_raises, 2, timeout_s=120)
     message = str(info.value)
     assert "--- rank 1 ---" in message and "ValueError: bad shard on rank one" in message
+    assert not isinstance(info.value, UserError)  # a bug keeps the ranks' tracebacks
     assert time.monotonic() - start < 60  # does not wait for the whole timeout
+
+
+def test_a_users_mistake_in_a_rank_is_its_message_with_the_tracebacks_as_cause():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_reads_a_bad_file, 2, timeout_s=120)
+    assert isinstance(info.value, UserError) and str(info.value) == "train.jsonl:3: not valid JSON"
+    assert "--- rank 1 ---" in str(info.value.__cause__) and "DatasetError" in str(info.value.__cause__)
 
 
 def test_a_hung_rank_fails_within_the_timeout():

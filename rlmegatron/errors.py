@@ -1,0 +1,27 @@
+"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours.
+
+`rlm` prints a user error's message and exits 2, with no traceback unless RLM_DEBUG=1 or `rlm --debug`; anything
+else keeps its traceback. The message is the whole report: one line per problem, naming the file, field or row and
+the fix. Imports nothing, so every module, however light, can raise one.
+"""
+from __future__ import annotations
+
+import sys
+
+
+class UserError(Exception):
+    """Base of every error type that reports a user's mistake (SpecError, DatasetError, PluginError, ...)."""
+
+
+def user_error_in(error: BaseException) -> UserError | None:
+    """The user error `error` is, or carries from a Ray worker; None for anything else (a bug)."""
+    while True:
+        # ray.get re-raises a worker's exception as a RayTaskError that also subclasses the original's type, but
+        # its text is the remote traceback; the original is its `cause`. Ray is looked up, never imported here.
+        ray_exceptions = sys.modules.get("ray.exceptions")
+        if ray_exceptions is not None and isinstance(error, ray_exceptions.RayTaskError):
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, BaseException) and cause is not error:
+                error = cause
+                continue
+        return error if isinstance(error, UserError) else None

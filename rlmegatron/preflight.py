@@ -1,0 +1,247 @@
+"""Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files and the reward and
+dataset plug-ins. `rlm validate` runs them after the spec checks; `rlm train` runs them before Ray or any worker.
+
+The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
+(transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.
+`rlm validate` may run before `rlm prepare` has written the data, or before a hub model is in the local cache:
+what is not there yet is a note there, and `rlm train` refuses to start without it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+
+if TYPE_CHECKING:
+    from rlmegatron.config import JobSpec
+
+FIRST_ROWS = 8
+"""Rows of each data file checked up front; the dataset, built on the driver before any worker, reads the rest."""
+REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score
+DATASET_ARGUMENTS = ("files", "tokenizer", "config")
+# A directory holding none of these has no tokenizer: transformers would build an empty one from config.json alone.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tekken.json")
+# What is fetched of a hub id before launch: its config and tokenizer, not its weights.
+HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+# Hub ids are `name` or `namespace/name`; anything else (./x, /abs, a/b/c) can only be meant as a directory.
+_HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+
+
+@dataclass
+class Preflight:
+    problems: list[SpecProblem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What is worth knowing but stops nothing: what `rlm validate` cannot check yet (data files not written, hub
+    ids not in the cache), a model without an EOS id."""
+    tokenizer: Any = None
+    """The tokenizer the run uses, once it loaded."""
+
+
+def preflight(spec: JobSpec, launching: bool) -> Preflight:
+    """Every problem of what `spec` points at. `launching`: the run starts next, so whatever is missing is a
+    problem (and a hub id may be downloaded) rather than a note."""
+    checks = _Checks(spec, launching)
+    checks.model()
+    checks.tokenizer()
+    checks.data()
+    checks.plugins()
+    return checks.result
+
+
+def ready_to_launch(spec: JobSpec) -> Any:
+    """The run's tokenizer once everything checks (notes go to stderr); a SpecError naming each problem otherwise."""
+    result = preflight(spec, launching=True)
+    for note in result.notes:
+        print(note, file=sys.stderr, flush=True)
+    if result.problems:
+        raise SpecError(result.problems)
+    return result.tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+class _Checks:
+    def __init__(self, spec: JobSpec, launching: bool) -> None:
+        self.spec, self.launching = spec, launching
+        self.result = Preflight()
+        self.vocab_size: int | None = None
+        self.local: dict[str, Path | None] = {}
+
+    def problem(self, field_name: str, value: Any, reason: str) -> None:
+        self.result.problems.append(SpecProblem(field_name, value, reason))
+
+    def local_dir(self, field_name: str, path: str) -> Path | None:
+        """The local directory `path` names: itself, or a hub id's snapshot (fetched only when launching); None,
+        after a problem or a note, when there is none. Each path is looked up, and reported, once."""
+        if path not in self.local:
+            self.local[path] = self._find_local_dir(field_name, path)
+        return self.local[path]
+
+    def _find_local_dir(self, field_name: str, path: str) -> Path | None:
+        if Path(path).is_dir():
+            return Path(path)
+        if Path(path).exists():
+            self.problem(field_name, path, "is a file; it must be a directory (an HF checkpoint or tokenizer)")
+            return None
+        if not _HUB_ID.fullmatch(path):
+            self.problem(field_name, path, "no such directory (relative paths start at the working directory)")
+            return None
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(path, allow_patterns=HUB_PATTERNS, local_files_only=not self.launching))
+        except Exception as err:  # offline, unknown repo, gated repo, ...: all say the same to the user
+            why = ("the hub cannot be reached and it is not in the local cache"
+                   if isinstance(err, LocalEntryNotFoundError) else _first_line(err))
+            if not self.launching:
+                self.result.notes.append(
+                    f"note: {field_name}={path}: not a local directory nor in the local Hugging Face cache; "
+                    "rlm train fetches it from the hub and refuses to start if it cannot; its config and tokenizer "
+                    "are checked then"
+                )
+                return None
+            self.problem(
+                field_name, path,
+                f"is neither a local directory nor a model the Hugging Face hub provides here ({why}); "
+                f"download it (huggingface-cli download {path} --local-dir DIR) and set {field_name} to DIR",
+            )
+            return None
+
+    def model(self) -> None:
+        from rlmegatron.config.architecture import read_architecture
+        from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config
+
+        model = self.spec.model
+        self.local_dir("model.path", model.path)
+        if Path(model.path).is_dir() and not model.random_init:
+            from rlmegatron.models.convert import ConversionError, HFCheckpoint
+
+            try:
+                HFCheckpoint(model.path).close()
+            except (ConversionError, UnsupportedModelError) as err:
+                self.problem("model.path", model.path,
+                             f"{str(err).removeprefix(f'{Path(model.path)} ')}; point it at an HF checkpoint, or set "
+                             "model.random_init=true to start from random weights")
+        # The spec checks have read this config.json: it exists and describes a decoder.
+        arch_field, arch_path = model.architecture_source()
+        self.vocab_size = read_architecture(arch_path).vocab_size
+        hf = read_hf_config(arch_path)
+        try:
+            model_facts(hf, self.spec.actor.megatron.tensor_model_parallel_size)
+        except UnsupportedModelError as err:
+            self.problem(arch_field, arch_path, f"{err}; this model cannot be trained here")
+        pad = hf.get("pad_token_id")
+        if isinstance(pad, int) and not 0 <= pad < self.vocab_size:
+            self.problem(arch_field, arch_path,
+                         f"pad_token_id={pad} is outside the model's vocabulary (vocab_size {self.vocab_size}); "
+                         "prompts are padded with it, so set it to an id below that")
+        if hf.get("eos_token_id") is None:
+            self.result.notes.append(
+                f"note: {arch_field}={arch_path}: config.json sets no eos_token_id, so every response runs to "
+                "data.max_response_length tokens"
+            )
+
+    def tokenizer(self) -> None:
+        model = self.spec.model
+        field_name = "model.path" if model.tokenizer_path == model.path else "model.tokenizer_path"
+        path = self.local_dir(field_name, model.tokenizer_path)
+        if path is None:
+            return
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            self.problem(field_name, model.tokenizer_path,
+                         f"holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...); point "
+                         "model.tokenizer_path at the model's tokenizer directory")
+            return
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+        except Exception as err:  # transformers raises OSError, ValueError, KeyError... for a broken tokenizer
+            self.problem(field_name, model.tokenizer_path, f"cannot load its tokenizer ({_first_line(err)})")
+            return
+        if self.vocab_size is not None and len(tokenizer) > self.vocab_size:
+            self.problem(field_name, model.tokenizer_path,
+                         f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary "
+                         f"(vocab_size {self.vocab_size}), so some token ids have no embedding; use the model's "
+                         "own tokenizer")
+            return
+        if self.spec.data.dataset_class is None and not getattr(tokenizer, "chat_template", None):
+            self.problem(field_name, model.tokenizer_path,
+                         f"the tokenizer has no chat template, and the prompts (data.prompt_key="
+                         f"{self.spec.data.prompt_key}) are chat messages; add a chat_template.jinja (or "
+                         "tokenizer_config.json's chat_template) to it, or use the model's instruct tokenizer")
+            return
+        self.result.tokenizer = tokenizer
+
+    def data(self) -> None:
+        data = self.spec.data
+        for kind, files in (("train_files", data.train_files), ("val_files", data.val_files)):
+            for index, file in enumerate(files):
+                field_name = f"data.{kind}[{index}]"
+                if not Path(file).exists():
+                    if self.launching:
+                        self.problem(field_name, file, "no such file (relative paths start at the working "
+                                                       "directory; rlm prepare writes prepared datasets)")
+                    else:
+                        self.result.notes.append(f"note: {field_name}={file}: not found (rlm prepare writes it?); "
+                                                 "rlm train refuses to start without it")
+                elif not Path(file).is_file():
+                    self.problem(field_name, file, "is a directory; name a .parquet or .jsonl file")
+                elif data.dataset_class is None:
+                    reason = self.first_rows_problem(file)
+                    if reason:
+                        self.problem(field_name, NO_VALUE, reason)
+
+    def first_rows_problem(self, file: str) -> str | None:
+        """Why the first rows of `file` cannot be trained on by the built-in dataset; None if they can."""
+        from rlmegatron.data.dataset import DatasetError, PromptEncoder, iter_rows, prompt_messages
+        from rlmegatron.rewards.dispatch import builtin_rule
+
+        data, tokenizer = self.spec.data, self.result.tokenizer
+        encode = PromptEncoder(tokenizer) if tokenizer is not None else None
+        rows = 0
+        try:
+            for location, row in islice(iter_rows([file]), FIRST_ROWS):
+                rows += 1
+                messages = prompt_messages(row, data.prompt_key, location)
+                if encode is not None:
+                    length = len(encode(messages, location))
+                    if length > data.max_prompt_length and not data.filter_overlong_prompts:
+                        return (f"{location}: the prompt is {length} tokens, over data.max_prompt_length="
+                                f"{data.max_prompt_length}; raise it, or set data.filter_overlong_prompts=true")
+                source = str(row.get("data_source", ""))
+                if self.spec.reward.function is None and builtin_rule(source) is None:
+                    return (f"{location}: data_source {source!r} has no built-in reward (the built-in rules score "
+                            "GSM8K and boxed-answer math); set reward.function=path/to/file.py:compute_score")
+        except DatasetError as err:
+            return str(err)
+        if not rows:
+            return f"{file}: has no rows; write the data again (rlm prepare) or remove the file from the list"
+        return None
+
+    def plugins(self) -> None:
+        from rlmegatron.plugins import plugin_problem
+
+        for field_name, reference, arguments, call in (
+            ("reward.function", self.spec.reward.function, REWARD_ARGUMENTS,
+             "reward.function is called like verl's compute_score(data_source, solution_str, ground_truth, "
+             "extra_info)"),
+            ("data.dataset_class", self.spec.data.dataset_class, DATASET_ARGUMENTS,
+             "a dataset class is built as Class(files, tokenizer, config), like rlmegatron.data.RLDataset"),
+        ):
+            if reference is None:
+                continue
+            reason = plugin_problem(reference, arguments)
+            if reason:
+                hint = f"; {call}" if reason.startswith(("cannot be called", "is not a function")) else ""
+                self.problem(field_name, reference, reason + hint)
