@@ -74,11 +74,16 @@ def train(args: argparse.Namespace) -> int:
     if spec is None:
         return EXIT_BAD_SPEC
     from rlmegatron.checkpoint import CheckpointManager
+    from rlmegatron.config import SpecError
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
 
     try:
         run_training(spec)
+    except SpecError as err:  # a rule only training has, checked as the run starts, before any worker
+        for problem in err.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_BAD_SPEC
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED

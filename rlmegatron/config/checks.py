@@ -27,6 +27,17 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
+def training_problems(spec: JobSpec) -> list[SpecProblem]:
+    """What `rlm train` needs on top of check_spec. `rlm validate` and `rlm plan` can read the architecture of a hub
+    model from model.hf_config; training reads its config.json and weights from a local model.path."""
+    if Path(spec.model.path).is_dir():
+        return []
+    return [SpecProblem("model.path", spec.model.path,
+                        "rlm train reads the model from a local directory and downloads nothing; download it "
+                        "(huggingface-cli download ID --local-dir DIR) and set model.path=DIR "
+                        "(model.hf_config only serves rlm validate and rlm plan)")]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -235,6 +235,7 @@ def main():
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--mem-fraction-static", type=float)
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-dp-attention", action="store_true")
