@@ -72,3 +72,20 @@ def test_cli_module_imports_no_pydantic_until_a_command_runs():
     probe = "import sys, rlmegatron.cli; print('pydantic' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_train_names_a_model_path_that_is_not_a_local_directory(monkeypatch, capsys):
+    # model.hf_config lets validate and plan read a hub model's architecture; training needs the files themselves.
+    from rlmegatron.controller import job
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json",
+                 "model.tokenizer_path=configs/quickstart/model"]
+    assert main(["validate", QUICKSTART, *hub_model]) == 0
+    capsys.readouterr()
+    assert main(["train", QUICKSTART, *hub_model]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err == (
+        "model.path=Qwen/Qwen3-0.6B: rlm train reads the model from a local directory and downloads nothing; download "
+        "it (huggingface-cli download ID --local-dir DIR) and set model.path=DIR (model.hf_config only serves "
+        "rlm validate and rlm plan)\n")

@@ -53,11 +53,14 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
+    from rlmegatron.config import SpecError
+    from rlmegatron.config.checks import training_problems
+
+    if problems := training_problems(spec):  # before anything heavy is imported or started
+        raise SpecError(problems)
     from transformers import AutoTokenizer
 
     from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.config import SpecError
-    from rlmegatron.config.checks import training_problems
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
@@ -68,8 +71,6 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.tracking import Tracker
     from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
-    if problems := training_problems(spec):
-        raise SpecError(problems)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None

@@ -208,6 +208,7 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     history = resident["history"]
     assert all(math.isfinite(v) for _, v in history["critic/vf_loss"] + history["critic/values/mean"])
     assert history["actor/grad_norm"][-1][1] > 0 and "actor/kl_loss" in history
+    assert [lr for _, lr in history["critic/lr"]] == [1e-3, 1e-3]  # critic.optim.lr, not its 1e-5 default
     # Offloading frees every storage and restores it bit for bit, so the run is the same run.
     assert at_step(offloaded["history"], 2) == at_step(history, 2)
 
