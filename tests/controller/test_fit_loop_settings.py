@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.controller.fit_rig import constant, run_rig
+from tests.controller.fit_rig import FakeRanks, constant, run_rig
 
 
 def steps(history: dict, name: str) -> list[int]:
@@ -98,8 +98,6 @@ def test_grpo_divides_by_the_group_std_only_when_asked(tmp_path):
 
 
 def test_kl_in_the_reward_uses_its_estimator_and_controller(tmp_path):
-    from tests.controller.fit_rig import FakeRanks
-
     rig = run_rig(tmp_path, "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true",
                   "algorithm.kl_penalty=k2", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
                   "algorithm.kl_ctrl.target_kl=0.11", "algorithm.kl_ctrl.horizon=10",

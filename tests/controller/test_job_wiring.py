@@ -60,8 +60,8 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
 
     spec = load_spec("configs/quickstart.yaml", [
         "model.tokenizer_path=elsewhere/tokenizer", "data.shuffle=false", "data.seed=5", "data.train_batch_size=4",
-        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2", "reward.num_workers=3",
-        "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
+        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
+        "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
     with pytest.raises(Stop):
         run_training(spec, use_ray=False)
 
