@@ -111,6 +111,7 @@ def train(args: argparse.Namespace) -> int:
     # The spec is checked before anything heavy, and run_training checks what it points at before Ray or a worker.
     spec = _load_spec(args)
     from rlmegatron.checkpoint import CheckpointManager
+    from rlmegatron.config import SpecError
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
 
@@ -118,6 +119,10 @@ def train(args: argparse.Namespace) -> int:
     # is a UserError, which `main` reports in one line with exit 2.
     try:
         run_training(spec)
+    except SpecError as err:  # a rule only training has, checked as the run starts, before any worker
+        for problem in err.problems:
+            print(problem, file=sys.stderr)
+        return EXIT_BAD_SPEC
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED

@@ -27,7 +27,8 @@ DATASET_ARGUMENTS = ("files", "tokenizer", "config")
 # A directory holding none of these has no tokenizer: transformers would build an empty one from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "tekken.json")
-# What is fetched of a hub id before launch: its config and tokenizer, not its weights.
+# What is fetched of a hub id to check it: its config and tokenizer. A model that training loads its weights from
+# is fetched whole when the run launches.
 HUB_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 # Hub ids are `name` or `namespace/name`; anything else (./x, /abs, a/b/c) can only be meant as a directory.
 _HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
@@ -41,6 +42,8 @@ class Preflight:
     ids not in the cache), a model without an EOS id."""
     tokenizer: Any = None
     """The tokenizer the run uses, once it loaded."""
+    snapshots: dict[str, Path] = field(default_factory=dict)
+    """Hub id -> the local snapshot it was fetched to: the run reads that directory."""
 
 
 def preflight(spec: JobSpec, launching: bool) -> Preflight:
@@ -61,6 +64,10 @@ def ready_to_launch(spec: JobSpec) -> Any:
         print(note, file=sys.stderr, flush=True)
     if result.problems:
         raise SpecError(result.problems)
+    # The workers read local files only: a hub id becomes the snapshot fetched for it.
+    model = spec.model
+    model.path = str(result.snapshots.get(model.path, model.path))
+    model.tokenizer_path = str(result.snapshots.get(model.tokenizer_path, model.tokenizer_path))
     return result.tokenizer
 
 
@@ -98,8 +105,12 @@ class _Checks:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import LocalEntryNotFoundError
 
+        whole = self.launching and field_name == "model.path" and not self.spec.model.random_init
         try:
-            return Path(snapshot_download(path, allow_patterns=HUB_PATTERNS, local_files_only=not self.launching))
+            snapshot = Path(snapshot_download(path, allow_patterns=None if whole else HUB_PATTERNS,
+                                              local_files_only=not self.launching))
+            self.result.snapshots[path] = snapshot
+            return snapshot
         except Exception as err:  # offline, unknown repo, gated repo, ...: all say the same to the user
             why = ("the hub cannot be reached and it is not in the local cache"
                    if isinstance(err, LocalEntryNotFoundError) else _first_line(err))
@@ -122,15 +133,15 @@ class _Checks:
         from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config
 
         model = self.spec.model
-        self.local_dir("model.path", model.path)
-        if Path(model.path).is_dir() and not model.random_init:
+        directory = self.local_dir("model.path", model.path)
+        if directory is not None and (Path(model.path).is_dir() or self.launching) and not model.random_init:
             from rlmegatron.models.convert import ConversionError, HFCheckpoint
 
             try:
-                HFCheckpoint(model.path).close()
+                HFCheckpoint(str(directory)).close()
             except (ConversionError, UnsupportedModelError) as err:
                 self.problem("model.path", model.path,
-                             f"{str(err).removeprefix(f'{Path(model.path)} ')}; point it at an HF checkpoint, or set "
+                             f"{str(err).removeprefix(f'{directory} ')}; point it at an HF checkpoint, or set "
                              "model.random_init=true to start from random weights")
         # The spec checks have read this config.json: it exists and describes a decoder.
         arch_field, arch_path = model.architecture_source()

@@ -159,3 +159,33 @@ def test_validate_notes_a_hub_model_not_in_the_cache_and_a_model_without_eos(tmp
         f"note: model.hf_config={tmp_path / 'config.json'}: config.json sets no eos_token_id, so every response runs "
         "to data.max_response_length tokens",
     ]
+
+
+def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys):
+    # No hub here: the download is the quickstart's directory. rlm train must fetch the whole model (weights too,
+    # unless model.random_init) and hand the workers the snapshot's local path, which is what they read.
+    import huggingface_hub
+
+    from rlmegatron.controller import job
+    from rlmegatron.preflight import HUB_PATTERNS
+
+    fetched, launched = [], []
+
+    def snapshot_download(repo_id, allow_patterns=None, local_files_only=False):
+        fetched.append((repo_id, allow_patterns, local_files_only))
+        return str(REPO_ROOT / "configs" / "quickstart" / "model")
+
+    def tracker_from_spec(spec, *args, **kwargs):
+        launched.append(spec)
+        raise SystemExit(0)
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", tracker_from_spec)
+    monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json"]
+    assert main(["train", QUICKSTART, *hub_model]) == 0
+    [spec] = launched
+    assert spec.model.path == spec.model.tokenizer_path == str(REPO_ROOT / "configs" / "quickstart" / "model")
+    # model.random_init: its config and tokenizer are all the run reads of it.
+    assert fetched == [("Qwen/Qwen3-0.6B", HUB_PATTERNS, False)]

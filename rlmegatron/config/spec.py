@@ -55,6 +55,14 @@ def _require_frequency(value: int) -> int:
     return value
 
 
+def _require_generation_rounds(value: int) -> int:
+    if value < 1:
+        # verl reads 0 as "no limit", which never ends a step whose groups all keep scoring the same.
+        raise ValueError("must be a number of generation rounds >= 1 (0, verl's 'no limit', could generate "
+                         "forever when every group scores the same); e.g. 10")
+    return value
+
+
 def _wrap_single_item(value: Any) -> Any:
     # verl users pass one file as a bare string (data.train_files=train.parquet).
     return [value] if isinstance(value, str) else value
@@ -244,6 +252,9 @@ class RefConfig(Section):
 
 
 class CriticConfig(PPOUpdateConfig):
+    """The value model. Its value loss is aggregated with actor.loss_agg_mode: one mode for both roles, as in verl,
+    whose critic.loss_agg_mode defaults to the actor's."""
+
     enable: bool | None = None
     """null enables the critic exactly when algorithm.adv_estimator is gae."""
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
@@ -353,8 +364,8 @@ class DynamicSamplingConfig(Section):
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more."""
 
     enable: bool = False
-    max_num_gen_batches: int = Field(10, ge=0)
-    """Generation rounds allowed per step to fill the batch; 0 means no limit."""
+    max_num_gen_batches: Annotated[int, AfterValidator(_require_generation_rounds)] = 10
+    """Generation rounds allowed per step to fill the batch; after the last one the step trains on what it kept."""
 
 
 class AlgorithmConfig(Section):

@@ -158,23 +158,25 @@ def build_colocated_engine(spec: JobSpec, hf_config) -> tuple[Optional[int], Any
 def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
     from transformers import AutoModelForCausalLM
 
+    from rlmegatron.models.hf_config import DTYPES
     from rlmegatron.rollout.local import LocalEngine
 
     device = "cuda" if spec.placement.device == "cuda" else "cpu"
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+    # The engine samples from the weights the trainer holds, in the trainer's dtype. No engine seed: every request
+    # the trainer sends carries its own (Trainer.sampling_seed).
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[spec.model.dtype],
                                              trust_remote_code=spec.model.trust_remote_code).to(device)
     eos = hf_config.eos_token_id
     return LocalEngine(
         model,
         pad_token_id=hf_config.pad_token_id or 0,
         eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
-        seed=spec.rollout.seed + torch.distributed.get_rank(),
     )
 
 
 def _server_spec(spec: JobSpec, devices: Sequence[str], host: str, node: ServerNode):
     """The launch spec of `node`'s share of a server on `devices` of that node, serving HTTP on `host`."""
-    from rlmegatron.rollout.sglang_server import ServerSpec
+    from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
     from rlmegatron.runtime.launcher import free_port
 
     env = {}
@@ -185,6 +187,7 @@ def _server_spec(spec: JobSpec, devices: Sequence[str], host: str, node: ServerN
         torch.multiprocessing.set_sharing_strategy("file_system")
     return ServerSpec.from_rollout_config(spec.rollout, spec.model.path, port=free_port(host), host=host,
                                           trust_remote_code=spec.model.trust_remote_code,
+                                          dtype=SGLANG_DTYPES[spec.model.dtype],
                                           device=spec.placement.device, env=env, nnodes=node.nnodes,
                                           node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
 

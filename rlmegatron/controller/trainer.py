@@ -165,8 +165,7 @@ class Trainer:
                 return part
             kept.append(part.select(_rows_of_varied_groups(part)))
             total = sum(len(k) for k in kept)
-            out_of_rounds = sampling.max_num_gen_batches and rounds >= sampling.max_num_gen_batches
-            if total >= wanted or out_of_rounds:
+            if total >= wanted or rounds >= sampling.max_num_gen_batches:
                 metrics["training/num_gen_batches"] = rounds
                 if total == 0:
                     return part  # nothing varied: train on the last round, whose advantages are all zero

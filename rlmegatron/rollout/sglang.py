@@ -267,7 +267,11 @@ class SGLangEngine(RolloutEngine):
         self._epoch = 0
         self._recovery_lock = threading.Lock()
         self.weight_version: str | None = None
-        self.relaunch()
+        try:
+            self.relaunch()
+        except BaseException:
+            self.process.stop()  # a server that never became healthy is not left running
+            raise
 
     # Generation --------------------------------------------------------------------------------------
 

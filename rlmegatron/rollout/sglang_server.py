@@ -14,6 +14,10 @@ from typing import Any, Callable, Mapping
 from rlmegatron.config.spec import RolloutConfig
 
 
+# model.dtype -> SGLang's --dtype, so the engines serve the dtype the trainer trains in.
+SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 class ServerStartupError(RuntimeError):
     """The server exited or did not become healthy in time; the message ends with its log tail."""
 
@@ -41,6 +45,8 @@ class ServerSpec:
     port: int
     host: str = "127.0.0.1"
     python: str = "python"
+    dtype: str = "auto"
+    """SGLang's --dtype; `auto` follows the checkpoint's torch_dtype."""
     device: str = "cuda"
     """`cpu` runs SGLang's CPU backend (and the loopback test server)."""
     tp_size: int = 1
@@ -96,6 +102,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--ep-size", str(spec.ep_size),
         "--mem-fraction-static", str(spec.mem_fraction_static),
         "--load-format", spec.load_format,
+        "--dtype", spec.dtype,
     ]
     if spec.device != "cuda":
         command += ["--device", spec.device]

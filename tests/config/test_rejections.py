@@ -43,6 +43,15 @@ def test_type_errors_are_translated(override, message):
     assert "Input should" not in problem and "pydantic" not in problem
 
 
+def test_dynamic_sampling_needs_a_bound_on_its_rounds():
+    # verl's 0 means "no limit", which never ends a step whose groups all keep scoring the same.
+    [problem] = problems_of(minimal_spec(), "algorithm.dynamic_sampling.enable=true",
+                            "algorithm.dynamic_sampling.max_num_gen_batches=0")
+    assert problem == ("command line: algorithm.dynamic_sampling.max_num_gen_batches=0: must be a number of generation "
+                       "rounds >= 1 (0, verl's 'no limit', could generate forever when every group scores the same); "
+                       "e.g. 10")
+
+
 def test_missing_required_field_is_named():
     raw = minimal_spec()
     del raw["model"]["path"]

@@ -174,3 +174,105 @@ def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeyp
                                                      f"model.trust_remote_code={str(trust).lower()}"])
         command = server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node))
         assert ("--trust-remote-code" in command) == trust
+
+
+# --- engines built from the spec's rollout settings ---------------------------------------------------------------
+
+def sglang_spec(tmp_path: Path, *overrides: str):
+    from rlmegatron.config import load_spec
+
+    return load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1", "rollout.engine=sglang",
+        f"rollout.sglang.python={sys.executable}", f"rollout.sglang.extra_args.fake-record={tmp_path / 'calls.jsonl'}",
+        f"trainer.run_dir={tmp_path}", *overrides])
+
+
+def spec_built_engine(spec):
+    """What a colocated rank leading a one-GPU engine builds from the spec."""
+    from transformers import AutoConfig
+
+    return engines.sglang_engine(spec, engines._server_spec(spec, ["cpu"], "127.0.0.1", server_nodes(
+        places([1]), tp=1, engines=1)[0][0]), AutoConfig.from_pretrained(spec.model.path))
+
+
+def test_the_server_command_serves_model_dtype(tmp_path):
+    from rlmegatron.rollout.sglang_server import server_command
+
+    spec = sglang_spec(tmp_path, "model.dtype=fp16", "placement.device=cuda")
+    node = server_nodes(places([1]), tp=1, engines=1)[0][0]
+    assert "--dtype float16" in " ".join(server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node)))
+
+
+def test_a_spec_built_engine_sends_buckets_of_the_spec_size_and_joins_the_routers_it_names(tmp_path, monkeypatch):
+    from rlmegatron.rollout.sglang import RouterClient
+    from tests.rollout.test_sglang import start_router
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
+    router, url = start_router(tmp_path)
+    spec = sglang_spec(tmp_path, "rollout.update_weights_bucket_mb=1", f"rollout.sglang.router_url={url}",
+                       "rollout.sglang.startup_timeout_s=60")
+    engine = spec_built_engine(spec)
+    try:
+        # 3 MiB of fp32 weights in 512 KiB tensors: three 1 MiB buckets (the default 512 MiB would take one).
+        generator = torch.Generator().manual_seed(0)
+        big = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(256, 512, generator=generator)) for i in range(6)]
+        engine.update_weights(iter(big), "v1")
+        assert RouterClient(url).workers() == [engine.spec.url]
+    finally:
+        engine.shutdown()
+        router.stop()
+    records = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    updates = [r["names"] for r in records if r["path"] == "/update_weights_from_tensor"]
+    assert updates == [[name for name, _ in big[i : i + 2]] for i in (0, 2, 4)]
+
+
+def test_a_server_slower_than_the_startup_timeout_fails_the_start_and_is_stopped(tmp_path, monkeypatch):
+    from rlmegatron.rollout.sglang_server import ServerStartupError
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
+    spec = sglang_spec(tmp_path, "rollout.sglang.startup_timeout_s=1", "rollout.sglang.extra_args.fake-slow-start=60")
+    started = time.monotonic()
+    with pytest.raises(ServerStartupError, match="not healthy after 1s") as failure:
+        spec_built_engine(spec)
+    assert time.monotonic() - started < 30
+    assert "--fake-slow-start 60" in str(failure.value)
+    assert servers_recording_to(tmp_path / "calls.jsonl") == [], "the server that never became healthy still runs"
+
+
+def servers_recording_to(calls: Path) -> list[str]:
+    """Live processes (not zombies) whose command line names `calls`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and str(calls).encode() in (proc / "cmdline").read_bytes()
+                    and "zombie" not in (proc / "status").read_text()):
+                found.append(proc.name)
+        except OSError:
+            pass
+    return found
+
+
+def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.engines import DisaggregatedEngines, EngineHost
+
+    class Host(EngineHost):
+        """Places on one node; launching is answered with a URL, no server starts."""
+
+        def place(self):
+            return Place("n0", "cpu", "127.0.0.1", 5000)
+
+        def launch(self, devices, node):
+            return f"http://server-{node.engine}"
+
+        def weights_pushed(self, version):
+            pass
+
+    monkeypatch.setattr(engines, "EngineHost", Host)
+    disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
+                     "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
+                     "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
+    for overrides, count in (([], 2), (["rollout.num_gpus=1"], 1)):
+        pool = DisaggregatedEngines(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), disaggregated + overrides),
+                                    RecordingTrainer())
+        assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])

@@ -71,6 +71,16 @@ def test_overlong_prompts_reject_the_dataset_unless_filtering(jsonl_file, tokeni
         RLDataset([str(jsonl_file)], tokenizer, data_config([jsonl_file], max_prompt_length=64))
 
 
+def test_the_prompt_is_read_from_data_prompt_key(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    rows = [{("question" if key == "prompt" else key): value for key, value in row.items()} for row in ROWS[:2]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = build_dataset([str(path)], tokenizer, data_config([path], prompt_key="question"))
+    assert [sample.messages for sample in dataset] == [row["question"] for row in rows]
+    with pytest.raises(DatasetError, match="no 'prompt' key .*; set data.prompt_key"):
+        build_dataset([str(path)], tokenizer, data_config([path]))
+
+
 def test_malformed_lines_name_file_and_line(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")

@@ -103,7 +103,8 @@ def async_reward(tmp_path):
 def test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on(custom_reward, caplog, num_workers):
     items = [item(0, "a"), item(1, "raise"), item(2, "sleep"), item(3, "b"), item(4, "swallow"),
              item(5, "none"), item(6, "a")]
-    with NaiveRewardManager(custom_reward, num_workers=num_workers, timeout_s=0.5) as manager:
+    config = RewardConfig(function=custom_reward, num_workers=num_workers, timeout_s=0.5)
+    with build_reward_manager(config, max_response_length=16) as manager:
         with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
             result = manager(items)
         assert result.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
@@ -313,6 +314,26 @@ def test_a_function_stuck_in_c_code_ends_the_driver_instead_of_hanging(tmp_path)
     assert "Timeout" in run.stderr and f'File "{file}", line 4 in compute_score' in run.stderr, run.stderr
 
 
+def test_reward_num_workers_score_side_by_side(tmp_path):
+    # Each call registers its process and waits (up to 20 s) until 3 processes have: only 3 workers get there.
+    path = tmp_path / "meet.py"
+    path.write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info):
+            here = pathlib.Path({str(tmp_path / "pids")!r})
+            here.mkdir(exist_ok=True)
+            (here / str(os.getpid())).touch()
+            deadline = time.monotonic() + 20
+            while len(list(here.iterdir())) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return {{"score": 1.0, "met": len(list(here.iterdir()))}}
+    """))
+    with build_reward_manager(RewardConfig(function=f"{path}:compute_score", num_workers=3), 16) as manager:
+        result = manager([item(i, "a") for i in range(3)])
+    assert result.extra["met"] == [3, 3, 3]
+
+
 def test_default_reward_dispatches_by_data_source_and_unknown_sources_score_zero():
     with NaiveRewardManager(None, num_workers=1) as manager:
         result = manager([item(0, "#### 18", "18", source="openai/gsm8k"), item(1, "\\boxed{2}", "3", source="math"),
@@ -337,6 +358,14 @@ def test_dapo_manager_adds_the_penalty_to_the_score(custom_reward):
     assert result.rewards == [0.0, -0.5, 1.0]
     assert result.metrics["reward/overlong_ratio"] == pytest.approx(2 / 3)
     assert result.metrics["reward/overlong_penalty/mean"] == pytest.approx(-0.5)
+
+
+def test_dapo_penalty_scales_with_the_penalty_factor(custom_reward):
+    config = RewardConfig(function=custom_reward, manager="dapo",
+                          overlong_buffer={"enable": True, "length": 4, "penalty_factor": 0.5})
+    with build_reward_manager(config, max_response_length=16) as manager:
+        result = manager([item(0, "a", length=16), item(1, "b", length=14), item(2, "a", length=5)])
+    assert result.rewards == [0.5, -0.25, 1.0]
 
 
 def test_dapo_without_the_buffer_enabled_is_naive():

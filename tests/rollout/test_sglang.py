@@ -101,6 +101,13 @@ def test_launch_commands_follow_the_config():
         "py", "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2"]
 
 
+def test_launch_commands_leave_out_what_the_config_turns_off():
+    rollout = RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False})
+    command = server_command(ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000))
+    assert "--enable-memory-saver" not in command and "--skip-tokenizer-init" not in command
+    assert "--load-format" in command  # the flags around them are there
+
+
 def test_generate_schema_results_and_finish_reasons(tmp_path):
     engine = make_engine(tmp_path)
     try:

@@ -110,6 +110,18 @@ def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp
     assert resolve_tracking_uri(explicit) == "file:///x"
 
 
+def test_the_mlflow_store_is_the_specs_tracking_uri(tmp_path, monkeypatch):
+    from rlmegatron.tracking import tracker as tracker_module
+
+    opened = []
+    monkeypatch.setattr(tracker_module, "MlflowBackend", lambda setup, params, resolved: opened.append(setup))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://from-the-environment:5000")
+    spec = job_spec(tmp_path, ["mlflow"]).model_copy(deep=True)
+    spec.tracking.tracking_uri = "sqlite:////elsewhere/mlflow.db"
+    Tracker.from_spec(spec)
+    assert [resolve_tracking_uri(setup) for setup in opened] == ["sqlite:////elsewhere/mlflow.db"]
+
+
 def test_console_prints_a_compact_table_each_step(tmp_path):
     stream = io.StringIO()
     tracker = Tracker.from_spec(job_spec(tmp_path, ["console"]), console_stream=stream)

@@ -2,7 +2,8 @@
 
 It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
 buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
-and can crash on purpose (`--fake-die-after-generates`) or fail to start (`--fake-fail-start`).
+and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
+(`--fake-slow-start SECONDS`).
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
 once every other node joined; other nodes serve no HTTP; losing any node ends the whole server.
@@ -235,6 +236,7 @@ def main():
     parser.add_argument("--dp-size", type=int, default=1)
     parser.add_argument("--mem-fraction-static", type=float)
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-dp-attention", action="store_true")
@@ -245,11 +247,13 @@ def main():
     parser.add_argument("--fake-marker", default="")
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
     parser.add_argument("--fake-fail-start", default="")
+    parser.add_argument("--fake-slow-start", type=float, default=0.0)
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
     if args.fake_fail_start:
         print(args.fake_fail_start, flush=True)
         raise SystemExit(1)
+    time.sleep(args.fake_slow_start)
     if args.node_rank > 0:
         follow_node_zero(args)
     accept_device_uuids()

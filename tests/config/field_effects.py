@@ -1,0 +1,324 @@
+"""Every field of the job spec, what it changes, and the tests that show it (or that a value it cannot honour is
+rejected). tests/config/test_field_effects.py walks every leaf of `JobSpec` (dict fields such as megatron.extra are
+leaves) and fails for one without an entry here: a new field lands with the test of its effect.
+
+An entry is `field: (what it changes, test node ids)`, one per line, sorted by field. Where the spec value is only
+handed to a mechanism (a worker, a loss, an engine), the entry names both the test that it is handed over and the
+test of the mechanism. The long test ids are named once, below.
+"""
+
+# Spec -> role settings (tests/controller/test_role_settings.py), pure and in a policy rank built from a spec.
+ROLES = "tests/controller/test_role_settings.py::"
+ACTOR_SETTINGS = ROLES + "test_the_actor_settings_carry_every_actor_field"
+CRITIC_SETTINGS = ROLES + "test_the_critic_settings_carry_every_critic_field_and_the_shared_loss_aggregation"
+LAYOUT = ROLES + "test_the_actor_layout_is_the_spec_layout"
+OFFLOAD = ROLES + "test_each_offload_field_offloads_its_part"
+RANK_OFFLOAD = ROLES + "test_a_rank_built_from_the_spec_offloads_the_parts_each_role_asks_for"
+RANK_OPTIMIZER = ROLES + "test_a_rank_built_from_the_spec_steps_with_its_optimizer_settings"
+RANK_BATCHING = ROLES + "test_a_rank_built_from_the_spec_batches_its_updates_as_the_spec_says"
+RANK_MODEL = ROLES + "test_a_rank_built_from_the_spec_has_its_dtype_seed_and_critic_init"
+
+# The fit loop on the pure-Python rig (tests/controller/fit_rig.py).
+FIT = "tests/controller/test_fit_loop_settings.py::"
+SAMPLING = FIT + "test_rollout_sampling_settings_reach_every_request_and_the_batch"
+RESPONSE_LENGTH = FIT + "test_max_new_tokens_follows_data_max_response_length"
+VALIDATION = FIT + "test_validation_runs_when_and_how_the_spec_says"
+SCHEDULE = FIT + "test_the_run_length_and_its_checkpoints_follow_the_trainer_section"
+GAE = FIT + "test_gae_discounts_with_gamma_and_lam"
+GRPO_STD = FIT + "test_grpo_divides_by_the_group_std_only_when_asked"
+KL_IN_REWARD = FIT + "test_kl_in_the_reward_uses_its_estimator_and_controller"
+DYNAMIC_SAMPLING = FIT + "test_dynamic_sampling_generates_up_to_its_round_limit"
+ESTIMATORS = "tests/controller/test_algorithms_fit.py::test_estimator_runs_the_fit_loop"
+
+# What `rlm train` hands to the data, reward, checkpoint and tokenizer parts.
+JOB_WIRING = ("tests/controller/test_job_wiring.py::"
+              "test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over")
+
+# Whole runs (tests/controller/test_train.py).
+TRAIN = "tests/controller/test_train.py::"
+IN_PROCESS = TRAIN + "test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code"
+RAY_LOOP = TRAIN + "test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks"
+RESUME = TRAIN + "test_resume_gives_the_same_next_step_metrics"
+SIGTERM = TRAIN + "test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint"
+DAPO_RUN = TRAIN + "test_dapo_runs_in_process"
+PPO_RUN = TRAIN + "test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases"
+NAN_RUN = TRAIN + "test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why"
+ROUTED_RUN = TRAIN + "test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_restarted_one_rejoins"
+GSM8K = "tests/controller/test_gsm8k_smoke.py::test_three_grpo_steps_on_real_gsm8k"
+
+# Engines and servers.
+ENGINES = "tests/controller/test_engines.py::"
+COLOCATED_SERVER = ENGINES + "test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts_whole"
+DISAGGREGATED_SERVER = ENGINES + "test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node"
+SERVER_DTYPE = ENGINES + "test_the_server_command_serves_model_dtype"
+BUCKETS_AND_ROUTER = ENGINES + "test_a_spec_built_engine_sends_buckets_of_the_spec_size_and_joins_the_routers_it_names"
+STARTUP_TIMEOUT = ENGINES + "test_a_server_slower_than_the_startup_timeout_fails_the_start_and_is_stopped"
+ENGINE_POOL = ENGINES + "test_rollout_num_gpus_sizes_the_engine_pool"
+LAUNCH = "tests/rollout/test_sglang.py::test_launch_commands_follow_the_config"
+LAUNCH_OFF = "tests/rollout/test_sglang.py::test_launch_commands_leave_out_what_the_config_turns_off"
+
+# Mechanisms, tested with hand-built settings.
+CLIPS = "tests/algorithms/test_policy_loss.py::test_ppo_dual_clip_clip_higher_by_hand"
+ENTROPY_BONUS = "tests/algorithms/test_policy_loss.py::test_entropy_bonus_by_hand"
+TIS = "tests/algorithms/test_policy_loss.py::test_truncated_importance_sampling_by_hand"
+KL_LOSS = "tests/algorithms/test_kl.py::test_kl_loss_by_hand"
+KL_ESTIMATORS = "tests/algorithms/test_kl.py::test_estimators_by_hand"
+AGGREGATION = "tests/algorithms/test_aggregation.py::test_modes_by_hand"
+VALUE_CLIP = "tests/algorithms/test_value_loss.py::test_clipped_value_loss_by_hand"
+ACTOR_PARITY = "tests/workers/test_actor.py::test_log_probs_entropy_and_update_match_tp1"
+REFERENCE = "tests/workers/test_actor.py::test_reference_log_probs_equal_the_actors"
+ROUND_TRIP = "tests/workers/test_actor.py::test_offload_round_trip_keeps_training_identical"
+CRITIC_WORKERS = "tests/workers/test_critic_and_moe.py::"
+MOE_EP2 = CRITIC_WORKERS + "test_moe_actor_trains_at_ep2_and_logs_router_aux_loss"
+REWARD_MODEL_CRITIC = CRITIC_WORKERS + "test_critic_from_an_hf_reward_model_at_tp2_gives_its_values"
+ETP_EXPORT = "tests/resharding/test_export.py::test_stream_is_bitwise_the_source_checkpoint_at_every_layout"
+SP_PARITY = "tests/runtime/test_parallel_parity.py::test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel"
+DATASET = "tests/data/test_dataset.py::"
+CUSTOM_DATASET = DATASET + "test_custom_dataset_class_is_loaded_from_file_and_gets_the_same_arguments"
+OVERLONG_DROPPED = DATASET + "test_overlong_prompts_are_dropped_and_counted"
+OVERLONG_REJECTED = DATASET + "test_overlong_prompts_reject_the_dataset_unless_filtering"
+PROMPT_KEY = DATASET + "test_the_prompt_is_read_from_data_prompt_key"
+SEEDED_ORDER = "tests/data/test_sampler.py::test_each_epoch_covers_the_data_once_in_a_new_order"
+STORED_ORDER = "tests/data/test_sampler.py::test_iter_epoch_gives_the_rest_of_the_epoch_then_a_fresh_one"
+REWARDS = "tests/rewards/test_managers.py::"
+DAPO_PENALTY = REWARDS + "test_dapo_manager_adds_the_penalty_to_the_score"
+DAPO_OFF = REWARDS + "test_dapo_without_the_buffer_enabled_is_naive"
+PENALTY_FACTOR = REWARDS + "test_dapo_penalty_scales_with_the_penalty_factor"
+REWARD_WORKERS = REWARDS + "test_reward_num_workers_score_side_by_side"
+REWARD_TIMEOUT = REWARDS + "test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on"
+TRACKING = "tests/tracking/test_tracking.py::"
+MLFLOW_STORE = TRACKING + "test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml"
+CONSOLE = TRACKING + "test_console_prints_a_compact_table_each_step"
+TRACKING_URI = TRACKING + "test_the_mlflow_store_is_the_specs_tracking_uri"
+URI_ORDER = TRACKING + "test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir"
+TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_every_node"
+
+# Rejections and checks.
+CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"
+CP_REJECTED = CHECKS + "[cp-not-supported]"
+HUB_ARCHITECTURE = CHECKS + "[tp-divides-heads]"
+ROUNDS_BOUND = "tests/config/test_rejections.py::test_dynamic_sampling_needs_a_bound_on_its_rounds"
+HUB_SNAPSHOT = "tests/test_cli.py::test_train_runs_a_hub_model_from_its_downloaded_snapshot"
+
+# Each role's own optimizer schedule and Megatron settings, layouts and batching.
+OPTIMIZER = "tests/workers/test_optimizer.py::"
+LR_SCHEDULE = OPTIMIZER + "test_actor_lr_follows_the_closed_form_schedule"
+LR_RESUMED = OPTIMIZER + "test_a_resumed_worker_continues_the_schedule_and_the_weights"
+PLAIN_ADAM = OPTIMIZER + "test_plain_and_distributed_optimizer_step_the_same_at_dp2"
+RECOMPUTE = "tests/models/test_recompute.py::test_recompute_keeps_loss_and_gradients_and_saves_fewer_activations"
+TO_TRANSFORMER_CONFIG = "tests/models/test_hf_config.py::test_spec_recompute_and_extra_reach_the_transformer_config"
+UNEVEN_PIPELINE = "tests/runtime/test_parallel_parity.py::test_dense_tp2_pp2_vpp2_and_tp2xpp2_on_4_ranks"
+DEEPSEEK_SPLIT = ("tests/test_recipes.py::"
+                  "test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_use")
+POLICY_RANK = "tests/controller/test_policy_rank.py::"
+OWN_LAYOUTS = POLICY_RANK + "test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run"
+OWN_CHECKPOINTS = POLICY_RANK + "test_each_role_saves_and_restores_its_checkpoint_at_its_layout"
+REF_BATCHING = POLICY_RANK + "test_the_reference_batches_its_forward_by_its_own_settings"
+MOE_REFERENCE = CRITIC_WORKERS + "test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs"
+NEVER_TRAINS = "tests/config/test_relevance.py::test_a_setting_that_would_change_nothing_is_rejected"
+REMOTE_CODE = ("tests/config/test_checks.py::"
+               "test_a_tokenizer_that_loads_only_with_its_own_code_needs_trust_remote_code",
+               IN_PROCESS, ENGINES + "test_the_servers_run_the_models_own_code_only_with_trust_remote_code")
+
+# Algorithms chosen from the spec.
+CHOSEN_LOSS = ROLES + "test_the_actor_gets_the_chosen_loss_and_every_knob"
+LOSSES_FIT = "tests/controller/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
+LOSS_PLUGIN = ("tests/workers/test_actor.py::"
+               "test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
+CLIP_COV = "tests/algorithms/test_policy_loss.py::test_clip_cov_by_hand"
+KL_COV = "tests/algorithms/test_policy_loss.py::test_kl_cov_by_hand"
+
+# verl's keys that became settings, rewards, traces.
+VERL_RUN = "tests/controller/test_verl_command.py::"
+CRITIC_WARMUP = VERL_RUN + "test_the_actor_waits_for_the_critic_warmup"
+OLD_LOG_PROB_BATCHES = VERL_RUN + "test_the_old_log_prob_pass_cuts_its_own_micro_batches"
+TRACE_MLFLOW = VERL_RUN + "test_each_steps_rollout_samples_are_text_in_mlflow"
+TRACE_CONSOLE = TRACKING + "test_console_prints_rollout_samples_each_prompt_once_then_its_responses"
+TRACE_PROMPTS = "tests/controller/test_rollout_trace.py::test_no_limit_traces_every_group"
+BATCH_BUDGET = REWARDS + "test_the_batch_budget_ends_a_batch_of_slow_samples"
+ASYNC_REWARDS = REWARDS + "test_an_async_function_runs_concurrently_in_the_driver_as_many_at_once_as_allowed"
+
+EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "actor.clip_ratio_c": ("dual-clip bound of the policy loss", (ACTOR_SETTINGS, CLIPS)),
+    "actor.clip_ratio_high": ("upper ratio clip of the policy loss", (ACTOR_SETTINGS, CLIPS)),
+    "actor.clip_ratio_low": ("lower ratio clip of the policy loss", (ACTOR_SETTINGS, CLIPS)),
+    "actor.entropy_coeff": ("entropy bonus in the actor loss", (ACTOR_SETTINGS, ENTROPY_BONUS)),
+    "actor.kl_loss_coef": ("weight of the KL loss", (ACTOR_SETTINGS, KL_LOSS)),
+    "actor.kl_loss_type": ("estimator of the KL loss", (ACTOR_SETTINGS, KL_ESTIMATORS)),
+    "actor.loss_agg_mode": ("how actor and critic losses are reduced", (ACTOR_SETTINGS, CRITIC_SETTINGS, AGGREGATION)),
+    "actor.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "actor.megatron.expert_model_parallel_size": ("actor's expert parallelism", (LAYOUT, MOE_EP2)),
+    "actor.megatron.expert_tensor_parallel_size": ("actor's expert tensor parallelism", (LAYOUT, ETP_EXPORT)),
+    "actor.megatron.extra": ("TransformerConfig fields; uneven pipeline split",
+                             (TO_TRANSFORMER_CONFIG, UNEVEN_PIPELINE, DEEPSEEK_SPLIT)),
+    "actor.megatron.pipeline_model_parallel_size": ("actor's pipeline stages", (LAYOUT, ACTOR_PARITY)),
+    "actor.megatron.recompute_granularity": ("activation recompute, selective or full",
+                                             (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "actor.megatron.recompute_method": ("which layers full recompute takes", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "actor.megatron.recompute_num_layers": ("layers per full-recompute unit", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "actor.megatron.sequence_parallel": ("actor's sequence parallelism", (LAYOUT, SP_PARITY)),
+    "actor.megatron.tensor_model_parallel_size": ("actor's tensor parallelism", (LAYOUT, ACTOR_PARITY)),
+    "actor.megatron.use_distributed_optimizer": ("Adam state sharded over DP or per rank", (PLAIN_ADAM,)),
+    "actor.megatron.virtual_pipeline_model_parallel_size": ("actor's virtual pipeline stages", (LAYOUT, ACTOR_PARITY)),
+    "actor.offload.grads": ("actor grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "actor.offload.optimizer": ("actor Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "actor.offload.params": ("actor weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "actor.optim.adam_beta1": ("actor Adam beta1", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.optim.adam_beta2": ("actor Adam beta2", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.optim.adam_eps": ("actor Adam epsilon", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.optim.clip_grad": ("actor gradient-norm clip", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.optim.lr": ("actor learning rate", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.optim.lr_decay_style": ("constant, linear or cosine decay", (ACTOR_SETTINGS, LR_SCHEDULE, IN_PROCESS)),
+    "actor.optim.lr_warmup_steps": ("linear warm-up steps", (ACTOR_SETTINGS, LR_SCHEDULE, LR_RESUMED)),
+    "actor.optim.min_lr": ("learning rate at the run's last step", (ACTOR_SETTINGS, LR_SCHEDULE, IN_PROCESS)),
+    "actor.optim.weight_decay": ("actor weight decay", (ACTOR_SETTINGS, RANK_OPTIMIZER)),
+    "actor.policy_loss.clip_cov_lb": ("Clip-Cov's lower covariance bound", (CHOSEN_LOSS, CLIP_COV)),
+    "actor.policy_loss.clip_cov_ratio": ("share of tokens Clip-Cov detaches", (CHOSEN_LOSS, CLIP_COV)),
+    "actor.policy_loss.clip_cov_ub": ("Clip-Cov's upper covariance bound", (CHOSEN_LOSS, CLIP_COV)),
+    "actor.policy_loss.kl_cov_ratio": ("share of tokens KL-Cov penalises", (CHOSEN_LOSS, KL_COV)),
+    "actor.policy_loss.loss_mode": ("the policy loss (registry or plug-in)", (CHOSEN_LOSS, LOSSES_FIT, LOSS_PLUGIN)),
+    "actor.policy_loss.ppo_kl_coef": ("KL-Cov's penalty weight", (CHOSEN_LOSS, KL_COV)),
+    "actor.ppo_epochs": ("passes of the actor over each step's batch", (ACTOR_SETTINGS, RANK_BATCHING)),
+    "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
+    "actor.ppo_micro_batch_size_per_gpu": ("sequences per actor micro-batch", (ACTOR_SETTINGS, RANK_BATCHING)),
+    "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
+    "actor.tis_imp_ratio_cap": ("truncated importance sampling cap", (ACTOR_SETTINGS, TIS)),
+    "actor.use_dynamic_bsz": ("actor micro-batches by token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
+    "actor.use_kl_loss": ("KL loss term and the reference model", (ACTOR_SETTINGS, DAPO_RUN)),
+    "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
+    "algorithm.dynamic_sampling.enable": ("drop all-equal groups and generate more", (DYNAMIC_SAMPLING, DAPO_RUN)),
+    "algorithm.dynamic_sampling.max_num_gen_batches": ("rounds per step; 0 rejected", (DYNAMIC_SAMPLING, ROUNDS_BOUND)),
+    "algorithm.gamma": ("discount of gae and reinforce_plus_plus", (GAE, ESTIMATORS + "[reinforce_plus_plus]")),
+    "algorithm.kl_ctrl.horizon": ("adaptive KL controller horizon", (KL_IN_REWARD,)),
+    "algorithm.kl_ctrl.kl_coef": ("initial in-reward KL coefficient", (KL_IN_REWARD,)),
+    "algorithm.kl_ctrl.target_kl": ("adaptive KL controller target", (KL_IN_REWARD,)),
+    "algorithm.kl_ctrl.type": ("fixed or adaptive in-reward KL coefficient", (KL_IN_REWARD,)),
+    "algorithm.kl_penalty": ("estimator of the in-reward KL", (KL_IN_REWARD,)),
+    "algorithm.lam": ("GAE lambda", (GAE,)),
+    "algorithm.norm_adv_by_std_in_grpo": ("GRPO divides by the group std", (GRPO_STD,)),
+    "algorithm.use_kl_in_reward": ("KL penalty in the rewards", (KL_IN_REWARD,)),
+    "critic.cliprange_value": ("value clip of the critic loss", (CRITIC_SETTINGS, VALUE_CLIP)),
+    "critic.enable": ("builds and trains the critic (follows gae)", (PPO_RUN, CHECKS + "[gae-needs-critic]")),
+    "critic.init_from": ("critic starts from an HF reward model", (RANK_MODEL, REWARD_MODEL_CRITIC)),
+    "critic.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "critic.megatron.expert_model_parallel_size": ("critic's expert parallelism", (LAYOUT, OWN_LAYOUTS)),
+    "critic.megatron.expert_tensor_parallel_size": ("critic's expert tensor parallelism", (LAYOUT, OWN_LAYOUTS)),
+    "critic.megatron.extra": ("critic's TransformerConfig fields", (TO_TRANSFORMER_CONFIG, OWN_LAYOUTS)),
+    "critic.megatron.pipeline_model_parallel_size": ("critic's pipeline stages", (OWN_LAYOUTS, OWN_CHECKPOINTS)),
+    "critic.megatron.recompute_granularity": ("critic's activation recompute", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "critic.megatron.recompute_method": ("critic's full-recompute layers", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "critic.megatron.recompute_num_layers": ("critic's full-recompute unit", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
+    "critic.megatron.sequence_parallel": ("critic's sequence parallelism", (LAYOUT, OWN_LAYOUTS)),
+    "critic.megatron.tensor_model_parallel_size": ("critic's tensor parallelism", (OWN_LAYOUTS, OWN_CHECKPOINTS)),
+    "critic.megatron.use_distributed_optimizer": ("critic's Adam sharded or per rank", (PPO_RUN, PLAIN_ADAM)),
+    "critic.megatron.virtual_pipeline_model_parallel_size": ("critic's virtual pipeline stages", (LAYOUT, OWN_LAYOUTS)),
+    "critic.offload.grads": ("critic grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "critic.offload.optimizer": ("critic Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "critic.offload.params": ("critic weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
+    "critic.optim.adam_beta1": ("critic Adam beta1", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
+    "critic.optim.adam_beta2": ("critic Adam beta2", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
+    "critic.optim.adam_eps": ("critic Adam epsilon", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
+    "critic.optim.clip_grad": ("critic gradient-norm clip", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
+    "critic.optim.lr": ("critic learning rate", (CRITIC_SETTINGS, RANK_OPTIMIZER, PPO_RUN)),
+    "critic.optim.lr_decay_style": ("critic's lr decay", (CRITIC_SETTINGS, PPO_RUN)),
+    "critic.optim.lr_warmup_steps": ("critic's lr warm-up", (CRITIC_SETTINGS, PPO_RUN)),
+    "critic.optim.min_lr": ("critic's final lr", (CRITIC_SETTINGS, PPO_RUN)),
+    "critic.optim.weight_decay": ("critic weight decay", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
+    "critic.ppo_epochs": ("passes of the critic over each step's batch", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "critic.ppo_max_token_len_per_gpu": ("critic micro-batch token budget", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "critic.ppo_micro_batch_size_per_gpu": ("sequences per critic micro-batch", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "critic.ppo_mini_batch_size": ("prompts per critic optimizer step", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "critic.use_dynamic_bsz": ("critic micro-batches by token budget", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "data.dataset_class": ("custom dataset plug-in", (CUSTOM_DATASET,)),
+    "data.filter_overlong_prompts": ("drop, not reject, overlong prompts", (OVERLONG_DROPPED, OVERLONG_REJECTED)),
+    "data.max_prompt_length": ("longest prompt kept", (OVERLONG_DROPPED,)),
+    "data.max_response_length": ("default generation length; DAPO's L_max", (RESPONSE_LENGTH, JOB_WIRING)),
+    "data.prompt_key": ("row key of the chat prompt", (PROMPT_KEY,)),
+    "data.seed": ("seed of the shuffled prompt order", (JOB_WIRING, SEEDED_ORDER)),
+    "data.shuffle": ("prompt order shuffled or as stored", (JOB_WIRING, STORED_ORDER)),
+    "data.train_batch_size": ("prompts per step", (SAMPLING, RAY_LOOP, JOB_WIRING)),
+    "data.train_files": ("training prompts", (GSM8K, JOB_WIRING)),
+    "data.val_batch_size": ("prompts per validation batch", (VALIDATION,)),
+    "data.val_files": ("validation prompts", (RAY_LOOP, JOB_WIRING)),
+    "model.dtype": ("dtype of every role's weights and the engines'", (RANK_MODEL, SERVER_DTYPE)),
+    "model.hf_config": ("hub model's architecture for validate and plan", (HUB_ARCHITECTURE, HUB_SNAPSHOT)),
+    "model.path": ("the model every role and engine starts from (a hub id: its snapshot)", (IN_PROCESS, HUB_SNAPSHOT)),
+    "model.random_init": ("random weights instead of the checkpoint's", (IN_PROCESS,)),
+    "model.tokenizer_path": ("tokenizer of prompts and rewards", (GSM8K, JOB_WIRING)),
+    "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
+    "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
+    "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
+    "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN,)),
+    "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
+    "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
+    "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
+    "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING,)),
+    "ref.log_prob_micro_batch_size_per_gpu": ("sequences per reference micro-batch", (REF_BATCHING,)),
+    "ref.log_prob_use_dynamic_bsz": ("reference micro-batches by token budget", (REF_BATCHING,)),
+    "ref.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "ref.megatron.expert_model_parallel_size": ("reference's expert parallelism", (MOE_REFERENCE,)),
+    "ref.megatron.expert_tensor_parallel_size": ("reference's expert tensor parallelism", (LAYOUT, MOE_REFERENCE)),
+    "ref.megatron.extra": ("reference's TransformerConfig fields", (TO_TRANSFORMER_CONFIG, OWN_LAYOUTS)),
+    "ref.megatron.pipeline_model_parallel_size": ("reference's pipeline stages", (LAYOUT, OWN_LAYOUTS)),
+    "ref.megatron.recompute_granularity": ("rejected: the reference never trains", (NEVER_TRAINS,)),
+    "ref.megatron.recompute_method": ("rejected: the reference never trains", (NEVER_TRAINS,)),
+    "ref.megatron.recompute_num_layers": ("rejected: the reference never trains", (NEVER_TRAINS,)),
+    "ref.megatron.sequence_parallel": ("reference's sequence parallelism", (LAYOUT, OWN_LAYOUTS)),
+    "ref.megatron.tensor_model_parallel_size": ("reference's tensor parallelism", (OWN_LAYOUTS,)),
+    "ref.megatron.use_distributed_optimizer": ("rejected: the reference never trains", (NEVER_TRAINS,)),
+    "ref.megatron.virtual_pipeline_model_parallel_size": ("reference's virtual pipeline stages", (LAYOUT, OWN_LAYOUTS)),
+    "ref.offload.params": ("reference weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, REFERENCE)),
+    "reward.async_concurrency": ("async reward calls at once", (ASYNC_REWARDS,)),
+    "reward.batch_timeout_s": ("time budget of one scoring batch", (BATCH_BUDGET,)),
+    "reward.function": ("reward plug-in", (NAN_RUN, DAPO_PENALTY)),
+    "reward.manager": ("naive or DAPO reward manager", (DAPO_PENALTY,)),
+    "reward.num_workers": ("reward processes", (REWARD_WORKERS, JOB_WIRING)),
+    "reward.overlong_buffer.enable": ("DAPO overlong penalty on", (DAPO_PENALTY, DAPO_OFF)),
+    "reward.overlong_buffer.length": ("DAPO overlong buffer", (DAPO_PENALTY,)),
+    "reward.overlong_buffer.penalty_factor": ("DAPO overlong penalty scale", (PENALTY_FACTOR,)),
+    "reward.timeout_s": ("time a reward call may take", (REWARD_TIMEOUT,)),
+    "rollout.enable_dp_attention": ("SGLang DP attention", (LAUNCH,)),
+    "rollout.engine": ("local or SGLang engines", (COLOCATED_SERVER,)),
+    "rollout.expert_parallel_size": ("SGLang expert parallelism", (LAUNCH,)),
+    "rollout.log_prob_micro_batch_size_per_gpu": ("sequences per old-log-prob micro-batch", (OLD_LOG_PROB_BATCHES,)),
+    "rollout.max_new_tokens": ("generation length and batch width", (SAMPLING,)),
+    "rollout.mem_fraction_static": ("SGLang static memory share", (LAUNCH,)),
+    "rollout.n": ("samples per prompt", (SAMPLING, RAY_LOOP)),
+    "rollout.num_gpus": ("GPUs the engines use", (ENGINE_POOL,)),
+    "rollout.seed": ("sampling seeds of rollout and validation", (SAMPLING, VALIDATION)),
+    "rollout.sglang.enable_memory_saver": ("SGLang memory saver", (LAUNCH, LAUNCH_OFF)),
+    "rollout.sglang.extra_args": ("extra SGLang flags", (LAUNCH,)),
+    "rollout.sglang.load_format": ("SGLang load format", (LAUNCH,)),
+    "rollout.sglang.python": ("interpreter of the SGLang servers", (LAUNCH,)),
+    "rollout.sglang.router": ("sglang_router in front of the servers", (ROUTED_RUN,)),
+    "rollout.sglang.router_args": ("extra router flags", (ROUTED_RUN,)),
+    "rollout.sglang.router_url": ("a running router the servers join", (BUCKETS_AND_ROUTER,)),
+    "rollout.sglang.skip_tokenizer_init": ("SGLang without a tokenizer", (LAUNCH, LAUNCH_OFF)),
+    "rollout.sglang.startup_timeout_s": ("time a server has to become healthy", (STARTUP_TIMEOUT,)),
+    "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
+    "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
+    "rollout.tensor_parallel_size": ("GPUs per SGLang server", (COLOCATED_SERVER, LAUNCH)),
+    "rollout.top_k": ("top-k of rollout sampling", (SAMPLING,)),
+    "rollout.top_p": ("top-p of rollout sampling", (SAMPLING,)),
+    "rollout.update_weights_bucket_mb": ("size of the weight-sync buckets", (BUCKETS_AND_ROUTER,)),
+    "rollout.val_kwargs.n": ("samples per validation prompt", (VALIDATION,)),
+    "rollout.val_kwargs.temperature": ("validation temperature", (VALIDATION,)),
+    "rollout.val_kwargs.top_k": ("validation top-k", (VALIDATION,)),
+    "rollout.val_kwargs.top_p": ("validation top-p", (VALIDATION,)),
+    "tracking.backends": ("console and/or MLflow", (MLFLOW_STORE, CONSOLE)),
+    "tracking.project_name": ("MLflow experiment", (MLFLOW_STORE,)),
+    "tracking.rollout_trace.backend": ("where each step's samples are logged as text", (TRACE_MLFLOW, TRACE_CONSOLE)),
+    "tracking.rollout_trace.prompts_per_step": ("prompts whose samples are traced", (TRACE_MLFLOW, TRACE_PROMPTS)),
+    "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER)),
+    "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
+    "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
+    "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
+    "trainer.resume": ("checkpoint a run starts from", (RESUME,)),
+    "trainer.run_dir": ("where checkpoints, logs and exports go", (SIGTERM, JOB_WIRING)),
+    "trainer.save_freq": ("steps between checkpoints", (SCHEDULE, NAN_RUN)),
+    "trainer.seed": ("seed of the random init and Megatron's RNG", (RANK_MODEL,)),
+    "trainer.test_freq": ("steps between validations", (VALIDATION, RAY_LOOP)),
+    "trainer.total_epochs": ("run length without total_steps", (SCHEDULE,)),
+    "trainer.total_steps": ("run length", (SCHEDULE, IN_PROCESS)),
+    "trainer.val_before_train": ("validation at step 0", (VALIDATION,)),
+}

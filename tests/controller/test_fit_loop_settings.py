@@ -1,0 +1,125 @@
+"""The spec fields the fit loop reads take effect: sampling, validation, schedule, estimator options, KL in the
+reward and dynamic sampling, each checked by hand on the pure-Python rig (tests/controller/fit_rig.py)."""
+import math
+
+import pytest
+import torch
+
+from tests.controller.fit_rig import FakeRanks, constant, run_rig
+
+
+def steps(history: dict, name: str) -> list[int]:
+    return [step for step, _ in history.get(name, [])]
+
+
+def test_rollout_sampling_settings_reach_every_request_and_the_batch(tmp_path):
+    rig = run_rig(tmp_path / "a", "rollout.n=3", "rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5",
+                  "rollout.max_new_tokens=2", "rollout.stop_token_ids=[7,8]", "rollout.seed=11",
+                  "data.train_batch_size=2", "actor.ppo_mini_batch_size=2")
+    calls = rig.calls("rollout")
+    assert [len(requests) for requests in calls] == [2, 2]  # data.train_batch_size prompts per step
+    for request in rig.requests("rollout"):
+        sampling = request.sampling
+        assert (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens,
+                sampling.stop_token_ids) == (3, 0.7, 0.9, 5, 2, (7, 8))
+    for batch in rig.ranks.updates["actor"]:
+        assert batch.response_mask.shape == (2 * 3, 2)  # prompts x rollout.n rows, rollout.max_new_tokens wide
+
+    # rollout.seed moves every request's seed; steps never share one.
+    seeds = [[request.sampling.seed for request in requests] for requests in calls]
+    default = run_rig(tmp_path / "b", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2")
+    default_seeds = [[request.sampling.seed for request in requests] for requests in default.calls("rollout")]
+    assert len({seed for step in seeds + default_seeds for seed in step}) == 8
+
+
+def test_max_new_tokens_follows_data_max_response_length(tmp_path):
+    rig = run_rig(tmp_path, "data.max_response_length=4")
+    assert {request.sampling.max_new_tokens for request in rig.requests("rollout")} == {4}
+    assert all(batch.response_mask.shape[1] == 4 for batch in rig.ranks.updates["actor"])
+
+
+def test_validation_runs_when_and_how_the_spec_says(tmp_path):
+    validation = ["data.val_files=[val.jsonl]", "data.val_batch_size=2", "rollout.val_kwargs.n=2",
+                  "rollout.val_kwargs.temperature=0.5", "rollout.val_kwargs.top_p=0.8", "rollout.val_kwargs.top_k=3",
+                  "rollout.seed=5", "trainer.test_freq=2", "trainer.total_steps=4"]
+    rig = run_rig(tmp_path / "before", *validation, "trainer.val_before_train=true", val_prompts=5)
+    assert steps(rig.history, "val/val/score/mean") == [0, 2, 4]
+    # Each validation: 5 prompts in batches of data.val_batch_size, sampled as rollout.val_kwargs says.
+    assert [len(requests) for requests in rig.calls("validation")] == [2, 2, 1] * 3
+    for requests in rig.calls("validation"):
+        assert [request.sampling.seed for request in requests] == [5 + i for i in range(len(requests))]
+        for request in requests:
+            sampling = request.sampling
+            assert (sampling.n, sampling.temperature, sampling.top_p, sampling.top_k) == (2, 0.5, 0.8, 3)
+    # Two samples of each prompt score 1 and 0 (tests/controller/fit_rig.py).
+    assert all(value == 0.5 for _, value in rig.history["val/val/score/mean"])
+
+    later = run_rig(tmp_path / "later", *validation, val_prompts=5)  # trainer.val_before_train=false
+    assert steps(later.history, "val/val/score/mean") == [2, 4]
+
+
+def test_the_run_length_and_its_checkpoints_follow_the_trainer_section(tmp_path):
+    rig = run_rig(tmp_path / "steps", "trainer.total_steps=3", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=1")
+    assert steps(rig.history, "critic/score/mean") == [1, 2, 3]
+    assert rig.ranks.calls.count("save_checkpoint") == 2  # every trainer.save_freq steps, and at the end
+    assert sorted(p.name for p in (tmp_path / "steps" / "checkpoints").glob("step_*")) == ["step_3"]
+    kept = run_rig(tmp_path / "kept", "trainer.total_steps=3", "trainer.save_freq=2")
+    assert sorted(p.name for p in (tmp_path / "kept" / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    # Without total_steps: total_epochs passes over 6 prompts in batches of 2.
+    epochs = run_rig(tmp_path / "epochs", "trainer.total_steps=null", "trainer.total_epochs=2",
+                     "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", train_prompts=6)
+    assert steps(epochs.history, "critic/score/mean") == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in epochs.history["training/epoch"]] == [0, 0, 0, 1, 1, 1]
+
+
+def test_gae_discounts_with_gamma_and_lam(tmp_path):
+    rig = run_rig(tmp_path, "algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.5",
+                  "critic.ppo_mini_batch_size=4")
+    assert "compute_values" in rig.ranks.calls
+    for batch in rig.ranks.updates["critic"]:
+        # Values are 0, so the return at token t is the outcome reward discounted by (gamma * lam) per later token.
+        mask = batch.response_mask
+        lengths = mask.sum(-1, keepdim=True)
+        after = (lengths - 1 - torch.arange(mask.shape[1])).clamp(min=0)
+        scores = (batch.returns * mask).max(-1).values  # the return at the last token is the score itself
+        assert torch.allclose(batch.returns, scores.unsqueeze(-1) * 0.45 ** after * mask)
+        assert set(scores.tolist()) == {0.0, 1.0} and lengths.max() > 1
+
+
+def test_grpo_divides_by_the_group_std_only_when_asked(tmp_path):
+    # Every group scores [1, 0]: mean 0.5, unbiased std sqrt(0.5).
+    plain = run_rig(tmp_path / "plain", "algorithm.norm_adv_by_std_in_grpo=false")
+    normed = run_rig(tmp_path / "normed")
+    for batch in plain.ranks.updates["actor"]:
+        assert set(batch.advantages[batch.response_mask.bool()].tolist()) == {0.5, -0.5}
+    for batch in normed.ranks.updates["actor"]:
+        expected = 0.5 / (math.sqrt(0.5) + 1e-6)
+        assert torch.allclose(batch.advantages[batch.response_mask.bool()].abs(), torch.tensor(expected))
+
+
+def test_kl_in_the_reward_uses_its_estimator_and_controller(tmp_path):
+    rig = run_rig(tmp_path, "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true",
+                  "algorithm.kl_penalty=k2", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
+                  "algorithm.kl_ctrl.target_kl=0.11", "algorithm.kl_ctrl.horizon=10",
+                  ranks=FakeRanks(log_prob=0.0, ref_log_prob=-0.5))
+    assert "compute_ref_log_prob" in rig.ranks.calls
+    kl = 0.5 * 0.5**2  # k2 of log-probs 0 (policy) and -0.5 (reference), on every token
+    assert rig.history["actor/reward_kl_penalty"] == [(1, pytest.approx(kl)), (2, pytest.approx(kl))]
+    # Adaptive: after step 1's 8 rows the coefficient moves by (kl / target_kl - 1) * 8 / horizon.
+    assert rig.history["actor/reward_kl_penalty_coeff"] == [
+        (1, pytest.approx(0.2)), (2, pytest.approx(0.2 * (1 + (kl / 0.11 - 1) * 8 / 10)))]
+    # The penalty is in the rewards: REINFORCE++'s return at the first token (gamma 1) is score - coef * kl * length.
+    batch = rig.ranks.updates["actor"][0]
+    lengths = batch.response_mask.sum(-1)
+    scores = batch.returns[:, 0] + 0.2 * kl * lengths
+    assert torch.allclose(scores, scores.round()) and set(scores.round().tolist()) == {0.0, 1.0}
+
+
+def test_dynamic_sampling_generates_up_to_its_round_limit(tmp_path):
+    stuck = run_rig(tmp_path / "stuck", "algorithm.dynamic_sampling.enable=true",
+                    "algorithm.dynamic_sampling.max_num_gen_batches=3", reward=constant)
+    assert stuck.history["training/num_gen_batches"] == [(1, 3), (2, 3)]
+    assert len(stuck.calls("rollout")) == 6
+    assert len(stuck.ranks.updates["actor"][0]) == 8  # nothing varied: the last round, all-zero advantages
+    varied = run_rig(tmp_path / "varied", "algorithm.dynamic_sampling.enable=true")
+    assert varied.history["training/num_gen_batches"] == [(1, 1), (2, 1)]

@@ -1,0 +1,82 @@
+"""`run_training` hands each spec setting to the part that uses it: the parts are replaced by recorders (nothing is
+built, no worker starts), and the loop itself is stopped as it is handed over."""
+from pathlib import Path
+
+import pytest
+
+from rlmegatron.config import load_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Stop(Exception):
+    """Raised where the fit loop would start."""
+
+
+class Part:
+    """Records how it was made; any method call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
+    import rlmegatron.checkpoint
+    import rlmegatron.controller.engines
+    import rlmegatron.controller.trainer
+    import rlmegatron.controller.worker_group
+    import rlmegatron.data
+    import rlmegatron.preflight
+    import rlmegatron.rewards
+    import rlmegatron.tracking
+    from rlmegatron.controller.job import run_training
+
+    monkeypatch.chdir(REPO_ROOT)
+    made: dict[str, list] = {}
+
+    def recorder(name, result=None):
+        def make(*args, **kwargs):
+            made.setdefault(name, []).append((args, kwargs))
+            return result if result is not None else Part(*args, **kwargs)
+        return make
+
+    def trainer(*args):
+        made["trainer"] = args
+        raise Stop
+
+    # The pre-launch checks load the tokenizer the run uses (tests/test_user_errors.py checks what they check).
+    monkeypatch.setattr(rlmegatron.preflight, "ready_to_launch",
+                        lambda spec: made.setdefault("tokenizer", []).append(spec.model.tokenizer_path) or "tokenizer")
+    monkeypatch.setattr(rlmegatron.data, "build_dataset", recorder("dataset"))
+    monkeypatch.setattr(rlmegatron.data, "PromptDataLoader", recorder("loader"))
+    monkeypatch.setattr(rlmegatron.rewards, "build_reward_manager", recorder("reward"))
+    monkeypatch.setattr(rlmegatron.checkpoint, "CheckpointManager", recorder("checkpoints"))
+    monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
+    monkeypatch.setattr(rlmegatron.controller.worker_group, "LocalWorkerGroup", recorder("workers"))
+    monkeypatch.setattr(rlmegatron.controller.engines, "ColocatedEngines", recorder("engines"))
+    monkeypatch.setattr(rlmegatron.controller.trainer, "Trainer", trainer)
+
+    spec = load_spec("configs/quickstart.yaml", [
+        "model.tokenizer_path=elsewhere/tokenizer", "data.shuffle=false", "data.seed=5", "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
+        "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(Stop):
+        run_training(spec, use_ray=False)
+
+    assert made["tokenizer"] == ["elsewhere/tokenizer"]
+    (train_args, _), (val_args, _) = made["dataset"]
+    assert train_args == (spec.data.train_files, "tokenizer", spec.data)
+    assert val_args == (spec.data.val_files, "tokenizer", spec.data)
+    (loader_args, loader_kwargs), = made["loader"]
+    assert loader_args[1:] == (4,) and loader_kwargs == {"shuffle": False, "seed": 5}
+    (reward_args, _), = made["reward"]
+    assert reward_args == (spec.reward, 2) and reward_args[0].num_workers == 3
+    assert made["checkpoints"] == [((str(tmp_path / "run"), 2), {})]
+    # The loop gets exactly these parts.
+    _, workers, engines, tokenizer, loader, val_set, reward, _, checkpoints = made["trainer"]
+    assert (tokenizer, loader.args, val_set.args, checkpoints.args) == (
+        "tokenizer", tuple(loader_args), tuple(val_args), (str(tmp_path / "run"), 2))
+    assert reward.args == reward_args and engines.args == (workers,)
