@@ -6,7 +6,9 @@ Where a function runs (`reward.num_workers`):
 - 0, a plain function: in the driver's main thread, one sample after another, each stopped by SIGALRM after
   `timeout_s`. No process or pickling per sample, so a cheap rule costs microseconds. The previous SIGALRM handler
   and timer are put back after every batch. SIGALRM only reaches the main thread: called from another thread, the
-  manager scores in one worker process instead (and says so once).
+  manager scores in one worker process instead (and says so once). Once a sample runs into `timeout_s`, the function
+  is known to hang: the rest of that batch (when its budget allows) and every later batch score in a bounded pool of
+  worker processes, so their timeouts run side by side instead of one after another (said once).
 - 0, an `async def` function: concurrently on an event loop in the driver, at most `async_concurrency` at once,
   each cancelled after `timeout_s`.
 - N >= 1: a pool of N spawned processes (N samples, and N timeouts, at once), each sample stopped by SIGALRM in
@@ -25,6 +27,7 @@ import logging
 import math
 import multiprocessing
 import numbers
+import os
 import signal
 import threading
 import time
@@ -48,6 +51,8 @@ _RETURN_SLACK_S = 5.0
 # How long past its deadline a sample in the driver may stay in uninterruptible C code before the driver exits.
 _STUCK_GRACE_S = 15.0
 _STDERR_FD = 2
+# Workers a driver-scored function moves to once it has hung: timeouts side by side, bounded by the machine.
+_HUNG_FUNCTION_WORKERS = max(2, min(16, os.cpu_count() or 1))
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
@@ -224,6 +229,7 @@ class NaiveRewardManager:
         self.async_concurrency = async_concurrency
         self._pool: Pool | None = None
         self._warned_off_main_thread = False
+        self._hung_in_driver = False
 
     def __call__(self, items: list[RewardInput]) -> RewardResult:
         outcomes = self._score_all(items)
@@ -266,6 +272,8 @@ class NaiveRewardManager:
             return self._score_in_pool(items, deadline, self.num_workers)
         if self.is_async:
             return self._score_on_event_loop(items, deadline)
+        if self._hung_in_driver:
+            return self._score_in_pool(items, deadline, _HUNG_FUNCTION_WORKERS)
         if threading.current_thread() is threading.main_thread():
             return self._score_in_driver(items, deadline)
         if not self._warned_off_main_thread:
@@ -282,13 +290,27 @@ class NaiveRewardManager:
 
     def _score_in_driver(self, items: list[RewardInput], deadline: float) -> list[_Outcome]:
         limits = self._limits()
-        outcomes = []
+        outcomes: list[_Outcome] = []
         with _alarm_handler(), _stuck_watchdog() as watch:
             for item in items:
                 left = deadline - time.time()
                 seconds = min(self.timeout_s, left)
                 watch(seconds)
                 outcomes.append(_score_one(self.function, item, seconds, limits[left < self.timeout_s]))
+                if outcomes[-1].status == "timeout" and left >= self.timeout_s:
+                    self._hung_in_driver = True
+                    break
+        rest = items[len(outcomes):]
+        if rest:
+            # Worth starting workers only when the budget leaves the rest more than one timeout's time.
+            if deadline - time.time() > self.timeout_s and len(rest) > 1:
+                return outcomes + self._score_in_pool(rest, deadline, _HUNG_FUNCTION_WORKERS)
+            with _alarm_handler(), _stuck_watchdog() as watch:
+                for item in rest:
+                    left = deadline - time.time()
+                    watch(min(self.timeout_s, left))
+                    outcomes.append(_score_one(self.function, item, min(self.timeout_s, left),
+                                               limits[left < self.timeout_s]))
         return outcomes
 
     def _score_on_event_loop(self, items: list[RewardInput], deadline: float) -> list[_Outcome]:
@@ -376,8 +398,9 @@ class NaiveRewardManager:
                 item, outcome = failed[0]
                 named = ", ".join(i.sample_id for i, _ in failed[:5]) + (", ..." if len(failed) > 5 else "")
                 hint = ""
-                if status == "timeout" and self.num_workers == 0 and not self.is_async:
-                    hint = "; in the driver samples run one at a time: reward.num_workers=N times N out at once"
+                if status == "timeout" and self._hung_in_driver and self.num_workers == 0:
+                    hint = (f"; it hangs in the driver, so from here on it scores in {_HUNG_FUNCTION_WORKERS} worker "
+                            "processes, timeouts side by side (reward.num_workers=N chooses N)")
                 logger.warning(
                     "reward function %s on %d of %d samples, scored 0 (first: %s: %s) [%s]%s",
                     what, len(failed), len(items), item.sample_id, outcome.message, named, hint,

@@ -171,6 +171,19 @@ def test_the_driver_puts_back_the_alarm_it_found(custom_reward):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_function_that_hangs_in_the_driver_moves_to_worker_processes_for_the_rest(custom_reward, caplog):
+    # After its first timeout in the driver, the rest of the batch and every later batch score in a pool, where
+    # timeouts run side by side (the pool test below times that); cheap samples before it stay in the driver.
+    with NaiveRewardManager(custom_reward, timeout_s=0.5) as manager:
+        with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
+            first = manager([item(0, "pid"), item(1, "sleep"), item(2, "pid"), item(3, "pid")])
+        later = manager([item(4, "pid")])
+    assert first.extra["pid"][0] == os.getpid()
+    assert first.metrics["reward/timeouts"] == 1.0
+    assert os.getpid() not in first.extra["pid"][2:] + later.extra["pid"]
+    assert "it hangs in the driver, so from here on it scores in" in caplog.messages[0]
+
+
 def test_hanging_samples_in_a_pool_time_out_together_not_one_after_another(custom_reward):
     with NaiveRewardManager(custom_reward, num_workers=4, timeout_s=0.5) as manager:
         manager([item(0, "a")])  # workers started
