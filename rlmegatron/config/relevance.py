@@ -68,6 +68,18 @@ def _sglang_only(spec: JobSpec) -> str:
     return "only SGLang servers use it, and rollout.engine=local generates in every trainer rank; remove it"
 
 
+def _dynamic_batching(switch: str, budget: str, count: str, packs: str = "micro-batches") -> tuple[Rule, Rule]:
+    """With `switch` on, micro-batches are cut by the token `budget`, else by the sequence `count`: each matters in
+    one of the two modes only."""
+
+    def on(spec: JobSpec) -> bool:
+        return bool(_value_at(spec, switch))
+
+    return (Rule((budget,), on, lambda s: f"only applies with {switch}=true; remove it or turn dynamic batching on"),
+            Rule((count,), lambda s: not on(s),
+                 lambda s: f"{switch}=true packs {packs} by {budget} instead; remove it"))
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("ref.",), lambda s: s.needs_reference,
          lambda s: "the reference model is only built for a KL term (actor.use_kl_loss or "
@@ -113,26 +125,17 @@ RULES: tuple[Rule, ...] = (
          lambda s: "only the mlflow backend uses it; remove it or add mlflow to tracking.backends"),
     Rule(("model.hf_config",), lambda s: s.model.architecture_source()[0] == "model.hf_config",
          lambda s: "model.path is a local directory, whose own config.json is read; remove it"),
-    Rule(("actor.ppo_max_token_len_per_gpu",), lambda s: s.actor.use_dynamic_bsz,
-         lambda s: "only applies with actor.use_dynamic_bsz=true; remove it or turn dynamic batching on"),
-    Rule(("actor.ppo_micro_batch_size_per_gpu",), lambda s: not s.actor.use_dynamic_bsz,
-         lambda s: "actor.use_dynamic_bsz=true packs micro-batches by actor.ppo_max_token_len_per_gpu instead; "
-                   "remove it"),
-    Rule(("critic.ppo_max_token_len_per_gpu",), lambda s: s.critic.use_dynamic_bsz,
-         lambda s: "only applies with critic.use_dynamic_bsz=true; remove it or turn dynamic batching on"),
-    Rule(("critic.ppo_micro_batch_size_per_gpu",), lambda s: not s.critic.use_dynamic_bsz,
-         lambda s: "critic.use_dynamic_bsz=true packs micro-batches by critic.ppo_max_token_len_per_gpu instead; "
-                   "remove it"),
-    Rule(("rollout.log_prob_micro_batch_size_per_gpu",), lambda s: not s.actor.use_dynamic_bsz,
-         lambda s: "actor.use_dynamic_bsz=true packs the old-log-prob pass by actor.ppo_max_token_len_per_gpu "
-                   "instead; remove it"),
+    *_dynamic_batching("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
+                       "actor.ppo_micro_batch_size_per_gpu"),
+    *_dynamic_batching("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
+                       "critic.ppo_micro_batch_size_per_gpu"),
+    *_dynamic_batching("ref.log_prob_use_dynamic_bsz", "ref.log_prob_max_token_len_per_gpu",
+                       "ref.log_prob_micro_batch_size_per_gpu"),
+    # The old-log-prob pass batches like the actor's update; its budget rule is the actor's, above.
+    _dynamic_batching("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
+                      "rollout.log_prob_micro_batch_size_per_gpu", packs="the old-log-prob pass")[1],
     Rule(("tracking.rollout_trace.prompts_per_step",), lambda s: s.tracking.rollout_trace.backend is not None,
          lambda s: "no samples are traced (tracking.rollout_trace.backend is null); remove it or set a backend"),
-    Rule(("ref.log_prob_max_token_len_per_gpu",), lambda s: s.ref.log_prob_use_dynamic_bsz,
-         lambda s: "only applies with ref.log_prob_use_dynamic_bsz=true; remove it or turn dynamic batching on"),
-    Rule(("ref.log_prob_micro_batch_size_per_gpu",), lambda s: not s.ref.log_prob_use_dynamic_bsz,
-         lambda s: "ref.log_prob_use_dynamic_bsz=true packs micro-batches by ref.log_prob_max_token_len_per_gpu "
-                   "instead; remove it"),
     Rule(("rollout.tensor_parallel_size", "rollout.expert_parallel_size", "rollout.enable_dp_attention",
           "rollout.mem_fraction_static", "rollout.num_gpus", "rollout.update_weights_bucket_mb", "rollout.sglang."),
          lambda s: s.rollout.engine == "sglang", _sglang_only,
