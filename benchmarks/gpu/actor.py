@@ -35,19 +35,21 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.gpu import receiver
+from rlmegatron.models.hf_config import DTYPES
 
 # bf16 dense tensor-core peaks (TFLOP/s) from NVIDIA's datasheets, matched against torch's device name.
 GPU_BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
                         ("H800", 989.0), ("GH200", 989.0), ("A100", 312.0))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def peak_tflops(device: str, given: float | None) -> tuple[float | None, str]:
+def peak_tflops(device: str, dtype: str, given: float | None) -> tuple[float | None, str]:
     """(peak, where it comes from); None with the reason when there is no honest number."""
     if given:
         return given, "--peak-tflops"
     if device != "cuda":
         return None, "no nominal peak for a CPU; pass --peak-tflops to compute an MFU"
+    if dtype != "bf16":
+        return None, f"the table holds bf16 peaks, and the model is {dtype}; pass --peak-tflops"
     name = torch.cuda.get_device_name()
     for key, value in GPU_BF16_PEAK_TFLOPS:
         if key in name:
@@ -187,7 +189,7 @@ def mfu_trial(actor, facts, args, micro_batch: int, packed: bool, flops_n: int, 
     timed = slice(1, None) if len(update_s) > 1 else slice(0, 1)
     update = min(update_s[timed])
     optimizer = optimizer_s[update_s.index(update)]
-    flops = rows * flops_per_sequence(flops_n, engine_config(actor), seq_len)
+    flops = rows * flops_per_sequence(flops_n, model_config(actor), seq_len)
     return {"micro_batch": micro_batch, "tokens_per_micro_batch": micro_batch * seq_len, "rows_per_update": rows,
             "update_s": update, "optimizer_s": optimizer, "fwd_bwd_s": update - optimizer, "flops_per_update": flops,
             "fwd_bwd_tflops": flops / (update - optimizer) / 1e12, "update_tflops": flops / update / 1e12,
@@ -195,20 +197,23 @@ def mfu_trial(actor, facts, args, micro_batch: int, packed: bool, flops_n: int, 
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None}
 
 
-def engine_config(actor):
+def model_config(actor):
     from rlmegatron.workers.engine import unwrap
 
     return unwrap(actor.chunks[0]).config
 
 
 def mfu_benchmark(actor, facts, args, peak: float | None, peak_source: str, deadline: float) -> dict:
+    """For each batch layout, the micro-batch doubles from 1 until out of memory, past --max-micro-batch, or past
+    the layout's share of the time left before `deadline`."""
     flops_n = matmul_parameters(actor, facts)
     modes = {}
-    for mode in args.mfu_modes:
+    for index, mode in enumerate(args.mfu_modes):
+        mode_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(args.mfu_modes) - index)
         trials, stop = [], "reached --max-micro-batch"
         micro_batch = 1
         while micro_batch <= args.max_micro_batch:
-            left = deadline - time.monotonic()
+            left = mode_deadline - time.monotonic()
             if left <= 0:
                 stop = "time budget spent"
                 break
@@ -277,6 +282,12 @@ def best_time(run, device: str, repeats: int) -> float:
     return min(times)
 
 
+def device_copy_seconds(nbytes: int, device: str, repeats: int) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return best_time(lambda: target.copy_(source), device, repeats)
+
+
 def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     from rlmegatron.models.weight_map import WeightMap
     from rlmegatron.resharding import HFWeightExporter
@@ -291,11 +302,13 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     device = args.device
     versions = iter(range(1 << 30))
     arrived: dict = {}
+    posts: list = []
 
     def sync(verify: bool = False):
         def post(payloads):
             digests = peer.ask("bucket", {"payloads": payloads, "version": str(next(versions)), "digest": verify})
             arrived.update(digests or {})
+            posts.append(verify)
 
         share_buckets(exporter.stream(), bucket_bytes, rules, 1, None, post)
 
@@ -309,20 +322,17 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     sent = {name: receiver.digest(tensor) for name, tensor in exporter.stream()}
     held = {name: receiver.digest(tensor.to(dtype)) for name, tensor in exporter.stream()}
     before = peer.ask("digests", list(sizes))
-    source = torch.empty(total, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
     seconds = {
         "export_only": best_time(lambda: collections.deque(exporter.stream(), maxlen=0), device, args.repeats),
         "export_and_bucket": best_time(export_and_bucket, device, args.repeats),
         "sync": best_time(sync, device, args.repeats),
-        "device_copy": best_time(lambda: target.copy_(source), device, args.repeats),
+        "device_copy": device_copy_seconds(total, device, args.repeats),
     }
-    del source, target
     sync(verify=True)  # untimed: the receiver hashes every tensor as it arrived, before loading it
     after = peer.ask("digests", list(sizes))
     rates = {name: total / 1e9 / value for name, value in seconds.items()}
     return {"bytes": total, "tensors": len(sizes), "elements": sum(t.numel() for _, t in exporter.stream()),
-            "bucket_bytes": bucket_bytes,
+            "bucket_bytes": bucket_bytes, "buckets": posts.count(True),
             "largest_tensor_bytes": max(sizes.values()),
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for _, t in exporter.stream()}),
             "seconds": seconds, "gb_per_s": rates, "sync_vs_device_copy": rates["sync"] / rates["device_copy"],
@@ -385,7 +395,7 @@ def main() -> None:
     if not stage("model", build):
         sys.exit(1)
     facts, actor = built["facts"], built["actor"]
-    peak, peak_source = peak_tflops(args.device, args.peak_tflops)
+    peak, peak_source = peak_tflops(args.device, args.dtype, args.peak_tflops)
     deadline = time.monotonic() + args.mfu_budget_s
     stage("mfu", lambda: mfu_benchmark(actor, facts, args, peak, peak_source, deadline))
     peer = None

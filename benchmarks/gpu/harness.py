@@ -19,6 +19,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.results_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": args.device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    now = datetime.datetime.now(datetime.timezone.utc)
+    report = {"device": args.device, "date": now.strftime("%Y-%m-%d %H:%M UTC"),
               "command": "benchmarks/gpu/run.sh " + " ".join(argv), "targets": TARGETS,
               "settings": {k: v for k, v in vars(args).items() if k != "results_dir"},
               "machine": {"python": platform.python_version(), "platform": platform.platform()},
@@ -232,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         report["machine"].update(report["parts"]["actor"].pop("machine", {}))
     if "grpo" in args.parts:
         result = out / "grpo.json"
-        report["status"]["grpo"] = run_part("grpo", grpo_command(args, result, out / "grpo_run"),
-                                            args.grpo_timeout_s, out / "grpo.log")
+        # Its run directory (logs, the final HF export) stays out of the results: the device tool returns 8 files.
+        with tempfile.TemporaryDirectory(prefix="rlm-gpu-grpo-") as run_dir:
+            report["status"]["grpo"] = run_part("grpo", grpo_command(args, result, Path(run_dir)),
+                                                args.grpo_timeout_s, out / "grpo.log")
         report["parts"]["grpo"] = load(result)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)

@@ -14,18 +14,26 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${RLM_WHEELS:-$ROOT/benchmarks/gpu/wheels}"
+SITE="${RLM_SITE:-${TMPDIR:-/tmp}/rlm-gpu-site}"
 cd "$ROOT"
 
 # find_spec, not import: importing megatron.core takes seconds.
-if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('megatron.core') and u.find_spec('pydantic')))" \
-        2>/dev/null; then
+have_deps() {
+    "$PYTHON" -c "import importlib.util as u, sys
+sys.exit(not (u.find_spec('megatron.core') and u.find_spec('pydantic')))" 2>/dev/null
+}
+if ! have_deps; then
     if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
         echo "run.sh: megatron-core or pydantic is not installed, and $WHEELS holds no wheels;" \
              "run benchmarks/gpu/fetch_wheels.sh on a machine with PyPI and carry that directory" >&2
         exit 2
     fi
-    echo "installing megatron-core and pydantic from $WHEELS" >&2
-    "$PYTHON" -m pip install --quiet --no-index --no-cache-dir --find-links "$WHEELS" megatron-core pydantic
+    # Into a directory of their own (the device tool's recipe): the image's environment is left as it is.
+    echo "installing $(cd "$WHEELS" && echo *.whl) into $SITE" >&2
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    have_deps || { echo "run.sh: megatron-core or pydantic still missing after installing $WHEELS" >&2; exit 2; }
 fi
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
