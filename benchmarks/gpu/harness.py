@@ -68,7 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("give a results directory (or set OUT)")
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, str(REPO / value) if name == "model" else value)
+    args.model = str(Path(args.model).resolve())
     if args.bucket_mb is None:
         args.bucket_mb = spec_bucket_mb()
     return args
@@ -92,13 +93,15 @@ def run_part(name: str, command: list[str], timeout_s: int, log: Path) -> dict:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        timed_out = False
         try:
             process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             timed_out = True
+        finally:  # timed out, or this process interrupted: the part and its receiver go too
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         reader.join(timeout=10)
     status = {"returncode": process.returncode, "timed_out": timed_out, "wall_s": time.perf_counter() - start,
               "log": log.name}
@@ -195,7 +198,8 @@ def markdown(report: dict) -> str:
                          f"({status['log']}) | - | failed |")
     model = actor.get("model", {})
     if "parameters" in model:
-        lines += ["", f"Model: `{model['model']}`, {g(model['parameters'] / 1e6)} M parameters, {model['dtype']}, "
+        shown_model = os.path.relpath(model["model"], REPO) if model["model"].startswith(str(REPO)) else model["model"]
+        lines += ["", f"Model: `{shown_model}`, {g(model['parameters'] / 1e6)} M parameters, {model['dtype']}, "
                       "random init, local (non-TE) layer spec, TP=PP=1."]
     if mfu.get("modes"):
         lines += ["", f"FLOPs: {mfu['flops_formula']}; N = {g(mfu['matmul_parameters'] / 1e6)} M; "

@@ -15,7 +15,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${RLM_WHEELS:-$ROOT/benchmarks/gpu/wheels}"
 SITE="${RLM_SITE:-${TMPDIR:-/tmp}/rlm-gpu-site}"
-cd "$ROOT"
 
 # find_spec, not import: importing megatron.core takes seconds.
 have_deps() {

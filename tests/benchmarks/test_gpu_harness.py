@@ -32,7 +32,8 @@ def test_cpu_rehearsal_runs_every_part(tmp_path):
     for name in ABSENT_ON_DEVICE:
         (stubs / f"{name}.py").write_text(f"raise ImportError('{name} is not on the device image')\n")
     out = tmp_path / "results"
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join([str(stubs), str(REPO)])}
+    path = [str(stubs), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(path)}
     run = subprocess.run(["bash", "benchmarks/gpu/run.sh", str(out), "--device", "cpu"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
