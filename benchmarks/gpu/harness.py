@@ -66,6 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.results_dir:
         parser.error("give a results directory (or set OUT)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device here; --device cpu runs the rehearsal")
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, str(REPO / value) if name == "model" else value)
