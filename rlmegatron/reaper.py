@@ -9,7 +9,8 @@ to a GCS that is gone. The session's processes are:
 - every process whose initial environment holds RLM_SESSION_MARK=MARK: the owner sets it before starting Ray, so
   Ray's processes, rank actors, their engine servers and reward workers inherit it;
 - every `ray::` process with a file open under SESSION_DIR: the agents, whose process titles wipe their environment;
-- every descendant of those (SGLang's scheduler processes retitle themselves too).
+- every descendant of those, whatever its environment (a process that sets its title may wipe it, as SGLang's
+  schedulers do theirs).
 The owner's death is a blocking wait (a pidfd, and the pipe on stdin whose writing end only the owner holds); the
 sweep repeats until it finds no process it has not killed already, so one started during a sweep goes too.
 """
