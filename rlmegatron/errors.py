@@ -1,8 +1,12 @@
-"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours.
+"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours; and
+Divergence: training produced NaN or inf.
 
 `rlm` prints a user error's message and exits 2, with no traceback unless RLM_DEBUG=1 or `rlm --debug`; anything
 else keeps its traceback. The message is the whole report: one line per problem, naming the file, field or row and
 the fix. Imports nothing, so every module, however light, can raise one.
+
+A Divergence stops the run before the step it happened in can be saved: the trainer reports it as TrainingStopped
+(exit 3) with the step and the last complete checkpoint.
 """
 from __future__ import annotations
 
@@ -11,6 +15,11 @@ import sys
 
 class UserError(Exception):
     """Base of every error type that reports a user's mistake (SpecError, DatasetError, PluginError, ...)."""
+
+
+class Divergence(FloatingPointError):
+    """NaN or inf where training needs finite numbers: rollout logits, log-probs, entropy, values, a loss term, a
+    gradient norm or the weights after an optimizer step. The message starts with the metric's name."""
 
 
 def user_error_in(error: BaseException) -> UserError | None:

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_TRAINING_STOPPED, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "configs/quickstart.yaml"
@@ -512,3 +512,30 @@ def test_a_nan_reward_names_the_function_and_the_sample(tmp_path):
     finally:
         manager.close()
     assert "nan_reward.py:compute_score" in str(raised.value) and "echo#7" in str(raised.value)
+
+
+# ---- a run that diverges: exit 3 and one line naming the step and the metric; the last complete checkpoint stays --
+# `rlm train` with its one rank in-process (no Ray): 4 prompts x 4 samples a step, half of which earn the reward.
+DIVERGING_RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "placement.gpus_per_node=1", "trainer.test_freq=-1",
+                 "data.val_files=[]", "tracking.backends=[console]", "data.train_batch_size=4",
+                 "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
+                 "reward.function=tests/controller/parity_reward.py:compute_score"]
+
+
+@pytest.mark.parametrize("overrides, step, found", [
+    # Adam moves each weight by about lr: step 1 trains, step 2's gradients overflow.
+    pytest.param(["actor.optim.lr=1e10"], 2, "actor/grad_norm=nan: stopped after the optimizer step, so the "
+                 "weights in memory are not usable", id="lr-1e10"),
+])
+def test_a_divergence_stops_the_run_with_exit_3_naming_the_step_and_the_metric(tmp_path, overrides, step, found):
+    run_dir = tmp_path / "run"
+    env = {key: value for key, value in os.environ.items() if key != "RLM_DEBUG"}
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.cli_without_ray", "train", QUICKSTART,
+                             *DIVERGING_RUN, f"trainer.run_dir={run_dir}", *overrides],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == EXIT_TRAINING_STOPPED, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last_complete = run_dir / "checkpoints" / f"step_{step - 1}"
+    assert result.stderr.splitlines()[-1] == (f"training stopped: step {step}: {found}. No checkpoint is written for "
+                                              f"this step; the last complete one is {last_complete}")
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["latest", last_complete.name]

@@ -39,6 +39,8 @@ def start_ray(spec: JobSpec) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local one just big enough for the placement."""
     import ray
 
+    from rlmegatron import reaper
+
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -51,8 +53,11 @@ def start_ray(spec: JobSpec) -> None:
     # A CPU rank is one CPU bundle: ask for exactly that many, whatever the machine has.
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": python_path}})
+    # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
+    mark = reaper.mark_started_processes()
+    context = ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING",
+                       runtime_env={"env_vars": {"PYTHONPATH": python_path}})
+    reaper.start(mark, context.address_info["session_dir"])
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:

@@ -45,7 +45,8 @@ class Timer:
 
 
 class TrainingStopped(RuntimeError):
-    """The loop stopped on a step it must not apply (a NaN or infinite reward, loss or gradient norm)."""
+    """The loop stopped on a step it must not apply or save: a NaN or infinite reward, or a Divergence (rollout
+    logits, log-probs, values, a loss term, a gradient norm, the weights)."""
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Trainer:
         while self.step < self.total_steps():
             self.step += 1
             timer, metrics = Timer(), {}
-            with timer("step"):
+            with timer("step"), self.stop_on_non_finite():
                 rollout = self.collect_rollout(timer, metrics)
                 baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
                 self.engines.release_memory()
@@ -108,10 +109,10 @@ class Trainer:
                         group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
                         lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
                 if spec.critic.enable:
-                    with timer("update_critic"), self.stop_on_non_finite():
+                    with timer("update_critic"):
                         metrics.update(self.update("critic", batch))
                 if self.step > trainer.critic_warmup:
-                    with timer("update_actor"), self.stop_on_non_finite():
+                    with timer("update_actor"):
                         metrics.update(self.update("actor", batch))
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
@@ -137,12 +138,12 @@ class Trainer:
 
     @contextmanager
     def stop_on_non_finite(self):
+        from rlmegatron.errors import Divergence
         from rlmegatron.rewards import NonFiniteReward
-        from rlmegatron.workers.training import NonFiniteUpdate
 
         try:
             yield
-        except (NonFiniteUpdate, NonFiniteReward) as error:
+        except (Divergence, NonFiniteReward) as error:
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
             raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
                                   f"complete one is {self.last_checkpoint or 'none'}") from None
@@ -180,7 +181,8 @@ class Trainer:
             for i, p in enumerate(prompts)
         ]
         shares = R.shard_requests(requests, self.engines.count)
-        with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress:
+        # Validation's generation too: a Divergence there stops the run as one in the step does.
+        with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress, self.stop_on_non_finite():
             answers = self.engines.generate(dict(enumerate(shares)), progress)
             while restarted := [engine for engine, answer in answers.items() if answer is None]:
                 # A restarted engine has no trained weights: push them (collective), then resend its share.

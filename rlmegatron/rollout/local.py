@@ -1,6 +1,7 @@
 """In-process rollout engine: batched, KV-cached generation with a transformers causal LM on CPU or GPU."""
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from rlmegatron.errors import Divergence
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
     MEMORY_TAGS,
@@ -45,6 +47,17 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) ->
         outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
         logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
     return logits
+
+
+def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> None:
+    """Divergence if a sample still generating has logits that are NaN, +inf or all -inf: sampling would fail on
+    them and greedy decoding would pick an arbitrary token. A -inf on some tokens (a masked vocabulary) is fine.
+    One reduction over the logits, beside the sampling's own."""
+    top = logits.amax(dim=-1)  # NaN if any logit is NaN, inf if any is +inf, -inf if all are
+    bad = [row for row, value in enumerate(top.tolist()) if finish[row] is None and not math.isfinite(value)]
+    if bad:
+        raise Divergence(f"rollout logits: NaN or inf for {len(bad)} of the {len(finish)} samples at response "
+                         f"token {position + 1}; the rollout model's weights are not usable")
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -149,7 +162,7 @@ class LocalEngine(RolloutEngine):
         logprobs: list[list[float]] = [[] for _ in samples]
         finish: list[FinishReason | None] = [None] * batch
         cache = None
-        for _ in range(max(s.sampling.max_new_tokens for s in samples)):
+        for position in range(max(s.sampling.max_new_tokens for s in samples)):
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -158,6 +171,7 @@ class LocalEngine(RolloutEngine):
                 use_cache=True,
             )
             cache = out.past_key_values
+            _raise_if_not_finite(out.logits[:, -1, :], position, finish)
             scaled = out.logits[:, -1, :].float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             next_tokens = torch.argmax(scaled, dim=-1)

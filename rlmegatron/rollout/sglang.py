@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -15,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlmegatron.errors import Divergence
 from rlmegatron.rollout.buckets import Bucketer, TravelRule
 from rlmegatron.rollout.engine import (
     MEMORY_TAGS,
@@ -199,11 +201,19 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int)
     reason = meta["finish_reason"]["type"]
     if reason not in ("stop", "length", "abort"):
         raise SGLangRequestError(f"unknown finish reason {reason!r}")
+    # The server samples from NaN or inf logits without complaint; their log-probs show it (NaN, or null where
+    # the server's JSON encoder has no NaN).
+    logprobs = tuple(math.nan if logprob is None else float(logprob) for logprob, *_ in triples)
+    if not all(map(math.isfinite, logprobs)):
+        position = next(k for k, logprob in enumerate(logprobs) if not math.isfinite(logprob))
+        raise Divergence(f"rollout logits: the server's log-prob of response token {position + 1} of sample "
+                         f"{request_index}/{sample_index} is {logprobs[position]}; the rollout model's weights "
+                         "are not usable")
     return GenerationResult(
         request_index=request_index,
         sample_index=sample_index,
         output_token_ids=tuple(output_ids),
-        output_token_logprobs=tuple(float(logprob) for logprob, *_ in triples),
+        output_token_logprobs=logprobs,
         finish_reason=reason,
         weight_version=meta.get("weight_version"),
     )

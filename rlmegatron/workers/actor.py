@@ -10,7 +10,7 @@ import torch
 from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
 from rlmegatron.workers import engine
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
-from rlmegatron.workers.training import TrainingSettings, TrainingWorker, micro_batches
+from rlmegatron.workers.training import TrainingSettings, TrainingWorker, micro_batches, raise_if_not_finite_tokens
 from rlmegatron.workers.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
 
@@ -66,7 +66,9 @@ class ActorWorker(TrainingWorker):
         if settings.log_prob_micro_batch_size is not None:
             # No backward pass here, so larger micro-batches than the update's fit in the same memory.
             settings = replace(settings, micro_batch_size=settings.log_prob_micro_batch_size)
-        return compute_log_prob(self.chunks, settings, batch, with_entropy)
+        log_probs, entropy = compute_log_prob(self.chunks, settings, batch, with_entropy)
+        raise_if_not_finite_tokens({"actor/old_log_prob": log_probs, "actor/entropy": entropy}, batch.response_mask)
+        return log_probs, entropy
 
     def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """PPO: for each epoch and mini-batch, accumulate gradients over micro-batches, then one optimizer step."""

@@ -8,7 +8,7 @@ import torch
 from rlmegatron.algorithms import clipped_value_loss
 from rlmegatron.workers import engine
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
-from rlmegatron.workers.training import TrainingSettings, TrainingWorker
+from rlmegatron.workers.training import TrainingSettings, TrainingWorker, raise_if_not_finite_tokens
 
 VALUE_HEAD_SEED = 0
 
@@ -101,7 +101,9 @@ class CriticWorker(TrainingWorker):
             values = _response_values(micro_batch, output)
             return (values * micro_batch.response_fields.response_mask.to(values.device),)
 
-        return engine.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
+        values = engine.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
+        raise_if_not_finite_tokens({"critic/values": values}, batch.response_mask)
+        return values
 
     def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """Clipped value loss against `batch.returns`, with `batch.values` as the rollout-time values."""

@@ -8,6 +8,7 @@ from rlmegatron.workers import engine
 from rlmegatron.workers.actor import ActorSettings, compute_log_prob
 from rlmegatron.workers.batch import RolloutBatch
 from rlmegatron.workers.offload import Offloader
+from rlmegatron.workers.training import raise_if_not_finite_tokens
 
 
 class ReferenceWorker:
@@ -42,4 +43,6 @@ class ReferenceWorker:
 
     def compute_log_prob(self, batch: RolloutBatch):
         """log p_ref(response token) [B, R], zero outside response_mask."""
-        return compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]
+        log_probs = compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]
+        raise_if_not_finite_tokens({"ref/log_prob": log_probs}, batch.response_mask)
+        return log_probs

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rlmegatron.algorithms import LossAggregation, local_denominator
+from rlmegatron.errors import Divergence
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.tracking.progress import Progress, report
 from rlmegatron.workers import engine
@@ -173,21 +174,42 @@ class TrainingWorker:
         _raise_if_not_finite(terms, "before the optimizer step; the weights are unchanged")
         _, grad_norm, _ = self.optimizer.step()
         metrics[f"{self.metric_prefix}/grad_norm"] = float(grad_norm)
-        _raise_if_not_finite({f"{self.metric_prefix}/grad_norm": float(grad_norm)},
-                             "after the optimizer step, so the weights in memory are not usable")
+        after_step = "after the optimizer step, so the weights in memory are not usable"
+        _raise_if_not_finite({f"{self.metric_prefix}/grad_norm": float(grad_norm)}, after_step)
+        # A finite grad norm can still move the weights past what float holds (a huge learning rate).
+        if not weights_finite(self.chunks):
+            raise Divergence(f"{self.metric_prefix}/weights: NaN or inf in the weights: stopped {after_step}")
         metrics.update(_moe_aux_losses(engine.unwrap(self.chunks[0]).config, self.metric_prefix))
         return metrics
-
-
-class NonFiniteUpdate(FloatingPointError):
-    """A loss term or gradient norm is NaN or infinite: training stops rather than step, or save, on it."""
 
 
 def _raise_if_not_finite(values: dict[str, float], when: str) -> None:
     bad = {name: value for name, value in values.items() if not math.isfinite(value)}
     if bad:
         found = ", ".join(f"{name}={value}" for name, value in sorted(bad.items()))
-        raise NonFiniteUpdate(f"{found}: stopped {when}")
+        raise Divergence(f"{found}: stopped {when}")
+
+
+def weights_finite(chunks: list) -> bool:
+    """Whether every rank's parameters are all finite; collective over all ranks, so each takes the same way.
+
+    One sum per parameter tensor: a NaN or inf anywhere makes it NaN or inf, and it reads each weight once without
+    a temporary the size of the tensor (finite weights so large that their sum overflows count as diverged too)."""
+    sums = [param.detach().sum(dtype=torch.float32) for chunk in chunks for param in chunk.parameters()]
+    bad = (~torch.isfinite(torch.stack(sums))).any().to(torch.int32).reshape(1)
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def raise_if_not_finite_tokens(tensors: dict[str, Optional[torch.Tensor]], response_mask: torch.Tensor) -> None:
+    """Divergence naming each [B, R] tensor with a NaN or inf on a response token. Every rank holds the same full
+    tensors, so every rank raises alike, without a collective."""
+    tokens = response_mask.bool()
+    bad = {name: int((~torch.isfinite(tensor[tokens.to(tensor.device)])).sum())
+           for name, tensor in tensors.items() if tensor is not None}
+    if any(bad.values()):
+        raise Divergence(", ".join(f"{name}: {count} of {int(tokens.sum())} response tokens are NaN or infinite"
+                                   for name, count in bad.items() if count))
 
 
 def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:

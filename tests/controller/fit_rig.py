@@ -174,11 +174,11 @@ class Rig:
 
 
 def run_rig(run_dir: Path, *overrides: str, reward=first_token_is_even, train_prompts: int = 8,
-            val_prompts: int = 0, ranks: FakeRanks | None = None) -> Rig:
+            val_prompts: int = 0, ranks: FakeRanks | None = None, engines: FakeEngines | None = None) -> Rig:
     """`Trainer.fit` on rig_spec(overrides), in `run_dir`."""
     spec = rig_spec(f"trainer.run_dir={run_dir}", *overrides)
     ranks = ranks or FakeRanks()
-    engines, reward_manager = FakeEngines(), FakeRewardManager(reward)
+    engines, reward_manager = engines or FakeEngines(), FakeRewardManager(reward)
     loader = PromptDataLoader(prompts(train_prompts), spec.data.train_batch_size, shuffle=spec.data.shuffle,
                               seed=spec.data.seed)
     val_set = prompts(val_prompts, "val") if spec.data.val_files else None

@@ -38,21 +38,24 @@ def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None 
 
 def with_fake_sglang(tmp: Path, name: str, die_after_generates: int = 0) -> tuple[list[str], dict]:
     """Overrides and environment that put the loopback SGLang server (tests/rollout/fake_sglang) behind the loop;
-    every process of the run carries RLM_TEST_RUN=name in its environment, so survivors can be found."""
+    every process of the run carries RLM_TEST_RUN=name-PID (this pytest's pid: another session may run the same
+    tests on the machine) in its environment, so survivors can be found (processes_of_run)."""
     overrides = ["rollout.engine=sglang", f"rollout.sglang.python={sys.executable}",
                  "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={tmp / name}.calls",
                  f"rollout.sglang.extra_args.fake-marker={tmp / name}.died",
                  f"rollout.sglang.extra_args.fake-die-after-generates={die_after_generates}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]), "RLM_TEST_RUN": name}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]),
+           "RLM_TEST_RUN": f"{name}-{os.getpid()}"}
     return overrides, env
 
 
 def processes_of_run(name: str) -> list[str]:
-    """Live processes whose environment carries RLM_TEST_RUN=name, as 'pid cmdline'."""
+    """Live processes whose environment carries this session's RLM_TEST_RUN for `name`, as 'pid cmdline'."""
     found = []
+    mark = f"RLM_TEST_RUN={name}-{os.getpid()}".encode()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and f"RLM_TEST_RUN={name}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
                 command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 found.append(f"{proc.name} {command}")
         except OSError:

@@ -1,6 +1,8 @@
 """LocalEngine: greedy parity with a no-cache argmax loop, log-prob convention, weight loading, finish reasons, seeds."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -112,3 +114,41 @@ def test_released_weights_refuse_generation(model):
     engine.resume_memory(["weights"])
     engine.resume_memory(["kv_cache"])
     assert engine.generate([GenerationRequest(PROMPTS[0], SamplingSpec(max_new_tokens=2))])
+
+
+class PoisonedLogits(torch.nn.Module):
+    """`model` with the last position's logits of `rows` set to `value` from the `from_call`-th forward on (1-based),
+    and every logit from index `masked_from` on at -inf (a masked vocabulary)."""
+
+    def __init__(self, model, rows, value, from_call, masked_from):
+        super().__init__()
+        self.model, self.rows, self.value, self.from_call, self.masked_from = model, rows, value, from_call, masked_from
+        self.calls = 0
+
+    def forward(self, **inputs):
+        out = self.model(**inputs)
+        self.calls += 1
+        out.logits[:, -1, self.masked_from:] = float("-inf")
+        if self.calls >= self.from_call:
+            out.logits[self.rows, -1, :] = self.value
+        return out
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "all-minus-inf"])
+def test_non_finite_logits_of_a_sample_still_generating_stop_generation_naming_the_rollout_logits(model, value):
+    from rlmegatron.errors import Divergence
+
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=4)
+    first = LocalEngine(model).generate([GenerationRequest(PROMPTS[0], greedy)])[0].output_token_ids[0]
+    # Sample 0 stops at its first token, so its logits after that are never used; sample 1's are, from token 2 on.
+    stop_first = SamplingSpec(temperature=0.0, max_new_tokens=4, stop_token_ids=(first,))
+    requests = [GenerationRequest(PROMPTS[0], stop_first)] + [GenerationRequest(p, greedy) for p in PROMPTS[1:]]
+    with pytest.raises(Divergence) as raised:
+        LocalEngine(PoisonedLogits(model, [0, 1], value, from_call=2, masked_from=150)).generate(requests)
+    assert str(raised.value) == ("rollout logits: NaN or inf for 1 of the 3 samples at response token 2; the rollout "
+                                 "model's weights are not usable")
+    # A masked vocabulary alone is fine, and nothing masked is sampled.
+    results = LocalEngine(PoisonedLogits(model, [], value, from_call=1, masked_from=150)).generate(
+        [GenerationRequest(p, SamplingSpec(n=4, max_new_tokens=4, seed=1)) for p in PROMPTS])
+    assert max(token for r in results for token in r.output_token_ids) < 150
+    assert all(math.isfinite(logprob) for r in results for logprob in r.output_token_logprobs)

@@ -22,6 +22,7 @@ from rlmegatron.rollout.sglang import (
     RouterClient,
     SGLangClient,
     SGLangEngine,
+    parse_generate_response,
     sampling_params,
 )
 from rlmegatron.rollout.sglang_server import (
@@ -125,6 +126,24 @@ def test_generate_schema_results_and_finish_reasons(tmp_path):
     finally:
         engine.shutdown()
     assert not engine.health()
+
+
+@pytest.mark.parametrize("logprob, shown", [(float("nan"), "nan"), (None, "nan"), (float("-inf"), "-inf")],
+                         ids=["nan", "null", "minus-inf"])
+def test_a_non_finite_log_prob_from_the_server_stops_generation_naming_the_rollout_logits(logprob, shown):
+    """A server that samples from NaN or inf logits says so only through the log-probs (null where its JSON
+    encoder has no NaN)."""
+    from rlmegatron.errors import Divergence
+
+    answer = {"output_ids": [5, 6, 7], "meta_info": {"finish_reason": {"type": "length"},
+                                                     "output_token_logprobs": [[-0.5, 5, None], [logprob, 6, None],
+                                                                               [-0.25, 7, None]]}}
+    with pytest.raises(Divergence) as raised:
+        parse_generate_response(answer, request_index=3, sample_index=1)
+    assert str(raised.value) == (f"rollout logits: the server's log-prob of response token 2 of sample 3/1 is {shown}; "
+                                 "the rollout model's weights are not usable")
+    answer["meta_info"]["output_token_logprobs"][1][0] = -1.0
+    assert parse_generate_response(answer, 3, 1).output_token_logprobs == (-0.5, -1.0, -0.25)
 
 
 def test_the_remax_greedy_pass_asks_the_server_for_greedy_samples():

@@ -284,3 +284,54 @@ def optimizer_job(workdir: str) -> dict:
     report["distributed_vs_plain_diff"] = _max_diff(half[True], half[False])
     report["update_size"] = _max_diff(half[True], parameters(first))
     return report
+
+
+def divergence_job() -> dict:
+    """At TP=2, what each rank sees of NaN weights: after an optimizer step with a finite grad norm (a NaN in one
+    rank's share of an embedding row no token reads), and in the actor's, reference's and critic's outputs (a NaN
+    final-norm weight). Every rank reports its own errors."""
+    from rlmegatron.errors import Divergence
+    from rlmegatron.workers.training import weights_finite
+
+    def error_of(call) -> str:
+        try:
+            call()
+        except Divergence as error:
+            return str(error)
+        return "no divergence"
+
+    def poison_final_norm(worker):
+        with torch.no_grad():
+            engine_module(worker).decoder.final_layernorm.weight[0] = float("nan")
+
+    layout = ParallelLayout(tp=2)
+    batch = rollout_batch()
+    actor = ActorWorker(ActorSettings(**ACTOR_DEFAULTS), model_provider(layout, tie_embeddings=False), layout)
+    actor.init(parallel_state_ready=True)
+    report = {"finite_before": weights_finite(actor.chunks)}
+    unread = min(set(range(VOCAB)) - set(batch.input_ids.flatten().tolist()))
+    embedding = engine_module(actor).embedding.word_embeddings
+    if embedding.vocab_start_index <= unread < embedding.vocab_end_index:
+        with torch.no_grad():
+            embedding.weight[unread - embedding.vocab_start_index, 0] = float("nan")
+    report["finite_after_poison"] = weights_finite(actor.chunks)
+    log_probs, _ = actor.compute_log_prob(batch)  # nothing reads the row: finite
+    report["update"] = error_of(lambda: actor.update(replace(batch, old_log_probs=log_probs)))
+
+    poison_final_norm(actor)
+    report["log_prob"] = error_of(lambda: actor.compute_log_prob(batch))
+    reference = make_reference(layout)
+    poison_final_norm(reference)
+    report["ref_log_prob"] = error_of(lambda: reference.compute_log_prob(batch))
+    critic = make_critic(layout)
+    poison_final_norm(critic)
+    report["values"] = error_of(lambda: critic.compute_values(batch))
+    report["response_tokens"] = int(batch.response_mask.sum())
+    return report
+
+
+def engine_module(worker):
+    """The GPTModel of a worker's first chunk, inside DDP or not."""
+    from rlmegatron.workers.engine import unwrap
+
+    return unwrap(worker.chunks[0])

@@ -1,0 +1,11 @@
+"""`rlm train` as a user runs it (its exit code, its messages), with the one rank in this process instead of on Ray."""
+import functools
+import sys
+
+from rlmegatron.cli import main
+from rlmegatron.controller import job
+
+# dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
+if __name__ == "__main__":
+    job.run_training = functools.partial(job.run_training, use_ray=False)
+    sys.exit(main(sys.argv[1:]))
