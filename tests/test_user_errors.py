@@ -148,6 +148,7 @@ CASES = {
     "wrong-type": Case(validate("rollout.n=many"), ("rollout.n=many", "valid integer")),
     "bool-for-a-count": Case(validate("placement.gpus_per_node=true"), ("placement.gpus_per_node=true",)),
     "negative-learning-rate": Case(validate("actor.optim.lr=-1"), ("actor.optim.lr=-1", "greater than 0")),
+    "learning-rate-beyond-float32": Case(validate("actor.optim.lr=1e39"), ("actor.optim.lr=1.0e+39", "less than")),
     "unknown-choice": Case(validate("model.dtype=fp8"), ("model.dtype=fp8", "'bf16', 'fp16' or 'fp32'")),
     "tp-does-not-divide-heads-or-ranks": Case(validate("actor.megatron.tensor_model_parallel_size=3"),
                                               ("tensor_model_parallel_size=3", "4 attention heads; use 1 or 2"),

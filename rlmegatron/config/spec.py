@@ -34,6 +34,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from rlmegatron.plugins import is_plugin_reference
 
 PositiveInt = Annotated[int, Field(ge=1)]
+FLOAT32_MAX = 3.4028234663852886e38
 Probability = Annotated[float, Field(ge=0, le=1)]
 
 
@@ -132,8 +133,9 @@ class DataConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0)
-    min_lr: float = Field(0.0, ge=0)
+    # Bounded by float32: the optimizer turns learning rates into float32 tensors, where a larger one overflows.
+    lr: float = Field(1e-6, gt=0, lt=FLOAT32_MAX)
+    min_lr: float = Field(0.0, ge=0, lt=FLOAT32_MAX)
     weight_decay: float = Field(0.01, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
@@ -144,7 +146,7 @@ class OptimConfig(Section):
 
 
 class CriticOptimConfig(OptimConfig):
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, lt=FLOAT32_MAX)
     """A freshly initialised value head needs a larger step than the policy (verl's default too)."""
 
 
