@@ -7,6 +7,8 @@ the fix. Imports nothing, so every module, however light, can raise one.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 
 class UserError(Exception):
@@ -25,3 +27,9 @@ def user_error_in(error: BaseException) -> UserError | None:
                 error = cause
                 continue
         return error if isinstance(error, UserError) else None
+
+
+def one_of(values: Sequence[Any]) -> str:
+    """'1, 2, 4 or 8': the valid choices a fix can pick from."""
+    shown = [str(value) for value in values]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]

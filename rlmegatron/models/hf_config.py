@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from rlmegatron.config.architecture import ArchitectureError, _architecture_from
-from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
+from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE
 from rlmegatron.errors import UserError
 from rlmegatron.runtime.distributed import ParallelLayout
 

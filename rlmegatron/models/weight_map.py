@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from rlmegatron.config.transformer_config import pipeline_stage_layers
+from rlmegatron.models.pipeline import pipeline_stage_layers
 from rlmegatron.models.hf_config import ModelFacts
 
 IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
@@ -79,7 +79,7 @@ def canonical_name(local_name: str, layer_offset: Mapping[int, int] | int = 0, e
 
 def global_layers(model) -> dict[int, int]:
     """Local -> global decoder layer index of this rank's GPTModel chunk, by the one pipeline split
-    (config.transformer_config.pipeline_stage_layers); a model Megatron built otherwise is an error, not a
+    (models.pipeline.pipeline_stage_layers); a model Megatron built otherwise is an error, not a
     checkpoint with misnamed layers."""
     from megatron.core import parallel_state as ps
 

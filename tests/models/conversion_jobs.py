@@ -103,7 +103,8 @@ def megatron_mtp_logits(model, facts, tokens: torch.Tensor) -> torch.Tensor:
 def round_trip_job(families: list[str], workdir: str) -> dict:
     """Per family and layout: HF->Megatron logits vs HF, Megatron->HF bitwise, and the checkpoint reloaded
     at TP=PP=EP=1 (a different layout) giving the same logits and HF tensors. Every rank returns its view."""
-    from rlmegatron.models.convert import export_hf, hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
+    from rlmegatron.models.convert import hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
+    from rlmegatron.resharding import export_hf
 
     report = {}
     for family in families:
