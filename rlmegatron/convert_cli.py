@@ -138,11 +138,11 @@ def _existing_dir(flag: str, path: str) -> Path:
 
 def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[str]:
     """The job spec's checks of a layout against the model (rlmegatron.config.checks), worded with this CLI's flags."""
-    from rlmegatron.config.architecture import _architecture_from
     from rlmegatron.config.checks import check_layout_fits_model, check_layout_options
     from rlmegatron.config.spec import MegatronConfig
+    from rlmegatron.models.families import architecture_of
 
-    arch = _architecture_from(hf, source)
+    arch = architecture_of(hf, source)
     megatron = MegatronConfig(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,

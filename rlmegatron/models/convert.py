@@ -22,7 +22,6 @@ from rlmegatron.models.hf_config import (
     UnsupportedModelError,
     build_gpt_model,
     model_facts,
-    mtp_layers_in,
     read_hf_config,
     transformer_config,
 )
@@ -77,7 +76,7 @@ class HFCheckpoint:
 
     def facts(self, tp: int) -> ModelFacts:
         """The model's facts, with DeepSeek's MTP layers only when the checkpoint holds their tensors."""
-        return model_facts(self.config, tp, mtp_layers=mtp_layers_in(self.config, self.key_files))
+        return model_facts(self.config, tp, keys=self.key_files)
 
     @property
     def stacked_experts(self) -> bool:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmegatron.models.families import architecture_of
+
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=200,
               max_position_embeddings=64, rms_norm_eps=1e-6)
 FAMILY_CONFIGS = {
@@ -27,7 +29,7 @@ FAMILY_CONFIGS = {
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = tuple(f for f in FAMILIES if architecture_of({"model_type": f, **COMMON, **FAMILY_CONFIGS[f]}).is_moe)
 
 
 @dataclass(frozen=True)
