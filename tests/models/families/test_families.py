@@ -47,7 +47,8 @@ def _is_moe(layer) -> bool:
 # Config values whose reading the families disagreed on before they were one reader each: Qwen2 builds q/k/v biases
 # whatever attention_bias says, Qwen2-MoE follows qkv_bias, Mixtral never has any; a Qwen-MoE's mlp_only_layers
 # holds whatever decoder_sparse_step says; Qwen3's head_dim is 128 unless set; DeepSeek-V3's dense prefix is
-# first_k_dense_replace alone; a config.json may name the expert count by transformers' alias of its key.
+# first_k_dense_replace alone; a config.json may name the expert count by transformers' alias of its key; GLM-4.5's
+# attention switches and the share of each head it rotates.
 VARIANTS = [
     ("llama", {}), ("llama", {"attention_bias": True}), ("qwen2", {"attention_bias": False}),
     ("qwen3", {}), ("qwen3", {"head_dim": None}), ("qwen3", {"attention_bias": True}),
@@ -55,7 +56,11 @@ VARIANTS = [
     ("qwen3_moe", {"decoder_sparse_step": 2}), ("qwen3_moe", {"mlp_only_layers": [1], "num_hidden_layers": 3}),
     ("qwen3_moe", {"num_experts": None, "num_local_experts": 4}), ("mixtral", {"attention_bias": True}),
     ("mixtral", {"num_local_experts": None, "num_experts": 4}), ("deepseek_v3", {}),
-    ("deepseek_v3", {"first_k_dense_replace": 2}),
+    ("deepseek_v3", {"first_k_dense_replace": 2}), ("glm4_moe", {}),
+    ("glm4_moe", {"attention_bias": False, "use_qk_norm": False, "first_k_dense_replace": 2,
+                  "partial_rotary_factor": None}),  # GLM rotates half of each head unless told otherwise
+    ("glm4_moe", {"partial_rotary_factor": None,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
 ]
 
 
@@ -67,17 +72,20 @@ def test_the_family_reads_what_transformers_builds(model_type, changes):
     model = _hf_model(config)
     layers = model.model.layers
     attention = layers[0].self_attn
+    family = FAMILIES[model_type]
     if arch.mla is None:
         assert (attention.q_proj.bias is not None, attention.k_proj.bias is not None) == (arch.qkv_bias, arch.qkv_bias)
         assert hasattr(attention, "q_norm") == arch.qk_norm
         assert attention.q_proj.out_features == arch.num_attention_heads * arch.head_dim
+        rotated = 2 * model.model.rotary_emb.inv_freq.numel()
+        assert rotated == int(arch.head_dim * family.rope(family.config(config)).percent)
     assert tuple(_is_moe(layer) for layer in layers) == arch.moe_layers
     experts = next((module for layer in layers for name, module in layer.named_modules() if name.endswith("experts")),
                    None)
     assert (experts.num_experts if experts is not None else 0) == arch.num_experts
     # A bias transformers puts on o_proj (Llama's, Qwen3's attention_bias) has no Megatron counterpart: refused.
     o_proj_bias = getattr(attention, "o_proj", None) is not None and attention.o_proj.bias is not None
-    problems = FAMILIES[model_type].problems(FAMILIES[model_type].config(config))
+    problems = family.problems(family.config(config))
     assert any("o_proj" in problem for problem in problems) == o_proj_bias
 
 
