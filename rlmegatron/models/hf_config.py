@@ -1,6 +1,8 @@
 """HF config.json -> Megatron TransformerConfig / MLATransformerConfig and the GPTModel built from it.
 
 What differs between models is their family's (models.families); this module builds what every family shares.
+Megatron is imported inside the functions that build with it: model facts also serve `rlm validate` and the
+converter's checks, which should not wait for Megatron's import.
 """
 from __future__ import annotations
 

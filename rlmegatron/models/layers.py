@@ -12,6 +12,9 @@ import math
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.transformer import multi_latent_attention
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 _LOCAL_MLA = False
 
@@ -22,8 +25,6 @@ def enable_local_mla() -> None:
     global _LOCAL_MLA
     if _LOCAL_MLA or importlib.util.find_spec("transformer_engine") is not None:
         return
-    from megatron.core.transformer import multi_latent_attention
-
     # Without TE, megatron.core.extensions substitutes MagicMocks, so MLA's isinstance(x, TELinear) raises.
     multi_latent_attention.HAVE_TE = False
     # MLA only offers its replicated ('duplicated') down projections for TELinear; the
@@ -146,9 +147,6 @@ class DuplicatedLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight), None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core import parallel_state
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
             prefix,

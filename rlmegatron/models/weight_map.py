@@ -10,7 +10,8 @@ equal chunks of every source (along the parameter's partition dim) yields the
 i-th TP shard: the QKV interleave is per query group and GLU fc1 is
 [gate_i; up_i] per rank. That lets the converter read only its slices, and lets
 online sync use the same rules on full tensors (`hf_to_megatron` /
-`megatron_to_hf`).
+`megatron_to_hf`). Megatron is imported only where a built model is read (global_layers): the converter's checks
+use the map without it.
 """
 from __future__ import annotations
 

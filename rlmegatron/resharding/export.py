@@ -14,7 +14,8 @@ largest tensor. All ranks issue the same collectives in the same order:
 3. a broadcast from the owning pipeline stage to the others;
 4. the weight map's `megatron_to_hf` (QKV split, fc1 split, vocab padding stripped).
 
-`export_hf` writes that stream as an HF safetensors checkpoint.
+`export_hf` writes that stream as an HF safetensors checkpoint. Megatron is imported inside the functions that use
+it, so importing this module, like models.weight_map, costs no Megatron import.
 """
 from __future__ import annotations
 
