@@ -77,7 +77,7 @@ class HFCheckpoint:
         return self._handles[file]
 
     def facts(self, tp: int) -> ModelFacts:
-        """The model's facts, with DeepSeek's MTP layers only when the checkpoint holds their tensors."""
+        """The model's facts, with MTP layers only when the checkpoint holds their tensors."""
         return model_facts(self.config, tp, keys=self.key_files)
 
     @property

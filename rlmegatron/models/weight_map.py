@@ -45,7 +45,7 @@ class Rule:
     sources: tuple[Source, ...]
     transform: str = IDENTITY
     exported: bool = True  # False: a Megatron copy of a tensor another rule exports (tied output layer)
-    # HF keys holding the (single) source again, as DeepSeek's MTP layers hold the embedding and output
+    # HF keys holding the (single) source again, as DeepSeek's and GLM's MTP layers hold the embedding and output
     # head: written on export, and on import checked equal to the source, since Megatron keeps one copy.
     copies: tuple[str, ...] = ()
 
@@ -278,7 +278,7 @@ class WeightMap:
         for key in rule.copies:
             if not torch.equal(read(key), source):
                 raise WeightMapError(
-                    f"{key} differs from {rule.sources[0].key}: DeepSeek's MTP layers share the main model's embedding "
+                    f"{key} differs from {rule.sources[0].key}: MTP layers share the main model's embedding "
                     f"and output head, and Megatron holds one tensor for both, so converting would lose one of them"
                 )
 

@@ -28,7 +28,7 @@ FAMILY_CONFIGS = {
                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     # GLM-4.5's switches on: q/k/v biases, query/key norms, half of each head rotated, scaled routing, an MTP layer.
-    "glm4_moe": dict(num_hidden_layers=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    "glm4_moe": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
 }

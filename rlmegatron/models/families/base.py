@@ -60,7 +60,7 @@ class ModelArchitecture:
     moe_layers: tuple[bool, ...] = ()  # per decoder layer: its MLP is routed (DeepSeek's first_k_dense_replace stay dense)
     shared_expert_intermediate_size: int = 0  # all shared experts of a layer together; 0 when none
     shared_expert_gate: bool = False  # Qwen2-MoE scales its shared expert by a learned sigmoid gate
-    router_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    router_bias: bool = False  # DeepSeek-V3's and GLM-4.5's e_score_correction_bias
     mla: MultiLatentAttention | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers config.json declares, stored after the decoder layers
 

@@ -57,7 +57,7 @@ VARIANTS = [
     ("qwen3_moe", {"num_experts": None, "num_local_experts": 4}), ("mixtral", {"attention_bias": True}),
     ("mixtral", {"num_local_experts": None, "num_experts": 4}), ("deepseek_v3", {}),
     ("deepseek_v3", {"first_k_dense_replace": 2}), ("glm4_moe", {}),
-    ("glm4_moe", {"attention_bias": False, "use_qk_norm": False, "first_k_dense_replace": 2,
+    ("glm4_moe", {"attention_bias": False, "use_qk_norm": False, "first_k_dense_replace": 0,
                   "partial_rotary_factor": None}),  # GLM rotates half of each head unless told otherwise
     ("glm4_moe", {"partial_rotary_factor": None,
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
