@@ -1,8 +1,8 @@
 """Arguments, pre-launch checks, dispatch and rank bodies of `rlm convert {hf-to-mcore,mcore-to-hf,verify}`, under
 torchrun or with --nproc.
 
-torch, Megatron and the modules that import them are imported inside the functions that need them: `rlm` imports
-this module for every `rlm convert`, and parsing the arguments should not wait for them.
+torch, Megatron, pydantic and the modules that import them are imported inside the functions that need them: `rlm`
+imports this module for every `rlm convert`, and parsing the arguments should not wait for them.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+
+from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
 # The job spec's name of each parallel size, and the flag that sets it here.
@@ -140,7 +142,6 @@ def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[
     """The job spec's checks of a layout against the model (rlmegatron.config.checks), worded with this CLI's flags."""
     from rlmegatron.config.checks import check_layout_fits_model, check_layout_options
     from rlmegatron.config.spec import MegatronConfig
-    from rlmegatron.models.families import architecture_of
 
     arch = architecture_of(hf, source)
     megatron = MegatronConfig(
