@@ -148,7 +148,7 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from rlmegatron.models.convert_cli import main as convert_main
+    from rlmegatron.convert_cli import main as convert_main
 
     return convert_main(args.convert_args)
 

@@ -11,6 +11,8 @@ A Divergence stops the run before the step it happened in can be saved: the trai
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 
 class UserError(Exception):
@@ -34,3 +36,9 @@ def user_error_in(error: BaseException) -> UserError | None:
                 error = cause
                 continue
         return error if isinstance(error, UserError) else None
+
+
+def one_of(values: Sequence[Any]) -> str:
+    """'1, 2, 4 or 8': the valid choices a fix can pick from."""
+    shown = [str(value) for value in values]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]

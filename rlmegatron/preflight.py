@@ -129,7 +129,7 @@ class _Checks:
             return None
 
     def model(self) -> None:
-        from rlmegatron.config.architecture import read_architecture
+        from rlmegatron.models.families import read_architecture
         from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config
 
         model = self.spec.model

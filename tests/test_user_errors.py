@@ -312,6 +312,9 @@ CASES = {
                                    "model.random_init=true")),
     "model-family-unsupported": Case(with_model("model.path", "mistral", config={"model_type": "mistral"}),
                                      ("model.path=", "mistral", "not supported")),
+    "model-values-unsupported": Case(
+        with_model("model.path", "gelu_window", config={"hidden_act": "gelu", "use_sliding_window": True}),
+        ("model.path=", "gelu_window", "hidden_act='gelu' unsupported", "sliding_window attention is unsupported")),
     "model-rope-unsupported": Case(
         with_model("model.path", "yarn", config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
         ("model.path=", "yarn", "rope_type='yarn' unsupported")),

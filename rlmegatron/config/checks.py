@@ -7,16 +7,12 @@ from math import gcd, prod
 from pathlib import Path
 from typing import Any, Callable
 
-from rlmegatron.config.architecture import ArchitectureError, ModelArchitecture, read_architecture
-from rlmegatron.config.errors import NO_VALUE, SpecProblem, one_of, render_value
+from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, OptimConfig, PPOUpdateConfig
-from rlmegatron.config.transformer_config import (
-    FIRST_STAGE,
-    LAST_STAGE,
-    PipelineSplitError,
-    extra_problems,
-    pipeline_stage_layers,
-)
+from rlmegatron.config.transformer_config import extra_problems
+from rlmegatron.errors import one_of
+from rlmegatron.models.families import ArchitectureError, ModelArchitecture, read_architecture
+from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, PipelineSplitError, pipeline_stage_layers
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
 # Registered estimators whose baseline is the other responses to the same prompt (they take
@@ -93,10 +89,10 @@ def _check_parallel_layouts(spec: JobSpec, arch: ModelArchitecture | None) -> li
     problems = []
     for role, megatron in roles:
         problems += _check_layout_fits_world(f"{role}.megatron", megatron, spec)
-        problems += _check_layout_options(f"{role}.megatron", megatron)
+        problems += check_layout_options(f"{role}.megatron", megatron)
         problems += extra_problems(f"{role}.megatron", megatron.extra, arch is not None and arch.mla is not None)
         if arch is not None:
-            problems += _check_layout_fits_model(f"{role}.megatron", megatron, arch, spec)
+            problems += check_layout_fits_model(f"{role}.megatron", megatron, arch, spec)
     return problems
 
 
@@ -139,7 +135,7 @@ def _check_layout_fits_world(prefix: str, m: MegatronConfig, spec: JobSpec) -> l
     return problems
 
 
-def _check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
+def check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
     problems = []
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         problems.append(
@@ -176,7 +172,7 @@ def _check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
     return problems
 
 
-def _check_layout_fits_model(
+def check_layout_fits_model(
     prefix: str, m: MegatronConfig, arch: ModelArchitecture, spec: JobSpec
 ) -> list[SpecProblem]:
     world = spec.placement.trainer_world_size

@@ -64,9 +64,3 @@ def did_you_mean(key: str, known: Sequence[str]) -> str:
     if close:
         return f"did you mean '{close[0]}'?"
     return "known keys: " + ", ".join(known)
-
-
-def one_of(values: Sequence[Any]) -> str:
-    """'1, 2, 4 or 8': the valid choices a fix can pick from."""
-    shown = [str(value) for value in values]
-    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]

@@ -323,7 +323,7 @@ class PolicyRank:
 
     def export_hf(self, path: str) -> Optional[str]:
         """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
-        from rlmegatron.models.convert import export_hf
+        from rlmegatron.resharding import export_hf
 
         with self.phase("actor"):
             export_hf(self.actor.chunks, self.weight_map, path, self.weight_map.facts.hf)

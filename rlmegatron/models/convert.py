@@ -1,9 +1,11 @@
-"""HF safetensors <-> Megatron dist_checkpointing conversion and logit verification, run on every rank.
+"""HF safetensors -> Megatron models, Megatron dist_checkpointing save/load, and logits, run on every rank.
 
 Import streams: each rank reads, per parameter, only its TP/EP slice of each HF
 tensor (`safe_open(...).get_slice`), fuses it with the weight map's rule and
-copies it into the parameter. Export loads the checkpoint at any layout and
-writes the weight-sync stream (resharding.HFWeightExporter) as HF safetensors shards.
+copies it into the parameter. The way back, HF safetensors from any layout, is
+resharding.export_hf; `rlm convert` (rlmegatron.convert_cli) puts the pieces together.
+Megatron, safetensors and transformers are imported inside the functions that use them: HFCheckpoint's checks of a
+checkpoint serve `rlm validate` and the converter's checks, which should not wait for them.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from rlmegatron.models.hf_config import (
     UnsupportedModelError,
     build_gpt_model,
     model_facts,
-    mtp_layers_in,
     read_hf_config,
     transformer_config,
 )
@@ -76,8 +77,8 @@ class HFCheckpoint:
         return self._handles[file]
 
     def facts(self, tp: int) -> ModelFacts:
-        """The model's facts, with DeepSeek's MTP layers only when the checkpoint holds their tensors."""
-        return model_facts(self.config, tp, mtp_layers=mtp_layers_in(self.config, self.key_files))
+        """The model's facts, with MTP layers only when the checkpoint holds their tensors."""
+        return model_facts(self.config, tp, keys=self.key_files)
 
     @property
     def stacked_experts(self) -> bool:
@@ -249,14 +250,8 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
         meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers)
         meta.save(out)
         if tokenizer_dir:
-            _copy_tokenizer(tokenizer_dir, out)
+            copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
-
-
-def hf_to_mcore(hf_path: str, out: str, layout: ParallelLayout, dtype: str = "fp32") -> None:
-    """Rank body of `rlm convert hf-to-mcore`."""
-    _, weight_map, chunks = import_hf(hf_path, layout, dtype)
-    save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path)
 
 
 def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = None):
@@ -276,62 +271,7 @@ def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = N
     return facts, WeightMap(facts, meta.stacked_experts), chunks
 
 
-def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the model, at any layout, as HF safetensors shards, their index and config.json.
-
-    Collective: every rank streams the gathered tensors (resharding.HFWeightExporter); rank 0
-    writes each shard as soon as it is full, so it holds at most one shard beyond its own weights.
-    """
-    from safetensors.torch import save_file
-
-    from rlmegatron.resharding import HFWeightExporter
-
-    writer = torch.distributed.get_rank() == 0
-    staging = Path(out, ".incomplete")
-    if writer:
-        staging.mkdir(parents=True, exist_ok=True)
-    shard: dict[str, torch.Tensor] = {}
-    shard_keys: list[list[str]] = []
-    total = 0
-
-    def flush():
-        if shard:
-            save_file(shard, str(staging / f"shard-{len(shard_keys)}.safetensors"), metadata={"format": "pt"})
-            shard_keys.append(sorted(shard))
-            shard.clear()
-
-    for key, value in HFWeightExporter(chunks, weight_map).stream():
-        if not writer:
-            continue
-        if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > max_shard_bytes:
-            flush()
-        shard[key] = value.detach().cpu().contiguous()
-        total += value.nbytes
-    if writer:
-        flush()
-        names = [f"model-{i + 1:05d}-of-{len(shard_keys):05d}.safetensors" for i in range(len(shard_keys))]
-        for i, name in enumerate(names):
-            os.replace(staging / f"shard-{i}.safetensors", Path(out, name))
-        staging.rmdir()
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {key: name for name, keys in zip(names, shard_keys) for key in keys}}
-        Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        Path(out, "config.json").write_text(json.dumps(config, indent=1))
-    torch.distributed.barrier()
-
-
-def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: Optional[str] = None,
-                layout: ParallelLayout = ParallelLayout()) -> None:
-    """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
-    _, weight_map, chunks = load_mcore(mcore_path, layout)
-    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
-    export_hf(chunks, weight_map, out, config)
-    if torch.distributed.get_rank() == 0:
-        _copy_tokenizer(hf_config_dir or mcore_path, out)
-    torch.distributed.barrier()
-
-
-def _copy_tokenizer(source: str, out: str) -> None:
+def copy_tokenizer(source: str, out: str) -> None:
     for name in TOKENIZER_FILES:
         if Path(source, name).is_file():
             shutil.copy(Path(source, name), Path(out, name))
@@ -396,20 +336,7 @@ def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str
     return {"max_abs_diff": float(diff), "cosine": float(cosine)}
 
 
-def verify(hf_path: str, mcore_path: str, layout: ParallelLayout) -> Optional[dict[str, float]]:
-    """Rank body of `rlm convert verify`: Megatron vs HF logit diff, on last-stage TP rank 0; else None."""
-    from megatron.core import parallel_state as ps
-
-    facts, _, chunks = load_mcore(mcore_path, layout, dtype="fp32")
-    tokens = verify_tokens(facts.vocab_size, batch=max(2, layout.pp))  # a micro-batch per sequence, >= PP
-    logits = megatron_logits(chunks, facts, tokens)
-    if logits is None or ps.get_tensor_model_parallel_rank() != 0:
-        return None
-    return compare_logits(hf_logits(hf_path, tokens), logits)
-
-
 __all__ = [
-    "ConversionError", "HFCheckpoint", "UnsupportedModelError", "export_hf", "hf_to_mcore", "import_hf",
-    "load_mcore", "mcore_to_hf", "save_mcore",
-    "megatron_logits", "hf_logits", "compare_logits", "verify",
+    "ConversionError", "HFCheckpoint", "UnsupportedModelError", "copy_tokenizer", "import_hf", "load_mcore",
+    "save_mcore", "megatron_logits", "hf_logits", "compare_logits",
 ]

@@ -1,7 +1,11 @@
-"""HF config.json -> Megatron TransformerConfig / MLATransformerConfig and the GPTModel built from it."""
+"""HF config.json -> Megatron TransformerConfig / MLATransformerConfig and the GPTModel built from it.
+
+What differs between models is their family's (models.families); this module builds what every family shares.
+Megatron is imported inside the functions that build with it: model facts also serve `rlm validate` and the
+converter's checks, which should not wait for Megatron's import.
+"""
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,27 +13,20 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from rlmegatron.config.architecture import ArchitectureError, _architecture_from
-from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
-from rlmegatron.errors import UserError
+from rlmegatron.models.families import (
+    ArchitectureError,
+    Family,
+    ModelArchitecture,
+    UnsupportedModelError,
+    bridged_family,
+    read_config_json,
+)
+from rlmegatron.models.families.base import llama3_rope_scaling
+from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE
 from rlmegatron.runtime.distributed import ParallelLayout
 
-# model_type -> family whose weight map and config rules apply.
-FAMILIES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-    "deepseek_v3": "deepseek_v3",
-}
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class UnsupportedModelError(UserError, ValueError):
-    """The HF config names an architecture, or a value, that the bridge cannot express in Megatron."""
 
 
 @dataclass(frozen=True)
@@ -37,27 +34,36 @@ class ModelFacts:
     """What GPTModel needs beyond TransformerConfig, and what the weight map needs to know."""
 
     hf: dict  # the (text) config.json as read
-    family: str
-    vocab_size: int
+    family: Family
+    arch: ModelArchitecture
     padded_vocab_size: int
     tie_word_embeddings: bool
-    max_position_embeddings: int
     rotary_base: float
+    rotary_percent: float  # the share of each head's dimensions rotary embedding rotates
     llama3_rope_scaling: Optional[dict]  # Llama-3 rope scaling's four fields; None: no such scaling
-    num_mtp_layers: int  # DeepSeek's multi-token-prediction layers, stored in HF after the decoder layers
+    num_mtp_layers: int  # multi-token-prediction layers built, stored in HF after the decoder layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.arch.max_position_embeddings or 4096
 
     @property
     def num_layers(self) -> int:
-        return self.hf["num_hidden_layers"]
+        return self.arch.num_hidden_layers
 
     @property
     def mtp_off_note(self) -> Optional[str]:
         """What to tell the user when config.json declares MTP layers the checkpoint does not hold."""
-        declared = self.hf.get("num_nextn_predict_layers") or 0
+        declared = self.arch.num_mtp_layers
         if declared <= self.num_mtp_layers:
             return None
         return (f"config.json declares num_nextn_predict_layers={declared} but the checkpoint holds no multi-token-"
-                f"prediction tensors (model.layers.{self.num_layers}.*), as transformers saves DeepSeek-V3: MTP is off")
+                f"prediction tensors (model.layers.{self.num_layers}.*), as transformers saves "
+                f"{self.family.display_name}: MTP is off")
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -68,14 +74,9 @@ def read_hf_config(path: str | Path) -> dict:
     if not config_file.is_file():
         raise UnsupportedModelError(f"{path} is not a Hugging Face model directory: no config.json in it")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UnsupportedModelError(f"{config_file}: not a JSON config ({err})") from err
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{config_file}: not a JSON object")
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-    return config
+        return read_config_json(config_file)[0]
+    except ArchitectureError as err:
+        raise UnsupportedModelError(str(err)) from err
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -84,111 +85,59 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _rope(hf: dict) -> tuple[float, dict]:
-    """(rope_theta, rope scaling dict); transformers 5 moved both into rope_parameters."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params.update(scaling)
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta), params
+def mtp_layers_in(arch: ModelArchitecture, keys: Collection[str]) -> int:
+    """MTP layers a checkpoint with these tensor names holds: the declared ones, or none when the first is absent
+    (a DeepSeek-V3 saved by transformers, which does not implement MTP, says 1 and has none)."""
+    first = f"model.layers.{arch.num_hidden_layers}."
+    return arch.num_mtp_layers if arch.num_mtp_layers and any(key.startswith(first) for key in keys) else 0
 
 
-def mtp_layers_in(hf: dict, keys: Collection[str]) -> int:
-    """DeepSeek's MTP layers a checkpoint with these tensor names holds: the declared ones, or none when the first
-    is absent (a DeepSeek-V3 saved by transformers, which does not implement MTP, says 1 and has none)."""
-    declared = hf.get("num_nextn_predict_layers") or 0
-    first = f"model.layers.{hf['num_hidden_layers']}."
-    return declared if declared and any(key.startswith(first) for key in keys) else 0
-
-
-def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layers: Optional[int] = None) -> ModelFacts:
-    """Facts of the model `hf` describes; `mtp_layers` is how many MTP layers to build (None: as config.json says)."""
-    model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
-        )
+def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layers: Optional[int] = None,
+                keys: Optional[Collection[str]] = None) -> ModelFacts:
+    """Facts of the model `hf` describes: as many MTP layers as `mtp_layers`, else as a checkpoint with tensor names
+    `keys` holds, else as config.json declares. UnsupportedModelError names every value the bridge cannot express."""
+    family = bridged_family(hf)
     try:
-        arch = _architecture_from(hf, Path("config.json"))
+        arch = family.architecture(hf)
     except ArchitectureError as err:
         raise UnsupportedModelError(str(err)) from None
     padded = padded_vocab or padded_vocab_size(arch.vocab_size, tp)
     if padded % tp:
         raise UnsupportedModelError(f"padded vocab size {padded} (fixed by the checkpoint) is not divisible by TP={tp}")
-    theta, rope = _rope(hf)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    # MLA's rotary embedding is DeepSeek's own (yarn); every other family uses GPTModel's (llama3 scaling).
-    if rope_type not in (("default", "yarn") if model_type == "deepseek_v3" else ("default", "llama3")):
-        raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} unsupported for {model_type}")
-    llama3_rope = _llama3_rope_scaling(hf, rope) if rope_type == "llama3" else None
+    family.check(hf)
+    cfg = family.config(hf)
+    rope = family.rope(cfg)
+    if mtp_layers is None:
+        mtp_layers = arch.num_mtp_layers if keys is None else mtp_layers_in(arch, keys)
     return ModelFacts(
         hf=hf,
-        family=FAMILIES[model_type],
-        vocab_size=arch.vocab_size,
+        family=family,
+        arch=arch,
         padded_vocab_size=padded,
         tie_word_embeddings=arch.tie_word_embeddings,
-        max_position_embeddings=arch.max_position_embeddings or 4096,
-        rotary_base=theta,
-        llama3_rope_scaling=llama3_rope,
-        num_mtp_layers=arch.num_mtp_layers if mtp_layers is None else mtp_layers,
+        rotary_base=rope.theta,
+        rotary_percent=rope.percent,
+        llama3_rope_scaling=llama3_rope_scaling(cfg, rope) if rope.kind == "llama3" else None,
+        num_mtp_layers=mtp_layers,
     )
-
-
-def _llama3_rope_scaling(hf: dict, rope: dict) -> dict:
-    """The four fields of Llama-3 rope scaling as transformers reads them: it requires the three factors and takes
-    original_max_position_embeddings from the config's top level, else the rope dict, else max_position_embeddings."""
-    missing = [field for field in ("factor", "low_freq_factor", "high_freq_factor") if rope.get(field) is None]
-    if missing:
-        raise UnsupportedModelError(f"rope_scaling (rope_type llama3) lacks {' and '.join(missing)}; "
-                                    "transformers requires factor, low_freq_factor and high_freq_factor")
-    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
-        or hf.get("max_position_embeddings")
-    if original is None:
-        raise UnsupportedModelError("rope_scaling (rope_type llama3) lacks original_max_position_embeddings, "
-                                    "and config.json has no max_position_embeddings to fall back on")
-    return dict(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)
-
-
-def _reject(hf: dict, field: str, allowed: Any, why: str) -> None:
-    value = hf.get(field)
-    if value not in allowed:
-        raise UnsupportedModelError(f"{field}={value!r} unsupported: {why}")
-
-
-def _moe_layer_freq(hf: dict) -> list[int]:
-    """1 for each MoE layer, 0 for each dense one, from whichever fields this family uses."""
-    layers = hf["num_hidden_layers"]
-    if hf["model_type"] == "deepseek_v3":
-        k = hf.get("first_k_dense_replace", 0)
-        return [0 if i < k or i % hf.get("moe_layer_freq", 1) else 1 for i in range(layers)]
-    if hf["model_type"] == "mixtral":
-        return [1] * layers
-    step = hf.get("decoder_sparse_step", 1)
-    dense = set(hf.get("mlp_only_layers") or [])
-    return [0 if i in dense or (i + 1) % step else 1 for i in range(layers)]
 
 
 def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "fp32", use_te: bool = False,
                        perform_initialization: bool = True, options: Optional[Mapping[str, Any]] = None):
-    """Megatron TransformerConfig (MLATransformerConfig for DeepSeek-V3) for `facts` at `layout`; `options`
+    """Megatron TransformerConfig (MLATransformerConfig for a family with MLA) for `facts` at `layout`; `options`
     (spec_config_options) go on top of the fields rlmegatron sets."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    hf, family = facts.hf, facts.family
-    _reject(hf, "hidden_act", ("silu",), "only SwiGLU MLPs are bridged")
-    _reject(hf, "mlp_bias", (None, False), "Megatron's MLP here has no bias")
-    if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window")):
-        raise UnsupportedModelError("sliding_window attention is unsupported (use_sliding_window / sliding_window)")
+    family, arch = facts.family, facts.arch
+    cfg = family.config(facts.hf)
     params_dtype = DTYPES[dtype]
-    heads = hf["num_attention_heads"]
     common = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        ffn_hidden_size=hf["intermediate_size"],
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        ffn_hidden_size=arch.intermediate_size,
         normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        layernorm_epsilon=cfg["rms_norm_eps"],
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
@@ -200,17 +149,18 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         fp16=dtype == "fp16",
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
+        mtp_num_layers=facts.num_mtp_layers or None,
         **layout.transformer_config_fields(),
     )
-    experts = next((hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if hf.get(k)), 0)
-    if experts:
-        if experts % layout.ep:
-            raise UnsupportedModelError(f"{experts} experts cannot be split over EP={layout.ep} ranks (num_experts % ep != 0)")
+    if arch.is_moe:
+        if arch.num_experts % layout.ep:
+            raise UnsupportedModelError(f"{arch.num_experts} experts cannot be split over EP={layout.ep} ranks "
+                                        "(num_experts % ep != 0)")
         common.update(
-            num_moe_experts=experts,
-            moe_router_topk=hf["num_experts_per_tok"],
-            moe_ffn_hidden_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            moe_layer_freq=_moe_layer_freq(hf),
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.num_experts_per_tok,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            moe_layer_freq=[int(moe) for moe in arch.moe_layers],
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=use_te,
             moe_aux_loss_coeff=0.0,  # RL losses carry no router balancing term; logits do not depend on it
@@ -218,51 +168,8 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         )
         if layout.tp > 1 and not layout.sequence_parallel:
             raise UnsupportedModelError("MoE with TP>1 needs sequence_parallel=True in Megatron")
-    if family in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"):
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        config = dict(
-            num_query_groups=hf.get("num_key_value_heads") or heads,
-            kv_channels=head_dim,
-            add_qkv_bias=family in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias")),
-            qk_layernorm=family in ("qwen3", "qwen3_moe"),
-        )
-        if family in ("qwen2_moe", "qwen3_moe"):
-            # norm_topk_prob: softmax over the top-k (Megatron's default); else softmax over all, then top-k.
-            config["moe_router_pre_softmax"] = not hf.get("norm_topk_prob", False)
-        if family == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
-            config.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"], moe_shared_expert_gate=True)
-        return TransformerConfig(**{**config, **common, **(options or {})})
-    # DeepSeek-V3: MLA, sigmoid router with expert bias and group-limited routing, shared experts.
-    _reject(hf, "scoring_func", (None, "sigmoid"), "Megatron's DeepSeek router here is sigmoid")
-    _reject(hf, "topk_method", (None, "noaux_tc"), "only the aux-loss-free (expert bias) router is bridged")
-    _reject(hf, "norm_topk_prob", (None, True), "Megatron always renormalises sigmoid top-k scores")
-    _reject(hf, "rope_interleave", (None, True), "Megatron's MLA rope is the interleaved one")
-    _, rope = _rope(hf)
-    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
-    config = dict(
-        q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=hf["kv_lora_rank"],
-        qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"],
-        qk_layernorm=True,
-        rotary_base=facts.rotary_base,
-        rope_type="yarn" if yarn else "rope",
-        rotary_scaling_factor=float(rope.get("factor", 1.0)) if yarn else 1.0,
-        original_max_position_embeddings=rope.get("original_max_position_embeddings", facts.max_position_embeddings),
-        beta_fast=float(rope.get("beta_fast", 32)),
-        beta_slow=float(rope.get("beta_slow", 1)),
-        mscale=float(rope.get("mscale", 1.0)) if yarn else 1.0,
-        mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if yarn else 0.0,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=hf.get("n_group"),
-        moe_router_group_topk=hf.get("topk_group"),
-        moe_router_topk_scaling_factor=hf.get("routed_scaling_factor"),
-        moe_shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None,
-        mtp_num_layers=facts.num_mtp_layers or None,
-    )
-    return MLATransformerConfig(**{**config, **common, **(options or {})})
+    config_class = MLATransformerConfig if family.multi_latent_attention else TransformerConfig
+    return config_class(**{**family.megatron_fields(arch, cfg), **common, **(options or {})})
 
 
 def spec_config_options(megatron) -> dict[str, Any]:
@@ -295,6 +202,7 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=facts.tie_word_embeddings,
         position_embedding_type="rope",
+        rotary_percent=facts.rotary_percent,
         rotary_base=int(facts.rotary_base),
         vp_stage=vp_stage,
     )

@@ -9,7 +9,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from rlmegatron.runtime.cpu_compat import DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm
+from rlmegatron.models.layers import DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm, enable_local_mla
 
 # Local-spec modules that cannot run our layouts, and their replacements:
 # DotProductAttention rejects MLA's separate k/v head dims and packed sequences;
@@ -27,7 +27,7 @@ def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional
     """Block spec for the layers this pipeline stage builds (MoE/dense pattern from `config.moe_layer_freq`)."""
     use_te = transformer_engine_available() if use_te is None else use_te
     spec = _megatron_decoder_block_spec(config, use_te, vp_stage)
-    return spec if use_te else _substitute(spec)
+    return spec if use_te else _local(spec, config)
 
 
 def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
@@ -40,13 +40,20 @@ def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int
     use_te = transformer_engine_available() if use_te is None else use_te
     decoder = _megatron_decoder_block_spec(config, use_te, vp_stage)
     spec = get_gpt_mtp_block_spec(config, decoder, use_transformer_engine=use_te, vp_stage=vp_stage)
-    return spec if use_te or spec is None else _substitute(spec)
+    return spec if use_te or spec is None else _local(spec, config)
 
 
 def _megatron_decoder_block_spec(config, use_te: bool, vp_stage: Optional[int]):
     return get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
     )
+
+
+def _local(spec, config):
+    """The local spec with the modules that run our layouts, and Megatron's MLA ready to take them."""
+    if config.multi_latent_attention:
+        enable_local_mla()
+    return _substitute(spec)
 
 
 def _substitute(node: Any, field: str = "") -> Any:

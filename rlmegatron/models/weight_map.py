@@ -1,5 +1,8 @@
 """The declarative, bidirectional Megatron <-> HF weight map of every bridged family, over full tensors.
 
+The skeleton every family shares is here (embedding, norms, head, dense MLPs, experts, MTP layers); each
+family's attention and MoE rules are its own (models.families: attention_rules, moe_rules).
+
 A rule says: this Megatron parameter (full, unsharded, global layer index and
 global expert id, local-spec names) is built from these HF tensors by this
 transform. The transforms are chosen so that applying them to the i-th of TP
@@ -7,7 +10,8 @@ equal chunks of every source (along the parameter's partition dim) yields the
 i-th TP shard: the QKV interleave is per query group and GLU fc1 is
 [gate_i; up_i] per rank. That lets the converter read only its slices, and lets
 online sync use the same rules on full tensors (`hf_to_megatron` /
-`megatron_to_hf`).
+`megatron_to_hf`). Megatron is imported only where a built model is read (global_layers): the converter's checks
+use the map without it.
 """
 from __future__ import annotations
 
@@ -17,10 +21,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from rlmegatron.config.transformer_config import pipeline_stage_layers
+from rlmegatron.models.families.base import GLU, IDENTITY, QKV, VOCAB
 from rlmegatron.models.hf_config import ModelFacts
-
-IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
+from rlmegatron.models.pipeline import pipeline_stage_layers
 
 
 class WeightMapError(ValueError):
@@ -42,7 +45,7 @@ class Rule:
     sources: tuple[Source, ...]
     transform: str = IDENTITY
     exported: bool = True  # False: a Megatron copy of a tensor another rule exports (tied output layer)
-    # HF keys holding the (single) source again, as DeepSeek's MTP layers hold the embedding and output
+    # HF keys holding the (single) source again, as DeepSeek's and GLM's MTP layers hold the embedding and output
     # head: written on export, and on import checked equal to the source, since Megatron keeps one copy.
     copies: tuple[str, ...] = ()
 
@@ -79,7 +82,7 @@ def canonical_name(local_name: str, layer_offset: Mapping[int, int] | int = 0, e
 
 def global_layers(model) -> dict[int, int]:
     """Local -> global decoder layer index of this rank's GPTModel chunk, by the one pipeline split
-    (config.transformer_config.pipeline_stage_layers); a model Megatron built otherwise is an error, not a
+    (models.pipeline.pipeline_stage_layers); a model Megatron built otherwise is an error, not a
     checkpoint with misnamed layers."""
     from megatron.core import parallel_state as ps
 
@@ -96,15 +99,6 @@ def global_layers(model) -> dict[int, int]:
     return dict(enumerate(expected))
 
 
-# Per family: (HF name of the MoE block, names of gate/up/down inside an expert, shared-expert HF prefix).
-_MOE_NAMES = {
-    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_expert"),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), None),
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), None),
-    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"), "mlp.shared_experts"),
-}
-
-
 class WeightMap:
     """Every rule of one model (its family and sizes), keyed by Megatron name."""
 
@@ -113,19 +107,18 @@ class WeightMap:
         which then fill the critic's value head in place of the LM head."""
         self.facts = facts
         self.value_head = tuple(value_head)
-        hf = facts.hf
-        self.head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        self.num_query_groups = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-        self.num_experts = next((hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if hf.get(k)), 0)
+        self.head_dim = facts.arch.head_dim
+        self.num_query_groups = facts.arch.num_key_value_heads
+        self.num_experts = facts.arch.num_experts
         self.stacked_experts = stacked_experts
         self.rules: dict[str, Rule] = {}
         self._build()
         # Stacked HF experts are exported per expert, the form transformers saves and loads.
         self._export_map = WeightMap(facts, False, self.value_head) if stacked_experts else self
 
-    # ---- the table --------------------------------------------------------------------------
-    def _add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True,
-             copies: Sequence[str] = ()):
+    # ---- the table (families add their rules through `add`, `glu_mlp` and `experts`) ------------------------
+    def add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True,
+            copies: Sequence[str] = ()):
         sources = tuple(s if isinstance(s, Source) else Source(s) for s in hf)
         self.rules[megatron] = Rule(megatron, sources, transform, exported, tuple(copies))
 
@@ -136,91 +129,56 @@ class WeightMap:
         head_copies = [h + "shared_head.head.weight" for h in mtp_prefixes]
         if facts.tie_word_embeddings:  # the embedding rule is the one that exports the head
             embedding_copies, head_copies = embedding_copies + head_copies, []
-        self._add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB, copies=embedding_copies)
-        self._add("decoder.final_layernorm.weight", ["model.norm.weight"])
+        self.add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB, copies=embedding_copies)
+        self.add("decoder.final_layernorm.weight", ["model.norm.weight"])
         lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
         if self.value_head:
             for key in self.value_head:
-                self._add(f"output_layer.{key.rpartition('.')[2]}", [key])
+                self.add(f"output_layer.{key.rpartition('.')[2]}", [key])
         else:
             # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
-            self._add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings,
-                      copies=head_copies)
-        moe_layers = self._moe_layers()
+            self.add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings,
+                     copies=head_copies)
+        moe_layers = facts.arch.moe_layers
         for layer in range(facts.num_layers):
-            self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=layer in moe_layers)
+            self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=moe_layers[layer])
         for k, h in enumerate(mtp_prefixes):
             m = f"mtp.layers.{k}."
-            self._add(m + "enorm.weight", [h + "enorm.weight"])
-            self._add(m + "hnorm.weight", [h + "hnorm.weight"])
-            self._add(m + "eh_proj.weight", [h + "eh_proj.weight"])
-            self._add(m + "final_layernorm.weight", [h + "shared_head.norm.weight"])
+            self.add(m + "enorm.weight", [h + "enorm.weight"])
+            self.add(m + "hnorm.weight", [h + "hnorm.weight"])
+            self.add(m + "eh_proj.weight", [h + "eh_proj.weight"])
+            self.add(m + "final_layernorm.weight", [h + "shared_head.norm.weight"])
             # Megatron builds an MTP layer's transformer layer from the last decoder layer's spec.
-            self._layer(m + "transformer_layer.", h, moe=facts.num_layers - 1 in moe_layers)
+            self._layer(m + "transformer_layer.", h, moe=moe_layers[-1])
 
     def _layer(self, m: str, h: str, moe: bool) -> None:
-        self._add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
-        self._add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
-        self._add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
-        if self.facts.family == "deepseek_v3":
-            self._mla(m + "self_attention.", h + "self_attn.")
-        else:
-            self._gqa(m + "self_attention.", h + "self_attn.")
+        family, arch = self.facts.family, self.facts.arch
+        self.add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
+        self.add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
+        self.add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
+        family.attention_rules(self, m + "self_attention.", h + "self_attn.", arch)
         if moe:
-            self._moe(m + "mlp.", h)
+            family.moe_rules(self, m + "mlp.", h, arch)
         else:
-            self._glu_mlp(m + "mlp.", h + "mlp.")
+            self.glu_mlp(m + "mlp.", h + "mlp.")
 
-    def _gqa(self, m: str, h: str) -> None:
-        hf, family = self.facts.hf, self.facts.family
-        self._add(m + "linear_qkv.weight", [h + f"{p}_proj.weight" for p in "qkv"], QKV)
-        if family in ("qwen2", "qwen2_moe") or hf.get("attention_bias"):
-            self._add(m + "linear_qkv.bias", [h + f"{p}_proj.bias" for p in "qkv"], QKV)
-        if family in ("qwen3", "qwen3_moe"):
-            self._add(m + "q_layernorm.weight", [h + "q_norm.weight"])
-            self._add(m + "k_layernorm.weight", [h + "k_norm.weight"])
-
-    def _mla(self, m: str, h: str) -> None:
-        if self.facts.hf.get("q_lora_rank"):
-            self._add(m + "linear_q_down_proj.weight", [h + "q_a_proj.weight"])
-            self._add(m + "q_layernorm.weight", [h + "q_a_layernorm.weight"])
-            self._add(m + "linear_q_up_proj.weight", [h + "q_b_proj.weight"])
-        else:
-            self._add(m + "linear_q_proj.weight", [h + "q_proj.weight"])
-        self._add(m + "linear_kv_down_proj.weight", [h + "kv_a_proj_with_mqa.weight"])
-        self._add(m + "kv_layernorm.weight", [h + "kv_a_layernorm.weight"])
-        self._add(m + "linear_kv_up_proj.weight", [h + "kv_b_proj.weight"])
-
-    def _glu_mlp(self, m: str, h: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    def glu_mlp(self, m: str, h: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        """A SwiGLU MLP: Megatron's fused fc1 from HF's gate and up projections, fc2 from the down projection."""
         gate, up, down = names
-        self._add(m + "linear_fc1.weight", [f"{h}{gate}.weight", f"{h}{up}.weight"], GLU)
-        self._add(m + "linear_fc2.weight", [f"{h}{down}.weight"])
+        self.add(m + "linear_fc1.weight", [f"{h}{gate}.weight", f"{h}{up}.weight"], GLU)
+        self.add(m + "linear_fc2.weight", [f"{h}{down}.weight"])
 
-    def _moe(self, m: str, h: str) -> None:
-        block, names, shared = _MOE_NAMES[self.facts.family]
-        self._add(m + "router.weight", [f"{h}{block}.gate.weight"])
-        if self.facts.family == "deepseek_v3":
-            self._add(m + "router.expert_bias", [f"{h}{block}.gate.e_score_correction_bias"])
+    def experts(self, m: str, h: str, names: Sequence[str]) -> None:
+        """Every routed expert, Megatron prefix `m` (…experts.), HF prefix `h` (…experts.): one HF module per expert
+        with projections `names`, or stacked [E, ...] tensors (gate_up_proj, down_proj), as some checkpoints hold them."""
         for e in range(self.num_experts):
-            expert = f"{m}experts.local_experts.{e}."
+            expert = f"{m}local_experts.{e}."
             if self.stacked_experts:
-                stacked = f"{h}{block}.experts."
-                self._add(expert + "linear_fc1.weight",
-                          [Source(stacked + "gate_up_proj", e, (0, 2)), Source(stacked + "gate_up_proj", e, (1, 2))], GLU)
-                self._add(expert + "linear_fc2.weight", [Source(stacked + "down_proj", e)])
+                self.add(expert + "linear_fc1.weight",
+                         [Source(h + "gate_up_proj", e, (0, 2)), Source(h + "gate_up_proj", e, (1, 2))], GLU)
+                self.add(expert + "linear_fc2.weight", [Source(h + "down_proj", e)])
             else:
-                self._glu_mlp(expert, f"{h}{block}.experts.{e}.", names)
-        if shared:
-            self._glu_mlp(m + "shared_experts.", h + shared + ".")
-            if self.facts.family == "qwen2_moe":
-                self._add(m + "shared_experts.gate_weight", [h + "mlp.shared_expert_gate.weight"])
-
-    def _moe_layers(self) -> set[int]:
-        if not self.num_experts:
-            return set()
-        from rlmegatron.models.hf_config import _moe_layer_freq
-
-        return {i for i, is_moe in enumerate(_moe_layer_freq(self.facts.hf)) if is_moe}
+                self.glu_mlp(expert, f"{h}{e}.", names)
 
     # ---- lookups ----------------------------------------------------------------------------
     def rule(self, megatron_name: str) -> Rule:
@@ -280,7 +238,7 @@ class WeightMap:
     def split(self, rule: Rule, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Full Megatron tensor -> its HF tensors (in rule.sources order); inverse of `fuse`."""
         if rule.transform == QKV:
-            heads = self.facts.hf["num_attention_heads"]
+            heads = self.facts.arch.num_attention_heads
             per_group = heads // self.num_query_groups * self.head_dim
             grouped = tensor.reshape(self.num_query_groups, per_group + 2 * self.head_dim, *tensor.shape[1:])
             q, k, v = torch.split(grouped, [per_group, self.head_dim, self.head_dim], dim=1)
@@ -320,7 +278,7 @@ class WeightMap:
         for key in rule.copies:
             if not torch.equal(read(key), source):
                 raise WeightMapError(
-                    f"{key} differs from {rule.sources[0].key}: DeepSeek's MTP layers share the main model's embedding "
+                    f"{key} differs from {rule.sources[0].key}: MTP layers share the main model's embedding "
                     f"and output head, and Megatron holds one tensor for both, so converting would lose one of them"
                 )
 

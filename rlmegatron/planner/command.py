@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from rlmegatron.config.architecture import read_architecture
+from rlmegatron.models.families import read_architecture
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.planner.plan import DEFAULT_GPU_MEM_GB, DEFAULT_LINK_GBPS, PlanSettings, build_plan, render_plan
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-from rlmegatron.config.architecture import ModelArchitecture
+from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
-from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE, pipeline_stage_layers
+from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, pipeline_stage_layers
 from rlmegatron.planner.parameters import ParameterCount
 
 GB = 1e9

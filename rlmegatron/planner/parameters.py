@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlmegatron.config.architecture import ModelArchitecture
+from rlmegatron.models.families import ModelArchitecture
 
 # Every model the readers know uses a gated MLP (SiLU(gate) * up, then down): three matrices.
 _GATED_MLP_MATRICES = 3
@@ -63,10 +63,9 @@ def count_parameters(arch: ModelArchitecture) -> ParameterCount:
     h = arch.hidden_size
     attention = _attention_parameters(arch)
     norms = 2 * h
-    first_moe_layer = arch.num_hidden_layers - arch.num_moe_layers  # dense layers come first (DeepSeek)
     layers = []
     for index in range(arch.num_hidden_layers):
-        if arch.is_moe and index >= first_moe_layer:
+        if arch.moe_layers[index]:
             expert = _GATED_MLP_MATRICES * h * (arch.moe_intermediate_size or 0)
             router = arch.num_experts * h + (arch.num_experts if arch.router_bias else 0)
             shared = _GATED_MLP_MATRICES * h * arch.shared_expert_intermediate_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rlmegatron.config.architecture import ModelArchitecture
+from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.config.errors import SpecProblem
 from rlmegatron.config.spec import JobSpec, MegatronConfig
 from rlmegatron.planner.memory import (

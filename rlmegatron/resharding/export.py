@@ -13,11 +13,17 @@ largest tensor. All ranks issue the same collectives in the same order:
    the experts of every EP rank under their global ids;
 3. a broadcast from the owning pipeline stage to the others;
 4. the weight map's `megatron_to_hf` (QKV split, fc1 split, vocab padding stripped).
+
+`export_hf` writes that stream as an HF safetensors checkpoint. Megatron is imported inside the functions that use
+it, so importing this module, like models.weight_map, costs no Megatron import.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -204,3 +210,45 @@ def _device() -> torch.device:
 def export_hf_weights(chunks, weight_map: WeightMap, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One-shot stream of HF-named full tensors from a live model (see HFWeightExporter to reuse the plan)."""
     return HFWeightExporter(chunks, weight_map).stream(dtype)
+
+
+def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write the model, at any layout, as HF safetensors shards, their index and config.json.
+
+    Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
+    it is full, so it holds at most one shard beyond its own weights.
+    """
+    from safetensors.torch import save_file
+
+    writer = torch.distributed.get_rank() == 0
+    staging = Path(out, ".incomplete")
+    if writer:
+        staging.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_keys: list[list[str]] = []
+    total = 0
+
+    def flush():
+        if shard:
+            save_file(shard, str(staging / f"shard-{len(shard_keys)}.safetensors"), metadata={"format": "pt"})
+            shard_keys.append(sorted(shard))
+            shard.clear()
+
+    for key, value in HFWeightExporter(chunks, weight_map).stream():
+        if not writer:
+            continue
+        if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > max_shard_bytes:
+            flush()
+        shard[key] = value.detach().cpu().contiguous()
+        total += value.nbytes
+    if writer:
+        flush()
+        names = [f"model-{i + 1:05d}-of-{len(shard_keys):05d}.safetensors" for i in range(len(shard_keys))]
+        for i, name in enumerate(names):
+            os.replace(staging / f"shard-{i}.safetensors", Path(out, name))
+        staging.rmdir()
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {key: name for name, keys in zip(names, shard_keys) for key in keys}}
+        Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        Path(out, "config.json").write_text(json.dumps(config, indent=1))
+    torch.distributed.barrier()

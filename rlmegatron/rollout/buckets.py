@@ -12,6 +12,8 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 
 import torch
 
+from rlmegatron.models.families import family_for
+
 NamedTensor = tuple[str, torch.Tensor]
 
 
@@ -65,20 +67,13 @@ class TravelRule:
         return name[:start] + "*" + name[end:], match.group("member")
 
 
-DEEPSEEK_FUSED_QKV_A = TravelRule(
-    # SGLang fuses these two into fused_qkv_a_proj_with_mqa while loading, so it needs both in one call;
-    # the suffix (weight, weight_scale_inv) stays in the key because each pair is fused separately.
-    pattern=re.compile(r"^.*\.self_attn\.(?P<member>q_a_proj|kv_a_proj_with_mqa)\..+$"),
-    members=frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),
-)
-
-
 def travel_rules_for(hf_config: Any) -> tuple[TravelRule, ...]:
-    """DeepSeek-style MLA with a low-rank query (q_lora_rank set) has both projections; without it
-    (DeepSeek-V2-Lite) there is no q_a_proj to wait for."""
-    if getattr(hf_config, "q_lora_rank", None):
-        return (DEEPSEEK_FUSED_QKV_A,)
-    return ()
+    """The travel rules of the tensors the model's family says an engine must receive together
+    (models.families: same_bucket); `hf_config` is a transformers config or a config.json's contents."""
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    family = family_for(config.get("model_type"))
+    groups = family.same_bucket(family.config(config))
+    return tuple(TravelRule(re.compile(group.pattern), group.members) for group in groups)
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -57,11 +57,11 @@ def _differences(original: dict[str, torch.Tensor], exported_dir: str) -> dict[s
 
 
 def hf_mtp_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the checkpoint's first MTP layer as DeepSeek-V3 defines it, which transformers does not build:
-    at position i, the main model's final hidden state and the embedding of token i+1 predict token i+2."""
+    """Logits of the checkpoint's first MTP layer as DeepSeek-V3 defines it (GLM-4.5's is the same), which
+    transformers does not build: at position i, the main model's final hidden state and the embedding of token i+1
+    predict token i+2."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.masking_utils import create_causal_mask
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
     layers = AutoConfig.from_pretrained(hf_dir).num_hidden_layers
     # One decoder layer more, so transformers loads the MTP layer's transformer block (layer `layers`) too.
@@ -72,7 +72,7 @@ def hf_mtp_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     mtp = {k.removeprefix(prefix): v for k, v in _read_safetensors(hf_dir).items() if k.startswith(prefix)}
 
     def norm(name: str, x: torch.Tensor) -> torch.Tensor:
-        module = DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps)
+        module = type(model.model.norm)(config.hidden_size, config.rms_norm_eps)  # the family's RMSNorm
         module.weight.data = mtp[f"{name}.weight"]
         return module(x)
 
@@ -103,7 +103,8 @@ def megatron_mtp_logits(model, facts, tokens: torch.Tensor) -> torch.Tensor:
 def round_trip_job(families: list[str], workdir: str) -> dict:
     """Per family and layout: HF->Megatron logits vs HF, Megatron->HF bitwise, and the checkpoint reloaded
     at TP=PP=EP=1 (a different layout) giving the same logits and HF tensors. Every rank returns its view."""
-    from rlmegatron.models.convert import export_hf, hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
+    from rlmegatron.models.convert import hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
+    from rlmegatron.resharding import export_hf
 
     report = {}
     for family in families:

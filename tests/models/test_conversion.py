@@ -5,7 +5,7 @@ import pytest
 
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from tests.models.conversion_jobs import layouts_for, round_trip_job
-from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model
+from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model, saved_mtp_layers
 
 LOGIT_TOLERANCE = 1e-4
 MATRIX_TIMEOUT_S = 600  # ~1.5 minutes on 2 cores for the 38 family/layout pairs
@@ -31,9 +31,9 @@ def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
         logit_diffs = [e["logits_vs_hf"] for e in entries if e["logits_vs_hf"] is not None]
         assert logit_diffs and max(logit_diffs) < LOGIT_TOLERANCE, (label, logit_diffs)
         # A DeepSeek-V3 saved by transformers has no MTP tensors: converted without MTP layers, not refused.
-        assert entries[0]["mtp_layers"] == (1 if family == "deepseek_v3" else 0), label
+        assert entries[0]["mtp_layers"] == saved_mtp_layers(family), label
         assert max(e["reloaded_tp1_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
-        # DeepSeek's MTP layer, which transformers ignores, against DeepSeek-V3's definition of it.
+        # An MTP layer (DeepSeek's, GLM's), which transformers ignores, against DeepSeek-V3's definition of it.
         if "reloaded_tp1_mtp_logits_vs_hf" in entries[0]:
             assert max(e["reloaded_tp1_mtp_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
         # Exported from the sharded layout, and from the checkpoint reloaded at TP=PP=EP=1; DeepSeek's MTP
@@ -45,7 +45,7 @@ def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
 
 
 def test_cli_vpp_etp_and_uneven_pipeline_flags_reach_the_layout_and_the_rank_count():
-    from rlmegatron.models.convert_cli import _layout, build_parser, default_nproc
+    from rlmegatron.convert_cli import _layout, build_parser, default_nproc
 
     args = build_parser().parse_args(["hf-to-mcore", "--hf-path", "hf", "--out", "mcore", "--tp", "2", "--pp", "2",
                                       "--vpp", "2", "--ep", "2", "--etp", "1"])

@@ -9,7 +9,7 @@ import torch
 
 from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
 from rlmegatron.runtime import ParallelLayout
-from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS, VARIANTS
+from tests.models.tiny_hf import COMMON, FAMILIES, FAMILY_CONFIGS, VARIANTS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -99,7 +99,7 @@ USER_CHOICES = {"hidden_dropout", "attention_dropout", "use_cpu_initialization",
                 "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_router_dtype"}
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_every_field_rlmegatron_sets_is_reserved_or_a_user_choice(model_type, monkeypatch):
     from megatron.core import transformer
 

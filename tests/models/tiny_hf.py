@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmegatron.models.families import architecture_of
+
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=200,
               max_position_embeddings=64, rms_norm_eps=1e-6)
 FAMILY_CONFIGS = {
@@ -25,9 +27,13 @@ FAMILY_CONFIGS = {
                         num_nextn_predict_layers=1,
                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    # GLM-4.5's switches on: q/k/v biases, query/key norms, half of each head rotated, scaled routing, an MTP layer.
+    "glm4_moe": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                     attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = tuple(f for f in FAMILIES if architecture_of({"model_type": f, **COMMON, **FAMILY_CONFIGS[f]}).is_moe)
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class Variant:
 
     family: str
     config: dict
-    mtp_tensors: bool = True  # DeepSeek's MTP layers as DeepSeek ships them; False: as transformers saves them
+    mtp_tensors: bool = True  # MTP layers as DeepSeek and GLM ship them; False: as transformers saves them
 
 
 def _llama3_rope(factor: float, low: float, high: float, original: int, theta: float) -> dict:
@@ -58,6 +64,12 @@ VARIANTS = {
 
 def family_of(name: str) -> str:
     return VARIANTS[name].family if name in VARIANTS else name
+
+
+def saved_mtp_layers(name: str) -> int:
+    """The multi-token-prediction layers save_tiny_model(name) writes."""
+    variant = VARIANTS.get(name, Variant(name, {}))
+    return FAMILY_CONFIGS[variant.family].get("num_nextn_predict_layers", 0) if variant.mtp_tensors else 0
 
 
 def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> str:
@@ -86,9 +98,9 @@ def _random_norm_or_bias(name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def _append_mtp_layers(directory: str, config) -> None:
-    """Add DeepSeek's multi-token-prediction layers to the saved checkpoint, as DeepSeek ships them
-    (transformers neither builds nor saves them): random weights shaped like the last decoder layer's,
-    the MTP-only tensors, and copies of the main embedding and head."""
+    """Add multi-token-prediction layers to the saved checkpoint, as DeepSeek and GLM ship them (transformers
+    neither builds nor saves them): random weights shaped like the last decoder layer's, the MTP-only tensors,
+    and copies of the main embedding and head."""
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(directory, "model.safetensors")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlmegatron.config.spec import RolloutConfig
-from rlmegatron.rollout.buckets import DEEPSEEK_FUSED_QKV_A
+from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.sglang import (
     DistributedGroupSpec,
@@ -36,6 +36,9 @@ from rlmegatron.runtime.launcher import free_port
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 REPO_ROOT = Path(__file__).parents[2]
+
+# DeepSeek-V3's q_a_proj and kv_a_proj_with_mqa, which SGLang fuses while loading, travel in one bucket.
+DEEPSEEK_TRAVEL_RULES = travel_rules_for({"model_type": "deepseek_v3", "q_lora_rank": 32})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,7 +74,7 @@ def make_engine(tmp_path: Path, resync=None, router_url=None, **fake_flags) -> S
                     **fake_flags},
         env={"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])},
     )
-    return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=(DEEPSEEK_FUSED_QKV_A,),
+    return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=DEEPSEEK_TRAVEL_RULES,
                         resync=resync, router_url=router_url, startup_timeout_s=30, request_timeout_s=30,
                         max_concurrency=8)
 
@@ -236,7 +239,7 @@ def test_server_that_never_becomes_healthy_reports_its_log_tail(tmp_path):
 def test_distributed_update_broadcasts_in_announced_order(tmp_path):
     engine = make_engine(tmp_path)
     try:
-        push = DistributedWeightPush(bucket_bytes=1024, travel_rules=(DEEPSEEK_FUSED_QKV_A,))
+        push = DistributedWeightPush(bucket_bytes=1024, travel_rules=DEEPSEEK_TRAVEL_RULES)
         group = DistributedGroupSpec("127.0.0.1", free_port(), group_name="sync_test", backend="gloo")
         push.connect(0, engine.spec.url, engine.spec.tp_size, group)
         push.push(iter(weights()), "v3")

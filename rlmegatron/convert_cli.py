@@ -1,4 +1,9 @@
-"""Arguments and dispatch of `rlm convert {hf-to-mcore,mcore-to-hf,verify}`, under torchrun or with --nproc."""
+"""Arguments, pre-launch checks, dispatch and rank bodies of `rlm convert {hf-to-mcore,mcore-to-hf,verify}`, under
+torchrun or with --nproc.
+
+torch, Megatron, pydantic and the modules that import them are imported inside the functions that need them: `rlm`
+imports this module for every `rlm convert`, and parsing the arguments should not wait for them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +14,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+
+from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
 # The job spec's name of each parallel size, and the flag that sets it here.
@@ -76,14 +83,51 @@ def default_nproc(layout) -> int:
 
 def _job(direction: str, args: dict):
     """What every rank runs; a module-level function so spawned ranks can import it."""
-    from rlmegatron.models import convert
-
     ns = argparse.Namespace(**args)
     if direction == "hf-to-mcore":
-        return convert.hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
+        return hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
     if direction == "mcore-to-hf":
-        return convert.mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns))
-    return convert.verify(ns.hf_path, ns.mcore_path, _layout(ns))
+        return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns))
+    return verify(ns.hf_path, ns.mcore_path, _layout(ns))
+
+
+# ---- rank bodies -------------------------------------------------------------------------------------------------
+def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
+    """Rank body of `rlm convert hf-to-mcore`."""
+    from rlmegatron.models.convert import import_hf, save_mcore
+
+    _, weight_map, chunks = import_hf(hf_path, layout, dtype)
+    save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path)
+
+
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout) -> None:
+    """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
+    import torch
+
+    from rlmegatron.models.convert import copy_tokenizer, load_mcore
+    from rlmegatron.models.hf_config import read_hf_config
+    from rlmegatron.resharding import export_hf
+
+    _, weight_map, chunks = load_mcore(mcore_path, layout)
+    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
+    export_hf(chunks, weight_map, out, config)
+    if torch.distributed.get_rank() == 0:
+        copy_tokenizer(hf_config_dir or mcore_path, out)
+    torch.distributed.barrier()
+
+
+def verify(hf_path: str, mcore_path: str, layout) -> dict[str, float] | None:
+    """Rank body of `rlm convert verify`: Megatron vs HF logit diff, on last-stage TP rank 0; else None."""
+    from megatron.core import parallel_state as ps
+
+    from rlmegatron.models.convert import compare_logits, hf_logits, load_mcore, megatron_logits, verify_tokens
+
+    facts, _, chunks = load_mcore(mcore_path, layout, dtype="fp32")
+    tokens = verify_tokens(facts.vocab_size, batch=max(2, layout.pp))  # a micro-batch per sequence, >= PP
+    logits = megatron_logits(chunks, facts, tokens)
+    if logits is None or ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return compare_logits(hf_logits(hf_path, tokens), logits)
 
 
 def _existing_dir(flag: str, path: str) -> Path:
@@ -96,11 +140,10 @@ def _existing_dir(flag: str, path: str) -> Path:
 
 def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[str]:
     """The job spec's checks of a layout against the model (rlmegatron.config.checks), worded with this CLI's flags."""
-    from rlmegatron.config.architecture import _architecture_from
-    from rlmegatron.config.checks import _check_layout_fits_model, _check_layout_options
+    from rlmegatron.config.checks import check_layout_fits_model, check_layout_options
     from rlmegatron.config.spec import MegatronConfig
 
-    arch = _architecture_from(hf, source)
+    arch = architecture_of(hf, source)
     megatron = MegatronConfig(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
@@ -109,7 +152,7 @@ def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[
     world = world or math.lcm(arch.num_attention_heads, arch.num_hidden_layers, arch.num_experts or 1,
                               arch.moe_intermediate_size or 1)
     cluster = SimpleNamespace(placement=SimpleNamespace(trainer_world_size=world))
-    problems = _check_layout_options("", megatron) + _check_layout_fits_model("", megatron, arch, cluster)
+    problems = check_layout_options("", megatron) + check_layout_fits_model("", megatron, arch, cluster)
     lines = []
     for problem in problems:
         name = problem.field.rsplit(".", 1)[-1]

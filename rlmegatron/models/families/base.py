@@ -1,0 +1,313 @@
+"""What the model families share: the architecture facts read from an HF config.json, and the base Family, which reads
+a decoder the way Llama's transformers code is written (GQA attention, SwiGLU MLPs, rotary embeddings).
+
+A family module (llama.py, qwen3.py, deepseek_v3.py, ...) subclasses Family where its transformers modeling code
+differs. Pure Python: the spec checks read architectures through the families without importing torch; the
+Megatron-Core config, layer spec and weight map are built from what a family says here (models.hf_config,
+models.spec, models.weight_map).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from rlmegatron.errors import UserError
+
+# The transforms a weight-map rule applies to its HF tensors (models.weight_map implements them).
+IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
+
+
+class ArchitectureError(UserError, ValueError):
+    """The config.json is missing, is not JSON, or lacks a field every decoder has."""
+
+
+class UnsupportedModelError(UserError, ValueError):
+    """The HF config names an architecture, or a value, that the bridge cannot express in Megatron."""
+
+
+@dataclass(frozen=True)
+class MultiLatentAttention:
+    """DeepSeek's MLA projection sizes; q_lora_rank is None when queries are projected directly."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """Shape of a decoder-only transformer as its HF config.json states it, read by its family."""
+
+    source: Path
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int | None
+    num_experts: int  # routed experts; 0 for a dense model
+    moe_intermediate_size: int | None  # hidden size of one routed expert's MLP
+    num_experts_per_tok: int | None
+    max_position_embeddings: int | None
+    tie_word_embeddings: bool
+    head_dim: int = 0  # per attention head; HF's default is hidden_size / num_attention_heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe_layers: tuple[bool, ...] = ()  # per decoder layer: its MLP is routed (DeepSeek's first_k_dense_replace stay dense)
+    shared_expert_intermediate_size: int = 0  # all shared experts of a layer together; 0 when none
+    shared_expert_gate: bool = False  # Qwen2-MoE scales its shared expert by a learned sigmoid gate
+    router_bias: bool = False  # DeepSeek-V3's and GLM-4.5's e_score_correction_bias
+    mla: MultiLatentAttention | None = None
+    num_mtp_layers: int = 0  # multi-token-prediction layers config.json declares, stored after the decoder layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The rotary embedding a config.json asks for: base, type and the type's fields (rope_parameters, or
+    transformers 4's rope_scaling), and the share of each head it rotates."""
+
+    theta: float
+    kind: str
+    params: Mapping[str, Any]
+    percent: float = 1.0
+
+
+@dataclass(frozen=True)
+class SameBucket:
+    """HF tensors that an inference engine fuses while it loads them, so one weight update must carry them all:
+    the names matching `pattern` that differ only in its `member` group, one of `members`."""
+
+    pattern: str
+    members: frozenset[str]
+
+
+def whole_number(config: Mapping[str, Any], key: str) -> int | None:
+    """config[key] when it is an integer (not a bool), else None."""
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class Family:
+    """How one model_type's config.json reads and what it becomes in Megatron-Core; subclasses override what their
+    transformers modeling code does differently from Llama's."""
+
+    model_type = ""
+    display_name = ""  # the model's name in messages
+    # transformers' defaults (its config class) for the keys this family reads, where a config.json without
+    # them would otherwise be misread; tests/models/families check them against transformers.
+    defaults: Mapping[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                                   "rope_theta": 10000.0}
+    # transformers' other names of some keys (its config class's attribute_map): alias -> the key read here
+    aliases: Mapping[str, str] = {}
+    expert_count_key: Optional[str] = None  # the key holding the routed-expert count; None: a dense family
+    rope_types: tuple[str, ...] = ("default", "llama3")
+    multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
+    # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
+    # projections, and the module of the shared expert(s), if any.
+    moe_block = "mlp"
+    expert_projections = ("gate_proj", "up_proj", "down_proj")
+    shared_experts_module = "mlp.shared_experts"
+
+    def __str__(self) -> str:
+        return self.model_type
+
+    def __repr__(self) -> str:
+        return f"<family {self.model_type or '(generic)'}>"
+
+    # ---- config.json -> architecture facts ---------------------------------------------------------------------
+    def config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """`hf` with transformers' defaults filled in for the keys this family reads, under the names read here."""
+        cfg = {**self.defaults, **hf}
+        for alias, key in self.aliases.items():
+            if alias in hf and key not in hf:
+                cfg[key] = hf[alias]
+        return cfg
+
+    def architecture(self, hf: Mapping[str, Any], source: Path = Path("config.json")) -> ModelArchitecture:
+        cfg = self.config(hf)
+
+        def required(key: str) -> int:
+            value = cfg.get(key)
+            if whole_number(cfg, key) is None or value <= 0:
+                raise ArchitectureError(f"{source}: {key} must be a positive integer, got {value!r}")
+            return value
+
+        num_attention_heads = required("num_attention_heads")
+        hidden_size = required("hidden_size")
+        num_layers = required("num_hidden_layers")
+        vocab_size = required("vocab_size")
+        num_experts = self.num_experts(cfg)
+        # Mixtral has no moe_intermediate_size: its experts are sized by intermediate_size.
+        expert_ffn_size = whole_number(cfg, "moe_intermediate_size") or (
+            whole_number(cfg, "intermediate_size") if num_experts else None)
+        shared_size, shared_gate = self.shared_experts(cfg, expert_ffn_size or 0) if num_experts else (0, False)
+        return ModelArchitecture(
+            source=source,
+            model_type=str(cfg.get("model_type", "")),
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            # HF leaves this out when every head has its own key/value (plain multi-head attention).
+            num_key_value_heads=whole_number(cfg, "num_key_value_heads") or num_attention_heads,
+            vocab_size=vocab_size,
+            intermediate_size=whole_number(cfg, "intermediate_size"),
+            num_experts=num_experts,
+            moe_intermediate_size=expert_ffn_size,
+            num_experts_per_tok=whole_number(cfg, "num_experts_per_tok"),
+            max_position_embeddings=whole_number(cfg, "max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+            head_dim=whole_number(cfg, "head_dim") or hidden_size // num_attention_heads,
+            qkv_bias=self.qkv_bias(cfg),
+            qk_norm=self.qk_norm(cfg),
+            moe_layers=self.moe_layers(cfg, num_layers) if num_experts else (False,) * num_layers,
+            shared_expert_intermediate_size=shared_size,
+            shared_expert_gate=shared_gate,
+            router_bias=bool(num_experts) and self.router_bias(cfg),
+            mla=self.mla(cfg),
+            num_mtp_layers=self.num_mtp_layers(cfg),
+        )
+
+    def num_experts(self, cfg: Mapping[str, Any]) -> int:
+        if self.expert_count_key is None:
+            return 0
+        return whole_number(cfg, self.expert_count_key) or 0
+
+    def qkv_bias(self, cfg: Mapping[str, Any]) -> bool:
+        return bool(cfg.get("attention_bias"))
+
+    def o_proj_bias(self, cfg: Mapping[str, Any]) -> bool:
+        """Llama's attention_bias puts a bias on o_proj too."""
+        return bool(cfg.get("attention_bias"))
+
+    def sliding_window(self, cfg: Mapping[str, Any]) -> bool:
+        """Whether some layer attends within a sliding window only."""
+        return False
+
+    def qk_norm(self, cfg: Mapping[str, Any]) -> bool:
+        return False
+
+    def moe_layers(self, cfg: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
+        """Per decoder layer, whether its MLP is routed (asked only of a model with experts)."""
+        return (True,) * num_layers
+
+    def shared_experts(self, cfg: Mapping[str, Any], expert_ffn_size: int) -> tuple[int, bool]:
+        """(hidden size of all shared experts of a layer together, whether a learned gate scales them)."""
+        return 0, False
+
+    def router_bias(self, cfg: Mapping[str, Any]) -> bool:
+        return False
+
+    def mla(self, cfg: Mapping[str, Any]) -> MultiLatentAttention | None:
+        return None
+
+    def num_mtp_layers(self, cfg: Mapping[str, Any]) -> int:
+        return 0
+
+    def rope(self, cfg: Mapping[str, Any]) -> Rope:
+        params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+        return Rope(theta=float(params.get("rope_theta", cfg["rope_theta"])),
+                    kind=params.get("rope_type", params.get("type", "default")), params=params)
+
+    # ---- what the bridge cannot express -------------------------------------------------------------------------
+    def problems(self, cfg: Mapping[str, Any]) -> list[str]:
+        """Why Megatron-Core cannot run this model as transformers does, one line each; [] when it can."""
+        problems = []
+        if cfg.get("hidden_act") != "silu":
+            problems.append(f"hidden_act={cfg.get('hidden_act')!r} unsupported: only SwiGLU MLPs are bridged")
+        if self.o_proj_bias(cfg):
+            problems.append(f"attention_bias={cfg.get('attention_bias')!r} unsupported: transformers' {self.display_name} "
+                            "then gives o_proj a bias too, which Megatron has only with every linear layer biased")
+        if self.sliding_window(cfg):
+            problems.append("sliding_window attention is unsupported (use_sliding_window / sliding_window)")
+        rope = self.rope(cfg)
+        if rope.kind not in self.rope_types:
+            problems.append(f"rope_scaling.rope_type={rope.kind!r} unsupported for {self.model_type}")
+        elif rope.kind == "llama3":
+            problems += llama3_rope_problems(cfg, rope)
+        return problems
+
+    def check(self, hf: Mapping[str, Any]) -> None:
+        """Raise UnsupportedModelError naming every problem (one line), if any."""
+        problems = self.problems(self.config(hf))
+        if problems:
+            raise UnsupportedModelError("; ".join(problems))
+
+    # ---- Megatron-Core config --------------------------------------------------------------------------------------
+    def megatron_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """TransformerConfig fields of this family's attention and routing; models.hf_config adds those every
+        family sets alike (sizes, norms, SwiGLU, the expert count and MoE layer pattern, the layout)."""
+        fields = self.attention_fields(arch, cfg)
+        if arch.is_moe:
+            fields.update(self.router_fields(cfg))
+        if arch.shared_expert_intermediate_size:
+            fields.update(moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+                          moe_shared_expert_gate=arch.shared_expert_gate)
+        return fields
+
+    def attention_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
+                    add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm)
+
+    def router_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Megatron's router settings for this family's (a softmax over the top-k logits: Megatron's default)."""
+        return {}
+
+    # ---- weight map: `rules` is the models.weight_map.WeightMap being built ------------------------------------------
+    def attention_rules(self, rules, m: str, h: str, arch: ModelArchitecture) -> None:
+        """Rules of one layer's attention, Megatron prefix `m` (…self_attention.), HF prefix `h` (…self_attn.)."""
+        rules.add(m + "linear_qkv.weight", [h + f"{p}_proj.weight" for p in "qkv"], QKV)
+        if arch.qkv_bias:
+            rules.add(m + "linear_qkv.bias", [h + f"{p}_proj.bias" for p in "qkv"], QKV)
+        if arch.qk_norm:
+            rules.add(m + "q_layernorm.weight", [h + "q_norm.weight"])
+            rules.add(m + "k_layernorm.weight", [h + "k_norm.weight"])
+
+    def moe_rules(self, rules, m: str, h: str, arch: ModelArchitecture) -> None:
+        """Rules of one MoE layer's MLP, Megatron prefix `m` (…mlp.), HF prefix `h` (the decoder layer's)."""
+        block = f"{h}{self.moe_block}."
+        rules.add(m + "router.weight", [block + "gate.weight"])
+        if arch.router_bias:
+            rules.add(m + "router.expert_bias", [block + "gate.e_score_correction_bias"])
+        rules.experts(m + "experts.", block + "experts.", self.expert_projections)
+        if arch.shared_expert_intermediate_size:
+            rules.glu_mlp(m + "shared_experts.", f"{h}{self.shared_experts_module}.")
+
+    # ---- export --------------------------------------------------------------------------------------------------
+    def same_bucket(self, cfg: Mapping[str, Any]) -> tuple[SameBucket, ...]:
+        """Tensors an inference engine must receive together in one weight update."""
+        return ()
+
+
+def llama3_rope_scaling(cfg: Mapping[str, Any], rope: Rope) -> dict[str, Any]:
+    """The four fields of Llama-3 rope scaling as transformers reads them: it requires the three factors and takes
+    original_max_position_embeddings from the config's top level, else the rope dict, else max_position_embeddings
+    (llama3_rope_problems says when one is missing)."""
+    params = rope.params
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings")
+    return dict(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=original)
+
+
+def llama3_rope_problems(cfg: Mapping[str, Any], rope: Rope) -> list[str]:
+    missing = [field for field in ("factor", "low_freq_factor", "high_freq_factor") if rope.params.get(field) is None]
+    if missing:
+        return [f"rope_scaling (rope_type llama3) lacks {' and '.join(missing)}; "
+                "transformers requires factor, low_freq_factor and high_freq_factor"]
+    if not (cfg.get("original_max_position_embeddings") or rope.params.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings")):
+        return ["rope_scaling (rope_type llama3) lacks original_max_position_embeddings, "
+                "and config.json has no max_position_embeddings to fall back on"]
+    return []
