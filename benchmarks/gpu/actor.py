@@ -30,7 +30,6 @@ import os
 import sys
 import time
 import traceback
-from types import SimpleNamespace
 
 import torch
 
@@ -298,7 +297,7 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     sizes = {name: tensor.nbytes for name, tensor in exporter.stream()}
     total = sum(sizes.values())
     bucket_bytes = int(args.bucket_mb * 2**20)
-    rules = travel_rules_for(SimpleNamespace(**facts.hf))
+    rules = travel_rules_for(facts.hf)
     device = args.device
     versions = iter(range(1 << 30))
     arrived: dict = {}
