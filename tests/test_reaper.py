@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers.processes import alive, command, descendants
+from tests.helpers.processes import alive, command, descendants, open_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SLEEP = "import sys, time; files = [open(path, 'a') for path in sys.argv[1:]]; time.sleep(600)"
@@ -52,6 +52,10 @@ def test_the_owners_session_ends_within_moments_of_its_sigkill_and_nothing_else_
         [reaper] = [pid for pid in tree if "rlmegatron.reaper" in command(pid)]
         victims = [pid for pid in tree if pid != reaper]
         assert len(victims) == 4, [command(pid) for pid in tree]
+        # The agent is known by the log it holds open: on a loaded machine its interpreter may not have opened it yet.
+        [agent] = [pid for pid in victims if command(pid).startswith("ray::FakeAgent")]
+        while str(session / "logs" / "agent.log") not in open_files(agent) and time.monotonic() < deadline:
+            time.sleep(0.05)
         owner.kill()
         killed = time.monotonic()
         owner.wait()

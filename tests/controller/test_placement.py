@@ -29,7 +29,14 @@ def test_the_trainer_pool_spans_every_node(monkeypatch):
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: asked.setdefault("init", kwargs))
+    class Context:
+        address_info = {"session_dir": "/tmp/ray/session_test"}
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: asked.setdefault("init", kwargs) and Context())
+    # The reaper of the session rlm train starts is tested in tests/test_reaper.py; nothing starts here.
+    reaper = importlib.import_module("rlmegatron.reaper")
+    monkeypatch.setattr(reaper, "start", lambda mark, session_dir: asked.setdefault("reaper", session_dir))
+    monkeypatch.setattr(reaper, "mark_started_processes", lambda: "mark")
     monkeypatch.setattr(placement_groups, "placement_group", placement_group)
     monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
         "bundles_to_node_id": {index: f"node{index // 3}" for index in range(len(asked["trainer"]))}})

@@ -36,3 +36,17 @@ def command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return "(gone)"
+
+
+def open_files(pid: int) -> set[str]:
+    """The paths `pid` holds open (empty once it is gone)."""
+    found = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                found.add(str(fd.readlink()))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return found
