@@ -7,6 +7,7 @@ broadcasts the weights to them over NCCL (gloo on CPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from rlmegatron.controller.role_settings import RolloutSettings, rollout_settings
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.tracking.progress import Progress
 
@@ -97,9 +99,9 @@ class EngineMember:
     with the leader (`share_buckets`) and, if it is the first rank on a later node of a server that spans nodes,
     runs that node's server process."""
 
-    def __init__(self, spec: JobSpec, group, travel_rules, node_process=None) -> None:
-        self.bucket_bytes = spec.rollout.update_weights_bucket_mb << 20
-        self.tp_size, self.group, self.node_process = spec.rollout.tensor_parallel_size, group, node_process
+    def __init__(self, settings: RolloutSettings, group, travel_rules, node_process=None) -> None:
+        self.bucket_bytes = settings.bucket_bytes
+        self.tp_size, self.group, self.node_process = settings.tensor_parallel_size, group, node_process
         self.travel_rules = travel_rules
         if node_process is not None:
             node_process.start()
@@ -125,19 +127,19 @@ class EngineMember:
             self.node_process.stop()
 
 
-def build_colocated_engine(spec: JobSpec, hf_config) -> tuple[Optional[int], Any]:
+def build_colocated_engine(settings: RolloutSettings, hf_config) -> tuple[Optional[int], Any]:
     """Collective over the trainer ranks. Returns (engine index, engine) for the rank leading an engine,
     (engine index, EngineMember) for the other ranks of its group, (None, None) for ranks outside every group."""
-    if spec.rollout.engine == "local":
-        return torch.distributed.get_rank(), _local_engine(spec, hf_config)
+    if settings.engine == "local":
+        return torch.distributed.get_rank(), _local_engine(settings, hf_config)
     from rlmegatron.rollout.buckets import travel_rules_for
     from rlmegatron.rollout.sglang_server import launch_node
 
-    tp = spec.rollout.tensor_parallel_size
+    tp = settings.tensor_parallel_size
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     places: list = [None] * world
-    torch.distributed.all_gather_object(places, this_place(spec.placement.device))
-    layout = server_nodes(places, tp, (spec.rollout.num_gpus or world) // tp)
+    torch.distributed.all_gather_object(places, this_place(settings.device))
+    layout = server_nodes(places, tp, (settings.num_gpus or world) // tp)
     # Every rank creates every group, in the same order, as new_group requires.
     groups = [torch.distributed.new_group([s for node in nodes for s in node.slots], backend="gloo")
               for nodes in layout] if tp > 1 else [None] * len(layout)
@@ -147,25 +149,25 @@ def build_colocated_engine(spec: JobSpec, hf_config) -> tuple[Optional[int], Any
         return None, None
     node, index = mine
     # Behind a router (on the driver's node) a server must be reachable from there, not just from this node.
-    host = places[rank].address if spec.rollout.sglang.router_url else "127.0.0.1"
-    server = _server_spec(spec, [places[slot].device for slot in node.slots], host, node)
+    host = places[rank].address if settings.router_url else "127.0.0.1"
+    server = _server_spec(settings, [places[slot].device for slot in node.slots], host, node)
     if node.node_rank == 0 and index == 0:
-        return node.engine, sglang_engine(spec, server, hf_config, ipc_group=groups[node.engine])
-    return node.engine, EngineMember(spec, groups[node.engine], travel_rules_for(hf_config),
-                                     launch_node(server, _log_dir(spec), start=False) if index == 0 else None)
+        return node.engine, sglang_engine(settings, server, hf_config, ipc_group=groups[node.engine])
+    return node.engine, EngineMember(settings, groups[node.engine], travel_rules_for(hf_config),
+                                     launch_node(server, settings.log_dir, start=False) if index == 0 else None)
 
 
-def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
+def _local_engine(settings: RolloutSettings, hf_config) -> RolloutEngine:
     from transformers import AutoModelForCausalLM
 
     from rlmegatron.models.hf_config import DTYPES
     from rlmegatron.rollout.local import LocalEngine
 
-    device = "cuda" if spec.placement.device == "cuda" else "cpu"
+    device = "cuda" if settings.device == "cuda" else "cpu"
     # The engine samples from the weights the trainer holds, in the trainer's dtype. No engine seed: every request
     # the trainer sends carries its own (Trainer.sampling_seed).
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[spec.model.dtype],
-                                             trust_remote_code=spec.model.trust_remote_code).to(device)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[settings.model.dtype],
+                                             trust_remote_code=settings.model.trust_remote_code).to(device)
     eos = hf_config.eos_token_id
     return LocalEngine(
         model,
@@ -174,40 +176,32 @@ def _local_engine(spec: JobSpec, hf_config) -> RolloutEngine:
     )
 
 
-def _server_spec(spec: JobSpec, devices: Sequence[str], host: str, node: ServerNode):
+def _server_spec(settings: RolloutSettings, devices: Sequence[str], host: str, node: ServerNode):
     """The launch spec of `node`'s share of a server on `devices` of that node, serving HTTP on `host`."""
-    from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
     from rlmegatron.runtime.launcher import free_port
 
     env = {}
-    if spec.placement.device == "cuda":
+    if settings.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     else:
         # CPU buckets reach the unrelated server process through named shared memory, not fd passing.
         torch.multiprocessing.set_sharing_strategy("file_system")
-    return ServerSpec.from_rollout_config(spec.rollout, spec.model.path, port=free_port(host), host=host,
-                                          trust_remote_code=spec.model.trust_remote_code,
-                                          dtype=SGLANG_DTYPES[spec.model.dtype],
-                                          device=spec.placement.device, env=env, nnodes=node.nnodes,
-                                          node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
+    return dataclasses.replace(settings.server, port=free_port(host), host=host, env=env, nnodes=node.nnodes,
+                               node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
 
 
-def _log_dir(spec: JobSpec) -> str:
-    return str(Path(spec.trainer.run_dir) / "logs")
-
-
-def sglang_engine(spec: JobSpec, server, hf_config, ipc_group=None) -> RolloutEngine:
+def sglang_engine(settings: RolloutSettings, server, hf_config, ipc_group=None) -> RolloutEngine:
     """A supervised SGLang server: node 0 of `server`, launched here and waited on."""
     from rlmegatron.rollout.buckets import travel_rules_for
     from rlmegatron.rollout.sglang import SGLangEngine
 
     return SGLangEngine(
         server,
-        log_dir=_log_dir(spec),
-        bucket_bytes=spec.rollout.update_weights_bucket_mb << 20,
+        log_dir=settings.log_dir,
+        bucket_bytes=settings.bucket_bytes,
         travel_rules=travel_rules_for(hf_config),
-        router_url=spec.rollout.sglang.router_url,
-        startup_timeout_s=spec.rollout.sglang.startup_timeout_s,
+        router_url=settings.router_url,
+        startup_timeout_s=settings.startup_timeout_s,
         ipc_group=ipc_group,
     )
 
@@ -266,7 +260,7 @@ def start_router(spec: JobSpec):
     host = socket.gethostbyname(socket.gethostname())
     port = free_port(host)
     process = ServerProcess(router_command(sglang.python, [], port, host, sglang.router_args),
-                            Path(_log_dir(spec)) / "sglang_router.log")
+                            Path(rollout_settings(spec).log_dir) / "sglang_router.log")
     process.start()
     url = f"http://{host}:{port}"
     try:
@@ -285,27 +279,23 @@ class EngineHost:
     """One GPU of the rollout pool (one CPU rank on CPU). The first host of each node of a server launches that
     node's process on the node's devices; the host of node 0 supervises the server. The others hold their GPU."""
 
-    def __init__(self, spec: JobSpec) -> None:
-        self.spec = spec
+    def __init__(self, settings: RolloutSettings) -> None:
+        self.settings = settings
         self.engine: Optional[RolloutEngine] = None
         self.node_process = None
 
     def place(self) -> Place:
-        return this_place(self.spec.placement.device)
+        return this_place(self.settings.device)
 
     def launch(self, devices: list[str], node: ServerNode) -> Optional[str]:
         """Returns the server's URL on node 0's host; None on the other nodes' hosts."""
-        from transformers import AutoConfig
-
         from rlmegatron.rollout.sglang_server import launch_node
 
-        server = _server_spec(self.spec, devices, socket.gethostbyname(socket.gethostname()), node)
+        server = _server_spec(self.settings, devices, socket.gethostbyname(socket.gethostname()), node)
         if node.node_rank:
-            self.node_process = launch_node(server, _log_dir(self.spec))
+            self.node_process = launch_node(server, self.settings.log_dir)
             return None
-        model = self.spec.model
-        hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        self.engine = sglang_engine(self.spec, server, hf_config)
+        self.engine = sglang_engine(self.settings, server, self.settings.model.hf_config())
         return self.engine.spec.url
 
     def relaunch(self) -> None:
@@ -333,10 +323,10 @@ class EngineHost:
 class DisaggregatedEngines:
     """The servers of the rollout pool: their hosts are Ray actors on `pool`, or live in this process without Ray."""
 
-    def __init__(self, spec: JobSpec, workers, pool=None) -> None:
-        self.workers, self.tp_size = workers, spec.rollout.tensor_parallel_size
-        size = spec.rollout.num_gpus or spec.placement.rollout_pool_size
-        self.hosts = _ray_hosts(spec, pool, size) if pool is not None else [EngineHost(spec) for _ in range(size)]
+    def __init__(self, settings: RolloutSettings, workers, pool=None) -> None:
+        self.workers, self.tp_size = workers, settings.tensor_parallel_size
+        size = settings.pool_size
+        self.hosts = _ray_hosts(settings, pool, size) if pool is not None else [EngineHost(settings) for _ in range(size)]
         places = self._call(self.hosts, "place", [()] * size)
         layout = server_nodes(places, self.tp_size, size // self.tp_size)
         # Per engine: the launching host of each node, node 0's (the leader) last, so a caller without Ray
@@ -388,7 +378,7 @@ class DisaggregatedEngines:
         return ray.get([getattr(host, method).remote(*args) for host, args in zip(hosts, per_host_args)])
 
 
-def _ray_hosts(spec: JobSpec, pool, size: int) -> list:
+def _ray_hosts(settings: RolloutSettings, pool, size: int) -> list:
     """One host actor per bundle of the rollout pool, in the pool's node-sorted order."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -397,6 +387,6 @@ def _ray_hosts(spec: JobSpec, pool, size: int) -> list:
     resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
     return [
         host_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pool.placement_group, pool.bundle_order[index]), **resources).remote(spec)
+            pool.placement_group, pool.bundle_order[index]), **resources).remote(settings)
         for index in range(size)
     ]

@@ -62,6 +62,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
     from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.role_settings import rollout_settings
     from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
@@ -102,7 +103,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
         if spec.placement.mode == "colocate":
             engines = ColocatedEngines(workers)
         else:
-            engines = DisaggregatedEngines(spec, workers, pools.rollout if pools else None)
+            engines = DisaggregatedEngines(rollout_settings(spec), workers, pools.rollout if pools else None)
         trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
         result = trainer.fit()
         status = "FINISHED"

@@ -5,7 +5,6 @@ import collections
 import contextlib
 import dataclasses
 import math
-import os
 import random
 import socket
 import sys
@@ -14,96 +13,12 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from rlmegatron.controller.role_settings import ModelSource, trainer_rank_settings
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.workers import RolloutBatch
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
-
-
-def parallel_layout(megatron):
-    from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
-    from rlmegatron.runtime import ParallelLayout
-
-    return ParallelLayout(
-        tp=megatron.tensor_model_parallel_size,
-        pp=megatron.pipeline_model_parallel_size,
-        vpp=megatron.virtual_pipeline_model_parallel_size,
-        cp=megatron.context_parallel_size,
-        ep=megatron.expert_model_parallel_size,
-        etp=megatron.expert_tensor_parallel_size,
-        sequence_parallel=megatron.sequence_parallel,
-        first_stage_layers=megatron.extra.get(FIRST_STAGE),
-        last_stage_layers=megatron.extra.get(LAST_STAGE),
-    )
-
-
-def actor_settings(spec: JobSpec, total_steps: int):
-    """The actor's worker settings from the spec; mini-batches count prompts in the spec, sequences here;
-    the learning-rate schedule spans the run's `total_steps` trainer steps."""
-    from rlmegatron.algorithms import PolicyLossConfig
-    from rlmegatron.workers import ActorSettings
-
-    actor = spec.actor
-    return ActorSettings(
-        **_training_fields(actor, spec, total_steps),
-        temperature=spec.rollout.temperature or 1.0,
-        policy_loss=actor.policy_loss.loss_mode,
-        policy_loss_config=PolicyLossConfig(**{name: value for name, (_, value) in
-                                               actor.policy_loss_settings().items()}),
-        use_kl_loss=actor.use_kl_loss,
-        kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type,
-        entropy_coeff=actor.entropy_coeff,
-        log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
-    )
-
-
-def reference_settings(actor, ref):
-    """The actor's settings `actor` (log-probs are computed exactly as the actor's: temperature, vocabulary) with
-    the reference's own forward batching from its spec section `ref`."""
-    return dataclasses.replace(
-        actor,
-        micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
-        max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
-    )
-
-
-def critic_settings(spec: JobSpec, total_steps: int):
-    from rlmegatron.workers import CriticSettings
-
-    return CriticSettings(**_training_fields(spec.critic, spec, total_steps),
-                          cliprange_value=spec.critic.cliprange_value)
-
-
-def _training_fields(role, spec: JobSpec, total_steps: int) -> dict:
-    """Batching and optimizer settings of a trained role (actor or critic) from its spec section."""
-    return dict(
-        ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
-        ppo_epochs=role.ppo_epochs,
-        micro_batch_size=role.ppo_micro_batch_size_per_gpu,
-        max_token_len=role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
-        loss_agg_mode=spec.actor.loss_agg_mode,
-        optimizer=_optimizer_settings(role.optim, total_steps),
-        use_distributed_optimizer=role.megatron.use_distributed_optimizer,
-    )
-
-
-def _optimizer_settings(optim, total_steps: int):
-    from rlmegatron.workers import OptimizerSettings
-
-    return OptimizerSettings(
-        lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=optim.lr_warmup_steps,
-        lr_decay_style=optim.lr_decay_style,
-        lr_decay_steps=total_steps,
-        weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1,
-        adam_beta2=optim.adam_beta2,
-        adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad,
-    )
 
 
 class PolicyRank:
@@ -116,62 +31,56 @@ class PolicyRank:
     def __init__(self, spec: JobSpec, total_steps: int) -> None:
         """`total_steps`: the run's trainer steps (Trainer.total_steps), which the learning-rate schedules span."""
         from rlmegatron.controller.engines import build_colocated_engine
-        from rlmegatron.models.hf_config import build_gpt_model, spec_config_options, transformer_config
+        from rlmegatron.models.hf_config import build_gpt_model, transformer_config
         from rlmegatron.models.weight_map import WeightMap
         from rlmegatron.runtime import init_model_parallel, layout_scope
         from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
 
-        self.spec = spec
+        self.settings = settings = trainer_rank_settings(spec, total_steps)
         self.rank = torch.distributed.get_rank()
         # Each role runs at its own layout: all layouts' groups are built once, the actor's is the active one, and
         # `phase` switches to another role's for the duration of that role's work.
-        sections = {"actor": spec.actor.megatron, "reference": spec.ref.megatron, "critic": spec.critic.megatron}
-        roles = ["actor"] + ["reference"] * spec.needs_reference + ["critic"] * bool(spec.critic.enable)
-        self.layouts = {role: parallel_layout(sections[role]) for role in roles}
-        init_model_parallel(self.layouts["actor"], seed=spec.trainer.seed,
+        roles = list(settings.roles)
+        self.layouts = {role: settings.roles[role].layout for role in roles}
+        init_model_parallel(self.layouts["actor"], seed=settings.seed,
                             others=[self.layouts[role] for role in roles[1:]])
-        facts = _shared_model_facts(spec, [layout.tp for layout in self.layouts.values()])
+        facts = _shared_model_facts(settings.model, [layout.tp for layout in self.layouts.values()])
         untied = dataclasses.replace(facts, tie_word_embeddings=False)  # the critic's output layer is its value head
         self.weight_map = WeightMap(facts)
 
         def provider_for(role, model_facts_):
-            config = transformer_config(model_facts_, self.layouts[role], dtype=spec.model.dtype,
-                                        options=spec_config_options(sections[role]))
+            config = transformer_config(model_facts_, self.layouts[role], dtype=settings.model.dtype,
+                                        options=settings.roles[role].config_options)
             return lambda pre, post, vp: build_gpt_model(model_facts_, config, vp_stage=vp)
 
-        def build(role, worker_class, settings, model_facts_):
+        def build(role, worker_class, worker_settings, model_facts_):
             with layout_scope(self.layouts[role]):
                 # Seeded alike, so each role's random init is the same on every rank and in every run.
-                self._seed_everything(spec.trainer.seed)
-                worker = worker_class(settings, provider_for(role, model_facts_), self.layouts[role])
+                self._seed_everything(settings.seed)
+                worker = worker_class(worker_settings, provider_for(role, model_facts_), self.layouts[role])
                 worker.init(parallel_state_ready=True)
             return worker
 
-        settings = dataclasses.replace(actor_settings(spec, total_steps), vocab_size=facts.vocab_size)
-        self.actor = build("actor", ActorWorker, settings, facts)
+        # The actor and reference compute log-probs over the tokenizer's vocabulary, not the padded one.
+        vocab = {"vocab_size": facts.vocab_size}
+        self.actor = build("actor", ActorWorker, dataclasses.replace(settings.roles["actor"].worker, **vocab), facts)
         self.reference = self.critic = None
         if "reference" in roles:
-            self.reference = build("reference", ReferenceWorker, reference_settings(settings, spec.ref), facts)
+            self.reference = build("reference", ReferenceWorker,
+                                   dataclasses.replace(settings.roles["reference"].worker, **vocab), facts)
         if "critic" in roles:
-            self.critic = build("critic", CriticWorker, critic_settings(spec, total_steps), untied)
+            self.critic = build("critic", CriticWorker, settings.roles["critic"].worker, untied)
         self._load_initial_weights(untied)
 
         # Roles whose memory waits in host memory between the phases that use them (`*.offload`).
-        self.offload_parts = {role: parts for role, parts in (
-            ("actor", _offload_parts(spec.actor.offload)), ("reference", _offload_parts(spec.ref.offload)),
-            ("critic", _offload_parts(spec.critic.offload))) if parts and getattr(self, role) is not None}
+        self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
         # Colocated: `engine` is the engine this rank leads, or its EngineMember share of one led by another rank.
         self.engine_index, self.engine, self.engine_asleep, self.weight_push = None, None, False, None
-        if spec.placement.mode == "colocate":
-            self.engine_index, self.engine = build_colocated_engine(spec, self._hf_config())
+        if settings.colocated:
+            self.engine_index, self.engine = build_colocated_engine(settings.rollout, settings.model.hf_config())
             self.sync_weights("init")
-
-    def _hf_config(self):
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.spec.model.path, trust_remote_code=self.spec.model.trust_remote_code)
 
     @contextlib.contextmanager
     def phase(self, role: str):
@@ -195,9 +104,9 @@ class PolicyRank:
         from rlmegatron.runtime import layout_scope
         from rlmegatron.workers.engine import unwrap
 
-        spec = self.spec
-        if not spec.model.random_init:
-            checkpoint = HFCheckpoint(spec.model.path)
+        settings = self.settings
+        if not settings.model.random_init:
+            checkpoint = HFCheckpoint(settings.model.path)
             for role in ("actor", "reference"):
                 if getattr(self, role) is not None:
                     with layout_scope(self.layouts[role]):
@@ -205,11 +114,11 @@ class PolicyRank:
                                         checkpoint)
             checkpoint.close()
         # A distributed checkpoint of the actor reshards to any other role's layout.
-        from_actor = [role for role, wanted in (("reference", spec.model.random_init),
-                                                ("critic", spec.critic.init_from == "actor"))
+        from_actor = [role for role, wanted in (("reference", settings.model.random_init),
+                                                ("critic", settings.critic_init_from == "actor"))
                       if wanted and getattr(self, role) is not None]
         if from_actor:
-            path = os.path.join(spec.trainer.run_dir, "init_actor")
+            path = settings.init_dir
             self.actor.save_weights(path)
             for role in from_actor:
                 with layout_scope(self.layouts[role]):
@@ -217,9 +126,9 @@ class PolicyRank:
                         self.critic.load_actor_weights(path)  # the value head keeps its own init
                     else:
                         self.reference.load_weights(path)
-        if self.critic is not None and spec.critic.init_from != "actor":
+        if self.critic is not None and settings.critic_init_from != "actor":
             with layout_scope(self.layouts["critic"]):
-                self.critic.load_reward_model(spec.critic.init_from, untied)
+                self.critic.load_reward_model(settings.critic_init_from, untied)
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -273,13 +182,13 @@ class PolicyRank:
         if self.rank != 0:
             return
         if self.weight_push is None:
-            self.weight_push = DistributedWeightPush(self.spec.rollout.update_weights_bucket_mb << 20,
-                                                     travel_rules_for(self._hf_config()))
+            self.weight_push = DistributedWeightPush(self.settings.rollout.bucket_bytes,
+                                                     travel_rules_for(self.settings.model.hf_config()))
         address = socket.gethostbyname(socket.gethostname())
         for engine, url, tp_size in endpoints:
             port = free_port("")
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
-                                         "nccl" if self.spec.placement.device == "cuda" else "gloo")
+                                         self.settings.rollout.weight_group_backend)
             self.weight_push.connect(engine, url, tp_size, group)
 
     def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> None:
@@ -337,22 +246,16 @@ def vocab_tp(tps: list[int]) -> int:
     return math.lcm(*tps)
 
 
-def _shared_model_facts(spec: JobSpec, tps: list[int]):
+def _shared_model_facts(model: ModelSource, tps: list[int]):
     """The model's facts for roles at TP sizes `tps` (see vocab_tp); from a checkpoint, the checkpoint decides
     whether DeepSeek's MTP layers are built."""
     from rlmegatron.models.convert import HFCheckpoint
     from rlmegatron.models.hf_config import model_facts, read_hf_config
 
-    if spec.model.random_init:
-        return model_facts(read_hf_config(spec.model.path), vocab_tp(tps))
-    facts = HFCheckpoint(spec.model.path).facts(vocab_tp(tps))
+    if model.random_init:
+        return model_facts(read_hf_config(model.path), vocab_tp(tps))
+    facts = HFCheckpoint(model.path).facts(vocab_tp(tps))
     if torch.distributed.get_rank() == 0 and facts.mtp_off_note:
-        print(f"{spec.model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
+        print(f"{model.path}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
     return facts
 
-
-def _offload_parts(offload) -> tuple[str, ...]:
-    """The parts an `*.offload` section asks for (the reference's has params only)."""
-    from rlmegatron.workers.offload import PARTS
-
-    return tuple(part for part in PARTS if getattr(offload, part, False))

@@ -97,7 +97,7 @@ def engine_weights(rank) -> dict[str, torch.Tensor]:
 
 def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_manager, run_dir: Path) -> dict:
     from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.controller.policy_rank import actor_settings
+    from rlmegatron.controller.role_settings import actor_settings
     from rlmegatron.data import PromptDataLoader
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.tracking import Tracker, TrackingSetup

@@ -13,6 +13,7 @@ import torch
 
 from rlmegatron.controller import engines
 from rlmegatron.controller.engines import Place, server_nodes
+from rlmegatron.controller.role_settings import rollout_settings
 from rlmegatron.runtime.launcher import free_port, run_ranks
 from tests.rollout.test_sglang import digest
 
@@ -64,7 +65,7 @@ def _serve_across_two_nodes(calls: str, run_dir: str) -> dict:
         "rollout.engine=sglang", "rollout.tensor_parallel_size=2", "rollout.update_weights_bucket_mb=1",
         f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
         f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={run_dir}"])
-    index, engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+    index, engine = build_colocated_engine(rollout_settings(spec), AutoConfig.from_pretrained(spec.model.path))
     requests = [GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=3))]
     seen = {"index": index, "kind": type(engine).__name__}
 
@@ -144,7 +145,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
         "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={calls}",
         f"trainer.run_dir={tmp_path}"])
     trainer = RecordingTrainer()
-    pool = DisaggregatedEngines(spec, trainer)
+    pool = DisaggregatedEngines(rollout_settings(spec), trainer)
     try:
         assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
         assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None)]
@@ -172,7 +173,7 @@ def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeyp
     for trust in (False, True):
         spec = load_spec("configs/quickstart.yaml", ["rollout.engine=sglang", "placement.device=cuda",
                                                      f"model.trust_remote_code={str(trust).lower()}"])
-        command = server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node))
+        command = server_command(engines._server_spec(rollout_settings(spec), ["0"], "127.0.0.1", node))
         assert ("--trust-remote-code" in command) == trust
 
 
@@ -191,7 +192,8 @@ def spec_built_engine(spec):
     """What a colocated rank leading a one-GPU engine builds from the spec."""
     from transformers import AutoConfig
 
-    return engines.sglang_engine(spec, engines._server_spec(spec, ["cpu"], "127.0.0.1", server_nodes(
+    settings = rollout_settings(spec)
+    return engines.sglang_engine(settings, engines._server_spec(settings, ["cpu"], "127.0.0.1", server_nodes(
         places([1]), tp=1, engines=1)[0][0]), AutoConfig.from_pretrained(spec.model.path))
 
 
@@ -200,7 +202,8 @@ def test_the_server_command_serves_model_dtype(tmp_path):
 
     spec = sglang_spec(tmp_path, "model.dtype=fp16", "placement.device=cuda")
     node = server_nodes(places([1]), tp=1, engines=1)[0][0]
-    assert "--dtype float16" in " ".join(server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node)))
+    assert "--dtype float16" in " ".join(server_command(engines._server_spec(rollout_settings(spec), ["0"], "127.0.0.1",
+                                                                             node)))
 
 
 def test_a_spec_built_engine_sends_buckets_of_the_spec_size_and_joins_the_routers_it_names(tmp_path, monkeypatch):
@@ -273,6 +276,6 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
     for overrides, count in (([], 2), (["rollout.num_gpus=1"], 1)):
-        pool = DisaggregatedEngines(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), disaggregated + overrides),
-                                    RecordingTrainer())
+        pool = DisaggregatedEngines(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
+                                                               disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])

@@ -8,8 +8,8 @@ import pytest
 
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import spec_from_raw
-# Where the spec becomes role settings today; one import line to repoint when that code moves.
-from rlmegatron.controller.policy_rank import _offload_parts, actor_settings, critic_settings, parallel_layout
+# Where the spec becomes role settings; one import line to repoint when that code moves.
+from rlmegatron.controller.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from rlmegatron.workers import OptimizerSettings
 from tests.config.specs import minimal_spec

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlmegatron.config.spec import RolloutConfig
+from rlmegatron.controller.role_settings import server_spec
 from rlmegatron.rollout.buckets import DEEPSEEK_FUSED_QKV_A
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.sglang import (
@@ -88,7 +89,7 @@ def test_launch_commands_follow_the_config():
                             mem_fraction_static=0.6, sglang={"python": "/venv/bin/python", "load_format": "dummy",
                                                              "extra_args": {"chunked-prefill-size": 4096,
                                                                             "disable-radix-cache": True}})
-    spec = ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000, nnodes=2, dist_init_addr="10.0.0.1:5000")
+    spec = server_spec(rollout, "/ckpt/hf", port=30000, nnodes=2, dist_init_addr="10.0.0.1:5000")
     command = server_command(spec.for_node(1))
     assert command[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
     text = " ".join(command)
@@ -103,7 +104,7 @@ def test_launch_commands_follow_the_config():
 
 def test_launch_commands_leave_out_what_the_config_turns_off():
     rollout = RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False})
-    command = server_command(ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000))
+    command = server_command(server_spec(rollout, "/ckpt/hf", port=30000))
     assert "--enable-memory-saver" not in command and "--skip-tokenizer-init" not in command
     assert "--load-format" in command  # the flags around them are there
 
