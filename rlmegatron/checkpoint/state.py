@@ -95,25 +95,3 @@ def set_rng_states(states: dict) -> None:
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
     set_rng_tracker_states(states["megatron_trackers"])
-
-
-def _trained_roles(rank):
-    """(name, worker) of each role the PolicyRank `rank` trains (actor, critic); the reference is frozen and rebuilt."""
-    return [(role, getattr(rank, role)) for role in ("actor", "critic") if getattr(rank, role) is not None]
-
-
-def save_rank_state(rank, path: str) -> None:
-    """Everything the PolicyRank `rank` trains plus its RNG; each role at its own layout."""
-    for role, worker in _trained_roles(rank):
-        with rank.phase(role):
-            save_training_state(worker, os.path.join(path, role))
-    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    torch.save(rng_states(), os.path.join(path, "rng", f"rank_{rank.rank}.pt"))
-    torch.distributed.barrier()
-
-
-def load_rank_state(rank, path: str) -> None:
-    for role, worker in _trained_roles(rank):
-        with rank.phase(role):
-            load_training_state(worker, os.path.join(path, role))
-    set_rng_states(torch.load(os.path.join(path, "rng", f"rank_{rank.rank}.pt"), weights_only=False))

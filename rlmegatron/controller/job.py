@@ -61,7 +61,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.config.checks import schedule_problems
     from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.controller.role_settings import rollout_settings
     from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup

@@ -92,7 +92,7 @@ class RecordingTrainer(Trainer):
 def engine_weights(rank) -> dict[str, torch.Tensor]:
     from rlmegatron.rollout.local import checkpoint_named_weights
 
-    return {name: tensor.clone() for name, tensor in checkpoint_named_weights(rank.engine.model).items()}
+    return {name: tensor.clone() for name, tensor in checkpoint_named_weights(rank.engine.leader.model).items()}
 
 
 def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_manager, run_dir: Path) -> dict:
@@ -103,22 +103,22 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
     from rlmegatron.tracking import Tracker, TrackingSetup
 
     spec = load_spec(QUICKSTART, overrides_for(case["estimator"]) + case["overrides"] + [f"trainer.run_dir={run_dir}"])
-    settings = dataclasses.replace(actor_settings(spec, spec.trainer.total_steps), vocab_size=rank.actor.settings.vocab_size)
-    rank.actor.settings = settings
+    settings = dataclasses.replace(actor_settings(spec, spec.trainer.total_steps), vocab_size=rank.models.actor.settings.vocab_size)
+    rank.models.actor.settings = settings
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker(TrackingSetup([], run_dir, spec.tracking.project_name, spec.trainer.experiment_name))
     before = engine_weights(rank)
     checkpoints = CheckpointManager(spec.trainer.run_dir, None)
     checkpoints.plan_resume(spec.trainer.resume)
     trainer = RecordingTrainer(spec, workers, engines, tokenizer, loader, None, reward_manager, tracker,
-                               checkpoints, engine_model=rank.engine.model)
+                               checkpoints, engine_model=rank.engine.leader.model)
     trainer.fit()
     after = engine_weights(rank)
-    exported = dict(HFWeightExporter(rank.actor.chunks, rank.weight_map).stream())
+    exported = dict(HFWeightExporter(rank.models.actor.chunks, rank.models.weight_map).stream())
     return {
         "history": tracker.history,
         "steps": trainer.steps,
-        "policy_loss": rank.actor.settings.policy_loss,
+        "policy_loss": rank.models.actor.settings.policy_loss,
         "engine_change": max(float((after[n] - before[n]).abs().max()) for n in after),
         "sync_error": max(float((after[name] - tensor).abs().max()) for name, tensor in exported.items()),
     }
@@ -128,7 +128,7 @@ def main(out: str, cases: list[dict]) -> None:
     from transformers import AutoTokenizer
 
     from rlmegatron.controller.engines import ColocatedEngines
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.controller.worker_group import LocalWorkerGroup
     from rlmegatron.data import build_dataset
     from rlmegatron.rewards import build_reward_manager

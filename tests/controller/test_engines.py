@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmegatron.controller import engines
-from rlmegatron.controller.engines import Place, server_nodes
+from rlmegatron.controller import engines, servers
+from rlmegatron.controller.rank import colocated_engine
+from rlmegatron.controller.servers import Place, server_nodes
 from rlmegatron.controller.role_settings import rollout_settings
 from rlmegatron.runtime.launcher import free_port, run_ranks
 from tests.rollout.test_sglang import digest
@@ -53,19 +54,21 @@ def _serve_across_two_nodes(calls: str, run_dir: str) -> dict:
     from transformers import AutoConfig
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import build_colocated_engine, generate_or_none
+    from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
+    from rlmegatron.controller.servers import generate_or_none
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
     from rlmegatron.rollout.sglang import SGLangClient
 
     rank = torch.distributed.get_rank()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])
-    engines.this_place = lambda device: Place(f"node{rank}", "cpu", "127.0.0.1", free_port(""))
+    colocated_engine.this_place = lambda device: Place(f"node{rank}", "cpu", "127.0.0.1", free_port(""))
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.nnodes=2", "placement.gpus_per_node=1",
         "rollout.engine=sglang", "rollout.tensor_parallel_size=2", "rollout.update_weights_bucket_mb=1",
         f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
         f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={run_dir}"])
-    index, engine = build_colocated_engine(rollout_settings(spec), AutoConfig.from_pretrained(spec.model.path))
+    colocated = ColocatedEngine(rollout_settings(spec), AutoConfig.from_pretrained(spec.model.path))
+    index, engine = colocated.index, colocated.part
     requests = [GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=3))]
     seen = {"index": index, "kind": type(engine).__name__}
 
@@ -169,11 +172,11 @@ def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeyp
     from rlmegatron.rollout.sglang_server import server_command
 
     monkeypatch.chdir(REPO_ROOT)
-    node = engines.ServerNode(engine=0, node_rank=0, nnodes=1, slots=(0,), dist_init_addr=None)
+    node = servers.ServerNode(engine=0, node_rank=0, nnodes=1, slots=(0,), dist_init_addr=None)
     for trust in (False, True):
         spec = load_spec("configs/quickstart.yaml", ["rollout.engine=sglang", "placement.device=cuda",
                                                      f"model.trust_remote_code={str(trust).lower()}"])
-        command = server_command(engines._server_spec(rollout_settings(spec), ["0"], "127.0.0.1", node))
+        command = server_command(servers.launch_spec(rollout_settings(spec), ["0"], "127.0.0.1", node))
         assert ("--trust-remote-code" in command) == trust
 
 
@@ -193,7 +196,7 @@ def spec_built_engine(spec):
     from transformers import AutoConfig
 
     settings = rollout_settings(spec)
-    return engines.sglang_engine(settings, engines._server_spec(settings, ["cpu"], "127.0.0.1", server_nodes(
+    return servers.sglang_engine(settings, servers.launch_spec(settings, ["cpu"], "127.0.0.1", server_nodes(
         places([1]), tp=1, engines=1)[0][0]), AutoConfig.from_pretrained(spec.model.path))
 
 
@@ -202,8 +205,8 @@ def test_the_server_command_serves_model_dtype(tmp_path):
 
     spec = sglang_spec(tmp_path, "model.dtype=fp16", "placement.device=cuda")
     node = server_nodes(places([1]), tp=1, engines=1)[0][0]
-    assert "--dtype float16" in " ".join(server_command(engines._server_spec(rollout_settings(spec), ["0"], "127.0.0.1",
-                                                                             node)))
+    assert "--dtype float16" in " ".join(server_command(servers.launch_spec(rollout_settings(spec), ["0"], "127.0.0.1",
+                                                                            node)))
 
 
 def test_a_spec_built_engine_sends_buckets_of_the_spec_size_and_joins_the_routers_it_names(tmp_path, monkeypatch):

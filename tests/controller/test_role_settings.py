@@ -139,8 +139,8 @@ def _first_weights(rank):
     """The actor's word embeddings: a seeded random init."""
     from rlmegatron.workers.engine import unwrap
 
-    with rank.phase("actor"):
-        return unwrap(rank.actor.chunks[0]).embedding.word_embeddings.weight.detach().float().clone()
+    with rank.models.phase("actor"):
+        return unwrap(rank.models.actor.chunks[0]).embedding.word_embeddings.weight.detach().float().clone()
 
 
 def _rank_job(workdir: str) -> dict:
@@ -151,7 +151,7 @@ def _rank_job(workdir: str) -> dict:
     from safetensors.torch import load_file
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
     from rlmegatron.workers import engine
@@ -171,23 +171,24 @@ def _rank_job(workdir: str) -> dict:
                                                  f"trainer.run_dir={workdir}/run"])
     rank = PolicyRank(spec, 1)
     report = {
-        "offload_parts": rank.offload_parts,
-        "offloaded": {role: getattr(rank, role).offloader.offloaded_bytes for role in rank.offload_parts},
+        "offload_parts": rank.models.offload_parts,
+        "offloaded": {role: getattr(rank.models, role).offloader.offloaded_bytes for role in rank.models.offload_parts},
         "optimizers": {role: [{name: getattr(o.config, name) for name in OPTIMIZER_FIELDS}
-                              for o in getattr(getattr(rank, role).optimizer, "chained_optimizers", [])]
+                              for o in getattr(getattr(rank.models, role).optimizer, "chained_optimizers", [])]
                        for role in ("actor", "critic")},
-        "engine_dtypes": {str(p.dtype) for p in rank.engine.model.parameters()},
+        "engine_dtypes": {str(p.dtype) for p in rank.engine.leader.model.parameters()},
         "weights": _first_weights(rank),
     }
-    served = checkpoint_named_weights(rank.engine.model)
-    with rank.phase("actor"):  # the exported tensors may share the (offloaded) parameters' storage
+    served = checkpoint_named_weights(rank.engine.leader.model)
+    with rank.models.phase("actor"):  # the exported tensors may share the (offloaded) parameters' storage
         # Megatron's local norms keep fp32 weights whatever the dtype; the matmul weights follow it.
-        report["actor_dtypes"] = {str(p.dtype) for name, p in rank.actor.chunks[0].named_parameters()
+        report["actor_dtypes"] = {str(p.dtype) for name, p in rank.models.actor.chunks[0].named_parameters()
                                   if "layernorm" not in name}
         report["engine_holds_the_actor"] = all(torch.equal(served[name], tensor) for name, tensor
-                                               in HFWeightExporter(rank.actor.chunks, rank.weight_map).stream())
-    with rank.phase("critic"):
-        head = engine.unwrap(rank.critic.chunks[-1]).output_layer.weight.detach().clone()
+                                               in HFWeightExporter(rank.models.actor.chunks,
+                                                                   rank.models.weight_map).stream())
+    with rank.models.phase("critic"):
+        head = engine.unwrap(rank.models.critic.chunks[-1]).output_layer.weight.detach().clone()
     report["value_head_is_the_score"] = torch.equal(
         head, load_file(reward_model / "model.safetensors")["score.weight"].to(head.dtype))
 
