@@ -59,10 +59,12 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.config import SpecError
     from rlmegatron.config.checks import schedule_problems
-    from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
     from rlmegatron.controller.placement import create_pools, remove_pools
+    from rlmegatron.controller.policy_ranks import PolicyRanks
     from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.controller.role_settings import rollout_settings
+    from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
+    from rlmegatron.controller.router import start_router
     from rlmegatron.controller.trainer import Trainer, run_total_steps
     from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
     from rlmegatron.data import PromptDataLoader, build_dataset
@@ -87,7 +89,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     if newest is not None and newest.step >= total_steps:
         return _already_complete(newest, total_steps)
     tracker = Tracker.from_spec(spec)
-    pools = workers = engines = router = None
+    pools = ranks = engines = router = None
     status = "FAILED"
     exit_on_sigterm()
     try:
@@ -97,20 +99,20 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
-            workers = RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps)
+            ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
         else:
-            workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps)
+            ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
         if spec.placement.mode == "colocate":
-            engines = ColocatedEngines(workers)
+            engines = ColocatedEngines(ranks)
         else:
-            engines = DisaggregatedEngines(rollout_settings(spec), workers, pools.rollout if pools else None)
-        trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
+            engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
+        trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
         result = trainer.fit()
         status = "FINISHED"
     finally:
         tracker.finish(status)
         reward_manager.close()
-        for part in (engines, workers):
+        for part in (engines, ranks):
             if part is not None:
                 part.shutdown()
         if router is not None:

@@ -72,6 +72,8 @@ class RolloutSettings:
     server: ServerSpec
     """Every server's launch spec; host, port, env and the node fields are each launch's own (`servers.launch_spec`)."""
     router_url: Optional[str]
+    router_args: dict[str, Any]
+    """sglang_router's own flags, when rlmegatron starts it (`rollout.sglang.router`)."""
     startup_timeout_s: float
     log_dir: str
 
@@ -217,6 +219,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
                            dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device),
         router_url=sglang.router_url,
+        router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
         log_dir=str(Path(spec.trainer.run_dir) / "logs"),
     )

@@ -20,6 +20,8 @@ from rlmegatron.algorithms import (
 )
 from rlmegatron.config.spec import SamplingParams
 from rlmegatron.controller import rollout as R
+from rlmegatron.controller.policy_ranks import PolicyRanks
+from rlmegatron.controller.rollout_engines import RolloutEngines
 from rlmegatron.rewards import RewardResult
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
@@ -63,9 +65,9 @@ class Trainer:
     """Drives the policy ranks (actor, reference, critic) and the rollout engines, colocated in those ranks or
     on their own pool, from the driver process."""
 
-    def __init__(self, spec, workers, engines, tokenizer, train_loader, val_dataset, reward_manager, tracker,
-                 checkpoints):
-        self.spec, self.workers, self.engines, self.tokenizer = spec, workers, engines, tokenizer
+    def __init__(self, spec, ranks: PolicyRanks, engines: RolloutEngines, tokenizer, train_loader, val_dataset,
+                 reward_manager, tracker, checkpoints):
+        self.spec, self.ranks, self.engines, self.tokenizer = spec, ranks, engines, tokenizer
         self.train_loader, self.val_dataset = train_loader, val_dataset
         self.reward_manager, self.tracker, self.checkpoints = reward_manager, tracker, checkpoints
         kl = spec.algorithm.kl_ctrl
@@ -95,12 +97,12 @@ class Trainer:
                 batch = rollout.batch
                 if spec.critic.enable:
                     with timer("values"):
-                        batch.values = self.workers.execute_rank_zero_result("compute_values", batch)
+                        batch.values = self.ranks.compute_values(batch)
                 with timer("old_log_prob"):
-                    batch.old_log_probs, entropy = self.workers.execute_rank_zero_result("compute_log_prob", batch)
+                    batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
                 if spec.needs_reference:
                     with timer("ref"):
-                        batch.ref_log_probs = self.workers.execute_rank_zero_result("compute_ref_log_prob", batch)
+                        batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
                 with timer("adv"):
                     token_rewards = self.token_rewards(rollout, metrics)
                     batch.advantages, batch.returns = compute_advantages(
@@ -132,8 +134,9 @@ class Trainer:
         settings = getattr(self.spec, role)
         mini_batch = settings.ppo_mini_batch_size * self.spec.rollout.n
         steps = settings.ppo_epochs * -(-len(batch) // mini_batch)
+        update = self.ranks.update_actor if role == "actor" else self.ranks.update_critic
         with progress_sink(ProgressBar(f"update_{role}", steps)) as progress:
-            return self.workers.execute_rank_zero_result(f"update_{role}", batch, progress)
+            return update(batch, progress)
 
     @contextmanager
     def stop_on_non_finite(self):
@@ -260,7 +263,7 @@ class Trainer:
         return {
             "training/global_step": self.step,
             "training/epoch": self.train_loader.epoch,
-            "perf/throughput": tokens / timer.seconds["step"] / self.workers.world_size,
+            "perf/throughput": tokens / timer.seconds["step"] / self.ranks.world_size,
         }
 
     def total_steps(self) -> int:
@@ -271,7 +274,7 @@ class Trainer:
         return ((self.spec.rollout.seed * 1_000_003 + self.step) * 101 + round_) * 100_003
 
     def save(self) -> None:
-        self.last_checkpoint = self.checkpoints.save(self.step, self.workers, self.trainer_state())
+        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, self.trainer_state())
 
     def trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
@@ -279,7 +282,7 @@ class Trainer:
     def resume(self) -> None:
         """The checkpoint CheckpointManager.plan_resume chose (or the one before it, if it does not load) into every
         rank, the engines and the data loader; then the records continue from its step."""
-        found = self.checkpoints.load_resume_point(self.workers)
+        found = self.checkpoints.load_resume_point(self.ranks)
         if found is not None:
             path, state = found
             self.step = self.resumed_from = int(state["step"])
@@ -294,7 +297,7 @@ class Trainer:
 
     def export_policy(self) -> Optional[str]:
         path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
-        return self.workers.execute_rank_zero_result("export_hf", path)
+        return self.ranks.export_hf(path)
 
 
 def run_total_steps(spec, train_loader) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmegatron.controller import engines, servers
+from rlmegatron.controller import rollout_engines, rollout_pool, servers
 from rlmegatron.controller.rank import colocated_engine
 from rlmegatron.controller.servers import Place, server_nodes
 from rlmegatron.controller.role_settings import rollout_settings
@@ -121,24 +121,27 @@ def test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts
 
 
 class RecordingTrainer:
-    """The trainer ranks as DisaggregatedEngines addresses them; the weight groups themselves are tested with
-    DistributedWeightPush in tests/rollout/test_sglang.py."""
+    """The trainer ranks as DisaggregatedEngines addresses them (controller.policy_ranks.PolicyRanks); the weight
+    groups themselves are tested with DistributedWeightPush in tests/rollout/test_sglang.py."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def execute_all(self, method: str, *args) -> None:
-        self.calls.append((method, *args))
+    def connect_engines(self, endpoints) -> None:
+        self.calls.append(("connect_engines", endpoints))
+
+    def sync_weights(self, version, restarted=None) -> None:
+        self.calls.append(("sync_weights", version, restarted))
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import DisaggregatedEngines
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
     hosts = iter(range(2))  # the pool's two hosts, one per "node"
-    monkeypatch.setattr(engines, "this_place", lambda device: Place(f"node{next(hosts)}", "cpu", "127.0.0.1",
+    monkeypatch.setattr(rollout_pool, "this_place", lambda device: Place(f"node{next(hosts)}", "cpu", "127.0.0.1",
                                                                     free_port("")))
     calls = tmp_path / "calls.jsonl"
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
@@ -155,7 +158,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
         requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
         pool.hosts[1].node_process.stop()
         deadline = time.monotonic() + 30
-        while pool.leaders[0].engine.process.alive and time.monotonic() < deadline:
+        while pool.hosts[pool.leaders[0]].engine.process.alive and time.monotonic() < deadline:
             time.sleep(0.1)
         assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
         pool.sync("v1", restarted=[0])
@@ -260,7 +263,8 @@ def servers_recording_to(calls: Path) -> list[str]:
 
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import DisaggregatedEngines, EngineHost
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+    from rlmegatron.controller.rollout_pool import EngineHost
 
     class Host(EngineHost):
         """Places on one node; launching is answered with a URL, no server starts."""
@@ -274,7 +278,7 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         def weights_pushed(self, version):
             pass
 
-    monkeypatch.setattr(engines, "EngineHost", Host)
+    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]

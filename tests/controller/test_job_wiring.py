@@ -25,7 +25,7 @@ class Part:
 
 def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
     import rlmegatron.checkpoint
-    import rlmegatron.controller.engines
+    import rlmegatron.controller.rollout_engines
     import rlmegatron.controller.trainer
     import rlmegatron.controller.worker_group
     import rlmegatron.data
@@ -56,7 +56,7 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
     monkeypatch.setattr(rlmegatron.checkpoint, "CheckpointManager", recorder("checkpoints"))
     monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
     monkeypatch.setattr(rlmegatron.controller.worker_group, "LocalWorkerGroup", recorder("workers"))
-    monkeypatch.setattr(rlmegatron.controller.engines, "ColocatedEngines", recorder("engines"))
+    monkeypatch.setattr(rlmegatron.controller.rollout_engines, "ColocatedEngines", recorder("engines"))
     monkeypatch.setattr(rlmegatron.controller.trainer, "Trainer", trainer)
 
     spec = load_spec("configs/quickstart.yaml", [
