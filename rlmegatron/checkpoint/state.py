@@ -9,7 +9,7 @@ import torch
 
 
 def _model_sharded_state_dict(chunks: list) -> dict:
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     if len(chunks) == 1:
         return unwrap(chunks[0]).sharded_state_dict()
@@ -39,7 +39,7 @@ def save_training_state(worker, path: str) -> None:
 def load_training_state(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     for optimizer in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
         # The non-distributed optimizers create their state while building the sharded state dict.

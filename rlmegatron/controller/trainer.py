@@ -19,7 +19,18 @@ from rlmegatron.algorithms import (
     compute_advantages,
 )
 from rlmegatron.config.spec import SamplingParams
-from rlmegatron.controller import rollout as R
+from rlmegatron.controller.rollout_data import (
+    Rollout,
+    batch_metrics,
+    build_batch,
+    merge_results,
+    reward_inputs,
+    sampling_spec,
+    scored,
+    shard_requests,
+    token_level,
+    traced_samples,
+)
 from rlmegatron.controller.policy_ranks import PolicyRanks
 from rlmegatron.controller.rollout_engines import RolloutEngines
 from rlmegatron.rewards import RewardResult
@@ -118,7 +129,7 @@ class Trainer:
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
                     self.engines.sync(self.weight_version)
-            metrics.update(R.batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
+            metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
                 metrics.update(self.validate())
@@ -152,10 +163,10 @@ class Trainer:
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 
-    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> R.Rollout:
+    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> Rollout:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
-        kept: list[R.Rollout] = []
+        kept: list[Rollout] = []
         rounds = 0
         while True:
             rounds += 1
@@ -172,17 +183,17 @@ class Trainer:
                 metrics["training/num_gen_batches"] = rounds
                 if total == 0:
                     return part  # nothing varied: train on the last round, whose advantages are all zero
-                return R.Rollout.concat(kept).select(list(range(min(total, wanted))))
+                return Rollout.concat(kept).select(list(range(min(total, wanted))))
 
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
         # One seed per request, so a request's samples do not depend on which engine serves it.
         requests = [
-            GenerationRequest(tuple(p.prompt_ids), R.sampling_spec(
+            GenerationRequest(tuple(p.prompt_ids), sampling_spec(
                 params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
             for i, p in enumerate(prompts)
         ]
-        shares = R.shard_requests(requests, self.engines.count)
+        shares = shard_requests(requests, self.engines.count)
         with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress:
             answers = self.engines.generate(dict(enumerate(shares)), progress)
             while restarted := [engine for engine, answer in answers.items() if answer is None]:
@@ -190,24 +201,24 @@ class Trainer:
                 # Each engine bounds its own restarts, so this loop ends.
                 self.engines.sync(self.weight_version, restarted)
                 answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
-        results = R.merge_results(shares, [answers[engine] for engine in range(len(shares))])
+        results = merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
         return results
 
-    def score(self, prompts, results, first_uid: int) -> R.Rollout:
+    def score(self, prompts, results, first_uid: int) -> Rollout:
         rows = [prompts[r.request_index] for r in results]
         uids = [first_uid + r.request_index for r in results]
-        batch = R.build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
+        batch = build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
         reward = self.rewards(rows, results)
-        return R.scored(rows, uids, results, batch, reward)
+        return scored(rows, uids, results, batch, reward)
 
     def rewards(self, rows, results) -> RewardResult:
         """The reward manager's scores; a NaN or infinite one stops the run here, before it reaches any loss."""
         with self.stop_on_non_finite():
-            return self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+            return self.reward_manager(reward_inputs(rows, results, self.tokenizer))
 
-    def greedy_baselines(self, rollout: R.Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
+    def greedy_baselines(self, rollout: Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
         """ReMax's baseline, one per row: the reward of one greedy response to the row's prompt, generated once per
         prompt after dynamic sampling chose the rows (a dropped prompt costs no pass) and scored by the same reward
         manager. Like the samples' it includes any shaping (DAPO's overlong penalty). The greedy responses are
@@ -225,9 +236,9 @@ class Trainer:
         metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
         return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
 
-    def token_rewards(self, rollout: R.Rollout, metrics: dict[str, float]) -> torch.Tensor:
+    def token_rewards(self, rollout: Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch
-        rewards = R.token_level(rollout.rewards, batch.response_mask)
+        rewards = token_level(rollout.rewards, batch.response_mask)
         if not self.spec.algorithm.use_kl_in_reward:
             return rewards
         rewards, kl_metrics = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
@@ -236,11 +247,11 @@ class Trainer:
                         "actor/reward_kl_penalty_coeff": float(kl_metrics["kl_coef"])})
         return rewards
 
-    def trace(self, rollout: R.Rollout) -> None:
+    def trace(self, rollout: Rollout) -> None:
         """A few of the step's samples as text, for reading what the policy wrote (tracking.rollout_trace)."""
         trace = self.spec.tracking.rollout_trace
         if trace.backend is not None:
-            samples = R.traced_samples(rollout, self.tokenizer, trace.prompts_per_step)
+            samples = traced_samples(rollout, self.tokenizer, trace.prompts_per_step)
             self.tracker.log_rollout_samples(samples, self.step, trace.backend)
 
     # --- validation, counters, checkpoints, export ---
@@ -309,7 +320,7 @@ def _every(freq: int, step: int) -> bool:
     return freq > 0 and step % freq == 0
 
 
-def _rows_of_varied_groups(rollout: R.Rollout) -> list[int]:
+def _rows_of_varied_groups(rollout: Rollout) -> list[int]:
     """Rows whose group's scores are not all equal: an all-equal group has zero advantage everywhere."""
     by_group: dict[int, list[int]] = defaultdict(list)
     for row, uid in enumerate(rollout.uids):

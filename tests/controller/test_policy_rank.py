@@ -49,18 +49,18 @@ def _roles_job(workdir: str, model: str) -> dict:
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-    from rlmegatron.workers import engine
+    from rlmegatron.workers import megatron_step
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
     micro_batches = []  # (sequences, tokens) of each micro-batch this rank runs, per forward(-backward) call
-    run_schedule = engine.forward_backward
+    run_schedule = megatron_step.forward_backward
 
     def recording(chunks, batches, *args, **kwargs):
         micro_batches.append([(len(mb.rows), len(mb.source_index) + len(mb.rows)) for mb in batches])
         return run_schedule(chunks, batches, *args, **kwargs)
 
-    engine.forward_backward = recording
+    megatron_step.forward_backward = recording
     batch = rollout_batch(n=8)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=3)
     requests = [GenerationRequest(tuple(row[mask.bool()][:4].tolist()), greedy)

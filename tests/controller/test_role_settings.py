@@ -137,7 +137,7 @@ def _reward_model(directory: Path) -> Path:
 
 def _first_weights(rank):
     """The actor's word embeddings: a seeded random init."""
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     with rank.models.phase("actor"):
         return unwrap(rank.models.actor.chunks[0]).embedding.word_embeddings.weight.detach().float().clone()
@@ -154,18 +154,18 @@ def _rank_job(workdir: str) -> dict:
     from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
-    from rlmegatron.workers import engine
+    from rlmegatron.workers import megatron_step
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
     micro_batches: list[list[tuple[int, int]]] = []  # (sequences, tokens) per micro-batch, per schedule call
-    schedule = engine.forward_backward
+    schedule = megatron_step.forward_backward
 
     def recording(chunks, batches, *args, **kwargs):
         micro_batches.append([(len(mb.rows), len(mb.source_index) + len(mb.rows)) for mb in batches])
         return schedule(chunks, batches, *args, **kwargs)
 
-    engine.forward_backward = recording
+    megatron_step.forward_backward = recording
     reward_model = _reward_model(Path(workdir) / "reward_model")
     spec = load_spec("configs/quickstart.yaml", [*RANK_SPEC, f"critic.init_from={reward_model}",
                                                  f"trainer.run_dir={workdir}/run"])
@@ -188,7 +188,7 @@ def _rank_job(workdir: str) -> dict:
                                                in HFWeightExporter(rank.models.actor.chunks,
                                                                    rank.models.weight_map).stream())
     with rank.models.phase("critic"):
-        head = engine.unwrap(rank.models.critic.chunks[-1]).output_layer.weight.detach().clone()
+        head = megatron_step.unwrap(rank.models.critic.chunks[-1]).output_layer.weight.detach().clone()
     report["value_head_is_the_score"] = torch.equal(
         head, load_file(reward_model / "model.safetensors")["score.weight"].to(head.dtype))
 

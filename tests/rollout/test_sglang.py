@@ -132,7 +132,7 @@ def test_the_remax_greedy_pass_asks_the_server_for_greedy_samples():
     """SGLang samples greedily (top_k becomes 1) exactly when 0 <= temperature < 1e-6 (its SamplingParams
     __post_init__): the trainer's greedy pass reaches the server at temperature 0, without a default replacing
     the 0, one sample per prompt, with the samples' token budget and stop tokens."""
-    from rlmegatron.controller.rollout import sampling_spec
+    from rlmegatron.controller.rollout_data import sampling_spec
     from rlmegatron.controller.trainer import GREEDY
 
     params = sampling_params(sampling_spec(GREEDY, max_new_tokens=3, stop_token_ids=(7,), seed=5))

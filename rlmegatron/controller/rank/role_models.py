@@ -19,7 +19,7 @@ from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_co
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
-from rlmegatron.workers.engine import unwrap
+from rlmegatron.workers.megatron_step import unwrap
 
 WORKERS = {"actor": ActorWorker, "reference": ReferenceWorker, "critic": CriticWorker}
 
