@@ -6,10 +6,24 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from rlmegatron.config import JobSpec
+from rlmegatron.checkpoint import CheckpointManager
+from rlmegatron.config import JobSpec, SpecError
+from rlmegatron.config.checks import schedule_problems
+from rlmegatron.controller.placement import create_pools, remove_pools
+from rlmegatron.controller.policy_ranks import PolicyRanks
+from rlmegatron.controller.rank.policy_rank import PolicyRank
+from rlmegatron.controller.role_settings import rollout_settings
+from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
+from rlmegatron.controller.router import start_router
+from rlmegatron.controller.trainer import Trainer, run_total_steps
+from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+from rlmegatron.data import PromptDataLoader, build_dataset
+from rlmegatron.preflight import ready_to_launch
+from rlmegatron.rewards import build_reward_manager
+from rlmegatron.tracking import Tracker, resolve_tracking_uri
+from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
 
 @dataclass
@@ -56,23 +70,6 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
-    from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.config import SpecError
-    from rlmegatron.config.checks import schedule_problems
-    from rlmegatron.controller.placement import create_pools, remove_pools
-    from rlmegatron.controller.policy_ranks import PolicyRanks
-    from rlmegatron.controller.rank.policy_rank import PolicyRank
-    from rlmegatron.controller.role_settings import rollout_settings
-    from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
-    from rlmegatron.controller.router import start_router
-    from rlmegatron.controller.trainer import Trainer, run_total_steps
-    from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
-    from rlmegatron.data import PromptDataLoader, build_dataset
-    from rlmegatron.preflight import ready_to_launch
-    from rlmegatron.rewards import build_reward_manager
-    from rlmegatron.tracking import Tracker
-    from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
-
     # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
     tokenizer = ready_to_launch(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
@@ -147,8 +144,6 @@ def _already_complete(checkpoint, planned: int) -> JobReport:
 
 
 def _tracking_location(spec: JobSpec, tracker) -> str:
-    from rlmegatron.tracking import resolve_tracking_uri
-
     if "mlflow" not in spec.tracking.backends:
         return "console only (add mlflow to tracking.backends for a store)"
     return f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, " \
@@ -156,8 +151,6 @@ def _tracking_location(spec: JobSpec, tracker) -> str:
 
 
 def format_report(report: JobReport) -> str:
-    from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
-
     first, count = report.resumed_from + 1, report.steps - report.resumed_from
     steps = f"step {first}" if count == 1 else f"steps {first}-{report.steps}"
     resumed = f", resumed from step {report.resumed_from}" if report.resumed_from else ""

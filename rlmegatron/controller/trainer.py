@@ -7,7 +7,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -31,11 +31,14 @@ from rlmegatron.controller.rollout_data import (
     token_level,
     traced_samples,
 )
-from rlmegatron.controller.policy_ranks import PolicyRanks
-from rlmegatron.controller.rollout_engines import RolloutEngines
-from rlmegatron.rewards import RewardResult
+from rlmegatron.rewards import NonFiniteReward, RewardResult
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
+from rlmegatron.workers.training import NonFiniteUpdate
+
+if TYPE_CHECKING:
+    from rlmegatron.controller.policy_ranks import PolicyRanks
+    from rlmegatron.controller.rollout_engines import RolloutEngines
 
 # ReMax's baseline response: the policy's most likely one (temperature 0 is greedy on the local engine and on SGLang).
 GREEDY = SamplingParams(n=1, temperature=0.0)
@@ -151,9 +154,6 @@ class Trainer:
 
     @contextmanager
     def stop_on_non_finite(self):
-        from rlmegatron.rewards import NonFiniteReward
-        from rlmegatron.workers.training import NonFiniteUpdate
-
         try:
             yield
         except (NonFiniteUpdate, NonFiniteReward) as error:

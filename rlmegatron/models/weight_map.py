@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from rlmegatron.config.transformer_config import pipeline_stage_layers
-from rlmegatron.models.hf_config import ModelFacts
+from rlmegatron.models.hf_config import ModelFacts, _moe_layer_freq
 
 IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
 
@@ -218,8 +218,6 @@ class WeightMap:
     def _moe_layers(self) -> set[int]:
         if not self.num_experts:
             return set()
-        from rlmegatron.models.hf_config import _moe_layer_freq
-
         return {i for i, is_moe in enumerate(_moe_layer_freq(self.facts.hf)) if is_moe}
 
     # ---- lookups ----------------------------------------------------------------------------
