@@ -42,7 +42,8 @@ class EngineHost:
         else:
             self.engine.relaunch()
 
-    def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> Optional[list[GenerationResult]]:
+    def generate(self, requests: list[GenerationRequest],
+                 progress: Progress = None) -> Optional[list[GenerationResult]]:
         return generate_or_none(self.engine, requests, progress)
 
     def weights_pushed(self, version: str) -> None:

@@ -51,7 +51,8 @@ class TrainingSettings:
 
 def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
     """This rank's micro-batches of `batch` under `settings`' batching fields."""
-    return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size, settings.max_token_len)
+    return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
+                                             settings.max_token_len)
 
 
 class TrainingWorker:

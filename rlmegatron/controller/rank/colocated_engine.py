@@ -99,7 +99,8 @@ class ColocatedEngine:
         """What this rank runs of its engine: the leader's or a member's part, or None."""
         return self.leader if self.leader is not None else self.member
 
-    def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> Optional[list[GenerationResult]]:
+    def generate(self, requests: list[GenerationRequest],
+                 progress: Progress = None) -> Optional[list[GenerationResult]]:
         return generate_or_none(self.leader, requests, progress)
 
     def release_memory(self) -> None:

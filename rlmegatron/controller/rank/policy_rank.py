@@ -41,7 +41,8 @@ class PolicyRank:
     def serves_rollout(self) -> bool:
         return self.engine is not None and self.engine.leader is not None
 
-    def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> Optional[list[GenerationResult]]:
+    def generate(self, requests: list[GenerationRequest],
+                 progress: Progress = None) -> Optional[list[GenerationResult]]:
         """This rank's engine's samples for `requests`; None: it restarted and needs the weights first."""
         return self.engine.generate(requests, progress)
 
