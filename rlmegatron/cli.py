@@ -8,6 +8,10 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rlmegatron.checkpoint import CheckpointManager
+from rlmegatron.errors import user_error_in
+from rlmegatron.convert_cli import main as convert_main
+
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
 
@@ -34,8 +38,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.command(args)
     except Exception as error:
-        from rlmegatron.errors import user_error_in
-
         mistake = user_error_in(error)
         if mistake is None:
             raise
@@ -110,7 +112,6 @@ def validate(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> int:
     # The spec is checked before anything heavy, and run_training checks what it points at before Ray or a worker.
     spec = _load_spec(args)
-    from rlmegatron.checkpoint import CheckpointManager
     from rlmegatron.config import SpecError
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
@@ -148,8 +149,6 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from rlmegatron.convert_cli import main as convert_main
-
     return convert_main(args.convert_args)
 
 

@@ -15,7 +15,10 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.models.families import read_architecture
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+from rlmegatron.plugins import plugin_problem
+from rlmegatron.rewards.dispatch import builtin_rule
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
@@ -129,7 +132,6 @@ class _Checks:
             return None
 
     def model(self) -> None:
-        from rlmegatron.models.families import read_architecture
         from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config
 
         model = self.spec.model
@@ -216,7 +218,6 @@ class _Checks:
     def first_rows_problem(self, file: str) -> str | None:
         """Why the first rows of `file` cannot be trained on by the built-in dataset; None if they can."""
         from rlmegatron.data.dataset import DatasetError, PromptEncoder, iter_rows, prompt_messages
-        from rlmegatron.rewards.dispatch import builtin_rule
 
         data, tokenizer = self.spec.data, self.result.tokenizer
         encode = PromptEncoder(tokenizer) if tokenizer is not None else None
@@ -241,8 +242,6 @@ class _Checks:
         return None
 
     def plugins(self) -> None:
-        from rlmegatron.plugins import plugin_problem
-
         for field_name, reference, arguments, call in (
             ("reward.function", self.spec.reward.function, REWARD_ARGUMENTS,
              "reward.function is called like verl's compute_score(data_source, solution_str, ground_truth, "

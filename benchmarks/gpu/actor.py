@@ -124,7 +124,7 @@ def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, s
 
 def matmul_parameters(actor, facts) -> int:
     """N of the FLOPs formula (see the module docstring)."""
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     model = unwrap(actor.chunks[0])
     inner = sum(p.numel() for name, p in model.named_parameters()
@@ -197,7 +197,7 @@ def mfu_trial(actor, facts, args, micro_batch: int, packed: bool, flops_n: int, 
 
 
 def model_config(actor):
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     return unwrap(actor.chunks[0]).config
 

@@ -9,7 +9,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from rlmegatron.checkpoint.integrity import CheckpointLoadFailed, manifest_problem, write_manifest
 from rlmegatron.errors import UserError
@@ -24,6 +24,17 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 class CheckpointError(UserError):
     """A checkpoint problem that is the user's to fix (none usable, a bad trainer.resume path, a run_dir that already
     holds what a run would overwrite): `rlm train` prints the message, one line per problem, and exits 2."""
+
+
+class CheckpointedRanks(Protocol):
+    """The trainer ranks as a checkpoint needs them (controller.policy_ranks.PolicyRanks): each writes or reads its
+    share of the checkpoint directory."""
+
+    def save_checkpoint(self, path: str) -> None:
+        ...
+
+    def load_checkpoint(self, path: str) -> None:
+        ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class CheckpointManager:
         self.broken: list[tuple[str, str]] = []
         """(name, why) of every step_N that is not complete, and of a `latest` that names none."""
 
-    def save(self, step: int, workers, trainer_state: dict[str, Any]) -> str:
+    def save(self, step: int, ranks: CheckpointedRanks, trainer_state: dict[str, Any]) -> str:
         final = self.root / f"step_{step}"
         if final.exists():
             # plan_resume leaves no step_N at or after the resumed step, so only another writer can have put it here.
@@ -60,7 +71,7 @@ class CheckpointManager:
         staging = self.root / f".tmp_step_{step}"
         shutil.rmtree(staging, ignore_errors=True)  # a save that was killed: never a checkpoint (no manifest)
         staging.mkdir(parents=True)
-        workers.execute_all("save_checkpoint", str(staging))
+        ranks.save_checkpoint(str(staging))
         (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
         write_manifest(staging, step)
         os.rename(staging, final)
@@ -128,7 +139,7 @@ class CheckpointManager:
             self.warn(f"checkpoint {self.root / name}: {problem}; skipped")
         return self.candidates[0] if self.candidates else None
 
-    def load_resume_point(self, workers) -> Optional[tuple[Path, dict[str, Any]]]:
+    def load_resume_point(self, ranks: CheckpointedRanks) -> Optional[tuple[Path, dict[str, Any]]]:
         """Load the newest planned checkpoint that every rank can load; returns its path and trainer state (None:
         a fresh start). One whose load fails all the same (a file damaged in place, its size intact) is named and
         passed over for the next, unless the user named it: every rank then loads the next one whole, model,
@@ -139,7 +150,7 @@ class CheckpointManager:
         for checkpoint in self.candidates:
             try:
                 state = _trainer_state(checkpoint.path)
-                workers.execute_all("load_checkpoint", str(checkpoint.path))
+                ranks.load_checkpoint(str(checkpoint.path))
             except CheckpointLoadFailed as error:
                 cause = str(getattr(error, "cause", error))  # the rank's own message, without Ray's traceback
                 reason = "does not load: " + cause.replace(f"{checkpoint.path}{os.sep}", "")

@@ -7,10 +7,11 @@ import random
 import numpy as np
 import torch
 
+from rlmegatron.runtime.distributed import rng_tracker_states, set_rng_tracker_states
+from rlmegatron.workers.megatron_step import unwrap
+
 
 def _model_sharded_state_dict(chunks: list) -> dict:
-    from rlmegatron.workers.engine import unwrap
-
     if len(chunks) == 1:
         return unwrap(chunks[0]).sharded_state_dict()
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
@@ -38,8 +39,6 @@ def save_training_state(worker, path: str) -> None:
 
 def load_training_state(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
-
-    from rlmegatron.workers.engine import unwrap
 
     for optimizer in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer]):
         # The non-distributed optimizers create their state while building the sharded state dict.
@@ -78,8 +77,6 @@ def _restore_adam_steps(optimizer, loaded) -> None:
 
 
 def rng_states() -> dict:
-    from rlmegatron.runtime.distributed import rng_tracker_states
-
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -89,31 +86,7 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict) -> None:
-    from rlmegatron.runtime.distributed import set_rng_tracker_states
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
     set_rng_tracker_states(states["megatron_trackers"])
-
-
-def _trained_roles(rank):
-    """(name, worker) of each role the PolicyRank `rank` trains (actor, critic); the reference is frozen and rebuilt."""
-    return [(role, getattr(rank, role)) for role in ("actor", "critic") if getattr(rank, role) is not None]
-
-
-def save_rank_state(rank, path: str) -> None:
-    """Everything the PolicyRank `rank` trains plus its RNG; each role at its own layout."""
-    for role, worker in _trained_roles(rank):
-        with rank.phase(role):
-            save_training_state(worker, os.path.join(path, role))
-    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    torch.save(rng_states(), os.path.join(path, "rng", f"rank_{rank.rank}.pt"))
-    torch.distributed.barrier()
-
-
-def load_rank_state(rank, path: str) -> None:
-    for role, worker in _trained_roles(rank):
-        with rank.phase(role):
-            load_training_state(worker, os.path.join(path, role))
-    set_rng_states(torch.load(os.path.join(path, "rng", f"rank_{rank.rank}.pt"), weights_only=False))

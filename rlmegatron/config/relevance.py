@@ -15,6 +15,8 @@ from typing import Any
 
 from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.config.spec import JobSpec
+from rlmegatron.plugins import load_plugin
+from rlmegatron.rewards.manager import is_async_function
 
 
 def explicit_paths(raw: Mapping[str, Any], prefix: str = "") -> set[str]:
@@ -55,9 +57,6 @@ def _estimator_takes(option: str) -> Callable[[JobSpec], bool]:
 def _async_reward_in_driver(spec: JobSpec) -> bool:
     if spec.reward.num_workers > 0 or spec.reward.function is None:
         return False
-    from rlmegatron.plugins import load_plugin
-    from rlmegatron.rewards.manager import is_async_function
-
     try:
         return is_async_function(load_plugin(spec.reward.function))
     except Exception:  # a broken plug-in: the plug-in checks report that

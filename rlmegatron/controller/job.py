@@ -6,10 +6,25 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from rlmegatron.config import JobSpec
+from rlmegatron import reaper
+from rlmegatron.checkpoint import CheckpointManager
+from rlmegatron.config import JobSpec, SpecError
+from rlmegatron.config.checks import schedule_problems
+from rlmegatron.controller.placement import create_pools, remove_pools
+from rlmegatron.controller.policy_ranks import PolicyRanks
+from rlmegatron.controller.rank.policy_rank import PolicyRank
+from rlmegatron.controller.role_settings import rollout_settings
+from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
+from rlmegatron.controller.router import start_router
+from rlmegatron.controller.trainer import Trainer, run_total_steps
+from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
+from rlmegatron.data import PromptDataLoader, build_dataset
+from rlmegatron.preflight import ready_to_launch
+from rlmegatron.rewards import build_reward_manager
+from rlmegatron.tracking import Tracker, resolve_tracking_uri
+from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
 
 @dataclass
@@ -39,8 +54,6 @@ def start_ray(spec: JobSpec) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local one just big enough for the placement."""
     import ray
 
-    from rlmegatron import reaper
-
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -61,20 +74,6 @@ def start_ray(spec: JobSpec) -> None:
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
-    from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.config import SpecError
-    from rlmegatron.config.checks import schedule_problems
-    from rlmegatron.controller.engines import ColocatedEngines, DisaggregatedEngines, start_router
-    from rlmegatron.controller.placement import create_pools, remove_pools
-    from rlmegatron.controller.policy_rank import PolicyRank
-    from rlmegatron.controller.trainer import Trainer, run_total_steps
-    from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
-    from rlmegatron.data import PromptDataLoader, build_dataset
-    from rlmegatron.preflight import ready_to_launch
-    from rlmegatron.rewards import build_reward_manager
-    from rlmegatron.tracking import Tracker
-    from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
-
     # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
     tokenizer = ready_to_launch(spec)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
@@ -91,7 +90,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     if newest is not None and newest.step >= total_steps:
         return _already_complete(newest, total_steps)
     tracker = Tracker.from_spec(spec)
-    pools = workers = engines = router = None
+    pools = ranks = engines = router = None
     status = "FAILED"
     exit_on_sigterm()
     try:
@@ -101,20 +100,20 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
-            workers = RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps)
+            ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
         else:
-            workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps)
+            ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
         if spec.placement.mode == "colocate":
-            engines = ColocatedEngines(workers)
+            engines = ColocatedEngines(ranks)
         else:
-            engines = DisaggregatedEngines(spec, workers, pools.rollout if pools else None)
-        trainer = Trainer(spec, workers, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
+            engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
+        trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
         result = trainer.fit()
         status = "FINISHED"
     finally:
         tracker.finish(status)
         reward_manager.close()
-        for part in (engines, workers):
+        for part in (engines, ranks):
             if part is not None:
                 part.shutdown()
         if router is not None:
@@ -149,8 +148,6 @@ def _already_complete(checkpoint, planned: int) -> JobReport:
 
 
 def _tracking_location(spec: JobSpec, tracker) -> str:
-    from rlmegatron.tracking import resolve_tracking_uri
-
     if "mlflow" not in spec.tracking.backends:
         return "console only (add mlflow to tracking.backends for a store)"
     return f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, " \
@@ -158,8 +155,6 @@ def _tracking_location(spec: JobSpec, tracker) -> str:
 
 
 def format_report(report: JobReport) -> str:
-    from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
-
     first, count = report.resumed_from + 1, report.steps - report.resumed_from
     steps = f"step {first}" if count == 1 else f"steps {first}-{report.steps}"
     resumed = f", resumed from step {report.resumed_from}" if report.resumed_from else ""

@@ -7,7 +7,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,10 +19,26 @@ from rlmegatron.algorithms import (
     compute_advantages,
 )
 from rlmegatron.config.spec import SamplingParams
-from rlmegatron.controller import rollout as R
-from rlmegatron.rewards import RewardResult
+from rlmegatron.controller.rollout_data import (
+    Rollout,
+    batch_metrics,
+    build_batch,
+    merge_results,
+    reward_inputs,
+    sampling_spec,
+    scored,
+    shard_requests,
+    token_level,
+    traced_samples,
+)
+from rlmegatron.errors import Divergence
+from rlmegatron.rewards import NonFiniteReward, RewardResult
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
+
+if TYPE_CHECKING:
+    from rlmegatron.controller.policy_ranks import PolicyRanks
+    from rlmegatron.controller.rollout_engines import RolloutEngines
 
 # ReMax's baseline response: the policy's most likely one (temperature 0 is greedy on the local engine and on SGLang).
 GREEDY = SamplingParams(n=1, temperature=0.0)
@@ -64,9 +80,9 @@ class Trainer:
     """Drives the policy ranks (actor, reference, critic) and the rollout engines, colocated in those ranks or
     on their own pool, from the driver process."""
 
-    def __init__(self, spec, workers, engines, tokenizer, train_loader, val_dataset, reward_manager, tracker,
-                 checkpoints):
-        self.spec, self.workers, self.engines, self.tokenizer = spec, workers, engines, tokenizer
+    def __init__(self, spec, ranks: PolicyRanks, engines: RolloutEngines, tokenizer, train_loader, val_dataset,
+                 reward_manager, tracker, checkpoints):
+        self.spec, self.ranks, self.engines, self.tokenizer = spec, ranks, engines, tokenizer
         self.train_loader, self.val_dataset = train_loader, val_dataset
         self.reward_manager, self.tracker, self.checkpoints = reward_manager, tracker, checkpoints
         kl = spec.algorithm.kl_ctrl
@@ -96,12 +112,12 @@ class Trainer:
                 batch = rollout.batch
                 if spec.critic.enable:
                     with timer("values"):
-                        batch.values = self.workers.execute_rank_zero_result("compute_values", batch)
+                        batch.values = self.ranks.compute_values(batch)
                 with timer("old_log_prob"):
-                    batch.old_log_probs, entropy = self.workers.execute_rank_zero_result("compute_log_prob", batch)
+                    batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
                 if spec.needs_reference:
                     with timer("ref"):
-                        batch.ref_log_probs = self.workers.execute_rank_zero_result("compute_ref_log_prob", batch)
+                        batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
                 with timer("adv"):
                     token_rewards = self.token_rewards(rollout, metrics)
                     batch.advantages, batch.returns = compute_advantages(
@@ -117,7 +133,7 @@ class Trainer:
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
                     self.engines.sync(self.weight_version)
-            metrics.update(R.batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
+            metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
                 metrics.update(self.validate())
@@ -133,14 +149,12 @@ class Trainer:
         settings = getattr(self.spec, role)
         mini_batch = settings.ppo_mini_batch_size * self.spec.rollout.n
         steps = settings.ppo_epochs * -(-len(batch) // mini_batch)
+        update = self.ranks.update_actor if role == "actor" else self.ranks.update_critic
         with progress_sink(ProgressBar(f"update_{role}", steps)) as progress:
-            return self.workers.execute_rank_zero_result(f"update_{role}", batch, progress)
+            return update(batch, progress)
 
     @contextmanager
     def stop_on_non_finite(self):
-        from rlmegatron.errors import Divergence
-        from rlmegatron.rewards import NonFiniteReward
-
         try:
             yield
         except (Divergence, NonFiniteReward) as error:
@@ -150,10 +164,10 @@ class Trainer:
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 
-    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> R.Rollout:
+    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> Rollout:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
-        kept: list[R.Rollout] = []
+        kept: list[Rollout] = []
         rounds = 0
         while True:
             rounds += 1
@@ -170,17 +184,17 @@ class Trainer:
                 metrics["training/num_gen_batches"] = rounds
                 if total == 0:
                     return part  # nothing varied: train on the last round, whose advantages are all zero
-                return R.Rollout.concat(kept).select(list(range(min(total, wanted))))
+                return Rollout.concat(kept).select(list(range(min(total, wanted))))
 
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
         # One seed per request, so a request's samples do not depend on which engine serves it.
         requests = [
-            GenerationRequest(tuple(p.prompt_ids), R.sampling_spec(
+            GenerationRequest(tuple(p.prompt_ids), sampling_spec(
                 params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
             for i, p in enumerate(prompts)
         ]
-        shares = R.shard_requests(requests, self.engines.count)
+        shares = shard_requests(requests, self.engines.count)
         # Validation's generation too: a Divergence there stops the run as one in the step does.
         with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress, self.stop_on_non_finite():
             answers = self.engines.generate(dict(enumerate(shares)), progress)
@@ -189,24 +203,24 @@ class Trainer:
                 # Each engine bounds its own restarts, so this loop ends.
                 self.engines.sync(self.weight_version, restarted)
                 answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
-        results = R.merge_results(shares, [answers[engine] for engine in range(len(shares))])
+        results = merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
         return results
 
-    def score(self, prompts, results, first_uid: int) -> R.Rollout:
+    def score(self, prompts, results, first_uid: int) -> Rollout:
         rows = [prompts[r.request_index] for r in results]
         uids = [first_uid + r.request_index for r in results]
-        batch = R.build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
+        batch = build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
         reward = self.rewards(rows, results)
-        return R.scored(rows, uids, results, batch, reward)
+        return scored(rows, uids, results, batch, reward)
 
     def rewards(self, rows, results) -> RewardResult:
         """The reward manager's scores; a NaN or infinite one stops the run here, before it reaches any loss."""
         with self.stop_on_non_finite():
-            return self.reward_manager(R.reward_inputs(rows, results, self.tokenizer))
+            return self.reward_manager(reward_inputs(rows, results, self.tokenizer))
 
-    def greedy_baselines(self, rollout: R.Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
+    def greedy_baselines(self, rollout: Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:
         """ReMax's baseline, one per row: the reward of one greedy response to the row's prompt, generated once per
         prompt after dynamic sampling chose the rows (a dropped prompt costs no pass) and scored by the same reward
         manager. Like the samples' it includes any shaping (DAPO's overlong penalty). The greedy responses are
@@ -224,9 +238,9 @@ class Trainer:
         metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
         return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
 
-    def token_rewards(self, rollout: R.Rollout, metrics: dict[str, float]) -> torch.Tensor:
+    def token_rewards(self, rollout: Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch
-        rewards = R.token_level(rollout.rewards, batch.response_mask)
+        rewards = token_level(rollout.rewards, batch.response_mask)
         if not self.spec.algorithm.use_kl_in_reward:
             return rewards
         rewards, kl_metrics = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
@@ -235,11 +249,11 @@ class Trainer:
                         "actor/reward_kl_penalty_coeff": float(kl_metrics["kl_coef"])})
         return rewards
 
-    def trace(self, rollout: R.Rollout) -> None:
+    def trace(self, rollout: Rollout) -> None:
         """A few of the step's samples as text, for reading what the policy wrote (tracking.rollout_trace)."""
         trace = self.spec.tracking.rollout_trace
         if trace.backend is not None:
-            samples = R.traced_samples(rollout, self.tokenizer, trace.prompts_per_step)
+            samples = traced_samples(rollout, self.tokenizer, trace.prompts_per_step)
             self.tracker.log_rollout_samples(samples, self.step, trace.backend)
 
     # --- validation, counters, checkpoints, export ---
@@ -262,7 +276,7 @@ class Trainer:
         return {
             "training/global_step": self.step,
             "training/epoch": self.train_loader.epoch,
-            "perf/throughput": tokens / timer.seconds["step"] / self.workers.world_size,
+            "perf/throughput": tokens / timer.seconds["step"] / self.ranks.world_size,
         }
 
     def total_steps(self) -> int:
@@ -273,7 +287,7 @@ class Trainer:
         return ((self.spec.rollout.seed * 1_000_003 + self.step) * 101 + round_) * 100_003
 
     def save(self) -> None:
-        self.last_checkpoint = self.checkpoints.save(self.step, self.workers, self.trainer_state())
+        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, self.trainer_state())
 
     def trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
@@ -281,7 +295,7 @@ class Trainer:
     def resume(self) -> None:
         """The checkpoint CheckpointManager.plan_resume chose (or the one before it, if it does not load) into every
         rank, the engines and the data loader; then the records continue from its step."""
-        found = self.checkpoints.load_resume_point(self.workers)
+        found = self.checkpoints.load_resume_point(self.ranks)
         if found is not None:
             path, state = found
             self.step = self.resumed_from = int(state["step"])
@@ -296,7 +310,7 @@ class Trainer:
 
     def export_policy(self) -> Optional[str]:
         path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
-        return self.workers.execute_rank_zero_result("export_hf", path)
+        return self.ranks.export_hf(path)
 
 
 def run_total_steps(spec, train_loader) -> int:
@@ -308,7 +322,7 @@ def _every(freq: int, step: int) -> bool:
     return freq > 0 and step % freq == 0
 
 
-def _rows_of_varied_groups(rollout: R.Rollout) -> list[int]:
+def _rows_of_varied_groups(rollout: Rollout) -> list[int]:
     """Rows whose group's scores are not all equal: an all-equal group has zero advantage everywhere."""
     by_group: dict[int, list[int]] = defaultdict(list)
     for row, uid in enumerate(rollout.uids):

@@ -1,13 +1,76 @@
-"""Worker groups: one process per rank hosting a plain rank class, as Ray actors or in-process (one rank, no Ray)."""
+"""Worker groups: members that each hold one object of a plain class (a trainer rank, a rollout-pool host) and run the
+methods the driver calls on it, in processes of their own as Ray actors or in this process.
+
+Both kinds implement `WorkerGroup`. A caller names the method by reference (`group.call_all(PolicyRank.sync_weights,
+version)`), never by a string; the member runs the method of that name on its object, so a subclass's override
+runs. The typed handles built on a group (controller.policy_ranks.PolicyRanks, the rollout pool's hosts in
+controller.rollout_engines) are what the rest of the driver calls.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar
+
+import torch
 
 from rlmegatron.controller.placement import ResourcePool
+from rlmegatron.runtime import destroy_distributed, init_distributed
 from rlmegatron.runtime.launcher import free_port
+
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+
+class WorkerGroup(Protocol[T]):
+    """Members holding one object of class T each."""
+
+    def __len__(self) -> int:
+        ...
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """`method` on every member with the same arguments; results in member order."""
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        """`method` on member i with `per_member[i]`, for each i given (in that order where the order matters: in
+        this process, one after another)."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+class Member:
+    """The body of one member: builds the member's object, then runs the methods called on it."""
+
+    def __init__(self) -> None:
+        self.obj: Any = None
+
+    def build(self, cls: Callable[..., Any], *args: Any) -> None:
+        self.obj = cls(*args)
+
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        return getattr(self.obj, method.__name__)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        if self.obj is not None and hasattr(self.obj, "shutdown"):
+            self.obj.shutdown()
+
+
+class RankHost(Member):
+    """A trainer rank's member: joins the process group before its object is built, leaves it after shutdown."""
+
+    def __init__(self, env: dict[str, str], device: str, threads: int = 1) -> None:
+        super().__init__()
+        os.environ.update(env)
+        # One core per rank: more threads only fight over the same cores.
+        torch.set_num_threads(threads)
+        init_distributed(device)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        destroy_distributed()
 
 
 def rank_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -20,41 +83,58 @@ def rank_env(rank: int, world_size: int, local_rank: int, master_addr: str, mast
     }
 
 
-class RankHost:
-    """The body of one rank's process: joins the process group, then builds and serves the rank object."""
+# --- in this process -------------------------------------------------------------------------------------------------
 
-    def __init__(self, env: dict[str, str], device: str, threads: int = 1) -> None:
-        import torch
 
-        from rlmegatron.runtime import init_distributed
+class InProcessGroup(Generic[T]):
+    """Members in this process, called one after another; member i's object is `group[i]`."""
 
-        os.environ.update(env)
-        # One core per rank: more threads only fight over the same cores.
-        torch.set_num_threads(threads)
-        init_distributed(device)
-        self.rank = None
+    def __init__(self, members: Sequence[Member]) -> None:
+        self.members = list(members)
 
-    def build(self, rank_class: Callable[..., Any], *args: Any) -> None:
-        self.rank = rank_class(*args)
+    @classmethod
+    def of(cls, size: int, member_class: Callable[..., T], *args: Any) -> InProcessGroup[T]:
+        """`size` objects `member_class(*args)`."""
+        members = [Member() for _ in range(size)]
+        for member in members:
+            member.build(member_class, *args)
+        return cls(members)
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.rank, method)(*args)
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> T:
+        return self.members[index].obj
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        return [member.call(method, *args, **kwargs) for member in self.members]
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        return {index: self.members[index].call(method, *args) for index, args in per_member.items()}
 
     def shutdown(self) -> None:
-        from rlmegatron.runtime import destroy_distributed
-
-        if self.rank is not None and hasattr(self.rank, "shutdown"):
-            self.rank.shutdown()
-        destroy_distributed()
+        for member in self.members:
+            member.shutdown()
 
 
-# How long the other ranks get to report after one failed (they may be stuck in a collective with it).
+class LocalWorkerGroup(InProcessGroup[T]):
+    """One trainer rank in this process: no Ray (tests, debugging, torchrun-less machines)."""
+
+    def __init__(self, device: str, rank_class: Callable[..., T], *args: Any) -> None:
+        host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=os.cpu_count() or 1)
+        host.build(rank_class, *args)
+        super().__init__([host])
+
+
+# --- Ray actors ------------------------------------------------------------------------------------------------------
+
+# How long the other members get to report after one failed (they may be stuck in a collective with it).
 PEER_GRACE_S = 5.0
 
 
 def gather(refs: list) -> list:
-    """ray.get of one call on every rank. Ray raises the first failure at once and would later print each other
-    rank's failure, traceback and all, as an unhandled error: those that come within PEER_GRACE_S are fetched here,
+    """ray.get of one call on every member. Ray raises the first failure at once and would later print each other
+    member's failure, traceback and all, as an unhandled error: those that come within PEER_GRACE_S are fetched here,
     so the first failure (a user's mistake is then one line) is all that is said."""
     import ray
 
@@ -72,87 +152,82 @@ def master_address() -> tuple[str, int]:
     return socket.gethostbyname(socket.gethostname()), free_port(host="")
 
 
-class RayWorkerGroup:
-    """`pool.world_size` Ray actors, rank i on bundle i of the pool, all running the same rank class."""
+class RayActorGroup(Generic[T]):
+    """Ray actors, member i on bundle i of a pool."""
 
-    def __init__(self, pool: ResourcePool, rank_class: Callable[..., Any], *args: Any) -> None:
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
+
+    @classmethod
+    def on(cls, pool: ResourcePool, size: int, member_class: Callable[..., T], *args: Any) -> RayActorGroup[T]:
+        """`size` objects `member_class(*args)` on the first `size` bundles of `pool`."""
+        actors = [_placed(Member, pool, index).remote() for index in range(size)]
+        gather([actor.build.remote(member_class, *args) for actor in actors])
+        return cls(actors)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        import ray
+
+        # One copy in the object store for all members, not one serialization per member (batches are large).
+        shared = [ray.put(arg) for arg in args]
+        return gather([actor.call.remote(method, *shared, **kwargs) for actor in self.actors])
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        replies = gather([self.actors[index].call.remote(method, *args) for index, args in per_member.items()])
+        return dict(zip(per_member, replies))
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Orderly where the members are idle; a member still busy (an interrupted step) is killed after
+        `timeout_s`, and its engine servers go with it (`lifeline`)."""
+        import ray
+
+        try:
+            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            pass
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+
+
+class RayWorkerGroup(RayActorGroup[T]):
+    """The trainer ranks: `pool.world_size` Ray actors, rank i on bundle i of the pool, one process group."""
+
+    def __init__(self, pool: ResourcePool, rank_class: Callable[..., T], *args: Any) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        host_class = ray.remote(RankHost)
         world_size = pool.world_size
-
-        def placed(rank: int):
-            resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
-            strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[rank])
-            return host_class.options(scheduling_strategy=strategy, **resources)
-
         # Rank 0's node hosts the rendezvous, so its address comes from a probe placed like rank 0.
         probe = ray.remote(master_address).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
             num_cpus=0,
         )
         addr, port = ray.get(probe.remote())
-        self.ranks = []
+        actors = []
         for rank in range(world_size):
             # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
             env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
-            self.ranks.append(placed(rank).remote(env, pool.device))
-        gather([host.build.remote(rank_class, *args) for host in self.ranks])
-
-    def execute_all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every rank with the same arguments; results in rank order."""
-        import ray
-
-        # One copy in the object store for all ranks, not one serialization per rank (batches are large).
-        shared = [ray.put(arg) for arg in args]
-        return gather([host.call.remote(method, *shared) for host in self.ranks])
-
-    def execute_rank_zero_result(self, method: str, *args: Any) -> Any:
-        """Call on every rank (the workers run collectives) and return rank 0's result: every rank holds the same."""
-        return self.execute_all(method, *args)[0]
-
-    def execute_each(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
-        """Call `method` on rank i with `per_rank_args[i]` (e.g. each rank's share of the prompts)."""
-        return gather([host.call.remote(method, *args) for host, args in zip(self.ranks, per_rank_args)])
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Orderly where the ranks are idle; a rank still busy (an interrupted step) is killed after `timeout_s`,
-        and its engine servers go with it (`lifeline`)."""
-        import ray
-
-        try:
-            ray.get([host.shutdown.remote() for host in self.ranks], timeout=timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
-            pass
-        finally:
-            for host in self.ranks:
-                ray.kill(host)
+            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device))
+        gather([actor.build.remote(rank_class, *args) for actor in actors])
+        super().__init__(actors)
 
 
-class LocalWorkerGroup:
-    """The same interface with one rank in this process: no Ray (tests, debugging, torchrun-less machines)."""
+def _placed(member_class: type, pool: ResourcePool, index: int):
+    """`member_class` as a Ray actor class pinned to bundle `index` of `pool`, with one GPU (or CPU) of it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def __init__(self, device: str, rank_class: Callable[..., Any], *args: Any) -> None:
-        self.host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=os.cpu_count() or 1)
-        self.host.build(rank_class, *args)
+    resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
+    strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[index])
+    return ray.remote(member_class).options(scheduling_strategy=strategy, **resources)
 
-    def execute_all(self, method: str, *args: Any) -> list[Any]:
-        return [self.host.call(method, *args)]
 
-    def execute_rank_zero_result(self, method: str, *args: Any) -> Any:
-        return self.host.call(method, *args)
-
-    def execute_each(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
-        return [self.host.call(method, *per_rank_args[0])]
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    def shutdown(self) -> None:
-        self.host.shutdown()
+def group_on(pool: Optional[ResourcePool], size: int, member_class: Callable[..., T], *args: Any) -> WorkerGroup[T]:
+    """`size` objects `member_class(*args)`: Ray actors on `pool`, or (no pool: a run without Ray) in this process."""
+    if pool is None:
+        return InProcessGroup.of(size, member_class, *args)
+    return RayActorGroup.on(pool, size, member_class, *args)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlmegatron.errors import UserError
+from rlmegatron.plugins import PluginError, call_problem, load_plugin
+from rlmegatron.rewards.dispatch import default_compute_score
 
 if TYPE_CHECKING:
     from multiprocessing.pool import AsyncResult, Pool
@@ -108,11 +110,7 @@ class _SampleTimeout(BaseException):
 def load_reward_function(function_ref: str | None) -> Callable[..., Any]:
     """The function `reward.function` names (the built-in dispatch when None), checked to take verl's arguments."""
     if function_ref is None:
-        from rlmegatron.rewards.dispatch import default_compute_score
-
         return default_compute_score
-    from rlmegatron.plugins import PluginError, call_problem, load_plugin
-
     file = function_ref.rpartition(":")[0]
     try:
         function = load_plugin(function_ref)

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlmegatron.config.spec import RolloutConfig
-
 
 # model.dtype -> SGLang's --dtype, so the engines serve the dtype the trainer trains in.
 SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -65,24 +63,6 @@ class ServerSpec:
     """HOST:PORT of node 0's rendezvous, required when nnodes > 1."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to this process's environment (CUDA_VISIBLE_DEVICES, PYTHONPATH, ...)."""
-
-    @classmethod
-    def from_rollout_config(cls, rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> "ServerSpec":
-        sglang = rollout.sglang
-        return cls(
-            model_path=model_path,
-            port=port,
-            python=sglang.python,
-            tp_size=rollout.tensor_parallel_size,
-            ep_size=rollout.expert_parallel_size,
-            enable_dp_attention=rollout.enable_dp_attention,
-            mem_fraction_static=rollout.mem_fraction_static,
-            enable_memory_saver=sglang.enable_memory_saver,
-            load_format=sglang.load_format,
-            skip_tokenizer_init=sglang.skip_tokenizer_init,
-            extra_args=dict(sglang.extra_args),
-            **overrides,
-        )
 
     @property
     def url(self) -> str:

@@ -12,6 +12,8 @@ from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
+from rlmegatron.runtime.cpu_compat import enable_cpu_compat
+
 Device = Literal["cuda", "cpu"]
 
 
@@ -69,8 +71,6 @@ def transformer_config_overrides(device: Device) -> dict:
 def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
     """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     if device == "cpu":
-        from rlmegatron.runtime.cpu_compat import enable_cpu_compat
-
         enable_cpu_compat()
         backend = "gloo"
     elif device == "cuda":

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from rlmegatron.errors import UserError, user_error_in
-from rlmegatron.runtime.distributed import Device
+from rlmegatron.runtime.distributed import Device, destroy_distributed, init_distributed
 
 
 class RankFailure(RuntimeError):
@@ -59,8 +59,6 @@ def _rank_main(fn, args, rank, world_size, port, device, threads, results):
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads)
-    from rlmegatron.runtime.distributed import destroy_distributed, init_distributed
-
     try:
         init_distributed(device)
         value = fn(*args)

@@ -2,7 +2,7 @@
 from rlmegatron.workers.actor import ActorSettings, ActorWorker
 from rlmegatron.workers.batch import RolloutBatch
 from rlmegatron.workers.critic import CriticSettings, CriticWorker
-from rlmegatron.workers.engine import ModelProvider, gpt_model_provider
+from rlmegatron.workers.megatron_step import ModelProvider, gpt_model_provider
 from rlmegatron.workers.reference import ReferenceWorker
 from rlmegatron.workers.training import OptimizerSettings
 

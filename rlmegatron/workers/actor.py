@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
-from rlmegatron.workers import engine
+from rlmegatron.workers import megatron_step
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
 from rlmegatron.workers.training import TrainingSettings, TrainingWorker, micro_batches, raise_if_not_finite_tokens
 from rlmegatron.workers.vocab_parallel import vocab_parallel_log_probs_and_entropy
@@ -49,7 +49,7 @@ def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch,
         mask = micro_batch.response_fields.response_mask.to(log_probs.device)
         return (log_probs * mask,) + ((entropy * mask,) if with_entropy else ())
 
-    results = engine.run_forward_only(
+    results = megatron_step.run_forward_only(
         chunks, batch, micro_batches(settings, batch), per_token, outputs=2 if with_entropy else 1
     )
     return (results[0], results[1]) if with_entropy else (results[0], None)

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from rlmegatron.algorithms import clipped_value_loss
-from rlmegatron.workers import engine
+from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+from rlmegatron.models.weight_map import Source, WeightMap
+from rlmegatron.workers import megatron_step
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
 from rlmegatron.workers.training import TrainingSettings, TrainingWorker, raise_if_not_finite_tokens
 
@@ -47,7 +49,7 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def value_model_provider(provider: engine.ModelProvider) -> engine.ModelProvider:
+def value_model_provider(provider: megatron_step.ModelProvider) -> megatron_step.ModelProvider:
     """`provider`'s GPTModel (built untied) with the last stage's output layer replaced by a ValueHead."""
 
     def provide(pre_process: bool, post_process: bool, vp_stage):
@@ -66,16 +68,13 @@ class CriticWorker(TrainingWorker):
 
     metric_prefix = "critic"
 
-    def __init__(self, settings: CriticSettings, model_provider: engine.ModelProvider, layout):
+    def __init__(self, settings: CriticSettings, model_provider: megatron_step.ModelProvider, layout):
         super().__init__(settings, value_model_provider(model_provider), layout)
 
     def load_reward_model(self, path: str, facts) -> None:
         """Initialise from an HF reward/value model (`*ForSequenceClassification` or `*ForTokenClassification`
         with one label, same architecture as the policy): its trunk, and its `score` head as the value head.
         A head without bias leaves the value head's bias at 0."""
-        from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
-        from rlmegatron.models.weight_map import Source, WeightMap
-
         checkpoint = HFCheckpoint(path)
         try:
             head = tuple(key for key in ("score.weight", "score.bias") if key in checkpoint.key_files)
@@ -83,7 +82,7 @@ class CriticWorker(TrainingWorker):
                 raise ValueError(f"critic.init_from={path}: not a reward/value model with one label "
                                  "(expected a score.weight of shape [1, hidden_size])")
             weight_map = WeightMap(facts, value_head=head)
-            load_hf_weights([engine.unwrap(chunk) for chunk in self.chunks], weight_map, checkpoint,
+            load_hf_weights([megatron_step.unwrap(chunk) for chunk in self.chunks], weight_map, checkpoint,
                             keep_initialised=("output_layer.bias",))
         finally:
             checkpoint.close()
@@ -101,7 +100,7 @@ class CriticWorker(TrainingWorker):
             values = _response_values(micro_batch, output)
             return (values * micro_batch.response_fields.response_mask.to(values.device),)
 
-        values = engine.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
+        values = megatron_step.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
         raise_if_not_finite_tokens({"critic/values": values}, batch.response_mask)
         return values
 

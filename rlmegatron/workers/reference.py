@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
-from rlmegatron.workers import engine
+from rlmegatron.workers import megatron_step
 from rlmegatron.workers.actor import ActorSettings, compute_log_prob
 from rlmegatron.workers.batch import RolloutBatch
 from rlmegatron.workers.offload import Offloader
@@ -18,7 +18,7 @@ class ReferenceWorker:
     vocabulary); only those and the batching fields are used, and the batching is the reference's own.
     """
 
-    def __init__(self, settings: ActorSettings, model_provider: engine.ModelProvider, layout: ParallelLayout):
+    def __init__(self, settings: ActorSettings, model_provider: megatron_step.ModelProvider, layout: ParallelLayout):
         self.settings = settings
         self.model_provider = model_provider
         self.layout = layout
@@ -28,11 +28,11 @@ class ReferenceWorker:
     def init(self, parallel_state_ready: bool = False) -> None:
         if not parallel_state_ready:
             init_model_parallel(self.layout)
-        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=False)
+        self.chunks = megatron_step.build_model_chunks(self.model_provider, wrap_ddp=False)
         self.offloader = Offloader(self.chunks)
 
     def load_weights(self, path: str) -> None:
-        engine.load_weights(self.chunks, path)
+        megatron_step.load_weights(self.chunks, path)
 
     def offload(self, parts: Sequence[str] = ("params",)) -> None:
         """Weights to host memory between uses, so the reference costs no GPU memory while idle."""

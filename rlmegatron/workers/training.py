@@ -12,7 +12,7 @@ from rlmegatron.algorithms import LossAggregation, local_denominator
 from rlmegatron.errors import Divergence
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.tracking.progress import Progress, report
-from rlmegatron.workers import engine
+from rlmegatron.workers import megatron_step
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
 from rlmegatron.workers.offload import PARTS, Offloader
 
@@ -52,7 +52,8 @@ class TrainingSettings:
 
 def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
     """This rank's micro-batches of `batch` under `settings`' batching fields."""
-    return engine.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size, settings.max_token_len)
+    return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
+                                             settings.max_token_len)
 
 
 class TrainingWorker:
@@ -60,7 +61,7 @@ class TrainingWorker:
 
     metric_prefix: str  # "actor" or "critic"
 
-    def __init__(self, settings: TrainingSettings, model_provider: engine.ModelProvider, layout: ParallelLayout):
+    def __init__(self, settings: TrainingSettings, model_provider: megatron_step.ModelProvider, layout: ParallelLayout):
         self.settings = settings
         self.model_provider = model_provider
         self.layout = layout
@@ -79,10 +80,10 @@ class TrainingWorker:
             init_model_parallel(self.layout)
         # The distributed optimizer shards Adam state over DP, on CPU too via the CPU layer.
         distributed = self.settings.use_distributed_optimizer
-        self.chunks = engine.build_model_chunks(self.model_provider, wrap_ddp=True,
+        self.chunks = megatron_step.build_model_chunks(self.model_provider, wrap_ddp=True,
                                                 use_distributed_optimizer=distributed)
         opt = self.settings.optimizer
-        config = engine.unwrap(self.chunks[0]).config
+        config = megatron_step.unwrap(self.chunks[0]).config
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -110,10 +111,10 @@ class TrainingWorker:
         self.offloader = Offloader(self.chunks, self.optimizer)
 
     def save_weights(self, path: str) -> None:
-        engine.save_weights(self.chunks, path)
+        megatron_step.save_weights(self.chunks, path)
 
     def load_weights(self, path: str, skip_prefixes: tuple[str, ...] = ()) -> None:
-        engine.load_weights(self.chunks, path, skip_prefixes)
+        megatron_step.load_weights(self.chunks, path, skip_prefixes)
         # The distributed optimizer keeps its own fp32 copy of bf16/fp16 weights.
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
@@ -164,11 +165,11 @@ class TrainingWorker:
         micro_batches = self._micro_batches(mini_batch)
         # Megatron divides each micro-batch loss by their count and DDP averages over DP; the
         # global denominator already makes the sum over both exact, so undo those two factors.
-        loss_func_for = loss_func_factory(mini_batch, len(micro_batches) * engine.dp_size())
+        loss_func_for = loss_func_factory(mini_batch, len(micro_batches) * megatron_step.dp_size())
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        collected = engine.forward_backward(self.chunks, micro_batches, loss_func_for, forward_only=False)
+        collected = megatron_step.forward_backward(self.chunks, micro_batches, loss_func_for, forward_only=False)
         metrics = _reduce_metrics(collected, summed)  # collective: every rank sees, and stops on, the same values
         terms = {name: value for name, value in metrics.items() if name.endswith(("_loss", "/entropy"))}
         _raise_if_not_finite(terms, "before the optimizer step; the weights are unchanged")
@@ -179,7 +180,7 @@ class TrainingWorker:
         # A finite grad norm can still move the weights past what float holds (a huge learning rate).
         if not weights_finite(self.chunks):
             raise Divergence(f"{self.metric_prefix}/weights: NaN or inf in the weights: stopped {after_step}")
-        metrics.update(_moe_aux_losses(engine.unwrap(self.chunks[0]).config, self.metric_prefix))
+        metrics.update(_moe_aux_losses(megatron_step.unwrap(self.chunks[0]).config, self.metric_prefix))
         return metrics
 
 
@@ -220,13 +221,13 @@ def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
     """
     names = _names_from_last_stage(sorted(collected[0]) if collected else [])
     sums = torch.zeros(len(names) + 1)
-    if engine.is_last_stage():
+    if megatron_step.is_last_stage():
         for item in collected:
             for k, name in enumerate(names):
                 value = item[name].float().cpu()
                 sums[k] += value if name == summed else value / len(collected)
         sums[-1] = 1.0  # counts the DP ranks that contributed
-    sums = engine.share_from_last_stage(sums.to("cuda" if torch.cuda.is_available() else "cpu")).cpu()
+    sums = megatron_step.share_from_last_stage(sums.to("cuda" if torch.cuda.is_available() else "cpu")).cpu()
     return {name: float(sums[k] if name == summed else sums[k] / sums[-1]) for k, name in enumerate(names)}
 
 

@@ -14,7 +14,7 @@ from rlmegatron.runtime import run_ranks
 
 def _training_state(actor) -> list[torch.Tensor]:
     """Every weight, and every Adam moment and step count, of this rank, in a fixed order."""
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     tensors = [p.detach().clone() for chunk in actor.chunks for p in unwrap(chunk).parameters()]
     for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):

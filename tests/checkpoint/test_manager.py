@@ -15,24 +15,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeRanks:
-    """A worker group of 2 ranks: each saves one shard, a load fails (as a rank's would) for the named steps."""
+    """2 trainer ranks: each saves one shard, a load fails (as a rank's would) for the named steps."""
 
     def __init__(self, unloadable: tuple[str, ...] = ()) -> None:
         self.unloadable = set(unloadable)
         self.loads: list[str] = []
 
-    def execute_all(self, method: str, path: str) -> list[None]:
+    def save_checkpoint(self, path: str) -> None:
         directory = Path(path)
-        if method == "save_checkpoint":
-            (directory / "actor").mkdir()
-            for rank in range(2):
-                (directory / "actor" / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 64)
-        else:
-            assert method == "load_checkpoint"
-            self.loads.append(directory.name)
-            if directory.name in self.unloadable:
-                raise CheckpointLoadFailed(f"{directory / 'actor' / '__1_0.distcp'}: EOFError: Ran out of input")
-        return [None, None]
+        (directory / "actor").mkdir()
+        for rank in range(2):
+            (directory / "actor" / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 64)
+
+    def load_checkpoint(self, path: str) -> None:
+        directory = Path(path)
+        self.loads.append(directory.name)
+        if directory.name in self.unloadable:
+            raise CheckpointLoadFailed(f"{directory / 'actor' / '__1_0.distcp'}: EOFError: Ran out of input")
 
 
 def saved(tmp_path: Path, steps, max_to_keep=None) -> tuple[CheckpointManager, list[str]]:

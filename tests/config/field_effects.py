@@ -47,7 +47,7 @@ ROUTED_RUN = TRAIN + "test_disaggregated_engine_behind_a_router_gets_weights_ove
 GSM8K = "tests/controller/test_gsm8k_smoke.py::test_three_grpo_steps_on_real_gsm8k"
 
 # Engines and servers.
-ENGINES = "tests/controller/test_engines.py::"
+ENGINES = "tests/controller/test_rollout_engines.py::"
 COLOCATED_SERVER = ENGINES + "test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts_whole"
 DISAGGREGATED_SERVER = ENGINES + "test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node"
 SERVER_DTYPE = ENGINES + "test_the_server_command_serves_model_dtype"

@@ -82,7 +82,7 @@ class RecordingTrainer(Trainer):
     def update(self, role, batch):
         metrics = super().update(role, batch)
         if role == "actor":
-            new_log_probs, _ = self.workers.execute_rank_zero_result("compute_log_prob", batch)
+            new_log_probs, _ = self.ranks.compute_log_prob(batch)
             self.steps[-1].update(response_mask=batch.response_mask, advantages=batch.advantages,
                                   returns=batch.returns, values=batch.values, old_log_probs=batch.old_log_probs,
                                   new_log_probs=new_log_probs)
@@ -92,33 +92,34 @@ class RecordingTrainer(Trainer):
 def engine_weights(rank) -> dict[str, torch.Tensor]:
     from rlmegatron.rollout.local import checkpoint_named_weights
 
-    return {name: tensor.clone() for name, tensor in checkpoint_named_weights(rank.engine.model).items()}
+    return {name: tensor.clone() for name, tensor in checkpoint_named_weights(rank.engine.leader.model).items()}
 
 
-def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_manager, run_dir: Path) -> dict:
+def run_case(case: dict, rank, ranks, engines, tokenizer, train_set, reward_manager, run_dir: Path) -> dict:
     from rlmegatron.checkpoint import CheckpointManager
-    from rlmegatron.controller.policy_rank import actor_settings
+    from rlmegatron.controller.role_settings import actor_settings
     from rlmegatron.data import PromptDataLoader
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.tracking import Tracker, TrackingSetup
 
     spec = load_spec(QUICKSTART, overrides_for(case["estimator"]) + case["overrides"] + [f"trainer.run_dir={run_dir}"])
-    settings = dataclasses.replace(actor_settings(spec, spec.trainer.total_steps), vocab_size=rank.actor.settings.vocab_size)
-    rank.actor.settings = settings
+    settings = dataclasses.replace(actor_settings(spec, spec.trainer.total_steps),
+                                   vocab_size=rank.models.actor.settings.vocab_size)
+    rank.models.actor.settings = settings
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     tracker = Tracker(TrackingSetup([], run_dir, spec.tracking.project_name, spec.trainer.experiment_name))
     before = engine_weights(rank)
     checkpoints = CheckpointManager(spec.trainer.run_dir, None)
     checkpoints.plan_resume(spec.trainer.resume)
-    trainer = RecordingTrainer(spec, workers, engines, tokenizer, loader, None, reward_manager, tracker,
-                               checkpoints, engine_model=rank.engine.model)
+    trainer = RecordingTrainer(spec, ranks, engines, tokenizer, loader, None, reward_manager, tracker,
+                               checkpoints, engine_model=rank.engine.leader.model)
     trainer.fit()
     after = engine_weights(rank)
-    exported = dict(HFWeightExporter(rank.actor.chunks, rank.weight_map).stream())
+    exported = dict(HFWeightExporter(rank.models.actor.chunks, rank.models.weight_map).stream())
     return {
         "history": tracker.history,
         "steps": trainer.steps,
-        "policy_loss": rank.actor.settings.policy_loss,
+        "policy_loss": rank.models.actor.settings.policy_loss,
         "engine_change": max(float((after[n] - before[n]).abs().max()) for n in after),
         "sync_error": max(float((after[name] - tensor).abs().max()) for name, tensor in exported.items()),
     }
@@ -127,8 +128,9 @@ def run_case(case: dict, rank, workers, engines, tokenizer, train_set, reward_ma
 def main(out: str, cases: list[dict]) -> None:
     from transformers import AutoTokenizer
 
-    from rlmegatron.controller.engines import ColocatedEngines
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.policy_ranks import PolicyRanks
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
+    from rlmegatron.controller.rollout_engines import ColocatedEngines
     from rlmegatron.controller.worker_group import LocalWorkerGroup
     from rlmegatron.data import build_dataset
     from rlmegatron.rewards import build_reward_manager
@@ -136,23 +138,23 @@ def main(out: str, cases: list[dict]) -> None:
     run_root = Path(out).parent
     # Built for gae, so the rank holds a critic; the other cases' specs leave it unused.
     spec = load_spec(QUICKSTART, overrides_for("gae") + [f"trainer.run_dir={run_root / 'build'}"])
-    workers = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, spec.trainer.total_steps)
-    rank = workers.host.rank
+    group = LocalWorkerGroup(spec.placement.device, PolicyRank, spec, spec.trainer.total_steps)
+    rank, ranks = group[0], PolicyRanks(group)
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    engines = ColocatedEngines(workers)
+    engines = ColocatedEngines(ranks)
     results = {}
     try:
         for case in cases:
             try:
-                results[case["name"]] = run_case(case, rank, workers, engines, tokenizer, train_set, reward_manager,
+                results[case["name"]] = run_case(case, rank, ranks, engines, tokenizer, train_set, reward_manager,
                                                  run_root / case["name"])
             except Exception:  # noqa: BLE001 - one case failing must not hide the others' results
                 results[case["name"]] = {"error": traceback.format_exc()}
     finally:
         reward_manager.close()
-        workers.shutdown()
+        ranks.shutdown()
     torch.save(results, out)
 
 

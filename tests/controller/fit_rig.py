@@ -110,8 +110,9 @@ class FakeEngines:
 
 @dataclass
 class FakeRanks:
-    """The policy ranks as the loop addresses them: log-probs, reference log-probs and values are constants on
-    every response token; updates and checkpoints are recorded."""
+    """The policy ranks as the loop addresses them (controller.policy_ranks.PolicyRanks): log-probs, reference
+    log-probs and values are constants on every response token; every call is recorded by its method's name, and
+    updates and checkpoints with what they were given."""
 
     log_prob: float = 0.0
     ref_log_prob: float = 0.0
@@ -120,27 +121,38 @@ class FakeRanks:
     calls: list[str] = field(default_factory=list)
     updates: dict[str, list] = field(default_factory=lambda: {"actor": [], "critic": []})
 
-    def execute_rank_zero_result(self, method: str, *args):
-        self.calls.append(method)
-        if method == "export_hf":
-            return None
-        batch = args[0]
-        mask = batch.response_mask
-        if method == "compute_log_prob":
-            return self.log_prob * mask, torch.zeros_like(mask)
-        if method == "compute_ref_log_prob":
-            return self.ref_log_prob * mask
-        if method == "compute_values":
-            return self.value * mask
-        role = method.removeprefix("update_")
+    def compute_log_prob(self, batch):
+        self.calls.append("compute_log_prob")
+        return self.log_prob * batch.response_mask, torch.zeros_like(batch.response_mask)
+
+    def compute_ref_log_prob(self, batch):
+        self.calls.append("compute_ref_log_prob")
+        return self.ref_log_prob * batch.response_mask
+
+    def compute_values(self, batch):
+        self.calls.append("compute_values")
+        return self.value * batch.response_mask
+
+    def update_actor(self, batch, progress=None) -> dict[str, float]:
+        return self._update("actor", batch)
+
+    def update_critic(self, batch, progress=None) -> dict[str, float]:
+        return self._update("critic", batch)
+
+    def _update(self, role: str, batch) -> dict[str, float]:
+        self.calls.append(f"update_{role}")
         self.updates[role].append(batch)
         return {f"{role}/loss": 0.0}
 
-    def execute_all(self, method: str, *args) -> list:
-        self.calls.append(method)
-        if method == "save_checkpoint":
-            (Path(args[0]) / "rank_0.pt").write_text("weights")
-        return [None]
+    def save_checkpoint(self, path: str) -> None:
+        self.calls.append("save_checkpoint")
+        (Path(path) / "rank_0.pt").write_text("weights")
+
+    def load_checkpoint(self, path: str) -> None:
+        self.calls.append("load_checkpoint")
+
+    def export_hf(self, path: str) -> None:
+        self.calls.append("export_hf")
 
 
 class RigTrainer(Trainer):

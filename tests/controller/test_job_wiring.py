@@ -24,14 +24,8 @@ class Part:
 
 
 def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
-    import rlmegatron.checkpoint
-    import rlmegatron.controller.engines
-    import rlmegatron.controller.trainer
-    import rlmegatron.controller.worker_group
-    import rlmegatron.data
-    import rlmegatron.preflight
-    import rlmegatron.rewards
     import rlmegatron.tracking
+    from rlmegatron.controller import job
     from rlmegatron.controller.job import run_training
 
     monkeypatch.chdir(REPO_ROOT)
@@ -48,16 +42,16 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
         raise Stop
 
     # The pre-launch checks load the tokenizer the run uses (tests/test_user_errors.py checks what they check).
-    monkeypatch.setattr(rlmegatron.preflight, "ready_to_launch",
+    monkeypatch.setattr(job, "ready_to_launch",
                         lambda spec: made.setdefault("tokenizer", []).append(spec.model.tokenizer_path) or "tokenizer")
-    monkeypatch.setattr(rlmegatron.data, "build_dataset", recorder("dataset"))
-    monkeypatch.setattr(rlmegatron.data, "PromptDataLoader", recorder("loader"))
-    monkeypatch.setattr(rlmegatron.rewards, "build_reward_manager", recorder("reward"))
-    monkeypatch.setattr(rlmegatron.checkpoint, "CheckpointManager", recorder("checkpoints"))
+    monkeypatch.setattr(job, "build_dataset", recorder("dataset"))
+    monkeypatch.setattr(job, "PromptDataLoader", recorder("loader"))
+    monkeypatch.setattr(job, "build_reward_manager", recorder("reward"))
+    monkeypatch.setattr(job, "CheckpointManager", recorder("checkpoints"))
     monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
-    monkeypatch.setattr(rlmegatron.controller.worker_group, "LocalWorkerGroup", recorder("workers"))
-    monkeypatch.setattr(rlmegatron.controller.engines, "ColocatedEngines", recorder("engines"))
-    monkeypatch.setattr(rlmegatron.controller.trainer, "Trainer", trainer)
+    monkeypatch.setattr(job, "LocalWorkerGroup", recorder("workers"))
+    monkeypatch.setattr(job, "ColocatedEngines", recorder("engines"))
+    monkeypatch.setattr(job, "Trainer", trainer)
 
     spec = load_spec("configs/quickstart.yaml", [
         "model.tokenizer_path=elsewhere/tokenizer", "data.shuffle=false", "data.seed=5", "data.train_batch_size=4",

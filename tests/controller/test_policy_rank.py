@@ -47,20 +47,20 @@ def write_hf_model(directory: Path) -> Path:
 
 def _roles_job(workdir: str, model: str) -> dict:
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-    from rlmegatron.workers import engine
+    from rlmegatron.workers import megatron_step
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
     micro_batches = []  # (sequences, tokens) of each micro-batch this rank runs, per forward(-backward) call
-    run_schedule = engine.forward_backward
+    run_schedule = megatron_step.forward_backward
 
     def recording(chunks, batches, *args, **kwargs):
         micro_batches.append([(len(mb.rows), len(mb.source_index) + len(mb.rows)) for mb in batches])
         return run_schedule(chunks, batches, *args, **kwargs)
 
-    engine.forward_backward = recording
+    megatron_step.forward_backward = recording
     batch = rollout_batch(n=8)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=3)
     requests = [GenerationRequest(tuple(row[mask.bool()][:4].tolist()), greedy)
@@ -70,7 +70,7 @@ def _roles_job(workdir: str, model: str) -> dict:
         spec = load_spec("configs/quickstart.yaml", [*COMMON, *overrides, f"trainer.run_dir={workdir}/{name}",
                                                      f"model.path={model}", "model.random_init=false"])
         rank = PolicyRank(spec, spec.trainer.total_steps)
-        report = reports[name] = {"layouts": {role: str(layout) for role, layout in rank.layouts.items()}}
+        report = reports[name] = {"layouts": {role: str(layout) for role, layout in rank.models.layouts.items()}}
         micro_batches.clear()
         report["log_probs"] = rank.compute_log_prob(batch)[0]
         report["ref_log_probs"] = rank.compute_ref_log_prob(batch)
@@ -151,7 +151,7 @@ def test_the_reference_batches_its_forward_by_its_own_settings(runs):
 
 
 def test_every_role_gets_one_padded_vocabulary_that_its_tensor_parallel_size_divides():
-    from rlmegatron.controller.policy_rank import vocab_tp
+    from rlmegatron.controller.rank.role_models import vocab_tp
     from rlmegatron.models.hf_config import model_facts, read_hf_config
 
     hf = read_hf_config(REPO_ROOT / "configs" / "quickstart" / "model")  # 128 tokens

@@ -8,8 +8,8 @@ import pytest
 
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import spec_from_raw
-# Where the spec becomes role settings today; one import line to repoint when that code moves.
-from rlmegatron.controller.policy_rank import _offload_parts, actor_settings, critic_settings, parallel_layout
+# Where the spec becomes role settings; one import line to repoint when that code moves.
+from rlmegatron.controller.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from rlmegatron.workers import OptimizerSettings
 from tests.config.specs import minimal_spec
@@ -137,10 +137,10 @@ def _reward_model(directory: Path) -> Path:
 
 def _first_weights(rank):
     """The actor's word embeddings: a seeded random init."""
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
-    with rank.phase("actor"):
-        return unwrap(rank.actor.chunks[0]).embedding.word_embeddings.weight.detach().float().clone()
+    with rank.models.phase("actor"):
+        return unwrap(rank.models.actor.chunks[0]).embedding.word_embeddings.weight.detach().float().clone()
 
 
 def _rank_job(workdir: str) -> dict:
@@ -151,43 +151,44 @@ def _rank_job(workdir: str) -> dict:
     from safetensors.torch import load_file
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.policy_rank import PolicyRank
+    from rlmegatron.controller.rank.policy_rank import PolicyRank
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
-    from rlmegatron.workers import engine
+    from rlmegatron.workers import megatron_step
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
     micro_batches: list[list[tuple[int, int]]] = []  # (sequences, tokens) per micro-batch, per schedule call
-    schedule = engine.forward_backward
+    schedule = megatron_step.forward_backward
 
     def recording(chunks, batches, *args, **kwargs):
         micro_batches.append([(len(mb.rows), len(mb.source_index) + len(mb.rows)) for mb in batches])
         return schedule(chunks, batches, *args, **kwargs)
 
-    engine.forward_backward = recording
+    megatron_step.forward_backward = recording
     reward_model = _reward_model(Path(workdir) / "reward_model")
     spec = load_spec("configs/quickstart.yaml", [*RANK_SPEC, f"critic.init_from={reward_model}",
                                                  f"trainer.run_dir={workdir}/run"])
     rank = PolicyRank(spec, 1)
     report = {
-        "offload_parts": rank.offload_parts,
-        "offloaded": {role: getattr(rank, role).offloader.offloaded_bytes for role in rank.offload_parts},
+        "offload_parts": rank.models.offload_parts,
+        "offloaded": {role: getattr(rank.models, role).offloader.offloaded_bytes for role in rank.models.offload_parts},
         "optimizers": {role: [{name: getattr(o.config, name) for name in OPTIMIZER_FIELDS}
-                              for o in getattr(getattr(rank, role).optimizer, "chained_optimizers", [])]
+                              for o in getattr(getattr(rank.models, role).optimizer, "chained_optimizers", [])]
                        for role in ("actor", "critic")},
-        "engine_dtypes": {str(p.dtype) for p in rank.engine.model.parameters()},
+        "engine_dtypes": {str(p.dtype) for p in rank.engine.leader.model.parameters()},
         "weights": _first_weights(rank),
     }
-    served = checkpoint_named_weights(rank.engine.model)
-    with rank.phase("actor"):  # the exported tensors may share the (offloaded) parameters' storage
+    served = checkpoint_named_weights(rank.engine.leader.model)
+    with rank.models.phase("actor"):  # the exported tensors may share the (offloaded) parameters' storage
         # Megatron's local norms keep fp32 weights whatever the dtype; the matmul weights follow it.
-        report["actor_dtypes"] = {str(p.dtype) for name, p in rank.actor.chunks[0].named_parameters()
+        report["actor_dtypes"] = {str(p.dtype) for name, p in rank.models.actor.chunks[0].named_parameters()
                                   if "layernorm" not in name}
         report["engine_holds_the_actor"] = all(torch.equal(served[name], tensor) for name, tensor
-                                               in HFWeightExporter(rank.actor.chunks, rank.weight_map).stream())
-    with rank.phase("critic"):
-        head = engine.unwrap(rank.critic.chunks[-1]).output_layer.weight.detach().clone()
+                                               in HFWeightExporter(rank.models.actor.chunks,
+                                                                   rank.models.weight_map).stream())
+    with rank.models.phase("critic"):
+        head = megatron_step.unwrap(rank.models.critic.chunks[-1]).output_layer.weight.detach().clone()
     report["value_head_is_the_score"] = torch.equal(
         head, load_file(reward_model / "model.safetensors")["score.weight"].to(head.dtype))
 

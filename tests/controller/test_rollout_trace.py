@@ -1,7 +1,7 @@
 """Which rollout samples a step traces, and how they read: whole groups, in rollout order, decoded."""
 import torch
 
-from rlmegatron.controller.rollout import Rollout, traced_samples
+from rlmegatron.controller.rollout_data import Rollout, traced_samples
 from rlmegatron.data import Sample
 from rlmegatron.rollout.engine import GenerationResult
 

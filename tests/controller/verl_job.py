@@ -6,20 +6,20 @@ import sys
 
 from rlmegatron.config.verl_keys import load_verl_spec
 from rlmegatron.controller.job import run_training
-from rlmegatron.workers import engine
+from rlmegatron.workers import megatron_step
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
     out, *verl_args = sys.argv[1:]
     spec, notes = load_verl_spec("configs/quickstart.yaml", verl_args)
     cuts = []
-    shard = engine.shard_micro_batches
+    shard = megatron_step.shard_micro_batches
 
     def recording_shard(batch, pack, micro_batch_size, max_token_len):
         cuts.append([len(batch), micro_batch_size])
         return shard(batch, pack, micro_batch_size, max_token_len)
 
-    engine.shard_micro_batches = recording_shard
+    megatron_step.shard_micro_batches = recording_shard
     report = run_training(spec, use_ray=False)
     with open(out, "w") as handle:
         json.dump({"history": report.history, "notes": notes, "cuts": cuts, "run_dir": spec.trainer.run_dir}, handle)

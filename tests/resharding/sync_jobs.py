@@ -13,7 +13,7 @@ def _actor_from_hf(hf_dir: str, layout: ParallelLayout):
     from rlmegatron.models.hf_config import build_gpt_model, model_facts, transformer_config
     from rlmegatron.models.weight_map import WeightMap
     from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     init_model_parallel(layout)
     checkpoint = HFCheckpoint(hf_dir)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlmegatron.config.spec import RolloutConfig
+from rlmegatron.controller.role_settings import server_spec
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.sglang import (
@@ -92,7 +93,7 @@ def test_launch_commands_follow_the_config():
                             mem_fraction_static=0.6, sglang={"python": "/venv/bin/python", "load_format": "dummy",
                                                              "extra_args": {"chunked-prefill-size": 4096,
                                                                             "disable-radix-cache": True}})
-    spec = ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000, nnodes=2, dist_init_addr="10.0.0.1:5000")
+    spec = server_spec(rollout, "/ckpt/hf", port=30000, nnodes=2, dist_init_addr="10.0.0.1:5000")
     command = server_command(spec.for_node(1))
     assert command[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
     text = " ".join(command)
@@ -107,7 +108,7 @@ def test_launch_commands_follow_the_config():
 
 def test_launch_commands_leave_out_what_the_config_turns_off():
     rollout = RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False})
-    command = server_command(ServerSpec.from_rollout_config(rollout, "/ckpt/hf", port=30000))
+    command = server_command(server_spec(rollout, "/ckpt/hf", port=30000))
     assert "--enable-memory-saver" not in command and "--skip-tokenizer-init" not in command
     assert "--load-format" in command  # the flags around them are there
 
@@ -153,7 +154,7 @@ def test_the_remax_greedy_pass_asks_the_server_for_greedy_samples():
     """SGLang samples greedily (top_k becomes 1) exactly when 0 <= temperature < 1e-6 (its SamplingParams
     __post_init__): the trainer's greedy pass reaches the server at temperature 0, without a default replacing
     the 0, one sample per prompt, with the samples' token budget and stop tokens."""
-    from rlmegatron.controller.rollout import sampling_spec
+    from rlmegatron.controller.rollout_data import sampling_spec
     from rlmegatron.controller.trainer import GREEDY
 
     params = sampling_params(sampling_spec(GREEDY, max_new_tokens=3, stop_token_ids=(7,), seed=5))

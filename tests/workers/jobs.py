@@ -332,6 +332,6 @@ def divergence_job() -> dict:
 
 def engine_module(worker):
     """The GPTModel of a worker's first chunk, inside DDP or not."""
-    from rlmegatron.workers.engine import unwrap
+    from rlmegatron.workers.megatron_step import unwrap
 
     return unwrap(worker.chunks[0])

@@ -5,6 +5,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from rlmegatron.runtime.distributed import transformer_config_overrides
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
 from rlmegatron.workers.batch import fixed_micro_batches, split_to_multiple, token_budget_micro_batches
 
@@ -53,8 +54,6 @@ def build_model_chunks(provider: ModelProvider, wrap_ddp: bool, use_distributed_
         if torch.cuda.is_available():
             model = model.cuda()
         else:
-            from rlmegatron.runtime.distributed import transformer_config_overrides
-
             # gloo needs these schedule settings; apply them even when the caller's config lacks them.
             for name, value in transformer_config_overrides("cpu").items():
                 setattr(model.config, name, value)

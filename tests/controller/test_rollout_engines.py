@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmegatron.controller import engines
-from rlmegatron.controller.engines import Place, server_nodes
+from rlmegatron.controller import rollout_engines, rollout_pool, servers
+from rlmegatron.controller.rank import colocated_engine
+from rlmegatron.controller.servers import Place, server_nodes
+from rlmegatron.controller.role_settings import rollout_settings
 from rlmegatron.runtime.launcher import free_port, run_ranks
 from tests.rollout.test_sglang import digest
 
@@ -52,19 +54,21 @@ def _serve_across_two_nodes(calls: str, run_dir: str) -> dict:
     from transformers import AutoConfig
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import build_colocated_engine, generate_or_none
+    from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
+    from rlmegatron.controller.servers import generate_or_none
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
     from rlmegatron.rollout.sglang import SGLangClient
 
     rank = torch.distributed.get_rank()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])
-    engines.this_place = lambda device: Place(f"node{rank}", "cpu", "127.0.0.1", free_port(""))
+    colocated_engine.this_place = lambda device: Place(f"node{rank}", "cpu", "127.0.0.1", free_port(""))
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.nnodes=2", "placement.gpus_per_node=1",
         "rollout.engine=sglang", "rollout.tensor_parallel_size=2", "rollout.update_weights_bucket_mb=1",
         f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
         f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={run_dir}"])
-    index, engine = build_colocated_engine(spec, AutoConfig.from_pretrained(spec.model.path))
+    colocated = ColocatedEngine(rollout_settings(spec), AutoConfig.from_pretrained(spec.model.path))
+    index, engine = colocated.index, colocated.part
     requests = [GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=3))]
     seen = {"index": index, "kind": type(engine).__name__}
 
@@ -117,24 +121,27 @@ def test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts
 
 
 class RecordingTrainer:
-    """The trainer ranks as DisaggregatedEngines addresses them; the weight groups themselves are tested with
-    DistributedWeightPush in tests/rollout/test_sglang.py."""
+    """The trainer ranks as DisaggregatedEngines addresses them (controller.policy_ranks.PolicyRanks); the weight
+    groups themselves are tested with DistributedWeightPush in tests/rollout/test_sglang.py."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def execute_all(self, method: str, *args) -> None:
-        self.calls.append((method, *args))
+    def connect_engines(self, endpoints) -> None:
+        self.calls.append(("connect_engines", endpoints))
+
+    def sync_weights(self, version, restarted=None) -> None:
+        self.calls.append(("sync_weights", version, restarted))
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import DisaggregatedEngines
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
     hosts = iter(range(2))  # the pool's two hosts, one per "node"
-    monkeypatch.setattr(engines, "this_place", lambda device: Place(f"node{next(hosts)}", "cpu", "127.0.0.1",
+    monkeypatch.setattr(rollout_pool, "this_place", lambda device: Place(f"node{next(hosts)}", "cpu", "127.0.0.1",
                                                                     free_port("")))
     calls = tmp_path / "calls.jsonl"
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
@@ -144,14 +151,14 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
         "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={calls}",
         f"trainer.run_dir={tmp_path}"])
     trainer = RecordingTrainer()
-    pool = DisaggregatedEngines(spec, trainer)
+    pool = DisaggregatedEngines(rollout_settings(spec), trainer)
     try:
         assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
         assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None)]
         requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
         pool.hosts[1].node_process.stop()
         deadline = time.monotonic() + 30
-        while pool.leaders[0].engine.process.alive and time.monotonic() < deadline:
+        while pool.hosts[pool.leaders[0]].engine.process.alive and time.monotonic() < deadline:
             time.sleep(0.1)
         assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
         pool.sync("v1", restarted=[0])
@@ -168,11 +175,11 @@ def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeyp
     from rlmegatron.rollout.sglang_server import server_command
 
     monkeypatch.chdir(REPO_ROOT)
-    node = engines.ServerNode(engine=0, node_rank=0, nnodes=1, slots=(0,), dist_init_addr=None)
+    node = servers.ServerNode(engine=0, node_rank=0, nnodes=1, slots=(0,), dist_init_addr=None)
     for trust in (False, True):
         spec = load_spec("configs/quickstart.yaml", ["rollout.engine=sglang", "placement.device=cuda",
                                                      f"model.trust_remote_code={str(trust).lower()}"])
-        command = server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node))
+        command = server_command(servers.launch_spec(rollout_settings(spec), ["0"], "127.0.0.1", node))
         assert ("--trust-remote-code" in command) == trust
 
 
@@ -191,7 +198,8 @@ def spec_built_engine(spec):
     """What a colocated rank leading a one-GPU engine builds from the spec."""
     from transformers import AutoConfig
 
-    return engines.sglang_engine(spec, engines._server_spec(spec, ["cpu"], "127.0.0.1", server_nodes(
+    settings = rollout_settings(spec)
+    return servers.sglang_engine(settings, servers.launch_spec(settings, ["cpu"], "127.0.0.1", server_nodes(
         places([1]), tp=1, engines=1)[0][0]), AutoConfig.from_pretrained(spec.model.path))
 
 
@@ -200,7 +208,8 @@ def test_the_server_command_serves_model_dtype(tmp_path):
 
     spec = sglang_spec(tmp_path, "model.dtype=fp16", "placement.device=cuda")
     node = server_nodes(places([1]), tp=1, engines=1)[0][0]
-    assert "--dtype float16" in " ".join(server_command(engines._server_spec(spec, ["0"], "127.0.0.1", node)))
+    assert "--dtype float16" in " ".join(server_command(servers.launch_spec(rollout_settings(spec), ["0"], "127.0.0.1",
+                                                                            node)))
 
 
 def test_a_spec_built_engine_sends_buckets_of_the_spec_size_and_joins_the_routers_it_names(tmp_path, monkeypatch):
@@ -254,7 +263,8 @@ def servers_recording_to(calls: Path) -> list[str]:
 
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.engines import DisaggregatedEngines, EngineHost
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+    from rlmegatron.controller.rollout_pool import EngineHost
 
     class Host(EngineHost):
         """Places on one node; launching is answered with a URL, no server starts."""
@@ -268,11 +278,11 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         def weights_pushed(self, version):
             pass
 
-    monkeypatch.setattr(engines, "EngineHost", Host)
+    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
     for overrides, count in (([], 2), (["rollout.num_gpus=1"], 1)):
-        pool = DisaggregatedEngines(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), disaggregated + overrides),
-                                    RecordingTrainer())
+        pool = DisaggregatedEngines(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
+                                                               disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])

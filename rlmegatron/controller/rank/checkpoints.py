@@ -1,0 +1,43 @@
+"""Checkpoints and HF export inside a trainer rank: each trained role (actor, critic) saved and restored at its own
+layout with this rank's RNG states, and the policy written as an HF checkpoint."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from rlmegatron.checkpoint.integrity import load_failures_named
+from rlmegatron.checkpoint.state import load_training_state, rng_states, save_training_state, set_rng_states
+from rlmegatron.controller.rank.role_models import RoleModels
+from rlmegatron.resharding import export_hf
+
+
+def save(models: RoleModels, path: str) -> None:
+    """Everything the rank trains plus its RNG; each role at its own layout."""
+    for role, worker in models.trained():
+        with models.phase(role):
+            save_training_state(worker, os.path.join(path, role))
+    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    torch.save(rng_states(), _rng_file(path))
+    torch.distributed.barrier()
+
+
+def load(models: RoleModels, path: str) -> None:
+    """What `save` wrote; a file that fails to load is named (CheckpointLoadFailed)."""
+    with load_failures_named(path):
+        for role, worker in models.trained():
+            with models.phase(role):
+                load_training_state(worker, os.path.join(path, role))
+        set_rng_states(torch.load(_rng_file(path), weights_only=False))
+
+
+def export_policy(models: RoleModels, path: str) -> Optional[str]:
+    """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
+    with models.phase("actor"):
+        export_hf(models.actor.chunks, models.weight_map, path, models.weight_map.facts.hf)
+    return path if torch.distributed.get_rank() == 0 else None
+
+
+def _rng_file(path: str) -> str:
+    return os.path.join(path, "rng", f"rank_{torch.distributed.get_rank()}.pt")

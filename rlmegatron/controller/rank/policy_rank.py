@@ -1,0 +1,97 @@
+"""One trainer rank of the policy: the methods the driver calls on every trainer rank, one per phase of a step, over
+the rank's parts: its Megatron roles (role_models), its share of a colocated rollout engine (colocated_engine), the
+weight push to the engines (weight_push), and checkpoints and export (checkpoints)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rlmegatron.config import JobSpec
+from rlmegatron.controller.rank import checkpoints
+from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
+from rlmegatron.controller.rank.role_models import RoleModels
+from rlmegatron.controller.rank.weight_push import WeightPush
+from rlmegatron.controller.role_settings import trainer_rank_settings
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.tracking.progress import Progress
+from rlmegatron.workers import RolloutBatch
+
+
+class PolicyRank:
+    """Everything one trainer rank holds: a plain class; the process group must already be up.
+
+    Every rank receives the same full batch and returns the same full result (the workers
+    gather over data parallelism), except `generate`, which serves only the requests it is given.
+    """
+
+    def __init__(self, spec: JobSpec, total_steps: int) -> None:
+        """`total_steps`: the run's trainer steps (Trainer.total_steps), which the learning-rate schedules span."""
+        settings = trainer_rank_settings(spec, total_steps)
+        self.rank = torch.distributed.get_rank()
+        self.models = RoleModels(settings)
+        # Colocated: this rank's part of an engine (the hybrid engine); disaggregated: the engines are elsewhere.
+        self.engine = ColocatedEngine(settings.rollout, settings.model.hf_config()) if settings.colocated else None
+        self.weights = WeightPush(settings.rollout, self.models, self.engine)
+        if self.engine is not None:
+            self.sync_weights("init")
+
+    # --- the step's phases, in the order the trainer calls them ---
+
+    def serves_rollout(self) -> bool:
+        return self.engine is not None and self.engine.leader is not None
+
+    def generate(self, requests: list[GenerationRequest],
+                 progress: Progress = None) -> Optional[list[GenerationResult]]:
+        """This rank's engine's samples for `requests`; None: it restarted and needs the weights first."""
+        return self.engine.generate(requests, progress)
+
+    def release_rollout_memory(self) -> None:
+        """Colocated: the engine gives its memory back while the trainer runs; `sync_weights` wakes it."""
+        if self.engine is not None:
+            self.engine.release_memory()
+
+    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.models.phase("actor"):
+            log_probs, entropy = self.models.actor.compute_log_prob(batch, with_entropy=True)
+        return log_probs.cpu(), entropy.cpu()
+
+    def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        with self.models.phase("reference"):
+            return self.models.reference.compute_log_prob(batch).cpu()
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        with self.models.phase("critic"):
+            return self.models.critic.compute_values(batch).cpu()
+
+    def update_critic(self, batch: RolloutBatch, progress: Progress = None) -> dict[str, float]:
+        with self.models.phase("critic"):
+            return self.models.critic.update(batch, progress if self.rank == 0 else None)
+
+    def update_actor(self, batch: RolloutBatch, progress: Progress = None) -> dict[str, float]:
+        with self.models.phase("actor"):
+            return self.models.actor.update(batch, progress if self.rank == 0 else None)
+
+    def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
+        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
+        self.weights.connect(endpoints)
+
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        """Trained weights -> the engines (all, or the `restarted` ones), as HF-named full tensors."""
+        self.weights.sync(version, restarted)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # --- checkpoints and export ---
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoints.save(self.models, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoints.load(self.models, path)
+
+    def export_hf(self, path: str) -> Optional[str]:
+        """The policy as an HF checkpoint, written by rank 0; returns the path there (None on the other ranks)."""
+        return checkpoints.export_policy(self.models, path)

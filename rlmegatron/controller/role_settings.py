@@ -1,0 +1,244 @@
+"""The job spec becomes the settings of each role that runs it: the trainer ranks' Megatron roles (actor, reference,
+critic) with their layouts, optimizers, batching and offload; the model they start from; the rollout engines (local
+or SGLang servers) and the weight push to them.
+
+This is the one place where the spec reaches the code that runs in a trainer rank or on the rollout pool: those
+processes read these settings, never the spec (tests/config/field_effects.py names the tests that show each field's
+effect). The driver's fit loop reads the algorithm's fields itself (controller/trainer.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from rlmegatron.algorithms import PolicyLossConfig
+from rlmegatron.config import JobSpec
+from rlmegatron.config.spec import RolloutConfig
+from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
+from rlmegatron.models.hf_config import spec_config_options
+from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
+from rlmegatron.runtime import ParallelLayout
+from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
+from rlmegatron.workers.offload import PARTS
+
+ROLES = ("actor", "reference", "critic")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model every role starts from (`model.*`)."""
+
+    path: str
+    dtype: str
+    """bf16, fp16 or fp32: the roles' weights and the engines' alike."""
+    random_init: bool
+    trust_remote_code: bool
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """One Megatron role of a trainer rank."""
+
+    layout: ParallelLayout
+    config_options: dict[str, Any]
+    """TransformerConfig fields beyond the layout: activation recompute and `megatron.extra`."""
+    worker: Union[ActorSettings, CriticSettings]
+    """Its worker's batching, loss and optimizer; the actor's and reference's vocab_size is the model's."""
+    offload: tuple[str, ...]
+    """The parts kept in host memory between the phases that use them."""
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout engines, wherever they run: in the trainer ranks (colocated) or on their own pool."""
+
+    engine: str
+    """`local` (transformers, in every trainer rank) or `sglang`."""
+    device: str
+    model: ModelSource
+    tensor_parallel_size: int
+    num_gpus: Optional[int]
+    """GPUs the engines use (None: every trainer rank when colocated, the whole pool when disaggregated)."""
+    pool_size: Optional[int]
+    """Disaggregated: the rollout pool's hosts, one per GPU the engines use."""
+    bucket_bytes: int
+    server: ServerSpec
+    """Every server's launch spec; host, port, env and the node fields are each launch's own (`servers.launch_spec`)."""
+    router_url: Optional[str]
+    router_args: dict[str, Any]
+    """sglang_router's own flags, when rlmegatron starts it (`rollout.sglang.router`)."""
+    startup_timeout_s: float
+    log_dir: str
+
+    @property
+    def weight_group_backend(self) -> str:
+        """The backend of the groups over which trainer rank 0 broadcasts weights to disaggregated servers."""
+        return "nccl" if self.device == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class TrainerRankSettings:
+    """Everything a trainer rank (controller.rank.PolicyRank) is built from."""
+
+    seed: int
+    model: ModelSource
+    roles: dict[str, RoleSettings]
+    """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled."""
+    critic_init_from: str
+    """`actor`, or the directory of an HF reward/value model."""
+    init_dir: str
+    """Where the actor's initial weights pass to the roles that start from them (a distributed checkpoint)."""
+    colocated: bool
+    """The engines live in the trainer ranks; otherwise on their own pool."""
+    rollout: RolloutSettings
+
+
+def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSettings:
+    """`total_steps`: the run's trainer steps (Trainer.total_steps), which the learning-rate schedules span."""
+    actor = actor_settings(spec, total_steps)
+    workers = {"actor": actor, "reference": reference_settings(actor, spec.ref),
+               "critic": critic_settings(spec, total_steps)}
+    sections = {"actor": spec.actor, "reference": spec.ref, "critic": spec.critic}
+    wanted = {"actor": True, "reference": spec.needs_reference, "critic": spec.critic.enable}
+    roles = {role: RoleSettings(parallel_layout(sections[role].megatron), spec_config_options(sections[role].megatron),
+                                workers[role], _offload_parts(sections[role].offload))
+             for role in ROLES if wanted[role]}
+    return TrainerRankSettings(
+        seed=spec.trainer.seed,
+        model=model_source(spec),
+        roles=roles,
+        critic_init_from=spec.critic.init_from,
+        init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
+        colocated=spec.placement.mode == "colocate",
+        rollout=rollout_settings(spec),
+    )
+
+
+def model_source(spec: JobSpec) -> ModelSource:
+    model = spec.model
+    return ModelSource(model.path, model.dtype, model.random_init, model.trust_remote_code)
+
+
+def parallel_layout(megatron) -> ParallelLayout:
+    return ParallelLayout(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        vpp=megatron.virtual_pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+        first_stage_layers=megatron.extra.get(FIRST_STAGE),
+        last_stage_layers=megatron.extra.get(LAST_STAGE),
+    )
+
+
+def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
+    """The actor's worker settings from the spec; mini-batches count prompts in the spec, sequences here;
+    the learning-rate schedule spans the run's `total_steps` trainer steps."""
+    actor = spec.actor
+    return ActorSettings(
+        **_training_fields(actor, spec, total_steps),
+        temperature=spec.rollout.temperature or 1.0,
+        policy_loss=actor.policy_loss.loss_mode,
+        policy_loss_config=PolicyLossConfig(**{name: value for name, (_, value) in
+                                               actor.policy_loss_settings().items()}),
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        entropy_coeff=actor.entropy_coeff,
+        log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
+    )
+
+
+def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
+    """The actor's settings `actor` (log-probs are computed exactly as the actor's: temperature, vocabulary) with
+    the reference's own forward batching from its spec section `ref`."""
+    return dataclasses.replace(
+        actor,
+        micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
+        max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+    )
+
+
+def critic_settings(spec: JobSpec, total_steps: int) -> CriticSettings:
+    return CriticSettings(**_training_fields(spec.critic, spec, total_steps),
+                          cliprange_value=spec.critic.cliprange_value)
+
+
+def _training_fields(role, spec: JobSpec, total_steps: int) -> dict:
+    """Batching and optimizer settings of a trained role (actor or critic) from its spec section."""
+    return dict(
+        ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
+        ppo_epochs=role.ppo_epochs,
+        micro_batch_size=role.ppo_micro_batch_size_per_gpu,
+        max_token_len=role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
+        loss_agg_mode=spec.actor.loss_agg_mode,
+        optimizer=_optimizer_settings(role.optim, total_steps),
+        use_distributed_optimizer=role.megatron.use_distributed_optimizer,
+    )
+
+
+def _optimizer_settings(optim, total_steps: int) -> OptimizerSettings:
+    return OptimizerSettings(
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_style=optim.lr_decay_style,
+        lr_decay_steps=total_steps,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+    )
+
+
+def _offload_parts(offload) -> tuple[str, ...]:
+    """The parts an `*.offload` section asks for (the reference's has params only)."""
+    return tuple(part for part in PARTS if getattr(offload, part, False))
+
+
+def rollout_settings(spec: JobSpec) -> RolloutSettings:
+    rollout, sglang = spec.rollout, spec.rollout.sglang
+    return RolloutSettings(
+        engine=rollout.engine,
+        device=spec.placement.device,
+        model=model_source(spec),
+        tensor_parallel_size=rollout.tensor_parallel_size,
+        num_gpus=rollout.num_gpus,
+        pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
+        bucket_bytes=rollout.update_weights_bucket_mb << 20,
+        server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
+                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device),
+        router_url=sglang.router_url,
+        router_args=dict(sglang.router_args),
+        startup_timeout_s=sglang.startup_timeout_s,
+        log_dir=str(Path(spec.trainer.run_dir) / "logs"),
+    )
+
+
+def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> ServerSpec:
+    """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields."""
+    sglang = rollout.sglang
+    return ServerSpec(
+        model_path=model_path,
+        port=port,
+        python=sglang.python,
+        tp_size=rollout.tensor_parallel_size,
+        ep_size=rollout.expert_parallel_size,
+        enable_dp_attention=rollout.enable_dp_attention,
+        mem_fraction_static=rollout.mem_fraction_static,
+        enable_memory_saver=sglang.enable_memory_saver,
+        load_format=sglang.load_format,
+        skip_tokenizer_init=sglang.skip_tokenizer_init,
+        extra_args=dict(sglang.extra_args),
+        **overrides,
+    )

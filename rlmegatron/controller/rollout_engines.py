@@ -1,0 +1,119 @@
+"""Where rollouts are generated, as the driver sees it: the engines behind one interface (`RolloutEngines`).
+
+Colocated (`ColocatedEngines`): the trainer ranks host the engines, an in-process one per rank
+(`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led by the group's first rank
+(controller.rank.colocated_engine); weights move through shared memory or CUDA IPC. Disaggregated
+(`DisaggregatedEngines`): SGLang servers on their own pool, each supervised by an `EngineHost` there
+(controller.rollout_pool); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU).
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from rlmegatron.controller.placement import ResourcePool
+from rlmegatron.controller.policy_ranks import PolicyRanks
+from rlmegatron.controller.role_settings import RolloutSettings
+from rlmegatron.controller.rollout_pool import EngineHost
+from rlmegatron.controller.servers import server_nodes
+from rlmegatron.controller.worker_group import group_on
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.tracking.progress import Progress
+
+
+class RolloutEngines(Protocol):
+    """The engines the fit loop generates with, numbered 0 .. count-1."""
+
+    @property
+    def count(self) -> int:
+        ...
+
+    def generate(self, shares: dict[int, list[GenerationRequest]],
+                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+        """Engine -> its samples for its share of the requests; None: the engine restarted and lost the weights:
+        `sync` them to it (`restarted`), then send its share again."""
+
+    def release_memory(self) -> None:
+        """Generation is over for this step: engines that share GPUs with the trainer give their memory back."""
+
+    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        """The trained weights to every engine, or to the `restarted` ones."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+class ColocatedEngines:
+    """The engines inside the trainer ranks: generation goes to the ranks that lead one."""
+
+    def __init__(self, ranks: PolicyRanks) -> None:
+        self.ranks = ranks
+        self.leaders = ranks.engine_ranks()
+        """The rank that leads each engine."""
+
+    @property
+    def count(self) -> int:
+        return len(self.leaders)
+
+    def generate(self, shares: dict[int, list[GenerationRequest]],
+                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+        replies = self.ranks.generate({self.leaders[engine]: share for engine, share in shares.items()}, progress)
+        return {engine: replies[self.leaders[engine]] for engine in shares}
+
+    def release_memory(self) -> None:
+        self.ranks.release_rollout_memory()
+
+    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        self.ranks.sync_weights(version, restarted)
+
+    def shutdown(self) -> None:
+        """The ranks stop their engines when the ranks shut down."""
+
+
+class DisaggregatedEngines:
+    """The servers of the rollout pool. Their hosts are Ray actors on `pool`, or (no pool: a run without Ray) live in
+    this process."""
+
+    def __init__(self, settings: RolloutSettings, ranks: PolicyRanks, pool: Optional[ResourcePool] = None) -> None:
+        self.ranks, self.tp_size = ranks, settings.tensor_parallel_size
+        size = settings.pool_size
+        self.hosts = group_on(pool, size, EngineHost, settings)
+        places = self.hosts.call_all(EngineHost.place)
+        layout = server_nodes(places, self.tp_size, size // self.tp_size)
+        # Per engine: the launching host of each node, node 0's (the leader) last, so the hosts in this process
+        # have started the other nodes before the leader waits for the whole server.
+        self.node_hosts = [[node.slots[0] for node in nodes[1:] + nodes[:1]] for nodes in layout]
+        self.leaders = [hosts[-1] for hosts in self.node_hosts]
+        launches = {node.slots[0]: ([places[slot].device for slot in node.slots], node)
+                    for nodes in layout for node in nodes[1:] + nodes[:1]}
+        urls = self.hosts.call_each(EngineHost.launch, launches)
+        self.urls = [urls[leader] for leader in self.leaders]
+        self.connect(list(range(self.count)))
+        self.sync("init")
+
+    @property
+    def count(self) -> int:
+        return len(self.leaders)
+
+    def connect(self, engines: list[int]) -> None:
+        """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
+        self.ranks.connect_engines([(e, self.urls[e], self.tp_size) for e in engines])
+
+    def generate(self, shares: dict[int, list[GenerationRequest]],
+                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+        replies = self.hosts.call_each(EngineHost.generate,
+                                       {self.leaders[e]: (share, progress) for e, share in shares.items()})
+        return {e: replies[self.leaders[e]] for e in shares}
+
+    def release_memory(self) -> None:
+        """Disaggregated servers keep their memory: nothing else runs on their GPUs."""
+
+    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        if restarted is not None:
+            self.hosts.call_each(EngineHost.relaunch, {host: () for e in restarted for host in self.node_hosts[e]})
+            self.connect(restarted)  # a restarted server left its old group
+        self.ranks.sync_weights(version, restarted)
+        targets = list(range(self.count)) if restarted is None else restarted
+        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in targets})
+
+    def shutdown(self) -> None:
+        self.hosts.shutdown()
