@@ -68,6 +68,9 @@ def transformer_config_overrides(device: Device) -> dict:
 
 def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
     """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    from rlmegatron.runtime.notices import quiet_library_notices
+
+    quiet_library_notices(device)
     if device == "cpu":
         from rlmegatron.runtime.cpu_compat import enable_cpu_compat
 
