@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-# (category, start of the message, why it says nothing here)
+# (category, start of the message); the comment above each says why it tells a user nothing
 EVERYWHERE = (
     # Megatron-Core 0.16's own TransformerConfig default (cuda_graph_scope="full") trips its own deprecation.
     (UserWarning, r"full scope is deprecated"),

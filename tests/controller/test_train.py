@@ -141,7 +141,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
     assert [s for s, _ in history["critic/score/mean"]][:4] == [1, 2, 3, 4]
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean", "response_length/mean",
                  "response_length/clip_ratio", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
-                 "timing_s/step", "perf/throughput", "val/echo/score/mean"):
+                 "timing_s/step", "perf/throughput", "val/next_digit/score/mean"):
         assert name in history, name
         assert all(math.isfinite(v) for _, v in history[name]), name
     # Progress bars, fed from the ranks through Ray: 16 samples per step, one optimizer step per update.
@@ -315,7 +315,7 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN: the run stops naming the reward
     # function, the first sample and the value, before any loss sees them.
     ("reward", "reward.function=tests/controller/nan_reward.py:compute_score", 16,
-     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample echo#\d+/0 \(and for 15 "
+     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample next_digit#\d+/0 \(and for 15 "
      r"more of the batch's 16\); a reward must be a finite number"),
     # Finite rewards, and a loss that is NaN from step 2's first micro-batch (two micro-batches per step).
     ("loss", "actor.policy_loss.loss_mode=tests/controller/nan_loss.py:compute_policy_loss", 2,
