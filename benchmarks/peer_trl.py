@@ -88,7 +88,8 @@ def summarize_rlm(record: dict) -> dict:
     return {
         "steps": len(steps), "wall_s": round(times[-1], 3), "startup_s": round(record["startup_s"], 2),
         "steps_per_s": round(len(steps) / times[-1], 3), "steps_per_s_median": round(1 / median_step_s(times), 3),
-        "reward_first": rewards[0], "reach_0.5": first_reach(rewards, times, 0.5), "reach_0.8": first_reach(rewards, times),
+        "reward_first": rewards[0], "reach_0.5": first_reach(rewards, times, 0.5),
+        "reach_0.8": first_reach(rewards, times),
         "phase_s_per_step": {k: round(v, 4) for k, v in per_step.items()},
         "loadavg_1m_before_after": record["loadavg_1m_before_after"], "process_s": round(record["process_s"], 1),
         "reward_mean_per_step": rewards, "step_wall_s": [round(t, 3) for t in times],
@@ -176,8 +177,9 @@ def report(trl: dict, rlm: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peer-dir", type=Path, default=Path(os.environ.get("PEER_TRL_DIR", "../shared/peers/trl_grpo")),
-                        help="the TRL peer harness (make_task.py, run.py)")
+    parser.add_argument("--peer-dir", type=Path,
+                        default=Path(os.environ.get("PEER_TRL_DIR", "../shared/peers/trl_grpo")),
+                        help="the TRL peer harness (make_task.py, run.py); default $PEER_TRL_DIR or that path")
     parser.add_argument("--peer-python", default=os.path.expanduser("~/.cache/peer-trl/venv/bin/python"),
                         help="the interpreter of the peer's venv (its setup.sh makes it)")
     parser.add_argument("--trl-steps", type=int, default=400, help="TRL's seed 0 reaches 0.8 at step 367")

@@ -293,7 +293,8 @@ def test_dapo_runs_in_process(tmp_path):
 def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases(tmp_path):
     # The critic warms up for 1 step, then decays (cosine) to min_lr at step 2, with the plain (per-rank) Adam.
     ppo = ["trainer.total_steps=2", "placement.gpus_per_node=1", "trainer.save_freq=2", "trainer.test_freq=-1",
-           "data.val_files=[]", "tracking.backends=[console]", "algorithm.adv_estimator=gae",
+           "data.val_files=[]", "trainer.val_before_train=false", "tracking.backends=[console]",
+           "algorithm.adv_estimator=gae",
            "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3",
            "actor.use_kl_loss=true", "critic.optim.lr_warmup_steps=1", "critic.optim.lr_decay_style=cosine",
            "critic.optim.min_lr=1e-4", "critic.megatron.use_distributed_optimizer=false"]
@@ -315,8 +316,8 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN: the run stops naming the reward
     # function, the first sample and the value, before any loss sees them.
     ("reward", "reward.function=tests/controller/nan_reward.py:compute_score", 16,
-     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample next_digit#\d+/0 \(and for 15 "
-     r"more of the batch's 16\); a reward must be a finite number"),
+     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample next_digit#\d+/0 "
+     r"\(and for 15 more of the batch's 16\); a reward must be a finite number"),
     # Finite rewards, and a loss that is NaN from step 2's first micro-batch (two micro-batches per step).
     ("loss", "actor.policy_loss.loss_mode=tests/controller/nan_loss.py:compute_policy_loss", 2,
      r"actor/pg_loss=nan: stopped before the optimizer step; the weights are unchanged"),
@@ -328,7 +329,7 @@ def test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path, p
     run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(tmp_path / "out.json"), "local", *SMALL,
                           "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
                           "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_files=[]",
-                          "tracking.backends=[console]", plugin],
+                          "trainer.val_before_train=false", "tracking.backends=[console]", plugin],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -347,7 +348,7 @@ def test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_
     result = train(tmp_path, "disaggregated", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
                    "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                   "data.val_files=[]",
+                   "data.val_files=[]", "trainer.val_before_train=false",
                    "tracking.backends=[console]", *sglang, *router, env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert all(math.isfinite(v) for _, v in result["history"]["actor/grad_norm"])
