@@ -17,10 +17,10 @@ from tests.helpers.remote_code import write_remote_code_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
-# Tiny steps: 4 prompts x 4 samples, validation on step 2, a checkpoint every 2 steps.
+# Tiny steps: 4 prompts x 4 samples, validation on step 2 (none before training), a checkpoint every 2 steps.
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "trainer.test_freq=2",
-         "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null", "tracking.backends=[console,mlflow]",
-         "reward.function=tests/controller/parity_reward.py:compute_score"]
+         "trainer.val_before_train=false", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
+         "tracking.backends=[console,mlflow]", "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
 
 
@@ -293,8 +293,7 @@ def test_dapo_runs_in_process(tmp_path):
 def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases(tmp_path):
     # The critic warms up for 1 step, then decays (cosine) to min_lr at step 2, with the plain (per-rank) Adam.
     ppo = ["trainer.total_steps=2", "placement.gpus_per_node=1", "trainer.save_freq=2", "trainer.test_freq=-1",
-           "data.val_files=[]", "trainer.val_before_train=false", "tracking.backends=[console]",
-           "algorithm.adv_estimator=gae",
+           "data.val_files=[]", "tracking.backends=[console]", "algorithm.adv_estimator=gae",
            "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=8", "critic.optim.lr=1e-3",
            "actor.use_kl_loss=true", "critic.optim.lr_warmup_steps=1", "critic.optim.lr_decay_style=cosine",
            "critic.optim.min_lr=1e-4", "critic.megatron.use_distributed_optimizer=false"]
@@ -329,7 +328,7 @@ def test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path, p
     run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(tmp_path / "out.json"), "local", *SMALL,
                           "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
                           "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_files=[]",
-                          "trainer.val_before_train=false", "tracking.backends=[console]", plugin],
+                          "tracking.backends=[console]", plugin],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -348,7 +347,7 @@ def test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_
     result = train(tmp_path, "disaggregated", "local", "trainer.total_steps=2", "placement.gpus_per_node=1",
                    "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-                   "data.val_files=[]", "trainer.val_before_train=false",
+                   "data.val_files=[]",
                    "tracking.backends=[console]", *sglang, *router, env=env)
     assert [s for s, _ in result["history"]["actor/pg_loss"]] == [1, 2]
     assert all(math.isfinite(v) for _, v in result["history"]["actor/grad_norm"])
