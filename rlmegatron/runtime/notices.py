@@ -15,6 +15,10 @@ EVERYWHERE = (
     # torch 2.13 renamed these collectives; Megatron-Core calls the old names, and the oldest torch supported has
     # only those.
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
+    # Megatron-Core's dist_checkpointing (resumed checkpoints; the reference and critic start as copies of the actor)
+    # loads through torch's deprecated torch.distributed.checkpoint.load_state_dict and ShardedTensor.
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load`"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 CPU_ONLY = (
     # Transformer Engine and Apex are GPU libraries: a CPU rank runs Megatron-Core's torch fallbacks by design.

@@ -14,6 +14,9 @@ NOTICES = [
                     "`torch.distributed.reduce_scatter_single` instead."),
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
                     "`torch.distributed.all_gather_single` instead."),
+    (FutureWarning, "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
+                    "instead."),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
 ]
 OTHERS = [(UserWarning, "something the user should see"),
           (DeprecationWarning, "Transformer Engine and Apex are not installed")]  # another category
