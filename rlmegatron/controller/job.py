@@ -162,7 +162,8 @@ def format_report(report: JobReport) -> str:
     reward = ("n/a" if not rewards
               else f"{rewards[0][1]:.3f} (step {rewards[0][0]}) -> {rewards[-1][1]:.3f} (step {rewards[-1][0]})")
     # The held-out score before training (step 0, trainer.val_before_train) and after: what the run taught.
-    validation = [f"validation: {key} {_score_at(points[0])} -> {_score_at(points[-1])}"
+    validation = [f"validation: {key} " + " -> ".join(map(_score_at, points[:1] if len(points) == 1
+                                                          else [points[0], points[-1]]))
                   for key, points in sorted(report.history.items()) if key.startswith("val/") and points]
     return "\n".join([
         f"trained {steps} ({count} step{'s' * (count != 1)}{resumed}) in {report.seconds:.1f} s; "
