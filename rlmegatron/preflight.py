@@ -15,8 +15,8 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlmegatron.models.families import read_architecture
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+from rlmegatron.models.families import read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
 
@@ -188,11 +188,14 @@ class _Checks:
                          f"(vocab_size {self.vocab_size}), so some token ids have no embedding; use the model's "
                          "own tokenizer")
             return
-        if self.spec.data.dataset_class is None and not getattr(tokenizer, "chat_template", None):
+        data = self.spec.data
+        if data.dataset_class is None and data.prompt_format == "chat" and not getattr(tokenizer, "chat_template",
+                                                                                        None):
             self.problem(field_name, model.tokenizer_path,
-                         f"the tokenizer has no chat template, and the prompts (data.prompt_key="
-                         f"{self.spec.data.prompt_key}) are chat messages; add a chat_template.jinja (or "
-                         "tokenizer_config.json's chat_template) to it, or use the model's instruct tokenizer")
+                         f"the tokenizer has no chat template, and the prompts (data.prompt_key={data.prompt_key}) "
+                         "are chat messages (data.prompt_format=chat); add a chat_template.jinja (or "
+                         "tokenizer_config.json's chat_template) to it, use the model's instruct tokenizer, or set "
+                         "data.prompt_format=plain for prompts that are plain text")
             return
         self.result.tokenizer = tokenizer
 
@@ -217,17 +220,19 @@ class _Checks:
 
     def first_rows_problem(self, file: str) -> str | None:
         """Why the first rows of `file` cannot be trained on by the built-in dataset; None if they can."""
-        from rlmegatron.data.dataset import DatasetError, PromptEncoder, iter_rows, prompt_messages
+        from rlmegatron.data.dataset import DatasetError, PromptEncoder, RowReader, iter_rows
 
         data, tokenizer = self.spec.data, self.result.tokenizer
-        encode = PromptEncoder(tokenizer) if tokenizer is not None else None
+        read = RowReader(data)
+        encode = PromptEncoder(tokenizer, chat=data.prompt_format == "chat") if tokenizer is not None else None
         rows = 0
         try:
             for location, row in islice(iter_rows([file]), FIRST_ROWS):
                 rows += 1
-                messages = prompt_messages(row, data.prompt_key, location)
+                prompt = read.prompt(row, location)
+                read.answer(row, location)
                 if encode is not None:
-                    length = len(encode(messages, location))
+                    length = len(encode(prompt, location))
                     if length > data.max_prompt_length and not data.filter_overlong_prompts:
                         return (f"{location}: the prompt is {length} tokens, over data.max_prompt_length="
                                 f"{data.max_prompt_length}; raise it, or set data.filter_overlong_prompts=true")

@@ -234,6 +234,18 @@ CASES = {
         ("norole.jsonl:1: 'prompt' must be a non-empty list of chat messages ({role, content})",)),
     "prompt-empty-list": Case(validating(lambda a: train_file(a.jsonl("emptyprompt.jsonl", [row(0, prompt=[])]))),
                               ("emptyprompt.jsonl:1: 'prompt' must be a non-empty list",)),
+    "plain-rows-read-as-chat": Case(
+        validating(lambda a: train_file(a.jsonl("plainrows.jsonl", [{"prompt": "next:3", "answer": "4"}]))),
+        ("plainrows.jsonl:1: 'prompt' must be a non-empty list of chat messages",
+         "a plain text prompt needs data.prompt_format=plain")),
+    "chat-rows-read-as-plain": Case(validate("data.prompt_format=plain"),
+                                    ("train.jsonl:1: 'prompt' must be a non-empty text with data.prompt_format=plain, "
+                                     "got list", "val.jsonl:1:", "chat messages need data.prompt_format=chat"),
+                                    problems=2),
+    "answer-key-names-no-field": Case(validate("data.answer_key=answer"),
+                                      ("train.jsonl:1: no ground truth at data.answer_key=answer (the row has "
+                                       "'prompt', 'data_source', 'reward_model', 'extra_info')", "val.jsonl:1:",
+                                       "set data.answer_key to the dotted key that holds it"), problems=2),
     "prompt-null": Case(validating(lambda a: train_file(a.jsonl("nullprompt.jsonl", [row(0, prompt=None)]))),
                         ("nullprompt.jsonl:1: 'prompt' must be a non-empty list",)),
     "bad-prompt-in-row-5": Case(validating(lambda a: train_file(a.jsonl("row5.jsonl", [*rows(4), row(4, prompt=3)]))),

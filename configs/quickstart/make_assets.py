@@ -1,4 +1,5 @@
-"""Regenerates the quickstart's shipped assets: the char tokenizer, a 128-token Qwen3 config and the echo task."""
+"""Regenerates the quickstart's shipped assets: the char tokenizer, a 128-token Qwen3 config and the task, "next
+digit": the prompt `next:3` asks for the digit after 3, `4` (after 9 comes 0)."""
 import json
 import random
 import string
@@ -7,18 +8,18 @@ from pathlib import Path
 from rlmegatron.data import build_char_tokenizer
 
 HERE = Path(__file__).parent
-ALPHABET = string.digits + string.ascii_lowercase
+DIGITS = string.digits
 
 
-def echo_rows(count: int, seed: int) -> list[dict]:
+def next_digit_rows(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for index in range(count):
-        answer = rng.choice(ALPHABET)
+        digit = rng.choice(DIGITS)
         rows.append({
-            "prompt": [{"role": "user", "content": f"echo:{answer}"}],
-            "data_source": "echo",
-            "reward_model": {"ground_truth": answer},
+            "prompt": [{"role": "user", "content": f"next:{digit}"}],
+            "data_source": "next_digit",
+            "reward_model": {"ground_truth": DIGITS[(DIGITS.index(digit) + 1) % len(DIGITS)]},
             "extra_info": {"index": index},
         })
     return rows
@@ -26,8 +27,9 @@ def echo_rows(count: int, seed: int) -> list[dict]:
 
 def main() -> None:
     tokenizer = build_char_tokenizer()
-    # The prompt's text alone, no ChatML turn markers: the digit to echo is then the last prompt token, which
-    # a randomly initialised 80k-parameter model learns to copy within minutes on two CPU cores.
+    # The prompt's text alone, no ChatML turn markers: the digit is the last prompt token. With tied embeddings a
+    # randomly initialised model decodes greedily by echoing it, so it scores 0 before training: the successor is a
+    # mapping it has to learn, one digit at a time.
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
     tokenizer.save_pretrained(str(HERE / "model"))
     config = {
@@ -44,7 +46,7 @@ def main() -> None:
     (HERE / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, count, seed in (("train", 2048, 0), ("val", 64, 1)):
         with open(HERE / f"{name}.jsonl", "w") as out:
-            out.writelines(json.dumps(row) + "\n" for row in echo_rows(count, seed))
+            out.writelines(json.dumps(row) + "\n" for row in next_digit_rows(count, seed))
 
 
 if __name__ == "__main__":

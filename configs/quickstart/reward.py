@@ -1,4 +1,4 @@
-"""The quickstart's verifiable reward: 1 if the response starts with the character to echo."""
+"""The quickstart's verifiable reward: 1 if the response starts with the expected character (the next digit)."""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -118,6 +118,13 @@ class DataConfig(Section):
     train_files: Annotated[list[DataFile], BeforeValidator(_wrap_single_item), Field(min_length=1)]
     val_files: Annotated[list[DataFile], BeforeValidator(_wrap_single_item)] = []
     prompt_key: Text = "prompt"
+    prompt_format: Literal["chat", "plain"] = "chat"
+    """chat: each row's data.prompt_key holds chat messages, rendered with the tokenizer's chat template (verl's
+    rows); plain: it holds the prompt's text, tokenized as it is, with no template (a BOS the tokenizer puts before
+    every text still leads it)."""
+    answer_key: Text = "reward_model.ground_truth"
+    """Dotted path of each row's ground truth, the reward function's `ground_truth` argument: verl's rows keep it at
+    reward_model.ground_truth; a prompt/answer JSONL such as {"prompt": "2+2=", "answer": "4"} at answer."""
     max_prompt_length: PositiveInt = 512
     max_response_length: PositiveInt = 512
     train_batch_size: PositiveInt = 1024

@@ -161,10 +161,20 @@ def format_report(report: JobReport) -> str:
     rewards = report.history.get(REWARD_SCORE_MEAN)
     reward = ("n/a" if not rewards
               else f"{rewards[0][1]:.3f} (step {rewards[0][0]}) -> {rewards[-1][1]:.3f} (step {rewards[-1][0]})")
+    # The held-out score before training (step 0, trainer.val_before_train) and after: what the run taught.
+    validation = [f"validation: {key} " + " -> ".join(map(_score_at, points[:1] if len(points) == 1
+                                                          else [points[0], points[-1]]))
+                  for key, points in sorted(report.history.items()) if key.startswith("val/") and points]
     return "\n".join([
         f"trained {steps} ({count} step{'s' * (count != 1)}{resumed}) in {report.seconds:.1f} s; "
         f"critic/score/mean {reward}",
+        *validation,
         f"tracking:   {report.tracking}",
         f"checkpoint: {report.checkpoint or 'none saved (trainer.save_freq)'}",
         f"hf export:  {report.exported_hf}",
     ])
+
+
+def _score_at(point: tuple[int, float]) -> str:
+    step, value = point
+    return f"{value:.3f} (step {step}{', before training' if step == 0 else ''})"

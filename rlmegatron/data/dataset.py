@@ -1,4 +1,5 @@
-"""The built-in prompt dataset: verl-format rows from parquet or jsonl, chat-templated and length-filtered."""
+"""The built-in prompt dataset: rows from parquet or jsonl (verl's chat rows, or plain prompt/answer rows),
+tokenized and length-filtered."""
 from __future__ import annotations
 
 import json
@@ -30,21 +31,24 @@ class PromptDataset(Protocol):
 
 
 class RLDataset:
-    """Prompts of one or more verl-format files; a custom `data.dataset_class` takes the same arguments."""
+    """Prompts of one or more data files, read as data.prompt_format and data.answer_key say; a custom
+    `data.dataset_class` takes the same arguments."""
 
     def __init__(self, files: Sequence[str], tokenizer: Any, config: DataConfig) -> None:
         self.files = list(files)
-        self.prompt_key = config.prompt_key
         self.max_prompt_length = config.max_prompt_length
         self.samples: list[Sample] = []
         overlong: list[str] = []
-        encode = PromptEncoder(tokenizer)
+        read = RowReader(config)
+        encode = PromptEncoder(tokenizer, chat=config.prompt_format == "chat")
         for location, row in iter_rows(self.files):
-            prompt_ids = encode(prompt_messages(row, self.prompt_key, location), location)
+            prompt = read.prompt(row, location)
+            prompt_ids = encode(prompt, location)
             if len(prompt_ids) > self.max_prompt_length:
                 overlong.append(f"{location} ({len(prompt_ids)} tokens)")
                 continue
-            self.samples.append(sample_from_row(row, len(self.samples), prompt_ids, self.prompt_key))
+            self.samples.append(sample_from_row(row, len(self.samples), prompt, prompt_ids,
+                                                read.answer(row, location)))
         self.num_filtered_overlong = len(overlong)
         if overlong and not config.filter_overlong_prompts:
             raise DatasetError(
@@ -73,30 +77,36 @@ def build_dataset(files: Sequence[str], tokenizer: Any, config: DataConfig) -> P
 
 
 class PromptEncoder:
-    """Token ids of a chat-templated prompt, ending with the assistant turn's opening.
+    """Token ids of a prompt: chat messages templated and ending with the assistant turn's opening (`chat`), or a
+    plain text as it is.
 
-    Template to text, then encode without special tokens: the template already holds the ones it wants, and
-    the text form behaves the same across transformers versions (v5 returns dicts when tokenizing). A tokenizer
-    that puts a BOS before every text by itself gets exactly one: its own, or the one its template wrote.
+    Template to text, then encode without special tokens: the template already holds the ones it wants, the text
+    form behaves the same across transformers versions (v5 returns dicts when tokenizing), and a tokenizer that
+    also appends an EOS to every text must not end a prompt with it. A tokenizer that puts a BOS before every text
+    by itself gets exactly one: its own, or the one its template wrote.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.chat = chat
         self.bos_id = _bos_added_by(tokenizer)
 
-    def __call__(self, messages: list[dict[str, str]], location: str = "") -> list[int]:
+    def __call__(self, prompt: list[dict[str, str]] | str, location: str = "") -> list[int]:
+        text = self._template(prompt, location) if self.chat else prompt
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def _template(self, messages: list[dict[str, str]], location: str) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # a Jinja template raises whatever its author chose (raise_exception, TypeError)
             where = f"{location}: " if location else ""
             raise DatasetError(
                 f"{where}the tokenizer's chat template fails on this prompt ({type(err).__name__}: {_one_line(err)}); "
                 "fix the messages, or use a tokenizer whose template accepts them"
             ) from err
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if self.bos_id is not None and ids[:1] != [self.bos_id]:
-            ids.insert(0, self.bos_id)
-        return ids
 
 
 def _bos_added_by(tokenizer: Any) -> int | None:
@@ -164,22 +174,53 @@ def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 from None
 
 
-def prompt_messages(row: dict[str, Any], prompt_key: str, location: str) -> list[dict[str, str]]:
-    """The row's chat messages under `prompt_key`; a DatasetError naming the row and the fix when there are none."""
-    if prompt_key not in row:
-        raise DatasetError(
-            f"{location}: no '{prompt_key}' key (it has {', '.join(map(repr, row)) or 'none'}); set data.prompt_key "
-            "to the one holding the chat messages"
-        )
-    messages = row[prompt_key]
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
-        raise DatasetError(
-            f"{location}: '{prompt_key}' must be a non-empty list of chat messages "
-            "({role, content}); set data.prompt_key if the prompt lives under another key"
-        )
-    return messages
+class RowReader:
+    """A row's prompt (data.prompt_key, as data.prompt_format says) and ground truth (data.answer_key); a
+    DatasetError naming the row and the fix when either is not there."""
+
+    def __init__(self, config: DataConfig) -> None:
+        self.prompt_key, self.chat = config.prompt_key, config.prompt_format == "chat"
+        self.answer_key = config.answer_key
+
+    def prompt(self, row: dict[str, Any], location: str) -> list[dict[str, str]] | str:
+        key = self.prompt_key
+        if key not in row:
+            what = "chat messages" if self.chat else "prompt text"
+            raise DatasetError(
+                f"{location}: no '{key}' key (it has {', '.join(map(repr, row)) or 'none'}); set data.prompt_key "
+                f"to the one holding the {what}"
+            )
+        prompt = row[key]
+        if not self.chat:
+            if not isinstance(prompt, str) or not prompt:
+                raise DatasetError(
+                    f"{location}: '{key}' must be a non-empty text with data.prompt_format=plain, got "
+                    f"{type(prompt).__name__}; chat messages need data.prompt_format=chat"
+                )
+            return prompt
+        if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+        ):
+            plain = "; a plain text prompt needs data.prompt_format=plain" if isinstance(prompt, str) else ""
+            raise DatasetError(
+                f"{location}: '{key}' must be a non-empty list of chat messages "
+                f"({{role, content}}); set data.prompt_key if the prompt lives under another key{plain}"
+            )
+        return prompt
+
+    def answer(self, row: dict[str, Any], location: str) -> Any:
+        node: Any = row
+        for depth, part in enumerate(self.answer_key.split(".")):
+            if not isinstance(node, dict) or part not in node:
+                where = ".".join(self.answer_key.split(".")[:depth]) or "the row"
+                found = (f"{where} has {', '.join(map(repr, node)) or 'no keys'}" if isinstance(node, dict)
+                         else f"{where} is {type(node).__name__}")
+                raise DatasetError(
+                    f"{location}: no ground truth at data.answer_key={self.answer_key} ({found}); set "
+                    "data.answer_key to the dotted key that holds it"
+                )
+            node = node[part]
+        return node
 
 
 def _one_line(err: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""The typed prompt record every dataset yields, and the verl-format row it is read from."""
+"""The typed prompt record every dataset yields, and the row it is read from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,13 +7,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt, ready for rollout: chat messages, their templated token ids, and what the reward needs."""
+    """One prompt, ready for rollout: the prompt as the row holds it, its token ids, and what the reward needs."""
 
     index: int
     """Position in the dataset after filtering; stable across runs with the same files and tokenizer."""
-    messages: list[dict[str, str]]
+    prompt: list[dict[str, str]] | str
+    """Chat messages (data.prompt_format=chat) or the prompt's text (plain)."""
     prompt_ids: list[int]
-    """Chat template applied with add_generation_prompt=True."""
+    """Chat messages: templated with add_generation_prompt=True; a text: tokenized as it is."""
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
@@ -25,15 +26,15 @@ class Sample:
 
 
 def sample_from_row(
-    row: dict[str, Any], index: int, prompt_ids: list[int], prompt_key: str = "prompt"
+    row: dict[str, Any], index: int, prompt: list[dict[str, str]] | str, prompt_ids: list[int], ground_truth: Any
 ) -> Sample:
-    """A Sample from a verl row: {prompt: [messages], data_source, reward_model: {ground_truth}, extra_info}."""
-    reward_model = row.get("reward_model") or {}
+    """A Sample from a row's prompt and ground truth (read where the data config says) and its optional verl
+    columns data_source and extra_info."""
     return Sample(
         index=index,
-        messages=list(row[prompt_key]),
+        prompt=list(prompt) if isinstance(prompt, list) else prompt,
         prompt_ids=list(prompt_ids),
         data_source=str(row.get("data_source", "")),
-        ground_truth=reward_model.get("ground_truth"),
+        ground_truth=ground_truth,
         extra_info=dict(row.get("extra_info") or {}),
     )

@@ -13,6 +13,7 @@ from typing import Iterator, Literal, Optional, Sequence
 import torch
 
 from rlmegatron.runtime.cpu_compat import enable_cpu_compat
+from rlmegatron.runtime.notices import quiet_library_notices
 
 Device = Literal["cuda", "cpu"]
 
@@ -70,6 +71,7 @@ def transformer_config_overrides(device: Device) -> dict:
 
 def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
     """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    quiet_library_notices(device)
     if device == "cpu":
         enable_cpu_compat()
         backend = "gloo"

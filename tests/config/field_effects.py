@@ -78,6 +78,8 @@ CUSTOM_DATASET = DATASET + "test_custom_dataset_class_is_loaded_from_file_and_ge
 OVERLONG_DROPPED = DATASET + "test_overlong_prompts_are_dropped_and_counted"
 OVERLONG_REJECTED = DATASET + "test_overlong_prompts_reject_the_dataset_unless_filtering"
 PROMPT_KEY = DATASET + "test_the_prompt_is_read_from_data_prompt_key"
+PLAIN_PROMPTS = DATASET + "test_plain_prompts_are_tokenized_as_they_are_with_data_prompt_format_plain"
+ANSWER_KEY = DATASET + "test_the_ground_truth_is_read_from_data_answer_key"
 SEEDED_ORDER = "tests/data/test_sampler.py::test_each_epoch_covers_the_data_once_in_a_new_order"
 STORED_ORDER = "tests/data/test_sampler.py::test_iter_epoch_gives_the_rest_of_the_epoch_then_a_fresh_one"
 REWARDS = "tests/rewards/test_managers.py::"
@@ -229,11 +231,13 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "critic.ppo_micro_batch_size_per_gpu": ("sequences per critic micro-batch", (CRITIC_SETTINGS, RANK_BATCHING)),
     "critic.ppo_mini_batch_size": ("prompts per critic optimizer step", (CRITIC_SETTINGS, RANK_BATCHING)),
     "critic.use_dynamic_bsz": ("critic micro-batches by token budget", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "data.answer_key": ("where each row's ground truth is read", (ANSWER_KEY,)),
     "data.dataset_class": ("custom dataset plug-in", (CUSTOM_DATASET,)),
     "data.filter_overlong_prompts": ("drop, not reject, overlong prompts", (OVERLONG_DROPPED, OVERLONG_REJECTED)),
     "data.max_prompt_length": ("longest prompt kept", (OVERLONG_DROPPED,)),
     "data.max_response_length": ("default generation length; DAPO's L_max", (RESPONSE_LENGTH, JOB_WIRING)),
-    "data.prompt_key": ("row key of the chat prompt", (PROMPT_KEY,)),
+    "data.prompt_format": ("chat messages templated, or a plain text as it is", (PLAIN_PROMPTS,)),
+    "data.prompt_key": ("row key of the prompt", (PROMPT_KEY,)),
     "data.seed": ("seed of the shuffled prompt order", (JOB_WIRING, SEEDED_ORDER)),
     "data.shuffle": ("prompt order shuffled or as stored", (JOB_WIRING, STORED_ORDER)),
     "data.train_batch_size": ("prompts per step", (SAMPLING, RAY_LOOP, JOB_WIRING)),

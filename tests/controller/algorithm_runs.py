@@ -22,8 +22,8 @@ BASE = ["placement.gpus_per_node=1", "data.train_batch_size=4", "rollout.n=4", "
         "actor.ppo_micro_batch_size_per_gpu=16",
         "actor.optim.adam_beta1=0", "actor.optim.weight_decay=0",
         "reward.function=tests/controller/graded_reward.py:compute_score", "trainer.total_steps=2",
-        "trainer.save_freq=-1", "trainer.test_freq=-1", "data.val_files=[]", "trainer.resume=disable",
-        "tracking.backends=[console]"]
+        "trainer.save_freq=-1", "trainer.test_freq=-1", "data.val_files=[]", "trainer.val_before_train=false",
+        "trainer.resume=disable", "tracking.backends=[console]"]
 CRITIC = ["critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=16", "critic.optim.lr=1e-3"]
 
 

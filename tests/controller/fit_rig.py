@@ -44,7 +44,7 @@ def rig_spec(*overrides: str) -> JobSpec:
 
 def prompts(count: int, source: str = "rig") -> list[Sample]:
     """Prompt i is the tokens (1, 2 + i)."""
-    return [Sample(index=i, messages=[{"role": "user", "content": f"p{i}"}], prompt_ids=[1, 2 + i],
+    return [Sample(index=i, prompt=[{"role": "user", "content": f"p{i}"}], prompt_ids=[1, 2 + i],
                    data_source=source, ground_truth=str(i)) for i in range(count)]
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlmegatron.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from tests.controller.graded_reward import compute_score
+from tests.controller.graded_reward import compute_score, scores_nothing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GAMMA = 0.9  # algorithm.gamma in tests/controller/algorithm_runs.py
@@ -144,7 +144,7 @@ def check_greedy_baseline(step: dict) -> None:
     assert max(greedy["lengths"]) <= MAX_RESPONSE
     # Once per prompt of the batch, and for no other prompt.
     assert sorted(greedy["sample_ids"]) == sorted(set(step["sample_ids"]))
-    by_prompt = {sample_id: compute_score("echo", text, truth)
+    by_prompt = {sample_id: compute_score("next_digit", text, truth)
                  for sample_id, text, truth in zip(greedy["sample_ids"], greedy["texts"], greedy["ground_truths"])}
     baselines = torch.tensor([by_prompt[sample_id] for sample_id in step["sample_ids"]])
     assert torch.equal(step["baselines"], baselines)
@@ -200,10 +200,11 @@ def test_remax_baselines_follow_the_rows_dynamic_sampling_keeps(runs):
     history = result["history"]
     assert max(value for _, value in history["training/num_gen_batches"]) >= 2, "no step needed a second round"
     for step in result["steps"]:
-        # Digit prompts score 0 on every response, so their groups are dropped, and the greedy pass skips them.
+        # Prompts whose answer is an even digit score 0 on every response, so their groups are dropped, and the
+        # greedy pass skips them.
         assert len(step["uids"]) == 16
         assert all(step["rewards"][rows].unique().numel() > 1 for rows in groups(step))
-        assert not any(truth.isdigit() for truth in step["greedy"]["ground_truths"])
+        assert not any(scores_nothing(truth) for truth in step["greedy"]["ground_truths"])
         check_greedy_baseline(step)
     for (_, logged), step in zip(history["critic/reward_baseline/mean"], result["steps"]):
         by_prompt = dict(zip(step["sample_ids"], step["baselines"].tolist()))

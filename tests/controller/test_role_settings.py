@@ -109,7 +109,8 @@ def test_each_offload_field_offloads_its_part(parts):
 # 4 prompts x 2 samples (the synthetic batch of tests/workers/jobs.py: 6 + 6 tokens); every role, offloaded parts.
 RANK_SPEC = [
     "placement.gpus_per_node=1", "data.train_batch_size=4", "rollout.n=2", "data.max_prompt_length=6",
-    "data.max_response_length=6", "data.val_files=[]", "trainer.test_freq=-1", "model.dtype=bf16", "trainer.seed=7",
+    "data.max_response_length=6", "data.val_files=[]", "trainer.val_before_train=false", "trainer.test_freq=-1",
+    "model.dtype=bf16", "trainer.seed=7",
     "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
     "actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2", "actor.ppo_micro_batch_size_per_gpu=2",
     "actor.optim.lr=2e-3", "actor.optim.weight_decay=0.05", "actor.optim.adam_beta1=0.8",

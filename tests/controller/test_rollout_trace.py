@@ -15,7 +15,7 @@ class SpecialTokenTokenizer:
 
 def rollout() -> Rollout:
     """Three prompts (groups 7, 5, 9 in rollout order), two responses each; scores 0.5 * row."""
-    prompts = [Sample(index=i, messages=[], prompt_ids=[1, 3 + i], data_source="s", ground_truth=i) for i in range(3)]
+    prompts = [Sample(index=i, prompt=[], prompt_ids=[1, 3 + i], data_source="s", ground_truth=i) for i in range(3)]
     uids, rows, results = [7, 7, 5, 5, 9, 9], [0, 0, 1, 1, 2, 2], []
     for row, prompt in enumerate(rows):
         results.append(GenerationResult(request_index=prompt, sample_index=row % 2,

@@ -17,10 +17,10 @@ from tests.helpers.remote_code import write_remote_code_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
-# Tiny steps: 4 prompts x 4 samples, validation on step 2, a checkpoint every 2 steps.
+# Tiny steps: 4 prompts x 4 samples, validation on step 2 (none before training), a checkpoint every 2 steps.
 SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=4", "trainer.test_freq=2",
-         "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null", "tracking.backends=[console,mlflow]",
-         "reward.function=tests/controller/parity_reward.py:compute_score"]
+         "trainer.val_before_train=false", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
+         "tracking.backends=[console,mlflow]", "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
 
 
@@ -144,7 +144,7 @@ def test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks(ray_run):
     assert [s for s, _ in history["critic/score/mean"]][:4] == [1, 2, 3, 4]
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages/mean", "response_length/mean",
                  "response_length/clip_ratio", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
-                 "timing_s/step", "perf/throughput", "val/echo/score/mean"):
+                 "timing_s/step", "perf/throughput", "val/next_digit/score/mean"):
         assert name in history, name
         assert all(math.isfinite(v) for _, v in history[name]), name
     # Progress bars, fed from the ranks through Ray: 16 samples per step, one optimizer step per update.
@@ -318,8 +318,8 @@ def test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phase
     # Step 1 (16 samples) scores normally and is saved; step 2's rewards are NaN: the run stops naming the reward
     # function, the first sample and the value, before any loss sees them.
     ("reward", "reward.function=tests/controller/nan_reward.py:compute_score", 16,
-     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample echo#\d+/0 \(and for 15 "
-     r"more of the batch's 16\); a reward must be a finite number"),
+     r"reward function tests/controller/nan_reward.py:compute_score returned nan for sample next_digit#\d+/0 "
+     r"\(and for 15 more of the batch's 16\); a reward must be a finite number"),
     # Finite rewards, and a loss that is NaN from step 2's first micro-batch (two micro-batches per step).
     ("loss", "actor.policy_loss.loss_mode=tests/controller/nan_loss.py:compute_policy_loss", 2,
      r"actor/pg_loss=nan: stopped before the optimizer step; the weights are unchanged"),

@@ -18,7 +18,8 @@ def test_a_deepseek_v3_saved_by_transformers_trains_without_mtp_and_says_so_once
         shutil.copy(tokenizer / name, hf / name)
     result = train(tmp_path, "deepseek", "local", "trainer.total_steps=1", "placement.gpus_per_node=1",
                    f"model.path={hf}", "model.random_init=false", f"trainer.run_dir={tmp_path / 'run'}",
-                   "trainer.save_freq=-1", "trainer.test_freq=-1", "data.val_files=[]", "tracking.backends=[console]")
+                   "trainer.save_freq=-1", "trainer.test_freq=-1", "data.val_files=[]",
+                   "trainer.val_before_train=false", "tracking.backends=[console]")
     (step, grad_norm), = result["history"]["actor/grad_norm"]
     assert step == 1 and math.isfinite(grad_norm) and grad_norm > 0
     assert result["stderr"].count("holds no multi-token-prediction tensors") == 1, result["stderr"][-3000:]

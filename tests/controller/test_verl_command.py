@@ -67,9 +67,9 @@ def test_each_steps_rollout_samples_are_text_in_mlflow(verl_run):
         text = Path(client.download_artifacts(saved["run_id"], f"rollout_samples/step_{step:06d}.txt")).read_text()
         for row in rows:
             assert row["step"] == step
-            # The quickstart's chat template is the bare prompt; its reward is 1 when the response echoes the
-            # character: the logged text and score agree with the reward function.
-            assert row["prompt"] == f"echo:{row['ground_truth']}"
+            # The quickstart's chat template is the bare prompt; its reward is 1 when the response is the digit
+            # after the prompt's: the logged text and score agree with the reward function.
+            assert row["prompt"] == f"next:{(int(row['ground_truth']) - 1) % 10}"
             assert row["score"] == (1.0 if row["response"][:1] == row["ground_truth"] else 0.0)
             assert row["response_length"] == 1
             assert row["prompt"] in text and f"score {row['score']:.4g}" in text

@@ -1,4 +1,5 @@
-"""The verl-format dataset: parquet and jsonl rows, chat templating, overlong filtering, custom classes."""
+"""The built-in dataset: verl's chat rows and plain prompt/answer rows, parquet and jsonl, chat templating, the
+ground truth's key, overlong filtering, custom classes."""
 import json
 import logging
 import textwrap
@@ -48,10 +49,10 @@ def test_rows_become_chat_templated_samples(file_fixture, request, tokenizer):
     assert len(dataset) == 3
     sample = dataset[1]
     assert isinstance(sample, Sample)
-    assert sample.messages == [{"role": "user", "content": "2+3?"}]
+    assert sample.prompt == [{"role": "user", "content": "2+3?"}]
     assert sample.ground_truth == "5" and sample.data_source == "openai/gsm8k"
     assert sample.sample_id == "openai/gsm8k#1"
-    expected = tokenizer.apply_chat_template(sample.messages, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(sample.prompt_ids) == expected
     assert expected.endswith("<|im_start|>assistant\n")
 
@@ -76,9 +77,49 @@ def test_the_prompt_is_read_from_data_prompt_key(tmp_path, tokenizer):
     rows = [{("question" if key == "prompt" else key): value for key, value in row.items()} for row in ROWS[:2]]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     dataset = build_dataset([str(path)], tokenizer, data_config([path], prompt_key="question"))
-    assert [sample.messages for sample in dataset] == [row["question"] for row in rows]
+    assert [sample.prompt for sample in dataset] == [row["question"] for row in rows]
     with pytest.raises(DatasetError, match="no 'prompt' key .*; set data.prompt_key"):
         build_dataset([str(path)], tokenizer, data_config([path]))
+
+
+PLAIN_ROWS = [{"prompt": "copy: k=", "answer": "k"}, {"prompt": "copy: q=", "answer": "q"}]
+
+
+def test_plain_prompts_are_tokenized_as_they_are_with_data_prompt_format_plain(tmp_path, tokenizer):
+    path = tmp_path / "plain.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PLAIN_ROWS))
+    plain = build_dataset([str(path)], tokenizer, data_config([path], prompt_format="plain", answer_key="answer"))
+    assert [s.prompt for s in plain] == ["copy: k=", "copy: q="]
+    # The text's own characters, no chat turn around them (the char tokenizer adds no BOS).
+    assert plain[0].prompt_ids == tokenizer("copy: k=", add_special_tokens=False)["input_ids"]
+    assert len(plain[0].prompt_ids) == len("copy: k=")
+    assert [s.ground_truth for s in plain] == ["k", "q"]
+    # The same rows as chat (the default) are refused, naming the row and the option.
+    with pytest.raises(DatasetError, match=r"plain.jsonl:1: 'prompt' must be a non-empty list of chat messages .*; a "
+                                           r"plain text prompt needs data.prompt_format=plain$"):
+        build_dataset([str(path)], tokenizer, data_config([path], answer_key="answer"))
+    # And chat rows read as plain are refused too.
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(DatasetError, match=r"chat.jsonl:1: 'prompt' must be a non-empty text with "
+                                           r"data.prompt_format=plain, got list; chat messages need "
+                                           r"data.prompt_format=chat$"):
+        build_dataset([str(chat)], tokenizer, data_config([chat], prompt_format="plain"))
+
+
+def test_the_ground_truth_is_read_from_data_answer_key(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    rows = [{**row, "label": {"value": row["reward_model"]["ground_truth"] + "!"}} for row in ROWS[:2]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [s.ground_truth for s in build_dataset([str(path)], tokenizer, data_config([path]))] == ["2", "5"]
+    nested = build_dataset([str(path)], tokenizer, data_config([path], answer_key="label.value"))
+    assert [s.ground_truth for s in nested] == ["2!", "5!"]
+    with pytest.raises(DatasetError, match=r"train.jsonl:1: no ground truth at data.answer_key=label.answer \(label "
+                                           r"has 'value'\); set data.answer_key to the dotted key that holds it$"):
+        build_dataset([str(path)], tokenizer, data_config([path], answer_key="label.answer"))
+    with pytest.raises(DatasetError, match=r"train.jsonl:1: no ground truth at data.answer_key=answer \(the row has "
+                                           r"'data_source', 'prompt', 'reward_model', 'extra_info', 'label'\)"):
+        build_dataset([str(path)], tokenizer, data_config([path], answer_key="answer"))
 
 
 def test_malformed_lines_name_file_and_line(tmp_path, tokenizer):
@@ -127,14 +168,16 @@ def _tokenizer_adding_bos(template: str):
     return tokenizer, bos
 
 
-@pytest.mark.parametrize("template", ["{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                                      "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
-                         ids=["template-writes-bos", "template-without-bos"])
-def test_a_tokenizer_that_adds_bos_gets_exactly_one(template):
+@pytest.mark.parametrize("template, prompt", [
+    ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}", [{"role": "user", "content": "hi"}]),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", [{"role": "user", "content": "hi"}]),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "hi"),
+], ids=["template-writes-bos", "template-without-bos", "plain-text"])
+def test_a_tokenizer_that_adds_bos_gets_exactly_one(template, prompt):
     from rlmegatron.data import PromptEncoder
 
     tokenizer, bos = _tokenizer_adding_bos(template)
-    ids = PromptEncoder(tokenizer)([{"role": "user", "content": "hi"}])
+    ids = PromptEncoder(tokenizer, chat=isinstance(prompt, list))(prompt)
     assert ids == [bos, *tokenizer("hi", add_special_tokens=False)["input_ids"]]
 
 

@@ -5,7 +5,7 @@ from rlmegatron.data import PromptDataLoader, ResumableBatchSampler, Sample
 
 
 def make_dataset(size):
-    return [Sample(index=i, messages=[], prompt_ids=[i], data_source="t", ground_truth=str(i)) for i in range(size)]
+    return [Sample(index=i, prompt=[], prompt_ids=[i], data_source="t", ground_truth=str(i)) for i in range(size)]
 
 
 def test_each_epoch_covers_the_data_once_in_a_new_order():

@@ -1,5 +1,6 @@
 """launch/submit.sh --backend ray for real: a local Ray head on CPU runs the shipped quickstart as a Ray job, and
-it learns: reward <= 0.2 at step 1, >= 0.8 by step 80 (it reaches 0.9 near step 65), within 10 minutes."""
+it learns a skill the random model lacks: reward <= 0.2 at step 1 and >= 0.8 at step 150 (its 5-step mean reaches 0.8
+at step 120), validation <= 0.2 before training and >= 0.8 after, within 10 minutes."""
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
         for _ in range(6):
             job = subprocess.run(
                 ["bash", "launch/submit.sh", "--backend", "ray", "--config", "configs/quickstart.yaml", "--",
-                 "trainer.total_steps=80", f"trainer.run_dir={run_dir}"],
+                 "trainer.total_steps=150", f"trainer.run_dir={run_dir}"],
                 cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
             )
             # A head just started may not have its job agent yet; the job was then not submitted, so try again.
@@ -39,13 +40,19 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
         output = job.stdout + job.stderr
         assert job.returncode == 0, output[-3000:]
         assert "succeeded" in output
-        learned = re.search(r"trained steps 1-80 \(80 steps\) in [\d.]+ s; critic/score/mean ([\d.]+) \(step 1\) "
-                            r"-> ([\d.]+) \(step 80\)", output)
+        learned = re.search(r"trained steps 1-150 \(150 steps\) in [\d.]+ s; critic/score/mean ([\d.]+) \(step 1\) "
+                            r"-> ([\d.]+) \(step 150\)", output)
         assert learned, output[-3000:]
         first, last = float(learned.group(1)), float(learned.group(2))
         assert first <= 0.2 and last >= 0.8, (first, last)
+        validated = re.search(r"validation: val/next_digit/score/mean ([\d.]+) \(step 0, before training\) -> "
+                              r"([\d.]+) \(step 150\)", output)
+        assert validated, output[-3000:]
+        before, after = float(validated.group(1)), float(validated.group(2))
+        assert before <= 0.2 and after >= 0.8, (before, after)
         assert wall_s < 600
-        assert (run_dir / "checkpoints" / "step_80").is_dir()
-        print(f"quickstart as a Ray job: {wall_s:.0f} s wall, reward {first:.3f} -> {last:.3f}")
+        assert (run_dir / "checkpoints" / "step_150").is_dir()
+        print(f"quickstart as a Ray job: {wall_s:.0f} s wall, reward {first:.3f} -> {last:.3f}, validation "
+              f"{before:.3f} -> {after:.3f}")
     finally:
         subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
