@@ -481,6 +481,15 @@ class JobSpec(Section):
         """Whether any KL term needs the frozen reference policy's log-probs."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def needs_old_log_prob_pass(self) -> bool:
+        """Whether the step needs the actor's log-probs before its update as a pass of their own. Not when the update
+        is exactly on-policy (one epoch, one mini-batch: its only forward runs on the weights that sampled, so the
+        old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them), unless the reward's
+        KL penalty needs them before the advantages."""
+        mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
+        return self.actor.ppo_epochs > 1 or mini_batches > 1 or self.algorithm.use_kl_in_reward
+
     @model_validator(mode="after")
     def _fill_derived_defaults(self) -> JobSpec:
         # Mutating in place: an "after" validator that returns a new object is unsupported by pydantic.

@@ -45,7 +45,7 @@ class PolicyRanks:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call_all(PolicyRank.compute_values, batch)[0]
 
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call_all(PolicyRank.compute_log_prob, batch)[0]
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:

@@ -113,8 +113,9 @@ class Trainer:
                 if spec.critic.enable:
                     with timer("values"):
                         batch.values = self.ranks.compute_values(batch)
-                with timer("old_log_prob"):
-                    batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
+                if spec.needs_old_log_prob_pass:
+                    with timer("old_log_prob"):
+                        batch.old_log_probs = self.ranks.compute_log_prob(batch)
                 if spec.needs_reference:
                     with timer("ref"):
                         batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
@@ -300,7 +301,6 @@ class Trainer:
             path, state = found
             self.step = self.resumed_from = int(state["step"])
             self.weight_version = f"step_{self.step}"
-            self.engines.sync(self.weight_version)
             self.engines.sync(self.weight_version)
             self.train_loader.load_state_dict(state["dataloader"])
             self.kl_ctrl.value = float(state["kl_coef"])

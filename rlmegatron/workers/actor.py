@@ -73,8 +73,10 @@ class ActorWorker(TrainingWorker):
     def update(self, batch: RolloutBatch, progress=None) -> dict[str, float]:
         """PPO: for each epoch and mini-batch, accumulate gradients over micro-batches, then one optimizer step."""
         s = self.settings
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("update needs old_log_probs and advantages")
+        if batch.advantages is None:
+            raise ValueError("update needs advantages")
+        if batch.old_log_probs is None and (s.ppo_epochs > 1 or len(batch) > s.ppo_mini_batch_size):
+            raise ValueError("without old_log_probs the update must be on-policy: one epoch of one mini-batch")
         if s.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
         return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
@@ -89,8 +91,10 @@ class ActorWorker(TrainingWorker):
             device = logits.device
             mask = fields.response_mask.to(device)
             log_probs, entropy = response_log_probs(micro_batch, logits, s, with_entropy=True)
+            # On-policy without an old-log-prob pass: this forward is the policy that sampled.
+            old_log_probs = log_probs.detach() if fields.old_log_probs is None else fields.old_log_probs.to(device)
             pg_loss, pg_metrics = policy_loss_fn(
-                fields.old_log_probs.to(device),
+                old_log_probs,
                 log_probs,
                 fields.advantages.to(device),
                 mask,

@@ -80,12 +80,15 @@ class RecordingTrainer(Trainer):
         return self.steps[-1]["baselines"]
 
     def update(self, role, batch):
+        # An on-policy update has no old-log-prob pass: the policy before it is measured here instead.
+        old_log_probs = batch.old_log_probs
+        if role == "actor" and old_log_probs is None:
+            old_log_probs = self.ranks.compute_log_prob(batch)
         metrics = super().update(role, batch)
         if role == "actor":
-            new_log_probs, _ = self.ranks.compute_log_prob(batch)
             self.steps[-1].update(response_mask=batch.response_mask, advantages=batch.advantages,
-                                  returns=batch.returns, values=batch.values, old_log_probs=batch.old_log_probs,
-                                  new_log_probs=new_log_probs)
+                                  returns=batch.returns, values=batch.values, old_log_probs=old_log_probs,
+                                  new_log_probs=self.ranks.compute_log_prob(batch))
         return metrics
 
 

@@ -123,7 +123,7 @@ class FakeRanks:
 
     def compute_log_prob(self, batch):
         self.calls.append("compute_log_prob")
-        return self.log_prob * batch.response_mask, torch.zeros_like(batch.response_mask)
+        return self.log_prob * batch.response_mask
 
     def compute_ref_log_prob(self, batch):
         self.calls.append("compute_ref_log_prob")

@@ -115,6 +115,19 @@ def test_kl_in_the_reward_uses_its_estimator_and_controller(tmp_path):
     assert torch.allclose(scores, scores.round()) and set(scores.round().tolist()) == {0.0, 1.0}
 
 
+@pytest.mark.parametrize("overrides, pass_runs", [
+    ((), False),  # one epoch of one mini-batch: the update's own forward is the sampling policy
+    (("actor.ppo_epochs=2",), True),
+    (("actor.ppo_mini_batch_size=2",), True),
+    (("algorithm.use_kl_in_reward=true",), True),  # the penalty needs them before the advantages
+])
+def test_the_old_log_prob_pass_runs_only_when_the_update_is_not_on_policy(tmp_path, overrides, pass_runs):
+    rig = run_rig(tmp_path, *overrides)
+    assert rig.ranks.calls.count("compute_log_prob") == (2 if pass_runs else 0)
+    assert all((batch.old_log_probs is not None) == pass_runs for batch in rig.ranks.updates["actor"])
+    assert ("timing_s/old_log_prob" in rig.history) == pass_runs
+
+
 def test_dynamic_sampling_generates_up_to_its_round_limit(tmp_path):
     stuck = run_rig(tmp_path / "stuck", "algorithm.dynamic_sampling.enable=true",
                     "algorithm.dynamic_sampling.max_num_gen_batches=3", reward=constant)

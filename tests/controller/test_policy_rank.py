@@ -72,7 +72,7 @@ def _roles_job(workdir: str, model: str) -> dict:
         rank = PolicyRank(spec, spec.trainer.total_steps)
         report = reports[name] = {"layouts": {role: str(layout) for role, layout in rank.models.layouts.items()}}
         micro_batches.clear()
-        report["log_probs"] = rank.compute_log_prob(batch)[0]
+        report["log_probs"] = rank.compute_log_prob(batch)
         report["ref_log_probs"] = rank.compute_ref_log_prob(batch)
         report["values"] = rank.compute_values(batch)
         report["actor_micro_batches"], report["ref_micro_batches"] = micro_batches[0], micro_batches[1]
@@ -84,18 +84,18 @@ def _roles_job(workdir: str, model: str) -> dict:
         rank.sync_weights("1")
         report["generated"] = [(r.output_token_ids, r.output_token_logprobs) for r in rank.generate(requests)]
         report["values_after"] = rank.compute_values(batch)
-        report["log_probs_after"] = rank.compute_log_prob(batch)[0]
+        report["log_probs_after"] = rank.compute_log_prob(batch)
         if name == "own_layouts":  # the actor-layout round trip is the resume tests' (tests/controller/test_train.py)
             checkpoint = os.path.join(workdir, name, "checkpoint")
             rank.save_checkpoint(checkpoint)
             rank.update_critic(train)
             rank.update_actor(train)
-            moved = rank.compute_values(batch), rank.compute_log_prob(batch)[0]
+            moved = rank.compute_values(batch), rank.compute_log_prob(batch)
             rank.load_checkpoint(checkpoint)
             report["checkpoint_moved"] = [max_diff(moved[0], report["values_after"]),
                                           max_diff(moved[1], report["log_probs_after"])]
             report["values_restored"] = rank.compute_values(batch)
-            report["log_probs_restored"] = rank.compute_log_prob(batch)[0]
+            report["log_probs_restored"] = rank.compute_log_prob(batch)
         rank.shutdown()
     return reports
 

@@ -195,7 +195,7 @@ def _rank_job(workdir: str) -> dict:
 
     batch = rollout_batch(n=8)
     steps = {"actor": [], "critic": []}
-    log_probs, _ = rank.compute_log_prob(batch)
+    log_probs = rank.compute_log_prob(batch)
     values = rank.compute_values(batch)
     micro_batches.clear()
     train = replace(batch, old_log_probs=log_probs, values=values, returns=values + 0.3 * batch.response_mask)

@@ -179,6 +179,26 @@ def plugin_loss_job(reference: str) -> dict:
     return report
 
 
+def on_policy_job() -> dict:
+    """One on-policy update (one epoch, one mini-batch) with the old log-probs of a separate pass, and one without
+    them (the update's own forward, detached), from the same initial weights; then an update that is not
+    on-policy without them."""
+    batch = rollout_batch()
+    report = {}
+    for name in ("with the pass", "without"):
+        torch.manual_seed(0)  # the tiny model initialises on the CPU generator: the same weights both times
+        actor = make_actor(ParallelLayout())
+        old_log_probs = actor.compute_log_prob(batch, with_entropy=False)[0] if name == "with the pass" else None
+        metrics = actor.update(replace(batch, old_log_probs=old_log_probs))
+        updated = {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
+        report[name] = {"metrics": metrics, "updated": updated}
+    try:
+        make_actor(ParallelLayout(), ppo_epochs=2).update(batch)
+    except ValueError as error:
+        report["two epochs"] = str(error)
+    return report
+
+
 def critic_and_moe_job(workdir: str) -> dict:
     """Critic values at TP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
     batch = rollout_batch()

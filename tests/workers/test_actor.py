@@ -8,7 +8,7 @@ import torch
 
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
-from tests.workers.jobs import make_actor, parity_job, plugin_loss_job, rollout_batch
+from tests.workers.jobs import make_actor, on_policy_job, parity_job, plugin_loss_job, rollout_batch
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -56,6 +56,17 @@ def test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_res
     assert max(float((plugin["updated"][n] - p).abs().max()) for n, p in builtin["updated"].items()) < 1e-7
     assert "actor/advantage_mean" in plugin["metrics"] and "actor/ppo_kl" not in plugin["metrics"]
     assert "actor/ppo_kl" in builtin["metrics"]
+
+
+def test_an_on_policy_update_without_the_old_log_prob_pass_is_the_same_update():
+    """One epoch of one mini-batch: the old log-probs from the update's own forward give the loss, every metric and
+    the weights of the separate pass, bit for bit; with two epochs the pass is required."""
+    report = run_ranks(on_policy_job, 1, timeout_s=300)[0]
+    with_pass, without = report["with the pass"], report["without"]
+    assert with_pass["metrics"]["actor/pg_loss"] != 0.0
+    assert without["metrics"] == with_pass["metrics"]
+    assert all(torch.equal(without["updated"][n], p) for n, p in with_pass["updated"].items())
+    assert "must be on-policy" in report["two epochs"]
 
 
 def test_reference_log_probs_equal_the_actors(parity_reports):

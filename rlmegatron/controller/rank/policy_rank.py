@@ -51,10 +51,11 @@ class PolicyRank:
         if self.engine is not None:
             self.engine.release_memory()
 
-    def compute_log_prob(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        """The old log-probs: the actor's before its update (the entropy would cost a pass over the vocabulary that
+        nothing reads; the update reports the entropy it trains on)."""
         with self.models.phase("actor"):
-            log_probs, entropy = self.models.actor.compute_log_prob(batch, with_entropy=True)
-        return log_probs.cpu(), entropy.cpu()
+            return self.models.actor.compute_log_prob(batch, with_entropy=False)[0].cpu()
 
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         with self.models.phase("reference"):
