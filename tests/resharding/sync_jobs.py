@@ -49,7 +49,8 @@ def _rollout_batch(prompts: torch.Tensor, results):
 
 
 def train_sync_generate_job(hf_dir: str, layouts: list[ParallelLayout]) -> dict:
-    """Per layout: two PPO updates, export into a local engine, then the engine's samples scored by the actor."""
+    """Per layout: two PPO updates, export into a local engine, then the engine's samples scored by the actor. The
+    exporter is made before the updates, as a trainer rank makes it once for every sync: its plan holds."""
     from transformers import AutoModelForCausalLM
 
     from rlmegatron.resharding import HFWeightExporter
@@ -63,6 +64,7 @@ def train_sync_generate_job(hf_dir: str, layouts: list[ParallelLayout]) -> dict:
     report = {}
     for layout in layouts:
         actor, weight_map = _actor_from_hf(hf_dir, layout)
+        exporter = HFWeightExporter(actor.chunks, weight_map)
         results = engine.generate([GenerationRequest(tuple(p.tolist()), sampling) for p in prompts])
         batch, _ = _rollout_batch(prompts, results)
         for _ in range(2):
@@ -71,7 +73,7 @@ def train_sync_generate_job(hf_dir: str, layouts: list[ParallelLayout]) -> dict:
             batch.advantages = torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask
             actor.update(batch)
 
-        streamed = dict(HFWeightExporter(actor.chunks, weight_map).stream())
+        streamed = dict(exporter.stream())
         engine.update_weights(iter(streamed.items()), version=str(layout))
         engine_state = checkpoint_named_weights(engine.model)
         results = engine.generate([GenerationRequest(tuple(p.tolist()), sampling) for p in prompts])

@@ -29,6 +29,9 @@ class WeightPush:
         self.settings, self.models, self.engine = settings, models, engine
         self.distributed: Optional[DistributedWeightPush] = None
         """Disaggregated, on trainer rank 0: the weight-update groups with the servers."""
+        self.exporter: Optional[HFWeightExporter] = None
+        """Made at the first sync: its plan (every rank's names, shapes and stages, an all_gather_object) is the
+        model's, and the weights it streams are read when it streams."""
 
     def connect(self, endpoints: list[tuple[int, str, int]]) -> None:
         """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, tp_size) server."""
@@ -47,7 +50,9 @@ class WeightPush:
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
         """The trained weights to the engines: all, or the `restarted` ones."""
         with self.models.phase("actor"):
-            stream = HFWeightExporter(self.models.actor.chunks, self.models.weight_map).stream()
+            if self.exporter is None:
+                self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
+            stream = self.exporter.stream()
             if self.distributed is not None:
                 self.distributed.push(stream, version, only=restarted)
             elif self.engine is not None:
