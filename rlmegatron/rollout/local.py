@@ -155,6 +155,7 @@ class LocalEngine(RolloutEngine):
 
         temperatures = torch.tensor([s.sampling.temperature for s in samples], device=device)
         greedy = temperatures == 0
+        is_greedy = greedy.tolist()
         # Greedy rows report log-probs at temperature 1.
         divisors = torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
 
@@ -175,12 +176,9 @@ class LocalEngine(RolloutEngine):
             scaled = out.logits[:, -1, :].float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             next_tokens = torch.argmax(scaled, dim=-1)
-            for row, sample in enumerate(samples):
-                if finish[row] is not None or greedy[row]:
-                    continue
-                filtered = filter_top_k_top_p(scaled[row], sample.sampling.top_k, sample.sampling.top_p)
-                probs = torch.softmax(filtered, dim=-1).cpu()
-                next_tokens[row] = torch.multinomial(probs, 1, generator=sample.generator or self.generator)[0]
+            sampled = [row for row in range(batch) if finish[row] is None and not is_greedy[row]]
+            if sampled:
+                next_tokens[sampled] = self._sample(scaled[sampled], [samples[row] for row in sampled])
             chosen = token_logprobs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1).tolist()
             for row, (token, sample) in enumerate(zip(next_tokens.tolist(), samples)):
                 if finish[row] is not None:
@@ -207,6 +205,24 @@ class LocalEngine(RolloutEngine):
             )
             for row, sample in enumerate(samples)
         ]
+
+    def _sample(self, scaled: torch.Tensor, samples: list[_Sample]) -> torch.Tensor:
+        """One token per row of `scaled` (logits / temperature) by the Gumbel-max trick: argmax of the filtered logits
+        plus Gumbel noise is a draw from their softmax. Only the noise is drawn row by row, one uniform per
+        vocabulary entry from the sample's own generator, so a seeded sample does not depend on its batch; the
+        filtering and the draw run on the whole batch at once."""
+        uniform = torch.empty(scaled.shape, dtype=torch.float64)
+        for row, sample in enumerate(samples):
+            torch.rand(scaled.shape[-1], generator=sample.generator or self.generator, dtype=torch.float64,
+                       out=uniform[row])
+        filtered = scaled.clone()
+        for top_k, top_p in {(s.sampling.top_k, s.sampling.top_p) for s in samples}:
+            rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
+            filtered[rows] = filter_top_k_top_p(scaled[rows], top_k, top_p)
+        # In float64, -log(-log(u)) keeps its accuracy for u near 1 (the noise's upper tail); a u of exactly 0 gives
+        # -inf, never drawn.
+        gumbel = -torch.log(-torch.log(uniform))
+        return torch.argmax(filtered + gumbel.to(scaled.device, scaled.dtype), dim=-1)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:

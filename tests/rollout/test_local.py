@@ -78,6 +78,33 @@ def test_seeded_sampling_is_reproducible(model):
     assert len({r.output_token_ids for r in first if r.request_index == 2}) > 1, "the n samples should differ"
 
 
+def test_a_seeded_sample_does_not_depend_on_its_batch(model):
+    spec = SamplingSpec(n=3, temperature=1.5, top_k=30, max_new_tokens=6, seed=5)
+    together = LocalEngine(model).generate([GenerationRequest(p, spec) for p in PROMPTS])
+    alone = LocalEngine(model, max_batch_size=2).generate([GenerationRequest(PROMPTS[2], spec)])
+    assert [r.output_token_ids for r in alone] == [r.output_token_ids for r in together if r.request_index == 2]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(5.0, 1.0, -1), (10.0, 0.9, 20)])
+def test_samples_follow_the_filtered_softmax(model, temperature, top_p, top_k):
+    """4096 first tokens (high temperatures: the test model's logits are sharp): never outside the top-k / top-p
+    set, and their frequencies are the renormalised softmax of logits / temperature over it, within twice the total
+    variation that sampling noise alone gives on average."""
+    from rlmegatron.rollout.local import filter_top_k_top_p
+
+    prompt, draws = PROMPTS[2], 4096
+    spec = SamplingSpec(n=draws, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=1, seed=7)
+    tokens = [r.output_token_ids[0] for r in LocalEngine(model, max_batch_size=512).generate(
+        [GenerationRequest(prompt, spec)])]
+    expected = torch.softmax(filter_top_k_top_p(full_logits(model, list(prompt))[-1] / temperature, top_k, top_p), -1)
+    counts = torch.bincount(torch.tensor(tokens), minlength=expected.numel()).double() / draws
+    assert int((expected > 0.01).sum()) > 10, "a spread-out distribution, or the test shows little"
+    assert all(expected[t] > 0 for t in set(tokens))
+    # E|count_i/N - p_i| is about sqrt(2 p_i (1 - p_i) / (pi N)) for each token.
+    noise = 0.5 * float((2 * expected * (1 - expected) / (math.pi * draws)).sqrt().sum())
+    assert 0.5 * float((counts - expected.double()).abs().sum()) < 2 * noise
+
+
 def test_stop_and_length_finish_reasons(model):
     engine = LocalEngine(model)
     greedy = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(temperature=0.0, max_new_tokens=6))])[0]
