@@ -1,9 +1,12 @@
 """The Tracker: one call per step fans metrics out to the MLflow and console backends."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +74,7 @@ class Tracker:
         self.backend_named: dict[str, Backend] = {}
         for name in setup.backends:
             if name == "mlflow":
-                backend: Backend = MlflowBackend(setup, params or {}, resolved_yaml)
+                backend: Backend = InBackground(MlflowBackend(setup, params or {}, resolved_yaml))
             elif name == "console":
                 backend = ConsoleBackend(console_stream or sys.stdout)
             else:
@@ -124,6 +127,51 @@ class Tracker:
         """Close every backend; status is MLflow's: FINISHED, FAILED or KILLED."""
         for backend in self.backends:
             backend.finish(status)
+
+
+class InBackground:
+    """A backend whose per-step calls run in order on a thread of its own, off the fit loop's path (MLflow's store
+    writes take milliseconds every step). Opening the run stays in the caller's thread, as resuming depends on it.
+    A failure there is raised in the loop at the next call; `finish` waits for every call before closing."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.calls: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        """The failure not yet raised in the loop's thread."""
+        self.failed = False
+        self.thread = threading.Thread(target=self._run, name="tracking", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (call := self.calls.get()) is not None:
+            if not self.failed:
+                try:
+                    call()
+                except BaseException as error:  # noqa: BLE001 - handed to the loop's thread
+                    self.error, self.failed = error, True
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def start(self, step: int) -> None:
+        self.backend.start(step)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._raise_error()
+        self.calls.put(functools.partial(self.backend.log_metrics, dict(metrics), step))
+
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
+        self._raise_error()
+        self.calls.put(functools.partial(self.backend.log_samples, list(samples), step))
+
+    def finish(self, status: str) -> None:
+        self.calls.put(None)
+        self.thread.join()
+        self.backend.finish("FAILED" if self.failed else status)
+        self._raise_error()
 
 
 class ConsoleBackend:

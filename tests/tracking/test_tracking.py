@@ -1,11 +1,13 @@
 """Tracking: the MLflow sqlite store holds what was logged, console tables, ASCII plots, URI choice."""
 import io
+import time
 
 import pytest
 import yaml
 
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.tracking import Tracker, TrackingSetup, ascii_plot, flatten, format_metrics_table, resolve_tracking_uri
+from rlmegatron.tracking.tracker import InBackground
 
 
 def job_spec(run_dir, backends):
@@ -32,7 +34,7 @@ def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path
     uri = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
     assert (run_dir / "mlflow.db").is_file()
     client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(tracker.backends[0].run_id)
+    run = client.get_run(tracker.backends[0].backend.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "exp1"
     assert client.get_experiment(run.info.experiment_id).name == "proj"
     assert run.data.params["actor.optim.lr"] == "3e-06"
@@ -48,7 +50,7 @@ def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path
     # A run resumed from step 2 in the same run directory continues the same MLflow run: it logged nothing later.
     resumed = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
     resumed.start(2)
-    assert resumed.backends[0].run_id == run.info.run_id
+    assert resumed.backends[0].backend.run_id == run.info.run_id
     resumed.log_metrics({"critic/score/mean": 1.0}, step=3)
     resumed.finish("KILLED")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
@@ -80,7 +82,7 @@ def test_a_run_resumed_before_steps_it_logged_shows_each_step_once(tmp_path, mon
     experiment = client.get_experiment_by_name("proj").experiment_id
     [run] = client.search_runs([experiment])
     [old] = client.search_runs([experiment], run_view_type=ViewType.DELETED_ONLY)
-    assert old.info.run_id == killed.backends[0].run_id and run.info.run_id == resumed.backends[0].run_id
+    assert old.info.run_id == killed.backends[0].backend.run_id and run.info.run_id == resumed.backends[0].backend.run_id
     assert (run.data.tags[SUPERSEDES_TAG], run.data.tags[RESUMED_AT_TAG]) == (old.info.run_id, "1")
     assert old.data.tags[SUPERSEDED_BY_TAG] == run.info.run_id
     assert run.info.run_name == "exp1" and run.data.params["actor.optim.lr"] == "3e-06"
@@ -97,7 +99,7 @@ def test_a_run_resumed_before_steps_it_logged_shows_each_step_once(tmp_path, mon
     again.start(0)
     again.finish()
     [fresh] = client.search_runs([experiment])
-    assert fresh.info.run_id == again.backends[0].run_id and fresh.data.metrics == {}
+    assert fresh.info.run_id == again.backends[0].backend.run_id and fresh.data.metrics == {}
 
 
 def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp_path, monkeypatch):
@@ -183,3 +185,57 @@ def test_console_prints_rollout_samples_each_prompt_once_then_its_responses(tmp_
     ]
     with pytest.raises(ValueError, match="mlflow tracker, which is not in tracking.backends"):
         tracker.log_rollout_samples(samples, step=4, backend="mlflow")
+
+
+class SlowBackend:
+    """Takes `delay` seconds per call, records the calls in order, and fails on step `fail_at`."""
+
+    def __init__(self, delay: float, fail_at: int | None = None) -> None:
+        self.delay, self.fail_at, self.calls = delay, fail_at, []
+
+    def start(self, step: int) -> None:
+        self.calls.append(("start", step))
+
+    def log_metrics(self, metrics, step: int) -> None:
+        time.sleep(self.delay)
+        if step == self.fail_at:
+            raise ConnectionError("the store went away")
+        self.calls.append(("metrics", step, dict(metrics)))
+
+    def log_samples(self, samples, step: int) -> None:
+        self.calls.append(("samples", step, len(samples)))
+
+    def finish(self, status: str) -> None:
+        self.calls.append(("finish", status))
+
+
+def test_a_backend_in_the_background_keeps_the_order_and_leaves_the_loop_at_once():
+    slow = SlowBackend(delay=0.05)
+    background = InBackground(slow)
+    background.start(0)
+    started = time.perf_counter()
+    for step in range(1, 11):
+        metrics = {"loss": float(step)}
+        background.log_metrics(metrics, step)
+        metrics["loss"] = -1.0  # the loop's dict may change afterwards: the backend logs what it was given
+    background.log_samples([{"prompt": "p"}], 10)
+    assert time.perf_counter() - started < 0.25  # ten calls of 50 ms each did not wait
+    background.finish("FINISHED")
+    assert slow.calls == [("start", 0), *[("metrics", s, {"loss": float(s)}) for s in range(1, 11)],
+                          ("samples", 10, 1), ("finish", "FINISHED")]
+
+
+def test_a_failure_in_the_background_reaches_the_loop_and_marks_the_run_failed():
+    slow = SlowBackend(delay=0.0, fail_at=2)
+    background = InBackground(slow)
+    background.log_metrics({"loss": 1.0}, 1)
+    background.log_metrics({"loss": 2.0}, 2)
+    background.log_metrics({"loss": 3.0}, 3)  # may be queued before step 2 fails: it is then dropped
+    with pytest.raises(ConnectionError, match="the store went away"):
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline:
+            background.log_metrics({"loss": 4.0}, 4)
+            time.sleep(0.01)
+    assert ("metrics", 1, {"loss": 1.0}) in slow.calls and not any(c[0] == "metrics" and c[1] > 2 for c in slow.calls)
+    background.finish("FINISHED")
+    assert slow.calls[-1] == ("finish", "FAILED")
