@@ -175,14 +175,18 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
         fetched.append((repo_id, allow_patterns, local_files_only))
         return str(REPO_ROOT / "configs" / "quickstart" / "model")
 
-    def tracker_from_spec(spec, *args, **kwargs):
+    class NoTracker:
+        def finish(self, status):
+            pass
+
+    def start_ray(spec):
         launched.append(spec)
         raise SystemExit(0)
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", tracker_from_spec)
-    monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", lambda spec: NoTracker())
+    monkeypatch.setattr(job, "start_ray", start_ray)
     hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json"]
     assert main(["train", QUICKSTART, *hub_model]) == 0
     [spec] = launched

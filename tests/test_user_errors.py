@@ -533,8 +533,8 @@ def test_a_nan_reward_names_the_function_and_the_sample(tmp_path):
 # ---- a run that diverges: exit 3 and one line naming the step and the metric; the last complete checkpoint stays --
 # `rlm train` with its one rank in-process (no Ray): 4 prompts x 4 samples a step, half of which earn the reward.
 DIVERGING_RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "placement.gpus_per_node=1", "trainer.test_freq=-1",
-                 "data.val_files=[]", "tracking.backends=[console]", "data.train_batch_size=4",
-                 "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
+                 "data.val_files=[]", "trainer.val_before_train=false", "tracking.backends=[console]",
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
                  "reward.function=tests/controller/parity_reward.py:compute_score"]
 
 

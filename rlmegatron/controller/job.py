@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,7 +90,10 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     newest = checkpoints.plan_resume(spec.trainer.resume)  # before anything starts: it may refuse the run
     if newest is not None and newest.step >= total_steps:
         return _already_complete(newest, total_steps)
-    tracker = Tracker.from_spec(spec)
+    # MLflow's import and store take seconds: the tracker opens in a thread while Ray and the ranks start.
+    opener = ThreadPoolExecutor(1, thread_name_prefix="tracking")
+    opening = opener.submit(Tracker.from_spec, spec)
+    opener.shutdown(wait=False)  # its thread ends once the tracker is open
     pools = ranks = engines = router = None
     status = "FAILED"
     exit_on_sigterm()
@@ -107,11 +111,12 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             engines = ColocatedEngines(ranks)
         else:
             engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
-        trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, tracker, checkpoints)
+        trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, opening.result(),
+                          checkpoints)
         result = trainer.fit()
         status = "FINISHED"
     finally:
-        tracker.finish(status)
+        _finish_tracking(opening, status)
         reward_manager.close()
         for part in (engines, ranks):
             if part is not None:
@@ -120,6 +125,7 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             router.stop()
         if pools is not None:
             remove_pools(pools)
+    tracker = opening.result()
     rewards = tracker.series(REWARD_SCORE_MEAN)
     report = JobReport(
         steps=result.steps,
@@ -135,6 +141,14 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     print(tracker.summary(), flush=True)
     print(format_report(report), flush=True)
     return report
+
+
+def _finish_tracking(opening: Future, status: str) -> None:
+    try:
+        tracker = opening.result()
+    except Exception:  # noqa: BLE001 - raised where the loop took the tracker, or the run failed before that
+        return
+    tracker.finish(status)
 
 
 def _already_complete(checkpoint, planned: int) -> JobReport:
