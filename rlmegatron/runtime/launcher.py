@@ -76,8 +76,11 @@ def _stop(procs, grace_s: float) -> None:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
+            # The process itself too: a rank still starting (importing, on a loaded machine) has no group yet, and
+            # left alive it would wait for its peers forever and keep the caller from exiting.
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(proc.pid, sig)
         for proc in procs:
             proc.join(timeout=5)
 
