@@ -64,7 +64,6 @@ class RankHost(Member):
     def __init__(self, env: dict[str, str], device: str, threads: int = 1) -> None:
         super().__init__()
         os.environ.update(env)
-        # One core per rank: more threads only fight over the same cores.
         torch.set_num_threads(threads)
         init_distributed(device)
 
@@ -201,6 +200,9 @@ class RayWorkerGroup(RayActorGroup[T]):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world_size = pool.world_size
+        # CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as more threads only
+        # fight over the same cores and fewer leave some idle (one rank on two cores).
+        threads = max(1, (os.cpu_count() or 1) // world_size) if pool.device == "cpu" else 1
         # Rank 0's node hosts the rendezvous, so its address comes from a probe placed like rank 0.
         probe = ray.remote(master_address).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
@@ -211,7 +213,7 @@ class RayWorkerGroup(RayActorGroup[T]):
         for rank in range(world_size):
             # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
             env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
-            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device))
+            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads))
         gather([actor.build.remote(rank_class, *args) for actor in actors])
         super().__init__(actors)
 

@@ -1,9 +1,11 @@
-"""RayWorkerGroup's gather: a failure on one rank is raised once, and the other ranks' failures are not printed
-later as Ray's unhandled errors (each with its traceback)."""
+"""RayWorkerGroup: a failure on one rank is raised once, and the other ranks' failures are not printed later as Ray's
+unhandled errors (each with its traceback); CPU ranks share the machine's cores."""
 import gc
+import os
 import time
 
 import pytest
+import torch
 
 from rlmegatron.data import DatasetError
 
@@ -13,21 +15,45 @@ def _rank(index: int):
     raise DatasetError(f"train.jsonl:3: not valid JSON (rank {index})")
 
 
-def test_the_first_failure_is_raised_and_the_others_are_not_printed_as_unhandled(capfd):
+class Threads:
+    def count(self) -> int:
+        return torch.get_num_threads()
+
+
+@pytest.fixture(scope="module")
+def ray():
     ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+def test_cpu_ranks_take_an_equal_share_of_the_cores(ray):
+    from ray.util.placement_group import remove_placement_group
+
+    from rlmegatron.controller.placement import create_pool
+    from rlmegatron.controller.worker_group import RayWorkerGroup
+
+    for ranks in (1, 2):
+        pool = create_pool("trainer", 1, ranks, "cpu")
+        group = RayWorkerGroup(pool, Threads)
+        try:
+            assert group.call_all(Threads.count) == [max(1, os.cpu_count() // ranks)] * ranks
+        finally:
+            group.shutdown()
+            remove_placement_group(pool.placement_group)
+
+
+def test_the_first_failure_is_raised_and_the_others_are_not_printed_as_unhandled(ray, capfd):
     from rlmegatron.controller.worker_group import gather
     from rlmegatron.errors import user_error_in
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    try:
-        task = ray.remote(_rank)
-        refs = [task.remote(0), task.remote(1)]
-        with pytest.raises(ray.exceptions.RayTaskError) as raised:
-            gather(refs)
-        assert str(user_error_in(raised.value)) == "train.jsonl:3: not valid JSON (rank 0)"
-        del refs, raised
-        gc.collect()
-        time.sleep(2)  # Ray reports an error nobody fetched when its last reference goes
-    finally:
-        ray.shutdown()
+    task = ray.remote(_rank)
+    refs = [task.remote(0), task.remote(1)]
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        gather(refs)
+    assert str(user_error_in(raised.value)) == "train.jsonl:3: not valid JSON (rank 0)"
+    del refs, raised
+    gc.collect()
+    time.sleep(2)  # Ray reports an error nobody fetched when its last reference goes
     assert "Unhandled error" not in capfd.readouterr().err
