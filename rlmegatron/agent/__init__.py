@@ -1,3 +1,4 @@
-"""Multi-turn, tool-calling rollouts (`rollout.multi_turn`): tools and their sandbox (`tools`, `python_tool`), the
-tool-call formats (`parsers`), and the agent loop that builds each trajectory from token ids turn by turn (`loop`).
-Everything but `loop` is torch-free, so the spec checks and the preflight can load and check tool plug-ins."""
+"""Tools for multi-turn, tool-calling rollouts (`rollout.multi_turn`): the tool protocol, loading and checking
+plug-ins, calling them safely (`tools`), the sandboxed built-in `python` tool (`python_tool`) and the tool-call formats
+(`parsers`). Torch-free, so the spec checks and the preflight use it; the agent loop that drives the engines with it
+is `rollout.agent_loop`."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from rlmegatron.agent.loop import AgentSettings
+from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig

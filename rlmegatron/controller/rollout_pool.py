@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Optional
 
-from rlmegatron.agent.loop import AgentLoop
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import Place, ServerNode, generate_or_none, launch_spec, sglang_engine, this_place
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult

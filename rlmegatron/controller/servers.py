@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlmegatron.agent.loop import AgentLoop
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine

@@ -54,7 +54,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class AgentRecord:
-    """What a multi-turn sample did (`rlmegatron.agent.loop`)."""
+    """What a multi-turn sample did (`rlmegatron.rollout.agent_loop`)."""
 
     turns: int
     tool_calls: int

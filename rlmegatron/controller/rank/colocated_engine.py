@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rlmegatron.agent.loop import AgentLoop
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import generate_or_none, launch_spec, server_nodes, sglang_engine, this_place
 from rlmegatron.models.hf_config import DTYPES
