@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from rlmegatron.agent.parsers import ToolCall, ToolCallParser
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 
 
@@ -77,3 +78,19 @@ class Add:
 
     async def execute(self, args, context):
         return str(args["x"] + args["y"]), 0.0, {}
+
+
+class Echo:
+    """Answers every call with the same short text."""
+
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {}}}
+
+    async def execute(self, args, context):
+        return "ok", 0.0, {}
+
+
+class EveryTurn(ToolCallParser):
+    """A call to `echo` in every turn the model ends itself: makes a random model hold a conversation."""
+
+    def parse(self, text):
+        return [ToolCall("echo", {"said": text})]
