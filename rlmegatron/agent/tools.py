@@ -136,3 +136,30 @@ async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, ti
     except (TypeError, ValueError):
         return ToolOutcome(f"Error: the tool {tool_name(tool)} returned {type(answer).__name__}, not "
                            "(text, reward_delta, metrics)", error=True)
+
+
+class ToolsInPrompt:
+    """The tokenizer, with the tools' schemas handed to its chat template (`tools=`), which renders them into the
+    prompt as the model family expects (Qwen and Hermes: a system block listing them); everything else is the
+    tokenizer's own, so any dataset that templates its prompts declares the tools."""
+
+    def __init__(self, tokenizer: Any, schemas: Sequence[Mapping[str, Any]]) -> None:
+        self._tokenizer, self._schemas = tokenizer, [dict(schema) for schema in schemas]
+
+    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("tools", self._schemas)
+        return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def declaring_tools(tokenizer: Any, tools: Sequence[tuple[str, Mapping[str, Any]]]) -> Any:
+    """The tokenizer prompts are built with: one whose chat template lists `tools` (reference, config), if any."""
+    return ToolsInPrompt(tokenizer, [tool_class(reference).schema for reference, _ in tools]) if tools else tokenizer

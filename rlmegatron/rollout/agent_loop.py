@@ -110,7 +110,7 @@ class Trajectory:
         seed = self.sampling.seed
         if seed is not None:
             # Per sample and turn, so a trajectory samples the same whichever engine or batch serves it.
-            seed = ((seed * 1_000_003 + self.sample_index) * 1_009 + self.turns) % (2 ** 63)
+            seed = ((seed * 1_000_003 + self.sample_index) * 1_009 + self.turns) % (2 ** 31)
         sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=self.budget, seed=seed)
         return GenerationRequest(self.prompt + tuple(self.tokens), sampling)
 

@@ -107,3 +107,21 @@ def test_the_wall_limit_ends_a_snippet_that_waits():
 def test_python_tool_limits_are_checked():
     with pytest.raises(ValueError, match="memory_mb >= 32"):
         PythonTool(memory_mb=1)
+
+
+def test_the_prompts_declare_the_tools_through_the_chat_template():
+    from rlmegatron.agent.tools import declaring_tools
+    from rlmegatron.data.dataset import PromptEncoder
+    from rlmegatron.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    # As Qwen's templates do: the tools' schemas in a system block before the conversation.
+    tokenizer.chat_template = ("{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n"
+                               "{% endfor %}<|im_end|>\n{% endif %}" + tokenizer.chat_template)
+    messages = [{"role": "user", "content": "2+2?"}]
+    plain = tokenizer.decode(PromptEncoder(tokenizer)(messages))
+    declared = declaring_tools(tokenizer, [("python", {"cpu_s": 1})])
+    with_tools = tokenizer.decode(PromptEncoder(declared)(messages))
+    assert declaring_tools(tokenizer, []) is tokenizer and "python" not in plain
+    assert with_tools.startswith('<|im_start|>system\n{"type": "function", "function": {"name": "python"')
+    assert with_tools.endswith(plain) and len(declared) == len(tokenizer)
