@@ -1,7 +1,8 @@
-"""Regenerates the tool_lookup task's shipped assets: a 26-token tokenizer whose tool calls are single tokens, a tiny
+"""Regenerates the tool_lookup task's shipped assets: a 23-token tokenizer whose tool calls are single tokens, a tiny
 Qwen3 config and the task. The prompt is a key (`b`); each row has its own table of four keys to random digits, which
 only the `lookup` tool can read (tools.py), so the answer, table[key], cannot be guessed better than 1 in 10 without
-the call. Run: python configs/tool_lookup/make_assets.py"""
+the call. The chat template is the messages' text alone (as the quickstart's): the tool's answer is the last token
+the model sees before its own answer. Run: python configs/tool_lookup/make_assets.py"""
 import json
 import random
 from pathlib import Path
@@ -12,25 +13,19 @@ DIGITS = "0123456789"
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 # One token per whole Hermes call, so a tiny random model can find the call (1 token in 26) before it learns it.
 CALLS = [f'<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>' for key in KEYS]
-WORDS = ["user", "assistant", "tool"]
 CHARS = [*DIGITS, *KEYS, "\n", " "]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def build_tokenizer():
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *CALLS, *WORDS, *CHARS])}
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *CALLS, *CHARS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_tokens([AddedToken(token, normalized=False) for token in [*CALLS, *WORDS]])
+    core.add_tokens([AddedToken(token, normalized=False) for token in CALLS])
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>",
                                    additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE)
 

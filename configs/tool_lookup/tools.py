@@ -1,7 +1,6 @@
 """The tool_lookup task's tool: `lookup(key)` reads the row's own table (its extra_info), which the prompt does not
-show. The first call of a trajectory with the prompt's key earns a small reward delta, so a random policy finds the
-call before it can profit from copying the answer; a call after the first costs as much, so calling again is never
-better than answering."""
+show. A trajectory's first call with the prompt's key earns `first_call_reward`: answering with a guessed digit (1 in
+10 right) would otherwise pay more than a call does before the policy has learnt to use its answer."""
 
 
 class Lookup:
@@ -20,10 +19,8 @@ class Lookup:
 
     async def execute(self, args, context):
         table, key = context.extra_info["table"], args.get("key")
-        if key not in table:
-            return f"no key {key!r}; the keys are {', '.join(table)}", 0.0, {"lookup/misses": 1}
-        again = context.state["called"]
+        right = not context.state["called"] and key == context.extra_info["key"]
         context.state["called"] = True
-        right = not again and key == context.extra_info["key"]
-        reward = -self.first_call_reward if again else self.first_call_reward if right else 0.0
-        return table[key], reward, {"lookup/right_key": float(right), "lookup/again": float(again)}
+        if key not in table:
+            return f"no key {key!r}", 0.0, {"lookup/misses": 1}
+        return table[key], self.first_call_reward if right else 0.0, {"lookup/right_key": float(right)}
