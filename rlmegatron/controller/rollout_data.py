@@ -194,7 +194,8 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
     """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths."""
     batch = rollout.batch
     mask = batch.response_mask.bool()
-    response_lengths = batch.response_mask.sum(-1)
+    # Every response token, a multi-turn response's tool answers too: the budget they share is max_response_length.
+    response_lengths = batch.attention_mask[:, -batch.response_mask.shape[1]:].sum(-1)
     prompt_lengths = batch.attention_mask.sum(-1) - response_lengths
     metrics = {
         **_stats("critic/score", rollout.scores),

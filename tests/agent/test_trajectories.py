@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
-from rlmegatron.controller.rollout_data import build_batch, reward_inputs, scored, token_level
+from rlmegatron.controller.rollout_data import batch_metrics, build_batch, reward_inputs, scored, token_level
 from rlmegatron.data import Sample
 from rlmegatron.rewards import RewardResult
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
@@ -80,6 +80,11 @@ def test_a_conversation_with_several_tool_calls_is_the_sampled_tokens_and_the_re
     assert rollout.rewards.tolist() == [1.5]  # plus the two lookups' reward deltas
     tokens = token_level(rollout.rewards, batch.response_mask)
     assert tokens[0].nonzero().flatten().tolist() == [len(expected) - 1]
+    metrics = batch_metrics(rollout, 420)
+    assert metrics["response_length/mean"] == len(expected) and metrics["prompt_length/mean"] == len(prompt)
+    assert (metrics["agent/turns/mean"], metrics["agent/tool_calls/mean"], metrics["agent/tool_errors/sum"]) == (3, 3, 0)
+    assert metrics["agent/tokens_per_turn/mean"] == sum(map(len, turns)) / 3
+    assert (metrics["agent/tool_reward/mean"], metrics["agent/lookup/calls/mean"]) == (0.5, 2.0)
 
 
 def test_the_token_budget_ends_a_trajectory_inside_a_tool_answer_whose_last_model_token_takes_the_reward():
