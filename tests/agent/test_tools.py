@@ -1,8 +1,9 @@
 """Tool calls: the Hermes format, a tool's errors and timeouts as answers the model reads, and the python tool's
-sandbox containing an infinite loop, a fork bomb, a memory hog and a 10 MB print."""
+sandbox containing an infinite loop, a fork bomb, a memory hog and a 10 MB print while the trajectory goes on."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -11,6 +12,10 @@ import pytest
 from rlmegatron.agent.parsers import PARSERS, ToolCall, tool_call_parser
 from rlmegatron.agent.python_tool import PythonTool
 from rlmegatron.agent.tools import ToolContext, call_tool
+from rlmegatron.data.tokenizer import build_char_tokenizer
+from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from tests.agent.scripted import ScriptedEngine
 
 CONTEXT = ToolContext("0/0", {})
 
@@ -75,25 +80,38 @@ def test_the_python_tool_answers_with_what_the_snippet_prints_in_a_fresh_directo
 
 
 def test_the_python_tool_contains_a_loop_a_fork_bomb_a_memory_hog_a_huge_print_and_the_network():
-    tool = PythonTool(cpu_s=1, memory_mb=128, wall_s=30, max_output_bytes=1000)
+    """Through the agent loop: one model turn runs six snippets, each contained; the trajectory goes on to its answer."""
+    tokenizer = build_char_tokenizer()
+    snippets = ["while True:\n    pass",
+                "import os\nwhile True:\n    os.fork()",
+                "hog = bytearray(2 << 30)\nprint('allocated')",
+                "print('x' * 10_000_000)",
+                "import socket\nsocket.create_connection(('127.0.0.1', 9))\nprint('connected')",
+                "print('started', flush=True)\nwhile True:\n    pass"]
+    calls = "".join(f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+                    for code in snippets)
+    eos = tokenizer.eos_token_id
+    turns = [tokenizer.encode(calls) + [eos], tokenizer.encode("done") + [eos]]
+    settings = AgentSettings(max_turns=3, max_tool_response_length=2000, tool_call_format="hermes",
+                             tools=(("python", {"cpu_s": 1, "memory_mb": 128, "wall_s": 30, "max_output_bytes": 1000}),),
+                             tool_timeout_s=60, tokenizer_path="unused")
     start = time.perf_counter()
-    loop, fork, memory, flood, network, sleeper = run_python(
-        tool,
-        "while True:\n    pass",
-        "import os\nwhile True:\n    os.fork()",
-        "hog = bytearray(2 << 30)\nprint('allocated')",
-        "print('x' * 10_000_000)",
-        "import socket\nsocket.create_connection(('127.0.0.1', 9))\nprint('connected')",
-        "print('started', flush=True)\nwhile True:\n    pass",
-    )
+    (result,) = AgentLoop(settings, tokenizer).generate(
+        ScriptedEngine(turns, eos), [GenerationRequest((1, 5), SamplingSpec(max_new_tokens=20_000))])
     assert time.perf_counter() - start < 25  # the CPU limits ended the loops, not the 30 s wall limit
-    assert loop[0].endswith("[stopped: the CPU time limit of 1 s]") and loop[2]["python/limit_hits"] == 1
-    assert "PermissionError: the python tool does not allow os.fork" in fork[0]
-    assert "MemoryError" in memory[0] and "allocated" not in memory[0]
-    assert flood[0].startswith("x" * 1000) and len(flood[0]) < 1200  # the first 1000 bytes, and why it stopped
-    assert "File too large" in flood[0] or "output limit" in flood[0]
-    assert "Error" in network[0] and "connected" not in network[0]
-    assert sleeper[0].startswith("started") and sleeper[0].endswith("[stopped: the CPU time limit of 1 s]")
+    assert result.finish_reason == "stop" and result.agent.turns == 2 and result.agent.tool_calls == 6
+    assert tokenizer.decode(result.output_token_ids[result.agent.answer_start:], skip_special_tokens=True) == "done"
+    answers = tokenizer.decode([t for t, m in zip(result.output_token_ids, result.response_mask) if not m])
+    loop, fork, memory, flood, network, sleeper = [part.split("<|im_end|>")[0]
+                                                   for part in answers.split("<|im_start|>tool\n")[1:]]
+    assert loop.endswith("[stopped: the CPU time limit of 1 s]")
+    assert "PermissionError: the python tool does not allow os.fork" in fork
+    assert "MemoryError" in memory and "allocated" not in memory
+    assert flood.startswith("x" * 1000) and len(flood) < 1200  # the first 1000 bytes, and why it stopped
+    assert "File too large" in flood or "output limit" in flood
+    assert "Error" in network and "connected" not in network
+    assert sleeper.startswith("started") and sleeper.endswith("[stopped: the CPU time limit of 1 s]")
+    assert result.agent.tool_metrics["python/limit_hits"] >= 2 and result.agent.tool_metrics["python/errors"] == 6
 
 
 def test_the_wall_limit_ends_a_snippet_that_waits():
