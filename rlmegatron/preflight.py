@@ -15,9 +15,9 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.agent.tools import tool_problem
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
 from rlmegatron.models.families import read_architecture
-from rlmegatron.agent.tools import tool_problem
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
+from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings

@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 from typing import Optional
 
-from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import Place, ServerNode, generate_or_none, launch_spec, sglang_engine, this_place
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.rollout.sglang import SGLangEngine
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node

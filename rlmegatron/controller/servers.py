@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.rollout.sglang import EngineRestarted, SGLangEngine

@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch
 
-from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import generate_or_none, launch_spec, server_nodes, sglang_engine, this_place
 from rlmegatron.models.hf_config import DTYPES
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine, WeightStream
 from rlmegatron.rollout.local import LocalEngine
