@@ -57,27 +57,20 @@ class ToolTurns:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
-        closed = self._render(self._base, generation_prompt=False)
-        self._closed = closed
-        # What the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
-        self.closing = closed[closed.rindex(self._MARK) + len(self._MARK):]
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def text(self, answers: Sequence[tuple[str, str]], model_ended_with: str) -> str:
-        """The text after a model turn that ended with `model_ended_with` (its last token's text): the rest of the
-        turn's closing, the tool messages (name, content) and the opening of the model's next turn."""
-        closing = self.closing
-        if model_ended_with and closing.startswith(model_ended_with):
-            closing = closing[len(model_ended_with):]
+        """The text after a model turn that ended with `model_ended_with` (its last token's text): what the template
+        writes after the assistant's content (ChatML: the rest of "<|im_end|>\n"), the tool messages (name,
+        content) and the opening of the model's next turn. Only what follows the content is taken, so a template
+        that renders the assistant's own header differently once it is not the last message (Qwen3 drops an empty
+        think block) still appends consistently."""
         messages = self._base + [{"role": "tool", "name": name, "content": content} for name, content in answers]
-        full = self._render(messages, generation_prompt=True)
-        if not full.startswith(self._closed):
-            raise ValueError("the chat template renders the conversation before the tool messages differently once "
-                             "they follow, so tool answers cannot be appended turn by turn; use a template that "
-                             "renders earlier messages the same whatever comes after them")
-        return closing + full[len(self._closed):]
+        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if full.count(self._MARK) != 1:
+            raise ValueError("the chat template does not render an assistant message's content as it is, so tool "
+                             "answers cannot be appended after the model's turn; use a template that does")
+        after = full[full.index(self._MARK) + len(self._MARK):]
+        return after[len(model_ended_with):] if model_ended_with and after.startswith(model_ended_with) else after
 
     def tokens(self, answers: Sequence[tuple[str, str]], model_ended_with: str) -> list[int]:
         return self.tokenizer.encode(self.text(answers, model_ended_with), add_special_tokens=False)

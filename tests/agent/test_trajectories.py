@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
+from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings, ToolTurns
 from rlmegatron.controller.rollout_data import batch_metrics, build_batch, reward_inputs, scored, token_level
 from rlmegatron.data import Sample
 from rlmegatron.rewards import RewardResult
@@ -127,3 +127,20 @@ def test_a_malformed_or_unknown_call_and_a_tool_error_are_answers_the_model_read
     assert "Error: there is no tool 'search'; the tools are lookup, add" in answers
     assert "Error: KeyError: 'zz'" in answers
     assert (result.agent.tool_calls, result.agent.tool_errors, result.agent.turns) == (3, 3, 2)
+
+
+def test_tool_answers_follow_the_turn_where_the_template_renders_the_last_assistant_message_its_own_way():
+    tokenizer = bpe_chat_tokenizer()
+    # As Qwen3's template: the last assistant message gets an empty think block, an earlier one does not.
+    qwen3_like = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                  "{% if message['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% if message['role'] == 'tool' %}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+                  "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    turns = ToolTurns(tokenizer)
+    tokenizer.chat_template, original = qwen3_like, tokenizer.chat_template
+    try:
+        text = turns.text([("lookup", "3")], model_ended_with="<|im_end|>")
+    finally:
+        tokenizer.chat_template = original
+    assert text == "\n<|im_start|>tool\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
