@@ -13,6 +13,8 @@ A tool is a class (`path/to/tools.py:ClassName`, or a built-in name such as `pyt
 `context.extra_info` is the prompt row's extra_info (per-prompt data for a tool, verl's tools_kwargs), so a tool can
 answer each prompt differently. A call that raises or runs past its timeout does not stop the step: the model sees an
 error message as the tool's answer, and the trajectory's metrics count it.
+`execute` runs on the engine's event loop beside the other trajectories' calls: blocking work belongs in
+`await asyncio.to_thread(...)` or a subprocess (as the python tool does), else the timeout cannot interrupt it.
 """
 from __future__ import annotations
 
