@@ -15,6 +15,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.agent.tools import tool_problem
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
 from rlmegatron.models.families import read_architecture
 from rlmegatron.plugins import plugin_problem
@@ -260,3 +261,7 @@ class _Checks:
             if reason:
                 hint = f"; {call}" if reason.startswith(("cannot be called", "is not a function")) else ""
                 self.problem(field_name, reference, reason + hint)
+        for index, tool in enumerate(self.spec.rollout.multi_turn.tools):
+            reason = tool_problem(tool.plugin, tool.config)
+            if reason:
+                self.problem(f"rollout.multi_turn.tools[{index}].plugin", tool.plugin, reason)

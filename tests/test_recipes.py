@@ -12,6 +12,7 @@ RECIPES = {
     "gsm8k_qwen3_1p7b_grpo.yaml": 80,
     "gsm8k_qwen2p5_0p5b_grpo_24gb.yaml": 24,
     "gsm8k_qwen3_1p7b_ppo.yaml": 80,
+    "gsm8k_tool_qwen3_1p7b_grpo.yaml": 80,
     "dapo_qwen3_1p7b.yaml": 80,
     "qwen3_30b_a3b_grpo.yaml": 80,
     "deepseek_v3_671b_grpo.yaml": 80,

@@ -120,6 +120,14 @@ def dataset_class(a: Assets, file: str, source: str) -> list[str]:
     return plugin(a, "data.dataset_class", file, source, "Prompts")
 
 
+TOOL_SCHEMA = 'class Tool:\n    schema = {"type": "function", "function": {"name": "t", "parameters": {}}}\n'
+TOOL_EXECUTE = "    async def execute(self, args, context): ...\n"
+
+
+def tools(a: Assets, file: str, source: str, config: str = "{}") -> list[str]:
+    return [f"rollout.multi_turn.tools=[{{plugin: '{a.text(file, source)}:Tool', config: {config}}}]"]
+
+
 def corrupted(a: Assets) -> bytes:
     """A parquet file whose footer is intact and whose first data pages are garbage."""
     data = bytearray(Path(a.parquet("to_corrupt.parquet", rows(64))).read_bytes())
@@ -191,6 +199,23 @@ CASES = {
                                     "compute_score(data_source, solution_str, ground_truth, extra_info)")),
     "reward-not-callable": Case(validating(lambda a: reward(a, "const_reward.py", "compute_score = 1.0\n")),
                                 ("reward.function=", "is not a function", "it is of type float")),
+    "tool-unknown-builtin": Case(validate("rollout.multi_turn.tools=[{plugin: pyhton}]"),
+                                 ("rollout.multi_turn.tools[0].plugin=pyhton", "neither a built-in tool (python)")),
+    "tool-without-schema": Case(validating(lambda a: tools(a, "no_schema.py", "class Tool:\n"
+                                                                 "    async def execute(self, args, context): ...\n")),
+                                ("rollout.multi_turn.tools[0].plugin=", "`schema` in the OpenAI function format")),
+    "tool-execute-not-async": Case(validating(lambda a: tools(a, "sync_tool.py", TOOL_SCHEMA +
+                                                              "    def execute(self, args, context): ...\n")),
+                                   ("rollout.multi_turn.tools[0].plugin=", "needs `async def execute(self, args, ")),
+    "tool-config-not-accepted": Case(validating(lambda a: tools(a, "tool.py", TOOL_SCHEMA + TOOL_EXECUTE,
+                                                                config="{colour: red}")),
+                                     ("rollout.multi_turn.tools[0].plugin=", "unexpected keyword argument 'colour'",
+                                      "tools[].config holds its keyword arguments")),
+    "tool-call-format-unknown": Case(validate("rollout.multi_turn.tools=[{plugin: python}]",
+                                              "rollout.multi_turn.tool_call_format=json"),
+                                     ("rollout.multi_turn.tool_call_format=json", "known: hermes")),
+    "multi-turn-setting-without-tools": Case(validate("rollout.multi_turn.max_turns=3"),
+                                             ("rollout.multi_turn.max_turns=3", "rollout.multi_turn.tools is empty")),
     "dataset-class-file-missing": Case(validate("data.dataset_class=/no/such/data.py:Prompts"),
                                        ("data.dataset_class=/no/such/data.py:Prompts", "is not a file")),
     "dataset-class-name-missing": Case(validating(lambda a: dataset_class(a, "empty_data.py", "X = 1\n")),

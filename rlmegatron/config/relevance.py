@@ -140,6 +140,9 @@ RULES: tuple[Rule, ...] = (
          lambda s: s.rollout.engine == "sglang", _sglang_only,
          # The router fields have their own check (config/checks.py), which names the engine to use.
          exempt=("rollout.sglang.router", "rollout.sglang.router_url")),
+    Rule(("rollout.multi_turn.",), lambda s: bool(s.rollout.multi_turn.tools),
+         lambda s: "only multi-turn rollouts use it, and rollout.multi_turn.tools is empty; add the tools or remove it",
+         exempt=("rollout.multi_turn.tools",)),
     Rule(("rollout.sglang.router_args",),
          lambda s: s.rollout.engine != "sglang" or (s.rollout.sglang.router and not s.rollout.sglang.router_url),
          lambda s: "only applies to a router rlm train starts (rollout.sglang.router=true without router_url); "

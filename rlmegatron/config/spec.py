@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from rlmegatron.agent.parsers import PARSERS
 from rlmegatron.plugins import is_plugin_reference
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -61,6 +62,12 @@ def _require_generation_rounds(value: int) -> int:
         # verl reads 0 as "no limit", which never ends a step whose groups all keep scoring the same.
         raise ValueError("must be a number of generation rounds >= 1 (0, verl's 'no limit', could generate "
                          "forever when every group scores the same); e.g. 10")
+    return value
+
+
+def _require_tool_call_format(value: str) -> str:
+    if value not in PARSERS:
+        raise ValueError(f"unknown tool-call format; known: {', '.join(sorted(PARSERS))}")
     return value
 
 
@@ -311,6 +318,31 @@ class SGLangConfig(Section):
     """Extra router flags, passed verbatim like extra_args (e.g. policy: round_robin)."""
 
 
+class ToolConfig(Section):
+    plugin: Text
+    """A built-in tool (`python`: sandboxed Python snippets) or a plug-in class path/to/tools.py:ClassName with an
+    OpenAI function `schema` and `async def execute(self, args, context) -> (text, reward_delta, metrics)`."""
+    config: dict[str, Any] = {}
+    """Keyword arguments of the class (python: cpu_s, memory_mb, wall_s, max_output_bytes)."""
+
+
+class MultiTurnConfig(Section):
+    """Multi-turn, tool-calling rollouts (rlmegatron/agent): between its turns the model may call tools, whose
+    answers join the response as tokens it did not write (masked out of the loss)."""
+
+    tools: list[ToolConfig] = []
+    """The tools the model may call; none: every rollout is a single completion."""
+    max_turns: PositiveInt = 5
+    """Model turns per trajectory; the last one's tool calls are not answered."""
+    max_tool_response_length: PositiveInt = 256
+    """Tokens of one tool answer; a longer one is cut and says so. The whole response, tool answers included,
+    stays within rollout.max_new_tokens."""
+    tool_call_format: Annotated[str, AfterValidator(_require_tool_call_format)] = "hermes"
+    """How the model writes tool calls: hermes is Hermes/Qwen's <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one tool call may take; past them the model is told it timed out."""
+
+
 class RolloutConfig(SamplingParams):
     n: PositiveInt = 8
     """Responses sampled per prompt; the group-relative default estimator (grpo) needs a group."""
@@ -334,6 +366,7 @@ class RolloutConfig(SamplingParams):
     """Sequences per forward pass on each data-parallel rank when the actor recomputes the rollout's log-probs (the
     old log-probs; ignored with actor.use_dynamic_bsz); null follows actor.ppo_micro_batch_size_per_gpu."""
     val_kwargs: ValSamplingParams = Field(default_factory=ValSamplingParams)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
 
 class OverlongBufferConfig(Section):

@@ -254,7 +254,8 @@ _NO_LORA = "LoRA is not supported: rlmegatron trains every weight"
 _CHECKPOINTS = ("checkpoints always hold the model, the optimizer and the trainer state; "
                 "trainer.save_freq and trainer.max_ckpt_to_keep set when and how many")
 _PROFILER = "profiling is not built in; run under nsys or torch.profiler yourself"
-_SINGLE_TURN = "multi-turn rollouts, tools and agent loops are not supported: each prompt gets one response"
+_SINGLE_TURN = ("verl's multi-turn and agent-loop keys do not translate one to one: list the tools (plug-in classes) in "
+                "rollout.multi_turn.tools and set rollout.multi_turn.max_turns and max_tool_response_length")
 _NO_REWARD_MODEL = ("model-based rewards are not supported: score with a reward function "
                     "(custom_reward_function.path, rlmegatron's reward.function)")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlmegatron import reaper
+from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec, SpecError
 from rlmegatron.config.checks import schedule_problems
@@ -76,7 +77,7 @@ def start_ray(spec: JobSpec) -> None:
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
-    tokenizer = ready_to_launch(spec)
+    tokenizer = declaring_tools(ready_to_launch(spec), [(t.plugin, t.config) for t in spec.rollout.multi_turn.tools])
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None

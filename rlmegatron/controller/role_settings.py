@@ -18,6 +18,7 @@ from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
+from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
@@ -76,6 +77,8 @@ class RolloutSettings:
     """sglang_router's own flags, when rlmegatron starts it (`rollout.sglang.router`)."""
     startup_timeout_s: float
     log_dir: str
+    multi_turn: Optional[AgentSettings] = None
+    """The agent loop the engines run each request through (`rollout.multi_turn`); None: single completions."""
 
     @property
     def weight_group_backend(self) -> str:
@@ -222,6 +225,22 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
         log_dir=str(Path(spec.trainer.run_dir) / "logs"),
+        multi_turn=agent_settings(spec),
+    )
+
+
+def agent_settings(spec: JobSpec) -> Optional[AgentSettings]:
+    multi_turn = spec.rollout.multi_turn
+    if not multi_turn.tools:
+        return None
+    return AgentSettings(
+        max_turns=multi_turn.max_turns,
+        max_tool_response_length=multi_turn.max_tool_response_length,
+        tool_call_format=multi_turn.tool_call_format,
+        tools=tuple((tool.plugin, dict(tool.config)) for tool in multi_turn.tools),
+        tool_timeout_s=multi_turn.tool_timeout_s,
+        tokenizer_path=spec.model.tokenizer_path,
+        trust_remote_code=spec.model.trust_remote_code,
     )
 
 

@@ -1,6 +1,7 @@
 """Driver-side rollout data: prompts -> requests, engine results -> a RolloutBatch, scores and step metrics."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -81,21 +82,14 @@ def merge_results(shares: list[list[GenerationRequest]], answers: list[list[Gene
     """Per-engine results -> one list whose request_index counts over all requests."""
     merged, offset = [], 0
     for share, results in zip(shares, answers):
-        for result in results:
-            merged.append(GenerationResult(
-                request_index=result.request_index + offset,
-                sample_index=result.sample_index,
-                output_token_ids=result.output_token_ids,
-                output_token_logprobs=result.output_token_logprobs,
-                finish_reason=result.finish_reason,
-                weight_version=result.weight_version,
-            ))
+        merged += [dataclasses.replace(result, request_index=result.request_index + offset) for result in results]
         offset += len(share)
     return merged
 
 
 def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], response_width: int) -> RolloutBatch:
-    """Left-padded prompts then right-padded responses; rollout log-probs aligned with response_mask."""
+    """Left-padded prompts then right-padded responses; rollout log-probs aligned with response_mask, which is 0 on
+    a multi-turn response's tool answers (`GenerationResult.response_mask`)."""
     prompt_width = max(len(p) for p in prompt_ids)
     rows = len(results)
     input_ids = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
@@ -107,7 +101,7 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
         input_ids[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
         input_ids[row, prompt_width : prompt_width + len(out)] = out
         attention_mask[row, prompt_width - len(prompt) : prompt_width + len(out)] = 1
-        response_mask[row, : len(out)] = 1
+        response_mask[row, : len(out)] = 1 if result.response_mask is None else torch.tensor(result.response_mask)
         rollout_log_probs[row, : len(out)] = torch.tensor(result.output_token_logprobs)
     return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs)
 
@@ -128,11 +122,13 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
 
 
 def reward_inputs(prompts: list[Sample], results: list[GenerationResult], tokenizer: Any) -> list[RewardInput]:
+    """What the reward function reads; of a multi-turn response, the model's last turn (its final answer)."""
     return [
         RewardInput(
             sample_id=f"{prompt.sample_id}/{result.sample_index}",
             data_source=prompt.data_source,
-            solution_str=tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+            solution_str=tokenizer.decode(result.output_token_ids[result.agent.answer_start if result.agent else 0:],
+                                          skip_special_tokens=True),
             ground_truth=prompt.ground_truth,
             response_length=len(result.output_token_ids),
             extra_info=prompt.extra_info,
@@ -160,24 +156,30 @@ def traced_samples(rollout: Rollout, tokenizer: Any, prompts: int | None) -> lis
             "sample_id": prompt.sample_id,
             "sample": result.sample_index,
             "prompt": prompt_texts[uid],
-            "response": tokenizer.decode(result.output_token_ids, skip_special_tokens=True),
+            # A multi-turn response keeps its template tokens, which show where turns and tool answers begin.
+            "response": tokenizer.decode(result.output_token_ids, skip_special_tokens=result.agent is None),
             "ground_truth": str(prompt.ground_truth),
             "score": float(rollout.scores[row]),
             "reward": float(rollout.rewards[row]),
             "response_length": len(result.output_token_ids),
+            **({} if result.agent is None else {"turns": result.agent.turns, "tool_calls": result.agent.tool_calls,
+                                                "tool_errors": result.agent.tool_errors}),
         })
     return samples
 
 
 def scored(prompts: list[Sample], uids: list[int], results: list[GenerationResult], batch: RolloutBatch,
            reward: RewardResult) -> Rollout:
+    """The reward is the reward manager's plus, for a multi-turn response, its tools' reward deltas."""
+    tool_rewards = torch.tensor([r.agent.tool_reward if r.agent else 0.0 for r in results], dtype=torch.float32)
     return Rollout(prompts, uids, results, batch, torch.tensor(reward.scores, dtype=torch.float32),
-                   torch.tensor(reward.rewards, dtype=torch.float32), reward.metrics)
+                   torch.tensor(reward.rewards, dtype=torch.float32) + tool_rewards, reward.metrics)
 
 
 def token_level(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """A sequence reward placed on its last response token."""
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    """A sequence reward placed on its last model token (a multi-turn response may end with a tool's answer)."""
+    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    last = ((response_mask > 0) * positions).argmax(-1)
     tokens = torch.zeros_like(response_mask)
     tokens[torch.arange(len(last)), last] = per_sequence
     return tokens * response_mask
@@ -192,7 +194,8 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
     """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths."""
     batch = rollout.batch
     mask = batch.response_mask.bool()
-    response_lengths = batch.response_mask.sum(-1)
+    # Every response token, a multi-turn response's tool answers too: the budget they share is max_response_length.
+    response_lengths = batch.attention_mask[:, -batch.response_mask.shape[1]:].sum(-1)
     prompt_lengths = batch.attention_mask.sum(-1) - response_lengths
     metrics = {
         **_stats("critic/score", rollout.scores),
@@ -204,4 +207,23 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
     for name, value in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
         if value is not None:
             metrics.update(_stats(f"critic/{name}", value[mask]))
+    return metrics | agent_metrics(rollout.results)
+
+
+def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:
+    """Multi-turn rollouts: turns per trajectory, tool calls, errors and timeouts, model tokens per turn, and the
+    tools' own metrics (summed per trajectory, averaged here); none for single completions."""
+    records = [(r.agent, sum(r.response_mask)) for r in results if r.agent is not None]
+    if not records:
+        return {}
+    metrics = {
+        **_stats("agent/turns", torch.tensor([a.turns for a, _ in records])),
+        **_stats("agent/tool_calls", torch.tensor([a.tool_calls for a, _ in records])),
+        "agent/tool_errors/sum": float(sum(a.tool_errors for a, _ in records)),
+        "agent/tool_timeouts/sum": float(sum(a.tool_timeouts for a, _ in records)),
+        **_stats("agent/tokens_per_turn", torch.tensor([tokens / max(a.turns, 1) for a, tokens in records])),
+        "agent/tool_reward/mean": sum(a.tool_reward for a, _ in records) / len(records),
+    }
+    for name in sorted({name for a, _ in records for name in a.tool_metrics}):
+        metrics[f"agent/{name}/mean"] = sum(a.tool_metrics.get(name, 0.0) for a, _ in records) / len(records)
     return metrics

@@ -7,6 +7,7 @@ from typing import Optional
 
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import Place, ServerNode, generate_or_none, launch_spec, sglang_engine, this_place
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.rollout.sglang import SGLangEngine
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node
@@ -20,6 +21,7 @@ class EngineHost:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
         self.engine: Optional[SGLangEngine] = None
+        self.agent: Optional[AgentLoop] = None
         self.node_process: Optional[ServerProcess] = None
 
     def place(self) -> Place:
@@ -32,6 +34,7 @@ class EngineHost:
             self.node_process = launch_node(server, self.settings.log_dir)
             return None
         self.engine = sglang_engine(self.settings, server, self.settings.model.hf_config())
+        self.agent = AgentLoop(self.settings.multi_turn) if self.settings.multi_turn else None
         return self.engine.spec.url
 
     def relaunch(self) -> None:
@@ -44,7 +47,7 @@ class EngineHost:
 
     def generate(self, requests: list[GenerationRequest],
                  progress: Progress = None) -> Optional[list[GenerationResult]]:
-        return generate_or_none(self.engine, requests, progress)
+        return generate_or_none(self.engine, requests, progress, self.agent)
 
     def weights_pushed(self, version: str) -> None:
         """The trainer broadcast `version` to this server, around the engine, over its weight-update group."""

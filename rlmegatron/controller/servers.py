@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlmegatron.controller.role_settings import RolloutSettings
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.rollout.sglang import EngineRestarted, SGLangEngine
@@ -107,12 +108,13 @@ def sglang_engine(settings: RolloutSettings, server: ServerSpec, hf_config, ipc_
     )
 
 
-def generate_or_none(engine: RolloutEngine, requests: list[GenerationRequest],
-                     progress: Progress = None) -> Optional[list[GenerationResult]]:
-    """None: the engine was restarted mid-call and needs the weights before the requests are sent again."""
+def generate_or_none(engine: RolloutEngine, requests: list[GenerationRequest], progress: Progress = None,
+                     agent: Optional[AgentLoop] = None) -> Optional[list[GenerationResult]]:
+    """Through the agent loop when there is one (multi-turn). None: the engine was restarted mid-call and needs the
+    weights before the requests are sent again."""
     if not requests:
         return []
     try:
-        return engine.generate(requests, progress)
+        return engine.generate(requests, progress) if agent is None else agent.generate(engine, requests, progress)
     except EngineRestarted:
         return None

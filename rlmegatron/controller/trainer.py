@@ -192,7 +192,7 @@ class Trainer:
         # One seed per request, so a request's samples do not depend on which engine serves it.
         requests = [
             GenerationRequest(tuple(p.prompt_ids), sampling_spec(
-                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i))
+                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info)
             for i, p in enumerate(prompts)
         ]
         shares = shard_requests(requests, self.engines.count)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence, Union
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -44,10 +44,28 @@ class SamplingSpec:
 class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    tool_context: Optional[Mapping[str, Any]] = field(default=None, hash=False, compare=False)
+    """Multi-turn: the prompt row's extra_info, which its tools see (`agent.tools.ToolContext`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """What a multi-turn sample did (`rlmegatron.rollout.agent_loop`)."""
+
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    """Calls that raised, timed out, named no known tool or could not be read."""
+    tool_timeouts: int
+    tool_reward: float
+    """The sum of the tools' reward deltas, added to the sample's reward."""
+    answer_start: int
+    """Where the model's last turn (its final answer) starts in `output_token_ids`."""
+    tool_metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,10 @@ class GenerationResult:
     output_token_logprobs: tuple[float, ...]
     finish_reason: FinishReason
     weight_version: str | None = None
+    response_mask: tuple[int, ...] | None = None
+    """Multi-turn: 1 on the model's tokens, 0 on tool answers and template tokens (whose log-probs are 0);
+    None: every output token is the model's."""
+    agent: AgentRecord | None = None
 
 
 class RolloutEngine(abc.ABC):

@@ -292,14 +292,15 @@ class SGLangEngine(RolloutEngine):
         samples = [(i, s, request) for i, request in enumerate(requests) for s in range(request.sampling.n)]
 
         def one(sample) -> GenerationResult:
-            result = self._generate_one(*sample)
+            result = self.generate_one(*sample)
             report(progress)
             return result
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(samples)))) as pool:
             return list(pool.map(one, samples))
 
-    def _generate_one(self, request_index: int, sample_index: int, request: GenerationRequest) -> GenerationResult:
+    def generate_one(self, request_index: int, sample_index: int, request: GenerationRequest) -> GenerationResult:
+        """Sample `sample_index` of a request; safe to call from many threads at once (the agent loop does)."""
         spec = request.sampling
         if spec.seed is not None:
             # Distinct but reproducible seeds for the n samples of one request.

@@ -329,3 +329,38 @@ def test_compute_advantages_runs_a_plugin_with_the_inputs_it_names(tmp_path):
     assert_close(returns, _broadcast(SCORES, mask))
     with pytest.raises(ValueError, match="needs 'group_index'"):
         compute_advantages(reference, rewards, mask)
+
+
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS.names())
+def test_every_estimator_sees_a_multi_turn_response_as_its_model_tokens_alone(estimator):
+    """A multi-turn response's tool answers are holes in its mask (0 between model tokens): on the model tokens,
+    every estimator gives what it gives on the same responses with the holes cut out, and 0 in the holes."""
+    generator = torch.Generator().manual_seed(5)
+    model_tokens = [3, 5, 2, 4, 4, 1]
+    holes = [[1, 2], [0, 3, 3], [], [2], [1, 1, 1], []]  # hole lengths after model tokens 1, 2, ...
+    width = max(m + sum(h) for m, h in zip(model_tokens, holes))
+    holed, compact = torch.zeros(6, width), torch.zeros(6, max(model_tokens))
+    columns = []
+    for row, (count, row_holes) in enumerate(zip(model_tokens, holes)):
+        position, kept = 0, []
+        for token in range(count):
+            kept.append(position)
+            position += 1 + (row_holes[token] if token < len(row_holes) else 0)
+        columns.append(kept)
+        holed[row, kept] = 1.0
+        compact[row, :count] = 1.0
+    scores = torch.rand(6, generator=generator, dtype=torch.float64)
+    values_compact = torch.randn(6, compact.shape[1], generator=generator, dtype=torch.float64)
+    values_holed = torch.zeros(6, width, dtype=torch.float64)
+    for row, kept in enumerate(columns):
+        values_holed[row, kept] = values_compact[row, : len(kept)]
+    inputs = dict(group_index=np.array(["a", "a", "a", "b", "b", "b"], dtype=object),
+                  reward_baselines=torch.rand(6, generator=generator, dtype=torch.float64), gamma=0.9, lam=0.8)
+    holed_advantages, holed_returns = compute_advantages(estimator, outcome_rewards(scores, holed.double()),
+                                                         holed.double(), values=values_holed, **inputs)
+    compact_advantages, compact_returns = compute_advantages(estimator, outcome_rewards(scores, compact.double()),
+                                                             compact.double(), values=values_compact, **inputs)
+    for row, kept in enumerate(columns):
+        assert_close(holed_advantages[row, kept], compact_advantages[row, : len(kept)])
+        assert_close(holed_returns[row, kept], compact_returns[row, : len(kept)])
+    assert holed_advantages[holed == 0].abs().sum() == 0 and holed_returns[holed == 0].abs().sum() == 0

@@ -18,6 +18,14 @@ RANK_OPTIMIZER = ROLES + "test_a_rank_built_from_the_spec_steps_with_its_optimiz
 RANK_BATCHING = ROLES + "test_a_rank_built_from_the_spec_batches_its_updates_as_the_spec_says"
 RANK_MODEL = ROLES + "test_a_rank_built_from_the_spec_has_its_dtype_seed_and_critic_init"
 
+# Multi-turn rollouts (rlmegatron/agent).
+AGENT_SETTINGS = ROLES + "test_the_multi_turn_section_reaches_the_engines_agent_loop"
+AGENT_TOKENS = ("tests/agent/test_trajectories.py::"
+                "test_a_conversation_with_several_tool_calls_is_the_sampled_tokens_and_the_rendered_answers")
+AGENT_TURNS = "tests/agent/test_trajectories.py::test_max_turns_ends_a_trajectory_that_keeps_calling_and_a_long_answer_is_cut"
+AGENT_CALLS = "tests/agent/test_tools.py::test_hermes_reads_every_call_of_a_turn_and_names_what_is_malformed"
+TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead"
+
 # The fit loop on the pure-Python rig (tests/controller/fit_rig.py).
 FIT = "tests/controller/test_fit_loop_settings.py::"
 SAMPLING = FIT + "test_rollout_sampling_settings_reach_every_request_and_the_batch"
@@ -287,6 +295,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.log_prob_micro_batch_size_per_gpu": ("sequences per old-log-prob micro-batch", (OLD_LOG_PROB_BATCHES,)),
     "rollout.max_new_tokens": ("generation length and batch width", (SAMPLING,)),
     "rollout.mem_fraction_static": ("SGLang static memory share", (LAUNCH,)),
+    "rollout.multi_turn.max_tool_response_length": ("tokens of one tool answer", (AGENT_SETTINGS, AGENT_TURNS)),
+    "rollout.multi_turn.max_turns": ("model turns per trajectory", (AGENT_SETTINGS, AGENT_TURNS)),
+    "rollout.multi_turn.tool_call_format": ("how tool calls are read from a turn", (AGENT_SETTINGS, AGENT_CALLS)),
+    "rollout.multi_turn.tool_timeout_s": ("seconds a tool call may take", (AGENT_SETTINGS, TOOL_TIMEOUT)),
+    "rollout.multi_turn.tools": ("the tools, and multi-turn rollouts at all", (AGENT_SETTINGS, AGENT_TOKENS)),
     "rollout.n": ("samples per prompt", (SAMPLING, RAY_LOOP)),
     "rollout.num_gpus": ("GPUs the engines use", (ENGINE_POOL,)),
     "rollout.seed": ("sampling seeds of rollout and validation", (SAMPLING, VALIDATION)),

@@ -9,7 +9,13 @@ import pytest
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import spec_from_raw
 # Where the spec becomes role settings; one import line to repoint when that code moves.
-from rlmegatron.controller.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout
+from rlmegatron.controller.role_settings import (
+    _offload_parts,
+    actor_settings,
+    critic_settings,
+    parallel_layout,
+    rollout_settings,
+)
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from rlmegatron.workers import OptimizerSettings
 from tests.config.specs import minimal_spec
@@ -83,6 +89,17 @@ def test_the_actor_gets_the_chosen_loss_and_every_knob():
     no_dual_clip = actor_settings(spec_from_raw(minimal_spec(), ["actor.clip_ratio_c=null"]), 1)
     assert no_dual_clip.policy_loss_config.clip_ratio_c is None
     assert actor_settings(spec_from_raw(minimal_spec(), ["algorithm.adv_estimator=gspo"]), 1).policy_loss == "gspo"
+
+
+def test_the_multi_turn_section_reaches_the_engines_agent_loop():
+    assert rollout_settings(spec()).multi_turn is None  # no tools: single completions, no agent loop
+    settings = rollout_settings(spec(
+        "rollout.multi_turn.tools=[{plugin: python, config: {cpu_s: 2}}, {plugin: tools.py:Lookup}]",
+        "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tool_response_length=17",
+        "rollout.multi_turn.tool_timeout_s=2.5", "model.tokenizer_path=some/tokenizer")).multi_turn
+    assert (settings.max_turns, settings.max_tool_response_length, settings.tool_timeout_s) == (3, 17, 2.5)
+    assert settings.tools == (("python", {"cpu_s": 2}), ("tools.py:Lookup", {}))
+    assert (settings.tool_call_format, settings.tokenizer_path) == ("hermes", "some/tokenizer")
 
 
 def test_the_actor_layout_is_the_spec_layout():

@@ -16,6 +16,7 @@ import torch
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import generate_or_none, launch_spec, server_nodes, sglang_engine, this_place
 from rlmegatron.models.hf_config import DTYPES
+from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine, WeightStream
 from rlmegatron.rollout.local import LocalEngine
@@ -68,6 +69,7 @@ class ColocatedEngine:
             self.index, self.leader = torch.distributed.get_rank(), _local_engine(settings, hf_config)
         else:
             self._join_sglang_engine(settings, hf_config)
+        self.agent = AgentLoop(settings.multi_turn) if settings.multi_turn and self.leader is not None else None
         self.asleep = False
 
     def _join_sglang_engine(self, settings: RolloutSettings, hf_config) -> None:
@@ -101,7 +103,7 @@ class ColocatedEngine:
 
     def generate(self, requests: list[GenerationRequest],
                  progress: Progress = None) -> Optional[list[GenerationResult]]:
-        return generate_or_none(self.leader, requests, progress)
+        return generate_or_none(self.leader, requests, progress, self.agent)
 
     def release_memory(self) -> None:
         """The engine gives its memory back while the trainer runs; the next weights wake it."""

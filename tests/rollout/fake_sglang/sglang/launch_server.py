@@ -67,6 +67,7 @@ class FakeServer:
         self.weight_version = "default"
         self.released = set()
         self.generates = 0
+        self.in_flight = 0
         self.lock = threading.Lock()
         self.groups = {}
         self.nodes_joined = threading.Event()
@@ -100,6 +101,15 @@ class FakeServer:
         with self.lock:
             self.generates += 1
             count = self.generates
+            self.in_flight += 1
+            in_flight = self.in_flight
+        try:
+            return self._generate(body, params, count, in_flight)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def _generate(self, body, params, count, in_flight):
         if count == self.args.fake_die_after_generates and self.first_to_die():
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
@@ -112,7 +122,8 @@ class FakeServer:
                 finish = {"type": "stop", "matched": token}
                 break
         logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
-        self.record("/generate", input_ids=body["input_ids"])
+        # in_flight: the requests this server held at once when this one arrived (the agent loop sends many).
+        self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight)
         return {"output_ids": output_ids, "meta_info": {
             "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,

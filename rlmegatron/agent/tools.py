@@ -1,0 +1,167 @@
+"""Tools a policy calls during a rollout: the plug-in protocol, loading and checking plug-ins, and calling one safely.
+
+A tool is a class (`path/to/tools.py:ClassName`, or a built-in name such as `python`) built once per engine as
+`Class(**config)`. It declares itself in the OpenAI function schema and answers calls asynchronously:
+
+    class Lookup:
+        schema = {"type": "function", "function": {"name": "lookup", "description": "...",
+                  "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+        async def execute(self, args, context): return text, reward_delta, metrics
+        async def create(self, context): ...    # optional: per-trajectory state, in context.state
+        async def release(self, context): ...   # optional
+
+`context.extra_info` is the prompt row's extra_info (per-prompt data for a tool, verl's tools_kwargs), so a tool can
+answer each prompt differently. A call that raises or runs past its timeout does not stop the step: the model sees an
+error message as the tool's answer, and the trajectory's metrics count it.
+`execute` runs on the engine's event loop beside the other trajectories' calls: blocking work belongs in
+`await asyncio.to_thread(...)` or a subprocess (as the python tool does), else the timeout cannot interrupt it.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from rlmegatron.errors import UserError
+from rlmegatron.plugins import PluginError, call_problem, load_plugin
+
+
+class ToolError(UserError, ValueError):
+    """A tool plug-in that cannot serve: the message names it and the fix."""
+
+
+@dataclass
+class ToolContext:
+    """One trajectory, as its tools see it."""
+
+    trajectory_id: str
+    extra_info: Mapping[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
+    """Free for the tools' own per-trajectory state (set up in `create`)."""
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    text: str
+    reward: float = 0.0
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    error: bool = False
+    timed_out: bool = False
+
+
+def builtin_tools() -> dict[str, type]:
+    from rlmegatron.agent.python_tool import PythonTool  # lazy: the sandbox's runner text is only needed when used
+
+    return {"python": PythonTool}
+
+
+def tool_class(reference: str) -> type:
+    builtin = builtin_tools()
+    return builtin[reference] if reference in builtin else load_plugin(reference)
+
+
+def tool_name(tool: Any) -> str:
+    return tool.schema["function"]["name"]
+
+
+def tool_problem(reference: str, config: Mapping[str, Any]) -> str | None:
+    """Why the tool `reference` cannot be built with `config` or called as the agent loop calls it; None if it can.
+    Builds nothing and calls nothing."""
+    if reference not in builtin_tools() and ":" not in reference:
+        return (f"is neither a built-in tool ({', '.join(sorted(builtin_tools()))}) nor a plug-in "
+                "path/to/tools.py:ClassName")
+    try:
+        cls = tool_class(reference)
+    except PluginError as err:
+        return str(err).removeprefix(f"{reference!r}: ")
+    except Exception as err:  # the user's module failed while importing
+        return f"importing {reference.rpartition(':')[0]} raised {type(err).__name__}: {err}"
+    if not inspect.isclass(cls):
+        return f"is a {type(cls).__name__}, not a class; a tool is a class with `schema` and `async def execute`"
+    schema_problem = _schema_problem(getattr(cls, "schema", None))
+    if schema_problem:
+        return schema_problem
+    problem = call_problem(cls, [], config.keys())
+    if problem:
+        return f"{problem} (rollout.multi_turn.tools[].config holds its keyword arguments)"
+    for method, required in (("execute", True), ("create", False), ("release", False)):
+        function = getattr(cls, method, None)
+        if function is None and not required:
+            continue
+        if function is None or not inspect.iscoroutinefunction(function):
+            return f"needs `async def {method}(self, {'args, ' if method == 'execute' else ''}context)`"
+        arguments = ["self", "args", "context"] if method == "execute" else ["self", "context"]
+        problem = call_problem(function, arguments)
+        if problem:
+            return f"{method} {problem}"
+    return None
+
+
+def _schema_problem(schema: Any) -> str | None:
+    function = schema.get("function") if isinstance(schema, Mapping) else None
+    if (not isinstance(schema, Mapping) or schema.get("type") != "function" or not isinstance(function, Mapping)
+            or not isinstance(function.get("name"), str) or not function["name"]
+            or not isinstance(function.get("parameters", {}), Mapping)):
+        return ('needs a class attribute `schema` in the OpenAI function format: {"type": "function", "function": '
+                '{"name": ..., "description": ..., "parameters": {JSON schema}}}')
+    return None
+
+
+def build_tools(entries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The tools of `rollout.multi_turn.tools` (reference, config), by their schema names."""
+    tools: dict[str, Any] = {}
+    for reference, config in entries:
+        problem = tool_problem(reference, config)
+        if problem:
+            raise ToolError(f"rollout.multi_turn.tools: {reference}: {problem}")
+        tool = tool_class(reference)(**config)
+        if tool_name(tool) in tools:
+            raise ToolError(f"rollout.multi_turn.tools: two tools are named {tool_name(tool)!r}; give each its own "
+                            "schema name")
+        tools[tool_name(tool)] = tool
+    return tools
+
+
+async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, timeout_s: float) -> ToolOutcome:
+    """The tool's answer, or an error message the model sees: an exception or a timeout never ends the step."""
+    try:
+        answer = await asyncio.wait_for(tool.execute(dict(args), context), timeout_s)
+    except asyncio.TimeoutError:
+        return ToolOutcome(f"Error: the tool {tool_name(tool)} did not answer within {timeout_s:g} s", error=True,
+                           timed_out=True)
+    except Exception as err:
+        return ToolOutcome(f"Error: {type(err).__name__}: {err}", error=True)
+    try:
+        text, reward, metrics = answer
+        return ToolOutcome(str(text), float(reward), dict(metrics or {}))
+    except (TypeError, ValueError):
+        return ToolOutcome(f"Error: the tool {tool_name(tool)} returned {type(answer).__name__}, not "
+                           "(text, reward_delta, metrics)", error=True)
+
+
+class ToolsInPrompt:
+    """The tokenizer, with the tools' schemas handed to its chat template (`tools=`), which renders them into the
+    prompt as the model family expects (Qwen and Hermes: a system block listing them); everything else is the
+    tokenizer's own, so any dataset that templates its prompts declares the tools."""
+
+    def __init__(self, tokenizer: Any, schemas: Sequence[Mapping[str, Any]]) -> None:
+        self._tokenizer, self._schemas = tokenizer, [dict(schema) for schema in schemas]
+
+    def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("tools", self._schemas)
+        return self._tokenizer.apply_chat_template(conversation, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def declaring_tools(tokenizer: Any, tools: Sequence[tuple[str, Mapping[str, Any]]]) -> Any:
+    """The tokenizer prompts are built with: one whose chat template lists `tools` (reference, config), if any."""
+    return ToolsInPrompt(tokenizer, [tool_class(reference).schema for reference, _ in tools]) if tools else tokenizer

@@ -1,0 +1,145 @@
+"""Tool calls: the Hermes format, a tool's errors and timeouts as answers the model reads, and the python tool's
+sandbox containing an infinite loop, a fork bomb, a memory hog and a 10 MB print while the trajectory goes on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from rlmegatron.agent.parsers import PARSERS, ToolCall, tool_call_parser
+from rlmegatron.agent.python_tool import PythonTool
+from rlmegatron.agent.tools import ToolContext, call_tool
+from rlmegatron.data.tokenizer import build_char_tokenizer
+from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from tests.agent.scripted import ScriptedEngine
+
+CONTEXT = ToolContext("0/0", {})
+
+
+def test_hermes_reads_every_call_of_a_turn_and_names_what_is_malformed():
+    parser = tool_call_parser("hermes")
+    text = ('Let me look.<tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"x\\": 1}"}</tool_call>'
+            '<tool_call>{"name": "lookup", "arguments": {oops}</tool_call>'
+            '<tool_call>["lookup"]</tool_call><tool_call>{"name": "cut", "argu')
+    calls = parser.parse(text)
+    assert calls[:2] == [ToolCall("lookup", {"key": "a"}), ToolCall("add", {"x": 1})]
+    assert "not valid JSON" in calls[2].error and 'needs {"name"' in calls[3].error
+    assert "not valid JSON" in calls[4].error  # cut off by the token budget
+    assert parser.parse("The answer is 7.") == []
+    assert "hermes" in PARSERS
+
+
+class Flaky:
+    schema = {"type": "function", "function": {"name": "flaky", "parameters": {}}}
+
+    async def execute(self, args, context):
+        if args["mode"] == "raise":
+            raise KeyError("no such key")
+        if args["mode"] == "hang":
+            await asyncio.sleep(60)
+        if args["mode"] == "wrong":
+            return "just text"
+        return f"ok {args['mode']}", 0.5, {"flaky/calls": 1}
+
+
+def test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead():
+    async def calls():
+        return await asyncio.gather(*(call_tool(Flaky(), {"mode": mode}, CONTEXT, timeout_s=0.2)
+                                      for mode in ("fine", "raise", "hang", "wrong")))
+
+    start = time.perf_counter()
+    fine, raised, hung, wrong = asyncio.run(calls())
+    assert time.perf_counter() - start < 5
+    assert (fine.text, fine.reward, dict(fine.metrics), fine.error) == ("ok fine", 0.5, {"flaky/calls": 1}, False)
+    assert raised.text == "Error: KeyError: 'no such key'" and raised.error and not raised.timed_out
+    assert hung.text == "Error: the tool flaky did not answer within 0.2 s" and hung.error and hung.timed_out
+    assert "returned str, not (text, reward_delta, metrics)" in wrong.text and wrong.error
+
+
+def run_python(tool: PythonTool, *snippets: str) -> list[tuple[str, float, dict]]:
+    async def runs():
+        return await asyncio.gather(*(tool.execute({"code": code}, CONTEXT) for code in snippets))
+
+    return asyncio.run(runs())
+
+
+def test_the_python_tool_answers_with_what_the_snippet_prints_in_a_fresh_directory():
+    tool = PythonTool(cpu_s=2, memory_mb=256, wall_s=30)
+    (first, _, metrics), (second, _, _) = run_python(
+        tool, "import math, os\nopen('note', 'w').write('x')\nprint(math.isqrt(144), sorted(os.listdir('.')))",
+        "import os\nprint(sorted(os.listdir('.')), os.getcwd())")
+    assert first == "12 ['note', 'snippet.py', 'stderr', 'stdout']"
+    assert metrics == {"python/limit_hits": 0.0, "python/errors": 0.0}
+    listing, cwd = second.rsplit(" ", 1)
+    assert listing == "['snippet.py', 'stderr', 'stdout']" and not os.path.exists(cwd)  # removed afterwards
+
+
+def test_the_python_tool_contains_a_loop_a_fork_bomb_a_memory_hog_a_huge_print_and_the_network():
+    """Through the agent loop: one model turn runs six snippets, each contained; the trajectory goes on to its answer."""
+    tokenizer = build_char_tokenizer()
+    snippets = ["while True:\n    pass",
+                "import os\nwhile True:\n    os.fork()",
+                "hog = bytearray(2 << 30)\nprint('allocated')",
+                "print('x' * 10_000_000)",
+                "import socket\nsocket.create_connection(('127.0.0.1', 9))\nprint('connected')",
+                "print('started', flush=True)\nwhile True:\n    pass"]
+    calls = "".join(f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
+                    for code in snippets)
+    eos = tokenizer.eos_token_id
+    turns = [tokenizer.encode(calls) + [eos], tokenizer.encode("done") + [eos]]
+    settings = AgentSettings(max_turns=3, max_tool_response_length=2000, tool_call_format="hermes",
+                             tools=(("python", {"cpu_s": 1, "memory_mb": 128, "wall_s": 30, "max_output_bytes": 1000}),),
+                             tool_timeout_s=60, tokenizer_path="unused")
+    start = time.perf_counter()
+    (result,) = AgentLoop(settings, tokenizer).generate(
+        ScriptedEngine(turns, eos), [GenerationRequest((1, 5), SamplingSpec(max_new_tokens=20_000))])
+    assert time.perf_counter() - start < 25  # the CPU limits ended the loops, not the 30 s wall limit
+    assert result.finish_reason == "stop" and result.agent.turns == 2 and result.agent.tool_calls == 6
+    assert tokenizer.decode(result.output_token_ids[result.agent.answer_start:], skip_special_tokens=True) == "done"
+    answers = tokenizer.decode([t for t, m in zip(result.output_token_ids, result.response_mask) if not m])
+    loop, fork, memory, flood, network, sleeper = [part.split("<|im_end|>")[0]
+                                                   for part in answers.split("<|im_start|>tool\n")[1:]]
+    assert loop.endswith("[stopped: the CPU time limit of 1 s]")
+    assert "PermissionError: the python tool does not allow os.fork" in fork
+    assert "MemoryError" in memory and "allocated" not in memory
+    assert flood.startswith("x" * 1000) and len(flood) < 1200  # the first 1000 bytes, and why it stopped
+    assert "File too large" in flood or "output limit" in flood
+    assert "Error" in network and "connected" not in network
+    assert sleeper.startswith("started") and sleeper.endswith("[stopped: the CPU time limit of 1 s]")
+    assert result.agent.tool_metrics["python/limit_hits"] >= 2 and result.agent.tool_metrics["python/errors"] == 6
+
+
+def test_the_wall_limit_ends_a_snippet_that_waits():
+    tool = PythonTool(cpu_s=5, memory_mb=128, wall_s=0.5)
+    start = time.perf_counter()
+    ((text, _, metrics),) = run_python(tool, "import time\nprint('waiting', flush=True)\ntime.sleep(60)")
+    assert time.perf_counter() - start < 5
+    assert text == "waiting\n[stopped: the wall time limit of 0.5 s]" and metrics["python/limit_hits"] == 1
+
+
+def test_python_tool_limits_are_checked():
+    with pytest.raises(ValueError, match="memory_mb >= 32"):
+        PythonTool(memory_mb=1)
+
+
+def test_the_prompts_declare_the_tools_through_the_chat_template():
+    from rlmegatron.agent.tools import declaring_tools
+    from rlmegatron.data.dataset import PromptEncoder
+    from rlmegatron.data.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    # As Qwen's templates do: the tools' schemas in a system block before the conversation.
+    tokenizer.chat_template = ("{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n"
+                               "{% endfor %}<|im_end|>\n{% endif %}" + tokenizer.chat_template)
+    messages = [{"role": "user", "content": "2+2?"}]
+    plain = tokenizer.decode(PromptEncoder(tokenizer)(messages))
+    declared = declaring_tools(tokenizer, [("python", {"cpu_s": 1})])
+    with_tools = tokenizer.decode(PromptEncoder(declared)(messages))
+    assert declaring_tools(tokenizer, []) is tokenizer and "python" not in plain
+    assert with_tools.startswith('<|im_start|>system\n{"type": "function", "function": {"name": "python"')
+    assert with_tools.endswith(plain) and len(declared) == len(tokenizer)
