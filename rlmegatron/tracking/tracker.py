@@ -322,14 +322,16 @@ class MlflowBackend:
         self._log_points([Metric(key, value, timestamp, step) for key, value in metrics.items()])
 
     def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
-        """Artifacts rollout_samples/step_NNNNNN.json (a table the MLflow UI shows and mlflow.load_table reads, one
-        row per sample) and .txt (the same, to read)."""
+        """Artifacts rollout_samples/step_NNNNNN.json (a table, one row per sample, in the columns/data layout of
+        MLflow's log_table, which pandas.read_json(orient="split") reads) and .txt (the same, to read). Not log_table
+        itself: it lists every table in a run tag that MLflow cuts at 8000 characters, after which every further
+        call fails (some 145 steps into a run)."""
         if not samples:
             return
         name = f"rollout_samples/step_{step:06d}"
-        columns = {key: [sample[key] for sample in samples] for key in samples[0]}
-        self.client.log_table(self.run_id, data={"step": [step] * len(samples), **columns},
-                              artifact_file=f"{name}.json")
+        columns = ["step", *samples[0]]
+        rows = [[step, *(sample[key] for key in columns[1:])] for sample in samples]
+        self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, f"{name}.json")
         self.client.log_text(self.run_id, format_samples(samples, step), f"{name}.txt")
 
     def finish(self, status: str) -> None:

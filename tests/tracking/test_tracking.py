@@ -1,6 +1,7 @@
 """Tracking: the MLflow sqlite store holds what was logged, console tables, ASCII plots, URI choice."""
 import io
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -239,3 +240,24 @@ def test_a_failure_in_the_background_reaches_the_loop_and_marks_the_run_failed()
     assert ("metrics", 1, {"loss": 1.0}) in slow.calls and not any(c[0] == "metrics" and c[1] > 2 for c in slow.calls)
     background.finish("FINISHED")
     assert slow.calls[-1] == ("finish", "FAILED")
+
+
+def test_rollout_samples_go_to_mlflow_every_step_of_a_long_run(tmp_path, monkeypatch):
+    """300 steps of samples: each step's table is there (MLflow's log_table records every table in a run tag that it
+    cuts at 8000 characters, after which each further call failed, some 145 steps into a run)."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    tracker.start(0)
+    backend = tracker.backends[0].backend
+    samples = [{"sample_id": "echo#1", "sample": 0, "prompt": "echo:x", "response": "x", "ground_truth": "x",
+                "score": 1.0, "reward": 1.0, "response_length": 1}]
+    for step in range(1, 301):
+        backend.log_samples(samples, step)
+    tracker.finish("FINISHED")
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracker.setup))
+    last = json.loads(Path(client.download_artifacts(backend.run_id, "rollout_samples/step_000300.json")).read_text())
+    assert [dict(zip(last["columns"], row)) for row in last["data"]] == [{"step": 300, **samples[0]}]
