@@ -80,7 +80,9 @@ def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
         bar.complete()
         return
     counter = _run_counter(ray)
-    ray.get(counter.take.remote())  # late reports of the previous phase are not this bar's
+    # Late reports of the previous phase are not this bar's. No need to wait for the reply: the counter runs this
+    # driver's calls in the order they were sent, so the poller's takes come after this one.
+    counter.take.remote()
     stop = threading.Event()
 
     def poll() -> None:
