@@ -11,64 +11,50 @@ rlmegatron.models.layers.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _ENABLED = False
 
 
-# Every torch call Megatron-Core makes with a CUDA device literal (`torch.tensor(..., device="cuda")`, `.cuda()`,
-# `.to("cuda")`); the patches below wrap only these. A whole-process TorchFunctionMode would catch them too, but it
-# runs Python for every torch call of the rank, the local engine's generation included (+41% measured there).
-_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand", "randn",
-              "randint", "randperm", "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like",
-              "rand_like", "randn_like", "tril_indices", "triu_indices")
-_TENSOR_FACTORIES = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
+class _CudaLiteralsToCpu(TorchFunctionMode):
+    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, and reports CPU tensors' types as CUDA ones."""
 
+    @staticmethod
+    def _to_cpu(device):
+        if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+            return torch.device("cpu")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return torch.device("cpu")
+        return device
 
-def _to_cpu(device):
-    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
-        return torch.device("cpu")
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-def _device_keyword_to_cpu(func):
-    @functools.wraps(func)
-    def on_cpu(*args, **kwargs):
-        if kwargs.get("device") is not None:
-            kwargs["device"] = _to_cpu(kwargs["device"])
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = self._to_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer and grad clipping dispatch on CUDA type strings.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            args = (args[0], self._to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)
 
-    return on_cpu
 
-
-def _patch_cuda_literals() -> None:
-    for name in _FACTORIES:
-        setattr(torch, name, _device_keyword_to_cpu(getattr(torch, name)))
-    for name in _TENSOR_FACTORIES:
-        setattr(torch.Tensor, name, _device_keyword_to_cpu(getattr(torch.Tensor, name)))
-    to, tensor_type = torch.Tensor.to, torch.Tensor.type
-
-    @functools.wraps(to)
-    def to_cpu(self, *args, **kwargs):
-        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
-            args = (_to_cpu(args[0]), *args[1:])
-        if kwargs.get("device") is not None:
-            kwargs["device"] = _to_cpu(kwargs["device"])
-        return to(self, *args, **kwargs)
-
-    @functools.wraps(tensor_type)
-    def cuda_type(self, *args, **kwargs):
-        if args or kwargs:
-            return tensor_type(self, *args, **kwargs)
-        # The distributed optimizer and grad clipping dispatch on CUDA type strings.
-        return tensor_type(self).replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.to, torch.Tensor.type = to_cpu, cuda_type
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+@contextlib.contextmanager
+def plain_torch():
+    """Torch calls without the CUDA-literal rewrite, for code that names no CUDA device (transformers' generation in
+    the local engine): the rewrite runs Python for every torch call, which cost generation 41% (measured). A no-op
+    where the layer is not enabled. Patching the factories themselves instead (torch.zeros = wrapper) is not an
+    option: transformers' loading, which materialises buffers such as RoPE's inv_freq through them, then left
+    those buffers uninitialised."""
+    if not _ENABLED:
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
 
 
 class _NoStream:
@@ -210,7 +196,7 @@ def enable_cpu_compat() -> None:
         raise RuntimeError("enable_cpu_compat() is for CPU-only runs; this process sees a CUDA device")
 
     # device="cuda" literals and .cuda() calls in Megatron-Core (optimizer, clip_grads, schedules, MoE).
-    _patch_cuda_literals()
+    _CudaLiteralsToCpu().__enter__()
     # torch.cuda.current_device() feeds device= arguments; it raises on a CPU build.
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.set_device = lambda *a, **k: None

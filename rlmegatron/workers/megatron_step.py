@@ -87,9 +87,25 @@ def dp_size() -> int:
     return ps.get_data_parallel_world_size(with_context_parallel=True)
 
 
-def shard_micro_batches(batch: RolloutBatch, pack: bool, micro_batch_size: int,
+# Right padding costs compute on the pads; THD packing costs none, but each packed sequence pays for its own RoPE
+# and attention call (Megatron's THD RoPE loops over the sequences, and so does attention without Transformer
+# Engine). A micro-batch is packed when padding would add more than this fraction of its tokens: short sequences of
+# similar lengths (measured: 128 sequences of 10-13 tokens, the update 74 ms padded against 123 ms packed) run as one
+# batched call, long and varied ones packed.
+PACK_ABOVE_PADDING = 0.25
+
+
+def packing_pays(lengths: list[int], length_multiple: int = 1) -> bool:
+    """Whether right-padding `lengths` (rounded up to `length_multiple`) would add more than PACK_ABOVE_PADDING of
+    their tokens."""
+    padded = len(lengths) * -(-max(lengths) // length_multiple) * length_multiple
+    return padded > (1 + PACK_ABOVE_PADDING) * sum(lengths)
+
+
+def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_size: int,
                         max_token_len: Optional[int]) -> list[MicroBatch]:
-    """This DP rank's token-balanced share of `batch`, cut into micro-batches (by token budget if given)."""
+    """This DP rank's token-balanced share of `batch`, cut into micro-batches (by token budget if given), each
+    packed or right-padded as `pack` says (None: as `packing_pays`)."""
     from megatron.core import parallel_state as ps
 
     lengths = batch.sequence_lengths().tolist()
@@ -102,7 +118,8 @@ def shard_micro_batches(batch: RolloutBatch, pack: bool, micro_batch_size: int,
         groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
     # Sequence parallelism splits the sequence over TP ranks, so lengths must divide by TP.
     multiple = ps.get_tensor_model_parallel_world_size()
-    return [build_micro_batch(batch, rows, pack, multiple) for rows in groups]
+    return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], multiple) if pack is None else pack,
+                              multiple) for rows in groups]
 
 
 def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):

@@ -44,7 +44,7 @@ class TrainingSettings:
     ppo_epochs: int = 1
     micro_batch_size: int = 2  # sequences per micro-batch when max_token_len is None
     max_token_len: Optional[int] = None  # dynamic batch size: tokens per micro-batch
-    use_packing: bool = True  # THD packing: padding costs no compute
+    use_packing: Optional[bool] = None  # THD packing (True), right padding (False); None: megatron_step.packing_pays
     loss_agg_mode: str = "token-mean"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     use_distributed_optimizer: bool = True  # Adam state sharded over DP; else every rank keeps all of it

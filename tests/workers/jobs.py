@@ -57,7 +57,7 @@ def model_provider(layout: ParallelLayout, kind: str = "dense", tie_embeddings: 
 # adam_eps=1: the first Adam step is ~lr*g, not lr*sign(g), so grad rounding is not amplified.
 OPTIMIZER = OptimizerSettings(lr=1e-2, adam_eps=1.0, clip_grad=1.0)
 ACTOR_DEFAULTS = dict(ppo_mini_batch_size=8, micro_batch_size=2, temperature=0.7, use_kl_loss=True,
-                      entropy_coeff=0.01, optimizer=OPTIMIZER)
+                      entropy_coeff=0.01, optimizer=OPTIMIZER, use_packing=True)
 
 
 def make_actor(layout: ParallelLayout, kind: str = "dense", **settings) -> ActorWorker:

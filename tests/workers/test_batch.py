@@ -18,3 +18,12 @@ def test_already_whole_groups_are_left_alone_and_too_few_sequences_say_so():
     assert split_to_multiple([[0, 1], [2]], [3, 3, 3], 2) == [[0, 1], [2]]
     with pytest.raises(ValueError, match="multiple of 4 micro-batches"):
         split_to_multiple([[0, 1], [2]], [3, 3, 3], 4)
+
+
+def test_a_micro_batch_is_packed_when_padding_would_add_more_than_a_quarter_of_its_tokens():
+    from rlmegatron.workers.megatron_step import packing_pays
+
+    assert not packing_pays([10, 11, 12, 13])  # 52 padded tokens for 46: +13%
+    assert not packing_pays([4, 13, 13, 13])  # 52 for 43: +21%
+    assert packing_pays([2, 3, 13])  # 39 for 18: +117%
+    assert not packing_pays([12, 12]) and packing_pays([12, 12], length_multiple=16)  # 32 for 24: +33%

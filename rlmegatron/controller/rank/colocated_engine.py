@@ -22,6 +22,7 @@ from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, Rollo
 from rlmegatron.rollout.local import LocalEngine
 from rlmegatron.rollout.sglang import share_buckets
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node
+from rlmegatron.runtime.cpu_compat import plain_torch
 from rlmegatron.tracking.progress import Progress
 
 
@@ -103,7 +104,8 @@ class ColocatedEngine:
 
     def generate(self, requests: list[GenerationRequest],
                  progress: Progress = None) -> Optional[list[GenerationResult]]:
-        return generate_or_none(self.leader, requests, progress, self.agent)
+        with plain_torch():
+            return generate_or_none(self.leader, requests, progress, self.agent)
 
     def release_memory(self) -> None:
         """The engine gives its memory back while the trainer runs; the next weights wake it."""
