@@ -19,7 +19,8 @@ _ENABLED = False
 
 
 class _CudaLiteralsToCpu(TorchFunctionMode):
-    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, and reports CPU tensors' types as CUDA ones."""
+    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, drops pin_memory, and reports CPU tensors'
+    types as CUDA ones."""
 
     @staticmethod
     def _to_cpu(device):
@@ -33,6 +34,8 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = self._to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):  # pinned host memory needs CUDA (context-parallel rope's chunk index)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
