@@ -1,8 +1,9 @@
 """Megatron's load-balanced context-parallel split of a sequence, and the gather of per-token results back.
 
 A sequence whose length is a multiple of 2×CP is cut into 2×CP equal chunks; CP rank r holds chunk r and chunk
-2×CP-1-r, so under a causal mask every rank does the same attention work. Megatron's rope (`get_pos_emb_on_this_cp_rank`,
-`_get_thd_freqs_on_this_cp_rank`) and Transformer Engine's attention expect exactly this layout.
+2×CP-1-r, so under a causal mask every rank does the same attention work. Megatron's rope
+(`get_pos_emb_on_this_cp_rank`, `_get_thd_freqs_on_this_cp_rank`) and Transformer Engine's attention expect exactly
+this layout.
 """
 from __future__ import annotations
 

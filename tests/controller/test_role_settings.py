@@ -9,7 +9,8 @@ import pytest
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import spec_from_raw
 # Where the spec becomes role settings; one import line to repoint when that code moves.
-from rlmegatron.controller.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout
+from rlmegatron.controller.role_settings import (_offload_parts, actor_settings, critic_settings, parallel_layout,
+                                                 reference_settings)
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from rlmegatron.workers import OptimizerSettings
 from tests.config.specs import minimal_spec
@@ -43,6 +44,16 @@ def test_the_actor_settings_carry_every_actor_field():
     # Micro-batches by count unless the token budget is on; greedy rollouts score log-probs at temperature 1.
     counted = actor_settings(spec("actor.ppo_micro_batch_size_per_gpu=2", "rollout.temperature=0"), 1)
     assert (counted.micro_batch_size, counted.max_token_len, counted.temperature) == (2, None, 1.0)
+
+
+def test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank():
+    # Each of the CP ranks holds 1/CP of a micro-batch's tokens, so the micro-batch packs CP x the per-GPU budget.
+    cp2 = spec("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=1024", "actor.use_kl_loss=true",
+               "actor.megatron.context_parallel_size=2", "ref.log_prob_use_dynamic_bsz=true",
+               "ref.log_prob_max_token_len_per_gpu=512", "ref.megatron.context_parallel_size=1")
+    actor = actor_settings(cp2, 1)
+    assert actor.max_token_len == 2048
+    assert reference_settings(actor, cp2.ref).max_token_len == 512
 
 
 def test_the_critic_settings_carry_every_critic_field_and_the_shared_loss_aggregation():

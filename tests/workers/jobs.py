@@ -180,7 +180,7 @@ def plugin_loss_job(reference: str) -> dict:
 
 
 def critic_and_moe_job(workdir: str) -> dict:
-    """Critic values at TP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
+    """Critic values at TP=2 and CP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
     batch = rollout_batch()
     actor_weights = os.path.join(workdir, "actor")
     make_actor(ParallelLayout()).save_weights(actor_weights)
@@ -193,7 +193,10 @@ def critic_and_moe_job(workdir: str) -> dict:
 
     tp2_critic = make_critic(ParallelLayout(tp=2))
     tp2_critic.load_weights(critic_weights)
-    report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max())}
+    cp2_critic = make_critic(ParallelLayout(cp=2))
+    cp2_critic.load_weights(critic_weights)
+    report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max()),
+              "values_cp2_diff": float((cp2_critic.compute_values(batch) - values).abs().max())}
     gen = torch.Generator().manual_seed(5)
     returns = (values + 0.3 * torch.randn(values.shape, generator=gen)) * batch.response_mask
     train_batch = replace(batch, values=values, returns=returns)
