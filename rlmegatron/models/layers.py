@@ -84,7 +84,7 @@ class SDPACoreAttention(torch.nn.Module):
     ):
         cp, rank = (1, 0) if self.cp_group is None else (self.cp_group.size(), self.cp_group.rank())
         if cp > 1:  # backward reduce-scatters the K and V gradients back to the ranks that hold those tokens
-            key, value = (gather_from_sequence_parallel_region(t, True, group=self.cp_group) for t in (key, value))
+            key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params.cu_seqlens_q, cp, rank)
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].

@@ -118,6 +118,7 @@ OWN_CHECKPOINTS = POLICY_RANK + "test_each_role_saves_and_restores_its_checkpoin
 REF_BATCHING = POLICY_RANK + "test_the_reference_batches_its_forward_by_its_own_settings"
 CP_ROLES = POLICY_RANK + "test_every_role_at_context_parallel_2_equals_the_run_without"
 CP_CRITIC = CRITIC_WORKERS + "test_critic_values_at_cp2_equal_cp1"
+CP_TOKEN_BUDGET = ROLES + "test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank"
 MOE_REFERENCE = CRITIC_WORKERS + "test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs"
 NEVER_TRAINS = "tests/config/test_relevance.py::test_a_setting_that_would_change_nothing_is_rejected"
 REMOTE_CODE = ("tests/config/test_checks.py::"
@@ -184,7 +185,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.policy_loss.loss_mode": ("the policy loss (registry or plug-in)", (CHOSEN_LOSS, LOSSES_FIT, LOSS_PLUGIN)),
     "actor.policy_loss.ppo_kl_coef": ("KL-Cov's penalty weight", (CHOSEN_LOSS, KL_COV)),
     "actor.ppo_epochs": ("passes of the actor over each step's batch", (ACTOR_SETTINGS, RANK_BATCHING)),
-    "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
+    "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget (per GPU: x CP per micro-batch)",
+                                        (ACTOR_SETTINGS, ACTOR_PARITY, CP_TOKEN_BUDGET)),
     "actor.ppo_micro_batch_size_per_gpu": ("sequences per actor micro-batch", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.tis_imp_ratio_cap": ("truncated importance sampling cap", (ACTOR_SETTINGS, TIS)),
@@ -259,7 +261,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
     "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
-    "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING,)),
+    "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING, CP_TOKEN_BUDGET)),
     "ref.log_prob_micro_batch_size_per_gpu": ("sequences per reference micro-batch", (REF_BATCHING,)),
     "ref.log_prob_use_dynamic_bsz": ("reference micro-batches by token budget", (REF_BATCHING,)),
     "ref.megatron.context_parallel_size": ("reference's context parallelism", (CP_ROLES,)),

@@ -193,14 +193,14 @@ def critic_and_moe_job(workdir: str) -> dict:
 
     tp2_critic = make_critic(ParallelLayout(tp=2))
     tp2_critic.load_weights(critic_weights)
-    cp2_critic = make_critic(ParallelLayout(cp=2))
-    cp2_critic.load_weights(critic_weights)
-    report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max()),
-              "values_cp2_diff": float((cp2_critic.compute_values(batch) - values).abs().max())}
+    report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max())}
     gen = torch.Generator().manual_seed(5)
     returns = (values + 0.3 * torch.randn(values.shape, generator=gen)) * batch.response_mask
     train_batch = replace(batch, values=values, returns=returns)
     report["critic_metrics"] = [tp2_critic.update(train_batch) for _ in range(4)]
+    cp2_critic = make_critic(ParallelLayout(cp=2))  # builds the CP=2 groups: after the TP=2 critic's last call
+    cp2_critic.load_weights(critic_weights)
+    report["values_cp2_diff"] = float((cp2_critic.compute_values(batch) - values).abs().max())
 
     moe = make_actor(ParallelLayout(ep=2), kind="moe")
     before = {n: p.detach().clone() for n, p in moe.chunks[0].module.named_parameters()}
