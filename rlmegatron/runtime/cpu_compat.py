@@ -19,8 +19,7 @@ _ENABLED = False
 
 
 class _CudaLiteralsToCpu(TorchFunctionMode):
-    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, drops pin_memory, and reports CPU tensors'
-    types as CUDA ones."""
+    """Rewrites device="cuda" (or a CUDA ordinal) in torch calls to the CPU, and reports CPU tensors' types as CUDA ones."""
 
     @staticmethod
     def _to_cpu(device):
@@ -34,8 +33,6 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = self._to_cpu(kwargs["device"])
-        if kwargs.get("pin_memory"):  # pinned host memory needs CUDA (context-parallel rope's chunk index)
-            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -176,6 +173,15 @@ def _patch_shape_exchange():
     p2p.P2PCommunicator._communicate = communicate
 
 
+def _patch_pinned_memory() -> None:
+    factory = torch.tensor
+
+    def unpinned(*args, pin_memory: bool = False, **kwargs):
+        return factory(*args, **kwargs)
+
+    torch.tensor = unpinned
+
+
 def enable_cpu_compat() -> None:
     """Apply every CPU patch (idempotent). Call before building any Megatron model."""
     global _ENABLED
@@ -209,4 +215,6 @@ def enable_cpu_compat() -> None:
         moe_utils.te_general_gemm = None
     _patch_alltoall_split_sizes()
     _patch_shape_exchange()
+    # Pinned host memory needs CUDA; context parallelism's rope builds its chunk index in it.
+    _patch_pinned_memory()
     _ENABLED = True
