@@ -9,8 +9,7 @@ import pytest
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import spec_from_raw
 # Where the spec becomes role settings; one import line to repoint when that code moves.
-from rlmegatron.controller.role_settings import (_offload_parts, actor_settings, critic_settings, parallel_layout,
-                                                 reference_settings)
+from rlmegatron.controller.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout
 from rlmegatron.runtime import ParallelLayout, run_ranks
 from rlmegatron.workers import OptimizerSettings
 from tests.config.specs import minimal_spec
@@ -48,12 +47,12 @@ def test_the_actor_settings_carry_every_actor_field():
 
 def test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank():
     # Each of the CP ranks holds 1/CP of a micro-batch's tokens, so the micro-batch packs CP x the per-GPU budget.
-    cp2 = spec("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=1024", "actor.use_kl_loss=true",
-               "actor.megatron.context_parallel_size=2", "ref.log_prob_use_dynamic_bsz=true",
-               "ref.log_prob_max_token_len_per_gpu=512", "ref.megatron.context_parallel_size=1")
-    actor = actor_settings(cp2, 1)
-    assert actor.max_token_len == 2048
-    assert reference_settings(actor, cp2.ref).max_token_len == 512
+    cp2 = spec("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=1024",
+               "actor.megatron.context_parallel_size=2", "algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true",
+               "critic.ppo_max_token_len_per_gpu=512", "critic.megatron.context_parallel_size=4",
+               "critic.ppo_mini_batch_size=8")
+    assert actor_settings(cp2, 1).max_token_len == 2048
+    assert critic_settings(cp2, 1).max_token_len == 4 * 512  # the critic's own CP
 
 
 def test_the_critic_settings_carry_every_critic_field_and_the_shared_loss_aggregation():
