@@ -46,10 +46,10 @@ def test_moe_ep2_allgather_ep2_alltoall_tp2_sequence_parallel_and_cp2xep2(tmp_pa
                              "TP1xPP1xCP2xEP2-alltoall"])
 
 
-def test_deepseek_shaped_mla_moe_ep2_and_tp2_sequence_parallel(tmp_path):
-    layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
+def test_deepseek_shaped_mla_moe_ep2_tp2_sequence_parallel_and_cp2xep2(tmp_path):
+    layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall"), (L(cp=2, ep=2), "alltoall")]
     reports = run_ranks(parity_job, 2, "mla_moe", layouts, 2, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
+    _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall", "TP1xPP1xCP2xEP2-alltoall"])
 
 
 def test_distributed_optimizer_at_dp2_steps_like_plain_adam_at_one_rank(tmp_path):
