@@ -145,15 +145,6 @@ def check_layout_options(prefix: str, m: MegatronConfig) -> list[SpecProblem]:
                 "needs tensor_model_parallel_size > 1 (Megatron refuses it at TP=1); set it to false",
             )
         )
-    if m.context_parallel_size > 1:
-        # Until sequences are split over the CP ranks, CP>1 would only crash at model build (local attention).
-        problems.append(
-            SpecProblem(
-                f"{prefix}.context_parallel_size",
-                m.context_parallel_size,
-                "is not supported yet (sequences are not split over context-parallel ranks); use 1",
-            )
-        )
     for name in ("recompute_method", "recompute_num_layers"):
         # Compared with the default, not with "was it set": a dumped spec sets every field.
         if getattr(m, name) != MegatronConfig.model_fields[name].default and m.recompute_granularity != "full":
@@ -249,18 +240,21 @@ def _check_update_batches(spec: JobSpec) -> list[SpecProblem]:
     for role, update, megatron in roles:
         problems += _update_batch_problems(role, update, megatron, spec)
     sequence_length = spec.data.max_prompt_length + spec.data.max_response_length
-    budget = spec.ref.log_prob_max_token_len_per_gpu
-    if spec.needs_reference and spec.ref.log_prob_use_dynamic_bsz and budget < sequence_length:
-        problems.append(_token_budget_problem("ref.log_prob_max_token_len_per_gpu", budget, sequence_length))
+    if spec.needs_reference and spec.ref.log_prob_use_dynamic_bsz:
+        problem = _token_budget_problem("ref", "log_prob_max_token_len_per_gpu", spec.ref.log_prob_max_token_len_per_gpu,
+                                        spec.ref.megatron.context_parallel_size, sequence_length)
+        problems += [problem] if problem else []
     return problems
 
 
-def _token_budget_problem(field: str, budget: int, sequence_length: int) -> SpecProblem:
-    reason = (
-        "is below one full sequence (data.max_prompt_length + data.max_response_length = "
-        f"{sequence_length}); use at least {sequence_length}"
-    )
-    return SpecProblem(field, budget, reason)
+def _token_budget_problem(role: str, name: str, budget: int, cp: int, sequence_length: int) -> SpecProblem | None:
+    """A per-GPU token budget that cannot hold one full sequence; each of the CP ranks holds 1/CP of it."""
+    if budget * cp >= sequence_length:
+        return None
+    reason = f"is below one full sequence (data.max_prompt_length + data.max_response_length = {sequence_length}"
+    if cp > 1:
+        reason += f", of which each of the {role}.megatron.context_parallel_size={cp} ranks holds 1/{cp}"
+    return SpecProblem(f"{role}.{name}", budget, f"{reason}); use at least {-(-sequence_length // cp)}")
 
 
 def _update_batch_problems(
@@ -273,13 +267,9 @@ def _update_batch_problems(
         problems.append(SpecProblem(f"{role}.ppo_mini_batch_size", mini, reason))
     if update.use_dynamic_bsz:
         sequence_length = spec.data.max_prompt_length + spec.data.max_response_length
-        if update.ppo_max_token_len_per_gpu < sequence_length:
-            problems.append(
-                _token_budget_problem(
-                    f"{role}.ppo_max_token_len_per_gpu", update.ppo_max_token_len_per_gpu, sequence_length
-                )
-            )
-        return problems
+        problem = _token_budget_problem(role, "ppo_max_token_len_per_gpu", update.ppo_max_token_len_per_gpu,
+                                        megatron.context_parallel_size, sequence_length)
+        return problems + ([problem] if problem else [])
     dp = _data_parallel_size(megatron, spec.placement.trainer_world_size)
     if dp is None:
         return problems  # the layout check already reports the misfit

@@ -167,8 +167,14 @@ def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
     return dataclasses.replace(
         actor,
         micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
-        max_token_len=ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None,
+        max_token_len=_micro_batch_tokens(ref.log_prob_max_token_len_per_gpu, ref.megatron)
+        if ref.log_prob_use_dynamic_bsz else None,
     )
+
+
+def _micro_batch_tokens(per_gpu: int, megatron) -> int:
+    """A micro-batch's token budget from the spec's per-GPU one: each of the CP ranks holds 1/CP of its tokens."""
+    return per_gpu * megatron.context_parallel_size
 
 
 def critic_settings(spec: JobSpec, total_steps: int) -> CriticSettings:
@@ -182,7 +188,8 @@ def _training_fields(role, spec: JobSpec, total_steps: int) -> dict:
         ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
         ppo_epochs=role.ppo_epochs,
         micro_batch_size=role.ppo_micro_batch_size_per_gpu,
-        max_token_len=role.ppo_max_token_len_per_gpu if role.use_dynamic_bsz else None,
+        max_token_len=(_micro_batch_tokens(role.ppo_max_token_len_per_gpu, role.megatron)
+                       if role.use_dynamic_bsz else None),
         loss_agg_mode=spec.actor.loss_agg_mode,
         optimizer=_optimizer_settings(role.optim, total_steps),
         use_distributed_optimizer=role.megatron.use_distributed_optimizer,

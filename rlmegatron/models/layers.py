@@ -1,20 +1,26 @@
 """Modules the local (non-Transformer-Engine) layer spec uses in place of Megatron-Core's, on CPU and GPU alike.
 
-`SDPACoreAttention` (separate k/v head dims, as MLA needs, and packed sequences),
+`SDPACoreAttention` (separate k/v head dims, as MLA needs, packed sequences attended one by one, and context
+parallelism),
 `SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism) and
 `DuplicatedLinear` (MLA's replicated down projections, as TE's 'duplicated' mode);
 `enable_local_mla` lets Megatron's MLA take DuplicatedLinear for those projections.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from rlmegatron.models.context_parallel import chunk_positions, gathered_positions
 
 _LOCAL_MLA = False
 
@@ -34,7 +40,14 @@ def enable_local_mla() -> None:
 
 
 class SDPACoreAttention(torch.nn.Module):
-    """Causal core attention on torch SDPA; supports k and v head dims that differ (MLA)."""
+    """Causal core attention on torch SDPA; supports k and v head dims that differ (MLA).
+
+    A packed (THD) micro-batch is attended sequence by sequence: sequences of similar length are batched into one
+    right-padded SDPA call, so no mask over the whole pack is built and no work is spent across sequences. At CP>1
+    each rank holds Megatron's load-balanced chunks of every sequence (models/context_parallel.py); K and V are
+    all-gathered over the CP group, exact like ring attention at the memory of the whole sequence's K and V, and the
+    causal mask follows each token's position in its sequence.
+    """
 
     def __init__(
         self,
@@ -50,12 +63,14 @@ class SDPACoreAttention(torch.nn.Module):
         pg_collection=None,
     ):
         super().__init__()
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism needs Transformer Engine attention")
         self.config = config
         kv_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            own = getattr(pg_collection, "cp", None)
+            self.cp_group = own if own is not None else parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -67,42 +82,125 @@ class SDPACoreAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        if query.dim() == 3:  # packed THD input [tokens, heads, dim]: one sequence of all tokens
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        cp, rank = (1, 0) if self.cp_group is None else (self.cp_group.size(), self.cp_group.rank())
+        if cp > 1:  # backward reduce-scatters the K and V gradients back to the ranks that hold those tokens
+            key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q, cp, rank)
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.size(1) != q.size(1):
-            repeat = q.size(1) // k.size(1)
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        mask = _causal_mask(q.size(2), q.device)
-        if packed_seq_params is not None:
-            mask = mask & _same_sequence_mask(packed_seq_params.cu_seqlens_q, q.size(2), q.device)
-        elif attention_mask is not None:
-            mask = mask & ~attention_mask.bool()  # Megatron's mask marks positions to hide.
-        out = torch.nn.functional.scaled_dot_product_attention(
+        k, v = _repeat_kv(k, v, q.size(1))
+        if cp > 1:
+            q_pos = chunk_positions(k.size(2), cp, rank, q.device)
+            k_pos = gathered_positions(k.size(2), cp, q.device)
+        else:
+            q_pos = k_pos = torch.arange(q.size(2), device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]
+        if attention_mask is not None:
+            mask = mask & ~attention_mask.bool()[..., q_pos[:, None], k_pos[None, :]]  # Megatron's marks what to hide
+        out = self._sdpa(q, k, v, mask)
+        s, b = out.size(2), out.size(0)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _packed(self, query, key, value, cu_seqlens, cp: int, rank: int):
+        """THD [tokens, heads, dim] attention, each sequence on its own (see `_packed_plan`)."""
+        plan = _packed_plan(tuple(cu_seqlens.tolist()), query.size(0), cp, rank, query.device)
+        outputs = []
+        for bucket in plan.buckets:
+            q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            k, v = _repeat_kv(k, v, q.size(1))
+            out = self._sdpa(q, k, v, bucket.mask).transpose(1, 2)
+            outputs.append(out.reshape(-1, *out.shape[2:])[bucket.q_valid])
+        out = torch.cat(outputs)[plan.order]
+        return out.reshape(out.size(0), 1, -1)
+
+    def _sdpa(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=mask,
             dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=mask is None,
             scale=self.softmax_scale,
         )
-        s, b = out.size(2), out.size(0)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _causal_mask(seq_len: int, device) -> torch.Tensor:
-    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+def _repeat_kv(k, v, heads: int):
+    if k.size(1) == heads:
+        return k, v
+    repeat = heads // k.size(1)
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
-def _same_sequence_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
-    """Block-diagonal mask for packed (THD) batches: tokens attend only within their own sequence."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-    seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-    if seq_id.numel() < total:  # tail padding after the last sequence forms its own block
-        seq_id = torch.cat([seq_id, seq_id.new_full((total - seq_id.numel(),), lengths.numel())])
-    return seq_id[:, None] == seq_id[None, :]
+@dataclass(frozen=True)
+class _Bucket:
+    q_index: torch.Tensor  # [n, Lq] local query rows of n sequences, right-padded
+    q_valid: torch.Tensor  # indices of the real ones among the n * Lq
+    k_index: torch.Tensor  # [n, Lk] rows of the (gathered) keys in sequence order, right-padded
+    mask: Optional[torch.Tensor]  # [n, 1, Lq, Lk], or None: plain causal
+
+
+@dataclass(frozen=True)
+class _PackedPlan:
+    buckets: tuple[_Bucket, ...]
+    order: torch.Tensor  # the buckets' concatenated valid rows -> local token order
+
+
+# Sequences shorter than this fraction of a bucket's longest start a new bucket: padding costs at most
+# 1/0.8² = 1.6x a sequence's attention work, and a pack of similar lengths is one SDPA call.
+_BUCKET_FILL = 0.8
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_plan(boundaries: tuple[int, ...], local_tokens: int, cp: int, rank: int, device) -> _PackedPlan:
+    """Index tensors that run a THD pack sequence by sequence (the same for every layer of a forward, so cached).
+
+    `boundaries` are the global cu_seqlens; at CP>1 each sequence's local rows are its two chunks on this rank
+    (models/context_parallel.py) and its keys come from every rank's rows in the all-gathered K and V.
+    Tokens after the last boundary form a sequence of their own.
+    """
+    if boundaries[-1] < local_tokens * cp:
+        boundaries = boundaries + (local_tokens * cp,)
+    sequences = []  # (length, query rows, query positions, key rows in sequence order)
+    for start, end in zip(boundaries[:-1], boundaries[1:]):
+        length, first = end - start, start // cp
+        if length == 0:
+            continue
+        rows = torch.arange(first, first + length // cp)
+        if cp == 1:
+            sequences.append((length, rows, None, rows))
+            continue
+        key_rows = torch.empty(length, dtype=torch.long)
+        key_rows[gathered_positions(length, cp)] = torch.cat([rows + r * local_tokens for r in range(cp)])
+        sequences.append((length, rows, chunk_positions(length, cp, rank), key_rows))
+    sequences.sort(key=lambda s: -s[0])
+    buckets, valid_rows = [], []
+    while sequences:
+        longest = sequences[0][0]
+        count = next((i for i, s in enumerate(sequences) if s[0] < _BUCKET_FILL * longest), len(sequences))
+        group, sequences = sequences[:count], sequences[count:]
+        q_len = longest // cp
+        q_index = torch.zeros(count, q_len, dtype=torch.long)
+        k_index = torch.zeros(count, longest, dtype=torch.long)
+        # Padding queries look at key 0 only, so no row of the softmax is empty (NaN); their outputs are dropped.
+        q_pos = torch.zeros(count, q_len, dtype=torch.long)
+        q_valid = torch.zeros(count, q_len, dtype=torch.bool)
+        for n, (length, rows, positions, key_rows) in enumerate(group):
+            q_index[n, : len(rows)] = rows
+            q_valid[n, : len(rows)] = True
+            k_index[n, :length] = key_rows
+            if positions is not None:
+                q_pos[n, : len(rows)] = positions
+            valid_rows.append(rows)
+        # At CP=1 a right-padded sequence needs only the causal mask: no real query reaches a padding key.
+        mask = None if cp == 1 else (q_pos[:, None, :, None] >= torch.arange(longest)).to(device)
+        valid = q_valid.flatten().nonzero().squeeze(1)
+        buckets.append(_Bucket(q_index.to(device), valid.to(device), k_index.to(device), mask))
+    order = torch.empty(local_tokens, dtype=torch.long)
+    order[torch.cat(valid_rows)] = torch.arange(local_tokens)
+    return _PackedPlan(tuple(buckets), order.to(device))
 
 
 class SequenceParallelTorchNorm:

@@ -99,9 +99,10 @@ def stage_layers(num_layers: int, megatron: MegatronConfig) -> list[list[int]]:
     return [[layer for chunk in chunks for layer in chunk] for chunks in split]
 
 
-def micro_batch(spec: JobSpec, update_sequences: int, use_dynamic_bsz: bool, max_tokens: int) -> MicroBatch:
-    if use_dynamic_bsz:  # packed: one row of up to max_tokens tokens
-        return MicroBatch(1, max_tokens)
+def micro_batch(spec: JobSpec, update_sequences: int, use_dynamic_bsz: bool, max_tokens: int,
+                megatron: MegatronConfig) -> MicroBatch:
+    if use_dynamic_bsz:  # packed: one row of up to max_tokens tokens per GPU, split over the CP ranks
+        return MicroBatch(1, max_tokens * megatron.context_parallel_size)
     return MicroBatch(update_sequences, spec.data.max_prompt_length + spec.data.max_response_length)
 
 

@@ -68,9 +68,8 @@ class Plan:
 def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, file: str = "") -> Plan:
     params = count_parameters(arch)
     gpu_bytes = settings.gpu_mem_gb * GB
-    actor_batch = micro_batch(
-        spec, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz, spec.actor.ppo_max_token_len_per_gpu
-    )
+    actor_batch = micro_batch(spec, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz,
+                              spec.actor.ppo_max_token_len_per_gpu, spec.actor.megatron)
     actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch)
     resident = {"actor": resident_model_state(actor, spec.actor.offload)}
     if spec.needs_reference:
@@ -84,6 +83,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
             spec.critic.ppo_micro_batch_size_per_gpu,
             spec.critic.use_dynamic_bsz,
             spec.critic.ppo_max_token_len_per_gpu,
+            spec.critic.megatron,
         )
         critic = training_memory(spec, arch, params, spec.critic.megatron, spec.critic.offload, critic_batch)
         resident["critic"] = resident_model_state(critic, spec.critic.offload)

@@ -33,6 +33,9 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = self._to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            # Pinned host memory needs a CUDA runtime (context parallelism's RoPE pins its chunk index).
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from rlmegatron.models.context_parallel import chunk_positions, gather_tokens
+
 
 @dataclass
 class RolloutBatch:
@@ -113,11 +115,13 @@ class MicroBatch:
 
     The model emits one value per input position p (log-prob of the next token, or a value
     estimate); ``source_index`` lists the flat input positions whose next token lies in the same
-    sequence and ``target_index`` the flat [len(rows), L] cell of that next token.
+    sequence and ``target_index`` the flat [len(rows), L] cell of that next token. At CP>1 the inputs
+    are this rank's load-balanced chunks of each sequence (rlmegatron/models/context_parallel.py), and
+    ``context_order`` places the CP ranks' gathered outputs back in sequence order.
     """
 
     rows: list[int]
-    input_ids: torch.Tensor  # [1, T] packed or [n, T] right-padded
+    input_ids: torch.Tensor  # [1, T] packed or [n, T] right-padded; T/CP tokens of each at CP>1
     position_ids: torch.Tensor
     labels: torch.Tensor
     packed_seq_params: object  # megatron PackedSeqParams (THD) or None
@@ -126,9 +130,15 @@ class MicroBatch:
     batch_columns: int
     response_length: int
     response_fields: RolloutBatch  # the rows' own per-token fields ([n, R]) for the loss
+    context_order: Optional[torch.Tensor] = None  # [T]: the sequence position of each gathered column (CP>1)
+    context_group: object = None  # the CP process group (CP>1)
 
     def to_response_grid(self, per_position: torch.Tensor) -> torch.Tensor:
-        """Per-input-position values (model grid) -> [n, R] aligned with response_mask (differentiable)."""
+        """Per-input-position values (model grid) -> [n, R] aligned with response_mask (differentiable).
+
+        At CP>1 the per-token values of every CP rank are gathered first (never the logits they came from)."""
+        if self.context_order is not None:
+            per_position = gather_tokens(per_position, self.context_order, self.context_group)
         grid = per_position.new_zeros(len(self.rows) * self.batch_columns)
         grid = grid.index_copy(0, self.target_index, per_position.reshape(-1)[self.source_index])
         return grid.view(len(self.rows), self.batch_columns)[:, -self.response_length :]
@@ -138,8 +148,14 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, length_multiple: int = 1) -> MicroBatch:
-    """Unpad `rows` of `batch`: one THD-packed row (pack=True) or right-padded rows; lengths round up to `length_multiple`."""
+def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int = 1, cp: int = 1,
+                      cp_rank: int = 0) -> MicroBatch:
+    """Unpad `rows` of `batch`: one THD-packed row (pack=True) or right-padded rows, split over `cp` ranks.
+
+    Sequence parallelism splits the tokens over TP ranks, so the length (packed: the total) rounds up to a multiple
+    of TP. At CP>1 each sequence (packed: each one, padded at its end) rounds up to a multiple of 2×CP for the
+    load-balanced chunks, and the length or total to 2×CP×TP; rank `cp_rank` keeps its chunks of each.
+    """
     columns = batch.input_ids.shape[1]
     token_lists, column_lists = [], []
     for row in rows:
@@ -147,27 +163,29 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, length_m
         token_lists.append(batch.input_ids[row, columns_of_row])
         column_lists.append(columns_of_row)
     lengths = [len(t) for t in token_lists]
+    sequence_multiple = 2 * cp if cp > 1 else 1
 
     sources, targets = [], []
     if pack:
-        total = _round_up(sum(lengths), length_multiple)
+        spans = [_round_up(length, sequence_multiple) for length in lengths]
+        total = _round_up(sum(spans), sequence_multiple * tp)
         input_ids = torch.zeros(1, total, dtype=batch.input_ids.dtype)
         position_ids = torch.zeros(1, total, dtype=torch.long)
         labels = torch.zeros(1, total, dtype=batch.input_ids.dtype)
         offset = 0
-        for n, (tokens, cols) in enumerate(zip(token_lists, column_lists)):
-            span = slice(offset, offset + len(tokens))
-            input_ids[0, span] = tokens
-            position_ids[0, span] = torch.arange(len(tokens))
+        for n, (tokens, cols, span) in enumerate(zip(token_lists, column_lists, spans)):
+            input_ids[0, offset : offset + len(tokens)] = tokens
+            position_ids[0, offset : offset + span] = torch.arange(span)
             labels[0, offset : offset + len(tokens) - 1] = tokens[1:]
             sources.append(torch.arange(offset, offset + len(tokens) - 1))
             targets.append(n * columns + cols[1:])
-            offset += len(tokens)
+            offset += span
         # Rounding padding forms its own pseudo-sequence, so THD rope and attention see whole blocks.
-        boundaries = [0, *torch.tensor(lengths).cumsum(0).tolist()] + ([total] if total > offset else [])
-        packed_seq_params = _thd_params(boundaries, max(max(lengths), total - offset))
+        boundaries = [0, *torch.tensor(spans).cumsum(0).tolist()] + ([total] if total > offset else [])
+        packed_seq_params = _thd_params(boundaries, max(max(spans), total - offset))
+        blocks = [(start, end - start) for start, end in zip(boundaries[:-1], boundaries[1:])]
     else:
-        width = _round_up(max(lengths), length_multiple)
+        width = _round_up(max(lengths), sequence_multiple * tp)
         input_ids = torch.zeros(len(rows), width, dtype=batch.input_ids.dtype)
         labels = torch.zeros_like(input_ids)
         for n, (tokens, cols) in enumerate(zip(token_lists, column_lists)):
@@ -178,6 +196,15 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, length_m
             targets.append(n * columns + cols[1:])
         position_ids = torch.arange(width).expand(len(rows), width).contiguous()
         packed_seq_params = None
+        blocks = [(0, width)]
+    context = {}
+    if cp > 1:
+        from megatron.core import parallel_state
+
+        # Column positions each CP rank keeps, in its local order: its two chunks of every block (sequence).
+        local = [torch.cat([start + chunk_positions(span, cp, r) for start, span in blocks]) for r in range(cp)]
+        input_ids, position_ids, labels = (t[:, local[cp_rank]] for t in (input_ids, position_ids, labels))
+        context = dict(context_order=torch.cat(local), context_group=parallel_state.get_context_parallel_group())
     return MicroBatch(
         rows=list(rows),
         input_ids=input_ids,
@@ -189,6 +216,7 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, length_m
         batch_columns=columns,
         response_length=batch.response_length,
         response_fields=batch.select(rows),
+        **context,
     )
 
 

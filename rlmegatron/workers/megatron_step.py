@@ -82,9 +82,10 @@ def is_last_stage() -> bool:
 
 
 def dp_size() -> int:
+    """Data-parallel ranks, each with its own rows (the CP ranks of one share them)."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_data_parallel_world_size(with_context_parallel=True)
+    return ps.get_data_parallel_world_size()
 
 
 # Right padding costs compute on the pads; THD packing costs none, but each packed sequence pays for its own RoPE
@@ -105,21 +106,22 @@ def packing_pays(lengths: list[int], length_multiple: int = 1) -> bool:
 def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_size: int,
                         max_token_len: Optional[int]) -> list[MicroBatch]:
     """This DP rank's token-balanced share of `batch`, cut into micro-batches (by token budget if given), each
-    packed or right-padded as `pack` says (None: as `packing_pays`)."""
+    packed or right-padded as `pack` says (None: as `packing_pays`). The CP ranks of a DP rank get the same rows,
+    each sequence split over them."""
     from megatron.core import parallel_state as ps
 
     lengths = batch.sequence_lengths().tolist()
-    mine = balanced_partition(lengths, dp_size())[ps.get_data_parallel_rank(with_context_parallel=True)]
+    mine = balanced_partition(lengths, dp_size())[ps.get_data_parallel_rank()]
     if max_token_len is not None:
         groups = token_budget_micro_batches(mine, lengths, max_token_len)
     else:
         groups = fixed_micro_batches(mine, micro_batch_size)
     if ps.get_virtual_pipeline_model_parallel_world_size():
         groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
-    # Sequence parallelism splits the sequence over TP ranks, so lengths must divide by TP.
-    multiple = ps.get_tensor_model_parallel_world_size()
-    return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], multiple) if pack is None else pack,
-                              multiple) for rows in groups]
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    padded_multiple = tp * 2 * cp if cp > 1 else tp  # what build_micro_batch rounds a padded width up to
+    return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], padded_multiple) if pack is None
+                              else pack, tp, cp, ps.get_context_parallel_rank()) for rows in groups]
 
 
 def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):
@@ -137,6 +139,8 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
         )
         return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
 
+    from megatron.core import parallel_state as ps
+
     iterators = [iter(micro_batches) for _ in chunks]
     first = micro_batches[0]
     return get_forward_backward_func()(
@@ -144,7 +148,7 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=first.input_ids.shape[1],
+        seq_length=first.input_ids.shape[1] * ps.get_context_parallel_world_size(),  # the whole sequence
         micro_batch_size=first.input_ids.shape[0],
         forward_only=forward_only,
     )
@@ -153,13 +157,13 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
 def share_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over PP then DP: last-stage ranks hold their DP shard's rows, every other rank zeros.
 
-    Each row is filled by exactly one DP rank's last stage, so the sums are exact and every rank
-    ends with the whole batch.
+    Each row is filled by exactly one DP rank's last stage (the CP ranks of a DP rank all hold the same
+    gathered rows), so the sums are exact and every rank ends with the whole batch.
     """
     from megatron.core import parallel_state as ps
 
     torch.distributed.all_reduce(tensor, group=ps.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(tensor, group=ps.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.all_reduce(tensor, group=ps.get_data_parallel_group())
     return tensor
 
 

@@ -165,6 +165,8 @@ class TrainingWorker:
         micro_batches = self._micro_batches(mini_batch)
         # Megatron divides each micro-batch loss by their count and DDP averages over DP; the
         # global denominator already makes the sum over both exact, so undo those two factors.
+        # (At CP>1 each CP rank's gradient is its tokens' share of the loss: the schedule's factor CP
+        # undoes DDP's average over CP.)
         loss_func_for = loss_func_factory(mini_batch, len(micro_batches) * megatron_step.dp_size())
         for chunk in self.chunks:
             chunk.zero_grad_buffer()

@@ -80,7 +80,8 @@ CRITIC_WORKERS = "tests/workers/test_critic_and_moe.py::"
 MOE_EP2 = CRITIC_WORKERS + "test_moe_actor_trains_at_ep2_and_logs_router_aux_loss"
 REWARD_MODEL_CRITIC = CRITIC_WORKERS + "test_critic_from_an_hf_reward_model_at_tp2_gives_its_values"
 ETP_EXPORT = "tests/resharding/test_export.py::test_stream_is_bitwise_the_source_checkpoint_at_every_layout"
-SP_PARITY = "tests/runtime/test_parallel_parity.py::test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel"
+PARALLEL_PARITY = "tests/runtime/test_parallel_parity.py::"
+SP_PARITY = PARALLEL_PARITY + "test_moe_ep2_allgather_ep2_alltoall_tp2_sequence_parallel_and_cp2xep2"
 DATASET = "tests/data/test_dataset.py::"
 CUSTOM_DATASET = DATASET + "test_custom_dataset_class_is_loaded_from_file_and_gets_the_same_arguments"
 OVERLONG_DROPPED = DATASET + "test_overlong_prompts_are_dropped_and_counted"
@@ -105,7 +106,6 @@ TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_
 
 # Rejections and checks.
 CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"
-CP_REJECTED = CHECKS + "[cp-not-supported]"
 HUB_ARCHITECTURE = CHECKS + "[tp-divides-heads]"
 ROUNDS_BOUND = "tests/config/test_rejections.py::test_dynamic_sampling_needs_a_bound_on_its_rounds"
 HUB_SNAPSHOT = "tests/test_cli.py::test_train_runs_a_hub_model_from_its_downloaded_snapshot"
@@ -117,13 +117,16 @@ LR_RESUMED = OPTIMIZER + "test_a_resumed_worker_continues_the_schedule_and_the_w
 PLAIN_ADAM = OPTIMIZER + "test_plain_and_distributed_optimizer_step_the_same_at_dp2"
 RECOMPUTE = "tests/models/test_recompute.py::test_recompute_keeps_loss_and_gradients_and_saves_fewer_activations"
 TO_TRANSFORMER_CONFIG = "tests/models/test_hf_config.py::test_spec_recompute_and_extra_reach_the_transformer_config"
-UNEVEN_PIPELINE = "tests/runtime/test_parallel_parity.py::test_dense_tp2_pp2_vpp2_and_tp2xpp2_on_4_ranks"
+UNEVEN_PIPELINE = "tests/runtime/test_parallel_parity.py::test_dense_tp2_pp2_vpp2_tp2xpp2_and_cp2_on_4_ranks"
 DEEPSEEK_SPLIT = ("tests/test_recipes.py::"
                   "test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_use")
 POLICY_RANK = "tests/controller/test_policy_rank.py::"
 OWN_LAYOUTS = POLICY_RANK + "test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run"
 OWN_CHECKPOINTS = POLICY_RANK + "test_each_role_saves_and_restores_its_checkpoint_at_its_layout"
 REF_BATCHING = POLICY_RANK + "test_the_reference_batches_its_forward_by_its_own_settings"
+CP_ROLES = POLICY_RANK + "test_every_role_at_context_parallel_2_equals_the_run_without"
+CP_CRITIC = CRITIC_WORKERS + "test_critic_values_at_cp2_equal_cp1"
+CP_TOKEN_BUDGET = ROLES + "test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank"
 MOE_REFERENCE = CRITIC_WORKERS + "test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs"
 NEVER_TRAINS = "tests/config/test_relevance.py::test_a_setting_that_would_change_nothing_is_rejected"
 REMOTE_CODE = ("tests/config/test_checks.py::"
@@ -156,7 +159,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.kl_loss_coef": ("weight of the KL loss", (ACTOR_SETTINGS, KL_LOSS)),
     "actor.kl_loss_type": ("estimator of the KL loss", (ACTOR_SETTINGS, KL_ESTIMATORS)),
     "actor.loss_agg_mode": ("how actor and critic losses are reduced", (ACTOR_SETTINGS, CRITIC_SETTINGS, AGGREGATION)),
-    "actor.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "actor.megatron.context_parallel_size": ("actor's context parallelism (each sequence split over CP ranks)",
+                                             (CP_ROLES, ACTOR_PARITY, UNEVEN_PIPELINE, SP_PARITY)),
     "actor.megatron.expert_model_parallel_size": ("actor's expert parallelism", (LAYOUT, MOE_EP2)),
     "actor.megatron.expert_tensor_parallel_size": ("actor's expert tensor parallelism", (LAYOUT, ETP_EXPORT)),
     "actor.megatron.extra": ("TransformerConfig fields; uneven pipeline split",
@@ -189,7 +193,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.policy_loss.loss_mode": ("the policy loss (registry or plug-in)", (CHOSEN_LOSS, LOSSES_FIT, LOSS_PLUGIN)),
     "actor.policy_loss.ppo_kl_coef": ("KL-Cov's penalty weight", (CHOSEN_LOSS, KL_COV)),
     "actor.ppo_epochs": ("passes of the actor over each step's batch", (ACTOR_SETTINGS, RANK_BATCHING)),
-    "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
+    "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget (per GPU: x CP per micro-batch)",
+                                        (ACTOR_SETTINGS, ACTOR_PARITY, CP_TOKEN_BUDGET)),
     "actor.ppo_micro_batch_size_per_gpu": ("sequences per actor micro-batch", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.tis_imp_ratio_cap": ("truncated importance sampling cap", (ACTOR_SETTINGS, TIS)),
@@ -210,7 +215,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "critic.cliprange_value": ("value clip of the critic loss", (CRITIC_SETTINGS, VALUE_CLIP)),
     "critic.enable": ("builds and trains the critic (follows gae)", (PPO_RUN, CHECKS + "[gae-needs-critic]")),
     "critic.init_from": ("critic starts from an HF reward model", (RANK_MODEL, REWARD_MODEL_CRITIC)),
-    "critic.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "critic.megatron.context_parallel_size": ("critic's context parallelism", (CP_ROLES, CP_CRITIC)),
     "critic.megatron.expert_model_parallel_size": ("critic's expert parallelism", (LAYOUT, OWN_LAYOUTS)),
     "critic.megatron.expert_tensor_parallel_size": ("critic's expert tensor parallelism", (LAYOUT, OWN_LAYOUTS)),
     "critic.megatron.extra": ("critic's TransformerConfig fields", (TO_TRANSFORMER_CONFIG, OWN_LAYOUTS)),
@@ -235,7 +240,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "critic.optim.min_lr": ("critic's final lr", (CRITIC_SETTINGS, PPO_RUN)),
     "critic.optim.weight_decay": ("critic weight decay", (CRITIC_SETTINGS, RANK_OPTIMIZER)),
     "critic.ppo_epochs": ("passes of the critic over each step's batch", (CRITIC_SETTINGS, RANK_BATCHING)),
-    "critic.ppo_max_token_len_per_gpu": ("critic micro-batch token budget", (CRITIC_SETTINGS, RANK_BATCHING)),
+    "critic.ppo_max_token_len_per_gpu": ("critic micro-batch token budget",
+                                         (CRITIC_SETTINGS, RANK_BATCHING, CP_TOKEN_BUDGET)),
     "critic.ppo_micro_batch_size_per_gpu": ("sequences per critic micro-batch", (CRITIC_SETTINGS, RANK_BATCHING)),
     "critic.ppo_mini_batch_size": ("prompts per critic optimizer step", (CRITIC_SETTINGS, RANK_BATCHING)),
     "critic.use_dynamic_bsz": ("critic micro-batches by token budget", (CRITIC_SETTINGS, RANK_BATCHING)),
@@ -267,7 +273,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING,)),
     "ref.log_prob_micro_batch_size_per_gpu": ("sequences per reference micro-batch", (REF_BATCHING,)),
     "ref.log_prob_use_dynamic_bsz": ("reference micro-batches by token budget", (REF_BATCHING,)),
-    "ref.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
+    "ref.megatron.context_parallel_size": ("reference's context parallelism", (CP_ROLES,)),
     "ref.megatron.expert_model_parallel_size": ("reference's expert parallelism", (MOE_REFERENCE,)),
     "ref.megatron.expert_tensor_parallel_size": ("reference's expert tensor parallelism", (LAYOUT, MOE_REFERENCE)),
     "ref.megatron.extra": ("reference's TransformerConfig fields", (TO_TRANSFORMER_CONFIG, OWN_LAYOUTS)),

@@ -198,11 +198,10 @@ CASES = [
         id="sp-needs-tp",
     ),
     pytest.param(
-        {"actor.megatron.context_parallel_size": 2},
+        {"actor.megatron.context_parallel_size": 3},
         "tiny-qwen3",
-        "job.yaml: actor.megatron.context_parallel_size=2: is not supported yet (sequences are not split over "
-        "context-parallel ranks); use 1",
-        id="cp-not-supported",
+        f"job.yaml: actor.megatron.context_parallel_size=3: does not divide {RANKS}; use 1, 2, 4 or 8",
+        id="cp-divides-the-ranks",
     ),
     pytest.param(
         {"actor.use_kl_loss": True, "ref.megatron.tensor_model_parallel_size": 3},
@@ -236,6 +235,14 @@ CASES = [
         "job.yaml: actor.ppo_max_token_len_per_gpu=100: is below one full sequence "
         "(data.max_prompt_length + data.max_response_length = 128); use at least 128",
         id="dynamic-token-budget",
+    ),
+    pytest.param(
+        {"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 60, "actor.megatron.context_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: actor.ppo_max_token_len_per_gpu=60: is below one full sequence "
+        "(data.max_prompt_length + data.max_response_length = 128, of which each of the "
+        "actor.megatron.context_parallel_size=2 ranks holds 1/2); use at least 64",
+        id="dynamic-token-budget-per-context-parallel-rank",
     ),
     pytest.param(
         {"actor.use_kl_loss": True, "ref.log_prob_use_dynamic_bsz": True, "ref.log_prob_max_token_len_per_gpu": 64},

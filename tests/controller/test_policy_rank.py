@@ -26,6 +26,9 @@ RUNS = {
                     "critic.megatron.pipeline_model_parallel_size=2", "ref.log_prob_micro_batch_size_per_gpu=3",
                     "ref.offload.params=true", "critic.offload.params=true", "critic.offload.grads=true",
                     "critic.offload.optimizer=true"],
+    # Every role at CP=2 (TP=1, DP=1): each sequence split over the two ranks.
+    "context_parallel": ["actor.megatron.tensor_model_parallel_size=1", "actor.megatron.context_parallel_size=2",
+                         "ref.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2"],
 }
 
 
@@ -129,6 +132,23 @@ def test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run(ru
     assert max_diff(own["log_probs_after"], same["log_probs_after"]) < TOLERANCE
     assert max_diff(same["log_probs_after"], same["log_probs"]) > 1e-4
     for (tokens, logprobs), (same_tokens, same_logprobs) in zip(own["generated"], same["generated"]):
+        assert tokens == same_tokens and max(abs(a - b) for a, b in zip(logprobs, same_logprobs)) < TOLERANCE
+
+
+def test_every_role_at_context_parallel_2_equals_the_run_without(runs):
+    """The fit loop's phases with each sequence split over 2 ranks: the actor's log-probs (before and after its
+    update), the reference's, the critic's values and what the engine generates after the weight sync are those of
+    the run at CP=1 (TP=2)."""
+    same, cp = runs["actor_layout"], runs["context_parallel"]
+    assert cp["layouts"] == {"actor": "TP1xPP1xCP2xETP1", "reference": "TP1xPP1xCP2xETP1",
+                             "critic": "TP1xPP1xCP2xETP1"}
+    for key in ("log_probs", "ref_log_probs", "values", "log_probs_after"):
+        assert max_diff(cp[key], same[key]) < TOLERANCE, key
+    assert abs(cp["actor_metrics"]["actor/pg_loss"] - same["actor_metrics"]["actor/pg_loss"]) < TOLERANCE
+    assert abs(cp["critic_metrics"]["critic/vf_loss"] - same["critic_metrics"]["critic/vf_loss"]) < TOLERANCE
+    update = max_diff(same["values_after"], same["values"])
+    assert max_diff(cp["values_after"], same["values_after"]) < 1e-3 * update
+    for (tokens, logprobs), (same_tokens, same_logprobs) in zip(cp["generated"], same["generated"]):
         assert tokens == same_tokens and max(abs(a - b) for a, b in zip(logprobs, same_logprobs)) < TOLERANCE
 
 

@@ -51,6 +51,16 @@ def test_the_actor_settings_carry_every_actor_field():
     assert (counted.micro_batch_size, counted.max_token_len, counted.temperature) == (2, None, 1.0)
 
 
+def test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank():
+    # Each of the CP ranks holds 1/CP of a micro-batch's tokens, so the micro-batch packs CP x the per-GPU budget.
+    cp2 = spec("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=1024",
+               "actor.megatron.context_parallel_size=2", "algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true",
+               "critic.ppo_max_token_len_per_gpu=512", "critic.megatron.context_parallel_size=4",
+               "critic.ppo_mini_batch_size=8")
+    assert actor_settings(cp2, 1).max_token_len == 2048
+    assert critic_settings(cp2, 1).max_token_len == 4 * 512  # the critic's own CP
+
+
 def test_the_critic_settings_carry_every_critic_field_and_the_shared_loss_aggregation():
     settings = critic_settings(spec(
         "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2", "critic.ppo_epochs=3",

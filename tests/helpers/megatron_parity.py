@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from rlmegatron.models.context_parallel import chunk_positions
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.runtime.distributed import transformer_config_overrides
 
@@ -124,16 +125,25 @@ def microbatches(n: int, seed: int = 7):
     return batches
 
 
-def _loss_func(mask, output):
-    loss = (output * mask).sum() / mask.sum()
+def _loss_func(mask, count, output):
+    # At CP>1, this rank's tokens' share of the micro-batch loss: Megatron's schedule multiplies it by CP
+    # and DDP averages the gradients over DP × CP.
+    loss = (output * mask).sum() / count
     return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule scales `loss` in place
 
 
 def _forward_step(data_iterator, model):
+    from megatron.core import parallel_state as ps
+
     batch = next(data_iterator)
+    tokens, labels, mask = batch["tokens"], batch["labels"], batch["mask"]
     position_ids = torch.arange(SEQ_LEN).expand(MICRO_BATCH, SEQ_LEN)
-    output = model(batch["tokens"], position_ids, None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["mask"])
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:  # this rank's load-balanced chunks of each sequence
+        mine = chunk_positions(SEQ_LEN, cp, ps.get_context_parallel_rank())
+        tokens, labels, position_ids = tokens[:, mine], labels[:, mine], position_ids[:, mine]
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, mask if cp == 1 else mask[:, mine], mask.sum())
 
 
 def train_step(chunks, batches) -> float | None:
@@ -155,7 +165,9 @@ def train_step(chunks, batches) -> float | None:
     )
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return float(torch.stack([x["lm loss"] for x in losses]).mean())
+    loss = torch.stack([x["lm loss"] for x in losses]).mean()
+    torch.distributed.all_reduce(loss, group=ps.get_context_parallel_group())  # the CP ranks' shares
+    return float(loss)
 
 
 def _sharded_state_dict(chunks):

@@ -86,10 +86,7 @@ def test_recompute_and_context_parallel_shrink_activations_in_order():
         for granularity in ("none", "selective", "full")
     ]
     assert sizes[0] > sizes[1] > sizes[2]
-    # The spec rejects CP>1 until sequences are split over CP ranks; the planner's arithmetic is ready for it.
-    cp_spec = _spec("qwen3-1.7b", base)
-    cp_spec.actor.megatron.context_parallel_size = 2
-    with_cp = _plan(cp_spec).actor.activations
+    with_cp = _plan(_spec("qwen3-1.7b", {**base, "context_parallel_size": 2})).actor.activations
     # Half the tokens per rank, and the 5as/h attention-score term halves again with s.
     assert sizes[0] / 4 < with_cp < sizes[0] / 2
 

@@ -25,26 +25,31 @@ def _assert_parity(reports, expected_layouts):
         assert max(scale.values()) > 1e-3, f"{label}: reference gradients are ~0"
 
 
-def test_dense_tp2_pp2_vpp2_and_tp2xpp2_on_4_ranks(tmp_path):
+def test_dense_tp2_pp2_vpp2_tp2xpp2_and_cp2_on_4_ranks(tmp_path):
     # Uneven pipelines too: 1 + 3 and 3 + 1 of the 4 layers (Megatron's num_layers_in_first/last_pipeline_stage).
+    # Context parallelism: each sequence split over 2 ranks (at DP=2), and over the 2 TP=2 groups with SP.
     layouts = [(L(tp=2), ""), (L(pp=2), ""), (L(tp=2, pp=2), ""), (L(pp=2, vpp=2), ""), (L(tp=2, sequence_parallel=True), ""),
-               (L(pp=2, first_stage_layers=1), ""), (L(pp=2, last_stage_layers=1), "")]
+               (L(pp=2, first_stage_layers=1), ""), (L(pp=2, last_stage_layers=1), ""), (L(cp=2), ""),
+               (L(tp=2, cp=2, sequence_parallel=True), "")]
     reports = run_ranks(parity_job, 4, "dense", layouts, 4, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2", "TP2xPP1xSP", "TP1xPP2(1,-)", "TP1xPP2(-,1)"])
+    _assert_parity(reports, ["TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2", "TP2xPP1xSP", "TP1xPP2(1,-)", "TP1xPP2(-,1)",
+                             "TP1xPP1xCP2", "TP2xPP1xCP2xSP"])
     for label in ("TP1xPP2(1,-)", "TP1xPP2(-,1)"):
         assert sorted({r["layouts"][label]["decoder_layers"] for r in reports}) == [1, 3], label
 
 
-def test_moe_ep2_allgather_ep2_alltoall_and_tp2_sequence_parallel(tmp_path):
-    layouts = [(L(ep=2), "allgather"), (L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
+def test_moe_ep2_allgather_ep2_alltoall_tp2_sequence_parallel_and_cp2xep2(tmp_path):
+    layouts = [(L(ep=2), "allgather"), (L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall"),
+               (L(cp=2, ep=2), "alltoall")]
     reports = run_ranks(parity_job, 2, "moe", layouts, 2, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP1xPP1xEP2-allgather", "TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
+    _assert_parity(reports, ["TP1xPP1xEP2-allgather", "TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall",
+                             "TP1xPP1xCP2xEP2-alltoall"])
 
 
-def test_deepseek_shaped_mla_moe_ep2_and_tp2_sequence_parallel(tmp_path):
-    layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall")]
+def test_deepseek_shaped_mla_moe_ep2_tp2_sequence_parallel_and_cp2xep2(tmp_path):
+    layouts = [(L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall"), (L(cp=2, ep=2), "alltoall")]
     reports = run_ranks(parity_job, 2, "mla_moe", layouts, 2, str(tmp_path), timeout_s=300)
-    _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall"])
+    _assert_parity(reports, ["TP1xPP1xEP2-alltoall", "TP2xPP1xSP-alltoall", "TP1xPP1xCP2xEP2-alltoall"])
 
 
 def test_distributed_optimizer_at_dp2_steps_like_plain_adam_at_one_rank(tmp_path):

@@ -200,7 +200,7 @@ def on_policy_job() -> dict:
 
 
 def critic_and_moe_job(workdir: str) -> dict:
-    """Critic values at TP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
+    """Critic values at TP=2 and CP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
     batch = rollout_batch()
     actor_weights = os.path.join(workdir, "actor")
     make_actor(ParallelLayout()).save_weights(actor_weights)
@@ -218,6 +218,9 @@ def critic_and_moe_job(workdir: str) -> dict:
     returns = (values + 0.3 * torch.randn(values.shape, generator=gen)) * batch.response_mask
     train_batch = replace(batch, values=values, returns=returns)
     report["critic_metrics"] = [tp2_critic.update(train_batch) for _ in range(4)]
+    cp2_critic = make_critic(ParallelLayout(cp=2))  # builds the CP=2 groups: after the TP=2 critic's last call
+    cp2_critic.load_weights(critic_weights)
+    report["values_cp2_diff"] = float((cp2_critic.compute_values(batch) - values).abs().max())
 
     moe = make_actor(ParallelLayout(ep=2), kind="moe")
     before = {n: p.detach().clone() for n, p in moe.chunks[0].module.named_parameters()}

@@ -21,17 +21,21 @@ def parity_reports(tmp_path_factory):
     # DP=2 leaves each rank 4 sequences. At PP2xVPP2, 2 micro-batches of 2 put all of pipeline rank 0's
     # work in the interleaved warmup (the case that deadlocked on gloo); 4 of 1 reach the steady 1F1B phase.
     layout_variants.append(("TP1xPP2xVPP2-mbs1", L(pp=2, vpp=2), {"micro_batch_size": 1}))
+    # Context parallelism splits each sequence over 2 ranks: packed (at DP=2) and padded (TP=2 with SP, DP=1).
+    layout_variants += [("TP1xPP1xCP2", L(cp=2), {}),
+                        ("TP2xPP1xCP2xSP-padded", L(tp=2, cp=2, sequence_parallel=True), {"use_packing": False})]
     return run_ranks(parity_job, 4, layout_variants, str(tmp_path_factory.mktemp("parity")), timeout_s=300)
 
 
 def test_log_probs_entropy_and_update_match_tp1(parity_reports):
-    """Padded, dynamic-bsz (token budget), TP=2, PP=2, TP=2xPP=2 and PP=2xVPP=2 all equal packed TP=PP=1."""
+    """Padded, dynamic-bsz (token budget), TP=2, PP=2, TP=2xPP=2, PP=2xVPP=2, CP=2 and TP=2xCP=2 all equal packed
+    TP=PP=1."""
     report = parity_reports[0]
     assert all((r["log_probs"] == report["log_probs"]).all() for r in parity_reports), "ranks disagree"
     assert report["log_probs"].abs().sum() > 0 and report["entropy"].min() >= 0
     assert report["update_size"] > 1e-5, "the update must move the weights for the comparison to mean anything"
     assert set(report["variants"]) == {"padded", "dynamic-bsz", "TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2",
-                                       "TP1xPP2xVPP2-mbs1"}
+                                       "TP1xPP2xVPP2-mbs1", "TP1xPP1xCP2", "TP2xPP1xCP2xSP-padded"}
     for label, result in report["variants"].items():
         assert result["log_probs_diff"] < TOLERANCE, (label, result)
         assert result["entropy_diff"] < TOLERANCE, (label, result)

@@ -1,5 +1,5 @@
-"""Critic worker (TP=2 values equal TP=1, the value loss falls), a MoE actor's update at EP=2 and its reference at
-EP=4 in the same processes, on CPU/gloo."""
+"""Critic worker (TP=2 and CP=2 values equal TP=1, the value loss falls), a MoE actor's update at EP=2 and its
+reference at EP=4 in the same processes, on CPU/gloo."""
 import math
 from pathlib import Path
 
@@ -63,6 +63,10 @@ def test_moe_reference_at_ep4_beside_an_ep2_actor_gives_the_actors_log_probs(rep
 def test_critic_values_at_tp2_equal_tp1(report):
     assert report["values"].abs().sum() > 0
     assert report["values_tp2_diff"] < 1e-5
+
+
+def test_critic_values_at_cp2_equal_cp1(report):
+    assert report["values_cp2_diff"] < 1e-5
 
 
 def test_critic_update_reduces_value_loss(report):
