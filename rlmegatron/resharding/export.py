@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -58,8 +59,9 @@ def _partition_dim(module: torch.nn.Module, param_name: str, param: torch.Tensor
     return None
 
 
-def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]:
-    """(weight-map name, local name, tensor, partition dim) for every parameter and filled buffer of this rank."""
+def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int], torch.nn.Module]]:
+    """(weight-map name, local name, tensor, partition dim, owning module) for every parameter and filled buffer of
+    this rank; LoRA factors are not weights of their own (see `merged`)."""
     from megatron.core import parallel_state as ps
 
     weights = []
@@ -72,10 +74,12 @@ def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]
         tensors = [(n, p) for n, p in model.named_parameters()]
         tensors += [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
         for local_name, tensor in tensors:
+            if is_adapter_name(local_name):
+                continue
             module_name, _, attr = local_name.rpartition(".")
             dim = _partition_dim(modules[module_name], attr, tensor)
             name = canonical_name(local_name, layers, expert_offset)
-            weights.append((name, f"{chunk_id}:{local_name}", tensor, dim))
+            weights.append((name, f"{chunk_id}:{local_name}", tensor, dim, modules[module_name]))
     return weights
 
 
@@ -87,12 +91,13 @@ class HFWeightExporter:
 
         self.weight_map = weight_map
         self.gather_chunk_bytes = gather_chunk_bytes
-        self._local = {name: (tensor, dim) for name, _, tensor, dim in _local_weights(chunks)}
+        local = _local_weights(chunks)
+        self._local = {name: (tensor, dim) for name, _, tensor, dim, _ in local}
+        # A LoRA-adapted weight leaves as weight + scale * B @ A, merged on its own shard before the gather.
+        self._adapted = {name: module for name, _, tensor, _, module in local
+                         if tensor is getattr(module, "weight", None) and hasattr(module, "merged_weight")}
         stage = ps.get_pipeline_model_parallel_rank()
-        mine = [
-            _Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim)
-            for name, local_name, t, dim in _local_weights(chunks)
-        ]
+        mine = [_Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim) for name, local_name, t, dim, _ in local]
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
         entries: dict[str, _Entry] = {}
@@ -144,7 +149,8 @@ class HFWeightExporter:
         full = None
         if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
             tensor, dim = self._local[name]
-            full = self._gather_tp(name, tensor.detach(), dim)
+            tensor = self._adapted[name].merged_weight() if name in self._adapted else tensor.detach()
+            full = self._gather_tp(name, tensor, dim)
         return self._broadcast_from_stage(entry, full) if gather_pp else full
 
     def _gather_tp(self, name: str, shard: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
