@@ -28,6 +28,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_lengths(spec, arch)
     problems += _check_rollout(spec, arch)
     problems += _check_algorithm(spec)
+    problems += _check_lora(spec)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
     problems += _check_input_paths(spec)
@@ -428,6 +429,14 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
         reason = "is applied by the dapo reward manager; set reward.manager=dapo"
         problems.append(SpecProblem("reward.overlong_buffer.enable", True, reason))
     return problems
+
+
+def _check_lora(spec: JobSpec) -> list[SpecProblem]:
+    if spec.actor.lora.rank and spec.actor.megatron.extra.get("moe_grouped_gemm"):
+        reason = ("LoRA adapts each expert's own linears, which grouped-GEMM experts do not have; "
+                  "remove moe_grouped_gemm or set actor.lora.rank=0")
+        return [SpecProblem("actor.megatron.extra", spec.actor.megatron.extra, reason)]
+    return []
 
 
 def _unknown_name(value: str, registry: Any, plugins: bool) -> str:

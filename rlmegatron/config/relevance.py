@@ -86,6 +86,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("ref.megatron.use_distributed_optimizer", "ref.megatron.recompute_granularity",
           "ref.megatron.recompute_method", "ref.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the reference model never trains (no optimizer, no backward pass); remove it"),
+    Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules"), lambda s: s.actor.lora.rank > 0,
+         lambda s: "only applies with LoRA (actor.lora.rank > 0); remove it or set a rank"),
+    Rule(("ref.megatron.", "ref.offload."), lambda s: s.actor.lora.rank == 0,
+         lambda s: "with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off, at the "
+                   "actor's layout and in its memory; remove it"),
     Rule(("critic.",), lambda s: bool(s.critic.enable),
          lambda s: f"there is no critic: algorithm.adv_estimator={s.algorithm.adv_estimator} uses no value model; "
                    "remove it or use algorithm.adv_estimator=gae",

@@ -216,6 +216,24 @@ class PolicyLossConfig(Section):
     """kl_cov: weight of that penalty, |log(pi / pi_old)| per token."""
 
 
+LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+class LoRAConfig(Section):
+    """LoRA adapters on the actor: only they train, and the reference is the actor with its adapters off (no second
+    model). The engines get the merged weights, and checkpoints hold the adapters only."""
+
+    rank: int = Field(0, ge=0)
+    """The adapters' rank; 0 trains the whole model."""
+    alpha: float = Field(16.0, gt=0)
+    """The update of a weight is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[LoRATarget] = Field(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], min_length=1)
+    """Megatron's linears that get adapters (the experts' too): attention's QKV and output projections, the MLP's
+    first and second linears."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -235,6 +253,7 @@ class ActorConfig(PPOUpdateConfig):
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     tis_imp_ratio_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
         """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""

@@ -18,6 +18,7 @@ from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
+from rlmegatron.models.lora import LoRASettings
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
@@ -93,6 +94,8 @@ class TrainerRankSettings:
     """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled."""
     critic_init_from: str
     """`actor`, or the directory of an HF reward/value model."""
+    lora: Optional[LoRASettings]
+    """The actor's adapters (`actor.lora`); with them the reference is the actor with its adapters off."""
     init_dir: str
     """Where the actor's initial weights pass to the roles that start from them (a distributed checkpoint)."""
     colocated: bool
@@ -115,6 +118,7 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
         model=model_source(spec),
         roles=roles,
         critic_init_from=spec.critic.init_from,
+        lora=lora_settings(spec.actor.lora),
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
@@ -156,6 +160,14 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
         entropy_coeff=actor.entropy_coeff,
         log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
     )
+
+
+def lora_settings(lora) -> Optional[LoRASettings]:
+    """`actor.lora`'s adapters, or None for full training (rank 0)."""
+    if not lora.rank:
+        return None
+    return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                        target_modules=tuple(lora.target_modules))
 
 
 def reference_settings(actor: ActorSettings, ref) -> ActorSettings:

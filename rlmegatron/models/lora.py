@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from rlmegatron.models.weight_map import canonical_name, global_layers
+
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 
@@ -122,8 +124,6 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings, seed: int) -> t
     model starts as the base model."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    from rlmegatron.models.weight_map import canonical_name, global_layers
 
     model.requires_grad_(False)
     layers = global_layers(model)

@@ -93,7 +93,7 @@ class HFWeightExporter:
         self.gather_chunk_bytes = gather_chunk_bytes
         local = _local_weights(chunks)
         self._local = {name: (tensor, dim) for name, _, tensor, dim, _ in local}
-        # A LoRA-adapted weight leaves as weight + scale * B @ A, merged on its own shard before the gather.
+        # A LoRA-adapted weight leaves as weight + scale * B @ A (adapters on), merged on its shard before the gather.
         self._adapted = {name: module for name, _, tensor, _, module in local
                          if tensor is getattr(module, "weight", None) and hasattr(module, "merged_weight")}
         stage = ps.get_pipeline_model_parallel_rank()
@@ -149,7 +149,8 @@ class HFWeightExporter:
         full = None
         if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
             tensor, dim = self._local[name]
-            tensor = self._adapted[name].merged_weight() if name in self._adapted else tensor.detach()
+            adapted = self._adapted.get(name)
+            tensor = adapted.merged_weight() if adapted is not None and adapted.lora_enabled else tensor.detach()
             full = self._gather_tp(name, tensor, dim)
         return self._broadcast_from_stage(entry, full) if gather_pp else full
 

@@ -127,6 +127,10 @@ CHOSEN_LOSS = ROLES + "test_the_actor_gets_the_chosen_loss_and_every_knob"
 LOSSES_FIT = "tests/controller/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
 LOSS_PLUGIN = ("tests/workers/test_actor.py::"
                "test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
+LORA_RANK = "tests/controller/test_lora_rank.py::"
+LORA_SPEC = LORA_RANK + "test_the_spec_puts_adapters_of_its_rank_scale_and_dropout_on_the_chosen_linears"
+LORA_PARITY = "tests/models/test_lora.py::test_lora_trains_and_merges_at_every_layout_as_at_tp1"
+LORA_ONLY = "tests/models/test_lora.py::test_only_the_adapters_get_gradients_and_optimizer_state"
 CLIP_COV = "tests/algorithms/test_policy_loss.py::test_clip_cov_by_hand"
 KL_COV = "tests/algorithms/test_policy_loss.py::test_kl_cov_by_hand"
 
@@ -147,6 +151,15 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.entropy_coeff": ("entropy bonus in the actor loss", (ACTOR_SETTINGS, ENTROPY_BONUS)),
     "actor.kl_loss_coef": ("weight of the KL loss", (ACTOR_SETTINGS, KL_LOSS)),
     "actor.kl_loss_type": ("estimator of the KL loss", (ACTOR_SETTINGS, KL_ESTIMATORS)),
+    "actor.lora.alpha": ("scale alpha / rank of the adapters' update", (LORA_SPEC, NEVER_TRAINS)),
+    "actor.lora.dropout": ("dropout on the adapters' input", (LORA_SPEC,)),
+    "actor.lora.rank": ("LoRA: only adapters of that rank train, the reference is the actor with them off, engines "
+                        "and HF export get merged weights, checkpoints hold the adapters",
+                        (LORA_SPEC, LORA_PARITY, LORA_ONLY,
+                         LORA_RANK + "test_the_reference_is_the_actor_with_its_adapters_off",
+                         LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
+                         LORA_RANK + "test_a_checkpoint_holds_the_adapters_only_and_resumes_them", CHECKS)),
+    "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
     "actor.loss_agg_mode": ("how actor and critic losses are reduced", (ACTOR_SETTINGS, CRITIC_SETTINGS, AGGREGATION)),
     "actor.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
     "actor.megatron.expert_model_parallel_size": ("actor's expert parallelism", (LAYOUT, MOE_EP2)),

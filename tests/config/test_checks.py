@@ -547,6 +547,13 @@ CASES = [
         id="critic-init-path-exists",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.megatron.extra": {"moe_grouped_gemm": True}},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.extra={moe_grouped_gemm: true}: LoRA adapts each expert's own linears, which "
+        "grouped-GEMM experts do not have; remove moe_grouped_gemm or set actor.lora.rank=0",
+        id="lora-needs-experts-own-linears",
+    ),
+    pytest.param(
         {"data.val_files": []},
         "tiny-qwen3",
         "job.yaml: trainer.val_before_train=true: needs data.val_files; add some or set it to false",

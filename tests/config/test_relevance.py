@@ -25,6 +25,13 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"ref.offload.params": True}, "ref.offload.params=true: the reference model is only built for a KL term"),
         ({"actor.use_kl_loss": True, "ref.megatron.recompute_granularity": "full"},
          "ref.megatron.recompute_granularity=full: the reference model never trains"),
+        ({"actor.lora.alpha": 32}, "actor.lora.alpha=32.0: only applies with LoRA (actor.lora.rank > 0)"),
+        ({"actor.lora.target_modules": ["linear_qkv"]},
+         "actor.lora.target_modules=[linear_qkv]: only applies with LoRA (actor.lora.rank > 0)"),
+        ({"actor.lora.rank": 8, "actor.use_kl_loss": True, "ref.offload.params": True},
+         "ref.offload.params=true: with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off"),
+        ({"actor.lora.rank": 8, "actor.use_kl_loss": True, "ref.megatron": {"tensor_model_parallel_size": 2}},
+         "ref.megatron.tensor_model_parallel_size=2: with LoRA (actor.lora.rank > 0) the reference is the actor"),
         ({"reward.overlong_buffer.length": 8}, "reward.overlong_buffer.length=8: only applies with "
                                                "reward.overlong_buffer.enable=true"),
         ({"reward.async_concurrency": 8}, "reward.async_concurrency=8: only bounds an `async def` reward function "
@@ -69,6 +76,8 @@ def test_a_setting_that_would_change_nothing_is_rejected(settings, expected):
          "critic.ppo_mini_batch_size": 8},
         {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.gamma": 0.9},
         {"actor.kl_loss_coef": 0.001},  # the default: nothing to reject
+        {"actor.lora.rank": 8, "actor.lora.alpha": 16, "actor.lora.dropout": 0.05, "actor.use_kl_loss": True,
+         "ref.log_prob_micro_batch_size_per_gpu": 2},
         {"reward.function": ASYNC_REWARD, "reward.async_concurrency": 8},
         {"actor.megatron": {"pipeline_model_parallel_size": 2}, "ref.megatron": {"pipeline_model_parallel_size": 2}},
         {"rollout.engine": "sglang", "rollout.mem_fraction_static": 0.5, "rollout.sglang.router": True,

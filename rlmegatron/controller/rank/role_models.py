@@ -16,6 +16,7 @@ import torch
 from rlmegatron.controller.role_settings import ModelSource, TrainerRankSettings
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
+from rlmegatron.models.lora import add_adapters
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
@@ -45,33 +46,42 @@ class RoleModels:
             setattr(self, role, self._build(role, worker_settings, untied if role == "critic" else facts))
         self._load_initial_weights(untied)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
+        # With LoRA the reference's memory is the actor's (the spec checks leave it no offload of its own).
+        self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
 
     def _build(self, role: str, worker_settings, facts):
-        layout = self.layouts[role]
+        layout, lora = self.layouts[role], self.settings.lora
+        if role == "reference" and lora is not None:  # the actor with its adapters off: no second model
+            return ReferenceWorker.base_of(worker_settings, self.actor.chunks, layout)
         with layout_scope(layout):
             # Seeded alike, so each role's random init is the same on every rank and in every run.
             seed_everything(self.settings.seed)
             config = transformer_config(facts, layout, dtype=self.settings.model.dtype,
                                         options=self.settings.roles[role].config_options)
-            worker = WORKERS[role](worker_settings, lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp),
-                                   layout)
+
+            def provide(pre, post, vp):
+                model = build_gpt_model(facts, config, vp_stage=vp)
+                return add_adapters(model, lora, self.settings.seed) if role == "actor" and lora else model
+
+            worker = WORKERS[role](worker_settings, provide, layout)
             worker.init(parallel_state_ready=True)
         return worker
 
     @contextlib.contextmanager
     def phase(self, role: str) -> Iterator[None]:
         """`role`'s parallel groups active, and its memory back in the device if offloaded, for one phase."""
-        offloaded = self.offload_parts.get(role)
+        owner = self.memory_of[role]
+        offloaded = self.offload_parts.get(owner)
         with layout_scope(self.layouts[role]):
             if offloaded:
-                getattr(self, role).onload()
+                getattr(self, owner).onload()
             try:
                 yield
             finally:
                 if offloaded:
-                    getattr(self, role).offload(offloaded)
+                    getattr(self, owner).offload(offloaded)
 
     def trained(self) -> list[tuple[str, object]]:
         """(name, worker) of each role that trains (actor, critic); the reference is frozen and rebuilt."""
@@ -84,13 +94,13 @@ class RoleModels:
         if not settings.model.random_init:
             checkpoint = HFCheckpoint(settings.model.path)
             for role in ("actor", "reference"):
-                if getattr(self, role) is not None:
+                if getattr(self, role) is not None and self.memory_of[role] == role:
                     with layout_scope(self.layouts[role]):
                         load_hf_weights([unwrap(chunk) for chunk in getattr(self, role).chunks], self.weight_map,
                                         checkpoint)
             checkpoint.close()
         # A distributed checkpoint of the actor reshards to any other role's layout.
-        from_actor = [role for role, wanted in (("reference", settings.model.random_init),
+        from_actor = [role for role, wanted in (("reference", settings.model.random_init and not settings.lora),
                                                 ("critic", settings.critic_init_from == "actor"))
                       if wanted and getattr(self, role) is not None]
         if from_actor:
