@@ -253,6 +253,8 @@ class _Checks:
              "extra_info)"),
             ("data.dataset_class", self.spec.data.dataset_class, DATASET_ARGUMENTS,
              "a dataset class is built as Class(files, tokenizer, config), like rlmegatron.data.RLDataset"),
+            ("reward.model.combiner", self.spec.reward.model.combiner, ("model_score", "rule_score", "item"),
+             "a combiner is called as combiner(model_score, rule_score, item)"),
         ):
             if reference is None:
                 continue

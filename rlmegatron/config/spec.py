@@ -363,6 +363,27 @@ class OverlongBufferConfig(Section):
     penalty_factor: float = Field(1.0, ge=0)
 
 
+class RewardModelConfig(Section):
+    """A learned reward model that scores prompt + response in the trainer ranks (sharing them, like the roles)."""
+
+    path: Text | None = None
+    """Directory of an HF `*ForSequenceClassification` with one label, and its tokenizer; null: rule-based rewards
+    only. A tokenizer or chat template other than the policy's re-encodes prompt + response with the model's own."""
+    weight: float = 1.0
+    """reward = weight * model score + rule_weight * rule score (reward.function, or the built-in rule)."""
+    rule_weight: float = 0.0
+    """0 scores with the model alone (the rule does not run)."""
+    combiner: PluginRef | None = None
+    """path/to/file.py:function(model_score, rule_score, item) -> reward, in place of the weighted sum; `item` is
+    the rule's RewardInput."""
+    micro_batch_size_per_gpu: PositiveInt = 4
+    """Sequences per forward pass on each data-parallel rank."""
+    tensor_model_parallel_size: PositiveInt = 1
+    """The reward model's own tensor parallelism on the trainer ranks."""
+    sequence_parallel: bool = False
+    offload: ParamOffloadConfig = Field(default_factory=ParamOffloadConfig)
+
+
 class RewardConfig(Section):
     function: PluginRef | None = None
     """Custom reward as path/to/file.py:function_name; null picks the built-in rule for the data source."""
@@ -378,6 +399,7 @@ class RewardConfig(Section):
     not scored by then score 0 and count in reward/timeouts. null: no limit beyond timeout_s per sample."""
     async_concurrency: PositiveInt = 64
     """Samples an `async def` reward function scores at once in the driver (num_workers=0)."""
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 

@@ -23,8 +23,10 @@ from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
 from rlmegatron.workers.offload import PARTS
+from rlmegatron.workers.reward_model import RewardModelSettings
 
 ROLES = ("actor", "reference", "critic")
+"""The policy's roles; a reward model (`reward.model`) is a role of its own model."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class RoleSettings:
     layout: ParallelLayout
     config_options: dict[str, Any]
     """TransformerConfig fields beyond the layout: activation recompute and `megatron.extra`."""
-    worker: Union[ActorSettings, CriticSettings]
+    worker: Union[ActorSettings, CriticSettings, RewardModelSettings]
     """Its worker's batching, loss and optimizer; the actor's and reference's vocab_size is the model's."""
     offload: tuple[str, ...]
     """The parts kept in host memory between the phases that use them."""
@@ -91,11 +93,14 @@ class TrainerRankSettings:
     seed: int
     model: ModelSource
     roles: dict[str, RoleSettings]
-    """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled."""
+    """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled, the
+    reward model (`reward`) when `reward.model.path` names one."""
     critic_init_from: str
     """`actor`, or the directory of an HF reward/value model."""
     lora: Optional[LoRASettings]
     """The actor's adapters (`actor.lora`); with them the reference is the actor with its adapters off."""
+    reward_model_path: Optional[str]
+    """The HF reward model the `reward` role loads."""
     init_dir: str
     """Where the actor's initial weights pass to the roles that start from them (a distributed checkpoint)."""
     colocated: bool
@@ -113,12 +118,15 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
     roles = {role: RoleSettings(parallel_layout(sections[role].megatron), spec_config_options(sections[role].megatron),
                                 workers[role], _offload_parts(sections[role].offload))
              for role in ROLES if wanted[role]}
+    if spec.reward.model.path is not None:
+        roles["reward"] = reward_model_role(spec.reward.model)
     return TrainerRankSettings(
         seed=spec.trainer.seed,
         model=model_source(spec),
         roles=roles,
         critic_init_from=spec.critic.init_from,
         lora=lora_settings(spec.actor.lora),
+        reward_model_path=spec.reward.model.path,
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
@@ -168,6 +176,13 @@ def lora_settings(lora) -> Optional[LoRASettings]:
         return None
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                         target_modules=tuple(lora.target_modules))
+
+
+def reward_model_role(model) -> RoleSettings:
+    """The reward model's role from `reward.model`: its own TP (and sequence parallelism), batching and offload."""
+    return RoleSettings(ParallelLayout(tp=model.tensor_model_parallel_size, sequence_parallel=model.sequence_parallel),
+                        {}, RewardModelSettings(micro_batch_size=model.micro_batch_size_per_gpu),
+                        _offload_parts(model.offload))
 
 
 def reference_settings(actor: ActorSettings, ref) -> ActorSettings:

@@ -1,6 +1,7 @@
-"""Model building inside a trainer rank: the Megatron roles (the actor; the reference and the critic when the run has
-them), each at its own parallel layout, started from the HF checkpoint or from the actor's initial weights, and kept
-in host memory between the phases that use them when their `offload` section asks."""
+"""Model building inside a trainer rank: the Megatron roles (the actor; the reference, the critic and a reward model
+when the run has them), each at its own parallel layout, started from the HF checkpoint or from the actor's initial
+weights (the reward model from its own), and kept in host memory between the phases that use them when their
+`offload` section asks."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
 from rlmegatron.workers.megatron_step import unwrap
+from rlmegatron.workers.reward_model import RewardModelWorker
 
 WORKERS = {"actor": ActorWorker, "reference": ReferenceWorker, "critic": CriticWorker}
 
@@ -35,16 +37,19 @@ class RoleModels:
         self.layouts = {role: settings.roles[role].layout for role in roles}
         init_model_parallel(self.layouts["actor"], seed=settings.seed,
                             others=[self.layouts[role] for role in roles[1:]])
-        facts = _shared_model_facts(settings.model, [layout.tp for layout in self.layouts.values()])
+        policy_roles = [role for role in roles if role != "reward"]
+        facts = _shared_model_facts(settings.model, [self.layouts[role].tp for role in policy_roles])
         untied = dataclasses.replace(facts, tie_word_embeddings=False)  # the critic's output layer is its value head
         self.weight_map = WeightMap(facts)
-        self.actor = self.reference = self.critic = None
-        for role in roles:
+        self.actor = self.reference = self.critic = self.reward = None
+        for role in policy_roles:
             worker_settings = settings.roles[role].worker
             if role != "critic":  # log-probs over the tokenizer's vocabulary, not the padded one
                 worker_settings = dataclasses.replace(worker_settings, vocab_size=facts.vocab_size)
             setattr(self, role, self._build(role, worker_settings, untied if role == "critic" else facts))
         self._load_initial_weights(untied)
+        if "reward" in roles:
+            self.reward = self._build_reward_model(settings.reward_model_path)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
         # With LoRA the reference's memory is the actor's (the spec checks leave it no offload of its own).
         self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
@@ -67,6 +72,18 @@ class RoleModels:
 
             worker = WORKERS[role](worker_settings, provide, layout)
             worker.init(parallel_state_ready=True)
+        return worker
+
+    def _build_reward_model(self, path: str) -> RewardModelWorker:
+        """The reward model at its layout, from its own HF checkpoint (its own architecture and vocabulary)."""
+        layout = self.layouts["reward"]
+        with layout_scope(layout):
+            facts = dataclasses.replace(HFCheckpoint(path).facts(layout.tp), tie_word_embeddings=False)
+            config = transformer_config(facts, layout, dtype=self.settings.model.dtype)
+            worker = RewardModelWorker(self.settings.roles["reward"].worker,
+                                       lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
+            worker.init()
+            worker.load(path, facts)
         return worker
 
     @contextlib.contextmanager
