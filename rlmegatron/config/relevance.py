@@ -95,8 +95,7 @@ RULES: tuple[Rule, ...] = (
          lambda s: "only applies with a reward model; remove it or set reward.model.path", exempt=("reward.model.path",)),
     Rule(("reward.model.weight", "reward.model.rule_weight"), lambda s: s.reward.model.combiner is None,
          lambda s: "reward.model.combiner computes the reward instead of the weighted sum; remove it"),
-    Rule(("reward.function",), lambda s: s.reward.model.path is None or s.reward.model.rule_weight != 0
-         or s.reward.model.combiner is not None,
+    Rule(("reward.function",), lambda s: s.rule_scores,
          lambda s: "the reward model scores alone (reward.model.rule_weight=0, no combiner), so no rule runs; "
                    "remove it or give the rule a weight"),
     Rule(("critic.",), lambda s: bool(s.critic.enable),

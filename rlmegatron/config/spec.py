@@ -522,6 +522,13 @@ class JobSpec(Section):
         """Whether any KL term needs the frozen reference policy's log-probs."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def rule_scores(self) -> bool:
+        """Whether a rule (reward.function or the built-in one) scores the samples: not when a reward model scores
+        alone."""
+        model = self.reward.model
+        return model.path is None or model.rule_weight != 0 or model.combiner is not None
+
     @model_validator(mode="after")
     def _fill_derived_defaults(self) -> JobSpec:
         # Mutating in place: an "after" validator that returns a new object is unsupported by pydantic.
