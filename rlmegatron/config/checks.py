@@ -452,7 +452,8 @@ def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:
     config = json.loads(config_file.read_text())
     architectures = config.get("architectures") or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        return [SpecProblem("reward.model.path", model.path, f"holds {architectures or 'no architectures'}; {fix}")]
+        held = ", ".join(architectures) or "no architectures"
+        return [SpecProblem("reward.model.path", model.path, f"holds {held}; {fix}")]
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if labels != 1:
         return [SpecProblem("reward.model.path", model.path, f"scores {labels} labels, not one; {fix}")]

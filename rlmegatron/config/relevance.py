@@ -92,7 +92,8 @@ RULES: tuple[Rule, ...] = (
          lambda s: "with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off, at the "
                    "actor's layout and in its memory; remove it"),
     Rule(("reward.model.",), lambda s: s.reward.model.path is not None,
-         lambda s: "only applies with a reward model; remove it or set reward.model.path", exempt=("reward.model.path",)),
+         lambda s: "only applies with a reward model; remove it or set reward.model.path",
+         exempt=("reward.model.path",)),
     Rule(("reward.model.weight", "reward.model.rule_weight"), lambda s: s.reward.model.combiner is None,
          lambda s: "reward.model.combiner computes the reward instead of the weighted sum; remove it"),
     Rule(("reward.function",), lambda s: s.rule_scores,

@@ -157,7 +157,8 @@ def _attach(module, settings: LoRASettings, weight_name: str, seed: int) -> None
         raise ValueError(f"{weight_name}: LoRA needs the layer's output left split over TP")
     weight = module.weight
     tp_rank, tp_size = module.tp_group.rank(), module.tp_group.size()
-    out_features, in_features = weight.shape[0] * (tp_size if column else 1), weight.shape[1] * (1 if column else tp_size)
+    out_features = weight.shape[0] * (tp_size if column else 1)
+    in_features = weight.shape[1] * (1 if column else tp_size)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{weight_name}".encode()))
     bound = 1.0 / math.sqrt(in_features)
     a = torch.empty(settings.rank, in_features).uniform_(-bound, bound, generator=generator)

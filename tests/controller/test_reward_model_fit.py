@@ -56,3 +56,26 @@ def test_the_reward_model_scores_alone_and_the_policy_learns_its_preference(tmp_
     assert all(0.5 * min(scores.values()) - 1e-4 <= reward <= 0.5 * max(scores.values()) + 1e-4 for reward in rewards)
     # From near the random policy's mean to most responses at the preferred digit (measured: 0.17 -> 3.80 of 4).
     assert rewards[-1] > rewards[0] + 1.0 and rewards[-1] > 0.8 * 0.5 * max(scores.values()), rewards
+
+
+def test_the_reward_model_role_has_the_specs_layout_batching_and_offload(tmp_path):
+    import json
+
+    from rlmegatron.config import spec_from_raw
+    from rlmegatron.controller.role_settings import trainer_rank_settings
+    from rlmegatron.runtime import ParallelLayout
+    from tests.config.specs import minimal_spec
+
+    config = json.loads((QUICKSTART_MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"],
+                                                      "id2label": {"0": "score"}}))
+    spec = spec_from_raw(minimal_spec("tiny-qwen3"), [
+        f"reward.model.path={tmp_path}", "reward.model.tensor_model_parallel_size=2",
+        "reward.model.sequence_parallel=true", "reward.model.micro_batch_size_per_gpu=3",
+        "reward.model.offload.params=true"])
+    settings = trainer_rank_settings(spec, total_steps=1)
+    role = settings.roles["reward"]
+    assert settings.reward_model_path == str(tmp_path)
+    assert role.layout == ParallelLayout(tp=2, sequence_parallel=True)
+    assert (role.worker.micro_batch_size, role.offload) == (3, ("params",))
+    assert "reward" not in trainer_rank_settings(spec_from_raw(minimal_spec("tiny-qwen3"), []), 1).roles

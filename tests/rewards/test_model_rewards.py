@@ -105,3 +105,20 @@ def test_the_model_reads_its_own_chat_template_when_it_differs_from_the_policys(
     assert sequence_encoder(policy, model)(items()[1]) == expected
     plain = RewardInput("s#9", "src", "5", "4", response_length=1, prompt="2+2=", token_ids=(1,))
     assert sequence_encoder(policy, model)(plain) == model("2+2=5")["input_ids"]
+
+
+def test_the_spec_hands_the_weights_and_the_combiner_to_the_manager(plugins):
+    from rlmegatron.config.spec import RewardConfig
+    from rlmegatron.rewards.model import model_reward_manager
+    from transformers import AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(REPO_ROOT / "configs" / "quickstart" / "model")
+    rules = NaiveRewardManager(f"{plugins}:rule")
+    score, _ = fixed_model([0.5, -0.25, 2.0])
+    model = {"path": str(REPO_ROOT / "configs" / "quickstart" / "model")}
+    weighted = model_reward_manager(RewardConfig(model={**model, "weight": 0.5, "rule_weight": 3.0}), rules, score,
+                                    policy)
+    assert weighted(items()).rewards == [0.25 + 3.0, -0.125, 1.0]
+    combined = model_reward_manager(RewardConfig(model={**model, "combiner": f"{plugins}:prefer_correct"}), rules,
+                                    score, policy)
+    assert combined(items()).rewards == [0.5, -2.0, -3.0]
