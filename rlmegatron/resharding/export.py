@@ -129,6 +129,24 @@ class HFWeightExporter:
                 for hf_name, value in self.weight_map.megatron_to_hf(name, tensor).items():
                     yield hf_name, value if dtype is None else value.to(dtype)
 
+    def adapter_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT name, full tensor) of every LoRA factor, identically on every rank: the split factor gathered like
+        its weight, then named and split like its weight's HF tensors (a fused QKV or gate/up weight's B splits by
+        rows into the HF projections, which share its A). Dense models on one pipeline stage (spec checks)."""
+        for name in [entry.name for entry in self._plan if entry.name in self._adapted]:
+            module = self._adapted[name]
+            a, b = module.lora_A.detach(), module.lora_B.detach()
+            _, dim = self._local[name]
+            if module._lora_column:
+                b = self._gather_tp(name, b, dim)
+            else:
+                a = self._gather_tp(name, a, dim)
+            for hf_name, b_part in self.weight_map.megatron_to_hf(name, b).items():
+                prefix = "base_model.model." + hf_name.removesuffix(".weight")
+                a_part = a if module._lora_column else self.weight_map.megatron_to_hf(name, a)[hf_name]
+                yield f"{prefix}.lora_A.weight", a_part
+                yield f"{prefix}.lora_B.weight", b_part
+
     def _expert_group(self, entry: _Entry, slot: int, local_experts: int) -> dict[str, torch.Tensor]:
         """Full tensors of local expert `slot` of every EP rank, keyed by weight-map name (global ids)."""
         from megatron.core import parallel_state as ps
@@ -217,6 +235,24 @@ def _device() -> torch.device:
 def export_hf_weights(chunks, weight_map: WeightMap, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One-shot stream of HF-named full tensors from a live model (see HFWeightExporter to reuse the plan)."""
     return HFWeightExporter(chunks, weight_map).stream(dtype)
+
+
+def export_peft_adapter(chunks, weight_map: WeightMap, out: str, lora, base_model: str) -> None:
+    """Write a LoRA actor's adapters as a PEFT adapter (adapter_model.safetensors + adapter_config.json) that
+    transformers + peft, and SGLang's LoRA loading, read over the base HF model. Collective; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in
+               HFWeightExporter(chunks, weight_map).adapter_stream()}
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in tensors})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+                  "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+                  "base_model_name_or_path": base_model}
+        save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+        Path(out, "adapter_config.json").write_text(json.dumps(config, indent=1))
+    torch.distributed.barrier()
 
 
 def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:

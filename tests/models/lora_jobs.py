@@ -61,7 +61,10 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
         metrics = [actor.update(train_batch) for _ in range(2)]  # the second moves A: B is zero in the first
         with adapters_disabled(actor.chunks):
             adapters_off = actor.compute_log_prob(batch)[0]
-        merged = dict(HFWeightExporter(actor.chunks, weight_map).stream())
+        exporter = HFWeightExporter(actor.chunks, weight_map)
+        merged = dict(exporter.stream())
+        # PEFT-format factors: dense models on one stage (what SGLang's and peft's LoRA loading take)
+        adapter = dict(exporter.adapter_stream()) if family == "qwen3" and layout.pp == 1 else None
         adapter_numel = sum(p.numel() for n, p in model.named_parameters() if is_adapter_name(n))
         optimizer_numel = torch.tensor([_adam_state_numel(actor.optimizer)])
         torch.distributed.all_reduce(optimizer_numel, group=ps.get_data_parallel_group())  # the optimizer's shards
@@ -78,7 +81,7 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             "base_numel": sum(t.numel() for t in base_before.values()),
         }
         if torch.distributed.get_rank() == 0:
-            result["merged"] = merged
+            result["merged"], result["adapter"] = merged, adapter
         if label == "TP1":  # the plain model at the same layout: what the adapters start from and switch off to
             del actor
             plain, _ = build_actor(path, layout, None)

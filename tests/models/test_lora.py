@@ -66,3 +66,21 @@ def test_only_the_adapters_get_gradients_and_optimizer_state(report, family, lab
     assert 0 < result["adapter_numel"] < 0.15 * result["base_numel"]
     if label != "EP2":  # there the expert adapters' optimizer shards over a smaller group than the dense ones'
         assert result["optimizer_numel"] == result["adapter_numel"]
+
+
+@pytest.mark.parametrize("label", ["TP1", "TP2", "TP2-SP"])
+def test_the_peft_adapter_applied_to_the_base_model_gives_the_merged_weights(report, label):
+    """What peft computes from the PEFT-format adapter over the HF base model (W + alpha/r * B @ A per projection)
+    equals the weights the engines get merged, at every TP size."""
+    from tests.models.lora_jobs import LORA
+
+    result, base = report[f"qwen3/{label}"], report["base"]["qwen3"]
+    adapter, merged = result["adapter"], result["merged"]
+    modules = {name.split(".lora_")[0] for name in adapter}
+    assert {module.rpartition(".")[2] for module in modules} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"}
+    for module in modules:
+        hf_name = module.removeprefix("base_model.model.") + ".weight"
+        peft = base[hf_name] + LORA.scale * adapter[f"{module}.lora_B.weight"] @ adapter[f"{module}.lora_A.weight"]
+        assert (peft - merged[hf_name]).abs().max() < 1e-5, module
+    assert max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n) > 1e-3  # trained
