@@ -28,7 +28,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_lengths(spec, arch)
     problems += _check_rollout(spec, arch)
     problems += _check_algorithm(spec)
-    problems += _check_lora(spec)
+    problems += _check_lora(spec, arch)
     problems += _check_reward_model(spec)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
@@ -432,12 +432,24 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
-def _check_lora(spec: JobSpec) -> list[SpecProblem]:
-    if spec.actor.lora.rank and spec.actor.megatron.extra.get("moe_grouped_gemm"):
+def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
+    lora, megatron = spec.actor.lora, spec.actor.megatron
+    if not lora.rank:
+        return []
+    problems = []
+    if megatron.extra.get("moe_grouped_gemm"):
         reason = ("LoRA adapts each expert's own linears, which grouped-GEMM experts do not have; "
                   "remove moe_grouped_gemm or set actor.lora.rank=0")
-        return [SpecProblem("actor.megatron.extra", spec.actor.megatron.extra, reason)]
-    return []
+        problems.append(SpecProblem("actor.megatron.extra", megatron.extra, reason))
+    if lora.weight_sync == "adapter":
+        if spec.rollout.engine != "sglang":
+            reason = "only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge or rollout.engine=sglang"
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
+        elif (arch is not None and arch.is_moe) or megatron.pipeline_model_parallel_size > 1:
+            reason = ("adapters travel from dense models on one pipeline stage (no experts, "
+                      "actor.megatron.pipeline_model_parallel_size=1); use actor.lora.weight_sync=merge")
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
+    return problems
 
 
 def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:

@@ -86,7 +86,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("ref.megatron.use_distributed_optimizer", "ref.megatron.recompute_granularity",
           "ref.megatron.recompute_method", "ref.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the reference model never trains (no optimizer, no backward pass); remove it"),
-    Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules"), lambda s: s.actor.lora.rank > 0,
+    Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules", "actor.lora.weight_sync"),
+         lambda s: s.actor.lora.rank > 0,
          lambda s: "only applies with LoRA (actor.lora.rank > 0); remove it or set a rank"),
     Rule(("ref.megatron.", "ref.offload."), lambda s: s.actor.lora.rank == 0,
          lambda s: "with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off, at the "

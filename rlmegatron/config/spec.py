@@ -221,7 +221,7 @@ LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 class LoRAConfig(Section):
     """LoRA adapters on the actor: only they train, and the reference is the actor with its adapters off (no second
-    model). The engines get the merged weights, and checkpoints hold the adapters only."""
+    model). Checkpoints hold the adapters only; the HF export is merged."""
 
     rank: int = Field(0, ge=0)
     """The adapters' rank; 0 trains the whole model."""
@@ -232,6 +232,10 @@ class LoRAConfig(Section):
     target_modules: list[LoRATarget] = Field(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], min_length=1)
     """Megatron's linears that get adapters (the experts' too): attention's QKV and output projections, the MLP's
     first and second linears."""
+    weight_sync: Literal["merge", "adapter"] = "merge"
+    """How the engines get the trained policy: `merge` sends base + (alpha / rank) * B @ A as full weights (any
+    engine); `adapter` sends the base weights once and then only the adapters, which SGLang loads as a LoRA adapter
+    (PEFT format, under trainer.run_dir/lora_adapters, a path the servers must see) and samples with."""
 
 
 class ActorConfig(PPOUpdateConfig):

@@ -79,6 +79,10 @@ class RolloutSettings:
     """sglang_router's own flags, when rlmegatron starts it (`rollout.sglang.router`)."""
     startup_timeout_s: float
     log_dir: str
+    lora: Optional[LoRASettings] = None
+    """The actor's adapters when they travel as a LoRA adapter (actor.lora.weight_sync=adapter), else None."""
+    adapter_dir: str = ""
+    """Where the adapter of each version is written for the servers to load."""
 
     @property
     def weight_group_backend(self) -> str:
@@ -244,17 +248,23 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
-                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device),
+                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device,
+                           lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0),
         router_url=sglang.router_url,
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
         log_dir=str(Path(spec.trainer.run_dir) / "logs"),
+        lora=lora_settings(spec.actor.lora) if spec.actor.lora.weight_sync == "adapter" else None,
+        adapter_dir=str(Path(spec.trainer.run_dir) / "lora_adapters"),
     )
 
 
-def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> ServerSpec:
-    """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields."""
+def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: int = 0,
+                **overrides: Any) -> ServerSpec:
+    """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields;
+    `lora_rank` > 0 serves LoRA adapters of that rank on every linear."""
     sglang = rollout.sglang
+    lora = {"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"} if lora_rank else {}
     return ServerSpec(
         model_path=model_path,
         port=port,
@@ -266,6 +276,6 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides:
         enable_memory_saver=sglang.enable_memory_saver,
         load_format=sglang.load_format,
         skip_tokenizer_init=sglang.skip_tokenizer_init,
-        extra_args=dict(sglang.extra_args),
+        extra_args={**lora, **sglang.extra_args},
         **overrides,
     )
