@@ -242,7 +242,8 @@ def export_peft_adapter(chunks, weight_map: WeightMap, out: str, lora, base_mode
     transformers + peft, and SGLang's LoRA loading, read over the base HF model. Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in
+    # Cloned: the projections of one fused weight share its A, and safetensors refuses shared memory.
+    tensors = {name: tensor.detach().cpu().clone() for name, tensor in
                HFWeightExporter(chunks, weight_map).adapter_stream()}
     if torch.distributed.get_rank() == 0:
         os.makedirs(out, exist_ok=True)

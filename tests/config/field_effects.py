@@ -168,6 +168,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                          LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
                          LORA_RANK + "test_a_checkpoint_holds_the_adapters_only_and_resumes_them", CHECKS)),
     "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
+    "actor.lora.weight_sync": ("merged weights, or SGLang loads the adapters and samples with them",
+                               (LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
+                                "tests/controller/test_lora_fit.py::"
+                                "test_adapter_sync_loads_each_steps_adapter_and_samples_with_it",
+                                "tests/rollout/test_sglang.py::"
+                                "test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next", CHECKS)),
     "actor.loss_agg_mode": ("how actor and critic losses are reduced", (ACTOR_SETTINGS, CRITIC_SETTINGS, AGGREGATION)),
     "actor.megatron.context_parallel_size": ("rejected above 1 (sequences not split over CP yet)", (CP_REJECTED,)),
     "actor.megatron.expert_model_parallel_size": ("actor's expert parallelism", (LAYOUT, MOE_EP2)),

@@ -554,6 +554,20 @@ CASES = [
         id="lora-needs-experts-own-linears",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter"},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.weight_sync=adapter: only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge "
+        "or rollout.engine=sglang",
+        id="lora-adapter-sync-needs-sglang",
+    ),
+    pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter", "rollout.engine": "sglang"},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.lora.weight_sync=adapter: adapters travel from dense models on one pipeline stage (no "
+        "experts, actor.megatron.pipeline_model_parallel_size=1); use actor.lora.weight_sync=merge",
+        id="lora-adapter-sync-needs-a-dense-model",
+    ),
+    pytest.param(
         {"reward.model.path": "/nonexistent/rm"},
         "tiny-qwen3",
         "job.yaml: reward.model.path=/nonexistent/rm: has no config.json; give the directory of an HF "

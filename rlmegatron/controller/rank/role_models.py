@@ -35,6 +35,8 @@ class RoleModels:
         self.settings = settings
         roles = list(settings.roles)
         self.layouts = {role: settings.roles[role].layout for role in roles}
+        # With LoRA the reference's model and memory are the actor's (the spec leaves it no offload of its own).
+        self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
         init_model_parallel(self.layouts["actor"], seed=settings.seed,
                             others=[self.layouts[role] for role in roles[1:]])
         policy_roles = [role for role in roles if role != "reward"]
@@ -51,8 +53,6 @@ class RoleModels:
         if "reward" in roles:
             self.reward = self._build_reward_model(settings.reward_model_path)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
-        # With LoRA the reference's memory is the actor's (the spec checks leave it no offload of its own).
-        self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
 
