@@ -18,6 +18,7 @@ from rlmegatron.workers.megatron_step import unwrap
 from tests.workers.jobs import rollout_batch
 
 LORA = LoRASettings(rank=4, alpha=8.0)
+RESHARDED = ("TP2-SP", "EP2")  # layouts whose trained adapters are also loaded back at TP=1
 # adam_eps=1: an Adam step is ~lr*g, so a wrong gradient shows as a wrong update, not as the same sign step.
 SETTINGS = dict(ppo_mini_batch_size=8, micro_batch_size=2, optimizer=OptimizerSettings(lr=0.5, adam_eps=1.0))
 
@@ -82,9 +83,18 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
         }
         if torch.distributed.get_rank() == 0:
             result["merged"], result["adapter"] = merged, adapter
+        if label in RESHARDED:
+            actor.save_weights(os.path.join(workdir, f"{family}-{label}"))
         if label == "TP1":  # the plain model at the same layout: what the adapters start from and switch off to
             del actor
             plain, _ = build_actor(path, layout, None)
             result["plain_log_probs"] = plain.compute_log_prob(batch)[0]
         report[f"{family}/{label}"] = result
+    for family, label, _ in cases:  # adapters saved at another layout, loaded at TP=1: the same merged weights
+        if label in RESHARDED:
+            actor, weight_map = build_actor(os.path.join(workdir, family), ParallelLayout(), LORA)
+            actor.load_weights(os.path.join(workdir, f"{family}-{label}"))
+            merged = dict(HFWeightExporter(actor.chunks, weight_map).stream())
+            if torch.distributed.get_rank() == 0:
+                report[f"{family}/{label}"]["resharded"] = merged
     return report

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
-from tests.models.lora_jobs import lora_job
+from tests.models.lora_jobs import RESHARDED, lora_job
 from tests.models.tiny_hf import save_tiny_model
 
 CASES = [
@@ -84,3 +84,10 @@ def test_the_peft_adapter_applied_to_the_base_model_gives_the_merged_weights(rep
         peft = base[hf_name] + LORA.scale * adapter[f"{module}.lora_B.weight"] @ adapter[f"{module}.lora_A.weight"]
         assert (peft - merged[hf_name]).abs().max() < 1e-5, module
     assert max(float(t.abs().max()) for n, t in adapter.items() if "lora_B" in n) > 1e-3  # trained
+
+
+@pytest.mark.parametrize("family,label", [(f, label) for f, label, _ in CASES if label in RESHARDED])
+def test_adapters_saved_at_one_layout_load_at_tp1_with_the_same_merged_weights(report, family, label):
+    """A distributed checkpoint of the adapters reshards: fc1's B by its gate and up halves, experts by their ids."""
+    result = report[f"{family}/{label}"]
+    assert max(float((result["resharded"][n] - result["merged"][n]).abs().max()) for n in result["merged"]) == 0.0
