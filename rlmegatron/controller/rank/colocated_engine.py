@@ -41,7 +41,7 @@ class EngineMember:
 
     wake_up_with_weights = update_weights
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags=MEMORY_TAGS) -> None:
         """The leader releases the server's memory on every node."""
 
     def relaunch(self) -> None:
