@@ -97,7 +97,8 @@ RULES: tuple[Rule, ...] = (
          exempt=("reward.model.path",)),
     Rule(("reward.model.weight", "reward.model.rule_weight"), lambda s: s.reward.model.combiner is None,
          lambda s: "reward.model.combiner computes the reward instead of the weighted sum; remove it"),
-    Rule(("reward.function",), lambda s: s.rule_scores,
+    Rule(("reward.function", "reward.num_workers", "reward.timeout_s", "reward.batch_timeout_s"),
+         lambda s: s.rule_scores,
          lambda s: "the reward model scores alone (reward.model.rule_weight=0, no combiner), so no rule runs; "
                    "remove it or give the rule a weight"),
     Rule(("critic.",), lambda s: bool(s.critic.enable),

@@ -103,6 +103,8 @@ def test_the_resolved_spec_loads_back_although_it_writes_every_field():
          "reward.model.rule_weight=1.0: reward.model.combiner computes the reward instead of the weighted sum"),
         ({"reward.function": "r.py:f"},
          "reward.function=r.py:f: the reward model scores alone (reward.model.rule_weight=0, no combiner)"),
+        ({"reward.num_workers": 2},
+         "reward.num_workers=2: the reward model scores alone (reward.model.rule_weight=0, no combiner)"),
     ],
 )
 def test_a_reward_model_setting_that_would_change_nothing_is_rejected(settings, expected, tmp_path):
