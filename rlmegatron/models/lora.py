@@ -15,6 +15,7 @@ as is, backward all-reduced); activations take the same path as the layer's own 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import zlib
 from dataclasses import dataclass
@@ -105,7 +106,10 @@ class _LoRAMixin:
                 {name: getattr(self, name)}, prefix, {name: axes[name]} if name in axes else {}, sharded_offsets,
                 tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))[key]
             if name == "lora_B" and self._lora_glu:  # fc1's gate and up halves are split over TP separately
-                state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets)
+                # Megatron-Core 0.19 takes the layer's TP group (an expert's is not the dense one); 0.16 has none.
+                group = ({"tp_group": self.tp_group}
+                         if "tp_group" in inspect.signature(apply_swiglu_sharded_factory).parameters else {})
+                state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets, **group)
         return state
 
 
