@@ -238,7 +238,7 @@ class _Checks:
                         return (f"{location}: the prompt is {length} tokens, over data.max_prompt_length="
                                 f"{data.max_prompt_length}; raise it, or set data.filter_overlong_prompts=true")
                 source = str(row.get("data_source", ""))
-                if self.spec.reward.function is None and builtin_rule(source) is None:
+                if self.spec.rule_scores and self.spec.reward.function is None and builtin_rule(source) is None:
                     return (f"{location}: data_source {source!r} has no built-in reward (the built-in rules score "
                             "GSM8K and boxed-answer math); set reward.function=path/to/file.py:compute_score")
         except DatasetError as err:
@@ -254,6 +254,8 @@ class _Checks:
              "extra_info)"),
             ("data.dataset_class", self.spec.data.dataset_class, DATASET_ARGUMENTS,
              "a dataset class is built as Class(files, tokenizer, config), like rlmegatron.data.RLDataset"),
+            ("reward.model.combiner", self.spec.reward.model.combiner, ("model_score", "rule_score", "item"),
+             "a combiner is called as combiner(model_score, rule_score, item)"),
         ):
             if reference is None:
                 continue

@@ -7,14 +7,17 @@ import random
 import numpy as np
 import torch
 
+from rlmegatron.models.lora import has_adapters, is_adapter_name
 from rlmegatron.runtime.distributed import rng_tracker_states, set_rng_tracker_states
 from rlmegatron.workers.megatron_step import unwrap
 
 
 def _model_sharded_state_dict(chunks: list) -> dict:
-    if len(chunks) == 1:
-        return unwrap(chunks[0]).sharded_state_dict()
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+    """The trained weights: with LoRA only the adapters, as the base model is the HF checkpoint's, unchanged."""
+    adapters_only = has_adapters(chunks)
+    states = [{key: value for key, value in unwrap(chunk).sharded_state_dict().items()
+               if not adapters_only or is_adapter_name(key)} for chunk in chunks]
+    return states[0] if len(chunks) == 1 else {f"model{i}": state for i, state in enumerate(states)}
 
 
 def _optimizer_state(worker, model: dict, is_loading: bool) -> dict:
@@ -50,11 +53,12 @@ def load_training_state(worker, path: str) -> None:
     state = dist_checkpointing.load(
         {"model": model, "optimizer": _optimizer_state(worker, model, is_loading=True)}, path
     )
+    strict = not has_adapters(worker.chunks)  # adapters alone leave the base weights as they are
     if len(worker.chunks) == 1:
-        unwrap(worker.chunks[0]).load_state_dict(state["model"])
+        unwrap(worker.chunks[0]).load_state_dict(state["model"], strict=strict)
     else:
         for i, chunk in enumerate(worker.chunks):
-            unwrap(chunk).load_state_dict(state["model"][f"model{i}"])
+            unwrap(chunk).load_state_dict(state["model"][f"model{i}"], strict=strict)
     with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
         worker.optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(worker.optimizer, state["optimizer"])

@@ -28,6 +28,8 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_lengths(spec, arch)
     problems += _check_rollout(spec, arch)
     problems += _check_algorithm(spec)
+    problems += _check_lora(spec, arch)
+    problems += _check_reward_model(spec)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
     problems += _check_input_paths(spec)
@@ -418,6 +420,53 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
         reason = "is applied by the dapo reward manager; set reward.manager=dapo"
         problems.append(SpecProblem("reward.overlong_buffer.enable", True, reason))
     return problems
+
+
+def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
+    lora, megatron = spec.actor.lora, spec.actor.megatron
+    if not lora.rank:
+        return []
+    problems = []
+    if megatron.extra.get("moe_grouped_gemm"):
+        reason = ("LoRA adapts each expert's own linears, which grouped-GEMM experts do not have; "
+                  "remove moe_grouped_gemm or set actor.lora.rank=0")
+        problems.append(SpecProblem("actor.megatron.extra", megatron.extra, reason))
+    if lora.weight_sync == "adapter":
+        if spec.rollout.engine != "sglang":
+            reason = "only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge or rollout.engine=sglang"
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
+        elif (arch is not None and arch.is_moe) or megatron.pipeline_model_parallel_size > 1:
+            reason = ("adapters travel from dense models on one pipeline stage (no experts, "
+                      "actor.megatron.pipeline_model_parallel_size=1); use actor.lora.weight_sync=merge")
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
+    return problems
+
+
+def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:
+    """`reward.model.path` is an HF sequence classifier with one label that its layout fits."""
+    model = spec.reward.model
+    if model.path is None:
+        return []
+    fix = "give the directory of an HF *ForSequenceClassification reward model with one label"
+    config_file = Path(model.path) / "config.json"
+    if not config_file.is_file():
+        return [SpecProblem("reward.model.path", model.path, f"has no config.json; {fix}")]
+    config = json.loads(config_file.read_text())
+    architectures = config.get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        held = ", ".join(architectures) or "no architectures"
+        return [SpecProblem("reward.model.path", model.path, f"holds {held}; {fix}")]
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if labels != 1:
+        return [SpecProblem("reward.model.path", model.path, f"scores {labels} labels, not one; {fix}")]
+    layout = MegatronConfig(tensor_model_parallel_size=model.tensor_model_parallel_size,
+                            expert_tensor_parallel_size=model.tensor_model_parallel_size,
+                            sequence_parallel=model.sequence_parallel)
+    problems = _check_layout_fits_world("reward.model", layout, spec)
+    try:
+        return problems or check_layout_fits_model("reward.model", layout, read_architecture(config_file), spec)
+    except ArchitectureError as err:
+        return [SpecProblem("reward.model.path", model.path, str(err))]
 
 
 def _unknown_name(value: str, registry: Any, plugins: bool) -> str:

@@ -86,6 +86,21 @@ RULES: tuple[Rule, ...] = (
     Rule(("ref.megatron.use_distributed_optimizer", "ref.megatron.recompute_granularity",
           "ref.megatron.recompute_method", "ref.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the reference model never trains (no optimizer, no backward pass); remove it"),
+    Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules", "actor.lora.weight_sync"),
+         lambda s: s.actor.lora.rank > 0,
+         lambda s: "only applies with LoRA (actor.lora.rank > 0); remove it or set a rank"),
+    Rule(("ref.megatron.", "ref.offload."), lambda s: s.actor.lora.rank == 0,
+         lambda s: "with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off, at the "
+                   "actor's layout and in its memory; remove it"),
+    Rule(("reward.model.",), lambda s: s.reward.model.path is not None,
+         lambda s: "only applies with a reward model; remove it or set reward.model.path",
+         exempt=("reward.model.path",)),
+    Rule(("reward.model.weight", "reward.model.rule_weight"), lambda s: s.reward.model.combiner is None,
+         lambda s: "reward.model.combiner computes the reward instead of the weighted sum; remove it"),
+    Rule(("reward.function", "reward.num_workers", "reward.timeout_s", "reward.batch_timeout_s"),
+         lambda s: s.rule_scores,
+         lambda s: "the reward model scores alone (reward.model.rule_weight=0, no combiner), so no rule runs; "
+                   "remove it or give the rule a weight"),
     Rule(("critic.",), lambda s: bool(s.critic.enable),
          lambda s: f"there is no critic: algorithm.adv_estimator={s.algorithm.adv_estimator} uses no value model; "
                    "remove it or use algorithm.adv_estimator=gae",

@@ -223,6 +223,28 @@ class PolicyLossConfig(Section):
     """kl_cov: weight of that penalty, |log(pi / pi_old)| per token."""
 
 
+LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+class LoRAConfig(Section):
+    """LoRA adapters on the actor: only they train, and the reference is the actor with its adapters off (no second
+    model). Checkpoints hold the adapters only; the HF export is merged."""
+
+    rank: int = Field(0, ge=0)
+    """The adapters' rank; 0 trains the whole model."""
+    alpha: float = Field(16.0, gt=0)
+    """The update of a weight is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[LoRATarget] = Field(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], min_length=1)
+    """Megatron's linears that get adapters (the experts' too): attention's QKV and output projections, the MLP's
+    first and second linears."""
+    weight_sync: Literal["merge", "adapter"] = "merge"
+    """How the engines get the trained policy: `merge` sends base + (alpha / rank) * B @ A as full weights (any
+    engine); `adapter` sends the base weights once and then only the adapters, which SGLang loads as a LoRA adapter
+    (PEFT format, under trainer.run_dir/lora_adapters, a path the servers must see) and samples with."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -242,6 +264,7 @@ class ActorConfig(PPOUpdateConfig):
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     tis_imp_ratio_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
         """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""
@@ -377,6 +400,27 @@ class OverlongBufferConfig(Section):
     penalty_factor: float = Field(1.0, ge=0)
 
 
+class RewardModelConfig(Section):
+    """A learned reward model that scores prompt + response in the trainer ranks (sharing them, like the roles)."""
+
+    path: Text | None = None
+    """Directory of an HF `*ForSequenceClassification` with one label, and its tokenizer; null: rule-based rewards
+    only. A tokenizer or chat template other than the policy's re-encodes prompt + response with the model's own."""
+    weight: float = 1.0
+    """reward = weight * model score + rule_weight * rule score (reward.function, or the built-in rule)."""
+    rule_weight: float = 0.0
+    """0 scores with the model alone (the rule does not run)."""
+    combiner: PluginRef | None = None
+    """path/to/file.py:function(model_score, rule_score, item) -> reward, in place of the weighted sum; `item` is
+    the rule's RewardInput."""
+    micro_batch_size_per_gpu: PositiveInt = 4
+    """Sequences per forward pass on each data-parallel rank."""
+    tensor_model_parallel_size: PositiveInt = 1
+    """The reward model's own tensor parallelism on the trainer ranks."""
+    sequence_parallel: bool = False
+    offload: ParamOffloadConfig = Field(default_factory=ParamOffloadConfig)
+
+
 class RewardConfig(Section):
     function: PluginRef | None = None
     """Custom reward as path/to/file.py:function_name; null picks the built-in rule for the data source."""
@@ -392,6 +436,7 @@ class RewardConfig(Section):
     not scored by then score 0 and count in reward/timeouts. null: no limit beyond timeout_s per sample."""
     async_concurrency: PositiveInt = 64
     """Samples an `async def` reward function scores at once in the driver (num_workers=0)."""
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
@@ -522,6 +567,13 @@ class JobSpec(Section):
         KL penalty needs them before the advantages."""
         mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
         return self.actor.ppo_epochs > 1 or mini_batches > 1 or self.algorithm.use_kl_in_reward
+
+    @property
+    def rule_scores(self) -> bool:
+        """Whether a rule (reward.function or the built-in one) scores the samples: not when a reward model scores
+        alone."""
+        model = self.reward.model
+        return model.path is None or model.rule_weight != 0 or model.combiner is not None
 
     @model_validator(mode="after")
     def _fill_derived_defaults(self) -> JobSpec:

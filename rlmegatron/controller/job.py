@@ -25,6 +25,7 @@ from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from rlmegatron.data import PromptDataLoader, build_dataset
 from rlmegatron.preflight import ready_to_launch
 from rlmegatron.rewards import build_reward_manager
+from rlmegatron.rewards.model import model_reward_manager
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
@@ -108,6 +109,8 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
             ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
         else:
             ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
+        if spec.reward.model.path is not None:  # the ranks hold the reward model
+            reward_manager = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
         if spec.placement.mode == "colocate":
             engines = ColocatedEngines(ranks)
         else:

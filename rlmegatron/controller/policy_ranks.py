@@ -42,6 +42,9 @@ class PolicyRanks:
 
     # --- the step's phases ---
 
+    def score_sequences(self, sequences: list[list[int]]) -> list[float]:
+        return self.group.call_all(PolicyRank.score_sequences, sequences)[0].tolist()
+
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call_all(PolicyRank.compute_values, batch)[0]
 

@@ -18,13 +18,16 @@ from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
+from rlmegatron.models.lora import LoRASettings
 from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
 from rlmegatron.workers.offload import PARTS
+from rlmegatron.workers.reward_model import RewardModelSettings
 
 ROLES = ("actor", "reference", "critic")
+"""The policy's roles; a reward model (`reward.model`) is a role of its own model."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class RoleSettings:
     layout: ParallelLayout
     config_options: dict[str, Any]
     """TransformerConfig fields beyond the layout: activation recompute and `megatron.extra`."""
-    worker: Union[ActorSettings, CriticSettings]
+    worker: Union[ActorSettings, CriticSettings, RewardModelSettings]
     """Its worker's batching, loss and optimizer; the actor's and reference's vocab_size is the model's."""
     offload: tuple[str, ...]
     """The parts kept in host memory between the phases that use them."""
@@ -79,6 +82,10 @@ class RolloutSettings:
     log_dir: str
     multi_turn: Optional[AgentSettings] = None
     """The agent loop the engines run each request through (`rollout.multi_turn`); None: single completions."""
+    lora: Optional[LoRASettings] = None
+    """The actor's adapters when they travel as a LoRA adapter (actor.lora.weight_sync=adapter), else None."""
+    adapter_dir: str = ""
+    """Where the adapter of each version is written for the servers to load."""
 
     @property
     def weight_group_backend(self) -> str:
@@ -93,9 +100,14 @@ class TrainerRankSettings:
     seed: int
     model: ModelSource
     roles: dict[str, RoleSettings]
-    """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled."""
+    """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled, the
+    reward model (`reward`) when `reward.model.path` names one."""
     critic_init_from: str
     """`actor`, or the directory of an HF reward/value model."""
+    lora: Optional[LoRASettings]
+    """The actor's adapters (`actor.lora`); with them the reference is the actor with its adapters off."""
+    reward_model_path: Optional[str]
+    """The HF reward model the `reward` role loads."""
     init_dir: str
     """Where the actor's initial weights pass to the roles that start from them (a distributed checkpoint)."""
     colocated: bool
@@ -113,11 +125,15 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
     roles = {role: RoleSettings(parallel_layout(sections[role].megatron), spec_config_options(sections[role].megatron),
                                 workers[role], _offload_parts(sections[role].offload))
              for role in ROLES if wanted[role]}
+    if spec.reward.model.path is not None:
+        roles["reward"] = reward_model_role(spec.reward.model)
     return TrainerRankSettings(
         seed=spec.trainer.seed,
         model=model_source(spec),
         roles=roles,
         critic_init_from=spec.critic.init_from,
+        lora=lora_settings(spec.actor.lora),
+        reward_model_path=spec.reward.model.path,
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
@@ -159,6 +175,21 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
         entropy_coeff=actor.entropy_coeff,
         log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
     )
+
+
+def lora_settings(lora) -> Optional[LoRASettings]:
+    """`actor.lora`'s adapters, or None for full training (rank 0)."""
+    if not lora.rank:
+        return None
+    return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                        target_modules=tuple(lora.target_modules))
+
+
+def reward_model_role(model) -> RoleSettings:
+    """The reward model's role from `reward.model`: its own TP (and sequence parallelism), batching and offload."""
+    return RoleSettings(ParallelLayout(tp=model.tensor_model_parallel_size, sequence_parallel=model.sequence_parallel),
+                        {}, RewardModelSettings(micro_batch_size=model.micro_batch_size_per_gpu),
+                        _offload_parts(model.offload))
 
 
 def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
@@ -227,12 +258,15 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
-                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device),
+                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device,
+                           lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0),
         router_url=sglang.router_url,
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
         log_dir=str(Path(spec.trainer.run_dir) / "logs"),
         multi_turn=agent_settings(spec),
+        lora=lora_settings(spec.actor.lora) if spec.actor.lora.weight_sync == "adapter" else None,
+        adapter_dir=str(Path(spec.trainer.run_dir) / "lora_adapters"),
     )
 
 
@@ -251,9 +285,12 @@ def agent_settings(spec: JobSpec) -> Optional[AgentSettings]:
     )
 
 
-def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> ServerSpec:
-    """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields."""
+def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: int = 0,
+                **overrides: Any) -> ServerSpec:
+    """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields;
+    `lora_rank` > 0 serves LoRA adapters of that rank on every linear."""
     sglang = rollout.sglang
+    lora = {"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"} if lora_rank else {}
     return ServerSpec(
         model_path=model_path,
         port=port,
@@ -265,6 +302,6 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides:
         enable_memory_saver=sglang.enable_memory_saver,
         load_format=sglang.load_format,
         skip_tokenizer_init=sglang.skip_tokenizer_init,
-        extra_args=dict(sglang.extra_args),
+        extra_args={**lora, **sglang.extra_args},
         **overrides,
     )

@@ -132,6 +132,8 @@ def reward_inputs(prompts: list[Sample], results: list[GenerationResult], tokeni
             ground_truth=prompt.ground_truth,
             response_length=len(result.output_token_ids),
             extra_info=prompt.extra_info,
+            prompt=prompt.prompt,
+            token_ids=(*prompt.prompt_ids, *result.output_token_ids),
         )
         for prompt, result in zip(prompts, results)
     ]

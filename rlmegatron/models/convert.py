@@ -27,6 +27,7 @@ from rlmegatron.models.hf_config import (
     read_hf_config,
     transformer_config,
 )
+from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, canonical_name, global_layers
 from rlmegatron.runtime.distributed import ParallelLayout, init_model_parallel
 
@@ -169,9 +170,12 @@ def _placement(chunk) -> tuple[dict[int, int], int]:
 
 
 def canonical_weights(chunk) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(weight-map name, local tensor, is_parameter) of every weight in a chunk."""
+    """(weight-map name, local tensor, is_parameter) of every weight in a chunk; LoRA factors are the adapters', not
+    the model's."""
     layers, expert_offset = _placement(chunk)
     for name, tensor, is_param in _named_weights(chunk):
+        if is_adapter_name(name):
+            continue
         yield canonical_name(name, layers, expert_offset), tensor, is_param
 
 

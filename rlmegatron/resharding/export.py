@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -58,8 +59,9 @@ def _partition_dim(module: torch.nn.Module, param_name: str, param: torch.Tensor
     return None
 
 
-def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]:
-    """(weight-map name, local name, tensor, partition dim) for every parameter and filled buffer of this rank."""
+def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int], torch.nn.Module]]:
+    """(weight-map name, local name, tensor, partition dim, owning module) for every parameter and filled buffer of
+    this rank; LoRA factors are not weights of their own (see `merged`)."""
     from megatron.core import parallel_state as ps
 
     weights = []
@@ -72,10 +74,12 @@ def _local_weights(chunks) -> list[tuple[str, str, torch.Tensor, Optional[int]]]
         tensors = [(n, p) for n, p in model.named_parameters()]
         tensors += [(n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
         for local_name, tensor in tensors:
+            if is_adapter_name(local_name):
+                continue
             module_name, _, attr = local_name.rpartition(".")
             dim = _partition_dim(modules[module_name], attr, tensor)
             name = canonical_name(local_name, layers, expert_offset)
-            weights.append((name, f"{chunk_id}:{local_name}", tensor, dim))
+            weights.append((name, f"{chunk_id}:{local_name}", tensor, dim, modules[module_name]))
     return weights
 
 
@@ -87,12 +91,13 @@ class HFWeightExporter:
 
         self.weight_map = weight_map
         self.gather_chunk_bytes = gather_chunk_bytes
-        self._local = {name: (tensor, dim) for name, _, tensor, dim in _local_weights(chunks)}
+        local = _local_weights(chunks)
+        self._local = {name: (tensor, dim) for name, _, tensor, dim, _ in local}
+        # A LoRA-adapted weight leaves as weight + scale * B @ A (adapters on), merged on its shard before the gather.
+        self._adapted = {name: module for name, _, tensor, _, module in local
+                         if tensor is getattr(module, "weight", None) and hasattr(module, "merged_weight")}
         stage = ps.get_pipeline_model_parallel_rank()
-        mine = [
-            _Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim)
-            for name, local_name, t, dim in _local_weights(chunks)
-        ]
+        mine = [_Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim) for name, local_name, t, dim, _ in local]
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
         entries: dict[str, _Entry] = {}
@@ -124,6 +129,24 @@ class HFWeightExporter:
                 for hf_name, value in self.weight_map.megatron_to_hf(name, tensor).items():
                     yield hf_name, value if dtype is None else value.to(dtype)
 
+    def adapter_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT name, full tensor) of every LoRA factor, identically on every rank: the split factor gathered like
+        its weight, then named and split like its weight's HF tensors (a fused QKV or gate/up weight's B splits by
+        rows into the HF projections, which share its A). Dense models on one pipeline stage (spec checks)."""
+        for name in [entry.name for entry in self._plan if entry.name in self._adapted]:
+            module = self._adapted[name]
+            a, b = module.lora_A.detach(), module.lora_B.detach()
+            _, dim = self._local[name]
+            if module._lora_column:
+                b = self._gather_tp(name, b, dim)
+            else:
+                a = self._gather_tp(name, a, dim)
+            for hf_name, b_part in self.weight_map.megatron_to_hf(name, b).items():
+                prefix = "base_model.model." + hf_name.removesuffix(".weight")
+                a_part = a if module._lora_column else self.weight_map.megatron_to_hf(name, a)[hf_name]
+                yield f"{prefix}.lora_A.weight", a_part
+                yield f"{prefix}.lora_B.weight", b_part
+
     def _expert_group(self, entry: _Entry, slot: int, local_experts: int) -> dict[str, torch.Tensor]:
         """Full tensors of local expert `slot` of every EP rank, keyed by weight-map name (global ids)."""
         from megatron.core import parallel_state as ps
@@ -144,7 +167,9 @@ class HFWeightExporter:
         full = None
         if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
             tensor, dim = self._local[name]
-            full = self._gather_tp(name, tensor.detach(), dim)
+            adapted = self._adapted.get(name)
+            tensor = adapted.merged_weight() if adapted is not None and adapted.lora_enabled else tensor.detach()
+            full = self._gather_tp(name, tensor, dim)
         return self._broadcast_from_stage(entry, full) if gather_pp else full
 
     def _gather_tp(self, name: str, shard: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
@@ -210,6 +235,25 @@ def _device() -> torch.device:
 def export_hf_weights(chunks, weight_map: WeightMap, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One-shot stream of HF-named full tensors from a live model (see HFWeightExporter to reuse the plan)."""
     return HFWeightExporter(chunks, weight_map).stream(dtype)
+
+
+def export_peft_adapter(chunks, weight_map: WeightMap, out: str, lora, base_model: str) -> None:
+    """Write a LoRA actor's adapters as a PEFT adapter (adapter_model.safetensors + adapter_config.json) that
+    transformers + peft, and SGLang's LoRA loading, read over the base HF model. Collective; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    # Cloned: the projections of one fused weight share its A, and safetensors refuses shared memory.
+    tensors = {name: tensor.detach().cpu().clone() for name, tensor in
+               HFWeightExporter(chunks, weight_map).adapter_stream()}
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in tensors})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+                  "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+                  "base_model_name_or_path": base_model}
+        save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+        Path(out, "adapter_config.json").write_text(json.dumps(config, indent=1))
+    torch.distributed.barrier()
 
 
 def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:

@@ -80,6 +80,10 @@ class RewardInput:
     response_length: int
     """Response tokens, for the overlong penalty."""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    prompt: Any = None
+    """The row's prompt: chat messages or text (a reward model with its own chat template reads it)."""
+    token_ids: tuple[int, ...] = ()
+    """Prompt + response token ids in the policy's tokenizer (a reward model that shares it reads them)."""
 
 
 @dataclass

@@ -17,6 +17,8 @@ WeightStream = Iterable[Union[NamedTensor, FlattenedBucket]]
 """What `update_weights` consumes: HF-named full tensors, or buckets already flattened by `buckets.py`."""
 
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+INITIAL_VERSION = "init"
+"""The weight version of the weights the run starts from (before any update)."""
 """SGLang's memory-saver tags; the local engine accepts the same names."""
 
 

@@ -19,6 +19,7 @@ import torch
 from rlmegatron.errors import Divergence
 from rlmegatron.rollout.buckets import Bucketer, TravelRule
 from rlmegatron.rollout.engine import (
+    INITIAL_VERSION,
     MEMORY_TAGS,
     GenerationRequest,
     GenerationResult,
@@ -94,9 +95,16 @@ class SGLangClient:
             raise SGLangRequestError(f"{path} failed: {answer.get('message')}")
         return answer
 
-    def generate(self, input_ids: list[int], params: dict[str, Any]) -> dict:
-        return self._call("POST", "/generate", {"input_ids": input_ids, "sampling_params": params,
-                                                "return_logprob": True})
+    def generate(self, input_ids: list[int], params: dict[str, Any], lora_name: str | None = None) -> dict:
+        """`lora_name`: the loaded LoRA adapter to sample with (SGLang's `lora_path` names it); None: the base."""
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        return self._call("POST", "/generate", body if lora_name is None else {**body, "lora_path": lora_name})
+
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        return self._post_checked("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        return self._post_checked("/unload_lora_adapter", {"lora_name": name})
 
     def update_weights_from_tensor(
         self, serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False
@@ -256,6 +264,7 @@ class SGLangEngine(RolloutEngine):
         max_concurrency: int = 64,
         max_restarts: int = 3,
         ipc_group: torch.distributed.ProcessGroup | None = None,
+        lora_adapters: bool = False,
     ) -> None:
         """`router_url`: the sglang_router in front of several servers; generation goes through it, and this
         server is one of its workers exactly while it holds trained weights. `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
@@ -277,6 +286,10 @@ class SGLangEngine(RolloutEngine):
         self._epoch = 0
         self._recovery_lock = threading.Lock()
         self.weight_version: str | None = None
+        self.lora_adapters = lora_adapters
+        """The trained policy is the base weights plus a LoRA adapter named by its version (actor.lora.weight_sync
+        `adapter`); `adapter` is the one the server holds, None until the first is loaded."""
+        self.adapter: str | None = None
         try:
             self.relaunch()
         except BaseException:
@@ -312,7 +325,8 @@ class SGLangEngine(RolloutEngine):
             if self.stale:
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
-                answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec))
+                answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec),
+                                                         self.adapter)
                 return parse_generate_response(answer, request_index, sample_index)
             except ServerUnavailable as error:
                 last_error = error
@@ -328,9 +342,20 @@ class SGLangEngine(RolloutEngine):
         self.client.flush_cache()
         self.mark_synced(version)
 
+    def load_adapter(self, name: str, path: str, version: str) -> None:
+        """Colocated, adapter sync: the PEFT adapter at `path` in as `name`, the one before it out."""
+        self.client.load_lora_adapter(name, path)
+        if self.adapter is not None and self.adapter != name:
+            self.client.unload_lora_adapter(self.adapter)
+        self.client.flush_cache()
+        self.mark_synced(version)
+        self.adapter = name
+
     def mark_synced(self, version: str) -> None:
         """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
-        router if it is not one of its workers."""
+        router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name."""
+        if self.lora_adapters:
+            self.adapter = None if version == INITIAL_VERSION else version
         self.weight_version = version
         self.stale = False
         if self.router is not None and not self.in_router:
@@ -398,6 +423,7 @@ class SGLangEngine(RolloutEngine):
                 return
             self.process.start()
             self.process.wait_ready(self.client.health, self.startup_timeout_s)
+            self.adapter = None  # a restarted server holds none
             if self.resync is not None:
                 stream, version = self.resync()
                 self.update_weights(stream, version)

@@ -75,17 +75,7 @@ class CriticWorker(TrainingWorker):
         """Initialise from an HF reward/value model (`*ForSequenceClassification` or `*ForTokenClassification`
         with one label, same architecture as the policy): its trunk, and its `score` head as the value head.
         A head without bias leaves the value head's bias at 0."""
-        checkpoint = HFCheckpoint(path)
-        try:
-            head = tuple(key for key in ("score.weight", "score.bias") if key in checkpoint.key_files)
-            if "score.weight" not in head or checkpoint.shape(Source("score.weight"))[0] != 1:
-                raise ValueError(f"critic.init_from={path}: not a reward/value model with one label "
-                                 "(expected a score.weight of shape [1, hidden_size])")
-            weight_map = WeightMap(facts, value_head=head)
-            load_hf_weights([megatron_step.unwrap(chunk) for chunk in self.chunks], weight_map, checkpoint,
-                            keep_initialised=("output_layer.bias",))
-        finally:
-            checkpoint.close()
+        load_score_model(self.chunks, path, facts, "critic.init_from")
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
 
@@ -97,7 +87,7 @@ class CriticWorker(TrainingWorker):
         """V(prefix before each response token) [B, R], zero outside response_mask."""
 
         def per_token(micro_batch, output):
-            values = _response_values(micro_batch, output)
+            values = response_values(micro_batch, output)
             return (values * micro_batch.response_fields.response_mask.to(values.device),)
 
         values = megatron_step.run_forward_only(self.chunks, batch, self._micro_batches(batch), per_token, outputs=1)[0]
@@ -117,7 +107,7 @@ class CriticWorker(TrainingWorker):
             fields = micro_batch.response_fields
             device = output.device
             vf_loss, metrics = clipped_value_loss(
-                _response_values(micro_batch, output),
+                response_values(micro_batch, output),
                 fields.returns.to(device),
                 fields.values.to(device),
                 fields.response_mask.to(device),
@@ -130,6 +120,22 @@ class CriticWorker(TrainingWorker):
         return loss_func_for
 
 
-def _response_values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+def load_score_model(chunks: list, path: str, facts, field: str) -> None:
+    """`chunks` (a value-head model) from an HF model with one label: its trunk, and its `score` head as the value
+    head; a head without bias leaves the value head's bias at 0. `field` names the spec field in errors."""
+    checkpoint = HFCheckpoint(path)
+    try:
+        head = tuple(key for key in ("score.weight", "score.bias") if key in checkpoint.key_files)
+        if "score.weight" not in head or checkpoint.shape(Source("score.weight"))[0] != 1:
+            raise ValueError(f"{field}={path}: not a reward/value model with one label "
+                             "(expected a score.weight of shape [1, hidden_size])")
+        weight_map = WeightMap(facts, value_head=head)
+        load_hf_weights([megatron_step.unwrap(chunk) for chunk in chunks], weight_map, checkpoint,
+                        keep_initialised=("output_layer.bias",))
+    finally:
+        checkpoint.close()
+
+
+def response_values(micro_batch: MicroBatch, output: torch.Tensor) -> torch.Tensor:
     # The value at input position p belongs to the next token, as the log-prob there does.
     return micro_batch.to_response_grid(output[..., 0])

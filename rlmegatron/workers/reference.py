@@ -1,8 +1,10 @@
-"""The reference policy: a frozen copy of the actor's model that only computes log-probs."""
+"""The reference policy: a frozen copy of the actor's model that only computes log-probs, or, with LoRA, the actor's
+own model with its adapters off."""
 from __future__ import annotations
 
 from typing import Sequence
 
+from rlmegatron.models.lora import adapters_disabled
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.workers import megatron_step
 from rlmegatron.workers.actor import ActorSettings, compute_log_prob
@@ -31,6 +33,13 @@ class ReferenceWorker:
         self.chunks = megatron_step.build_model_chunks(self.model_provider, wrap_ddp=False)
         self.offloader = Offloader(self.chunks)
 
+    @classmethod
+    def base_of(cls, settings: ActorSettings, adapted_chunks: list, layout: ParallelLayout) -> "ReferenceWorker":
+        """The reference as the base model of a LoRA actor's `adapted_chunks`: no weights of its own."""
+        reference = cls(settings, None, layout)
+        reference.chunks = adapted_chunks
+        return reference
+
     def load_weights(self, path: str) -> None:
         megatron_step.load_weights(self.chunks, path)
 
@@ -43,6 +52,7 @@ class ReferenceWorker:
 
     def compute_log_prob(self, batch: RolloutBatch):
         """log p_ref(response token) [B, R], zero outside response_mask."""
-        log_probs = compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]
+        with adapters_disabled(self.chunks):
+            log_probs = compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]
         raise_if_not_finite_tokens({"ref/log_prob": log_probs}, batch.response_mask)
         return log_probs

@@ -138,6 +138,18 @@ CHOSEN_LOSS = ROLES + "test_the_actor_gets_the_chosen_loss_and_every_knob"
 LOSSES_FIT = "tests/controller/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
 LOSS_PLUGIN = ("tests/workers/test_actor.py::"
                "test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
+LORA_RANK = "tests/controller/test_lora_rank.py::"
+LORA_SPEC = LORA_RANK + "test_the_spec_puts_adapters_of_its_rank_scale_and_dropout_on_the_chosen_linears"
+LORA_PARITY = "tests/models/test_lora.py::test_lora_trains_and_merges_at_every_layout_as_at_tp1"
+LORA_ONLY = "tests/models/test_lora.py::test_only_the_adapters_get_gradients_and_optimizer_state"
+RM_FIT = ("tests/controller/test_reward_model_fit.py::"
+          "test_the_reward_model_scores_alone_and_the_policy_learns_its_preference")
+RM_ROLE = ("tests/controller/test_reward_model_fit.py::"
+           "test_the_reward_model_role_has_the_specs_layout_batching_and_offload")
+RM_PARITY = "tests/workers/test_reward_model.py::test_scores_equal_transformers_at_tp1_and_tp2"
+RM_MANAGER = "tests/rewards/test_model_rewards.py::"
+RM_HANDED = RM_MANAGER + "test_the_spec_hands_the_weights_and_the_combiner_to_the_manager"
+RM_CHECKS = "tests/config/test_checks.py::test_a_reward_model_with_two_labels_or_a_layout_that_does_not_fit_is_named"
 CLIP_COV = "tests/algorithms/test_policy_loss.py::test_clip_cov_by_hand"
 KL_COV = "tests/algorithms/test_policy_loss.py::test_kl_cov_by_hand"
 
@@ -158,6 +170,21 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.entropy_coeff": ("entropy bonus in the actor loss", (ACTOR_SETTINGS, ENTROPY_BONUS)),
     "actor.kl_loss_coef": ("weight of the KL loss", (ACTOR_SETTINGS, KL_LOSS)),
     "actor.kl_loss_type": ("estimator of the KL loss", (ACTOR_SETTINGS, KL_ESTIMATORS)),
+    "actor.lora.alpha": ("scale alpha / rank of the adapters' update", (LORA_SPEC, NEVER_TRAINS)),
+    "actor.lora.dropout": ("dropout on the adapters' input", (LORA_SPEC,)),
+    "actor.lora.rank": ("LoRA: only adapters of that rank train, the reference is the actor with them off, engines "
+                        "and HF export get merged weights, checkpoints hold the adapters",
+                        (LORA_SPEC, LORA_PARITY, LORA_ONLY,
+                         LORA_RANK + "test_the_reference_is_the_actor_with_its_adapters_off",
+                         LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
+                         LORA_RANK + "test_a_checkpoint_holds_the_adapters_only_and_resumes_them", CHECKS)),
+    "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
+    "actor.lora.weight_sync": ("merged weights, or SGLang loads the adapters and samples with them",
+                               (LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
+                                "tests/controller/test_lora_fit.py::"
+                                "test_adapter_sync_loads_each_steps_adapter_and_samples_with_it",
+                                "tests/rollout/test_sglang.py::"
+                                "test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next", CHECKS)),
     "actor.loss_agg_mode": ("how actor and critic losses are reduced", (ACTOR_SETTINGS, CRITIC_SETTINGS, AGGREGATION)),
     "actor.megatron.context_parallel_size": ("actor's context parallelism (each sequence split over CP ranks)",
                                              (CP_ROLES, ACTOR_PARITY, UNEVEN_PIPELINE, SP_PARITY)),
@@ -290,6 +317,19 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward.batch_timeout_s": ("time budget of one scoring batch", (BATCH_BUDGET,)),
     "reward.function": ("reward plug-in", (NAN_RUN, DAPO_PENALTY)),
     "reward.manager": ("naive or DAPO reward manager", (DAPO_PENALTY,)),
+    "reward.model.combiner": ("a plug-in combines the model's and the rule's scores",
+                              (RM_HANDED, RM_MANAGER + "test_a_combiner_plugin_computes_the_reward")),
+    "reward.model.micro_batch_size_per_gpu": ("sequences per reward-model forward pass", (RM_ROLE, RM_PARITY)),
+    "reward.model.offload.params": ("reward model's weights offloaded between uses", (RM_ROLE, RM_PARITY, RM_FIT)),
+    "reward.model.path": ("a reward model scores prompt + response in the trainer ranks",
+                          (RM_FIT, RM_PARITY, RM_CHECKS, CHECKS,
+                           RM_MANAGER + "test_the_model_reads_its_own_chat_template_when_it_differs_from_the_policys")),
+    "reward.model.rule_weight": ("weight of the rule's score; 0 runs no rule",
+                                 (RM_HANDED, RM_MANAGER + "test_the_model_alone_scores_without_running_the_rule")),
+    "reward.model.sequence_parallel": ("reward model's sequence parallelism", (RM_ROLE, RM_PARITY, RM_FIT)),
+    "reward.model.tensor_model_parallel_size": ("reward model's tensor parallelism", (RM_ROLE, RM_PARITY, RM_FIT,
+                                                                                     RM_CHECKS)),
+    "reward.model.weight": ("weight of the model's score", (RM_HANDED, RM_FIT)),
     "reward.num_workers": ("reward processes", (REWARD_WORKERS, JOB_WIRING)),
     "reward.overlong_buffer.enable": ("DAPO overlong penalty on", (DAPO_PENALTY, DAPO_OFF)),
     "reward.overlong_buffer.length": ("DAPO overlong buffer", (DAPO_PENALTY,)),

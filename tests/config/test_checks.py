@@ -554,6 +554,41 @@ CASES = [
         id="critic-init-path-exists",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.megatron.extra": {"moe_grouped_gemm": True}},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.extra={moe_grouped_gemm: true}: LoRA adapts each expert's own linears, which "
+        "grouped-GEMM experts do not have; remove moe_grouped_gemm or set actor.lora.rank=0",
+        id="lora-needs-experts-own-linears",
+    ),
+    pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter"},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.weight_sync=adapter: only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge "
+        "or rollout.engine=sglang",
+        id="lora-adapter-sync-needs-sglang",
+    ),
+    pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter", "rollout.engine": "sglang"},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.lora.weight_sync=adapter: adapters travel from dense models on one pipeline stage (no "
+        "experts, actor.megatron.pipeline_model_parallel_size=1); use actor.lora.weight_sync=merge",
+        id="lora-adapter-sync-needs-a-dense-model",
+    ),
+    pytest.param(
+        {"reward.model.path": "/nonexistent/rm"},
+        "tiny-qwen3",
+        "job.yaml: reward.model.path=/nonexistent/rm: has no config.json; give the directory of an HF "
+        "*ForSequenceClassification reward model with one label",
+        id="reward-model-path-exists",
+    ),
+    pytest.param(
+        {"reward.model.path": str(REPO_ROOT / "configs" / "quickstart" / "model")},
+        "tiny-qwen3",
+        f"job.yaml: reward.model.path={REPO_ROOT / 'configs' / 'quickstart' / 'model'}: holds Qwen3ForCausalLM; "
+        "give the directory of an HF *ForSequenceClassification reward model with one label",
+        id="reward-model-is-a-sequence-classifier",
+    ),
+    pytest.param(
         {"data.val_files": []},
         "tiny-qwen3",
         "job.yaml: trainer.val_before_train=true: needs data.val_files; add some or set it to false",
@@ -694,3 +729,17 @@ def test_a_tokenizer_that_loads_only_with_its_own_code_needs_trust_remote_code(t
     quickstart_tokenizer = str(REPO_ROOT / "configs" / "quickstart" / "model")
     assert problems_with({"model.path": str(model), "model.tokenizer_path": quickstart_tokenizer}) == []
     assert problems_with({"model.path": str(model), "model.trust_remote_code": True}) == []
+
+
+def test_a_reward_model_with_two_labels_or_a_layout_that_does_not_fit_is_named(tmp_path):
+    config = json.loads((REPO_ROOT / "configs" / "quickstart" / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"],
+                                                      "id2label": {"0": "bad", "1": "good"}}))
+    assert problems_with({"reward.model.path": str(tmp_path)}) == [
+        f"job.yaml: reward.model.path={tmp_path}: scores 2 labels, not one; give the directory of an HF "
+        "*ForSequenceClassification reward model with one label"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"],
+                                                      "id2label": {"0": "score"}}))
+    assert problems_with({"reward.model.path": str(tmp_path)}) == []
+    [problem] = problems_with({"reward.model.path": str(tmp_path), "reward.model.tensor_model_parallel_size": 3})
+    assert problem.startswith("job.yaml: reward.model.tensor_model_parallel_size=3: does not divide the ")

@@ -25,6 +25,14 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"ref.offload.params": True}, "ref.offload.params=true: the reference model is only built for a KL term"),
         ({"actor.use_kl_loss": True, "ref.megatron.recompute_granularity": "full"},
          "ref.megatron.recompute_granularity=full: the reference model never trains"),
+        ({"actor.lora.alpha": 32}, "actor.lora.alpha=32.0: only applies with LoRA (actor.lora.rank > 0)"),
+        ({"actor.lora.target_modules": ["linear_qkv"]},
+         "actor.lora.target_modules=[linear_qkv]: only applies with LoRA (actor.lora.rank > 0)"),
+        ({"actor.lora.rank": 8, "actor.use_kl_loss": True, "ref.offload.params": True},
+         "ref.offload.params=true: with LoRA (actor.lora.rank > 0) the reference is the actor with its adapters off"),
+        ({"actor.lora.rank": 8, "actor.use_kl_loss": True, "ref.megatron": {"tensor_model_parallel_size": 2}},
+         "ref.megatron.tensor_model_parallel_size=2: with LoRA (actor.lora.rank > 0) the reference is the actor"),
+        ({"reward.model.weight": 2.0}, "reward.model.weight=2.0: only applies with a reward model"),
         ({"reward.overlong_buffer.length": 8}, "reward.overlong_buffer.length=8: only applies with "
                                                "reward.overlong_buffer.enable=true"),
         ({"reward.async_concurrency": 8}, "reward.async_concurrency=8: only bounds an `async def` reward function "
@@ -69,6 +77,8 @@ def test_a_setting_that_would_change_nothing_is_rejected(settings, expected):
          "critic.ppo_mini_batch_size": 8},
         {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.gamma": 0.9},
         {"actor.kl_loss_coef": 0.001},  # the default: nothing to reject
+        {"actor.lora.rank": 8, "actor.lora.alpha": 16, "actor.lora.dropout": 0.05, "actor.use_kl_loss": True,
+         "ref.log_prob_micro_batch_size_per_gpu": 2},
         {"reward.function": ASYNC_REWARD, "reward.async_concurrency": 8},
         {"actor.megatron": {"pipeline_model_parallel_size": 2}, "ref.megatron": {"pipeline_model_parallel_size": 2}},
         {"rollout.engine": "sglang", "rollout.mem_fraction_static": 0.5, "rollout.sglang.router": True,
@@ -84,3 +94,25 @@ def test_the_resolved_spec_loads_back_although_it_writes_every_field():
     raw["actor"]["megatron"] = {"pipeline_model_parallel_size": 2}  # the ref and critic layouts derive from it
     resolved = parse_yaml(dump_spec(spec_from_raw(raw)))
     assert spec_from_raw(resolved) == spec_from_raw(raw)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"reward.model.combiner": "c.py:f", "reward.model.rule_weight": 1.0},
+         "reward.model.rule_weight=1.0: reward.model.combiner computes the reward instead of the weighted sum"),
+        ({"reward.function": "r.py:f"},
+         "reward.function=r.py:f: the reward model scores alone (reward.model.rule_weight=0, no combiner)"),
+        ({"reward.num_workers": 2},
+         "reward.num_workers=2: the reward model scores alone (reward.model.rule_weight=0, no combiner)"),
+    ],
+)
+def test_a_reward_model_setting_that_would_change_nothing_is_rejected(settings, expected, tmp_path):
+    import json
+
+    config = json.loads((REPO_ROOT / "configs" / "quickstart" / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"],
+                                                      "id2label": {"0": "score"}}))
+    # The plug-in files named do not exist; that is checks.py's to say, beside the rule's problem.
+    problems = [p for p in problems_with({"reward.model.path": str(tmp_path), **settings}) if "is not a file" not in p]
+    assert len(problems) == 1 and problems[0].startswith("job.yaml: " + expected), problems

@@ -306,3 +306,39 @@ def test_a_router_with_the_older_worker_api_is_joined_and_left(tmp_path):
     calls = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
     assert [c["path"] for c in calls] == ["add", "generate", "generate", "remove"]
     assert {c.get("url", c.get("worker")) for c in calls} == {engine.spec.url}
+
+
+def test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next(tmp_path):
+    """Adapter sync against the loopback server: the PEFT files load under the version's name, generation names the
+    adapter, the next version replaces it."""
+    from safetensors.torch import load_file, save_file
+
+    adapters = {}
+    for version, seed in (("step_1", 1), ("step_2", 2)):
+        generator = torch.Generator().manual_seed(seed)
+        path = tmp_path / version
+        path.mkdir()
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+        tensors = {f"{prefix}.lora_A.weight": torch.randn(4, 16, generator=generator),
+                   f"{prefix}.lora_B.weight": torch.randn(16, 4, generator=generator)}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+        adapters[version] = str(path)
+    engine = make_engine(tmp_path, **{"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all"})
+    request = [GenerationRequest((1, 2, 3), SamplingSpec(max_new_tokens=2))]
+    try:
+        engine.generate(request)
+        engine.load_adapter("step_1", adapters["step_1"], "step_1")
+        engine.generate(request)
+        engine.load_adapter("step_2", adapters["step_2"], "step_2")
+        engine.generate(request)
+    finally:
+        engine.shutdown()
+    record = [(c["path"], c.get("lora_name") or c.get("lora_path")) for c in calls(tmp_path)
+              if c["path"] in ("/generate", "/load_lora_adapter", "/unload_lora_adapter")]
+    assert record == [("/generate", None), ("/load_lora_adapter", "step_1"), ("/generate", "step_1"),
+                      ("/load_lora_adapter", "step_2"), ("/unload_lora_adapter", "step_1"), ("/generate", "step_2")]
+    loaded = [c["tensors"] for c in calls(tmp_path) if c["path"] == "/load_lora_adapter"]
+    for tensors, version in zip(loaded, ("step_1", "step_2")):
+        on_disk = load_file(str(Path(adapters[version]) / "adapter_model.safetensors"))
+        assert tensors == {name: json.loads(json.dumps(digest(t))) for name, t in on_disk.items()}

@@ -18,7 +18,7 @@ from rlmegatron.controller.servers import generate_or_none, launch_spec, server_
 from rlmegatron.models.hf_config import DTYPES
 from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
-from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine, WeightStream
+from rlmegatron.rollout.engine import MEMORY_TAGS, GenerationRequest, GenerationResult, RolloutEngine, WeightStream
 from rlmegatron.rollout.local import LocalEngine
 from rlmegatron.rollout.sglang import share_buckets
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node
@@ -43,7 +43,7 @@ class EngineMember:
 
     wake_up_with_weights = update_weights
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags=MEMORY_TAGS) -> None:
         """The leader releases the server's memory on every node."""
 
     def relaunch(self) -> None:
@@ -72,6 +72,8 @@ class ColocatedEngine:
             self._join_sglang_engine(settings, hf_config)
         self.agent = AgentLoop(settings.multi_turn) if settings.multi_turn and self.leader is not None else None
         self.asleep = False
+        # With adapter sync the base weights stay on the device; only the adapters change.
+        self.sleeping_tags = ("kv_cache", "cuda_graph") if settings.lora is not None else MEMORY_TAGS
 
     def _join_sglang_engine(self, settings: RolloutSettings, hf_config) -> None:
         tp = settings.tensor_parallel_size
@@ -110,7 +112,7 @@ class ColocatedEngine:
     def release_memory(self) -> None:
         """The engine gives its memory back while the trainer runs; the next weights wake it."""
         if self.part is not None:
-            self.part.release_memory()
+            self.part.release_memory(self.sleeping_tags)
             self.asleep = True
 
     def receive_weights(self, stream: WeightStream, version: str, restarted: Optional[list[int]] = None) -> None:
@@ -126,6 +128,16 @@ class ColocatedEngine:
             self.asleep = False
         else:
             self.part.update_weights(stream, version)
+
+    def receive_adapter(self, name: str, path: str, version: str, restarted: Optional[list[int]] = None) -> None:
+        """Adapter sync: this rank's engine (the leader's part; every engine, or the `restarted` ones) loads the
+        PEFT adapter at `path` as `name` and samples with it."""
+        if self.leader is None or (restarted is not None and self.index not in restarted):
+            return
+        if self.asleep:
+            self.leader.resume_memory(self.sleeping_tags)
+            self.asleep = False
+        self.leader.load_adapter(name, path, version)
 
     def shutdown(self) -> None:
         if self.part is not None:

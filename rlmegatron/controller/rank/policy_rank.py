@@ -61,6 +61,11 @@ class PolicyRank:
         with self.models.phase("reference"):
             return self.models.reference.compute_log_prob(batch).cpu()
 
+    def score_sequences(self, sequences: list[list[int]]) -> torch.Tensor:
+        """The reward model's score [B] of each token sequence (prompt + response in its own tokenizer)."""
+        with self.models.phase("reward"):
+            return self.models.reward.score(sequences).cpu()
+
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         with self.models.phase("critic"):
             return self.models.critic.compute_values(batch).cpu()

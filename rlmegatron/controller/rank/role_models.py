@@ -1,6 +1,7 @@
-"""Model building inside a trainer rank: the Megatron roles (the actor; the reference and the critic when the run has
-them), each at its own parallel layout, started from the HF checkpoint or from the actor's initial weights, and kept
-in host memory between the phases that use them when their `offload` section asks."""
+"""Model building inside a trainer rank: the Megatron roles (the actor; the reference, the critic and a reward model
+when the run has them), each at its own parallel layout, started from the HF checkpoint or from the actor's initial
+weights (the reward model from its own), and kept in host memory between the phases that use them when their
+`offload` section asks."""
 from __future__ import annotations
 
 import contextlib
@@ -16,10 +17,12 @@ import torch
 from rlmegatron.controller.role_settings import ModelSource, TrainerRankSettings
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
+from rlmegatron.models.lora import add_adapters
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
 from rlmegatron.workers.megatron_step import unwrap
+from rlmegatron.workers.reward_model import RewardModelWorker
 
 WORKERS = {"actor": ActorWorker, "reference": ReferenceWorker, "critic": CriticWorker}
 
@@ -32,46 +35,70 @@ class RoleModels:
         self.settings = settings
         roles = list(settings.roles)
         self.layouts = {role: settings.roles[role].layout for role in roles}
+        # With LoRA the reference's model and memory are the actor's (the spec leaves it no offload of its own).
+        self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
         init_model_parallel(self.layouts["actor"], seed=settings.seed,
                             others=[self.layouts[role] for role in roles[1:]])
-        facts = _shared_model_facts(settings.model, [layout.tp for layout in self.layouts.values()])
+        policy_roles = [role for role in roles if role != "reward"]
+        facts = _shared_model_facts(settings.model, [self.layouts[role].tp for role in policy_roles])
         untied = dataclasses.replace(facts, tie_word_embeddings=False)  # the critic's output layer is its value head
         self.weight_map = WeightMap(facts)
-        self.actor = self.reference = self.critic = None
-        for role in roles:
+        self.actor = self.reference = self.critic = self.reward = None
+        for role in policy_roles:
             worker_settings = settings.roles[role].worker
             if role != "critic":  # log-probs over the tokenizer's vocabulary, not the padded one
                 worker_settings = dataclasses.replace(worker_settings, vocab_size=facts.vocab_size)
             setattr(self, role, self._build(role, worker_settings, untied if role == "critic" else facts))
         self._load_initial_weights(untied)
+        if "reward" in roles:
+            self.reward = self._build_reward_model(settings.reward_model_path)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
 
     def _build(self, role: str, worker_settings, facts):
-        layout = self.layouts[role]
+        layout, lora = self.layouts[role], self.settings.lora
+        if role == "reference" and lora is not None:  # the actor with its adapters off: no second model
+            return ReferenceWorker.base_of(worker_settings, self.actor.chunks, layout)
         with layout_scope(layout):
             # Seeded alike, so each role's random init is the same on every rank and in every run.
             seed_everything(self.settings.seed)
             config = transformer_config(facts, layout, dtype=self.settings.model.dtype,
                                         options=self.settings.roles[role].config_options)
-            worker = WORKERS[role](worker_settings, lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp),
-                                   layout)
+
+            def provide(pre, post, vp):
+                model = build_gpt_model(facts, config, vp_stage=vp)
+                return add_adapters(model, lora, self.settings.seed) if role == "actor" and lora else model
+
+            worker = WORKERS[role](worker_settings, provide, layout)
             worker.init(parallel_state_ready=True)
+        return worker
+
+    def _build_reward_model(self, path: str) -> RewardModelWorker:
+        """The reward model at its layout, from its own HF checkpoint (its own architecture and vocabulary)."""
+        layout = self.layouts["reward"]
+        with layout_scope(layout):
+            facts = dataclasses.replace(HFCheckpoint(path).facts(layout.tp), tie_word_embeddings=False)
+            config = transformer_config(facts, layout, dtype=self.settings.model.dtype)
+            worker = RewardModelWorker(self.settings.roles["reward"].worker,
+                                       lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
+            worker.init()
+            worker.load(path, facts)
         return worker
 
     @contextlib.contextmanager
     def phase(self, role: str) -> Iterator[None]:
         """`role`'s parallel groups active, and its memory back in the device if offloaded, for one phase."""
-        offloaded = self.offload_parts.get(role)
+        owner = self.memory_of[role]
+        offloaded = self.offload_parts.get(owner)
         with layout_scope(self.layouts[role]):
             if offloaded:
-                getattr(self, role).onload()
+                getattr(self, owner).onload()
             try:
                 yield
             finally:
                 if offloaded:
-                    getattr(self, role).offload(offloaded)
+                    getattr(self, owner).offload(offloaded)
 
     def trained(self) -> list[tuple[str, object]]:
         """(name, worker) of each role that trains (actor, critic); the reference is frozen and rebuilt."""
@@ -84,13 +111,13 @@ class RoleModels:
         if not settings.model.random_init:
             checkpoint = HFCheckpoint(settings.model.path)
             for role in ("actor", "reference"):
-                if getattr(self, role) is not None:
+                if getattr(self, role) is not None and self.memory_of[role] == role:
                     with layout_scope(self.layouts[role]):
                         load_hf_weights([unwrap(chunk) for chunk in getattr(self, role).chunks], self.weight_map,
                                         checkpoint)
             checkpoint.close()
         # A distributed checkpoint of the actor reshards to any other role's layout.
-        from_actor = [role for role, wanted in (("reference", settings.model.random_init),
+        from_actor = [role for role, wanted in (("reference", settings.model.random_init and not settings.lora),
                                                 ("critic", settings.critic_init_from == "actor"))
                       if wanted and getattr(self, role) is not None]
         if from_actor:

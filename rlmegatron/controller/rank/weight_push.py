@@ -8,6 +8,9 @@ let the stream pass.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import shutil
 import socket
 from typing import Optional
 
@@ -16,9 +19,11 @@ import torch
 from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
 from rlmegatron.controller.rank.role_models import RoleModels
 from rlmegatron.controller.role_settings import RolloutSettings
-from rlmegatron.resharding import HFWeightExporter
+from rlmegatron.models.lora import adapters_disabled
+from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
 from rlmegatron.rollout.buckets import travel_rules_for
-from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush
+from rlmegatron.rollout.engine import INITIAL_VERSION
+from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient
 from rlmegatron.runtime.launcher import free_port
 
 
@@ -32,6 +37,10 @@ class WeightPush:
         self.exporter: Optional[HFWeightExporter] = None
         """Made at the first sync: its plan (every rank's names, shapes and stages, an all_gather_object) is the
         model's, and the weights it streams are read when it streams."""
+        self.server_urls: dict[int, str] = {}
+        self.loaded_adapters: dict[int, str] = {}
+        """Disaggregated adapter sync, on trainer rank 0: each server's URL and the adapter it holds."""
+        self.adapter_path: Optional[str] = None
 
     def connect(self, endpoints: list[tuple[int, str, int]]) -> None:
         """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, tp_size) server."""
@@ -42,20 +51,53 @@ class WeightPush:
                                                      travel_rules_for(self.settings.model.hf_config()))
         address = socket.gethostbyname(socket.gethostname())
         for engine, url, tp_size in endpoints:
+            self.server_urls[engine] = url
             port = free_port("")
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
                                          self.settings.weight_group_backend)
             self.distributed.connect(engine, url, tp_size, group)
 
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        """The trained weights to the engines: all, or the `restarted` ones."""
+        """The trained weights to the engines: all, or the `restarted` ones. With adapter sync, the base weights at
+        the start and to restarted servers, and the adapters of every trained version."""
+        lora, chunks = self.settings.lora, self.models.actor.chunks
         with self.models.phase("actor"):
-            if self.exporter is None:
-                self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
-            stream = self.exporter.stream()
-            if self.distributed is not None:
-                self.distributed.push(stream, version, only=restarted)
-            elif self.engine is not None:
-                self.engine.receive_weights(stream, version, restarted)
-            else:
-                collections.deque(stream, maxlen=0)
+            if lora is None or version == INITIAL_VERSION or restarted is not None:
+                with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
+                    if self.exporter is None:
+                        self.exporter = HFWeightExporter(chunks, self.models.weight_map)
+                    self._push(self.exporter.stream(), version, restarted)
+            if lora is not None and version != INITIAL_VERSION:
+                self._push_adapter(version, restarted)
+
+    def _push(self, stream, version: str, restarted: Optional[list[int]]) -> None:
+        if self.distributed is not None:
+            self.distributed.push(stream, version, only=restarted)
+        elif self.engine is not None:
+            self.engine.receive_weights(stream, version, restarted)
+        else:
+            collections.deque(stream, maxlen=0)
+
+    def _push_adapter(self, version: str, restarted: Optional[list[int]]) -> None:
+        """The adapters as a PEFT adapter named `version`, written once (rank 0) and loaded by every server; the
+        previous version's files go once every server has loaded its successor."""
+        path = os.path.join(self.settings.adapter_dir, version)
+        previous, self.adapter_path = self.adapter_path, path
+        export_peft_adapter(self.models.actor.chunks, self.models.weight_map, path, self.settings.lora,
+                            self.settings.model.path)
+        if self.distributed is not None:
+            for engine, url in self.server_urls.items():
+                if restarted is not None and engine not in restarted:
+                    continue
+                client = SGLangClient(url)
+                client.load_lora_adapter(version, path)
+                held = self.loaded_adapters.get(engine) if restarted is None else None
+                if held is not None and held != version:
+                    client.unload_lora_adapter(held)
+                client.flush_cache()
+                self.loaded_adapters[engine] = version
+        elif self.engine is not None:
+            self.engine.receive_adapter(version, path, version, restarted)
+        torch.distributed.barrier()
+        if previous is not None and previous != path and torch.distributed.get_rank() == 0:
+            shutil.rmtree(previous, ignore_errors=True)

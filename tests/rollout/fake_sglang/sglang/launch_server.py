@@ -64,6 +64,7 @@ class FakeServer:
     def __init__(self, args):
         self.args = args
         self.weights = {}
+        self.adapters = {}
         self.weight_version = "default"
         self.released = set()
         self.generates = 0
@@ -90,6 +91,9 @@ class FakeServer:
             log.write(json.dumps({"pid": os.getpid(), "path": path, **details}) + "\n")
 
     def generate(self, body):
+        lora = body.pop("lora_path", None)
+        if lora is not None and lora not in self.adapters:
+            raise BadRequest(f"no LoRA adapter {lora!r} is loaded")
         expect(body, {"input_ids": list, "sampling_params": dict, "return_logprob": bool})
         params = body["sampling_params"]
         unknown = set(params) - set(SAMPLING_KEYS)
@@ -104,12 +108,12 @@ class FakeServer:
             self.in_flight += 1
             in_flight = self.in_flight
         try:
-            return self._generate(body, params, count, in_flight)
+            return self._generate(body, params, count, in_flight, lora)
         finally:
             with self.lock:
                 self.in_flight -= 1
 
-    def _generate(self, body, params, count, in_flight):
+    def _generate(self, body, params, count, in_flight, lora):
         if count == self.args.fake_die_after_generates and self.first_to_die():
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
@@ -123,7 +127,8 @@ class FakeServer:
                 break
         logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
         # in_flight: the requests this server held at once when this one arrived (the agent loop sends many).
-        self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight)
+        self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight,
+                    lora_path=lora)
         return {"output_ids": output_ids, "meta_info": {
             "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,
@@ -180,6 +185,27 @@ class FakeServer:
         self.record("/update_weights_from_distributed", names=body["names"])
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    def load_lora_adapter(self, body):
+        expect(body, {"lora_name": str, "lora_path": str})
+        if not self.args.enable_lora:
+            raise BadRequest("LoRA adapters need --enable-lora")
+        from safetensors.torch import load_file
+
+        config = json.load(open(os.path.join(body["lora_path"], "adapter_config.json")))
+        if config["r"] > self.args.max_lora_rank or config["peft_type"] != "LORA":
+            raise BadRequest(f"adapter rank {config['r']} over --max-lora-rank {self.args.max_lora_rank}")
+        tensors = load_file(os.path.join(body["lora_path"], "adapter_model.safetensors"))
+        self.adapters[body["lora_name"]] = tensors
+        self.record("/load_lora_adapter", **body, tensors={n: tensor_digest(t) for n, t in tensors.items()})
+        return {"success": True, "message": ""}
+
+    def unload_lora_adapter(self, body):
+        expect(body, {"lora_name": str})
+        if self.adapters.pop(body["lora_name"], None) is None:
+            raise BadRequest(f"no LoRA adapter {body['lora_name']!r} is loaded")
+        self.record("/unload_lora_adapter", **body)
+        return {"success": True, "message": ""}
+
     def memory(self, path, body):
         expect(body, {"tags": list})
         if not self.args.enable_memory_saver:
@@ -200,6 +226,8 @@ def make_handler(server):
         "/update_weights_from_tensor": server.update_weights_from_tensor,
         "/init_weights_update_group": server.init_weights_update_group,
         "/update_weights_from_distributed": server.update_weights_from_distributed,
+        "/load_lora_adapter": server.load_lora_adapter,
+        "/unload_lora_adapter": server.unload_lora_adapter,
         "/release_memory_occupation": lambda body: server.memory("/release_memory_occupation", body),
         "/resume_memory_occupation": lambda body: server.memory("/resume_memory_occupation", body),
     }
@@ -254,6 +282,9 @@ def main():
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--dist-init-addr", default="")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=0)
+    parser.add_argument("--lora-target-modules", nargs="*", default=[])
     parser.add_argument("--fake-record", required=True)
     parser.add_argument("--fake-marker", default="")
     parser.add_argument("--fake-die-after-generates", type=int, default=0)

@@ -1,0 +1,100 @@
+"""Rank-side body of the LoRA tests: a LoRA actor built from a tiny HF checkpoint at a layout, trained two steps."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+from megatron.core import parallel_state as ps
+
+from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+from rlmegatron.models.hf_config import build_gpt_model, transformer_config
+from rlmegatron.models.lora import LoRASettings, adapters_disabled, add_adapters, is_adapter_name
+from rlmegatron.models.weight_map import WeightMap
+from rlmegatron.resharding import HFWeightExporter
+from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
+from rlmegatron.workers.megatron_step import unwrap
+from tests.workers.jobs import rollout_batch
+
+LORA = LoRASettings(rank=4, alpha=8.0)
+RESHARDED = ("TP2-SP", "EP2")  # layouts whose trained adapters are also loaded back at TP=1
+# adam_eps=1: an Adam step is ~lr*g, so a wrong gradient shows as a wrong update, not as the same sign step.
+SETTINGS = dict(ppo_mini_batch_size=8, micro_batch_size=2, optimizer=OptimizerSettings(lr=0.5, adam_eps=1.0))
+
+
+def build_actor(path: str, layout: ParallelLayout, lora: LoRASettings | None) -> tuple[ActorWorker, WeightMap]:
+    """An actor at `layout` with the HF checkpoint's weights, adapted by `lora` (None: the plain model)."""
+    init_model_parallel(layout)
+    checkpoint = HFCheckpoint(path)
+    facts = checkpoint.facts(layout.tp)
+    config = transformer_config(facts, layout)
+
+    def provide(pre, post, vp):
+        model = build_gpt_model(facts, config, vp_stage=vp)
+        return model if lora is None else add_adapters(model, lora, seed=7)
+
+    actor = ActorWorker(ActorSettings(**SETTINGS, vocab_size=facts.vocab_size), provide, layout)
+    actor.init(parallel_state_ready=True)
+    weight_map = WeightMap(facts)
+    load_hf_weights([unwrap(chunk) for chunk in actor.chunks], weight_map, checkpoint)
+    checkpoint.close()
+    return actor, weight_map
+
+
+def _adam_state_numel(optimizer) -> int:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return sum(state["exp_avg"].numel() for opt in inner for state in opt.optimizer.state.values())
+
+
+def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict:
+    """Per (family, label, layout): log-probs before and after two LoRA updates, with the adapters off, the merged
+    HF weights (rank 0), and what trains."""
+    batch = rollout_batch()
+    report = {}
+    for family, label, layout in cases:
+        path = os.path.join(workdir, family)
+        actor, weight_map = build_actor(path, layout, LORA)
+        model = unwrap(actor.chunks[0])
+        base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_name(n)}
+        log_probs, _ = actor.compute_log_prob(batch)
+        train_batch = replace(batch, old_log_probs=log_probs - 0.05 * batch.response_mask)
+        metrics = [actor.update(train_batch) for _ in range(2)]  # the second moves A: B is zero in the first
+        with adapters_disabled(actor.chunks):
+            adapters_off = actor.compute_log_prob(batch)[0]
+        exporter = HFWeightExporter(actor.chunks, weight_map)
+        merged = dict(exporter.stream())
+        # PEFT-format factors: dense models on one stage (what SGLang's and peft's LoRA loading take)
+        adapter = dict(exporter.adapter_stream()) if family == "qwen3" and layout.pp == 1 else None
+        adapter_numel = sum(p.numel() for n, p in model.named_parameters() if is_adapter_name(n))
+        optimizer_numel = torch.tensor([_adam_state_numel(actor.optimizer)])
+        torch.distributed.all_reduce(optimizer_numel, group=ps.get_data_parallel_group())  # the optimizer's shards
+        result = {
+            "log_probs": log_probs,
+            "trained_log_probs": actor.compute_log_prob(batch)[0],
+            "adapters_off": adapters_off,
+            "grad_norms": [m["actor/grad_norm"] for m in metrics],
+            "trainable": sorted({n.rpartition(".")[2] for n, p in model.named_parameters() if p.requires_grad}),
+            "base_changed": sorted(n for n, p in model.named_parameters()
+                                   if n in base_before and not torch.equal(p, base_before[n])),
+            "adapter_numel": adapter_numel,
+            "optimizer_numel": int(optimizer_numel),
+            "base_numel": sum(t.numel() for t in base_before.values()),
+        }
+        if torch.distributed.get_rank() == 0:
+            result["merged"], result["adapter"] = merged, adapter
+        if label in RESHARDED:
+            actor.save_weights(os.path.join(workdir, f"{family}-{label}"))
+        if label == "TP1":  # the plain model at the same layout: what the adapters start from and switch off to
+            del actor
+            plain, _ = build_actor(path, layout, None)
+            result["plain_log_probs"] = plain.compute_log_prob(batch)[0]
+        report[f"{family}/{label}"] = result
+    for family, label, _ in cases:  # adapters saved at another layout, loaded at TP=1: the same merged weights
+        if label in RESHARDED:
+            actor, weight_map = build_actor(os.path.join(workdir, family), ParallelLayout(), LORA)
+            actor.load_weights(os.path.join(workdir, f"{family}-{label}"))
+            merged = dict(HFWeightExporter(actor.chunks, weight_map).stream())
+            if torch.distributed.get_rank() == 0:
+                report[f"{family}/{label}"]["resharded"] = merged
+    return report
