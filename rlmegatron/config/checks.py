@@ -418,6 +418,13 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
     if knobs.clip_cov_lb >= knobs.clip_cov_ub:
         reason = f"must be below actor.policy_loss.clip_cov_ub={render_value(knobs.clip_cov_ub)}"
         problems.append(SpecProblem("actor.policy_loss.clip_cov_lb", knobs.clip_cov_lb, reason))
+    correction = spec.algorithm.rollout_correction
+    if correction.rollout_rs_threshold_lower is not None and \
+            correction.rollout_rs_threshold_lower >= correction.rollout_rs_threshold:
+        reason = (f"must be below algorithm.rollout_correction.rollout_rs_threshold="
+                  f"{render_value(correction.rollout_rs_threshold)}")
+        problems.append(SpecProblem("algorithm.rollout_correction.rollout_rs_threshold_lower",
+                                    correction.rollout_rs_threshold_lower, reason))
     if spec.algorithm.dynamic_sampling.enable and spec.rollout.n < 2:
         reason = "drops groups whose rewards are all equal, which needs rollout.n >= 2"
         problems.append(SpecProblem("algorithm.dynamic_sampling.enable", True, reason))

@@ -113,6 +113,14 @@ RULES: tuple[Rule, ...] = (
                    + "; remove it"),
     Rule(("algorithm.dynamic_sampling.max_num_gen_batches",), lambda s: s.algorithm.dynamic_sampling.enable,
          lambda s: "only applies with algorithm.dynamic_sampling.enable=true; remove it or enable it"),
+    Rule(("algorithm.rollout_correction.rollout_is_mode", "algorithm.rollout_correction.rollout_is_threshold"),
+         lambda s: s.algorithm.rollout_correction.rollout_is is not None,
+         lambda s: "only applies with importance weights; remove it or set algorithm.rollout_correction.rollout_is "
+                   "(token or sequence)"),
+    Rule(("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold_lower"),
+         lambda s: s.algorithm.rollout_correction.rollout_rs is not None,
+         lambda s: "only applies with rejection; remove it or set algorithm.rollout_correction.rollout_rs "
+                   "(token, sequence or geometric)"),
     Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,
          lambda s: "trainer.total_steps is set and ends the run; remove one of the two"),
     Rule(("data.val_batch_size", "rollout.val_kwargs."), lambda s: bool(s.data.val_files),

@@ -233,8 +233,6 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Text = "low_var_kl"
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
-    tis_imp_ratio_cap: float | None = Field(None, gt=0)
-    """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
         """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""
@@ -243,7 +241,6 @@ class ActorConfig(PPOUpdateConfig):
             "clip_ratio_low": ("actor.clip_ratio_low", self.clip_ratio_low),
             "clip_ratio_high": ("actor.clip_ratio_high", self.clip_ratio_high),
             "clip_ratio_c": ("actor.clip_ratio_c", self.clip_ratio_c),
-            "tis_cap": ("actor.tis_imp_ratio_cap", self.tis_imp_ratio_cap),
             **{name: (f"actor.policy_loss.{name}", getattr(knobs, name))
                for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
         }
@@ -377,6 +374,27 @@ class DynamicSamplingConfig(Section):
     """Generation rounds allowed per step to fill the batch; after the last one the step trains on what it kept."""
 
 
+class RolloutCorrectionConfig(Section):
+    """Correction for the rollout engine's policy differing from the trainer's (numerics, or older weights in
+    asynchronous training), verl's algorithm.rollout_correction. The ratio is pi_old / pi_rollout: the trainer's
+    recomputed log-prob of each sampled token against the one the engine reported; per sequence, their product
+    (geometric: its per-token geometric mean). Logged as rollout_corr/* (the ratios' distribution, the mismatch KL,
+    the fractions capped and rejected)."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights on the policy loss: each token's own ratio, or its sequence's; null: none."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate (TIS): weight min(ratio, rollout_is_threshold); mask (MIS): the ratio, or 0 above the threshold."""
+    rollout_is_threshold: float = Field(2.0, gt=0)
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Rejection: tokens, or whole sequences (by their ratio, or its geometric mean), whose ratio lies outside
+    [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss; null: none."""
+    rollout_rs_threshold: float = Field(2.0, gt=0)
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0)
+    """null: 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float | None = Field(None, gt=0)
+    """Reject a whole sequence when any of its tokens has a ratio below this (e.g. 1e-4); null: no veto."""
+
 class AlgorithmConfig(Section):
     adv_estimator: Text = "grpo"
     """An advantage estimator registered in rlmegatron.algorithms (grpo, gae, rloo, ...) or path/to/file.py:function."""
@@ -388,6 +406,7 @@ class AlgorithmConfig(Section):
     """KL estimator for the in-reward penalty (use_kl_in_reward), registered like actor.kl_loss_type."""
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class PlacementConfig(Section):

@@ -192,7 +192,8 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
     """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths."""
     batch = rollout.batch
     mask = batch.response_mask.bool()
-    response_lengths = batch.response_mask.sum(-1)
+    # From the results: rollout correction's rejection may have taken tokens out of the response mask.
+    response_lengths = torch.tensor([len(r.output_token_ids) for r in rollout.results], dtype=torch.float32)
     prompt_lengths = batch.attention_mask.sum(-1) - response_lengths
     metrics = {
         **_stats("critic/score", rollout.scores),
@@ -202,6 +203,6 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
         **_stats("prompt_length", prompt_lengths),
     }
     for name, value in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
-        if value is not None:
+        if value is not None and mask.any():  # rollout correction may have rejected every token
             metrics.update(_stats(f"critic/{name}", value[mask]))
     return metrics

@@ -15,8 +15,10 @@ from rlmegatron.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    RolloutCorrectionConfig,
     apply_kl_penalty,
     compute_advantages,
+    rollout_correction,
 )
 from rlmegatron.config.spec import SamplingParams
 from rlmegatron.controller.rollout_data import (
@@ -91,6 +93,8 @@ class Trainer:
         # An estimator that declares `reward_baselines` (ReMax) compares each sample with the greedy response.
         estimator = inspect.signature(ADVANTAGE_ESTIMATORS.resolve(spec.algorithm.adv_estimator)).parameters
         self.uses_greedy_baseline = "reward_baselines" in estimator
+        correction = RolloutCorrectionConfig(**spec.algorithm.rollout_correction.model_dump())
+        self.rollout_correction = correction if correction.enabled else None
         self.step = 0
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
@@ -115,6 +119,7 @@ class Trainer:
                         batch.values = self.ranks.compute_values(batch)
                 with timer("old_log_prob"):
                     batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
+                metrics.update(self.correct_rollout(batch))
                 if spec.needs_reference:
                     with timer("ref"):
                         batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
@@ -237,6 +242,16 @@ class Trainer:
         by_uid = {uids[r.request_index]: value for r, value in zip(results, reward.rewards)}
         metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
         return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
+
+    def correct_rollout(self, batch) -> dict[str, float]:
+        """algorithm.rollout_correction: importance weights for the actor's loss, and rejected tokens out of the
+        response mask (so out of the advantages' and every loss's tokens); its rollout_corr/* metrics."""
+        if self.rollout_correction is None:
+            return {}
+        corrected = rollout_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
+                                       self.rollout_correction)
+        batch.rollout_is_weights, batch.response_mask = corrected.weights, corrected.response_mask
+        return corrected.metrics
 
     def token_rewards(self, rollout: Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch

@@ -60,7 +60,12 @@ LAUNCH_OFF = "tests/rollout/test_sglang.py::test_launch_commands_leave_out_what_
 # Mechanisms, tested with hand-built settings.
 CLIPS = "tests/algorithms/test_policy_loss.py::test_ppo_dual_clip_clip_higher_by_hand"
 ENTROPY_BONUS = "tests/algorithms/test_policy_loss.py::test_entropy_bonus_by_hand"
-TIS = "tests/algorithms/test_policy_loss.py::test_truncated_importance_sampling_by_hand"
+IS_WEIGHTS = "tests/algorithms/test_policy_loss.py::test_rollout_importance_weights_scale_each_tokens_loss_by_hand"
+CORRECTION = "tests/algorithms/test_rollout_correction.py::"
+IS_BY_HAND = CORRECTION + "test_importance_weights_by_hand"
+RS_BY_HAND = CORRECTION + "test_rejection_by_hand"
+VETO = CORRECTION + "test_the_veto_rejects_a_whole_sequence_for_one_token"
+CORRECTION_FIT = FIT + "test_rollout_correction_weights_and_rejects_what_the_actor_trains_on"
 KL_LOSS = "tests/algorithms/test_kl.py::test_kl_loss_by_hand"
 KL_ESTIMATORS = "tests/algorithms/test_kl.py::test_estimators_by_hand"
 AGGREGATION = "tests/algorithms/test_aggregation.py::test_modes_by_hand"
@@ -184,7 +189,6 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.ppo_max_token_len_per_gpu": ("actor micro-batch token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
     "actor.ppo_micro_batch_size_per_gpu": ("sequences per actor micro-batch", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
-    "actor.tis_imp_ratio_cap": ("truncated importance sampling cap", (ACTOR_SETTINGS, TIS)),
     "actor.use_dynamic_bsz": ("actor micro-batches by token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
     "actor.use_kl_loss": ("KL loss term and the reference model", (ACTOR_SETTINGS, DAPO_RUN)),
     "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
@@ -198,6 +202,18 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "algorithm.kl_penalty": ("estimator of the in-reward KL", (KL_IN_REWARD,)),
     "algorithm.lam": ("GAE lambda", (GAE,)),
     "algorithm.norm_adv_by_std_in_grpo": ("GRPO divides by the group std", (GRPO_STD,)),
+    "algorithm.rollout_correction.rollout_is": ("IS weights per token or sequence on the policy loss",
+                                                (CORRECTION_FIT, IS_BY_HAND, IS_WEIGHTS)),
+    "algorithm.rollout_correction.rollout_is_mode": ("truncated (TIS) or masked (MIS) weights",
+                                                     (CORRECTION_FIT, IS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_is_threshold": ("the IS cap", (CORRECTION_FIT, IS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs": ("tokens or sequences out of bounds leave the loss",
+                                                (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs_threshold": ("rejection's upper bound", (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": ("rejection's lower bound",
+                                                                (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_token_veto_threshold": ("one token below it rejects its sequence",
+                                                                  (CORRECTION_FIT, VETO)),
     "algorithm.use_kl_in_reward": ("KL penalty in the rewards", (KL_IN_REWARD,)),
     "critic.cliprange_value": ("value clip of the critic loss", (CRITIC_SETTINGS, VALUE_CLIP)),
     "critic.enable": ("builds and trains the critic (follows gae)", (PPO_RUN, CHECKS + "[gae-needs-critic]")),

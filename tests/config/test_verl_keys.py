@@ -238,3 +238,7 @@ def test_conversions_that_read_other_keys():
         "command line: trainer.logger=[console, wandb]: rlmegatron tracks to console and mlflow only; drop wandb"]
     assert translated("actor_rollout_ref.rollout.do_sample=False", "actor_rollout_ref.actor.kl_loss_type=mse")[0] == {
         "rollout.temperature": 0.0, "actor.kl_loss_type": "k2"}
+    # verl's older TIS knob is token-level truncated importance sampling; its -1 turns it off.
+    assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0")[0] == {
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 2.0}
+    assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=-1") == ({}, [])
