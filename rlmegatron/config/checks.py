@@ -349,9 +349,6 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
     if (rollout.sglang.router or rollout.sglang.router_url) and rollout.engine != "sglang":
         reason = "a router spreads requests over SGLang servers; use rollout.engine=sglang or turn the router off"
         problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
-    if placement.mode == "disaggregate" and rollout.engine != "sglang":
-        reason = "a disaggregated rollout pool runs SGLang servers that receive weights over NCCL; use sglang"
-        problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
     pool = placement.rollout_pool_size
     if pool is not None:
         if rollout.num_gpus is not None and rollout.num_gpus > pool:

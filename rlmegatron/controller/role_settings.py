@@ -9,6 +9,7 @@ effect). The driver's fit loop reads the algorithm's fields itself (controller/t
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -19,6 +20,8 @@ from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
+
+LOCAL_SERVER_MODULE = "rlmegatron.rollout.local_server"
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
 from rlmegatron.workers.offload import PARTS
@@ -208,6 +211,8 @@ def _offload_parts(offload) -> tuple[str, ...]:
 
 def rollout_settings(spec: JobSpec) -> RolloutSettings:
     rollout, sglang = spec.rollout, spec.rollout.sglang
+    # A disaggregated local engine is a server of its own (rollout.local_server), run by this interpreter.
+    local = {"python": sys.executable, "module": LOCAL_SERVER_MODULE} if rollout.engine == "local" else {}
     return RolloutSettings(
         engine=rollout.engine,
         device=spec.placement.device,
@@ -217,7 +222,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
-                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device),
+                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device, **local),
         router_url=sglang.router_url,
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
@@ -228,9 +233,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
 def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides: Any) -> ServerSpec:
     """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields."""
     sglang = rollout.sglang
-    return ServerSpec(
-        model_path=model_path,
-        port=port,
+    fields = dict(
         python=sglang.python,
         tp_size=rollout.tensor_parallel_size,
         ep_size=rollout.expert_parallel_size,
@@ -240,5 +243,5 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, **overrides:
         load_format=sglang.load_format,
         skip_tokenizer_init=sglang.skip_tokenizer_init,
         extra_args=dict(sglang.extra_args),
-        **overrides,
     )
+    return ServerSpec(model_path=model_path, port=port, **{**fields, **overrides})

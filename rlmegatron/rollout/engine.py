@@ -62,6 +62,19 @@ class GenerationResult:
     output_token_logprobs: tuple[float, ...]
     finish_reason: FinishReason
     weight_version: str | None = None
+    """The weights that produced the last token."""
+    token_weight_versions: tuple[str | None, ...] = ()
+    """The weights that produced each token, when they changed mid-sample (partial rollout); empty: all of them
+    came from `weight_version`."""
+
+    @property
+    def oldest_weight_version(self) -> str | None:
+        return self.token_weight_versions[0] if self.token_weight_versions else self.weight_version
+
+
+def version_step(version: str | None) -> int:
+    """The trainer step whose update produced weight version `version` ("init" or none: 0, "step_<k>": k)."""
+    return 0 if version in (None, "init") else int(version.removeprefix("step_"))
 
 
 class RolloutEngine(abc.ABC):
