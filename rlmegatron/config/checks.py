@@ -349,6 +349,11 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
     if (rollout.sglang.router or rollout.sglang.router_url) and rollout.engine != "sglang":
         reason = "a router spreads requests over SGLang servers; use rollout.engine=sglang or turn the router off"
         problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
+    if spec.trainer.mode != "sync" and placement.mode == "colocate":
+        reason = ("overlaps generation with training, so the engines need devices of their own; set "
+                  "placement.mode=disaggregate with placement.rollout_nnodes and placement.rollout_gpus_per_node, "
+                  "or use trainer.mode=sync")
+        problems.append(SpecProblem("trainer.mode", spec.trainer.mode, reason))
     pool = placement.rollout_pool_size
     if pool is not None:
         if rollout.num_gpus is not None and rollout.num_gpus > pool:

@@ -457,6 +457,23 @@ class TrainerConfig(Section):
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start in which only the critic trains, so the actor's first advantages come from a value model
     that has seen some returns (PPO with a critic only)."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """sync: generate a step's rollout, then train on it, then push the weights; one_step_off: the engines generate
+    step k+1's rollout while the trainer trains on step k's (samples one weight version old); async: the engines run
+    ahead of the trainer by up to max_staleness steps, into a buffer of as many rollouts. Both need
+    placement.mode=disaggregate. Each sample records the weight versions that produced it; training/staleness/*
+    logs how many versions behind the trained policy they are."""
+    max_staleness: PositiveInt = 2
+    """async: the most weight versions a trained sample may lag behind the policy it trains (one_step_off: 1)."""
+    partial_rollout: bool = False
+    """one_step_off and async: new weights reach the engines mid-generation: in-flight samples are paused, the
+    weights swapped, and each goes on from the tokens it has with the new policy (keeping every token's rollout
+    log-prob and weight version); false: the engines take new weights between requests."""
+
+    @property
+    def staleness_bound(self) -> int:
+        """Weight versions a sample may lag: 0 in sync, 1 one step off, max_staleness in async."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
 
 class RolloutTraceConfig(Section):

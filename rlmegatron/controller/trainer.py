@@ -21,6 +21,13 @@ from rlmegatron.algorithms import (
     rollout_correction,
 )
 from rlmegatron.config.spec import SamplingParams
+from rlmegatron.controller.rollout_buffer import (
+    Produced,
+    RolloutSource,
+    rollout_source,
+    staleness_metrics,
+    waited,
+)
 from rlmegatron.controller.rollout_data import (
     Rollout,
     batch_metrics,
@@ -106,46 +113,49 @@ class Trainer:
         self.resume()
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
-        while self.step < self.total_steps():
-            self.step += 1
-            timer, metrics = Timer(), {}
-            with timer("step"), self.stop_on_non_finite():
-                rollout = self.collect_rollout(timer, metrics)
-                baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
-                self.engines.release_memory()
-                batch = rollout.batch
-                if spec.critic.enable:
-                    with timer("values"):
-                        batch.values = self.ranks.compute_values(batch)
-                with timer("old_log_prob"):
-                    batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
-                metrics.update(self.correct_rollout(batch))
-                if spec.needs_reference:
-                    with timer("ref"):
-                        batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
-                with timer("adv"):
-                    token_rewards = self.token_rewards(rollout, metrics)
-                    batch.advantages, batch.returns = compute_advantages(
-                        spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
-                        group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
-                        lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
-                if spec.critic.enable:
-                    with timer("update_critic"):
-                        metrics.update(self.update("critic", batch))
-                if self.step > trainer.critic_warmup:
-                    with timer("update_actor"):
-                        metrics.update(self.update("actor", batch))
-                with timer("update_weights"):
-                    self.weight_version = f"step_{self.step}"
-                    self.engines.sync(self.weight_version)
-            metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
-            metrics.update(self.step_counters(batch, timer))
-            if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
-                metrics.update(self.validate())
-            self.tracker.log_metrics(metrics, step=self.step)
-            self.trace(rollout)
-            if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
-                self.save()
+        with rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
+                            trainer.staleness_bound) as rollouts:
+            while self.step < self.total_steps():
+                self.step += 1
+                timer, metrics = Timer(), {}
+                with timer("step"), self.stop_on_non_finite():
+                    produced = self.next_rollout(rollouts, metrics)
+                    rollout, batch = produced.rollout, produced.rollout.batch
+                    baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
+                    self.engines.release_memory()
+                    if spec.critic.enable:
+                        with timer("values"):
+                            batch.values = self.ranks.compute_values(batch)
+                    with timer("old_log_prob"):
+                        batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
+                    metrics.update(self.correct_rollout(batch))
+                    if spec.needs_reference:
+                        with timer("ref"):
+                            batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
+                    with timer("adv"):
+                        token_rewards = self.token_rewards(rollout, metrics)
+                        batch.advantages, batch.returns = compute_advantages(
+                            spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
+                            group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
+                            lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+                    if spec.critic.enable:
+                        with timer("update_critic"):
+                            metrics.update(self.update("critic", batch))
+                    if self.step > trainer.critic_warmup:
+                        with timer("update_actor"):
+                            metrics.update(self.update("actor", batch))
+                    with timer("update_weights"):
+                        self.weight_version = f"step_{self.step}"
+                        self.engines.sync(self.weight_version)
+                        rollouts.weights_updated(self.step)
+                metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
+                metrics.update(self.step_counters(batch, timer))
+                if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
+                    metrics.update(self.validate())
+                self.tracker.log_metrics(metrics, step=self.step)
+                self.trace(rollout)
+                if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
+                    self.save(produced.loader_state)
         exported = self.export_policy()
         return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
 
@@ -169,7 +179,22 @@ class Trainer:
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 
-    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> Rollout:
+    def next_rollout(self, rollouts: RolloutSource, metrics: dict[str, float]) -> Produced:
+        """This step's rollout, made now (sync) or ahead (rollout_buffer); its generation metrics, how long the
+        trainer waited for it, and how many weight versions its samples lag."""
+        with waited(metrics):
+            produced = rollouts.next(self.step)
+        metrics.update(produced.metrics,
+                       **staleness_metrics(produced.rollout, self.step, self.spec.trainer.staleness_bound))
+        return produced
+
+    def produce_rollout(self, step: int) -> Produced:
+        """Step `step`'s rollout with its generation metrics, wherever it is made (rollout_buffer)."""
+        timer, metrics = Timer(), {}
+        rollout = self.collect_rollout(step, timer, metrics)
+        return Produced(rollout, {**metrics, **timer.metrics()}, self.train_loader.state_dict())
+
+    def collect_rollout(self, step: int, timer: Timer, metrics: dict[str, float]) -> Rollout:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
         kept: list[Rollout] = []
@@ -178,9 +203,9 @@ class Trainer:
             rounds += 1
             prompts = self.train_loader.next_batch()
             with timer("gen"):
-                results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(rounds))
+                results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(step, rounds))
             with timer("reward"):
-                part = self.score(prompts, results, first_uid=(self.step * 1000 + rounds) * len(prompts))
+                part = self.score(prompts, results, first_uid=(step * 1000 + rounds) * len(prompts))
             if not sampling.enable:
                 return part
             kept.append(part.select(_rows_of_varied_groups(part)))
@@ -297,15 +322,15 @@ class Trainer:
     def total_steps(self) -> int:
         return run_total_steps(self.spec, self.train_loader)
 
-    def sampling_seed(self, round_: int) -> int:
+    def sampling_seed(self, step: int, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
-        return ((self.spec.rollout.seed * 1_000_003 + self.step) * 101 + round_) * 100_003
+        return ((self.spec.rollout.seed * 1_000_003 + step) * 101 + round_) * 100_003
 
-    def save(self) -> None:
-        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, self.trainer_state())
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+    def save(self, loader_state: dict[str, Any]) -> None:
+        """`loader_state`: the data loader's right after this step's prompts were drawn; rollouts generated ahead
+        of this step are not saved, and a run resumed here generates them again (rollout_buffer.Produced)."""
+        state = {"step": self.step, "dataloader": loader_state, "kl_coef": self.kl_ctrl.value}
+        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, state)
 
     def resume(self) -> None:
         """The checkpoint CheckpointManager.plan_resume chose (or the one before it, if it does not load) into every

@@ -73,8 +73,9 @@ class GenerationResult:
 
 
 def version_step(version: str | None) -> int:
-    """The trainer step whose update produced weight version `version` ("init" or none: 0, "step_<k>": k)."""
-    return 0 if version in (None, "init") else int(version.removeprefix("step_"))
+    """The trainer step whose update produced weight version `version`: k for "step_<k>", else 0 (the initial
+    weights: "init", or a server's own name for the weights it loaded)."""
+    return int(version[5:]) if version and version.startswith("step_") else 0
 
 
 class RolloutEngine(abc.ABC):
