@@ -79,6 +79,8 @@ class RolloutSettings:
     """sglang_router's own flags, when rlmegatron starts it (`rollout.sglang.router`)."""
     startup_timeout_s: float
     log_dir: str
+    partial_rollout: bool = False
+    """New weights reach the engines mid-generation (trainer.partial_rollout): pause, swap, continue."""
 
     @property
     def weight_group_backend(self) -> str:
@@ -227,6 +229,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
         log_dir=str(Path(spec.trainer.run_dir) / "logs"),
+        partial_rollout=spec.trainer.partial_rollout,
     )
 
 

@@ -104,6 +104,7 @@ def sglang_engine(settings: RolloutSettings, server: ServerSpec, hf_config, ipc_
         router_url=settings.router_url,
         startup_timeout_s=settings.startup_timeout_s,
         ipc_group=ipc_group,
+        partial_rollout=settings.partial_rollout,
     )
 
 

@@ -2,7 +2,8 @@
 
 It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
 buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
-and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
+takes `--fake-token-delay` seconds per token if asked (so `/pause_generation` finds requests in flight: as SGLang's
+default abort mode does, it ends them with what they have and finish reason abort), and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
 (`--fake-slow-start SECONDS`).
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
@@ -72,6 +73,7 @@ class FakeServer:
         self.nodes_joined = threading.Event()
         self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
         self.unpaused.set()
+        self.aborting = False  # ... and aborts those in flight
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
@@ -104,8 +106,13 @@ class FakeServer:
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
+        version = self.weight_version
         output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
         for step in range(params["max_new_tokens"]):
+            time.sleep(self.args.fake_token_delay)
+            if self.aborting:
+                finish = {"type": "abort", "message": "paused"}
+                break
             token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % self.vocab
             output_ids.append(token)
             if token in params["stop_token_ids"]:
@@ -116,7 +123,7 @@ class FakeServer:
         return {"output_ids": output_ids, "meta_info": {
             "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,
-            "weight_version": self.weight_version}}
+            "weight_version": version}}
 
     def update_weights_from_tensor(self, body):
         expect(body, {"serialized_named_tensors": list, "load_format": str, "flush_cache": bool,
@@ -213,7 +220,9 @@ def make_handler(server):
                 if self.path in control:
                     server.record(self.path)
                     if self.path != "/flush_cache":
-                        (server.unpaused.clear if self.path == "/pause_generation" else server.unpaused.set)()
+                        pausing = self.path == "/pause_generation"
+                        server.aborting = pausing
+                        (server.unpaused.clear if pausing else server.unpaused.set)()
                     self.reply(200)
                 elif self.path in posts:
                     self.reply(200, posts[self.path](body))
@@ -248,6 +257,7 @@ def main():
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
     parser.add_argument("--fake-fail-start", default="")
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
+    parser.add_argument("--fake-token-delay", type=float, default=0.0)
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
     if args.fake_fail_start:
