@@ -66,6 +66,16 @@ IS_BY_HAND = CORRECTION + "test_importance_weights_by_hand"
 RS_BY_HAND = CORRECTION + "test_rejection_by_hand"
 VETO = CORRECTION + "test_the_veto_rejects_a_whole_sequence_for_one_token"
 CORRECTION_FIT = FIT + "test_rollout_correction_weights_and_rejects_what_the_actor_trains_on"
+OFF_POLICY = "tests/controller/test_off_policy_fit.py::"
+ONE_STEP_OFF = OFF_POLICY + "test_one_step_off_generates_the_next_rollout_while_the_step_trains"
+ASYNC_BOUND = OFF_POLICY + "test_async_runs_ahead_within_max_staleness"
+MODE_ERRORS = OFF_POLICY + "test_combinations_that_cannot_run_are_spec_errors"
+ASYNC_RUN = "tests/controller/test_async_train.py::test_async_trains_within_its_staleness_bound_and_logs_it"
+PAUSED_PUSH = ("tests/controller/test_rollout_engines.py::"
+               "test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them")
+PARTIAL_SGLANG = "tests/rollout/test_sglang.py::test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights"
+PARTIAL_LOCAL = ("tests/rollout/test_local_server.py::"
+                 "test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs")
 KL_LOSS = "tests/algorithms/test_kl.py::test_kl_loss_by_hand"
 KL_ESTIMATORS = "tests/algorithms/test_kl.py::test_estimators_by_hand"
 AGGREGATION = "tests/algorithms/test_aggregation.py::test_modes_by_hand"
@@ -268,7 +278,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
     "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
     "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
-    "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN,)),
+    "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
     "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
     "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
@@ -333,6 +343,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
     "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
+    "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
+    "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,
+                                                                                     MODE_ERRORS)),
+    "trainer.partial_rollout": ("weights swapped mid-generation, samples continued",
+                                (PAUSED_PUSH, PARTIAL_SGLANG, PARTIAL_LOCAL, ASYNC_RUN)),
     "trainer.resume": ("checkpoint a run starts from", (RESUME,)),
     "trainer.run_dir": ("where checkpoints, logs and exports go", (SIGTERM, JOB_WIRING)),
     "trainer.save_freq": ("steps between checkpoints", (SCHEDULE, NAN_RUN)),
