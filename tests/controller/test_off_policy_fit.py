@@ -102,3 +102,31 @@ def test_combinations_that_cannot_run_are_spec_errors(overrides, message):
     with pytest.raises(SpecError) as error:
         rig_spec(*overrides)
     assert any(message in str(problem) for problem in error.value.problems), error.value.problems
+
+
+def test_a_resumed_async_run_regenerates_what_was_buffered_and_trains_no_sample_twice(tmp_path, monkeypatch):
+    """The checkpoint of step 2 holds the data loader as it was after step 2's prompts, not after the rollouts
+    generated ahead of it: those are dropped, and the resumed run generates steps 3 and 4 again from the same
+    prompts and seeds (rollout_buffer.Produced)."""
+    from tests.controller.fit_rig import RigTrainer
+
+    trained: dict[str, list[list[int]]] = {}
+    original_next = RigTrainer.next_rollout
+
+    def recording_next(self, rollouts, metrics):
+        produced = original_next(self, rollouts, metrics)
+        trained.setdefault(self.spec.trainer.resume, []).append(
+            sorted({prompt.index for prompt in produced.rollout.prompts}))
+        return produced
+
+    monkeypatch.setattr(RigTrainer, "next_rollout", recording_next)
+    run = ("trainer.mode=async", "trainer.max_staleness=2", *DISAGGREGATED, "trainer.save_freq=2")
+    whole = run_rig(tmp_path / "whole", *run, "trainer.total_steps=4", train_prompts=16)
+    first = run_rig(tmp_path / "resumed", *run, "trainer.total_steps=2", train_prompts=16)
+    resumed = run_rig(tmp_path / "resumed", *run, "trainer.total_steps=4", "trainer.resume=auto", train_prompts=16)
+    assert resumed.result.resumed_from == 2
+    steps = trained["disable"]  # the whole run's 4 steps, then the first part's 2
+    assert steps[4:] == steps[:2] and trained["auto"] == steps[2:4]
+    prompts = [index for step in steps[4:] + trained["auto"] for index in step]
+    assert sorted(prompts) == list(range(16))  # one epoch: every prompt trained exactly once
+    assert first.history["training/staleness/max"] and whole.history["training/staleness/max"]
