@@ -112,7 +112,7 @@ class LocalServer:
         group = self.groups[body["group_name"]]
         tensors = []
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.engine.device)
             torch.distributed.broadcast(tensor, group_src=0, group=group)
             tensors.append((name, tensor))
         self.engine.update_weights(tensors, body["weight_version"])
@@ -150,6 +150,9 @@ def handler_for(server: LocalServer) -> type[BaseHTTPRequestHandler]:
     routes = server.routes()
 
     class Handler(BaseHTTPRequestHandler):
+        # Headers and body leave in two writes: with Nagle's algorithm each small reply waits out a delayed ACK.
+        disable_nagle_algorithm = True
+
         def log_message(self, *args: Any) -> None:  # one line per request would drown the log
             pass
 
@@ -194,7 +197,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cuda")  # SGLang's default: the launch command names only cpu
     parser.add_argument("--trust-remote-code", action="store_true")
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
