@@ -58,10 +58,15 @@ class OnDemand:
 class Ahead:
     """one_step_off and async: a thread generates the rollouts of steps first_step .. last_step in order, each once
     the engines' weights are at most `bound` versions behind the ones its step trains with, into a queue of at most
-    `bound` rollouts (the bound already keeps it from holding more)."""
+    `bound` rollouts (the bound already keeps it from holding more).
 
-    def __init__(self, collect: Collect, first_step: int, last_step: int, bound: int, weights_at: int) -> None:
-        self.collect, self.bound = collect, bound
+    The loop's thread holds `ranks_owner` except while it waits for a rollout: what the generating thread does with
+    the trainer ranks (push weights to an engine that restarted) waits until then, so it never meets a step's own
+    use of the ranks."""
+
+    def __init__(self, collect: Collect, first_step: int, last_step: int, bound: int, weights_at: int,
+                 ranks_owner: threading.RLock) -> None:
+        self.collect, self.bound, self.ranks_owner = collect, bound, ranks_owner
         self.buffer: queue.Queue = queue.Queue(maxsize=bound)
         self.changed = threading.Condition()
         self.weights_at = weights_at
@@ -82,7 +87,11 @@ class Ahead:
             self.buffer.put((None, error))
 
     def next(self, step: int) -> Produced:
-        produced_step, item = self.buffer.get()
+        self.ranks_owner.release()
+        try:
+            produced_step, item = self.buffer.get()
+        finally:
+            self.ranks_owner.acquire()
         if isinstance(item, BaseException):
             raise item
         if produced_step != step:
@@ -102,16 +111,19 @@ class Ahead:
 
 
 @contextmanager
-def rollout_source(mode: str, collect: Collect, first_step: int, last_step: int, bound: int) -> Iterator[RolloutSource]:
-    """The rollouts of steps first_step .. last_step; the engines hold the weights of step first_step - 1."""
-    if mode == "sync":
-        yield OnDemand(collect)
-        return
-    ahead = Ahead(collect, first_step, last_step, bound, weights_at=first_step - 1)
-    try:
-        yield ahead
-    finally:
-        ahead.stop()
+def rollout_source(mode: str, collect: Collect, first_step: int, last_step: int, bound: int,
+                   ranks_owner: threading.RLock) -> Iterator[RolloutSource]:
+    """The rollouts of steps first_step .. last_step; the engines hold the weights of step first_step - 1. The
+    caller's thread owns the ranks (`ranks_owner`) throughout, but while it waits for a rollout made ahead."""
+    with ranks_owner:
+        if mode == "sync":
+            yield OnDemand(collect)
+            return
+        ahead = Ahead(collect, first_step, last_step, bound, weights_at=first_step - 1, ranks_owner=ranks_owner)
+        try:
+            yield ahead
+        finally:
+            ahead.stop()
 
 
 def staleness_metrics(rollout: Rollout, step: int, bound: int) -> dict[str, float]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -103,6 +104,8 @@ class Trainer:
         correction = RolloutCorrectionConfig(**spec.algorithm.rollout_correction.model_dump())
         self.rollout_correction = correction if correction.enabled else None
         self.step = 0
+        self.ranks_owner = threading.RLock()
+        """Held by the thread that uses the trainer ranks: the loop's, or a rollout's made ahead of it."""
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
         self.resumed_from = 0
@@ -114,7 +117,7 @@ class Trainer:
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
         with rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
-                            trainer.staleness_bound) as rollouts:
+                            trainer.staleness_bound, self.ranks_owner) as rollouts:
             while self.step < self.total_steps():
                 self.step += 1
                 timer, metrics = Timer(), {}
@@ -231,7 +234,8 @@ class Trainer:
             while restarted := [engine for engine, answer in answers.items() if answer is None]:
                 # A restarted engine has no trained weights: push them (collective), then resend its share.
                 # Each engine bounds its own restarts, so this loop ends.
-                self.engines.sync(self.weight_version, restarted)
+                with self.ranks_owner:  # made ahead: once the loop waits for a rollout (rollout_buffer.Ahead)
+                    self.engines.sync(self.weight_version, restarted)
                 answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
         results = merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:

@@ -130,3 +130,44 @@ def test_a_resumed_async_run_regenerates_what_was_buffered_and_trains_no_sample_
     prompts = [index for step in steps[4:] + trained["auto"] for index in step]
     assert sorted(prompts) == list(range(16))  # one epoch: every prompt trained exactly once
     assert first.history["training/staleness/max"] and whole.history["training/staleness/max"]
+
+
+def test_an_engine_restarted_ahead_gets_its_weights_only_while_the_loop_waits(tmp_path):
+    """A rollout made ahead finds its engine restarted (no weights): the push it needs uses the trainer ranks, so it
+    waits until the loop is done with them for the step and waits for a rollout; then the share is sent again."""
+    class WatchingRanks(FakeRanks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.updating, self.step_2_updating = False, threading.Event()
+
+        def update_actor(self, batch, progress=None):
+            self.updating = True
+            if len(self.updates["actor"]) == 1:  # step 2, while step 3's rollout is being made
+                self.step_2_updating.set()
+                threading.Event().wait(1.0)  # room for a push that would not wait
+            self.updating = False
+            return super().update_actor(batch, progress)
+
+    class RestartingEngines(FakeEngines):
+        def __init__(self, ranks: WatchingRanks) -> None:
+            super().__init__()
+            self.ranks, self.rollouts, self.pushed_while_updating = ranks, 0, []
+
+        def generate(self, shares, progress=None):
+            self.rollouts += 1
+            if self.rollouts == 3:  # step 3's rollout: its engine restarts while step 2 updates the actor
+                assert self.ranks.step_2_updating.wait(timeout=10)
+                return {engine: None for engine in shares}
+            return super().generate(shares, progress)
+
+        def sync(self, version, restarted=None):
+            super().sync(version, restarted)
+            if restarted is not None:
+                self.pushed_while_updating.append(self.ranks.updating)
+
+    ranks = WatchingRanks()
+    engines = RestartingEngines(ranks)
+    rig = run_rig(tmp_path, "trainer.mode=one_step_off", "trainer.total_steps=4", *DISAGGREGATED, ranks=ranks,
+                  engines=engines)
+    assert engines.pushed_while_updating == [False]
+    assert len(rig.ranks.updates["actor"]) == 4 and all(len(b) == 8 for b in rig.ranks.updates["actor"])
