@@ -60,17 +60,18 @@ class Ahead:
     the engines' weights are at most `bound` versions behind the ones its step trains with, into a queue of at most
     `bound` rollouts (the bound already keeps it from holding more).
 
-    The loop's thread holds `ranks_owner` except while it waits for a rollout: what the generating thread does with
-    the trainer ranks (push weights to an engine that restarted) waits until then, so it never meets a step's own
-    use of the ranks."""
+    The loop's thread holds `ranks_owner` from the rollout it got to the next one it waits for: what the generating
+    thread does with the trainer ranks (push weights to an engine that restarted) waits until the loop waits, so it
+    never meets a step's own use of the ranks. The thread is a daemon: after the last step's rollout it ends; if the
+    loop stops early, it ends at the bound or with the engines."""
 
     def __init__(self, collect: Collect, first_step: int, last_step: int, bound: int, weights_at: int,
                  ranks_owner: threading.RLock) -> None:
         self.collect, self.bound, self.ranks_owner = collect, bound, ranks_owner
+        self.owning = False
         self.buffer: queue.Queue = queue.Queue(maxsize=bound)
         self.changed = threading.Condition()
         self.weights_at = weights_at
-        self.stopped = False
         self.thread = threading.Thread(target=self._produce, args=(first_step, last_step), daemon=True,
                                        name="rollout-ahead")
         self.thread.start()
@@ -79,19 +80,17 @@ class Ahead:
         try:
             for step in range(first_step, last_step + 1):
                 with self.changed:
-                    self.changed.wait_for(lambda: self.stopped or self.weights_at >= step - 1 - self.bound)
-                    if self.stopped:
-                        return
+                    self.changed.wait_for(lambda: self.weights_at >= step - 1 - self.bound)
                 self.buffer.put((step, self.collect(step)))
         except BaseException as error:  # the loop raises it at its next step
             self.buffer.put((None, error))
 
     def next(self, step: int) -> Produced:
-        self.ranks_owner.release()
-        try:
-            produced_step, item = self.buffer.get()
-        finally:
-            self.ranks_owner.acquire()
+        if self.owning:
+            self.ranks_owner.release()
+        produced_step, item = self.buffer.get()
+        self.ranks_owner.acquire()
+        self.owning = True
         if isinstance(item, BaseException):
             raise item
         if produced_step != step:
@@ -103,27 +102,14 @@ class Ahead:
             self.weights_at = step
             self.changed.notify_all()
 
-    def stop(self) -> None:
-        """No rollout is started after this; the one in flight ends with the engines (the thread is a daemon)."""
-        with self.changed:
-            self.stopped = True
-            self.changed.notify_all()
 
 
-@contextmanager
 def rollout_source(mode: str, collect: Collect, first_step: int, last_step: int, bound: int,
-                   ranks_owner: threading.RLock) -> Iterator[RolloutSource]:
-    """The rollouts of steps first_step .. last_step; the engines hold the weights of step first_step - 1. The
-    caller's thread owns the ranks (`ranks_owner`) throughout, but while it waits for a rollout made ahead."""
-    with ranks_owner:
-        if mode == "sync":
-            yield OnDemand(collect)
-            return
-        ahead = Ahead(collect, first_step, last_step, bound, weights_at=first_step - 1, ranks_owner=ranks_owner)
-        try:
-            yield ahead
-        finally:
-            ahead.stop()
+                   ranks_owner: threading.RLock) -> RolloutSource:
+    """The rollouts of steps first_step .. last_step; the engines hold the weights of step first_step - 1."""
+    if mode == "sync":
+        return OnDemand(collect)
+    return Ahead(collect, first_step, last_step, bound, weights_at=first_step - 1, ranks_owner=ranks_owner)
 
 
 def staleness_metrics(rollout: Rollout, step: int, bound: int) -> dict[str, float]:

@@ -116,49 +116,50 @@ class Trainer:
         self.resume()
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
-        with rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
-                            trainer.staleness_bound, self.ranks_owner) as rollouts:
-            while self.step < self.total_steps():
-                self.step += 1
-                timer, metrics = Timer(), {}
-                with timer("step"), self.stop_on_non_finite():
-                    produced = self.next_rollout(rollouts, metrics)
-                    rollout, batch = produced.rollout, produced.rollout.batch
-                    baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
-                    self.engines.release_memory()
-                    if spec.critic.enable:
-                        with timer("values"):
-                            batch.values = self.ranks.compute_values(batch)
-                    with timer("old_log_prob"):
-                        batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
-                    metrics.update(self.correct_rollout(batch))
-                    if spec.needs_reference:
-                        with timer("ref"):
-                            batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
-                    with timer("adv"):
-                        token_rewards = self.token_rewards(rollout, metrics)
-                        batch.advantages, batch.returns = compute_advantages(
-                            spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
-                            group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
-                            lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
-                    if spec.critic.enable:
-                        with timer("update_critic"):
-                            metrics.update(self.update("critic", batch))
-                    if self.step > trainer.critic_warmup:
-                        with timer("update_actor"):
-                            metrics.update(self.update("actor", batch))
-                    with timer("update_weights"):
-                        self.weight_version = f"step_{self.step}"
-                        self.engines.sync(self.weight_version)
-                        rollouts.weights_updated(self.step)
-                metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
-                metrics.update(self.step_counters(batch, timer))
-                if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
-                    metrics.update(self.validate())
-                self.tracker.log_metrics(metrics, step=self.step)
-                self.trace(rollout)
-                if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
-                    self.save(produced.loader_state)
+        rollouts = rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
+                                  trainer.staleness_bound, self.ranks_owner)
+        while self.step < self.total_steps():
+            self.step += 1
+            timer, metrics = Timer(), {}
+            with timer("step"), self.stop_on_non_finite():
+                produced = self.next_rollout(rollouts, metrics)
+                rollout = produced.rollout
+                baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
+                self.engines.release_memory()
+                batch = rollout.batch
+                if spec.critic.enable:
+                    with timer("values"):
+                        batch.values = self.ranks.compute_values(batch)
+                with timer("old_log_prob"):
+                    batch.old_log_probs, entropy = self.ranks.compute_log_prob(batch)
+                metrics.update(self.correct_rollout(batch))
+                if spec.needs_reference:
+                    with timer("ref"):
+                        batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
+                with timer("adv"):
+                    token_rewards = self.token_rewards(rollout, metrics)
+                    batch.advantages, batch.returns = compute_advantages(
+                        spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
+                        group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
+                        lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+                if spec.critic.enable:
+                    with timer("update_critic"):
+                        metrics.update(self.update("critic", batch))
+                if self.step > trainer.critic_warmup:
+                    with timer("update_actor"):
+                        metrics.update(self.update("actor", batch))
+                with timer("update_weights"):
+                    self.weight_version = f"step_{self.step}"
+                    self.engines.sync(self.weight_version)
+                    rollouts.weights_updated(self.step)
+            metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
+            metrics.update(self.step_counters(batch, timer))
+            if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
+                metrics.update(self.validate())
+            self.tracker.log_metrics(metrics, step=self.step)
+            self.trace(rollout)
+            if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
+                self.save(produced.loader_state)
         exported = self.export_policy()
         return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
 
