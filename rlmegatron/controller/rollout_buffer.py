@@ -55,6 +55,14 @@ class OnDemand:
         pass
 
 
+AHEAD_THREAD = "rollout-ahead"
+
+
+def making_ahead() -> bool:
+    """Whether this thread makes rollouts ahead of the loop (whose errors the loop raises at the step they are for)."""
+    return threading.current_thread().name == AHEAD_THREAD
+
+
 class Ahead:
     """one_step_off and async: a thread generates the rollouts of steps first_step .. last_step in order, each once
     the engines' weights are at most `bound` versions behind the ones its step trains with, into a queue of at most
@@ -73,7 +81,7 @@ class Ahead:
         self.changed = threading.Condition()
         self.weights_at = weights_at
         self.thread = threading.Thread(target=self._produce, args=(first_step, last_step), daemon=True,
-                                       name="rollout-ahead")
+                                       name=AHEAD_THREAD)
         self.thread.start()
 
     def _produce(self, first_step: int, last_step: int) -> None:

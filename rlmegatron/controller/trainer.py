@@ -25,6 +25,7 @@ from rlmegatron.config.spec import SamplingParams
 from rlmegatron.controller.rollout_buffer import (
     Produced,
     RolloutSource,
+    making_ahead,
     rollout_source,
     staleness_metrics,
     waited,
@@ -177,6 +178,8 @@ class Trainer:
         try:
             yield
         except (Divergence, NonFiniteReward) as error:
+            if making_ahead():
+                raise  # in a rollout made ahead: the step that would train it stops (rollout_buffer.Ahead)
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
             raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
                                   f"complete one is {self.last_checkpoint or 'none'}") from None

@@ -171,3 +171,23 @@ def test_an_engine_restarted_ahead_gets_its_weights_only_while_the_loop_waits(tm
                   engines=engines)
     assert engines.pushed_while_updating == [False]
     assert len(rig.ranks.updates["actor"]) == 4 and all(len(b) == 8 for b in rig.ranks.updates["actor"])
+
+
+def test_a_divergence_in_a_rollout_made_ahead_stops_the_step_that_would_train_it(tmp_path):
+    from rlmegatron.controller.trainer import TrainingStopped
+    from rlmegatron.errors import Divergence
+
+    class DivergingEngines(FakeEngines):
+        def generate(self, shares, progress=None):
+            if len(self.calls) == 2:  # step 3's rollout, made while step 2 trains
+                raise Divergence("rollout logits: NaN or inf for 1 of the 8 samples at response token 2")
+            return super().generate(shares, progress)
+
+    ranks = FakeRanks()
+    with pytest.raises(TrainingStopped) as raised:
+        run_rig(tmp_path, "trainer.mode=one_step_off", "trainer.total_steps=4", "trainer.save_freq=1",
+                *DISAGGREGATED, ranks=ranks, engines=DivergingEngines())
+    assert str(raised.value) == ("step 3: rollout logits: NaN or inf for 1 of the 8 samples at response token 2. No "
+                                 "checkpoint is written for this step; the last complete one is "
+                                 f"{tmp_path / 'checkpoints' / 'step_2'}")
+    assert ranks.calls.count("save_checkpoint") == 2
