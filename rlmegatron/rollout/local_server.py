@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import threading
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from rlmegatron.errors import Divergence
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
 from rlmegatron.rollout.sglang_protocol import init_custom_process_group
@@ -93,7 +95,13 @@ class LocalServer:
                                 max_new_tokens=params["max_new_tokens"],
                                 stop_token_ids=tuple(params.get("stop_token_ids", ())),
                                 seed=params.get("sampling_seed"))
-        result = self.scheduler.generate(GenerationRequest(tuple(body["input_ids"]), sampling))
+        try:
+            result = self.scheduler.generate(GenerationRequest(tuple(body["input_ids"]), sampling))
+        except Divergence:
+            # As from SGLang, which samples from such logits: the log-prob says it (the client raises Divergence).
+            return {"output_ids": [0], "meta_info": {"finish_reason": {"type": "length"},
+                                                     "output_token_logprobs": [[math.nan, 0, None]],
+                                                     "weight_version": self.engine.weight_version}}
         return {"output_ids": list(result.output_token_ids), "meta_info": {
             "finish_reason": {"type": result.finish_reason},
             "output_token_logprobs": [[logprob, token, None] for logprob, token in

@@ -4,6 +4,7 @@ greedy decoding and log-probs; with partial rollout, a sample paused mid-generat
 new weights, every token's log-prob exactly the log-softmax of the weights that produced it."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -105,3 +106,15 @@ def test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs(se
     tail_tokens, tail_logprobs = teacher_forced(new, [*PROMPT, *head], tail)
     assert head == head_tokens and tail == tail_tokens
     assert result.output_token_logprobs == pytest.approx(head_logprobs + tail_logprobs, abs=1e-4)
+
+
+def test_non_finite_logits_reach_the_client_as_a_divergence(served):
+    from rlmegatron.errors import Divergence
+
+    config, engine, push = served
+    broken = model(config, seed=1)
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(math.nan)
+    push_model(push, broken, "nan")
+    with pytest.raises(Divergence, match="rollout logits: the server's log-prob of response token 1"):
+        engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=4))])
