@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import threading
+import traceback
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -182,8 +183,9 @@ def handler_for(server: LocalServer) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 self.reply(200, routes[self.path](body))
-            except (KeyError, ValueError, TypeError, RuntimeError) as error:
-                self.reply(400, {"success": False, "message": f"{type(error).__name__}: {error}"})
+            except Exception as error:  # the client raises it; the log keeps the trace
+                traceback.print_exc()
+                self.reply(400, {"success": False, "message": f"{self.path}: {type(error).__name__}: {error}"})
 
     return Handler
 

@@ -503,9 +503,13 @@ class DistributedWeightPush:
                     group_name=group.group_name,
                     weight_version=version,
                 ))
-                for _, tensor in pairs:
-                    torch.distributed.broadcast(tensor, group_src=0, group=process_group)
+                # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
+                # fails the push with its answer instead of leaving this rank in a broadcast for ever.
+                sent = [torch.distributed.broadcast(tensor, group_src=0, group=process_group, async_op=True)
+                        for _, tensor in pairs]
                 announce.result()
+                for work in sent:
+                    work.wait()
         for client, _, _ in targets:
             client.flush_cache()
 

@@ -211,6 +211,14 @@ def test_paused_generation_holds_requests_until_continued(tmp_path):
     assert [c["path"] for c in calls(tmp_path)] == ["/pause_generation", "/continue_generation", "/generate"]
 
 
+def wait_for_tokens(engine: SGLangEngine, count: int) -> None:
+    """Until the server has generated `count` tokens (it takes --fake-token-delay seconds per token)."""
+    deadline = time.monotonic() + 30
+    while SGLangClient(engine.spec.url)._call("GET", "/fake/progress")["tokens"] < count:
+        assert time.monotonic() < deadline, "the server generated nothing in 30 s"
+        time.sleep(0.01)
+
+
 def fake_tokens(input_ids, count: int, checksum: int) -> list[int]:
     """What the fake server generates (no seed): token s is (sum(input) + 31 s + checksum) mod its vocabulary."""
     return [(sum(input_ids) + 31 * step + checksum) % 1000 for step in range(count)]
@@ -229,7 +237,7 @@ def test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights(tmp
         prompt, length = (1, 2, 3), 30
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(engine.generate, [GenerationRequest(prompt, SamplingSpec(max_new_tokens=length))])
-            time.sleep(0.5)  # about 9 tokens in
+            wait_for_tokens(engine, 3)
             engine.pause_generation()
             engine.update_weights(iter(new), version="v2")
             engine.continue_generation()
@@ -255,7 +263,7 @@ def test_without_partial_rollout_an_aborted_sample_comes_back_as_it_is(tmp_path)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(engine.generate, [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=30))])
-            time.sleep(0.5)
+            wait_for_tokens(engine, 3)
             engine.pause_generation()
             (result,) = pending.result(timeout=30)
             engine.continue_generation()
