@@ -620,6 +620,12 @@ VERL_KEYS: dict[str, Entry] = {
         "groups are always compared on their reward-function scores before any penalty (verl's acc)"),
     "algorithm.use_pf_ppo": Always((False,), "every sample is trained on", "PF-PPO reweighting is not supported"),
     "algorithm.pf_ppo": NoMeaning("PF-PPO reweighting is not supported"),
+    "algorithm.rollout_correction.bypass_mode": Always(
+        (False,), "the trainer recomputes the old log-probs; the rollout's are the behaviour policy's",
+        "the old log-probs are always the trainer's own, recomputed; the rollout's only weigh or reject samples"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Always(
+        (False,), "importance weights are not normalised over the batch",
+        "importance weights are truncated or masked, never normalised over the batch"),
 
     # --- trainer ---
     **{f"trainer.{name}": _to(f"trainer.{name}") for name in (

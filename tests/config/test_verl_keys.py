@@ -242,3 +242,9 @@ def test_conversions_that_read_other_keys():
     assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0")[0] == {
         "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 2.0}
     assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=-1") == ({}, [])
+    # verl's rollout-correction keys of the same name apply as they are; its bypass mode is not rlmegatron's.
+    assert translated("algorithm.rollout_correction.rollout_rs=geometric")[0] == {
+        "algorithm.rollout_correction.rollout_rs": "geometric"}
+    assert translated("algorithm.rollout_correction.bypass_mode=True")[1] == [
+        "command line: algorithm.rollout_correction.bypass_mode=true: the old log-probs are always the trainer's own, "
+        "recomputed; the rollout's only weigh or reject samples"]
