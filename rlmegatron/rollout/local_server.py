@@ -190,6 +190,11 @@ def handler_for(server: LocalServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # an engine sends up to 64 requests at once; socketserver's 5 drops connections
+
+
 def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool) -> LocalEngine:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -212,8 +217,7 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
     engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code)
-    httpd = ThreadingHTTPServer((args.host, args.port), handler_for(LocalServer(engine)))
-    httpd.daemon_threads = True
+    httpd = Server((args.host, args.port), handler_for(LocalServer(engine)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 
