@@ -1,12 +1,12 @@
 """The quickstart task in trainer.mode sync, one_step_off and async, disaggregated, same steps, back to back.
 
-    python benchmarks/async_modes.py --steps 150 [--modes sync one_step_off async] [--max-staleness 2]
+    python benchmarks/async_modes.py --steps 150 [--modes sync one_step_off async] [--max-staleness 2] [--ray]
 
-One trainer rank (in this process's child, no Ray) and the local engine in a process of its own
-(placement.mode=disaggregate); each mode runs in a fresh child process. Per mode it reports steps/s over the fit
+One trainer rank (in the child's own process, or with --ray a Ray actor of its own) and the local engine in a
+process of its own (placement.mode=disaggregate); each mode runs in a fresh child process. Per mode it reports steps/s over the fit
 loop, the fraction of that time the trainer was busy (not waiting for a rollout: 1 - sum(timing_s/wait_rollout) /
 wall) and the engine was busy (sum(timing_s/gen) / wall), the first step whose 5-step mean reward reaches 0.8, the
-reward at a few steps, and the staleness. Everything also goes to runs/async_modes/result.json.
+reward at a few steps, and the staleness. Everything also goes to runs/async_modes/{in_process,ray}/result.json.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ DISAGGREGATED = ["placement.gpus_per_node=1", "placement.mode=disaggregate", "pl
                  "trainer.val_before_train=false", "data.val_files=[]", "tracking.backends=[console]"]
 
 
-def child(out: str, overrides: list[str]) -> None:
+def child(out: str, use_ray: bool, overrides: list[str]) -> None:
     from rlmegatron.config import load_spec
     from rlmegatron.controller.job import run_training
 
-    report = run_training(load_spec("configs/quickstart.yaml", overrides), use_ray=False)
+    report = run_training(load_spec("configs/quickstart.yaml", overrides), use_ray=use_ray)
     Path(out).write_text(json.dumps({"seconds": report.seconds, "history": report.history}))
 
 
@@ -66,23 +66,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--modes", nargs="+", default=["sync", "one_step_off", "async"])
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--ray", action="store_true", help="the trainer rank and the engine's host as Ray actors")
     args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    out_dir = OUT / ("ray" if args.ray else "in_process")
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for mode in args.modes:
         extra = [f"trainer.max_staleness={args.max_staleness}"] if mode == "async" else []
-        out = OUT / f"{mode}.json"
+        out = out_dir / f"{mode}.json"
         overrides = [*DISAGGREGATED, f"trainer.total_steps={args.steps}", f"trainer.mode={mode}",
-                     f"trainer.run_dir={OUT / mode}", "trainer.resume=disable", *extra]
-        subprocess.run([sys.executable, __file__, "--child", str(out), *overrides], cwd=REPO_ROOT, check=True,
-                       stdout=subprocess.DEVNULL)
+                     f"trainer.run_dir={out_dir / mode}", "trainer.resume=disable", *extra]
+        subprocess.run([sys.executable, __file__, "--child", str(out), str(args.ray), *overrides], cwd=REPO_ROOT,
+                       check=True, stdout=subprocess.DEVNULL)
         results.append(summary(mode, json.loads(out.read_text())))
         print(json.dumps(results[-1]), flush=True)
-    (OUT / "result.json").write_text(json.dumps(results, indent=2))
+    (out_dir / "result.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3:])
+    if len(sys.argv) > 3 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3] == "True", sys.argv[4:])
     else:
         main()
