@@ -85,8 +85,8 @@ def test_generation_follows_the_pushed_weights(served):
 def test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs(served):
     config, engine, push = served
     old, new = model(config, seed=1), model(config, seed=2)
-    length = 300
-    for pause_after in (0.3, 0.1, 1.0):  # a loaded machine may start the batch late: try another moment
+    length = 800
+    for pause_after in (0.2, 0.05, 0.6):  # a loaded machine may start the batch late: try another moment
         push_model(push, old, "v1")
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(engine.generate,
