@@ -44,9 +44,9 @@ from rlmegatron.algorithms.policy_loss import (
     gspo_policy_loss,
     kl_cov_policy_loss,
     ppo_clip_policy_loss,
-    truncated_importance_weights,
 )
 from rlmegatron.algorithms.registry import Registry, UnknownNameError
+from rlmegatron.algorithms.rollout_correction import RolloutCorrection, RolloutCorrectionConfig, rollout_correction
 from rlmegatron.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -64,6 +64,8 @@ __all__ = [
     "PolicyLoss",
     "PolicyLossConfig",
     "Registry",
+    "RolloutCorrection",
+    "RolloutCorrectionConfig",
     "UnknownNameError",
     "aggregate_loss",
     "apply_kl_penalty",
@@ -93,6 +95,6 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
-    "truncated_importance_weights",
+    "rollout_correction",
     "zero_outside_mask",
 ]

@@ -1,4 +1,4 @@
-"""The actor's loss terms: policy losses (PPO/DAPO, GSPO, GPG, CISPO, Clip-Cov, KL-Cov; TIS) and the entropy bonus.
+"""The actor's loss terms: policy losses (PPO/DAPO, GSPO, GPG, CISPO, Clip-Cov, KL-Cov) and the entropy bonus.
 
 Every policy loss has the signature of :class:`PolicyLoss` and returns ``(loss, metrics)``: ``loss``
 follows ``aggregation`` (so it can carry a global DP/micro-batch denominator) and ``metrics`` holds
@@ -12,9 +12,9 @@ detached scalars over *this* micro-batch. The built-in losses all report
 A user's loss (``actor.policy_loss.loss_mode: path/to/file.py:function``) follows the same
 protocol; its metrics, whatever their names, are logged as ``actor/<name>``.
 
-Truncated importance sampling (TIS, Yao et al. 2025) corrects for the rollout engine and the trainer
-disagreeing on log-probs of the same tokens: each token's loss is multiplied by the detached
-weight min(exp(old_log_prob - rollout_log_prob), tis_cap). Every built-in loss applies it.
+Rollout correction (rlmegatron.algorithms.rollout_correction: truncated or masked importance sampling, per
+token or per sequence) reaches a loss as ``rollout_is_weights``: every built-in loss multiplies each token's
+loss by that detached weight before aggregating.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class PolicyLossConfig:
     ``clip_ratio_low`` / ``clip_ratio_high``: the ratio is clipped to [1 - low, 1 + high]; a larger
     ``high`` is DAPO's clip-higher (e.g. 0.2 / 0.28). ``clip_ratio_c``: dual-clip bound (> 1) capping
     the loss of negative-advantage tokens at -A * c (Ye et al. 2020); ``None`` disables it.
-    ``tis_cap``: truncation of the rollout importance weight; ``None`` disables TIS.
     ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``: Clip-Cov's share of tokens to drop and the
     covariance window they are drawn from. ``kl_cov_ratio``, ``ppo_kl_coef``: KL-Cov's share of
     tokens to penalise and the weight of that penalty. The defaults are verl's.
@@ -48,7 +47,6 @@ class PolicyLossConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = 3.0
-    tis_cap: float | None = None
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -58,8 +56,6 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.tis_cap is not None and self.tis_cap <= 0.0:
-            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} is a share of tokens in (0, 1], got {getattr(self, name)}")
@@ -80,21 +76,21 @@ class PolicyLoss(Protocol):
         response_mask: torch.Tensor,
         config: PolicyLossConfig = ...,
         aggregation: LossAggregation = ...,
-        rollout_log_prob: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 POLICY_LOSS_POSITIONAL = ("old_log_prob", "log_prob", "advantages", "response_mask")
-POLICY_LOSS_KEYWORDS = ("config", "aggregation", "rollout_log_prob")
+POLICY_LOSS_KEYWORDS = ("config", "aggregation", "rollout_is_weights")
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def _policy_loss(*names: str, reads: tuple[str, ...]) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a built-in loss under ``names``, recording the PolicyLossConfig fields it reads (TIS's always)."""
+    """Register a built-in loss under ``names``, recording the PolicyLossConfig fields it reads."""
 
     def decorator(loss: PolicyLoss) -> PolicyLoss:
-        loss.config_fields = frozenset(reads) | {"tis_cap"}
+        loss.config_fields = frozenset(reads)
         return POLICY_LOSSES.register(*names)(loss)
 
     return decorator
@@ -103,13 +99,6 @@ def _policy_loss(*names: str, reads: tuple[str, ...]) -> Callable[[PolicyLoss], 
 def config_fields_read(loss: PolicyLoss) -> frozenset[str] | None:
     """The PolicyLossConfig fields ``loss`` reads; None for a user's loss, which may read any of them."""
     return getattr(loss, "config_fields", None)
-
-
-def truncated_importance_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, tis_cap: float
-) -> torch.Tensor:
-    """Detached TIS weight min(exp(old_log_prob - rollout_log_prob), tis_cap) per token."""
-    return (old_log_prob - rollout_log_prob).detach().exp().clamp(max=tis_cap)
 
 
 def _clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
@@ -141,16 +130,13 @@ def _finish(
     metrics: dict[str, torch.Tensor],
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig,
     aggregation: LossAggregation,
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Apply TIS, aggregate, and attach ppo_kl from the loss's own ``log_ratio``: the tail every loss shares."""
-    if config.tis_cap is not None:
-        if rollout_log_prob is None:
-            raise ValueError("tis_cap is set but no rollout_log_prob was given")
-        token_loss = token_loss * truncated_importance_weights(old_log_prob, rollout_log_prob, config.tis_cap)
+    """Weigh by the rollout correction, aggregate, and attach ppo_kl from the loss's own ``log_ratio``: the tail
+    every loss shares."""
+    if rollout_is_weights is not None:
+        token_loss = token_loss * rollout_is_weights.detach()
     zero = torch.zeros((), device=token_loss.device)
     metrics = {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, **metrics}
     metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), response_mask)
@@ -165,12 +151,12 @@ def ppo_clip_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(),
     aggregation: LossAggregation = LossAggregation(),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate on the token ratio pi/pi_old, with asymmetric clip and dual clip (verl's ``vanilla``)."""
     log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
     token_loss, metrics = _clipped_surrogate(log_ratio.exp(), advantages, config, response_mask, config.clip_ratio_c)
-    return _finish(token_loss, metrics, log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob)
+    return _finish(token_loss, metrics, log_ratio, response_mask, aggregation, rollout_is_weights)
 
 
 @_policy_loss("gspo", reads=("clip_ratio_low", "clip_ratio_high"))
@@ -181,7 +167,7 @@ def gspo_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
     aggregation: LossAggregation = LossAggregation(mode="seq-mean-token-mean"),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025): clip the *sequence* ratio s_i = exp(mean_t log(pi/pi_old)), the geometric mean.
 
@@ -197,7 +183,7 @@ def gspo_policy_loss(
     combined_log_ratio = (sequence_log_ratio + log_prob - log_prob.detach()).clamp(max=GSPO_LOG_RATIO_MAX)
     token_loss, metrics = _clipped_surrogate(combined_log_ratio.exp(), advantages, config, response_mask, None)
     return _finish(
-        token_loss, metrics, token_log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob
+        token_loss, metrics, token_log_ratio, response_mask, aggregation, rollout_is_weights
     )
 
 
@@ -209,7 +195,7 @@ def gpg_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(),
     aggregation: LossAggregation = LossAggregation(),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG (Chu et al. 2025): the plain policy gradient -A * log pi, no ratio and no clip.
 
@@ -218,7 +204,7 @@ def gpg_policy_loss(
     """
     token_loss = -advantages * log_prob
     log_ratio = log_prob - old_log_prob
-    return _finish(token_loss, {}, log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob)
+    return _finish(token_loss, {}, log_ratio, response_mask, aggregation, rollout_is_weights)
 
 
 @_policy_loss("cispo", reads=("clip_ratio_low", "clip_ratio_high"))
@@ -229,7 +215,7 @@ def cispo_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(),
     aggregation: LossAggregation = LossAggregation(),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - low, 1 + high)) * A * log pi.
 
@@ -242,7 +228,7 @@ def cispo_policy_loss(
     weight = ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
     token_loss = -weight * advantages * log_prob
     metrics = {"pg_clipfrac": masked_mean((weight != ratio).float(), response_mask)}
-    return _finish(token_loss, metrics, log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob)
+    return _finish(token_loss, metrics, log_ratio, response_mask, aggregation, rollout_is_weights)
 
 
 def _centred_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -264,7 +250,7 @@ def clip_cov_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(),
     aggregation: LossAggregation = LossAggregation(),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov (Cui et al. 2025): PPO's clipped surrogate with a few high-covariance tokens' loss set to 0.
 
@@ -291,7 +277,7 @@ def clip_cov_policy_loss(
     keep = keep.view_as(ratio).to(ratio.device)
     token_loss = torch.maximum(unclipped, clipped) * keep
     metrics = {"pg_clipfrac": masked_mean((keep == 0).float(), response_mask)}
-    return _finish(token_loss, metrics, log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob)
+    return _finish(token_loss, metrics, log_ratio, response_mask, aggregation, rollout_is_weights)
 
 
 @_policy_loss("kl_cov", reads=("kl_cov_ratio", "ppo_kl_coef"))
@@ -302,7 +288,7 @@ def kl_cov_policy_loss(
     response_mask: torch.Tensor,
     config: PolicyLossConfig = PolicyLossConfig(),
     aggregation: LossAggregation = LossAggregation(),
-    rollout_log_prob: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui et al. 2025): the unclipped surrogate -A * r, plus ppo_kl_coef * |log r| on the top tokens.
 
@@ -320,7 +306,7 @@ def kl_cov_policy_loss(
         penalised[top] = True
         penalty = config.ppo_kl_coef * log_ratio.abs()
         token_loss = torch.where(penalised.view_as(valid), token_loss + penalty, token_loss)
-    return _finish(token_loss, {}, log_ratio, response_mask, config, aggregation, old_log_prob, rollout_log_prob)
+    return _finish(token_loss, {}, log_ratio, response_mask, aggregation, rollout_is_weights)
 
 
 def entropy_bonus(

@@ -341,9 +341,11 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
     if (rollout.sglang.router or rollout.sglang.router_url) and rollout.engine != "sglang":
         reason = "a router spreads requests over SGLang servers; use rollout.engine=sglang or turn the router off"
         problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
-    if placement.mode == "disaggregate" and rollout.engine != "sglang":
-        reason = "a disaggregated rollout pool runs SGLang servers that receive weights over NCCL; use sglang"
-        problems.append(SpecProblem("rollout.engine", rollout.engine, reason))
+    if spec.trainer.mode != "sync" and placement.mode == "colocate":
+        reason = ("overlaps generation with training, so the engines need devices of their own; set "
+                  "placement.mode=disaggregate with placement.rollout_nnodes and placement.rollout_gpus_per_node, "
+                  "or use trainer.mode=sync")
+        problems.append(SpecProblem("trainer.mode", spec.trainer.mode, reason))
     pool = placement.rollout_pool_size
     if pool is not None:
         if rollout.num_gpus is not None and rollout.num_gpus > pool:
@@ -410,6 +412,13 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
     if knobs.clip_cov_lb >= knobs.clip_cov_ub:
         reason = f"must be below actor.policy_loss.clip_cov_ub={render_value(knobs.clip_cov_ub)}"
         problems.append(SpecProblem("actor.policy_loss.clip_cov_lb", knobs.clip_cov_lb, reason))
+    correction = spec.algorithm.rollout_correction
+    if correction.rollout_rs_threshold_lower is not None and \
+            correction.rollout_rs_threshold_lower >= correction.rollout_rs_threshold:
+        reason = (f"must be below algorithm.rollout_correction.rollout_rs_threshold="
+                  f"{render_value(correction.rollout_rs_threshold)}")
+        problems.append(SpecProblem("algorithm.rollout_correction.rollout_rs_threshold_lower",
+                                    correction.rollout_rs_threshold_lower, reason))
     if spec.algorithm.dynamic_sampling.enable and spec.rollout.n < 2:
         reason = "drops groups whose rewards are all equal, which needs rollout.n >= 2"
         problems.append(SpecProblem("algorithm.dynamic_sampling.enable", True, reason))

@@ -128,6 +128,20 @@ RULES: tuple[Rule, ...] = (
                    + "; remove it"),
     Rule(("algorithm.dynamic_sampling.max_num_gen_batches",), lambda s: s.algorithm.dynamic_sampling.enable,
          lambda s: "only applies with algorithm.dynamic_sampling.enable=true; remove it or enable it"),
+    Rule(("algorithm.rollout_correction.rollout_is_mode", "algorithm.rollout_correction.rollout_is_threshold"),
+         lambda s: s.algorithm.rollout_correction.rollout_is is not None,
+         lambda s: "only applies with importance weights; remove it or set algorithm.rollout_correction.rollout_is "
+                   "(token or sequence)"),
+    Rule(("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold_lower"),
+         lambda s: s.algorithm.rollout_correction.rollout_rs is not None,
+         lambda s: "only applies with rejection; remove it or set algorithm.rollout_correction.rollout_rs "
+                   "(token, sequence or geometric)"),
+    Rule(("trainer.max_staleness",), lambda s: s.trainer.mode == "async",
+         lambda s: f"only bounds trainer.mode=async (trainer.mode={s.trainer.mode} lags "
+                   f"{s.trainer.staleness_bound} weight versions); remove it or set trainer.mode=async"),
+    Rule(("trainer.partial_rollout",), lambda s: s.trainer.mode != "sync",
+         lambda s: "weights only arrive mid-generation when generation overlaps training; remove it or set "
+                   "trainer.mode to one_step_off or async"),
     Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,
          lambda s: "trainer.total_steps is set and ends the run; remove one of the two"),
     Rule(("data.val_batch_size", "rollout.val_kwargs."), lambda s: bool(s.data.val_files),

@@ -262,8 +262,6 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Text = "low_var_kl"
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
-    tis_imp_ratio_cap: float | None = Field(None, gt=0)
-    """Truncated importance sampling: cap on the trainer/rollout probability ratio; null disables it."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
@@ -273,7 +271,6 @@ class ActorConfig(PPOUpdateConfig):
             "clip_ratio_low": ("actor.clip_ratio_low", self.clip_ratio_low),
             "clip_ratio_high": ("actor.clip_ratio_high", self.clip_ratio_high),
             "clip_ratio_c": ("actor.clip_ratio_c", self.clip_ratio_c),
-            "tis_cap": ("actor.tis_imp_ratio_cap", self.tis_imp_ratio_cap),
             **{name: (f"actor.policy_loss.{name}", getattr(knobs, name))
                for name in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
         }
@@ -455,6 +452,27 @@ class DynamicSamplingConfig(Section):
     """Generation rounds allowed per step to fill the batch; after the last one the step trains on what it kept."""
 
 
+class RolloutCorrectionConfig(Section):
+    """Correction for the rollout engine's policy differing from the trainer's (numerics, or older weights in
+    asynchronous training), verl's algorithm.rollout_correction. The ratio is pi_old / pi_rollout: the trainer's
+    recomputed log-prob of each sampled token against the one the engine reported; per sequence, their product
+    (geometric: its per-token geometric mean). Logged as rollout_corr/* (the ratios' distribution, the mismatch KL,
+    the fractions capped and rejected)."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights on the policy loss: each token's own ratio, or its sequence's; null: none."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate (TIS): weight min(ratio, rollout_is_threshold); mask (MIS): the ratio, or 0 above the threshold."""
+    rollout_is_threshold: float = Field(2.0, gt=0)
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Rejection: tokens, or whole sequences (by their ratio, or its geometric mean), whose ratio lies outside
+    [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss; null: none."""
+    rollout_rs_threshold: float = Field(2.0, gt=0)
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0)
+    """null: 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float | None = Field(None, gt=0)
+    """Reject a whole sequence when any of its tokens has a ratio below this (e.g. 1e-4); null: no veto."""
+
 class AlgorithmConfig(Section):
     adv_estimator: Text = "grpo"
     """An advantage estimator registered in rlmegatron.algorithms (grpo, gae, rloo, ...) or path/to/file.py:function."""
@@ -466,6 +484,7 @@ class AlgorithmConfig(Section):
     """KL estimator for the in-reward penalty (use_kl_in_reward), registered like actor.kl_loss_type."""
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class PlacementConfig(Section):
@@ -516,6 +535,23 @@ class TrainerConfig(Section):
     critic_warmup: int = Field(0, ge=0)
     """Steps at the start in which only the critic trains, so the actor's first advantages come from a value model
     that has seen some returns (PPO with a critic only)."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """sync: generate a step's rollout, then train on it, then push the weights; one_step_off: the engines generate
+    step k+1's rollout while the trainer trains on step k's (samples one weight version old); async: the engines run
+    ahead of the trainer by up to max_staleness steps, into a buffer of as many rollouts. Both need
+    placement.mode=disaggregate. Each sample records the weight versions that produced it; training/staleness/*
+    logs how many versions behind the trained policy they are."""
+    max_staleness: PositiveInt = 2
+    """async: the most weight versions a trained sample may lag behind the policy it trains (one_step_off: 1)."""
+    partial_rollout: bool = False
+    """one_step_off and async: new weights reach the engines mid-generation: in-flight samples are paused, the
+    weights swapped, and each goes on from the tokens it has with the new policy (keeping every token's rollout
+    log-prob and weight version); false: the engines take new weights between requests."""
+
+    @property
+    def staleness_bound(self) -> int:
+        """Weight versions a sample may lag: 0 in sync, 1 one step off, max_staleness in async."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
 
 class RolloutTraceConfig(Section):
@@ -562,11 +598,15 @@ class JobSpec(Section):
     @property
     def needs_old_log_prob_pass(self) -> bool:
         """Whether the step needs the actor's log-probs before its update as a pass of their own. Not when the update
-        is exactly on-policy (one epoch, one mini-batch: its only forward runs on the weights that sampled, so the
-        old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them), unless the reward's
-        KL penalty needs them before the advantages."""
+        is exactly on-policy (synchronous training, one epoch, one mini-batch: its only forward runs on the weights
+        that sampled, so the old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them),
+        unless something reads them before the update: the reward's KL penalty, or rollout correction."""
         mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
-        return self.actor.ppo_epochs > 1 or mini_batches > 1 or self.algorithm.use_kl_in_reward
+        correction = self.algorithm.rollout_correction
+        corrected = correction.rollout_is is not None or correction.rollout_rs is not None \
+            or correction.rollout_token_veto_threshold is not None
+        return (self.trainer.mode != "sync" or self.actor.ppo_epochs > 1 or mini_batches > 1
+                or self.algorithm.use_kl_in_reward or corrected)
 
     @property
     def rule_scores(self) -> bool:

@@ -164,6 +164,14 @@ def _engine(value: Any, _: Context) -> Any:
     raise Rejected("use sglang (GPU servers) or hf (rlmegatron's local engine)")
 
 
+def _token_tis(value: Any, _: Context) -> tuple[Any, Any]:
+    # verl's older knob is token-level truncated importance sampling; -1 (its default) turns it off.
+    if value is None or value == -1:
+        raise Unchanged("no truncated importance sampling")
+    return Noted(("token", value), "token-level truncated importance sampling "
+                                   "(algorithm.rollout_correction.rollout_is=token)")
+
+
 def _colocate(value: Any, _: Context) -> str:
     if value is True:
         return "colocate"
@@ -431,7 +439,10 @@ VERL_KEYS: dict[str, Entry] = {
     **{f"actor_rollout_ref.actor.{name}": _to(f"actor.{name}") for name in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
         "ppo_epochs", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
-        "use_kl_loss", "kl_loss_coef", "tis_imp_ratio_cap")},
+        "use_kl_loss", "kl_loss_coef")},
+    "actor_rollout_ref.actor.tis_imp_ratio_cap": _to(
+        "algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is_threshold",
+        convert=_token_tis, split=True),
     "actor_rollout_ref.actor.kl_loss_type": _to("actor.kl_loss_type", convert=_kl_estimator),
     "actor_rollout_ref.actor.clip_ratio": _to("actor.clip_ratio_low", "actor.clip_ratio_high", weak=True),
     "actor_rollout_ref.actor.grad_clip": _to("actor.optim.clip_grad"),
@@ -524,7 +535,7 @@ VERL_KEYS: dict[str, Entry] = {
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Follows("actor.use_dynamic_bsz"),
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": Follows("actor.ppo_max_token_len_per_gpu"),
     "actor_rollout_ref.rollout.calculate_log_probs": Always(
-        (True, False), "the engines always return the sampled tokens' log-probs (actor.tis_imp_ratio_cap uses them)"),
+        (True, False), "the engines always return the sampled tokens' log-probs (algorithm.rollout_correction uses them)"),
     "actor_rollout_ref.rollout.ignore_eos": Always((False,), "generation stops at EOS",
                                                    "generation always stops at EOS or rollout.max_new_tokens"),
     "actor_rollout_ref.rollout.data_parallel_size": Always(
@@ -610,8 +621,12 @@ VERL_KEYS: dict[str, Entry] = {
         "groups are always compared on their reward-function scores before any penalty (verl's acc)"),
     "algorithm.use_pf_ppo": Always((False,), "every sample is trained on", "PF-PPO reweighting is not supported"),
     "algorithm.pf_ppo": NoMeaning("PF-PPO reweighting is not supported"),
-    "algorithm.rollout_correction": NoMeaning(
-        "rollout correction is actor.tis_imp_ratio_cap (truncated importance sampling)"),
+    "algorithm.rollout_correction.bypass_mode": Always(
+        (False,), "the trainer recomputes the old log-probs; the rollout's are the behaviour policy's",
+        "the old log-probs are always the trainer's own, recomputed; the rollout's only weigh or reject samples"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Always(
+        (False,), "importance weights are not normalised over the batch",
+        "importance weights are truncated or masked, never normalised over the batch"),
 
     # --- trainer ---
     **{f"trainer.{name}": _to(f"trainer.{name}") for name in (

@@ -9,6 +9,7 @@ effect). The driver's fit loop reads the algorithm's fields itself (controller/t
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,6 +22,8 @@ from rlmegatron.models.hf_config import spec_config_options
 from rlmegatron.models.lora import LoRASettings
 from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
+
+LOCAL_SERVER_MODULE = "rlmegatron.rollout.local_server"
 from rlmegatron.runtime import ParallelLayout
 from rlmegatron.workers import ActorSettings, CriticSettings, OptimizerSettings
 from rlmegatron.workers.offload import PARTS
@@ -86,6 +89,8 @@ class RolloutSettings:
     """The actor's adapters when they travel as a LoRA adapter (actor.lora.weight_sync=adapter), else None."""
     adapter_dir: str = ""
     """Where the adapter of each version is written for the servers to load."""
+    partial_rollout: bool = False
+    """New weights reach the engines mid-generation (trainer.partial_rollout): pause, swap, continue."""
 
     @property
     def weight_group_backend(self) -> str:
@@ -249,6 +254,8 @@ def _offload_parts(offload) -> tuple[str, ...]:
 
 def rollout_settings(spec: JobSpec) -> RolloutSettings:
     rollout, sglang = spec.rollout, spec.rollout.sglang
+    # A disaggregated local engine is a server of its own (rollout.local_server), run by this interpreter.
+    local = {"python": sys.executable, "module": LOCAL_SERVER_MODULE} if rollout.engine == "local" else {}
     return RolloutSettings(
         engine=rollout.engine,
         device=spec.placement.device,
@@ -258,7 +265,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
-                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device,
+                           dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device, **local,
                            lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0),
         router_url=sglang.router_url,
         router_args=dict(sglang.router_args),
@@ -267,6 +274,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         multi_turn=agent_settings(spec),
         lora=lora_settings(spec.actor.lora) if spec.actor.lora.weight_sync == "adapter" else None,
         adapter_dir=str(Path(spec.trainer.run_dir) / "lora_adapters"),
+        partial_rollout=spec.trainer.partial_rollout,
     )
 
 
@@ -291,9 +299,7 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
     `lora_rank` > 0 serves LoRA adapters of that rank on every linear."""
     sglang = rollout.sglang
     lora = {"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"} if lora_rank else {}
-    return ServerSpec(
-        model_path=model_path,
-        port=port,
+    fields = dict(
         python=sglang.python,
         tp_size=rollout.tensor_parallel_size,
         ep_size=rollout.expert_parallel_size,
@@ -303,5 +309,5 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
         load_format=sglang.load_format,
         skip_tokenizer_init=sglang.skip_tokenizer_init,
         extra_args={**lora, **sglang.extra_args},
-        **overrides,
     )
+    return ServerSpec(model_path=model_path, port=port, **{**fields, **overrides})

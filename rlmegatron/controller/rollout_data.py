@@ -207,7 +207,7 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
         **_stats("prompt_length", prompt_lengths),
     }
     for name, value in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
-        if value is not None:
+        if value is not None and mask.any():  # rollout correction may have rejected every token
             metrics.update(_stats(f"critic/{name}", value[mask]))
     return metrics | agent_metrics(rollout.results)
 

@@ -20,6 +20,10 @@ from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.tracking.progress import Progress
 
 
+HOST_CONCURRENCY = 4
+"""Calls a rollout-pool host runs at once."""
+
+
 class RolloutEngines(Protocol):
     """The engines the fit loop generates with, numbered 0 .. count-1."""
 
@@ -75,8 +79,10 @@ class DisaggregatedEngines:
 
     def __init__(self, settings: RolloutSettings, ranks: PolicyRanks, pool: Optional[ResourcePool] = None) -> None:
         self.ranks, self.tp_size = ranks, settings.tensor_parallel_size
+        self.partial_rollout = settings.partial_rollout
         size = settings.pool_size
-        self.hosts = group_on(pool, size, EngineHost, settings)
+        # A host serves its engine's generation and, meanwhile (trainer.mode one_step_off, async), the weight push.
+        self.hosts = group_on(pool, size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
         places = self.hosts.call_all(EngineHost.place)
         layout = server_nodes(places, self.tp_size, size // self.tp_size)
         # Per engine: the launching host of each node, node 0's (the leader) last, so the hosts in this process
@@ -111,9 +117,14 @@ class DisaggregatedEngines:
         if restarted is not None:
             self.hosts.call_each(EngineHost.relaunch, {host: () for e in restarted for host in self.node_hosts[e]})
             self.connect(restarted)  # a restarted server left its old group
-        self.ranks.sync_weights(version, restarted)
         targets = list(range(self.count)) if restarted is None else restarted
-        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in targets})
+        leaders = {self.leaders[e]: () for e in targets}
+        if self.partial_rollout:
+            self.hosts.call_each(EngineHost.pause_generation, leaders)
+        self.ranks.sync_weights(version, restarted)
+        if self.partial_rollout:
+            self.hosts.call_each(EngineHost.continue_generation, leaders)
+        self.hosts.call_each(EngineHost.weights_pushed, {leader: (version,) for leader in leaders})
 
     def shutdown(self) -> None:
         self.hosts.shutdown()

@@ -49,6 +49,13 @@ class EngineHost:
                  progress: Progress = None) -> Optional[list[GenerationResult]]:
         return generate_or_none(self.engine, requests, progress, self.agent)
 
+    def pause_generation(self) -> None:
+        """Partial rollout, before a push: the server aborts what it generates; the engine sends it again."""
+        self.engine.pause_generation()
+
+    def continue_generation(self) -> None:
+        self.engine.continue_generation()
+
     def weights_pushed(self, version: str) -> None:
         """The trainer broadcast `version` to this server, around the engine, over its weight-update group."""
         self.engine.mark_synced(version)

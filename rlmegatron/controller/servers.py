@@ -106,6 +106,7 @@ def sglang_engine(settings: RolloutSettings, server: ServerSpec, hf_config, ipc_
         startup_timeout_s=settings.startup_timeout_s,
         ipc_group=ipc_group,
         lora_adapters=settings.lora is not None,
+        partial_rollout=settings.partial_rollout,
     )
 
 

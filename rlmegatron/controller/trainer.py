@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -15,10 +16,20 @@ from rlmegatron.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    RolloutCorrectionConfig,
     apply_kl_penalty,
     compute_advantages,
+    rollout_correction,
 )
 from rlmegatron.config.spec import SamplingParams
+from rlmegatron.controller.rollout_buffer import (
+    Produced,
+    RolloutSource,
+    making_ahead,
+    rollout_source,
+    staleness_metrics,
+    waited,
+)
 from rlmegatron.controller.rollout_data import (
     Rollout,
     batch_metrics,
@@ -91,7 +102,11 @@ class Trainer:
         # An estimator that declares `reward_baselines` (ReMax) compares each sample with the greedy response.
         estimator = inspect.signature(ADVANTAGE_ESTIMATORS.resolve(spec.algorithm.adv_estimator)).parameters
         self.uses_greedy_baseline = "reward_baselines" in estimator
+        correction = RolloutCorrectionConfig(**spec.algorithm.rollout_correction.model_dump())
+        self.rollout_correction = correction if correction.enabled else None
         self.step = 0
+        self.ranks_owner = threading.RLock()
+        """Held by the thread that uses the trainer ranks: the loop's, or a rollout's made ahead of it."""
         self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
         self.resumed_from = 0
@@ -102,11 +117,14 @@ class Trainer:
         self.resume()
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
+        rollouts = rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
+                                  trainer.staleness_bound, self.ranks_owner)
         while self.step < self.total_steps():
             self.step += 1
             timer, metrics = Timer(), {}
             with timer("step"), self.stop_on_non_finite():
-                rollout = self.collect_rollout(timer, metrics)
+                produced = self.next_rollout(rollouts, metrics)
+                rollout = produced.rollout
                 baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
                 self.engines.release_memory()
                 batch = rollout.batch
@@ -116,6 +134,7 @@ class Trainer:
                 if spec.needs_old_log_prob_pass:
                     with timer("old_log_prob"):
                         batch.old_log_probs = self.ranks.compute_log_prob(batch)
+                metrics.update(self.correct_rollout(batch))
                 if spec.needs_reference:
                     with timer("ref"):
                         batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
@@ -134,6 +153,7 @@ class Trainer:
                 with timer("update_weights"):
                     self.weight_version = f"step_{self.step}"
                     self.engines.sync(self.weight_version)
+                    rollouts.weights_updated(self.step)
             metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
@@ -141,7 +161,7 @@ class Trainer:
             self.tracker.log_metrics(metrics, step=self.step)
             self.trace(rollout)
             if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
-                self.save()
+                self.save(produced.loader_state)
         exported = self.export_policy()
         return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
 
@@ -159,13 +179,30 @@ class Trainer:
         try:
             yield
         except (Divergence, NonFiniteReward) as error:
+            if making_ahead():
+                raise  # in a rollout made ahead: the step that would train it stops (rollout_buffer.Ahead)
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
             raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
                                   f"complete one is {self.last_checkpoint or 'none'}") from None
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 
-    def collect_rollout(self, timer: Timer, metrics: dict[str, float]) -> Rollout:
+    def next_rollout(self, rollouts: RolloutSource, metrics: dict[str, float]) -> Produced:
+        """This step's rollout, made now (sync) or ahead (rollout_buffer); its generation metrics, how long the
+        trainer waited for it, and how many weight versions its samples lag."""
+        with waited(metrics):
+            produced = rollouts.next(self.step)
+        metrics.update(produced.metrics,
+                       **staleness_metrics(produced.rollout, self.step, self.spec.trainer.staleness_bound))
+        return produced
+
+    def produce_rollout(self, step: int) -> Produced:
+        """Step `step`'s rollout with its generation metrics, wherever it is made (rollout_buffer)."""
+        timer, metrics = Timer(), {}
+        rollout = self.collect_rollout(step, timer, metrics)
+        return Produced(rollout, {**metrics, **timer.metrics()}, self.train_loader.state_dict())
+
+    def collect_rollout(self, step: int, timer: Timer, metrics: dict[str, float]) -> Rollout:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
         kept: list[Rollout] = []
@@ -174,9 +211,9 @@ class Trainer:
             rounds += 1
             prompts = self.train_loader.next_batch()
             with timer("gen"):
-                results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(rounds))
+                results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(step, rounds))
             with timer("reward"):
-                part = self.score(prompts, results, first_uid=(self.step * 1000 + rounds) * len(prompts))
+                part = self.score(prompts, results, first_uid=(step * 1000 + rounds) * len(prompts))
             if not sampling.enable:
                 return part
             kept.append(part.select(_rows_of_varied_groups(part)))
@@ -202,7 +239,8 @@ class Trainer:
             while restarted := [engine for engine, answer in answers.items() if answer is None]:
                 # A restarted engine has no trained weights: push them (collective), then resend its share.
                 # Each engine bounds its own restarts, so this loop ends.
-                self.engines.sync(self.weight_version, restarted)
+                with self.ranks_owner:  # made ahead: once the loop waits for a rollout (rollout_buffer.Ahead)
+                    self.engines.sync(self.weight_version, restarted)
                 answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
         results = merge_results(shares, [answers[engine] for engine in range(len(shares))])
         if len(results) != len(requests) * params.n:
@@ -238,6 +276,16 @@ class Trainer:
         by_uid = {uids[r.request_index]: value for r, value in zip(results, reward.rewards)}
         metrics["critic/reward_baseline/mean"] = sum(by_uid.values()) / len(by_uid)
         return torch.tensor([by_uid[uid] for uid in rollout.uids], dtype=torch.float32)
+
+    def correct_rollout(self, batch) -> dict[str, float]:
+        """algorithm.rollout_correction: importance weights for the actor's loss, and rejected tokens out of the
+        response mask (so out of the advantages' and every loss's tokens); its rollout_corr/* metrics."""
+        if self.rollout_correction is None:
+            return {}
+        corrected = rollout_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
+                                       self.rollout_correction)
+        batch.rollout_is_weights, batch.response_mask = corrected.weights, corrected.response_mask
+        return corrected.metrics
 
     def token_rewards(self, rollout: Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch
@@ -283,15 +331,15 @@ class Trainer:
     def total_steps(self) -> int:
         return run_total_steps(self.spec, self.train_loader)
 
-    def sampling_seed(self, round_: int) -> int:
+    def sampling_seed(self, step: int, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
-        return ((self.spec.rollout.seed * 1_000_003 + self.step) * 101 + round_) * 100_003
+        return ((self.spec.rollout.seed * 1_000_003 + step) * 101 + round_) * 100_003
 
-    def save(self) -> None:
-        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, self.trainer_state())
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "dataloader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+    def save(self, loader_state: dict[str, Any]) -> None:
+        """`loader_state`: the data loader's right after this step's prompts were drawn; rollouts generated ahead
+        of this step are not saved, and a run resumed here generates them again (rollout_buffer.Produced)."""
+        state = {"step": self.step, "dataloader": loader_state, "kl_coef": self.kl_ctrl.value}
+        self.last_checkpoint = self.checkpoints.save(self.step, self.ranks, state)
 
     def resume(self) -> None:
         """The checkpoint CheckpointManager.plan_resume chose (or the one before it, if it does not load) into every

@@ -158,9 +158,11 @@ class RayActorGroup(Generic[T]):
         self.actors = actors
 
     @classmethod
-    def on(cls, pool: ResourcePool, size: int, member_class: Callable[..., T], *args: Any) -> RayActorGroup[T]:
-        """`size` objects `member_class(*args)` on the first `size` bundles of `pool`."""
-        actors = [_placed(Member, pool, index).remote() for index in range(size)]
+    def on(cls, pool: ResourcePool, size: int, member_class: Callable[..., T], *args: Any,
+           concurrency: int = 1) -> RayActorGroup[T]:
+        """`size` objects `member_class(*args)` on the first `size` bundles of `pool`, each running up to
+        `concurrency` calls at once (on threads of its process)."""
+        actors = [_placed(Member, pool, index, max_concurrency=concurrency).remote() for index in range(size)]
         gather([actor.build.remote(member_class, *args) for actor in actors])
         return cls(actors)
 
@@ -218,18 +220,20 @@ class RayWorkerGroup(RayActorGroup[T]):
         super().__init__(actors)
 
 
-def _placed(member_class: type, pool: ResourcePool, index: int):
+def _placed(member_class: type, pool: ResourcePool, index: int, **options: Any):
     """`member_class` as a Ray actor class pinned to bundle `index` of `pool`, with one GPU (or CPU) of it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
     strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[index])
-    return ray.remote(member_class).options(scheduling_strategy=strategy, **resources)
+    return ray.remote(member_class).options(scheduling_strategy=strategy, **resources, **options)
 
 
-def group_on(pool: Optional[ResourcePool], size: int, member_class: Callable[..., T], *args: Any) -> WorkerGroup[T]:
-    """`size` objects `member_class(*args)`: Ray actors on `pool`, or (no pool: a run without Ray) in this process."""
+def group_on(pool: Optional[ResourcePool], size: int, member_class: Callable[..., T], *args: Any,
+             concurrency: int = 1) -> WorkerGroup[T]:
+    """`size` objects `member_class(*args)`: Ray actors on `pool` (each running up to `concurrency` calls at once), or
+    (no pool: a run without Ray) in this process, where the callers' threads run them."""
     if pool is None:
         return InProcessGroup.of(size, member_class, *args)
-    return RayActorGroup.on(pool, size, member_class, *args)
+    return RayActorGroup.on(pool, size, member_class, *args, concurrency=concurrency)

@@ -82,10 +82,24 @@ class GenerationResult:
     output_token_logprobs: tuple[float, ...]
     finish_reason: FinishReason
     weight_version: str | None = None
+    """The weights that produced the last token."""
+    token_weight_versions: tuple[str | None, ...] = ()
+    """The weights that produced each token, when they changed mid-sample (partial rollout); empty: all of them
+    came from `weight_version`."""
     response_mask: tuple[int, ...] | None = None
     """Multi-turn: 1 on the model's tokens, 0 on tool answers and template tokens (whose log-probs are 0);
     None: every output token is the model's."""
     agent: AgentRecord | None = None
+
+    @property
+    def oldest_weight_version(self) -> str | None:
+        return self.token_weight_versions[0] if self.token_weight_versions else self.weight_version
+
+
+def version_step(version: str | None) -> int:
+    """The trainer step whose update produced weight version `version`: k for "step_<k>", else 0 (the initial
+    weights: "init", or a server's own name for the weights it loaded)."""
+    return int(version[5:]) if version and version.startswith("step_") else 0
 
 
 class RolloutEngine(abc.ABC):

@@ -5,7 +5,7 @@ import math
 import re
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -118,7 +118,10 @@ class LocalEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None,
+                 interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
+        """`interrupted`, asked between tokens: once it says true, every unfinished sample returns what it has so
+        far with finish reason `abort` (SGLang's abort on pause_generation, which partial rollout continues)."""
         self._check_usable()
         samples = [
             _Sample(
@@ -129,19 +132,20 @@ class LocalEngine(RolloutEngine):
                 # Seed per sample, so sample i of a seeded request is the same whatever else is in the batch.
                 None
                 if request.sampling.seed is None
-                else torch.Generator().manual_seed(request.sampling.seed * 1_000_003 + sample_index),
+                else torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + sample_index) % 2**63),
             )
             for request_index, request in enumerate(requests)
             for sample_index in range(request.sampling.n)
         ]
         results: list[GenerationResult] = []
         for start in range(0, len(samples), self.max_batch_size):
-            results.extend(self._generate_batch(samples[start : start + self.max_batch_size]))
+            results.extend(self._generate_batch(samples[start : start + self.max_batch_size], interrupted))
             report(progress, len(samples[start : start + self.max_batch_size]))
         return results
 
     @torch.no_grad()
-    def _generate_batch(self, samples: list[_Sample]) -> list[GenerationResult]:
+    def _generate_batch(self, samples: list[_Sample],
+                        interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
         prompt_width = max(len(s.prompt) for s in samples)
@@ -164,6 +168,9 @@ class LocalEngine(RolloutEngine):
         finish: list[FinishReason | None] = [None] * batch
         cache = None
         for position in range(max(s.sampling.max_new_tokens for s in samples)):
+            if interrupted is not None and interrupted():
+                finish = [reason or "abort" for reason in finish]
+                break
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

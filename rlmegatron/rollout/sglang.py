@@ -227,6 +227,21 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int)
     )
 
 
+def joined(parts: Sequence[GenerationResult]) -> GenerationResult:
+    """One sample from the pieces partial rollout generated it in, each piece's tokens tagged with its weights."""
+    if len(parts) == 1:
+        return parts[0]
+    return GenerationResult(
+        request_index=parts[0].request_index,
+        sample_index=parts[0].sample_index,
+        output_token_ids=tuple(token for part in parts for token in part.output_token_ids),
+        output_token_logprobs=tuple(logprob for part in parts for logprob in part.output_token_logprobs),
+        finish_reason=parts[-1].finish_reason,
+        weight_version=parts[-1].weight_version,
+        token_weight_versions=tuple(part.weight_version for part in parts for _ in part.output_token_ids),
+    )
+
+
 WeightResync = Callable[[], tuple[WeightStream, str]]
 """Returns a fresh stream of the latest weights and their version (the trainer re-exports them)."""
 
@@ -265,10 +280,13 @@ class SGLangEngine(RolloutEngine):
         max_restarts: int = 3,
         ipc_group: torch.distributed.ProcessGroup | None = None,
         lora_adapters: bool = False,
+        partial_rollout: bool = False,
     ) -> None:
         """`router_url`: the sglang_router in front of several servers; generation goes through it, and this
         server is one of its workers exactly while it holds trained weights. `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
-        bucket (`share_buckets`). Without it this process shares one copy with every server TP rank."""
+        bucket (`share_buckets`). Without it this process shares one copy with every server TP rank.
+        `partial_rollout`: a sample aborted by `pause_generation` (new weights on the way) is sent again as the
+        prompt plus the tokens it has, and goes on from there once the server continues (`_generate_one`)."""
         self.spec = spec
         self.process = launch_node(spec, log_dir, start=False)
         self.ipc_group = ipc_group
@@ -282,6 +300,7 @@ class SGLangEngine(RolloutEngine):
         self.startup_timeout_s = startup_timeout_s
         self.max_concurrency = max_concurrency
         self.max_restarts = max_restarts
+        self.partial_rollout = partial_rollout
         self.restarts = 0
         self._epoch = 0
         self._recovery_lock = threading.Lock()
@@ -318,6 +337,22 @@ class SGLangEngine(RolloutEngine):
         if spec.seed is not None:
             # Distinct but reproducible seeds for the n samples of one request.
             spec = SamplingSpec(**{**spec.__dict__, "seed": spec.seed * 1_000_003 + sample_index})
+        result = self._request(request_index, sample_index, request.prompt_token_ids, spec)
+        if not self.partial_rollout:
+            return result
+        # Partial rollout: an abort is the server making way for new weights. The sample goes on from its tokens
+        # (and keeps their log-probs and versions); the server holds the request until it continues.
+        produced = [result]
+        while result.finish_reason == "abort" and sum(len(r.output_token_ids) for r in produced) < spec.max_new_tokens:
+            tokens = [token for part in produced for token in part.output_token_ids]
+            rest = SamplingSpec(**{**spec.__dict__, "max_new_tokens": spec.max_new_tokens - len(tokens),
+                                   "seed": None if spec.seed is None else spec.seed + len(tokens)})
+            result = self._request(request_index, sample_index, (*request.prompt_token_ids, *tokens), rest)
+            produced.append(result)
+        return joined(produced)
+
+    def _request(self, request_index: int, sample_index: int, input_ids: Sequence[int],
+                 spec: SamplingSpec) -> GenerationResult:
         # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
@@ -325,8 +360,7 @@ class SGLangEngine(RolloutEngine):
             if self.stale:
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
-                answer = self.generation_client.generate(list(request.prompt_token_ids), sampling_params(spec),
-                                                         self.adapter)
+                answer = self.generation_client.generate(list(input_ids), sampling_params(spec), self.adapter)
                 return parse_generate_response(answer, request_index, sample_index)
             except ServerUnavailable as error:
                 last_error = error
@@ -495,9 +529,13 @@ class DistributedWeightPush:
                     group_name=group.group_name,
                     weight_version=version,
                 ))
-                for _, tensor in pairs:
-                    torch.distributed.broadcast(tensor, group_src=0, group=process_group)
+                # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
+                # fails the push with its answer instead of leaving this rank in a broadcast for ever.
+                sent = [torch.distributed.broadcast(tensor, group_src=0, group=process_group, async_op=True)
+                        for _, tensor in pairs]
                 announce.result()
+                for work in sent:
+                    work.wait()
         for client, _, _ in targets:
             client.flush_cache()
 

@@ -43,6 +43,8 @@ class ServerSpec:
     port: int
     host: str = "127.0.0.1"
     python: str = "python"
+    module: str = "sglang.launch_server"
+    """The server's module: SGLang's, or rlmegatron.rollout.local_server (the local engine behind SGLang's API)."""
     dtype: str = "auto"
     """SGLang's --dtype; `auto` follows the checkpoint's torch_dtype."""
     device: str = "cuda"
@@ -74,7 +76,7 @@ class ServerSpec:
 
 def server_command(spec: ServerSpec) -> list[str]:
     command = [
-        spec.python, "-m", "sglang.launch_server",
+        spec.python, "-m", spec.module,
         "--model-path", spec.model_path,
         "--host", spec.host,
         "--port", str(spec.port),

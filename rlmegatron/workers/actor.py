@@ -100,7 +100,8 @@ class ActorWorker(TrainingWorker):
                 mask,
                 config=s.policy_loss_config,
                 aggregation=aggregation,
-                rollout_log_prob=None if fields.rollout_log_probs is None else fields.rollout_log_probs.to(device),
+                **({} if fields.rollout_is_weights is None
+                   else {"rollout_is_weights": fields.rollout_is_weights.to(device)}),
             )
             loss = pg_loss
             entropy_term, entropy_metrics = entropy_bonus(entropy, mask, s.entropy_coeff, aggregation)

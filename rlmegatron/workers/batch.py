@@ -25,6 +25,8 @@ class RolloutBatch:
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    rollout_is_weights: Optional[torch.Tensor] = None
+    """Rollout correction's importance weights (algorithms.rollout_correction), when the spec asks for them."""
     advantages: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None

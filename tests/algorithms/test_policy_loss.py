@@ -1,7 +1,7 @@
-"""Policy losses (PPO with DAPO clip-higher, dual clip, TIS; GSPO, GPG, CISPO, Clip-Cov, KL-Cov), entropy bonus.
+"""Policy losses (PPO with DAPO clip-higher, dual clip, rollout IS weights; GSPO, GPG, CISPO, Clip-Cov, KL-Cov), entropy bonus.
 
 verl counterparts (verl.trainer.ppo.core_algos): ``vanilla`` -> compute_policy_loss_vanilla
-(clip_ratio_low/high, clip_ratio_c, tis_imp_ratio_cap), ``gspo`` -> compute_policy_loss_gspo,
+(clip_ratio_low/high, clip_ratio_c, rollout_is_weights), ``gspo`` -> compute_policy_loss_gspo,
 ``gpg`` -> compute_policy_loss_gpg, ``cispo`` -> compute_policy_loss_cispo, ``clip_cov`` ->
 compute_policy_loss_clip_cov, ``kl_cov`` -> compute_policy_loss_kl_cov (their ``ppo_kl`` is mean |log r|;
 ours stays the k1 estimate every loss reports), entropy -> the actor's agg_loss(entropy) * entropy_coeff.
@@ -17,6 +17,7 @@ from rlmegatron.algorithms import (
     POLICY_LOSSES,
     LossAggregation,
     PolicyLossConfig,
+    RolloutCorrectionConfig,
     cispo_policy_loss,
     clip_cov_policy_loss,
     config_fields_read,
@@ -25,7 +26,7 @@ from rlmegatron.algorithms import (
     gspo_policy_loss,
     kl_cov_policy_loss,
     ppo_clip_policy_loss,
-    truncated_importance_weights,
+    rollout_correction,
 )
 
 from .batches import random_mask
@@ -70,19 +71,15 @@ def test_ppo_without_dual_clip():
     assert metrics["pg_clipfrac_lower"].item() == 0.0
 
 
-def test_truncated_importance_sampling_by_hand():
+def test_rollout_importance_weights_scale_each_tokens_loss_by_hand():
     old, new, advantages, mask = _hand_batch()
-    # old - rollout = ln 0.5, ln 3, 0, ln 1.5 (and padding) -> weights min(., 2) = 0.5, 2, 1, 1.5
-    rollout = (old - torch.tensor([[0.5, 3.0, 1.0, 1.5, 1.0]], dtype=torch.float64).log()).requires_grad_(True)
-    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None, tis_cap=2.0)
-    loss, _ = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_log_prob=rollout)
-    # (-1.28*0.5 - 0.5*2 + 0.9*1 + 4.0*1.5) / 4 = (-0.64 - 1 + 0.9 + 6) / 4 = 5.26 / 4 = 1.315
+    weights = torch.tensor([[0.5, 2.0, 1.0, 1.5, 7.0]], dtype=torch.float64, requires_grad=True)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
+    loss, _ = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_is_weights=weights)
+    # (-1.28*0.5 - 0.5*2 + 0.9*1 + 4.0*1.5) / 4 = (-0.64 - 1 + 0.9 + 6) / 4 = 5.26 / 4 = 1.315 (padding's 7 unused)
     assert_close(loss, torch.tensor(1.315, dtype=torch.float64))
     loss.backward()
-    assert rollout.grad is None  # the weight is a detached constant
-    weights = truncated_importance_weights(old, rollout, 2.0)
-    assert not weights.requires_grad
-    assert_close(weights[:, :4], torch.tensor([[0.5, 2.0, 1.0, 1.5]], dtype=torch.float64))
+    assert weights.grad is None  # the weight is a detached constant
 
 
 def test_ppo_kl_uses_the_losss_clamped_log_ratio():
@@ -99,8 +96,6 @@ def test_ppo_kl_uses_the_losss_clamped_log_ratio():
 def test_config_validation():
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
         PolicyLossConfig(clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="tis_cap must be positive"):
-        PolicyLossConfig(tis_cap=0.0)
     with pytest.raises(ValueError, match="clip_cov_ratio is a share of tokens"):
         PolicyLossConfig(clip_cov_ratio=0.0)
     with pytest.raises(ValueError, match="kl_cov_ratio is a share of tokens"):
@@ -109,9 +104,6 @@ def test_config_validation():
         PolicyLossConfig(clip_cov_lb=5.0)
     with pytest.raises(ValueError, match="ppo_kl_coef must be >= 0"):
         PolicyLossConfig(ppo_kl_coef=-1.0)
-    old, new, advantages, mask = _hand_batch()
-    with pytest.raises(ValueError, match="no rollout_log_prob"):
-        ppo_clip_policy_loss(old, new, advantages, mask, PolicyLossConfig(tis_cap=2.0))
 
 
 def _random_policy_batch(seed, batch=6, resp_len=7):
@@ -128,8 +120,9 @@ def _random_policy_batch(seed, batch=6, resp_len=7):
 def test_ppo_matches_the_sign_split_formula_on_random_inputs():
     """Independent form: A >= 0 -> -A min(r, 1+h); A < 0 -> -A min(max(r, 1-l), c); times the TIS weight."""
     old, new, advantages, mask, rollout = _random_policy_batch(7)
-    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tis_cap=1.5)
-    loss, metrics = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_log_prob=rollout)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    weights = rollout_correction(old, rollout, mask, RolloutCorrectionConfig("token", rollout_is_threshold=1.5)).weights
+    loss, metrics = ppo_clip_policy_loss(old, new, advantages, mask, config, rollout_is_weights=weights)
     loss.backward()
     grad = new.grad.clone()
 
@@ -318,7 +311,7 @@ def test_kl_cov_by_hand():
 # any loss that reads it, so a loss's loss must change exactly for the fields it declares.
 # (91 valid tokens: 15 in the Clip-Cov window of BASE, of which 4 are dropped; 3 tokens past the dual clip.)
 BASE = PolicyLossConfig(clip_cov_ratio=0.05, clip_cov_lb=0.2, clip_cov_ub=5.0, kl_cov_ratio=0.3)
-MOVED = dict(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.5, tis_cap=0.5, clip_cov_ratio=0.1,
+MOVED = dict(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.5, clip_cov_ratio=0.1,
              clip_cov_lb=0.6, clip_cov_ub=0.8, kl_cov_ratio=0.6, ppo_kl_coef=2.0)
 
 
@@ -328,12 +321,11 @@ def test_each_loss_reads_exactly_the_config_fields_it_declares(name):
     loss_fn = POLICY_LOSSES.get(name)
     old, new, advantages, mask, rollout = _random_policy_batch(13, batch=16, resp_len=16)
     new = new.detach() + 0.5 * (new.detach() - old)  # ratios far enough out for every clip to bite
-    # TIS off in BASE still needs a rollout log-prob to compare against once tis_cap is set.
-    base_loss, _ = loss_fn(old, new, advantages, mask, BASE, rollout_log_prob=rollout)
+    base_loss, _ = loss_fn(old, new, advantages, mask, BASE)
     changed = set()
     for field, value in MOVED.items():
         moved = PolicyLossConfig(**{**BASE.__dict__, field: value})
-        loss, _ = loss_fn(old, new, advantages, mask, moved, rollout_log_prob=rollout)
+        loss, _ = loss_fn(old, new, advantages, mask, moved)
         if not torch.allclose(loss, base_loss, rtol=0, atol=1e-12):
             changed.add(field)
     assert changed == config_fields_read(loss_fn)
@@ -344,8 +336,9 @@ def test_registered_losses_share_one_call_signature(name):
     old, new, advantages, mask, rollout = _random_policy_batch(11)
     denominator = torch.tensor(100)
     aggregation = LossAggregation("token-mean", denominator)
-    config = PolicyLossConfig(tis_cap=2.0)
-    loss, metrics = POLICY_LOSSES.get(name)(old, new, advantages, mask, config, aggregation, rollout_log_prob=rollout)
+    weights = (old - rollout).exp().clamp(max=2.0)
+    loss, metrics = POLICY_LOSSES.get(name)(old, new, advantages, mask, PolicyLossConfig(), aggregation,
+                                            rollout_is_weights=weights)
     assert loss.dim() == 0 and loss.requires_grad
     assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
     assert all(not value.requires_grad and value.dim() == 0 for value in metrics.values())

@@ -1,7 +1,7 @@
 """Plug-in algorithms the spec checks load: some fit their protocol, some do not (each says how)."""
 
 
-def reinforce_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation, rollout_log_prob=None):
+def reinforce_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation, rollout_is_weights=None):
     return (-advantages * log_prob).sum(), {}
 
 

@@ -68,7 +68,22 @@ LAUNCH_OFF = "tests/rollout/test_sglang.py::test_launch_commands_leave_out_what_
 # Mechanisms, tested with hand-built settings.
 CLIPS = "tests/algorithms/test_policy_loss.py::test_ppo_dual_clip_clip_higher_by_hand"
 ENTROPY_BONUS = "tests/algorithms/test_policy_loss.py::test_entropy_bonus_by_hand"
-TIS = "tests/algorithms/test_policy_loss.py::test_truncated_importance_sampling_by_hand"
+IS_WEIGHTS = "tests/algorithms/test_policy_loss.py::test_rollout_importance_weights_scale_each_tokens_loss_by_hand"
+CORRECTION = "tests/algorithms/test_rollout_correction.py::"
+IS_BY_HAND = CORRECTION + "test_importance_weights_by_hand"
+RS_BY_HAND = CORRECTION + "test_rejection_by_hand"
+VETO = CORRECTION + "test_the_veto_rejects_a_whole_sequence_for_one_token"
+CORRECTION_FIT = FIT + "test_rollout_correction_weights_and_rejects_what_the_actor_trains_on"
+OFF_POLICY = "tests/controller/test_off_policy_fit.py::"
+ONE_STEP_OFF = OFF_POLICY + "test_one_step_off_generates_the_next_rollout_while_the_step_trains"
+ASYNC_BOUND = OFF_POLICY + "test_async_runs_ahead_within_max_staleness"
+MODE_ERRORS = OFF_POLICY + "test_combinations_that_cannot_run_are_spec_errors"
+ASYNC_RUN = "tests/controller/test_async_train.py::test_async_trains_within_its_staleness_bound_and_logs_it"
+PAUSED_PUSH = ("tests/controller/test_rollout_engines.py::"
+               "test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them")
+PARTIAL_SGLANG = "tests/rollout/test_sglang.py::test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights"
+PARTIAL_LOCAL = ("tests/rollout/test_local_server.py::"
+                 "test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs")
 KL_LOSS = "tests/algorithms/test_kl.py::test_kl_loss_by_hand"
 KL_ESTIMATORS = "tests/algorithms/test_kl.py::test_estimators_by_hand"
 AGGREGATION = "tests/algorithms/test_aggregation.py::test_modes_by_hand"
@@ -224,7 +239,6 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                         (ACTOR_SETTINGS, ACTOR_PARITY, CP_TOKEN_BUDGET)),
     "actor.ppo_micro_batch_size_per_gpu": ("sequences per actor micro-batch", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
-    "actor.tis_imp_ratio_cap": ("truncated importance sampling cap", (ACTOR_SETTINGS, TIS)),
     "actor.use_dynamic_bsz": ("actor micro-batches by token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
     "actor.use_kl_loss": ("KL loss term and the reference model", (ACTOR_SETTINGS, DAPO_RUN)),
     "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
@@ -238,6 +252,18 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "algorithm.kl_penalty": ("estimator of the in-reward KL", (KL_IN_REWARD,)),
     "algorithm.lam": ("GAE lambda", (GAE,)),
     "algorithm.norm_adv_by_std_in_grpo": ("GRPO divides by the group std", (GRPO_STD,)),
+    "algorithm.rollout_correction.rollout_is": ("IS weights per token or sequence on the policy loss",
+                                                (CORRECTION_FIT, IS_BY_HAND, IS_WEIGHTS)),
+    "algorithm.rollout_correction.rollout_is_mode": ("truncated (TIS) or masked (MIS) weights",
+                                                     (CORRECTION_FIT, IS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_is_threshold": ("the IS cap", (CORRECTION_FIT, IS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs": ("tokens or sequences out of bounds leave the loss",
+                                                (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs_threshold": ("rejection's upper bound", (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": ("rejection's lower bound",
+                                                                (CORRECTION_FIT, RS_BY_HAND)),
+    "algorithm.rollout_correction.rollout_token_veto_threshold": ("one token below it rejects its sequence",
+                                                                  (CORRECTION_FIT, VETO)),
     "algorithm.use_kl_in_reward": ("KL penalty in the rewards", (KL_IN_REWARD,)),
     "critic.cliprange_value": ("value clip of the critic loss", (CRITIC_SETTINGS, VALUE_CLIP)),
     "critic.enable": ("builds and trains the critic (follows gae)", (PPO_RUN, CHECKS + "[gae-needs-critic]")),
@@ -293,7 +319,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
     "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
     "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
-    "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN,)),
+    "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
     "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
     "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
@@ -376,6 +402,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
     "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
+    "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
+    "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,
+                                                                                     MODE_ERRORS)),
+    "trainer.partial_rollout": ("weights swapped mid-generation, samples continued",
+                                (PAUSED_PUSH, PARTIAL_SGLANG, PARTIAL_LOCAL, ASYNC_RUN)),
     "trainer.resume": ("checkpoint a run starts from", (RESUME,)),
     "trainer.run_dir": ("where checkpoints, logs and exports go", (SIGTERM, JOB_WIRING)),
     "trainer.save_freq": ("steps between checkpoints", (SCHEDULE, NAN_RUN)),

@@ -441,7 +441,7 @@ CASES = [
         "tiny-qwen3",
         f"job.yaml: actor.policy_loss.loss_mode={PLUGINS}:loss_without_aggregation: cannot be called as "
         "loss_without_aggregation(old_log_prob, log_prob, advantages, response_mask, config=, aggregation=, "
-        "rollout_log_prob=): got an unexpected keyword argument 'aggregation'",
+        "rollout_is_weights=): got an unexpected keyword argument 'aggregation'",
         id="loss-plugin-signature-fits",
     ),
     pytest.param(
@@ -492,6 +492,14 @@ CASES = [
         "job.yaml: algorithm.dynamic_sampling.enable=true: drops groups whose rewards are all equal, which needs "
         "rollout.n >= 2",
         id="dynamic-sampling-needs-group",
+    ),
+    pytest.param(
+        {"algorithm.rollout_correction.rollout_rs": "token", "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
+         "algorithm.rollout_correction.rollout_rs_threshold_lower": 3.0},
+        "tiny-qwen3",
+        "job.yaml: algorithm.rollout_correction.rollout_rs_threshold_lower=3.0: must be below "
+        "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        id="rejection-bounds-ordered",
     ),
     pytest.param(
         {"actor.optim.min_lr": 1e-5},

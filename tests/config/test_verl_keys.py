@@ -238,3 +238,13 @@ def test_conversions_that_read_other_keys():
         "command line: trainer.logger=[console, wandb]: rlmegatron tracks to console and mlflow only; drop wandb"]
     assert translated("actor_rollout_ref.rollout.do_sample=False", "actor_rollout_ref.actor.kl_loss_type=mse")[0] == {
         "rollout.temperature": 0.0, "actor.kl_loss_type": "k2"}
+    # verl's older TIS knob is token-level truncated importance sampling; its -1 turns it off.
+    assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=2.0")[0] == {
+        "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": 2.0}
+    assert translated("actor_rollout_ref.actor.tis_imp_ratio_cap=-1") == ({}, [])
+    # verl's rollout-correction keys of the same name apply as they are; its bypass mode is not rlmegatron's.
+    assert translated("algorithm.rollout_correction.rollout_rs=geometric")[0] == {
+        "algorithm.rollout_correction.rollout_rs": "geometric"}
+    assert translated("algorithm.rollout_correction.bypass_mode=True")[1] == [
+        "command line: algorithm.rollout_correction.bypass_mode=true: the old log-probs are always the trainer's own, "
+        "recomputed; the rollout's only weigh or reject samples"]

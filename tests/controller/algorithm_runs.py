@@ -53,9 +53,9 @@ class RecordingTrainer(Trainer):
         self.engine_model = engine_model
         self.steps: list[dict] = []
 
-    def collect_rollout(self, timer, metrics):
+    def collect_rollout(self, step, timer, metrics):
         self.steps.append({"sample_gap": 0.0, "greedy": None, "baselines": None})
-        rollout = super().collect_rollout(timer, metrics)
+        rollout = super().collect_rollout(step, timer, metrics)
         self.steps[-1].update(sample_ids=[p.sample_id for p in rollout.prompts], uids=list(rollout.uids),
                               scores=rollout.scores, rewards=rollout.rewards)
         return rollout

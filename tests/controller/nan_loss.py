@@ -9,9 +9,9 @@ calls = 0
 
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation,
-                        rollout_log_prob=None):
+                        rollout_is_weights=None):
     global calls
     calls += 1
     loss, metrics = ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation,
-                                         rollout_log_prob)
+                                         rollout_is_weights)
     return (loss * math.nan if calls > int(os.environ["RLM_NAN_AFTER"]) else loss), metrics

@@ -120,6 +120,9 @@ def test_kl_in_the_reward_uses_its_estimator_and_controller(tmp_path):
     (("actor.ppo_epochs=2",), True),
     (("actor.ppo_mini_batch_size=2",), True),
     (("algorithm.use_kl_in_reward=true",), True),  # the penalty needs them before the advantages
+    (("algorithm.rollout_correction.rollout_is=token",), True),  # the correction compares them with the engine's
+    (("trainer.mode=one_step_off", "placement.mode=disaggregate", "placement.rollout_nnodes=1",
+      "placement.rollout_gpus_per_node=1"), True),  # samples from older weights than the update's
 ])
 def test_the_old_log_prob_pass_runs_only_when_the_update_is_not_on_policy(tmp_path, overrides, pass_runs):
     rig = run_rig(tmp_path, *overrides)
@@ -136,3 +139,49 @@ def test_dynamic_sampling_generates_up_to_its_round_limit(tmp_path):
     assert len(stuck.ranks.updates["actor"][0]) == 8  # nothing varied: the last round, all-zero advantages
     varied = run_rig(tmp_path / "varied", "algorithm.dynamic_sampling.enable=true")
     assert varied.history["training/num_gen_batches"] == [(1, 1), (2, 1)]
+
+
+def test_rollout_correction_weights_and_rejects_what_the_actor_trains_on(tmp_path):
+    """The rig's engines report log-prob -0.5 per token and its ranks recompute 0: every token's ratio is e^0.5,
+    a sequence of n tokens has e^(n/2); responses are 1 to 3 tokens long."""
+    def lengths(batch):
+        return batch.response_mask.sum(-1)
+
+    plain = run_rig(tmp_path / "plain")
+    assert all(batch.rollout_is_weights is None for batch in plain.ranks.updates["actor"])
+    assert not any(name.startswith("rollout_corr/") for name in plain.history)
+
+    tis = run_rig(tmp_path / "tis", "algorithm.rollout_correction.rollout_is=token",
+                  "algorithm.rollout_correction.rollout_is_threshold=1.5")
+    for batch in tis.ranks.updates["actor"]:
+        torch.testing.assert_close(batch.rollout_is_weights, 1.5 * batch.response_mask)
+    assert [value for _, value in tis.history["rollout_corr/is_capped_fraction"]] == [1.0, 1.0]
+    assert tis.history["rollout_corr/token_ratio_mean"][0][1] == pytest.approx(math.exp(0.5))
+
+    mis = run_rig(tmp_path / "mis", "algorithm.rollout_correction.rollout_is=sequence",
+                  "algorithm.rollout_correction.rollout_is_mode=mask",
+                  "algorithm.rollout_correction.rollout_is_threshold=3")
+    for batch in mis.ranks.updates["actor"]:
+        sequence_ratio = torch.exp(0.5 * lengths(batch))  # e^0.5, e, e^1.5 > 3 (masked)
+        expected = torch.where(sequence_ratio <= 3, sequence_ratio, 0.0).unsqueeze(-1) * batch.response_mask
+        torch.testing.assert_close(batch.rollout_is_weights, expected)
+
+    # Sequences of 3 tokens (ratio e^1.5 = 4.48) fall outside [1/3, 3] and leave the loss; their advantage too.
+    rejected = run_rig(tmp_path / "rs", "algorithm.rollout_correction.rollout_rs=sequence",
+                       "algorithm.rollout_correction.rollout_rs_threshold=3")
+    for batch in rejected.ranks.updates["actor"]:
+        assert batch.rollout_is_weights is None
+        long_rows = batch.attention_mask.sum(-1) - 2 == 3  # every rig prompt is 2 tokens
+        assert long_rows.any() and (lengths(batch)[long_rows] == 0).all() and (lengths(batch)[~long_rows] > 0).all()
+        assert (batch.advantages[long_rows] == 0).all()
+    share = [value for _, value in rejected.history["rollout_corr/rejected_seq_fraction"]]
+    assert all(0 < value < 1 for value in share)
+    # response_length still counts every generated token.
+    assert rejected.history["response_length/max"] == plain.history["response_length/max"]
+
+    vetoed = run_rig(tmp_path / "veto", "algorithm.rollout_correction.rollout_token_veto_threshold=2")
+    assert all(lengths(batch).sum() == 0 for batch in vetoed.ranks.updates["actor"])  # every ratio is below 2
+    lower = run_rig(tmp_path / "lower", "algorithm.rollout_correction.rollout_rs=token",
+                    "algorithm.rollout_correction.rollout_rs_threshold=3",
+                    "algorithm.rollout_correction.rollout_rs_threshold_lower=1.7")  # e^0.5 = 1.65 < 1.7
+    assert all(lengths(batch).sum() == 0 for batch in lower.ranks.updates["actor"])

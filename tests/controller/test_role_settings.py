@@ -33,7 +33,7 @@ def test_the_actor_settings_carry_every_actor_field():
         "actor.ppo_max_token_len_per_gpu=1024", "actor.optim.lr=2e-6", "actor.optim.weight_decay=0.1",
         "actor.optim.adam_beta1=0.8", "actor.optim.adam_beta2=0.95", "actor.optim.adam_eps=1e-6",
         "actor.optim.clip_grad=0.5", "actor.clip_ratio_low=0.1", "actor.clip_ratio_high=0.28",
-        "actor.clip_ratio_c=5.0", "actor.tis_imp_ratio_cap=2.0", "actor.loss_agg_mode=seq-mean-token-mean",
+        "actor.clip_ratio_c=5.0", "actor.loss_agg_mode=seq-mean-token-mean",
         "actor.entropy_coeff=0.01", "actor.use_kl_loss=true", "actor.kl_loss_coef=0.05", "actor.kl_loss_type=k2",
         "rollout.temperature=0.7", "actor.optim.min_lr=1e-7", "actor.optim.lr_warmup_steps=2",
         "actor.optim.lr_decay_style=cosine"), total_steps=10)
@@ -42,8 +42,7 @@ def test_the_actor_settings_carry_every_actor_field():
     assert settings.optimizer == OptimizerSettings(lr=2e-6, min_lr=1e-7, lr_warmup_steps=2, lr_decay_style="cosine",
                                                    lr_decay_steps=10, weight_decay=0.1, adam_beta1=0.8,
                                                    adam_beta2=0.95, adam_eps=1e-6, clip_grad=0.5)
-    assert settings.policy_loss_config == PolicyLossConfig(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=5.0,
-                                                           tis_cap=2.0)
+    assert settings.policy_loss_config == PolicyLossConfig(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=5.0)
     assert (settings.use_kl_loss, settings.kl_loss_coef, settings.kl_loss_type) == (True, 0.05, "k2")
     assert (settings.entropy_coeff, settings.temperature) == (0.01, 0.7)
     # Micro-batches by count unless the token budget is on; greedy rollouts score log-probs at temperature 1.
@@ -85,11 +84,11 @@ def test_the_actor_gets_the_chosen_loss_and_every_knob():
     spec = spec_from_raw(minimal_spec(), [
         "actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.01",
         "actor.policy_loss.clip_cov_lb=0.5", "actor.policy_loss.clip_cov_ub=2.0", "actor.clip_ratio_low=0.1",
-        "actor.clip_ratio_high=0.28", "actor.tis_imp_ratio_cap=2.0"])
+        "actor.clip_ratio_high=0.28"])
     settings = actor_settings(spec, 1)
     assert settings.policy_loss == "clip_cov"
     assert settings.policy_loss_config == PolicyLossConfig(
-        clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0, tis_cap=2.0, clip_cov_ratio=0.01,
+        clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=3.0, clip_cov_ratio=0.01,
         clip_cov_lb=0.5, clip_cov_ub=2.0)
     kl_cov = actor_settings(spec_from_raw(minimal_spec(), [
         "actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.05",

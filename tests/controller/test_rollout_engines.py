@@ -286,3 +286,41 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         pool = DisaggregatedEngines(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
                                                                disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_path, monkeypatch, partial):
+    """trainer.partial_rollout: the servers stop generating (aborting what is in flight, which the engines send
+    again) while the weights change, and go on after; without it a push leaves generation alone."""
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
+    calls = tmp_path / "calls.jsonl"
+
+    class Trainer(RecordingTrainer):
+        def sync_weights(self, version, restarted=None) -> None:
+            seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
+            self.calls.append(("sync_weights", version, seen))
+
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
+        "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
+        "rollout.engine=sglang", f"rollout.sglang.python={sys.executable}", "rollout.sglang.startup_timeout_s=60",
+        f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={tmp_path}", "trainer.mode=one_step_off",
+        f"trainer.partial_rollout={str(partial).lower()}"])
+    trainer = Trainer()
+    pool = DisaggregatedEngines(rollout_settings(spec), trainer)
+    try:
+        assert pool.hosts[0].engine.partial_rollout is partial
+        pool.sync("step_1")
+    finally:
+        pool.shutdown()
+    paths = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
+    if partial:
+        # Paused before each push (the initial one too), continued after it.
+        assert [call[2] for call in trainer.calls[1:]] == [
+            ["/pause_generation"], ["/pause_generation", "/continue_generation", "/pause_generation"]]
+        assert paths == ["/pause_generation", "/continue_generation"] * 2
+    else:
+        assert paths == [] and [call[2] for call in trainer.calls[1:]] == [[], []]

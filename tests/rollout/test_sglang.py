@@ -68,7 +68,7 @@ def digest(tensor: torch.Tensor) -> list:
             hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
 
 
-def make_engine(tmp_path: Path, resync=None, router_url=None, **fake_flags) -> SGLangEngine:
+def make_engine(tmp_path: Path, resync=None, router_url=None, partial_rollout=False, **fake_flags) -> SGLangEngine:
     spec = ServerSpec(
         model_path="fake/model", port=free_port(), python=sys.executable, load_format="dummy",
         extra_args={"fake-record": str(tmp_path / "calls.jsonl"), "fake-marker": str(tmp_path / "died"),
@@ -77,7 +77,7 @@ def make_engine(tmp_path: Path, resync=None, router_url=None, **fake_flags) -> S
     )
     return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=DEEPSEEK_TRAVEL_RULES,
                         resync=resync, router_url=router_url, startup_timeout_s=30, request_timeout_s=30,
-                        max_concurrency=8)
+                        max_concurrency=8, partial_rollout=partial_rollout)
 
 
 def calls(tmp_path: Path) -> list[dict]:
@@ -209,6 +209,68 @@ def test_paused_generation_holds_requests_until_continued(tmp_path):
     finally:
         engine.shutdown()
     assert [c["path"] for c in calls(tmp_path)] == ["/pause_generation", "/continue_generation", "/generate"]
+
+
+def wait_for_tokens(engine: SGLangEngine, count: int) -> None:
+    """Until the server has generated `count` tokens (it takes --fake-token-delay seconds per token)."""
+    deadline = time.monotonic() + 30
+    while SGLangClient(engine.spec.url)._call("GET", "/fake/progress")["tokens"] < count:
+        assert time.monotonic() < deadline, "the server generated nothing in 30 s"
+        time.sleep(0.01)
+
+
+def fake_tokens(input_ids, count: int, checksum: int) -> list[int]:
+    """What the fake server generates (no seed): token s is (sum(input) + 31 s + checksum) mod its vocabulary."""
+    return [(sum(input_ids) + 31 * step + checksum) % 1000 for step in range(count)]
+
+
+def fake_checksum(named: list[tuple[str, torch.Tensor]]) -> int:
+    return int(sum(float(tensor.double().sum()) for _, tensor in named) * 1000) % 997
+
+
+def test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights(tmp_path):
+    old = weights()
+    new = [(name, tensor * 2) for name, tensor in old]
+    engine = make_engine(tmp_path, partial_rollout=True, **{"fake-token-delay": 0.05})
+    try:
+        engine.update_weights(iter(old), version="v1")
+        prompt, length = (1, 2, 3), 30
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(engine.generate, [GenerationRequest(prompt, SamplingSpec(max_new_tokens=length))])
+            wait_for_tokens(engine, 3)
+            engine.pause_generation()
+            engine.update_weights(iter(new), version="v2")
+            engine.continue_generation()
+            (result,) = pending.result(timeout=30)
+    finally:
+        engine.shutdown()
+    versions = result.token_weight_versions
+    before = versions.count("v1")
+    assert 0 < before < length and versions == ("v1",) * before + ("v2",) * (length - before)
+    assert result.oldest_weight_version == "v1" and result.weight_version == "v2"
+    head = fake_tokens(prompt, before, fake_checksum(old))
+    assert list(result.output_token_ids) == head + fake_tokens((*prompt, *head), length - before, fake_checksum(new))
+    # Every token keeps the log-prob the server reported for it (the fake's -0.01 x position in its request).
+    expected = [-0.01 * (i + 1) for i in range(before)] + [-0.01 * (i + 1) for i in range(length - before)]
+    assert result.output_token_logprobs == pytest.approx(expected)
+    assert result.finish_reason == "length"
+    generates = [c for c in calls(tmp_path) if c["path"] == "/generate"]
+    assert [c["input_ids"] for c in generates] == [list(prompt), [*prompt, *head]]
+
+
+def test_without_partial_rollout_an_aborted_sample_comes_back_as_it_is(tmp_path):
+    engine = make_engine(tmp_path, **{"fake-token-delay": 0.05})
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(engine.generate, [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=30))])
+            wait_for_tokens(engine, 3)
+            engine.pause_generation()
+            (result,) = pending.result(timeout=30)
+            engine.continue_generation()
+    finally:
+        engine.shutdown()
+    assert result.finish_reason == "abort" and 0 < len(result.output_token_ids) < 30
+    assert result.token_weight_versions == ()
 
 
 def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):

@@ -2,7 +2,8 @@
 
 It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
 buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
-and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
+takes `--fake-token-delay` seconds per token if asked (so `/pause_generation` finds requests in flight: as SGLang's
+default abort mode does, it ends them with what they have and finish reason abort), and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
 (`--fake-slow-start SECONDS`).
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
@@ -74,6 +75,10 @@ class FakeServer:
         self.nodes_joined = threading.Event()
         self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
         self.unpaused.set()
+        self.aborting = False  # ... and aborts those in flight
+        self.tokens_generated = 0  # GET /fake/progress: a test can pause once generation is under way
+        self.in_flight = 0
+        self.settled = threading.Condition()  # /pause_generation answers once no request is in flight
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
@@ -118,13 +123,15 @@ class FakeServer:
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
-        output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
-        for step in range(params["max_new_tokens"]):
-            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % self.vocab
-            output_ids.append(token)
-            if token in params["stop_token_ids"]:
-                finish = {"type": "stop", "matched": token}
-                break
+        version = self.weight_version
+        with self.settled:
+            self.in_flight += 1
+        try:
+            output_ids, finish = self.tokens(body, params, checksum)
+        finally:
+            with self.settled:
+                self.in_flight -= 1
+                self.settled.notify_all()
         logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
         # in_flight: the requests this server held at once when this one arrived (the agent loop sends many).
         self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight,
@@ -132,7 +139,28 @@ class FakeServer:
         return {"output_ids": output_ids, "meta_info": {
             "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,
-            "weight_version": self.weight_version}}
+            "weight_version": version}}
+
+    def tokens(self, body, params, checksum):
+        output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
+        for step in range(params["max_new_tokens"]):
+            time.sleep(self.args.fake_token_delay)
+            if self.aborting:
+                finish = {"type": "abort", "message": "paused"}
+                break
+            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % self.vocab
+            self.tokens_generated += 1
+            output_ids.append(token)
+            if token in params["stop_token_ids"]:
+                finish = {"type": "stop", "matched": token}
+                break
+        return output_ids, finish
+
+    def pause(self):
+        self.aborting = True
+        self.unpaused.clear()
+        with self.settled:
+            self.settled.wait_for(lambda: self.in_flight == 0)
 
     def update_weights_from_tensor(self, body):
         expect(body, {"serialized_named_tensors": list, "load_format": str, "flush_cache": bool,
@@ -240,6 +268,8 @@ def make_handler(server):
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
                 self.reply(200 if server.nodes_joined.is_set() else 503)
+            elif self.path == "/fake/progress":
+                self.reply(200, {"tokens": server.tokens_generated})
             elif self.path == "/fake/weights":
                 self.reply(200, {"version": server.weight_version,
                                  "weights": {n: tensor_digest(t) for n, t in server.weights.items()}})
@@ -251,8 +281,11 @@ def make_handler(server):
             try:
                 if self.path in control:
                     server.record(self.path)
-                    if self.path != "/flush_cache":
-                        (server.unpaused.clear if self.path == "/pause_generation" else server.unpaused.set)()
+                    if self.path == "/pause_generation":
+                        server.pause()
+                    elif self.path == "/continue_generation":
+                        server.aborting = False
+                        server.unpaused.set()
                     self.reply(200)
                 elif self.path in posts:
                     self.reply(200, posts[self.path](body))
@@ -290,6 +323,7 @@ def main():
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
     parser.add_argument("--fake-fail-start", default="")
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
+    parser.add_argument("--fake-token-delay", type=float, default=0.0)
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
     if args.fake_fail_start:

@@ -1,0 +1,226 @@
+"""The local engine in a process of its own, behind the part of SGLang's HTTP API rlmegatron uses: what lets
+`rollout.engine=local` run disaggregated (placement.mode=disaggregate), on CPU too, with every piece of the
+disaggregated path (a supervised server, weights broadcast from trainer rank 0 over a weight-update group, pause and
+continue for partial rollout) the same as with SGLang.
+
+    python -m rlmegatron.rollout.local_server --model-path DIR --host H --port P [--dtype bfloat16] [--device cpu]
+
+SGLang flags it has no use for are accepted and ignored, so the launch command is SGLang's. The model starts from
+random weights: the trainer pushes its own before the first request. Requests are batched: each batch takes every
+request waiting when it starts. A weight push (`/update_weights_from_distributed` ... `/flush_cache`) waits for the
+running batch and holds the next until it ends, so no sample mixes two versions within one request;
+`/pause_generation` instead ends the running batch at its next token, each unfinished sample returning what it has
+with finish reason `abort`, and holds new requests until `/continue_generation`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import threading
+import traceback
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import torch
+
+from rlmegatron.errors import Divergence
+from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
+from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.sglang_protocol import init_custom_process_group
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class Scheduler:
+    """Batches the waiting requests on one thread; holds ("pause", "update") keep new batches from starting."""
+
+    def __init__(self, engine: LocalEngine, max_batch_size: int = 64) -> None:
+        self.engine, self.max_batch_size = engine, max_batch_size
+        self.cond = threading.Condition()
+        self.pending: list[tuple[GenerationRequest, Future]] = []
+        self.running = False
+        self.holds: set[str] = set()
+        self.abort = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        future: Future = Future()
+        with self.cond:
+            self.pending.append((request, future))
+            self.cond.notify_all()
+        return future.result()
+
+    def hold(self, reason: str, abort: bool = False) -> None:
+        """No new batch until `release(reason)`; returns once none runs (`abort`: the running one ends now)."""
+        with self.cond:
+            self.holds.add(reason)
+            self.abort = self.abort or abort
+            self.cond.wait_for(lambda: not self.running)
+
+    def release(self, reason: str) -> None:
+        with self.cond:
+            self.holds.discard(reason)
+            self.abort = self.abort and bool(self.holds)
+            self.cond.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending and not self.holds)
+                batch, self.pending = self.pending[: self.max_batch_size], self.pending[self.max_batch_size :]
+                self.running = True
+            try:
+                results = self.engine.generate([request for request, _ in batch], interrupted=lambda: self.abort)
+                for (_, future), result in zip(batch, results):
+                    future.set_result(result)
+            except BaseException as error:  # the requests' handlers report it; the scheduler serves on
+                for _, future in batch:
+                    future.set_exception(error)
+            finally:
+                with self.cond:
+                    self.running = False
+                    self.cond.notify_all()
+
+
+class LocalServer:
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(engine)
+        self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+
+    def generate(self, body: dict) -> dict:
+        params = body["sampling_params"]
+        sampling = SamplingSpec(n=1, temperature=params["temperature"], top_p=params["top_p"], top_k=params["top_k"],
+                                max_new_tokens=params["max_new_tokens"],
+                                stop_token_ids=tuple(params.get("stop_token_ids", ())),
+                                seed=params.get("sampling_seed"))
+        try:
+            result = self.scheduler.generate(GenerationRequest(tuple(body["input_ids"]), sampling))
+        except Divergence:
+            # As from SGLang, which samples from such logits: the log-prob says it (the client raises Divergence).
+            return {"output_ids": [0], "meta_info": {"finish_reason": {"type": "length"},
+                                                     "output_token_logprobs": [[math.nan, 0, None]],
+                                                     "weight_version": self.engine.weight_version}}
+        return {"output_ids": list(result.output_token_ids), "meta_info": {
+            "finish_reason": {"type": result.finish_reason},
+            "output_token_logprobs": [[logprob, token, None] for logprob, token in
+                                      zip(result.output_token_logprobs, result.output_token_ids)],
+            "weight_version": result.weight_version}}
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        self.groups[body["group_name"]] = init_custom_process_group(
+            body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
+            body["rank_offset"], body["group_name"])
+        return {"success": True, "message": ""}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        """One bucket of a push; the push ends with /flush_cache, which lets generation go on."""
+        self.scheduler.hold("update")
+        group = self.groups[body["group_name"]]
+        tensors = []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.engine.device)
+            torch.distributed.broadcast(tensor, group_src=0, group=group)
+            tensors.append((name, tensor))
+        self.engine.update_weights(tensors, body["weight_version"])
+        return {"success": True, "message": ""}
+
+    def flush_cache(self, body: dict) -> None:
+        self.scheduler.release("update")
+
+    def pause_generation(self, body: dict) -> None:
+        self.scheduler.hold("pause", abort=True)
+
+    def continue_generation(self, body: dict) -> None:
+        self.scheduler.release("pause")
+
+    def memory(self, release: bool) -> Callable[[dict], dict]:
+        def call(body: dict) -> dict:
+            (self.engine.release_memory if release else self.engine.resume_memory)(body["tags"])
+            return {"success": True, "message": ""}
+        return call
+
+    def routes(self) -> dict[str, Callable[[dict], Any]]:
+        return {
+            "/generate": self.generate,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/flush_cache": self.flush_cache,
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/release_memory_occupation": self.memory(release=True),
+            "/resume_memory_occupation": self.memory(release=False),
+        }
+
+
+def handler_for(server: LocalServer) -> type[BaseHTTPRequestHandler]:
+    routes = server.routes()
+
+    class Handler(BaseHTTPRequestHandler):
+        # Headers and body leave in two writes: with Nagle's algorithm each small reply waits out a delayed ACK.
+        disable_nagle_algorithm = True
+
+        def log_message(self, *args: Any) -> None:  # one line per request would drown the log
+            pass
+
+        def reply(self, code: int, payload: Any = None) -> None:
+            body = b"" if payload is None else json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self.reply(200 if self.path in ("/health", "/health_generate") else 404)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path not in routes:
+                self.reply(404, {"error": self.path})
+                return
+            try:
+                self.reply(200, routes[self.path](body))
+            except Exception as error:  # the client raises it; the log keeps the trace
+                traceback.print_exc()
+                self.reply(400, {"success": False, "message": f"{self.path}: {type(error).__name__}: {error}"})
+
+    return Handler
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # an engine sends up to 64 requests at once; socketserver's 5 drops connections
+
+
+def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool) -> LocalEngine:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES.get(dtype, torch.float32),
+                                             trust_remote_code=trust_remote_code).to(device)
+    eos = config.eos_token_id
+    return LocalEngine(model, pad_token_id=config.pad_token_id or 0,
+                       eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cuda")  # SGLang's default: the launch command names only cpu
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
+    torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
+    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code)
+    httpd = Server((args.host, args.port), handler_for(LocalServer(engine)))
+    print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The local engine in its own process behind SGLang's API (rollout.local_server), driven by SGLangEngine as a
+disaggregated SGLang server is: weights over a gloo weight-update group, then generation that matches the model's own
+greedy decoding and log-probs; with partial rollout, a sample paused mid-generation goes on from its tokens under the
+new weights, every token's log-prob exactly the log-softmax of the weights that produced it."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rlmegatron.controller.role_settings import LOCAL_SERVER_MODULE
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from rlmegatron.rollout.local import checkpoint_named_weights
+from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangEngine
+from rlmegatron.rollout.sglang_server import ServerSpec
+from rlmegatron.runtime.launcher import free_port
+
+PROMPT = (5, 17, 42)
+
+
+def model_config(path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=160, max_position_embeddings=1024, num_hidden_layers=2, tie_word_embeddings=True,
+    )
+    config.save_pretrained(path)
+    return config
+
+
+def model(config, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    built = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        built.get_input_embeddings().weight.mul_(50)  # clear greedy choices, no near-ties
+    return built
+
+
+def teacher_forced(policy, prompt: list[int], response: list[int]) -> tuple[list[int], list[float]]:
+    """For each response position: the greedy choice given the tokens before it, and the response token's
+    log-softmax; one forward pass."""
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    log_softmax = torch.log_softmax(logits, -1)
+    return log_softmax.argmax(-1).tolist(), log_softmax.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A local server of a tiny Qwen3, and the trainer-side weight push joined with it."""
+    directory = tmp_path_factory.mktemp("local_server")
+    config = model_config(directory / "model")
+    spec = ServerSpec(model_path=str(directory / "model"), port=free_port(), python=sys.executable,
+                      module=LOCAL_SERVER_MODULE, device="cpu", dtype="float32")
+    engine = SGLangEngine(spec, str(directory), bucket_bytes=1 << 20, startup_timeout_s=120, request_timeout_s=120,
+                          partial_rollout=True)
+    push = DistributedWeightPush(1 << 20)
+    push.connect(0, spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), "local_server_test", "gloo"))
+    yield config, engine, push
+    engine.shutdown()
+
+
+def push_model(push, policy, version: str) -> None:
+    push.push(iter(checkpoint_named_weights(policy).items()), version)
+
+
+def test_generation_follows_the_pushed_weights(served):
+    config, engine, push = served
+    policy = model(config, seed=1)
+    push_model(push, policy, "v1")
+    (result,) = engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=12))])
+    tokens, logprobs = teacher_forced(policy, list(PROMPT), list(result.output_token_ids))
+    assert list(result.output_token_ids) == tokens
+    assert result.output_token_logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert (result.weight_version, result.finish_reason) == ("v1", "length")
+
+
+def test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs(served):
+    config, engine, push = served
+    old, new = model(config, seed=1), model(config, seed=2)
+    length = 800
+    for pause_after in (0.2, 0.05, 0.6):  # a loaded machine may start the batch late: try another moment
+        push_model(push, old, "v1")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(engine.generate,
+                                  [GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=length))])
+            time.sleep(pause_after)
+            engine.pause_generation()
+            push_model(push, new, "v2")
+            engine.continue_generation()
+            (result,) = pending.result(timeout=300)
+        before = result.token_weight_versions.count("v1")
+        if 0 < before < length:
+            break
+    assert 0 < before < length, "the pause never landed mid-generation"
+    assert result.token_weight_versions == ("v1",) * before + ("v2",) * (length - before)
+    head, tail = list(result.output_token_ids[:before]), list(result.output_token_ids[before:])
+    head_tokens, head_logprobs = teacher_forced(old, list(PROMPT), head)
+    tail_tokens, tail_logprobs = teacher_forced(new, [*PROMPT, *head], tail)
+    assert head == head_tokens and tail == tail_tokens
+    assert result.output_token_logprobs == pytest.approx(head_logprobs + tail_logprobs, abs=1e-4)
+
+
+def test_non_finite_logits_reach_the_client_as_a_divergence(served):
+    from rlmegatron.errors import Divergence
+
+    config, engine, push = served
+    broken = model(config, seed=1)
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(math.nan)
+    push_model(push, broken, "nan")
+    with pytest.raises(Divergence, match="rollout logits: the server's log-prob of response token 1"):
+        engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=4))])
