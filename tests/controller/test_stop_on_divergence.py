@@ -6,23 +6,26 @@ from rlmegatron.controller.trainer import TrainingStopped
 from rlmegatron.errors import Divergence
 from tests.controller.fit_rig import FakeEngines, FakeRanks, run_rig
 
-# PPO with a critic and a KL loss (so every phase runs), a checkpoint every step, validation on step 2.
+# PPO with a critic, a KL loss and two epochs (so every phase runs, the old-log-prob pass too), a checkpoint every
+# step, validation on step 2.
 EVERY_PHASE = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "actor.use_kl_loss=true",
-               "trainer.total_steps=3", "trainer.save_freq=1", "data.val_files=[val.jsonl]", "trainer.test_freq=2"]
+               "actor.ppo_epochs=2", "trainer.total_steps=3", "trainer.save_freq=1", "data.val_files=[val.jsonl]",
+               "trainer.test_freq=2"]
 
 
-class DivergingRanks(FakeRanks):
-    """`method`'s second call (step 2's) diverges."""
+def diverging_ranks(method: str) -> FakeRanks:
+    """Fake ranks whose `method`'s second call (step 2's) diverges."""
+    ranks = FakeRanks()
+    call = getattr(ranks, method)
 
-    def __init__(self, method: str) -> None:
-        super().__init__()
-        self.method = method
-
-    def execute_rank_zero_result(self, method: str, *args):
-        result = super().execute_rank_zero_result(method, *args)
-        if method == self.method and self.calls.count(method) == 2:
+    def second_call_diverges(*args, **kwargs):
+        result = call(*args, **kwargs)
+        if ranks.calls.count(method) == 2:
             raise Divergence(f"{method}: 3 of 12 response tokens are NaN or infinite")
         return result
+
+    setattr(ranks, method, second_call_diverges)
+    return ranks
 
 
 class DivergingEngines(FakeEngines):
@@ -43,7 +46,7 @@ class DivergingEngines(FakeEngines):
                                    "update_critic", "update_actor", "validation"])
 def test_a_divergence_in_any_phase_stops_the_step_unsaved_naming_the_step_and_the_metric(tmp_path, phase):
     in_engines = phase in ("rollout", "validation")
-    ranks = FakeRanks() if in_engines else DivergingRanks(phase)
+    ranks = FakeRanks() if in_engines else diverging_ranks(phase)
     engines = DivergingEngines(phase) if in_engines else FakeEngines()
     # Validation's second call is step 2's when validation also runs before training.
     before = ["trainer.val_before_train=true"] if phase == "validation" else []
