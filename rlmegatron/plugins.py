@@ -79,14 +79,22 @@ def call_problem(function: Any, positional: Sequence[str], keywords: Iterable[st
     return None
 
 
+def loaded_or_problem(load: Callable[[str], Any], reference: str) -> tuple[Any, str | None]:
+    """`load(reference)` and None, or None and why it failed: the loader's message, or what the user's module
+    raised while importing."""
+    try:
+        return load(reference), None
+    except PluginError as err:
+        return None, str(err).removeprefix(f"{reference!r}: ")
+    except Exception as err:  # the user's module failed while importing
+        return None, f"importing {reference.rpartition(':')[0]} raised {type(err).__name__}: {err}"
+
+
 def plugin_problem(reference: str, positional: Sequence[str], keywords: Keywords = ()) -> str | None:
     """Why the plug-in `reference` cannot be loaded or called with these arguments; None if it can."""
-    try:
-        function = load_plugin(reference)
-    except PluginError as err:
-        return str(err).removeprefix(f"{reference!r}: ")
-    except Exception as err:  # the user's module failed while importing
-        return f"importing {reference.rpartition(':')[0]} raised {type(err).__name__}: {err}"
+    function, problem = loaded_or_problem(load_plugin, reference)
+    if problem:
+        return problem
     if callable(keywords):
         keywords = keywords(function) if callable(function) else ()
     return call_problem(function, positional, keywords)

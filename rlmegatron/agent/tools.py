@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rlmegatron.errors import UserError
-from rlmegatron.plugins import PluginError, call_problem, load_plugin
+from rlmegatron.plugins import PluginError, call_problem, load_plugin, loaded_or_problem
 
 
 class ToolError(UserError, ValueError):
@@ -71,12 +71,9 @@ def tool_problem(reference: str, config: Mapping[str, Any]) -> str | None:
     if reference not in builtin_tools() and ":" not in reference:
         return (f"is neither a built-in tool ({', '.join(sorted(builtin_tools()))}) nor a plug-in "
                 "path/to/tools.py:ClassName")
-    try:
-        cls = tool_class(reference)
-    except PluginError as err:
-        return str(err).removeprefix(f"{reference!r}: ")
-    except Exception as err:  # the user's module failed while importing
-        return f"importing {reference.rpartition(':')[0]} raised {type(err).__name__}: {err}"
+    cls, problem = loaded_or_problem(tool_class, reference)
+    if problem:
+        return problem
     if not inspect.isclass(cls):
         return f"is a {type(cls).__name__}, not a class; a tool is a class with `schema` and `async def execute`"
     schema_problem = _schema_problem(getattr(cls, "schema", None))
