@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rlmegatron.errors import UserError
-from rlmegatron.plugins import PluginError, call_problem, load_plugin, loaded_or_problem
+from rlmegatron.plugins import call_problem, load_plugin, loaded_or_problem
 
 
 class ToolError(UserError, ValueError):
