@@ -19,7 +19,7 @@ def verl_run(tmp_path_factory):
     verl_args = [
         "algorithm.adv_estimator=gae", "data.train_batch_size=4", "data.val_files=[]",
         "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.ppo_epochs=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2", "critic.optim.lr=1e-3",
         "trainer.critic_warmup=1", f"trainer.total_training_steps={STEPS}", "trainer.n_gpus_per_node=1",
@@ -42,9 +42,9 @@ def test_the_actor_waits_for_the_critic_warmup(verl_run):
 
 
 def test_the_old_log_prob_pass_cuts_its_own_micro_batches(verl_run):
-    # Per step, 16 sequences: values (critic's 2), old log-probs (8, not the actor's 4), the critic update (2),
-    # and from step 2 on the actor update (4).
-    assert verl_run["cuts"] == [[16, 2], [16, 8], [16, 2]] + [[16, 2], [16, 8], [16, 2], [16, 4]]
+    # Two PPO epochs, so the old log-probs get a pass of their own. Per step, 16 sequences: values (critic's 2), old
+    # log-probs (8, not the actor's 4), the critic update (2), and from step 2 on the actor update (4), once per epoch.
+    assert verl_run["cuts"] == [[16, 2], [16, 8], [16, 2]] + [[16, 2], [16, 8], [16, 2], [16, 4], [16, 4]]
 
 
 def test_each_steps_rollout_samples_are_text_in_mlflow(verl_run):
