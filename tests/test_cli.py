@@ -161,7 +161,7 @@ def test_validate_notes_a_hub_model_not_in_the_cache_and_a_model_without_eos(tmp
     ]
 
 
-def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys):
+def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys, tmp_path):
     # No hub here: the download is the quickstart's directory. rlm train must fetch the whole model (weights too,
     # unless model.random_init) and hand the workers the snapshot's local path, which is what they read.
     import huggingface_hub
@@ -188,7 +188,8 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
     monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", lambda spec: NoTracker())
     monkeypatch.setattr(job, "start_ray", start_ray)
     hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json"]
-    assert main(["train", QUICKSTART, *hub_model]) == 0
+    # A run directory of its own: a finished quickstart in runs/ would end the command before anything starts.
+    assert main(["train", QUICKSTART, *hub_model, f"trainer.run_dir={tmp_path}"]) == 0
     [spec] = launched
     assert spec.model.path == spec.model.tokenizer_path == str(REPO_ROOT / "configs" / "quickstart" / "model")
     # model.random_init: its config and tokenizer are all the run reads of it.

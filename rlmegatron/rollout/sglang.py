@@ -3,6 +3,7 @@ launches, supervises, restarts and re-syncs a server."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import threading
@@ -361,7 +362,10 @@ class SGLangEngine(RolloutEngine):
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 answer = self.generation_client.generate(list(input_ids), sampling_params(spec), self.adapter)
-                return parse_generate_response(answer, request_index, sample_index)
+                result = parse_generate_response(answer, request_index, sample_index)
+                # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
+                # the trained version that produced the tokens.
+                return result if self.adapter is None else dataclasses.replace(result, weight_version=self.adapter)
             except ServerUnavailable as error:
                 last_error = error
                 self._recover(epoch)
