@@ -69,7 +69,6 @@ class FakeServer:
         self.weight_version = "default"
         self.released = set()
         self.generates = 0
-        self.in_flight = 0
         self.lock = threading.Lock()
         self.groups = {}
         self.nodes_joined = threading.Event()
@@ -107,7 +106,7 @@ class FakeServer:
         if "kv_cache" in self.released or "weights" in self.released:
             raise BadRequest("memory is released")
         self.unpaused.wait()
-        with self.lock:
+        with self.settled:  # one count of the requests in flight: what /pause_generation waits on
             self.generates += 1
             count = self.generates
             self.in_flight += 1
@@ -115,8 +114,9 @@ class FakeServer:
         try:
             return self._generate(body, params, count, in_flight, lora)
         finally:
-            with self.lock:
+            with self.settled:
                 self.in_flight -= 1
+                self.settled.notify_all()
 
     def _generate(self, body, params, count, in_flight, lora):
         if count == self.args.fake_die_after_generates and self.first_to_die():
@@ -124,14 +124,7 @@ class FakeServer:
         time.sleep(0.02)
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
         version = self.weight_version
-        with self.settled:
-            self.in_flight += 1
-        try:
-            output_ids, finish = self.tokens(body, params, checksum)
-        finally:
-            with self.settled:
-                self.in_flight -= 1
-                self.settled.notify_all()
+        output_ids, finish = self.tokens(body, params, checksum)
         logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
         # in_flight: the requests this server held at once when this one arrived (the agent loop sends many).
         self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight,
