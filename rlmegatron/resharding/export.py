@@ -237,14 +237,14 @@ def export_hf_weights(chunks, weight_map: WeightMap, dtype: Optional[torch.dtype
     return HFWeightExporter(chunks, weight_map).stream(dtype)
 
 
-def export_peft_adapter(chunks, weight_map: WeightMap, out: str, lora, base_model: str) -> None:
-    """Write a LoRA actor's adapters as a PEFT adapter (adapter_model.safetensors + adapter_config.json) that
-    transformers + peft, and SGLang's LoRA loading, read over the base HF model. Collective; rank 0 writes."""
+def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: str) -> None:
+    """Write a LoRA actor's adapters (through its exporter, whose plan a caller keeps across versions) as a PEFT
+    adapter (adapter_model.safetensors + adapter_config.json) that transformers + peft, and SGLang's LoRA loading,
+    read over the base HF model. Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
     # Cloned: the projections of one fused weight share its A, and safetensors refuses shared memory.
-    tensors = {name: tensor.detach().cpu().clone() for name, tensor in
-               HFWeightExporter(chunks, weight_map).adapter_stream()}
+    tensors = {name: tensor.detach().cpu().clone() for name, tensor in exporter.adapter_stream()}
     if torch.distributed.get_rank() == 0:
         os.makedirs(out, exist_ok=True)
         modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in tensors})

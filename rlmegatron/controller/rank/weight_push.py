@@ -64,11 +64,14 @@ class WeightPush:
         with self.models.phase("actor"):
             if lora is None or version == INITIAL_VERSION or restarted is not None:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    if self.exporter is None:
-                        self.exporter = HFWeightExporter(chunks, self.models.weight_map)
-                    self._push(self.exporter.stream(), version, restarted)
+                    self._push(self._exporter().stream(), version, restarted)
             if lora is not None and version != INITIAL_VERSION:
                 self._push_adapter(version, restarted)
+
+    def _exporter(self) -> HFWeightExporter:
+        if self.exporter is None:
+            self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
+        return self.exporter
 
     def _push(self, stream, version: str, restarted: Optional[list[int]]) -> None:
         if self.distributed is not None:
@@ -83,8 +86,7 @@ class WeightPush:
         previous version's files go once every server has loaded its successor."""
         path = os.path.join(self.settings.adapter_dir, version)
         previous, self.adapter_path = self.adapter_path, path
-        export_peft_adapter(self.models.actor.chunks, self.models.weight_map, path, self.settings.lora,
-                            self.settings.model.path)
+        export_peft_adapter(self._exporter(), path, self.settings.lora, self.settings.model.path)
         if self.distributed is not None:
             for engine, url in self.server_urls.items():
                 if restarted is not None and engine not in restarted:
