@@ -27,6 +27,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -303,10 +304,17 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     arrived: dict = {}
     posts: list = []
 
-    def sync(verify: bool = False):
+    receiver_seconds = collections.defaultdict(list)
+
+    def sync(verify: bool = False, keep: bool = False):
         def post(payloads):
-            digests = peer.ask("bucket", {"payloads": payloads, "version": str(next(versions)), "digest": verify})
-            arrived.update(digests or {})
+            answer = peer.ask("bucket", {"payloads": payloads, "version": str(next(versions)), "digest": verify,
+                                         "keep": keep})
+            if verify:
+                arrived.update(answer)
+            else:
+                for name, value in answer.items():
+                    receiver_seconds[(keep, name)].append(value)
             posts.append(verify)
 
         share_buckets(exporter.stream(), bucket_bytes, rules, 1, None, post)
@@ -325,6 +333,7 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
         "export_only": best_time(lambda: collections.deque(exporter.stream(), maxlen=0), device, args.repeats),
         "export_and_bucket": best_time(export_and_bucket, device, args.repeats),
         "sync": best_time(sync, device, args.repeats),
+        "sync_receiver_keeps_mapping": best_time(lambda: sync(keep=True), device, args.repeats),
         "device_copy": device_copy_seconds(total, device, args.repeats),
     }
     sync(verify=True)  # untimed: the receiver hashes every tensor as it arrived, before loading it
@@ -334,7 +343,10 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
             "bucket_bytes": bucket_bytes, "buckets": posts.count(True),
             "largest_tensor_bytes": max(sizes.values()),
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for _, t in exporter.stream()}),
-            "seconds": seconds, "gb_per_s": rates, "sync_vs_device_copy": rates["sync"] / rates["device_copy"],
+            "seconds": seconds, "gb_per_s": rates,
+            # Per bucket, the median over the timed syncs: mapping the CUDA-IPC handle, and the copy into the model.
+            "receiver_bucket_s": {f"{name}{'_kept' if keep else ''}": statistics.median(values)
+                                  for (keep, name), values in receiver_seconds.items()}, "sync_vs_device_copy": rates["sync"] / rates["device_copy"],
             "arrived_bitwise": arrived == sent,
             "arrived_mismatched": sorted(n for n in sent if arrived.get(n) != sent[n])[:10],
             "receiver_differed_before": sum(before[n] != held[n] for n in sizes),

@@ -184,6 +184,9 @@ def markdown(report: dict) -> str:
             f"| {sync_target} | {verdict(sync['sync_vs_device_copy'], TARGETS['sync_vs_device_copy'])} |")
         lines.append(f"| sync, sender side alone: export / export + buckets | {g(rates['export_only'])} / "
                      f"{g(rates['export_and_bucket'])} GB/s | - | - |")
+        parts = ", ".join(f"{name} {g(value * 1e3)} ms" for name, value in sync["receiver_bucket_s"].items())
+        lines.append(f"| sync with the receiver keeping the IPC mapping; receiver's time per bucket | "
+                     f"{g(rates['sync_receiver_keeps_mapping'])} GB/s; {parts} | - | - |")
     elif sync:
         lines.append(f"| colocated weight sync | failed (actor.log) | {sync_target} | not measured |")
     generate = actor.get("generate", {})

@@ -115,11 +115,19 @@ def main(conn, model_dir: str, dtype: torch.dtype, device: str) -> None:
         try:
             if kind == "bucket":  # one payload per server TP rank; this server has one
                 (payload,) = body["payloads"]
+                start = time.perf_counter()
                 bucket = open_payload(payload)
+                synchronize(device)
+                opened = time.perf_counter()
                 # What arrived, byte for byte (a verification pass; the timed ones skip it).
                 answer = {name: digest(t) for name, t in bucket.named_tensors()} if body["digest"] else None
                 engine.update_weights([bucket], body["version"])
                 synchronize(device)  # copied, so the sender may reuse its buffer
+                if answer is None:
+                    answer = {"open_s": opened - start, "copy_s": time.perf_counter() - opened}
+                # Holding the last bucket keeps its CUDA-IPC mapping in torch's cache, so a sender that reuses its
+                # buffer is not mapped anew for every bucket; SGLang drops it (the `keep` off measures that).
+                kept = bucket if body.get("keep") else None
                 del bucket
             elif kind == "digests":
                 from rlmegatron.rollout.local import checkpoint_named_weights

@@ -49,6 +49,10 @@ class RolloutBatch:
     def sequence_lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(dim=-1)
 
+    def to(self, device) -> "RolloutBatch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
+
 
 def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
     """Split indices into `parts` groups of near-equal total length (greedy, longest first); each group sorted."""
@@ -134,6 +138,12 @@ class MicroBatch:
     response_fields: RolloutBatch  # the rows' own per-token fields ([n, R]) for the loss
     context_order: Optional[torch.Tensor] = None  # [T]: the sequence position of each gathered column (CP>1)
     context_group: object = None  # the CP process group (CP>1)
+
+    def to(self, device) -> "MicroBatch":
+        """Every tensor on `device`, moved once per micro-batch so the loss's index and field reads stay there."""
+        tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "context_order")
+        moved = {name: getattr(self, name).to(device) for name in tensors if getattr(self, name) is not None}
+        return dataclasses.replace(self, response_fields=self.response_fields.to(device), **moved)
 
     def to_response_grid(self, per_position: torch.Tensor) -> torch.Tensor:
         """Per-input-position values (model grid) -> [n, R] aligned with response_mask (differentiable).

@@ -129,11 +129,10 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator: Iterator[MicroBatch], model):
-        micro_batch = next(data_iterator)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        micro_batch = next(data_iterator).to("cuda" if torch.cuda.is_available() else "cpu")
         output = model(
-            micro_batch.input_ids.to(device),
-            micro_batch.position_ids.to(device),
+            micro_batch.input_ids,
+            micro_batch.position_ids,
             None,
             packed_seq_params=micro_batch.packed_seq_params,
         )
