@@ -126,7 +126,7 @@ class LocalEngine(RolloutEngine):
         far with finish reason `abort` (SGLang's abort on pause_generation, which partial rollout continues)."""
         self._check_usable()
         if self.generator.device != self.device:  # the model moved after construction: its stream goes with it
-            seed = int(torch.randint(2**62, (), generator=self.generator))
+            seed = int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
             self.generator = torch.Generator(self.device).manual_seed(seed)
         samples = [
             _Sample(
