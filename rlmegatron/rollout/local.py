@@ -252,11 +252,19 @@ class LocalEngine(RolloutEngine):
                 target.copy_(tensor)
         self.weight_version = version
 
+    def _unique_state(self) -> dict[str, torch.Tensor]:
+        """The state dict with each tensor once: tied embeddings appear under two names, and moving the second would
+        record the first's host copy as its device original (resume then left the tied weight on the host)."""
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            unique.setdefault(id(tensor), (name, tensor))
+        return dict(unique.values())
+
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Moves the weights to CPU on an accelerator (the KV cache only lives during `generate`)."""
         tags = check_memory_tags(tags)
         if "weights" in tags and "weights" not in self._released and self.device.type != "cpu":
-            for name, tensor in self.model.state_dict(keep_vars=True).items():
+            for name, tensor in self._unique_state().items():
                 self._offloaded[name] = tensor.data
                 tensor.data = tensor.data.to("cpu", non_blocking=True)
         self._released.update(tags)
@@ -264,7 +272,7 @@ class LocalEngine(RolloutEngine):
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         tags = check_memory_tags(tags)
         if "weights" in tags and self._offloaded:
-            state = self.model.state_dict(keep_vars=True)
+            state = self._unique_state()
             for name, original in self._offloaded.items():
                 original.copy_(state[name].data)
                 state[name].data = original

@@ -143,6 +143,22 @@ def test_released_weights_refuse_generation(model):
     assert engine.generate([GenerationRequest(PROMPTS[0], SamplingSpec(max_new_tokens=2))])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="weights are released from an accelerator only")
+def test_released_and_resumed_tied_weights_come_back_to_the_device_bit_for_bit():
+    """Tied embeddings are one tensor under two names: each moves once, and returns to the device it left."""
+    engine = LocalEngine(tiny_qwen3().cuda())
+    before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    expected = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4))])
+    engine.release_memory(["weights"])
+    assert all(t.device.type == "cpu" for t in engine.model.state_dict().values())
+    engine.resume_memory(["weights"])
+    state = engine.model.state_dict()
+    assert all(t.device.type == "cuda" and torch.equal(t, before[name]) for name, t in state.items())
+    assert engine.model.lm_head.weight is engine.model.get_input_embeddings().weight
+    again = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4))])
+    assert again[0].output_token_ids == expected[0].output_token_ids
+
+
 class PoisonedLogits(torch.nn.Module):
     """`model` with the last position's logits of `rows` set to `value` from the `from_call`-th forward on (1-based),
     and every logit from index `masked_from` on at -inf (a masked vocabulary)."""

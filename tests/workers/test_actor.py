@@ -91,14 +91,17 @@ def gpu_offload_job() -> dict:
     actor.update(replace(batch, old_log_probs=log_probs))
     loaded = torch.cuda.memory_allocated()
     actor.offload()
-    offloaded = torch.cuda.memory_allocated()
+    offloaded, host_bytes = torch.cuda.memory_allocated(), actor.offloader.offloaded_bytes
     actor.onload()
-    return {"loaded": loaded, "offloaded": offloaded, "onloaded": torch.cuda.memory_allocated()}
+    return {"loaded": loaded, "offloaded": offloaded, "onloaded": torch.cuda.memory_allocated(),
+            "host_bytes": host_bytes}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload frees GPU memory; there is no GPU here")
 def test_offload_frees_gpu_memory():
     memory = run_ranks(gpu_offload_job, 1, device="cuda", timeout_s=300)[0]
-    # What stays is not the model's: rope caches, cu_seqlens and the like, a few KiB.
-    assert memory["offloaded"] < 0.05 * memory["loaded"], memory
-    assert memory["onloaded"] >= memory["loaded"] * 0.95, memory
+    # Every byte that went to the host left the device (the allocator rounds blocks up, so at least as many). What
+    # stays is not the model's: on an H100 about 64 MiB of cuBLAS workspaces, which the caching allocator counts.
+    assert memory["host_bytes"] > 0
+    assert memory["loaded"] - memory["offloaded"] >= memory["host_bytes"], memory
+    assert memory["onloaded"] >= memory["loaded"] - 2**20, memory
