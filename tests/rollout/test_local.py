@@ -148,14 +148,14 @@ def test_released_and_resumed_tied_weights_come_back_to_the_device_bit_for_bit()
     """Tied embeddings are one tensor under two names: each moves once, and returns to the device it left."""
     engine = LocalEngine(tiny_qwen3().cuda())
     before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
-    expected = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4))])
+    expected = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4, temperature=0.0))])
     engine.release_memory(["weights"])
     assert all(t.device.type == "cpu" for t in engine.model.state_dict().values())
     engine.resume_memory(["weights"])
     state = engine.model.state_dict()
     assert all(t.device.type == "cuda" and torch.equal(t, before[name]) for name, t in state.items())
     assert engine.model.lm_head.weight is engine.model.get_input_embeddings().weight
-    again = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4))])
+    again = engine.generate([GenerationRequest(PROMPTS[2], SamplingSpec(max_new_tokens=4, temperature=0.0))])
     assert again[0].output_token_ids == expected[0].output_token_ids
 
 
