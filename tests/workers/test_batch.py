@@ -1,7 +1,11 @@
 """Micro-batch counts the interleaved pipeline accepts (pure functions, no ranks)."""
-import pytest
+import dataclasses
 
-from rlmegatron.workers.batch import split_to_multiple, token_budget_micro_batches
+import pytest
+import torch
+
+from rlmegatron.workers.batch import build_micro_batch, split_to_multiple, token_budget_micro_batches
+from tests.workers.jobs import rollout_batch
 
 
 def test_a_token_budget_split_is_cut_further_into_whole_pipeline_groups():
@@ -27,3 +31,17 @@ def test_a_micro_batch_is_packed_when_padding_would_add_more_than_a_quarter_of_i
     assert not packing_pays([4, 13, 13, 13])  # 52 for 43: +21%
     assert packing_pays([2, 3, 13])  # 39 for 18: +117%
     assert not packing_pays([12, 12]) and packing_pays([12, 12], length_multiple=16)  # 32 for 24: +33%
+
+
+def test_a_micro_batch_moves_to_a_device_whole():
+    """Every tensor the loss reads moves with the micro-batch, index tensors and per-token fields included (on the
+    first GPU run an index left on the host failed the update); the meta device stands in for a GPU here."""
+    batch = rollout_batch()
+    batch.advantages = torch.randn(batch.response_mask.shape)
+    moved = build_micro_batch(batch, [0, 2, 5], pack=False).to("meta")
+    tensors = [value for field in dataclasses.fields(moved) if isinstance(value := getattr(moved, field.name),
+                                                                         torch.Tensor)]
+    fields = [value for field in dataclasses.fields(moved.response_fields)
+              if (value := getattr(moved.response_fields, field.name)) is not None]
+    assert len(tensors) == 5 and len(fields) >= 4
+    assert all(t.device.type == "meta" for t in tensors + fields)
