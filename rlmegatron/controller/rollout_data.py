@@ -213,8 +213,9 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
 
 
 def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:
-    """Multi-turn rollouts: turns per trajectory, tool calls, errors and timeouts, model tokens per turn, and the
-    tools' own metrics (summed per trajectory, averaged here); none for single completions."""
+    """Multi-turn rollouts: turns per trajectory, tool calls, errors and timeouts, tools' create/release failures,
+    model tokens per turn, and the tools' own metrics (summed per trajectory, averaged here); none for single
+    completions."""
     records = [(r.agent, sum(r.response_mask)) for r in results if r.agent is not None]
     if not records:
         return {}
@@ -223,6 +224,7 @@ def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:
         **_stats("agent/tool_calls", torch.tensor([a.tool_calls for a, _ in records])),
         "agent/tool_errors/sum": float(sum(a.tool_errors for a, _ in records)),
         "agent/tool_timeouts/sum": float(sum(a.tool_timeouts for a, _ in records)),
+        "agent/tool_setup_errors/sum": float(sum(a.tool_setup_errors for a, _ in records)),
         **_stats("agent/tokens_per_turn", torch.tensor([tokens / max(a.turns, 1) for a, tokens in records])),
         "agent/tool_reward/mean": sum(a.tool_reward for a, _ in records) / len(records),
     }
