@@ -77,8 +77,11 @@ class Add:
         "name": "add", "description": "x + y",
         "parameters": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}}}
 
+    def __init__(self, reward: float = 0.0) -> None:
+        self.reward = reward
+
     async def execute(self, args, context):
-        return str(args["x"] + args["y"]), 0.0, {}
+        return str(args["x"] + args["y"]), self.reward, {}
 
 
 class Echo:
