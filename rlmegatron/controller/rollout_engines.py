@@ -114,17 +114,22 @@ class DisaggregatedEngines:
         """Disaggregated servers keep their memory: nothing else runs on their GPUs."""
 
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        """A push to every engine leaves out the servers that are down or restarted (`EngineHost.takes_weights`):
+        the push is collective over the trainer ranks and must not meet a dead peer. The generation that met the
+        failure restarts such a server and syncs it as `restarted`, then sends its share again."""
         if restarted is not None:
             self.hosts.call_each(EngineHost.relaunch, {host: () for e in restarted for host in self.node_hosts[e]})
             self.connect(restarted)  # a restarted server left its old group
         targets = list(range(self.count)) if restarted is None else restarted
         leaders = {self.leaders[e]: () for e in targets}
+        paused = self.hosts.call_each(EngineHost.pause_generation, leaders) if self.partial_rollout else {}
+        if restarted is None:
+            ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
+            targets = [e for e in targets if ready[self.leaders[e]] and paused.get(self.leaders[e], True)]
+        self.ranks.sync_weights(version, restarted if restarted is not None or len(targets) == self.count else targets)
         if self.partial_rollout:
-            self.hosts.call_each(EngineHost.pause_generation, leaders)
-        self.ranks.sync_weights(version, restarted)
-        if self.partial_rollout:
-            self.hosts.call_each(EngineHost.continue_generation, leaders)
-        self.hosts.call_each(EngineHost.weights_pushed, {leader: (version,) for leader in leaders})
+            self.hosts.call_each(EngineHost.continue_generation, {leader: () for leader in paused})
+        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in targets})
 
     def shutdown(self) -> None:
         self.hosts.shutdown()

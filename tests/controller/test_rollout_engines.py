@@ -278,6 +278,9 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         def weights_pushed(self, version):
             pass
 
+        def takes_weights(self):
+            return True
+
     monkeypatch.setattr(rollout_engines, "EngineHost", Host)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
@@ -286,6 +289,64 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         pool = DisaggregatedEngines(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
                                                                disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tmp_path, monkeypatch, partial):
+    """one_step_off and async generate beside the push: a server may have died under that generation (its pause
+    fails), or been restarted by it and wait, outside the trainer's weight-update group, for the push to it alone.
+    The push to every engine must leave such a server out (a collective push to a dead peer fails or hangs); every
+    server paused is continued, and only those pushed to are marked as holding the version."""
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+    from rlmegatron.controller.rollout_pool import EngineHost
+
+    events = []
+
+    class Host(EngineHost):
+        """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale)."""
+
+        def place(self):
+            return Place("n0", "cpu", "127.0.0.1", 5000)
+
+        def launch(self, devices, node):
+            self.index = node.engine
+            return f"http://server-{node.engine}"
+
+        def pause_generation(self):
+            events.append(("pause", self.index))
+            return self.index != 1
+
+        def continue_generation(self):
+            events.append(("continue", self.index))
+
+        def takes_weights(self):
+            return self.index == 0
+
+        def weights_pushed(self, version):
+            events.append(("pushed", self.index, version))
+
+        def relaunch(self):
+            events.append(("relaunch", self.index))
+
+    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
+        "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=3",
+        "rollout.engine=sglang", f"trainer.run_dir={tmp_path}", "trainer.mode=async",
+        f"trainer.partial_rollout={str(partial).lower()}"])
+    trainer = RecordingTrainer()
+    pool = DisaggregatedEngines(rollout_settings(spec), trainer)
+    events.clear()
+    pool.sync("step_1")
+    assert trainer.calls[-1] == ("sync_weights", "step_1", [0])  # to engine 0 alone
+    pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)] if partial else []
+    assert events == pauses + [("pushed", 0, "step_1")]
+    # The generation that met the failure syncs a server as restarted: to it alone, whatever else is down.
+    events.clear()
+    pool.sync("step_1", restarted=[2])
+    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2])]
+    assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
 
 
 @pytest.mark.parametrize("partial", [True, False])
