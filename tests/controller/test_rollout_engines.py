@@ -261,27 +261,31 @@ def servers_recording_to(calls: Path) -> list[str]:
     return found
 
 
+class ServerlessHost(rollout_pool.EngineHost):
+    """A rollout-pool host on one node whose launch is answered with a URL: no server starts. It records what the
+    driver asks of it in `events`; every server takes the weights."""
+
+    events: list = []
+
+    def place(self):
+        return Place("n0", "cpu", "127.0.0.1", 5000)
+
+    def launch(self, devices, node):
+        self.index = node.engine
+        return f"http://server-{node.engine}"
+
+    def takes_weights(self):
+        return True
+
+    def weights_pushed(self, version):
+        self.events.append(("pushed", self.index, version))
+
+
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rollout_engines import DisaggregatedEngines
-    from rlmegatron.controller.rollout_pool import EngineHost
 
-    class Host(EngineHost):
-        """Places on one node; launching is answered with a URL, no server starts."""
-
-        def place(self):
-            return Place("n0", "cpu", "127.0.0.1", 5000)
-
-        def launch(self, devices, node):
-            return f"http://server-{node.engine}"
-
-        def weights_pushed(self, version):
-            pass
-
-        def takes_weights(self):
-            return True
-
-    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
+    monkeypatch.setattr(rollout_engines, "EngineHost", ServerlessHost)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
@@ -299,19 +303,11 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     server paused is continued, and only those pushed to are marked as holding the version."""
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rollout_engines import DisaggregatedEngines
-    from rlmegatron.controller.rollout_pool import EngineHost
 
     events = []
 
-    class Host(EngineHost):
+    class Host(ServerlessHost):
         """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale)."""
-
-        def place(self):
-            return Place("n0", "cpu", "127.0.0.1", 5000)
-
-        def launch(self, devices, node):
-            self.index = node.engine
-            return f"http://server-{node.engine}"
 
         def pause_generation(self):
             events.append(("pause", self.index))
@@ -323,13 +319,11 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
         def takes_weights(self):
             return self.index == 0
 
-        def weights_pushed(self, version):
-            events.append(("pushed", self.index, version))
-
         def relaunch(self):
             events.append(("relaunch", self.index))
 
     monkeypatch.setattr(rollout_engines, "EngineHost", Host)
+    monkeypatch.setattr(Host, "events", events)
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
         "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=3",
