@@ -448,6 +448,11 @@ class SGLangEngine(RolloutEngine):
             if self.restarts >= self.max_restarts:
                 raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
             self.restarts += 1
+            if self.resync is None:
+                # Unusable from here until the caller pushes the trained weights, also while the new server comes
+                # up healthy: a push to every engine beside this recovery (one_step_off, async) must leave it out
+                # (`EngineHost.takes_weights`), as the server is outside the weight-update group it pushes over.
+                self.stale = True
             if self.in_router:
                 # Until it holds the trained weights again, the router must not send it anything.
                 self.router.remove_worker(self.spec.url)
@@ -465,9 +470,7 @@ class SGLangEngine(RolloutEngine):
             if self.resync is not None:
                 stream, version = self.resync()
                 self.update_weights(stream, version)
-            else:
-                # The weights live in the trainer, whose export is collective: the caller must sync.
-                self.stale = True
+            # Else the weights live in the trainer, whose export is collective: the caller syncs (it is stale).
             self._epoch += 1
 
 
