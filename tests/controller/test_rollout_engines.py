@@ -15,6 +15,7 @@ from rlmegatron.controller import rollout_engines, rollout_pool, servers
 from rlmegatron.controller.rank import colocated_engine
 from rlmegatron.controller.servers import Place, server_nodes
 from rlmegatron.controller.role_settings import rollout_settings
+from rlmegatron.rollout.sglang import ServerUnavailable
 from rlmegatron.runtime.launcher import free_port, run_ranks
 from tests.rollout.test_sglang import digest
 
@@ -130,8 +131,9 @@ class RecordingTrainer:
     def connect_engines(self, endpoints) -> None:
         self.calls.append(("connect_engines", endpoints))
 
-    def sync_weights(self, version, restarted=None) -> None:
+    def sync_weights(self, version, restarted=None) -> list[int]:
         self.calls.append(("sync_weights", version, restarted))
+        return []  # no server went down during the push
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
@@ -341,6 +343,14 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     pool.sync("step_1", restarted=[2])
     assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2])]
     assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
+    # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
+    # restart, that ends the run: a re-sync is not retried without bound.
+    trainer.sync_weights = lambda version, restarted=None: list(restarted)  # every server it pushed to went down
+    events.clear()
+    pool.sync("step_2")
+    assert [event for event in events if event[0] == "pushed"] == []
+    with pytest.raises(ServerUnavailable, match=r"rollout engines \[2\] went down again"):
+        pool.sync("step_2", restarted=[2])
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -354,9 +364,10 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
     calls = tmp_path / "calls.jsonl"
 
     class Trainer(RecordingTrainer):
-        def sync_weights(self, version, restarted=None) -> None:
+        def sync_weights(self, version, restarted=None) -> list[int]:
             seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
             self.calls.append(("sync_weights", version, seen))
+            return []
 
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
