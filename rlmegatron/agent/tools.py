@@ -12,7 +12,9 @@ A tool is a class (`path/to/tools.py:ClassName`, or a built-in name such as `pyt
 
 `context.extra_info` is the prompt row's extra_info (per-prompt data for a tool, verl's tools_kwargs), so a tool can
 answer each prompt differently. A call that raises or runs past its timeout does not stop the step: the model sees an
-error message as the tool's answer, and the trajectory's metrics count it.
+error message as the tool's answer, and the trajectory's metrics count it. Nor does a `create` that raises or
+times out: every call of that trajectory to the tool answers with that error (`release` runs only for the tools
+created); a `release` that fails is counted in the trajectory's metrics (agent/tool_setup_errors).
 `execute` runs on the engine's event loop beside the other trajectories' calls: blocking work belongs in
 `await asyncio.to_thread(...)` or a subprocess (as the python tool does), else the timeout cannot interrupt it.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Mapping, Sequence
 
 from rlmegatron.errors import UserError
 from rlmegatron.plugins import call_problem, load_plugin, loaded_or_problem
@@ -120,21 +122,41 @@ def build_tools(entries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, A
     return tools
 
 
-async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, timeout_s: float) -> ToolOutcome:
-    """The tool's answer, or an error message the model sees: an exception or a timeout never ends the step."""
+async def _guarded(call: Awaitable[Any], tool: Any, timeout_s: float, doing: str,
+                   raised: str = "") -> tuple[Any, ToolOutcome | None]:
+    """What `call` returned, or None and the error message the model reads (`raised` before the exception's name):
+    an exception or a timeout never ends the step."""
     try:
-        answer = await asyncio.wait_for(tool.execute(dict(args), context), timeout_s)
+        return await asyncio.wait_for(call, timeout_s), None
     except asyncio.TimeoutError:
-        return ToolOutcome(f"Error: the tool {tool_name(tool)} did not answer within {timeout_s:g} s", error=True,
-                           timed_out=True)
+        return None, ToolOutcome(f"Error: the tool {tool_name(tool)} did not {doing} within {timeout_s:g} s",
+                                 error=True, timed_out=True)
     except Exception as err:
-        return ToolOutcome(f"Error: {type(err).__name__}: {err}", error=True)
+        return None, ToolOutcome(f"Error: {raised}{type(err).__name__}: {err}", error=True)
+
+
+async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, timeout_s: float) -> ToolOutcome:
+    """The tool's answer, or an error message the model sees."""
+    answer, failed = await _guarded(tool.execute(dict(args), context), tool, timeout_s, "answer")
+    if failed is not None:
+        return failed
     try:
         text, reward, metrics = answer
         return ToolOutcome(str(text), float(reward), dict(metrics or {}))
     except (TypeError, ValueError):
         return ToolOutcome(f"Error: the tool {tool_name(tool)} returned {type(answer).__name__}, not "
                            "(text, reward_delta, metrics)", error=True)
+
+
+async def tool_lifecycle(tool: Any, method: str, context: ToolContext, timeout_s: float) -> ToolOutcome | None:
+    """The tool's per-trajectory `create` or `release`, if it has one, under the calls' timeout: None when it ran
+    (or there is none), else what went wrong, as the model reads it in place of the tool's answers."""
+    if not hasattr(tool, method):
+        return None
+    doing = "start" if method == "create" else "finish"
+    _, failed = await _guarded(getattr(tool, method)(context), tool, timeout_s, doing,
+                               raised=f"the tool {tool_name(tool)} could not {doing}: ")
+    return failed
 
 
 class ToolsInPrompt:

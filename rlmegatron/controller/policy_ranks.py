@@ -66,8 +66,9 @@ class PolicyRanks:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        self.group.call_all(PolicyRank.sync_weights, version, restarted)
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
+        """The disaggregated servers that went down during the push (rank 0 pushes to them)."""
+        return self.group.call_all(PolicyRank.sync_weights, version, restarted)[0]
 
     # --- checkpoints and export ---
 

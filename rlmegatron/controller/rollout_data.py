@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -158,8 +159,8 @@ def traced_samples(rollout: Rollout, tokenizer: Any, prompts: int | None) -> lis
             "sample_id": prompt.sample_id,
             "sample": result.sample_index,
             "prompt": prompt_texts[uid],
-            # A multi-turn response keeps its template tokens, which show where turns and tool answers begin.
-            "response": tokenizer.decode(result.output_token_ids, skip_special_tokens=result.agent is None),
+            "response": (tokenizer.decode(result.output_token_ids, skip_special_tokens=True) if result.agent is None
+                         else trajectory_text(result, tokenizer)),
             "ground_truth": str(prompt.ground_truth),
             "score": float(rollout.scores[row]),
             "reward": float(rollout.rewards[row]),
@@ -168,6 +169,17 @@ def traced_samples(rollout: Rollout, tokenizer: Any, prompts: int | None) -> lis
                                                 "tool_errors": result.agent.tool_errors}),
         })
     return samples
+
+
+def trajectory_text(result: GenerationResult, tokenizer: Any) -> str:
+    """A multi-turn response as it went: each model turn, then the tool answers rendered after it, each under a
+    label; decoded with the template's tokens, which show where a turn ends and a tool answer begins."""
+    parts, turn = [], 0
+    for by_model, run in itertools.groupby(zip(result.output_token_ids, result.response_mask), key=lambda p: p[1]):
+        turn += bool(by_model)
+        parts += [f"[turn {turn}: {'model' if by_model else 'tool answers'}]",
+                  tokenizer.decode([token for token, _ in run], skip_special_tokens=False)]
+    return "\n".join(parts)
 
 
 def scored(prompts: list[Sample], uids: list[int], results: list[GenerationResult], batch: RolloutBatch,
@@ -213,8 +225,9 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
 
 
 def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:
-    """Multi-turn rollouts: turns per trajectory, tool calls, errors and timeouts, model tokens per turn, and the
-    tools' own metrics (summed per trajectory, averaged here); none for single completions."""
+    """Multi-turn rollouts: turns per trajectory, tool calls, errors and timeouts, tools' create/release failures,
+    model tokens per turn, and the tools' own metrics (summed per trajectory, averaged here); none for single
+    completions."""
     records = [(r.agent, sum(r.response_mask)) for r in results if r.agent is not None]
     if not records:
         return {}
@@ -223,6 +236,7 @@ def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:
         **_stats("agent/tool_calls", torch.tensor([a.tool_calls for a, _ in records])),
         "agent/tool_errors/sum": float(sum(a.tool_errors for a, _ in records)),
         "agent/tool_timeouts/sum": float(sum(a.tool_timeouts for a, _ in records)),
+        "agent/tool_setup_errors/sum": float(sum(a.tool_setup_errors for a, _ in records)),
         **_stats("agent/tokens_per_turn", torch.tensor([tokens / max(a.turns, 1) for a, tokens in records])),
         "agent/tool_reward/mean": sum(a.tool_reward for a, _ in records) / len(records),
     }

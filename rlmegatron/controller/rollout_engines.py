@@ -17,6 +17,7 @@ from rlmegatron.controller.rollout_pool import EngineHost
 from rlmegatron.controller.servers import server_nodes
 from rlmegatron.controller.worker_group import group_on
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.rollout.sglang import ServerUnavailable
 from rlmegatron.tracking.progress import Progress
 
 
@@ -114,17 +115,29 @@ class DisaggregatedEngines:
         """Disaggregated servers keep their memory: nothing else runs on their GPUs."""
 
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+        """A push to every engine leaves out the servers that are down or restarted (`EngineHost.takes_weights`),
+        or that go down during it (`DistributedWeightPush.push`): the push is collective over the trainer ranks and
+        must not fail on one server. The generation that meets such a server restarts it and syncs it as
+        `restarted`, then sends its share again."""
         if restarted is not None:
             self.hosts.call_each(EngineHost.relaunch, {host: () for e in restarted for host in self.node_hosts[e]})
             self.connect(restarted)  # a restarted server left its old group
         targets = list(range(self.count)) if restarted is None else restarted
         leaders = {self.leaders[e]: () for e in targets}
+        paused = self.hosts.call_each(EngineHost.pause_generation, leaders) if self.partial_rollout else {}
+        if restarted is None:
+            ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
+            targets = [e for e in targets if ready[self.leaders[e]] and paused.get(self.leaders[e], True)]
+        down = self.ranks.sync_weights(version, restarted if restarted is not None or len(targets) == self.count
+                                       else targets)
         if self.partial_rollout:
-            self.hosts.call_each(EngineHost.pause_generation, leaders)
-        self.ranks.sync_weights(version, restarted)
-        if self.partial_rollout:
-            self.hosts.call_each(EngineHost.continue_generation, leaders)
-        self.hosts.call_each(EngineHost.weights_pushed, {leader: (version,) for leader in leaders})
+            self.hosts.call_each(EngineHost.continue_generation, {leader: () for leader in paused})
+        if restarted is not None and down:
+            # A restart is bounded (SGLangEngine.max_restarts), a re-sync must be too: no second chance here.
+            raise ServerUnavailable(f"rollout engines {down} went down again while they got the weights after a "
+                                    "restart")
+        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in targets
+                                                         if e not in down})
 
     def shutdown(self) -> None:
         self.hosts.shutdown()

@@ -2,6 +2,7 @@
 class the driver runs as a Ray actor on the pool's bundle, or in its own process without Ray."""
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Optional
 
@@ -9,7 +10,7 @@ from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.servers import Place, ServerNode, generate_or_none, launch_spec, sglang_engine, this_place
 from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
-from rlmegatron.rollout.sglang import SGLangEngine
+from rlmegatron.rollout.sglang import SGLangEngine, ServerUnavailable
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node
 from rlmegatron.tracking.progress import Progress
 
@@ -49,12 +50,25 @@ class EngineHost:
                  progress: Progress = None) -> Optional[list[GenerationResult]]:
         return generate_or_none(self.engine, requests, progress, self.agent)
 
-    def pause_generation(self) -> None:
-        """Partial rollout, before a push: the server aborts what it generates; the engine sends it again."""
-        self.engine.pause_generation()
+    def pause_generation(self) -> bool:
+        """Partial rollout, before a push: the server aborts what it generates; the engine sends it again. False:
+        the server is down (`takes_weights`)."""
+        try:
+            self.engine.pause_generation()
+        except ServerUnavailable:
+            return False
+        return True
 
     def continue_generation(self) -> None:
-        self.engine.continue_generation()
+        with contextlib.suppress(ServerUnavailable):  # down since it paused: the generation that meets it restarts it
+            self.engine.continue_generation()
+
+    def takes_weights(self) -> bool:
+        """Whether a push to every engine may include this server: not one that is down, or restarted (`stale`)
+        and so outside the trainer's weight-update group. With generation running beside the push (one_step_off,
+        async), the generation that met the failure restarts the server and has it rejoined and synced on its own
+        (`Trainer.generate`), as in sync mode."""
+        return not self.engine.stale and self.engine.health()
 
     def weights_pushed(self, version: str) -> None:
         """The trainer broadcast `version` to this server, around the engine, over its weight-update group."""

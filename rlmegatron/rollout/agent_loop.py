@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from rlmegatron.agent.parsers import ToolCall, tool_call_parser
-from rlmegatron.agent.tools import ToolContext, ToolOutcome, build_tools, call_tool
+from rlmegatron.agent.tools import ToolContext, ToolOutcome, build_tools, call_tool, tool_lifecycle
 from rlmegatron.rollout.engine import AgentRecord, GenerationRequest, GenerationResult, RolloutEngine, SamplingSpec
 from rlmegatron.tracking.progress import Progress, report
 
@@ -91,9 +91,29 @@ class Trajectory:
         self.finish: Optional[str] = None
         self.weight_version: Optional[str] = None
         self.turns = self.answer_start = 0
-        self.tool_calls = self.tool_errors = self.tool_timeouts = 0
+        self.tool_calls = self.tool_errors = self.tool_timeouts = self.tool_setup_errors = 0
         self.tool_reward = 0.0
         self.tool_metrics: dict[str, float] = {}
+        self.created: list[Any] = []
+        self.unavailable: dict[str, ToolOutcome] = {}
+        """Tools whose `create` failed, by name: what each call to them answers."""
+
+    async def create_tools(self) -> None:
+        """Each tool's `create`, for this trajectory: one that fails leaves its tool unavailable here, the others
+        serve as usual."""
+        for name, tool in self.loop.tools.items():
+            failed = await tool_lifecycle(tool, "create", self.context, self.loop.settings.tool_timeout_s)
+            if failed is None:
+                self.created.append(tool)
+            else:
+                self.unavailable[name] = failed
+                self.tool_setup_errors += 1
+
+    async def release_tools(self) -> None:
+        """`release` of every tool this trajectory created, each whatever the others do."""
+        for tool in self.created:
+            failed = await tool_lifecycle(tool, "release", self.context, self.loop.settings.tool_timeout_s)
+            self.tool_setup_errors += failed is not None
 
     @property
     def budget(self) -> int:
@@ -128,7 +148,7 @@ class Trajectory:
         answers, tokenized once; a trajectory whose budget they overrun ends there."""
         answers = []
         for call in self.calls:
-            outcome = await self.loop.run(call, self.context)
+            outcome = self.unavailable.get(call.name) or await self.loop.run(call, self.context)
             self.tool_calls += 1
             self.tool_errors += outcome.error
             self.tool_timeouts += outcome.timed_out
@@ -156,7 +176,8 @@ class Trajectory:
             weight_version=self.weight_version,
             response_mask=tuple(self.mask),
             agent=AgentRecord(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
-                              tool_timeouts=self.tool_timeouts, tool_reward=self.tool_reward,
+                              tool_timeouts=self.tool_timeouts, tool_setup_errors=self.tool_setup_errors,
+                              tool_reward=self.tool_reward,
                               answer_start=self.answer_start, tool_metrics=dict(self.tool_metrics)),
         )
 
@@ -185,14 +206,13 @@ class AgentLoop:
         return [trajectory.result() for trajectory in trajectories]
 
     async def _around_tools(self, run, trajectories: list[Trajectory]) -> None:
-        """Each tool's per-trajectory `create` before the first turn, `release` after the last, whatever happens."""
-        tools = self.tools.values()
-        await asyncio.gather(*(tool.create(t.context) for t in trajectories for tool in tools if hasattr(tool, "create")))
+        """Each tool's per-trajectory `create` before the first turn and, for each one created, `release` after the
+        last, whatever happens; neither failing stops the step (`Trajectory.create_tools`)."""
+        await asyncio.gather(*(t.create_tools() for t in trajectories))
         try:
             await run
         finally:
-            await asyncio.gather(*(tool.release(t.context) for t in trajectories for tool in tools
-                                   if hasattr(tool, "release")), return_exceptions=True)
+            await asyncio.gather(*(t.release_tools() for t in trajectories))
 
     async def _batched(self, engine: RolloutEngine, trajectories: list[Trajectory], progress: Progress) -> None:
         running = trajectories

@@ -63,6 +63,8 @@ class AgentRecord:
     tool_errors: int
     """Calls that raised, timed out, named no known tool or could not be read."""
     tool_timeouts: int
+    tool_setup_errors: int
+    """Tools' per-trajectory `create` or `release` that raised or timed out."""
     tool_reward: float
     """The sum of the tools' reward deltas, added to the sample's reward."""
     answer_start: int

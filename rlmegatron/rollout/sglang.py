@@ -448,6 +448,11 @@ class SGLangEngine(RolloutEngine):
             if self.restarts >= self.max_restarts:
                 raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
             self.restarts += 1
+            if self.resync is None:
+                # Unusable from here until the caller pushes the trained weights, also while the new server comes
+                # up healthy: a push to every engine beside this recovery (one_step_off, async) must leave it out
+                # (`EngineHost.takes_weights`), as the server is outside the weight-update group it pushes over.
+                self.stale = True
             if self.in_router:
                 # Until it holds the trained weights again, the router must not send it anything.
                 self.router.remove_worker(self.spec.url)
@@ -465,9 +470,7 @@ class SGLangEngine(RolloutEngine):
             if self.resync is not None:
                 stream, version = self.resync()
                 self.update_weights(stream, version)
-            else:
-                # The weights live in the trainer, whose export is collective: the caller must sync.
-                self.stale = True
+            # Else the weights live in the trainer, whose export is collective: the caller syncs (it is stale).
             self._epoch += 1
 
 
@@ -519,13 +522,20 @@ class DistributedWeightPush:
         pending.result()
         self.servers[key] = (client, group, process_group)
 
-    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> None:
+    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> list[int]:
         """Per bucket and server: announce names/dtypes/shapes, then broadcast in exactly that order while the
-        server's request is pending. `only` limits the push to those servers (restarted ones)."""
-        targets = [self.servers[key] for key in (self.servers if only is None else only)]
+        server's request is pending. `only` limits the push to those servers (restarted ones). Returns the servers
+        that went down during the push (ServerUnavailable): the others get every bucket all the same, and the stream
+        is walked whole, as the other trainer ranks export it collectively; a server left out is restarted by the
+        generation that next meets it, and joins a new group."""
+        keys = list(self.servers if only is None else only)
+        down: list[int] = []
         for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
             pairs = bucket.named_tensors()
-            for client, group, process_group in targets:
+            for key in keys:
+                if key in down:
+                    continue
+                client, group, process_group = self.servers[key]
                 announce = _in_thread(lambda: client.update_weights_from_distributed(
                     names=[name for name, _ in pairs],
                     dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
@@ -537,11 +547,20 @@ class DistributedWeightPush:
                 # fails the push with its answer instead of leaving this rank in a broadcast for ever.
                 sent = [torch.distributed.broadcast(tensor, group_src=0, group=process_group, async_op=True)
                         for _, tensor in pairs]
-                announce.result()
+                try:
+                    announce.result()
+                except ServerUnavailable:
+                    down.append(key)  # its broadcasts go with its group, which is never used again
+                    continue
                 for work in sent:
                     work.wait()
-        for client, _, _ in targets:
-            client.flush_cache()
+        for key in keys:
+            if key not in down:
+                try:
+                    self.servers[key][0].flush_cache()
+                except ServerUnavailable:
+                    down.append(key)
+        return down
 
 
 def _in_thread(call: Callable[[], Any]) -> Future:

@@ -198,15 +198,18 @@ class ConsoleBackend:
 
 
 def format_samples(samples: Sequence[Mapping[str, Any]], step: int) -> str:
-    """Rollout samples for reading: each prompt once, then each of its responses with its score."""
+    """Rollout samples for reading: each prompt once, then each of its responses with its score (and a multi-turn
+    response's turns and tool calls)."""
     lines = [f"══ step {step}: rollout samples ══"]
     shown_prompt = None
     for sample in samples:
         if sample["prompt"] != shown_prompt or sample["sample"] == 0:
             shown_prompt = sample["prompt"]
             lines += [f"── prompt {sample['sample_id']} (ground truth: {sample['ground_truth']}) ──", sample["prompt"]]
+        agent = (f", {sample['turns']} turns, {sample['tool_calls']} tool calls ({sample['tool_errors']} failed)"
+                 if "turns" in sample else "")
         lines += [f"── response {sample['sample']}: score {sample['score']:.4g}, reward {sample['reward']:.4g}, "
-                  f"{sample['response_length']} tokens ──", sample["response"]]
+                  f"{sample['response_length']} tokens{agent} ──", sample["response"]]
     return "\n".join(lines) + "\n"
 
 

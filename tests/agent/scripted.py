@@ -1,6 +1,7 @@
 """Test doubles for the agent loop: an engine that plays scripted turns, and tools with known answers."""
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
 from rlmegatron.agent.parsers import ToolCall, ToolCallParser
@@ -76,8 +77,11 @@ class Add:
         "name": "add", "description": "x + y",
         "parameters": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}}}
 
+    def __init__(self, reward: float = 0.0) -> None:
+        self.reward = reward
+
     async def execute(self, args, context):
-        return str(args["x"] + args["y"]), 0.0, {}
+        return str(args["x"] + args["y"]), self.reward, {}
 
 
 class Echo:
@@ -94,3 +98,32 @@ class EveryTurn(ToolCallParser):
 
     def parse(self, text):
         return [ToolCall("echo", {"said": text})]
+
+
+class Fragile:
+    """Fails where its prompt's extra_info says ({"create" or "release": "raise" or "hang"}); answers each call with
+    what `create` set up, and records whose state it released."""
+
+    schema = {"type": "function", "function": {"name": "fragile", "parameters": {}}}
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def create(self, context):
+        await self._fail(context, "create")
+        context.state["fragile"] = f"ready {context.trajectory_id}"
+
+    async def execute(self, args, context):
+        return context.state["fragile"], 0.0, {}
+
+    async def release(self, context):
+        self.released.append(context.trajectory_id)
+        await self._fail(context, "release")
+
+    @staticmethod
+    async def _fail(context, stage):
+        mode = context.extra_info.get(stage)
+        if mode == "raise":
+            raise RuntimeError(f"{stage} broke")
+        if mode == "hang":
+            await asyncio.sleep(60)

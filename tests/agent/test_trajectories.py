@@ -2,12 +2,14 @@
 the chat template and tokenized once; the response mask and the log-probs cover exactly the model's tokens."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings, ToolTurns
-from rlmegatron.controller.rollout_data import batch_metrics, build_batch, reward_inputs, scored, token_level
+from rlmegatron.controller.rollout_data import agent_metrics, batch_metrics, build_batch, reward_inputs, scored, token_level
 from rlmegatron.data import Sample
 from rlmegatron.rewards import RewardResult
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
@@ -144,3 +146,44 @@ def test_tool_answers_follow_the_turn_where_the_template_renders_the_last_assist
     finally:
         tokenizer.chat_template = original
     assert text == "\n<|im_start|>tool\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tool_whose_create_or_release_fails_answers_with_the_error_and_the_step_goes_on():
+    tokenizer = bpe_chat_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turns = [byte_tokens(tokenizer, call("fragile", "{}") + call("add", '{"x": 1, "y": 2}')) + [eos],
+             byte_tokens(tokenizer, "done") + [eos]]
+    failures = [{"create": "raise"}, {"create": "hang"}, {"release": "raise"}, {"release": "hang"}, {}]
+    # ScriptedEngine tells the trajectories apart by their prompts' first token.
+    requests = [GenerationRequest((10 + i, 5), SamplingSpec(max_new_tokens=2000), failure)
+                for i, failure in enumerate(failures)]
+    loop = AgentLoop(settings(tools=((f"{HERE / 'scripted.py'}:Fragile", {}), (f"{HERE / 'scripted.py'}:Add", {})),
+                              tool_timeout_s=0.3), tokenizer)
+    start = time.perf_counter()
+    results = loop.generate(ScriptedEngine(turns, eos), requests)
+    assert time.perf_counter() - start < 10  # the hanging create and release were cut at the timeout
+
+    answers = [tokenizer.decode([t for t, m in zip(r.output_token_ids, r.response_mask) if not m]) for r in results]
+    assert "Error: the tool fragile could not start: RuntimeError: create broke" in answers[0]
+    assert "Error: the tool fragile did not start within 0.3 s" in answers[1]
+    for index in (2, 3, 4):
+        assert f"ready {index}/0" in answers[index]
+    assert all("\n3<|im_end|>" in answer for answer in answers)  # the other tool served every trajectory
+    assert [r.finish_reason for r in results] == ["stop"] * 5 and all(r.agent.turns == 2 for r in results)
+    assert [r.agent.tool_errors for r in results] == [1, 1, 0, 0, 0]
+    assert [r.agent.tool_timeouts for r in results] == [0, 1, 0, 0, 0]
+    assert [r.agent.tool_setup_errors for r in results] == [1, 1, 1, 1, 0]
+    # Released once for every trajectory it was created for, and only those.
+    assert sorted(loop.tools["fragile"].released) == ["2/0", "3/0", "4/0"]
+    assert agent_metrics(results)["agent/tool_setup_errors/sum"] == 4
+
+
+def test_a_failing_release_still_runs_when_the_engine_fails_mid_trajectory():
+    tokenizer = bpe_chat_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    loop = AgentLoop(settings(tools=((f"{HERE / 'scripted.py'}:Fragile", {}),)), tokenizer)
+    requests = [GenerationRequest((10 + i, 5), SamplingSpec(max_new_tokens=2000), {"release": "raise"})
+                for i in range(2)]
+    with pytest.raises(IndexError):  # the script runs out of turns: the engine's error is the step's
+        loop.generate(ScriptedEngine([], eos), requests)
+    assert sorted(loop.tools["fragile"].released) == ["0/0", "1/0"]

@@ -15,6 +15,7 @@ from rlmegatron.controller import rollout_engines, rollout_pool, servers
 from rlmegatron.controller.rank import colocated_engine
 from rlmegatron.controller.servers import Place, server_nodes
 from rlmegatron.controller.role_settings import rollout_settings
+from rlmegatron.rollout.sglang import ServerUnavailable
 from rlmegatron.runtime.launcher import free_port, run_ranks
 from tests.rollout.test_sglang import digest
 
@@ -130,8 +131,9 @@ class RecordingTrainer:
     def connect_engines(self, endpoints) -> None:
         self.calls.append(("connect_engines", endpoints))
 
-    def sync_weights(self, version, restarted=None) -> None:
+    def sync_weights(self, version, restarted=None) -> list[int]:
         self.calls.append(("sync_weights", version, restarted))
+        return []  # no server went down during the push
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
@@ -261,24 +263,31 @@ def servers_recording_to(calls: Path) -> list[str]:
     return found
 
 
+class ServerlessHost(rollout_pool.EngineHost):
+    """A rollout-pool host on one node whose launch is answered with a URL: no server starts. It records what the
+    driver asks of it in `events`; every server takes the weights."""
+
+    events: list = []
+
+    def place(self):
+        return Place("n0", "cpu", "127.0.0.1", 5000)
+
+    def launch(self, devices, node):
+        self.index = node.engine
+        return f"http://server-{node.engine}"
+
+    def takes_weights(self):
+        return True
+
+    def weights_pushed(self, version):
+        self.events.append(("pushed", self.index, version))
+
+
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rollout_engines import DisaggregatedEngines
-    from rlmegatron.controller.rollout_pool import EngineHost
 
-    class Host(EngineHost):
-        """Places on one node; launching is answered with a URL, no server starts."""
-
-        def place(self):
-            return Place("n0", "cpu", "127.0.0.1", 5000)
-
-        def launch(self, devices, node):
-            return f"http://server-{node.engine}"
-
-        def weights_pushed(self, version):
-            pass
-
-    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
+    monkeypatch.setattr(rollout_engines, "EngineHost", ServerlessHost)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
@@ -286,6 +295,62 @@ def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
         pool = DisaggregatedEngines(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
                                                                disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tmp_path, monkeypatch, partial):
+    """one_step_off and async generate beside the push: a server may have died under that generation (its pause
+    fails), or been restarted by it and wait, outside the trainer's weight-update group, for the push to it alone.
+    The push to every engine must leave such a server out (a collective push to a dead peer fails or hangs); every
+    server paused is continued, and only those pushed to are marked as holding the version."""
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+
+    events = []
+
+    class Host(ServerlessHost):
+        """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale)."""
+
+        def pause_generation(self):
+            events.append(("pause", self.index))
+            return self.index != 1
+
+        def continue_generation(self):
+            events.append(("continue", self.index))
+
+        def takes_weights(self):
+            return self.index == 0
+
+        def relaunch(self):
+            events.append(("relaunch", self.index))
+
+    monkeypatch.setattr(rollout_engines, "EngineHost", Host)
+    monkeypatch.setattr(Host, "events", events)
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
+        "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=3",
+        "rollout.engine=sglang", f"trainer.run_dir={tmp_path}", "trainer.mode=async",
+        f"trainer.partial_rollout={str(partial).lower()}"])
+    trainer = RecordingTrainer()
+    pool = DisaggregatedEngines(rollout_settings(spec), trainer)
+    events.clear()
+    pool.sync("step_1")
+    assert trainer.calls[-1] == ("sync_weights", "step_1", [0])  # to engine 0 alone
+    pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)] if partial else []
+    assert events == pauses + [("pushed", 0, "step_1")]
+    # The generation that met the failure syncs a server as restarted: to it alone, whatever else is down.
+    events.clear()
+    pool.sync("step_1", restarted=[2])
+    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2])]
+    assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
+    # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
+    # restart, that ends the run: a re-sync is not retried without bound.
+    trainer.sync_weights = lambda version, restarted=None: list(restarted)  # every server it pushed to went down
+    events.clear()
+    pool.sync("step_2")
+    assert [event for event in events if event[0] == "pushed"] == []
+    with pytest.raises(ServerUnavailable, match=r"rollout engines \[2\] went down again"):
+        pool.sync("step_2", restarted=[2])
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -299,9 +364,10 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
     calls = tmp_path / "calls.jsonl"
 
     class Trainer(RecordingTrainer):
-        def sync_weights(self, version, restarted=None) -> None:
+        def sync_weights(self, version, restarted=None) -> list[int]:
             seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
             self.calls.append(("sync_weights", version, seen))
+            return []
 
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",

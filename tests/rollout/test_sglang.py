@@ -315,6 +315,28 @@ def test_distributed_update_broadcasts_in_announced_order(tmp_path):
         engine.shutdown()
 
 
+def test_a_server_that_dies_during_a_push_is_left_out_and_the_others_get_every_weight(tmp_path):
+    """The first of two servers dies as its second bucket is announced: the push returns it as down (the driver
+    leaves it to the generation that restarts it), and goes on, in time, to push every bucket to the other one."""
+    engines = [make_engine(tmp_path, **{"fake-die-on-push": 2}) for _ in range(2)]  # only one may die: the marker
+    try:
+        push = DistributedWeightPush(bucket_bytes=1024, travel_rules=DEEPSEEK_TRAVEL_RULES)
+        for key, engine in enumerate(engines):
+            group = DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"sync_{key}", backend="gloo")
+            push.connect(key, engine.spec.url, engine.spec.tp_size, group)
+        started = time.monotonic()
+        assert push.push(iter(weights()), "v3") == [0]
+        assert time.monotonic() - started < 20
+        assert not engines[0].client.health()  # it did die
+        pushed = server_weights(engines[1])
+        assert pushed["version"] == "v3"
+        assert pushed["weights"] == {name: digest(tensor) for name, tensor in weights()}
+        assert push.push(iter(weights()), "v4", only=[1]) == []  # the survivor's group still serves
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
 def start_router(tmp_path: Path, legacy: bool = False) -> tuple[ServerProcess, str]:
     port = free_port()
     extra = {"fake-record": str(tmp_path / "router.jsonl"), "fake-legacy": legacy}

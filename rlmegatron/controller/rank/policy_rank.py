@@ -82,9 +82,10 @@ class PolicyRank:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
         self.weights.connect(endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        """Trained weights -> the engines (all, or the `restarted` ones), as HF-named full tensors."""
-        self.weights.sync(version, restarted)
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
+        """Trained weights -> the engines (all, or the `restarted` ones), as HF-named full tensors; returns the
+        disaggregated servers that went down during the push (left out of it)."""
+        return self.weights.sync(version, restarted)
 
     def shutdown(self) -> None:
         if self.engine is not None:

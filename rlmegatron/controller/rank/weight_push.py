@@ -23,7 +23,7 @@ from rlmegatron.models.lora import adapters_disabled
 from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import INITIAL_VERSION
-from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient
+from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, ServerUnavailable
 from rlmegatron.runtime.launcher import free_port
 
 
@@ -57,49 +57,59 @@ class WeightPush:
                                          self.settings.weight_group_backend)
             self.distributed.connect(engine, url, tp_size, group)
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
+    def sync(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
         """The trained weights to the engines: all, or the `restarted` ones. With adapter sync, the base weights at
-        the start and to restarted servers, and the adapters of every trained version."""
+        the start and to restarted servers, and the adapters of every trained version. Returns the disaggregated
+        servers that went down during the push (`DistributedWeightPush.push`): left out, not failed."""
         lora, chunks = self.settings.lora, self.models.actor.chunks
+        down: list[int] = []
         with self.models.phase("actor"):
             if lora is None or version == INITIAL_VERSION or restarted is not None:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    self._push(self._exporter().stream(), version, restarted)
+                    down += self._push(self._exporter().stream(), version, restarted)
             if lora is not None and version != INITIAL_VERSION:
-                self._push_adapter(version, restarted)
+                down += self._push_adapter(version, restarted, down)
+        return down
 
     def _exporter(self) -> HFWeightExporter:
         if self.exporter is None:
             self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
         return self.exporter
 
-    def _push(self, stream, version: str, restarted: Optional[list[int]]) -> None:
+    def _push(self, stream, version: str, restarted: Optional[list[int]]) -> list[int]:
         if self.distributed is not None:
-            self.distributed.push(stream, version, only=restarted)
-        elif self.engine is not None:
+            return self.distributed.push(stream, version, only=restarted)
+        if self.engine is not None:
             self.engine.receive_weights(stream, version, restarted)
         else:
             collections.deque(stream, maxlen=0)
+        return []
 
-    def _push_adapter(self, version: str, restarted: Optional[list[int]]) -> None:
+    def _push_adapter(self, version: str, restarted: Optional[list[int]], down: list[int]) -> list[int]:
         """The adapters as a PEFT adapter named `version`, written once (rank 0) and loaded by every server; the
         previous version's files go once every server has loaded its successor."""
         path = os.path.join(self.settings.adapter_dir, version)
         previous, self.adapter_path = self.adapter_path, path
         export_peft_adapter(self._exporter(), path, self.settings.lora, self.settings.model.path)
+        went_down = []
         if self.distributed is not None:
             for engine, url in self.server_urls.items():
-                if restarted is not None and engine not in restarted:
+                if (restarted is not None and engine not in restarted) or engine in down:
                     continue
                 client = SGLangClient(url)
-                client.load_lora_adapter(version, path)
-                held = self.loaded_adapters.get(engine) if restarted is None else None
-                if held is not None and held != version:
-                    client.unload_lora_adapter(held)
-                client.flush_cache()
+                try:
+                    client.load_lora_adapter(version, path)
+                    held = self.loaded_adapters.get(engine) if restarted is None else None
+                    if held is not None and held != version:
+                        client.unload_lora_adapter(held)
+                    client.flush_cache()
+                except ServerUnavailable:
+                    went_down.append(engine)  # as in DistributedWeightPush.push: left out, restarted when next met
+                    continue
                 self.loaded_adapters[engine] = version
         elif self.engine is not None:
             self.engine.receive_adapter(version, path, version, restarted)
         torch.distributed.barrier()
         if previous is not None and previous != path and torch.distributed.get_rank() == 0:
             shutil.rmtree(previous, ignore_errors=True)
+        return went_down

@@ -3,8 +3,9 @@
 It validates field names and types strictly (400 on anything unexpected), really unpickles the weight
 buckets and joins the weight-update process group, records every call to a JSONL file the tests read,
 takes `--fake-token-delay` seconds per token if asked (so `/pause_generation` finds requests in flight: as SGLang's
-default abort mode does, it ends them with what they have and finish reason abort), and can crash on purpose (`--fake-die-after-generates`), fail to start (`--fake-fail-start`) or take its time
-(`--fake-slow-start SECONDS`).
+default abort mode does, it ends them with what they have and finish reason abort), and can crash on purpose (on its
+Nth request, `--fake-die-after-generates`, or its Nth weight bucket, `--fake-die-on-push`), fail to start
+(`--fake-fail-start`) or take its time (`--fake-slow-start SECONDS`).
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
 once every other node joined; other nodes serve no HTTP; losing any node ends the whole server.
@@ -69,6 +70,7 @@ class FakeServer:
         self.weight_version = "default"
         self.released = set()
         self.generates = 0
+        self.pushes = 0
         self.lock = threading.Lock()
         self.groups = {}
         self.nodes_joined = threading.Event()
@@ -197,6 +199,9 @@ class FakeServer:
         expect(body, {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
                       "weight_version": (str, type(None))})
         group = self.groups[body["group_name"]]
+        self.pushes += 1
+        if self.pushes == self.args.fake_die_on_push and self.first_to_die():
+            os._exit(3)  # announced, before the broadcast: the trainer's side of it is left waiting
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             torch.distributed.broadcast(tensor, group_src=0, group=group)
@@ -314,6 +319,7 @@ def main():
     parser.add_argument("--fake-record", required=True)
     parser.add_argument("--fake-marker", default="")
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
+    parser.add_argument("--fake-die-on-push", type=int, default=0)
     parser.add_argument("--fake-fail-start", default="")
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
     parser.add_argument("--fake-token-delay", type=float, default=0.0)
