@@ -159,14 +159,17 @@ class Bucketer:
         total = sum(tensor_nbytes(t) for _, t in named_tensors)
         device = named_tensors[0][1].device
         flat = self._allocate(total, device)
-        metadata = []
+        metadata, destinations, sources = [], [], []
         offset = 0
         for name, tensor in named_tensors:
             nbytes = tensor_nbytes(tensor)
             if nbytes:
-                flat[offset : offset + nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+                destinations.append(flat[offset : offset + nbytes])
+                sources.append(tensor.detach().reshape(-1).view(torch.uint8))
             metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
             offset += nbytes
+        if destinations:  # one multi-tensor copy, not a launch per tensor
+            torch._foreach_copy_(destinations, sources)
         return FlattenedBucket(flat, metadata)
 
     def _allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
