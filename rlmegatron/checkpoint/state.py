@@ -1,13 +1,16 @@
 """Rank side of a checkpoint: model and optimizer through dist_checkpointing, and this rank's RNG states."""
 from __future__ import annotations
 
+import json
 import os
 import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlmegatron.models.lora import has_adapters, is_adapter_name
+from rlmegatron.models.lora import LoRASettings, has_adapters, is_adapter_name
 from rlmegatron.runtime.distributed import rng_tracker_states, set_rng_tracker_states
 from rlmegatron.workers.megatron_step import unwrap
 
@@ -40,6 +43,23 @@ def save_training_state(worker, path: str) -> None:
                              "lr_scheduler": worker.scheduler.state_dict()}, path)
 
 
+def _load_model_state(chunks: list, state: dict) -> None:
+    strict = not has_adapters(chunks)  # adapters alone leave the base weights as they are
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state, strict=strict)
+    else:
+        for i, chunk in enumerate(chunks):
+            unwrap(chunk).load_state_dict(state[f"model{i}"], strict=strict)
+
+
+def load_model_weights(chunks: list, path: str) -> None:
+    """The model part of a training state `save_training_state` wrote (with LoRA: the adapters) into `chunks`, at
+    their layout, whatever the saved one; optimizer and schedule stay on disk."""
+    from megatron.core import dist_checkpointing
+
+    _load_model_state(chunks, dist_checkpointing.load({"model": _model_sharded_state_dict(chunks)}, path)["model"])
+
+
 def load_training_state(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -53,17 +73,36 @@ def load_training_state(worker, path: str) -> None:
     state = dist_checkpointing.load(
         {"model": model, "optimizer": _optimizer_state(worker, model, is_loading=True)}, path
     )
-    strict = not has_adapters(worker.chunks)  # adapters alone leave the base weights as they are
-    if len(worker.chunks) == 1:
-        unwrap(worker.chunks[0]).load_state_dict(state["model"], strict=strict)
-    else:
-        for i, chunk in enumerate(worker.chunks):
-            unwrap(chunk).load_state_dict(state["model"][f"model{i}"], strict=strict)
+    _load_model_state(worker.chunks, state["model"])
     with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
         worker.optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(worker.optimizer, state["optimizer"])
     # After the optimizer, whose param groups carry the saved learning rates: the schedule sets them anew.
     worker.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+ADAPTER_META = "lora.json"
+"""Beside a LoRA actor's training state: what its adapters adapt, which the adapter-only checkpoint lacks."""
+
+
+@dataclass(frozen=True)
+class AdapterMeta:
+    """The LoRA settings and base model of an adapter-only checkpoint: what `rlm convert lora-to-hf` rebuilds."""
+
+    lora: LoRASettings
+    base_model: str  # the HF directory whose weights the adapters adapt
+    dtype: str
+    random_init: bool  # the base weights were random ones, in no file
+
+    def save(self, directory: str) -> None:
+        data = {**asdict(self), "lora": {**asdict(self.lora), "target_modules": list(self.lora.target_modules)}}
+        Path(directory, ADAPTER_META).write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "AdapterMeta":
+        data = json.loads(Path(directory, ADAPTER_META).read_text())
+        lora = data.pop("lora")
+        return cls(lora=LoRASettings(**{**lora, "target_modules": tuple(lora["target_modules"])}), **data)
 
 
 def _restore_adam_steps(optimizer, loaded) -> None:

@@ -98,3 +98,35 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             if torch.distributed.get_rank() == 0:
                 report[f"{family}/{label}"]["resharded"] = merged
     return report
+
+
+def checkpoint_job(path: str, layouts: dict[str, ParallelLayout], workdir: str) -> dict:
+    """Per label: a LoRA actor at its layout trained two steps (so B is not zero), saved as a training checkpoint the
+    way a run saves one (adapters, AdapterMeta, manifest) under workdir/label, and its Megatron logits of fixed tokens
+    with the adapters on and off (rank 0)."""
+    from pathlib import Path
+
+    from rlmegatron.checkpoint.integrity import write_manifest
+    from rlmegatron.checkpoint.state import AdapterMeta, save_training_state
+    from rlmegatron.models.convert import megatron_logits, verify_tokens
+
+    batch, report = rollout_batch(), {}
+    for label, layout in layouts.items():
+        actor, weight_map = build_actor(path, layout, LORA)
+        train_batch = replace(batch, old_log_probs=actor.compute_log_prob(batch)[0] - 0.05 * batch.response_mask)
+        for _ in range(2):
+            actor.update(train_batch)
+        chunks, facts = [unwrap(chunk) for chunk in actor.chunks], weight_map.facts
+        tokens = verify_tokens(facts.vocab_size)
+        logits = megatron_logits(chunks, facts, tokens)
+        with adapters_disabled(actor.chunks):
+            base_logits = megatron_logits(chunks, facts, tokens)
+        checkpoint = os.path.join(workdir, label)
+        save_training_state(actor, os.path.join(checkpoint, "actor"))
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            AdapterMeta(LORA, path, "fp32", random_init=False).save(os.path.join(checkpoint, "actor"))
+            write_manifest(Path(checkpoint), step=2)
+            report[label] = {"tokens": tokens, "logits": logits, "base_logits": base_logits}
+        torch.distributed.barrier()
+    return report

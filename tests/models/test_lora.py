@@ -91,3 +91,43 @@ def test_adapters_saved_at_one_layout_load_at_tp1_with_the_same_merged_weights(r
     """A distributed checkpoint of the adapters reshards: fc1's B by its gate and up halves, experts by their ids."""
     result = report[f"{family}/{label}"]
     assert max(float((result["resharded"][n] - result["merged"][n]).abs().max()) for n in result["merged"]) == 0.0
+
+
+# ---- `rlm convert lora-to-hf`: a run's adapter-only checkpoint as a PEFT adapter and as merged HF weights ----------
+# Trained at one TP size, converted at the other: the checkpoint reshards, and both exporter paths run.
+CONVERTED = {"TP1": ("1", L()), "TP2": ("2", L(tp=2))}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from rlmegatron.convert_cli import main
+    from tests.models.lora_jobs import checkpoint_job
+
+    workdir = tmp_path_factory.mktemp("lora_convert")
+    save_tiny_model("qwen3", str(workdir / "base"))
+    trained = run_ranks(checkpoint_job, 2, str(workdir / "base"), {label: layout for label, (_, layout) in
+                                                                    CONVERTED.items()}, str(workdir), timeout_s=600)[0]
+    for label, (convert_tp, _) in CONVERTED.items():
+        other_tp = "2" if convert_tp == "1" else "1"
+        assert main(["lora-to-hf", "--checkpoint", str(workdir / label), "--tp", other_tp, "--device", "cpu",
+                     "--adapter-out", str(workdir / f"{label}-peft"), "--merged-out", str(workdir / f"{label}-merged")
+                     ]) == 0
+    return workdir, trained
+
+
+@pytest.mark.parametrize("label", CONVERTED)
+def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_our_logits(converted, label):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    workdir, trained = converted
+    ours = trained[label]
+    adapter_effect = (ours["logits"] - ours["base_logits"]).abs().max()
+    assert adapter_effect > 1e-2, "the adapters must move the logits far beyond the tolerance"
+    base = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(workdir / f"{label}-merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
+        assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+        peft = PeftModel.from_pretrained(base, workdir / f"{label}-peft").eval()
+        assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
