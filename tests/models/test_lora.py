@@ -131,3 +131,19 @@ def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_ou
         assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
         peft = PeftModel.from_pretrained(base, workdir / f"{label}-peft").eval()
         assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family,label,layout", CASES, ids=[f"{f}-{label}" for f, label, _ in CASES])
+def test_the_planner_counts_the_adapters_each_rank_holds(report, family, label, layout):
+    """`rlm plan`'s LoRA count (planner.parameters.lora_parameters), against the factors rank 0 really holds."""
+    from rlmegatron.models.families import architecture_of
+    from rlmegatron.planner.parameters import lora_parameters
+    from tests.models.lora_jobs import LORA
+    from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
+
+    arch = architecture_of({"model_type": family, **COMMON, **FAMILY_CONFIGS[family]})
+    layers = lora_parameters(arch, LORA.rank, LORA.target_modules)
+    stage = layers[: len(layers) // layout.pp]  # rank 0: the first pipeline stage
+    etp = layout.etp or layout.tp
+    expected = sum(layer.dense_per_gpu(layout.tp) + layer.experts_per_gpu(layout.ep, etp) for layer in stage)
+    assert report[f"{family}/{label}"]["adapter_numel"] == expected
