@@ -16,10 +16,14 @@ from rlmegatron.workers.megatron_step import unwrap
 
 
 def _model_sharded_state_dict(chunks: list) -> dict:
-    """The trained weights: with LoRA only the adapters, as the base model is the HF checkpoint's, unchanged."""
+    """The trained weights: with LoRA only the adapters and the modules it trains whole, as the base model is the HF
+    checkpoint's, unchanged."""
     adapters_only = has_adapters(chunks)
-    states = [{key: value for key, value in unwrap(chunk).sharded_state_dict().items()
-               if not adapters_only or is_adapter_name(key)} for chunk in chunks]
+    states = []
+    for chunk in chunks:
+        trained = {name for name, param in unwrap(chunk).named_parameters() if param.requires_grad}
+        states.append({key: value for key, value in unwrap(chunk).sharded_state_dict().items()
+                       if not adapters_only or is_adapter_name(key) or key in trained})
     return states[0] if len(chunks) == 1 else {f"model{i}": state for i, state in enumerate(states)}
 
 
@@ -95,14 +99,13 @@ class AdapterMeta:
     random_init: bool  # the base weights were random ones, in no file
 
     def save(self, directory: str) -> None:
-        data = {**asdict(self), "lora": {**asdict(self.lora), "target_modules": list(self.lora.target_modules)}}
-        Path(directory, ADAPTER_META).write_text(json.dumps(data, indent=1))
+        Path(directory, ADAPTER_META).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, directory: str | Path) -> "AdapterMeta":
         data = json.loads(Path(directory, ADAPTER_META).read_text())
-        lora = data.pop("lora")
-        return cls(lora=LoRASettings(**{**lora, "target_modules": tuple(lora["target_modules"])}), **data)
+        lora = {key: tuple(value) if isinstance(value, list) else value for key, value in data.pop("lora").items()}
+        return cls(lora=LoRASettings(**lora), **data)
 
 
 def _restore_adam_steps(optimizer, loaded) -> None:

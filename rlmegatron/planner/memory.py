@@ -115,10 +115,11 @@ def training_memory(
     offload: OffloadConfig,
     batch: MicroBatch,
     lora: tuple[LoRALayerParameters, ...] | None = None,
+    modules_to_save: tuple[str, ...] = (),
 ) -> TrainingMemory:
     """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout); with
     `lora` (the actor's adapters, per layer) the base weights are frozen: gradients and Adam state are the adapters'
-    alone."""
+    alone, and those of the `modules_to_save` (actor.lora) that train whole."""
     world = spec.placement.trainer_world_size
     tp, pp, cp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, megatron.context_parallel_size
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
@@ -143,8 +144,13 @@ def training_memory(
         experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
         dense_adapters = sum(lora[i].dense_per_gpu(tp) for i in layers) if lora else 0
         expert_adapters = sum(lora[i].experts_per_gpu(ep, etp) for i in layers) if lora else 0
+        saved = params.embedding if "embedding" in modules_to_save and index == 0 else 0
+        if index == pp - 1:  # the output layer, or a tied one's copy of the embedding on a last stage of its own
+            tied_copy = params.output_layer == 0 and pp > 1
+            saved += params.output_layer if "output_layer" in modules_to_save else 0
+            saved += params.embedding if "embedding" in modules_to_save and tied_copy else 0
         # What trains: every weight, or with LoRA only the factors (frozen weights get no gradient or Adam state).
-        trained_dense, trained_experts = (dense_adapters, expert_adapters) if lora else (dense, experts)
+        trained_dense, trained_experts = (dense_adapters + saved // tp, expert_adapters) if lora else (dense, experts)
         in_flight = pp - index if pp > 1 else 1
         stored, recompute_working_set = _stage_activations(arch, megatron, batch, len(layers), cp)
         activations = in_flight * stored + recompute_working_set

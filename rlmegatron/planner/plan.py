@@ -81,7 +81,8 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
                               spec.actor.ppo_max_token_len_per_gpu, spec.actor.megatron)
     lora = spec.actor.lora
     adapters = lora_parameters(arch, lora.rank, tuple(lora.target_modules)) if lora.rank else None
-    actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch, adapters)
+    actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch, adapters,
+                            tuple(lora.modules_to_save))
     resident = {"actor": resident_model_state(actor, spec.actor.offload)}
     if spec.needs_reference and not lora.rank:  # with LoRA the reference is the actor with its adapters off
         ref = training_memory(spec, arch, params, spec.ref.megatron, spec.actor.offload, actor_batch)
