@@ -161,7 +161,8 @@ def training_memory(
                 pipeline_stage=index,
                 dense_parameters=dense,
                 expert_parameters=experts,
-                parameters=(dense + experts + dense_adapters + expert_adapters) * weight,
+                # A module LoRA trains whole keeps a copy of its base weights, for the adapters-off model.
+                parameters=(dense + experts + dense_adapters + expert_adapters + saved // tp) * weight,
                 gradients=(trained_dense + trained_experts) * grad,
                 optimizer_state=trained_dense * dense_optim + trained_experts * expert_optim,
                 activations=activations,

@@ -121,10 +121,11 @@ def test_lora_trains_only_the_adapters_split_over_tp_like_their_weights():
     assert lora.activations == full.activations
     only_qkv = _plan(_spec("qwen3-1.7b", layout, actor={"lora": {"rank": r, "target_modules": ["linear_qkv"]}}))
     assert only_qkv.actor.adapter_parameters == layers * qkv
-    # The (tied) embedding trained whole beside them: its TP shard gets gradients and Adam state too.
+    # The (tied) embedding trained whole beside them: its TP shard gets gradients and Adam state too, and a copy of
+    # its base weights stays for the adapters-off model.
     saved = _plan(_spec("qwen3-1.7b", layout, actor={"lora": {"rank": r, "modules_to_save": ["embedding"]}})).actor
     assert saved.gradients == (adapters + 151936 * h // 2) * 4
-    assert saved.parameters == lora.parameters
+    assert saved.parameters == lora.parameters + 151936 * h // 2 * 2
 
 
 def test_lora_experts_shard_their_adapters_over_ep_and_etp():
