@@ -19,6 +19,7 @@ from tests.workers.jobs import rollout_batch
 
 LORA = LoRASettings(rank=4, alpha=8.0)
 RESHARDED = ("TP2-SP", "EP2")  # layouts whose trained adapters are also loaded back at TP=1
+CONVERTED = ("TP1", "TP2")  # dense layouts saved as a run's checkpoint, for `rlm convert lora-to-hf`
 # adam_eps=1: an Adam step is ~lr*g, so a wrong gradient shows as a wrong update, not as the same sign step.
 SETTINGS = dict(ppo_mini_batch_size=8, micro_batch_size=2, optimizer=OptimizerSettings(lr=0.5, adam_eps=1.0))
 
@@ -45,6 +46,29 @@ def build_actor(path: str, layout: ParallelLayout, lora: LoRASettings | None) ->
 def _adam_state_numel(optimizer) -> int:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return sum(state["exp_avg"].numel() for opt in inner for state in opt.optimizer.state.values())
+
+
+def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str) -> dict | None:
+    """`actor` saved as a run saves its checkpoint (adapters, AdapterMeta, manifest); returns its Megatron logits of
+    fixed tokens with the adapters on and off (rank 0)."""
+    from pathlib import Path
+
+    from rlmegatron.checkpoint.integrity import write_manifest
+    from rlmegatron.checkpoint.state import AdapterMeta, save_training_state
+    from rlmegatron.models.convert import megatron_logits, verify_tokens
+
+    chunks, facts = [unwrap(chunk) for chunk in actor.chunks], weight_map.facts
+    tokens = verify_tokens(facts.vocab_size)
+    logits = megatron_logits(chunks, facts, tokens)
+    with adapters_disabled(actor.chunks):
+        base_logits = megatron_logits(chunks, facts, tokens)
+    save_training_state(actor, os.path.join(checkpoint, "actor"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        AdapterMeta(LORA, base, "fp32", random_init=False).save(os.path.join(checkpoint, "actor"))
+        write_manifest(Path(checkpoint), step=2)
+    torch.distributed.barrier()
+    return {"tokens": tokens, "logits": logits, "base_logits": base_logits}
 
 
 def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict:
@@ -85,6 +109,8 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             result["merged"], result["adapter"] = merged, adapter
         if label in RESHARDED:
             actor.save_weights(os.path.join(workdir, f"{family}-{label}"))
+        if family == "qwen3" and label in CONVERTED:
+            result["logits"] = _save_run_checkpoint(actor, weight_map, path, os.path.join(workdir, f"run-{label}"))
         if label == "TP1":  # the plain model at the same layout: what the adapters start from and switch off to
             del actor
             plain, _ = build_actor(path, layout, None)
@@ -97,36 +123,11 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             merged = dict(HFWeightExporter(actor.chunks, weight_map).stream())
             if torch.distributed.get_rank() == 0:
                 report[f"{family}/{label}"]["resharded"] = merged
+    # `rlm convert lora-to-hf`'s rank body here, on these two ranks at TP=2, for the checkpoint saved at TP=1 (the
+    # test runs the command itself for the other, at TP=1): spawning ranks costs more than converting.
+    from rlmegatron.convert_cli import lora_to_hf
+
+    run = os.path.join(workdir, "run-TP1")
+    lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout(tp=2, sequence_parallel=True))
     return report
 
-
-def checkpoint_job(path: str, layouts: dict[str, ParallelLayout], workdir: str) -> dict:
-    """Per label: a LoRA actor at its layout trained two steps (so B is not zero), saved as a training checkpoint the
-    way a run saves one (adapters, AdapterMeta, manifest) under workdir/label, and its Megatron logits of fixed tokens
-    with the adapters on and off (rank 0)."""
-    from pathlib import Path
-
-    from rlmegatron.checkpoint.integrity import write_manifest
-    from rlmegatron.checkpoint.state import AdapterMeta, save_training_state
-    from rlmegatron.models.convert import megatron_logits, verify_tokens
-
-    batch, report = rollout_batch(), {}
-    for label, layout in layouts.items():
-        actor, weight_map = build_actor(path, layout, LORA)
-        train_batch = replace(batch, old_log_probs=actor.compute_log_prob(batch)[0] - 0.05 * batch.response_mask)
-        for _ in range(2):
-            actor.update(train_batch)
-        chunks, facts = [unwrap(chunk) for chunk in actor.chunks], weight_map.facts
-        tokens = verify_tokens(facts.vocab_size)
-        logits = megatron_logits(chunks, facts, tokens)
-        with adapters_disabled(actor.chunks):
-            base_logits = megatron_logits(chunks, facts, tokens)
-        checkpoint = os.path.join(workdir, label)
-        save_training_state(actor, os.path.join(checkpoint, "actor"))
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
-            AdapterMeta(LORA, path, "fp32", random_init=False).save(os.path.join(checkpoint, "actor"))
-            write_manifest(Path(checkpoint), step=2)
-            report[label] = {"tokens": tokens, "logits": logits, "base_logits": base_logits}
-        torch.distributed.barrier()
-    return report

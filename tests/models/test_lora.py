@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
-from tests.models.lora_jobs import RESHARDED, lora_job
+from tests.models.lora_jobs import CONVERTED, RESHARDED, lora_job
 from tests.models.tiny_hf import save_tiny_model
 
 CASES = [
@@ -30,8 +30,8 @@ def report(tmp_path_factory):
     reports = run_ranks(lora_job, 2, CASES, str(workdir), timeout_s=600)
     assert all(torch.equal(r[k]["trained_log_probs"], reports[0][k]["trained_log_probs"]) for r in reports
                for k in r), "ranks disagree"
-    return {**reports[0], "base": {family: load_file(str(workdir / family / "model.safetensors"))
-                                   for family in {family for family, _, _ in CASES}}}
+    return {**reports[0], "workdir": workdir, "base": {family: load_file(str(workdir / family / "model.safetensors"))
+                                                       for family in {family for family, _, _ in CASES}}}
 
 
 @pytest.mark.parametrize("family,label", [(f, label) for f, label, _ in CASES if label != "TP1"])
@@ -94,42 +94,33 @@ def test_adapters_saved_at_one_layout_load_at_tp1_with_the_same_merged_weights(r
 
 
 # ---- `rlm convert lora-to-hf`: a run's adapter-only checkpoint as a PEFT adapter and as merged HF weights ----------
-# Trained at one TP size, converted at the other: the checkpoint reshards, and both exporter paths run.
-CONVERTED = {"TP1": ("1", L()), "TP2": ("2", L(tp=2))}
-
-
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(report):
+    """The qwen3 actors trained at TP1 and TP2, saved as a run's checkpoints, each converted at the other TP size (the
+    checkpoint reshards, and both exporter paths run): TP1's by lora_job on its ranks, TP2's by the command."""
     from rlmegatron.convert_cli import main
-    from tests.models.lora_jobs import checkpoint_job
 
-    workdir = tmp_path_factory.mktemp("lora_convert")
-    save_tiny_model("qwen3", str(workdir / "base"))
-    trained = run_ranks(checkpoint_job, 2, str(workdir / "base"), {label: layout for label, (_, layout) in
-                                                                    CONVERTED.items()}, str(workdir), timeout_s=600)[0]
-    for label, (convert_tp, _) in CONVERTED.items():
-        other_tp = "2" if convert_tp == "1" else "1"
-        assert main(["lora-to-hf", "--checkpoint", str(workdir / label), "--tp", other_tp, "--device", "cpu",
-                     "--adapter-out", str(workdir / f"{label}-peft"), "--merged-out", str(workdir / f"{label}-merged")
-                     ]) == 0
-    return workdir, trained
+    workdir = report["workdir"]
+    run = workdir / "run-TP2"
+    assert main(["lora-to-hf", "--checkpoint", str(run), "--tp", "1", "--device", "cpu",
+                 "--adapter-out", f"{run}-peft", "--merged-out", f"{run}-merged"]) == 0
+    return workdir
 
 
 @pytest.mark.parametrize("label", CONVERTED)
-def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_our_logits(converted, label):
+def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_our_logits(report, converted, label):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    workdir, trained = converted
-    ours = trained[label]
+    workdir, ours = converted, report[f"qwen3/{label}"]["logits"]
     adapter_effect = (ours["logits"] - ours["base_logits"]).abs().max()
     assert adapter_effect > 1e-2, "the adapters must move the logits far beyond the tolerance"
-    base = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32)
-    merged = AutoModelForCausalLM.from_pretrained(workdir / f"{label}-merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(workdir / "qwen3", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(workdir / f"run-{label}-merged", dtype=torch.float32)
     with torch.no_grad():
         assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
         assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
-        peft = PeftModel.from_pretrained(base, workdir / f"{label}-peft").eval()
+        peft = PeftModel.from_pretrained(base, workdir / f"run-{label}-peft").eval()
         assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
 
 
