@@ -127,6 +127,7 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
     and the merged weights the engines get."""
     from rlmegatron.checkpoint.state import AdapterMeta, load_model_weights
     from rlmegatron.models.convert import HFCheckpoint, build_chunks, load_hf_weights
+    from rlmegatron.models.hf_config import model_facts
     from rlmegatron.models.lora import add_adapters
     from rlmegatron.models.weight_map import WeightMap
     from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
@@ -135,7 +136,7 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
     actor = os.path.join(checkpoint, "actor")
     meta = AdapterMeta.load(actor)
     base = HFCheckpoint(meta.base_model)
-    facts = base.facts(layout.tp)
+    facts = model_facts(base.config, layout.tp, padded_vocab=meta.padded_vocab_size, keys=base.key_files)
     weight_map = WeightMap(facts, stacked_experts=base.stacked_experts)
     init_model_parallel(layout)
     # The adapters' initial values do not matter: the checkpoint's replace them.
@@ -276,6 +277,9 @@ def _preflight_lora(args, layout) -> None:
         raise ConversionError(f"--adapter-out={args.adapter_out}: PEFT adapters are written for dense models, and "
                               f"{meta.base_model} has experts; use --merged-out")
     problems = _layout_problems(hf, base.path / "config.json", layout, _world(args)) + _nproc_problems(args, layout)
+    if not problems and meta.padded_vocab_size % layout.tp:  # TP's own rules first, as for the other directions
+        problems.append(f"--tp={layout.tp}: does not divide the run's padded vocabulary ({meta.padded_vocab_size} "
+                        "rows); use a TP size that does")
     if problems:
         raise ConversionError("\n".join(problems))
 

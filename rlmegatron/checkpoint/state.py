@@ -97,6 +97,7 @@ class AdapterMeta:
     base_model: str  # the HF directory whose weights the adapters adapt
     dtype: str
     random_init: bool  # the base weights were random ones, in no file
+    padded_vocab_size: int  # the run's (an embedding in modules_to_save was saved at it, whatever the TP it loads at)
 
     def save(self, directory: str) -> None:
         Path(directory, ADAPTER_META).write_text(json.dumps(asdict(self), indent=1))

@@ -65,7 +65,8 @@ def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str) -> dict 
     save_training_state(actor, os.path.join(checkpoint, "actor"))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        AdapterMeta(LORA, base, "fp32", random_init=False).save(os.path.join(checkpoint, "actor"))
+        AdapterMeta(LORA, base, "fp32", random_init=False,
+                    padded_vocab_size=weight_map.facts.padded_vocab_size).save(os.path.join(checkpoint, "actor"))
         write_manifest(Path(checkpoint), step=2)
     torch.distributed.barrier()
     return {"tokens": tokens, "logits": logits, "base_logits": base_logits}

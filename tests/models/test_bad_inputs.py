@@ -129,7 +129,7 @@ def _with_file(directory, name, text):
     return directory
 
 
-def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, modules_to_save=()):
+def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, modules_to_save=(), padded_vocab=256):
     """A step_N directory as a run saves one, its actor's state a stand-in (the checks before the ranks read none);
     `meta`: a LoRA run's, adapting `base`."""
     from pathlib import Path
@@ -143,7 +143,7 @@ def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, m
     (step / "actor" / "common.pt").write_bytes(b"x")
     if meta:
         lora = LoRASettings(rank=4, alpha=8.0, modules_to_save=modules_to_save)
-        AdapterMeta(lora, str(base), "fp32", random_init).save(step / "actor")
+        AdapterMeta(lora, str(base), "fp32", random_init, padded_vocab).save(step / "actor")
     if manifest:
         write_manifest(step, 2)
     return step
@@ -226,6 +226,9 @@ CONVERT_CASES = {
         "--adapter-out={t}/o: the run also trained ['embedding'] whole (actor.lora.modules_to_save)"),
     "lora-peft-of-moe": (lambda m, t: _lora(_run_checkpoint(t, m / "deepseek_v3"), t, "--adapter-out", str(t / "o")),
                          "--adapter-out={t}/o: PEFT adapters are written for dense models"),
+    "lora-tp-vs-padded-vocab": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", padded_vocab=130), t,
+                                                   "--merged-out", str(t / "o"), "--tp", "4"),
+                                "--tp=4: does not divide the run's padded vocabulary (130 rows)"),
     "lora-tp-vs-heads": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--merged-out", str(t / "o"),
                                             "--tp", "3"),
                          "--tp=3: does not divide the model's 4 attention heads"),

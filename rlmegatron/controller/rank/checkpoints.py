@@ -29,7 +29,8 @@ def save(models: RoleModels, path: str) -> None:
         # The adapters alone do not say what they adapt: `rlm convert lora-to-hf` reads it here.
         model = settings.model
         base = os.path.abspath(model.path) if os.path.isdir(model.path) else model.path
-        AdapterMeta(settings.lora, base, model.dtype, model.random_init).save(os.path.join(path, "actor"))
+        AdapterMeta(settings.lora, base, model.dtype, model.random_init,
+                    models.weight_map.facts.padded_vocab_size).save(os.path.join(path, "actor"))
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     torch.save(rng_states(), _rng_file(path))
     torch.distributed.barrier()
