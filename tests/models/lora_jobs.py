@@ -9,7 +9,13 @@ from megatron.core import parallel_state as ps
 
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, transformer_config
-from rlmegatron.models.lora import LoRASettings, adapters_disabled, add_adapters, is_adapter_name
+from rlmegatron.models.lora import (
+    LoRASettings,
+    adapters_disabled,
+    add_adapters,
+    is_adapter_name,
+    remember_base_weights,
+)
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.resharding import HFWeightExporter
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
@@ -40,6 +46,7 @@ def build_actor(path: str, layout: ParallelLayout, lora: LoRASettings | None) ->
     weight_map = WeightMap(facts)
     load_hf_weights([unwrap(chunk) for chunk in actor.chunks], weight_map, checkpoint)
     checkpoint.close()
+    remember_base_weights(actor.chunks)  # as a run's ranks do once the base weights are in
     return actor, weight_map
 
 
@@ -48,7 +55,7 @@ def _adam_state_numel(optimizer) -> int:
     return sum(state["exp_avg"].numel() for opt in inner for state in opt.optimizer.state.values())
 
 
-def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str) -> dict | None:
+def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str, lora: LoRASettings = LORA) -> dict | None:
     """`actor` saved as a run saves its checkpoint (adapters, AdapterMeta, manifest); returns its Megatron logits of
     fixed tokens with the adapters on and off (rank 0)."""
     from pathlib import Path
@@ -65,7 +72,7 @@ def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str) -> dict 
     save_training_state(actor, os.path.join(checkpoint, "actor"))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        AdapterMeta(LORA, base, "fp32", random_init=False,
+        AdapterMeta(lora, base, "fp32", random_init=False,
                     padded_vocab_size=weight_map.facts.padded_vocab_size).save(os.path.join(checkpoint, "actor"))
         write_manifest(Path(checkpoint), step=2)
     torch.distributed.barrier()
@@ -130,5 +137,15 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
 
     run = os.path.join(workdir, "run-TP1")
     lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout(tp=2, sequence_parallel=True))
+    # The embedding (tied to the output layer) trained whole beside the adapters at TP=2, converted at TP=1.
+    path, saved = os.path.join(workdir, "qwen3"), replace(LORA, modules_to_save=("embedding",))
+    actor, weight_map = build_actor(path, ParallelLayout(tp=2), saved)
+    train_batch = replace(batch, old_log_probs=actor.compute_log_prob(batch)[0] - 0.05 * batch.response_mask)
+    for _ in range(2):
+        actor.update(train_batch)
+    run = os.path.join(workdir, "run-TP2-embedding")
+    report["qwen3/TP2-embedding"] = {"trained_log_probs": actor.compute_log_prob(batch)[0],
+                                     "logits": _save_run_checkpoint(actor, weight_map, path, run, saved)}
+    lora_to_hf(run, None, f"{run}-merged", ParallelLayout())
     return report
 

@@ -124,6 +124,22 @@ def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_ou
         assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
 
 
+def test_an_embedding_trained_whole_converts_into_the_merged_weights(report):
+    """actor.lora.modules_to_save=[embedding] at TP=2, converted at TP=1: with the adapters off the model is the base
+    one, embedding included, and the merged weights carry the trained embedding and adapters."""
+    from transformers import AutoModelForCausalLM
+
+    ours, workdir = report["qwen3/TP2-embedding"]["logits"], report["workdir"]
+    assert (ours["logits"] - ours["base_logits"]).abs().max() > 1e-2
+    base = AutoModelForCausalLM.from_pretrained(workdir / "qwen3", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(workdir / "run-TP2-embedding-merged", dtype=torch.float32)
+    trained = (merged.get_input_embeddings().weight - base.get_input_embeddings().weight).abs().max()
+    assert trained > 1e-3, "the embedding must have trained"
+    with torch.no_grad():
+        assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
+        assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("family,label,layout", CASES, ids=[f"{f}-{label}" for f, label, _ in CASES])
 def test_the_planner_counts_the_adapters_each_rank_holds(report, family, label, layout):
     """`rlm plan`'s LoRA count (planner.parameters.lora_parameters), against the factors rank 0 really holds."""
