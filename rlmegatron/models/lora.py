@@ -203,6 +203,11 @@ def _saved_modules(chunks) -> list:
             for pair in getattr(chunk.module if hasattr(chunk, "module") else chunk, "lora_saved_modules", [])]
 
 
+def base_weight_copies(chunks) -> list[torch.Tensor]:
+    """The copies `remember_base_weights` keeps: memory of the model's, offloaded with its parameters."""
+    return [base for _, base in _saved_modules(chunks)]
+
+
 def remember_base_weights(chunks) -> None:
     """The modules to save (LoRASettings.modules_to_save) hold the base model's weights now, as loaded: keep a copy for
     `adapters_disabled`. Called once the base weights are in, before any training or checkpoint load."""
