@@ -235,6 +235,7 @@ def _check_fresh_out(flag: str, path: str) -> None:
 def _preflight_lora(args, layout) -> None:
     """`lora-to-hf`'s checks: a complete checkpoint of a LoRA run whose base model is on disk, fresh outputs."""
     from rlmegatron.checkpoint.integrity import manifest_problem
+    from rlmegatron.checkpoint.manager import CheckpointManager
     from rlmegatron.checkpoint.state import ADAPTER_META, AdapterMeta
     from rlmegatron.models.convert import ConversionError, HFCheckpoint
 
@@ -246,6 +247,11 @@ def _preflight_lora(args, layout) -> None:
         raise ConversionError(f"--adapter-out and --merged-out are both {args.merged_out}: name two directories")
     problem = manifest_problem(checkpoint)
     if problem:
+        # A run_dir or its checkpoints/ named instead of one of its steps: name the newest complete one.
+        newest = CheckpointManager(checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint).latest()
+        if newest is not None:
+            raise ConversionError(f"--checkpoint={checkpoint}: holds a run's checkpoints, not one; name a step, "
+                                  f"e.g. the newest complete one, {newest}")
         raise ConversionError(f"--checkpoint={checkpoint}: not a complete checkpoint ({problem}); name a step_N "
                               "directory under trainer.run_dir/checkpoints")
     meta_file = checkpoint / "actor" / ADAPTER_META

@@ -212,6 +212,10 @@ CONVERT_CASES = {
                        "--adapter-out and --merged-out are both {t}/o: name two directories"),
     "lora-checkpoint-incomplete": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", manifest=False), t),
                                    "--checkpoint={t}/step_2: not a complete checkpoint (no "),
+    "lora-names-the-checkpoints-not-a-step": (
+        lambda m, t: _lora(_run_checkpoint(t / "run" / "checkpoints", m / "llama").parent, t),
+        "--checkpoint={t}/run/checkpoints: holds a run's checkpoints, not one; name a step, e.g. the newest "
+        "complete one, {t}/run/checkpoints/step_2"),
     "lora-checkpoint-of-a-full-run": (lambda m, t: _lora(_run_checkpoint(t, meta=False), t),
                                       "--checkpoint={t}/step_2: not a LoRA checkpoint (no actor/lora.json)"),
     "lora-random-base": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", random_init=True), t),
