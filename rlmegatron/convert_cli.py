@@ -275,10 +275,6 @@ def _preflight_lora(args, layout) -> None:
         if out:
             _check_fresh_out(flag, out)
     hf = base.facts(1).hf
-    if args.adapter_out and meta.lora.modules_to_save:
-        raise ConversionError(f"--adapter-out={args.adapter_out}: the run also trained "
-                              f"{list(meta.lora.modules_to_save)} whole (actor.lora.modules_to_save), which a PEFT "
-                              "adapter here leaves out; use --merged-out")
     if args.adapter_out and architecture_of(hf, base.path / "config.json").is_moe:
         raise ConversionError(f"--adapter-out={args.adapter_out}: PEFT adapters are written for dense models, and "
                               f"{meta.base_model} has experts; use --merged-out")

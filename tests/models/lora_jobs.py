@@ -146,6 +146,6 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
     run = os.path.join(workdir, "run-TP2-embedding")
     report["qwen3/TP2-embedding"] = {"trained_log_probs": actor.compute_log_prob(batch)[0],
                                      "logits": _save_run_checkpoint(actor, weight_map, path, run, saved)}
-    lora_to_hf(run, None, f"{run}-merged", ParallelLayout())
+    lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout())
     return report
 

@@ -129,7 +129,7 @@ def _with_file(directory, name, text):
     return directory
 
 
-def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, modules_to_save=(), padded_vocab=256):
+def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, padded_vocab=256):
     """A step_N directory as a run saves one, its actor's state a stand-in (the checks before the ranks read none);
     `meta`: a LoRA run's, adapting `base`."""
     from pathlib import Path
@@ -142,8 +142,7 @@ def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, m
     (step / "actor").mkdir(parents=True)
     (step / "actor" / "common.pt").write_bytes(b"x")
     if meta:
-        lora = LoRASettings(rank=4, alpha=8.0, modules_to_save=modules_to_save)
-        AdapterMeta(lora, str(base), "fp32", random_init, padded_vocab).save(step / "actor")
+        AdapterMeta(LoRASettings(rank=4, alpha=8.0), str(base), "fp32", random_init, padded_vocab).save(step / "actor")
     if manifest:
         write_manifest(step, 2)
     return step
@@ -224,10 +223,6 @@ CONVERT_CASES = {
                        "{t}/step_2/actor/lora.json: base_model {t}/gone: no such directory"),
     "lora-out-not-empty": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--merged-out", str(m / "llama")),
                            "--merged-out={m}/llama: exists and is not empty"),
-    "lora-peft-with-modules-to-save": (
-        lambda m, t: _lora(_run_checkpoint(t, m / "llama", modules_to_save=("embedding",)), t, "--adapter-out",
-                           str(t / "o")),
-        "--adapter-out={t}/o: the run also trained ['embedding'] whole (actor.lora.modules_to_save)"),
     "lora-peft-of-moe": (lambda m, t: _lora(_run_checkpoint(t, m / "deepseek_v3"), t, "--adapter-out", str(t / "o")),
                          "--adapter-out={t}/o: PEFT adapters are written for dense models"),
     "lora-tp-vs-padded-vocab": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", padded_vocab=130), t,

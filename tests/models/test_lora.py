@@ -124,9 +124,11 @@ def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_ou
         assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
 
 
-def test_an_embedding_trained_whole_converts_into_the_merged_weights(report):
+def test_an_embedding_trained_whole_converts_into_the_merged_weights_and_a_peft_adapter(report):
     """actor.lora.modules_to_save=[embedding] at TP=2, converted at TP=1: with the adapters off the model is the base
-    one, embedding included, and the merged weights carry the trained embedding and adapters."""
+    one, embedding included; the merged weights, and the PEFT adapter (the embedding as a module to save, tied to
+    the output layer again) over the base model, carry the trained embedding and adapters."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     ours, workdir = report["qwen3/TP2-embedding"]["logits"], report["workdir"]
@@ -138,6 +140,8 @@ def test_an_embedding_trained_whole_converts_into_the_merged_weights(report):
     with torch.no_grad():
         assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
         assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+        peft = PeftModel.from_pretrained(base, workdir / "run-TP2-embedding-peft").eval()
+        assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("family,label,layout", CASES, ids=[f"{f}-{label}" for f, label, _ in CASES])
