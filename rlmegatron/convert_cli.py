@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from rlmegatron.checkpoint.integrity import manifest_problem
+from rlmegatron.checkpoint.manager import CheckpointManager
 from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
@@ -234,8 +236,6 @@ def _check_fresh_out(flag: str, path: str) -> None:
 
 def _preflight_lora(args, layout) -> None:
     """`lora-to-hf`'s checks: a complete checkpoint of a LoRA run whose base model is on disk, fresh outputs."""
-    from rlmegatron.checkpoint.integrity import manifest_problem
-    from rlmegatron.checkpoint.manager import CheckpointManager
     from rlmegatron.checkpoint.state import ADAPTER_META, AdapterMeta
     from rlmegatron.models.convert import ConversionError, HFCheckpoint
 
