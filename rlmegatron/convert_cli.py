@@ -1,5 +1,5 @@
-"""Arguments, pre-launch checks, dispatch and rank bodies of `rlm convert {hf-to-mcore,mcore-to-hf,verify}`, under
-torchrun or with --nproc.
+"""Arguments, pre-launch checks, dispatch and rank bodies of
+`rlm convert {hf-to-mcore,mcore-to-hf,lora-to-hf,verify}`, under torchrun or with --nproc.
 
 torch, Megatron, pydantic and the modules that import them are imported inside the functions that need them: `rlm`
 imports this module for every `rlm convert`, and parsing the arguments should not wait for them.
@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+from rlmegatron.checkpoint.integrity import manifest_problem
+from rlmegatron.checkpoint.manager import CheckpointManager
 from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
@@ -58,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--hf-config", default=None, help="directory whose config.json/tokenizer files to ship")
     layout_args(to_hf)  # each rank loads only its shard at this layout; the export stream gathers
+    lora = sub.add_parser("lora-to-hf", help="a LoRA run's checkpoint -> a PEFT adapter and/or merged HF weights")
+    lora.add_argument("--checkpoint", required=True, help="run_dir/checkpoints/step_N of a run with actor.lora")
+    lora.add_argument("--adapter-out", default=None,
+                      help="directory for the PEFT adapter (adapter_config.json + adapter_model.safetensors)")
+    lora.add_argument("--merged-out", default=None, help="directory for HF safetensors with the adapters merged in")
+    lora.add_argument("--tp", type=int, default=1, help="TP of the ranks that rebuild the model (any: it reshards)")
+    lora.add_argument("--nproc", type=int, default=None, help="ranks to spawn here; default: --tp")
+    lora.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     check = sub.add_parser("verify", help="max-abs and cosine logit diff, Megatron vs HF transformers")
     check.add_argument("--hf-path", required=True)
     check.add_argument("--mcore-path", required=True)
@@ -73,7 +83,8 @@ def _layout(args):
     # MoE with TP>1 needs sequence parallelism in Megatron; it changes no dense weight or logit.
     return ParallelLayout(tp=tp, pp=getattr(args, "pp", 1), vpp=getattr(args, "vpp", None), ep=getattr(args, "ep", 1),
                           etp=getattr(args, "etp", None), sequence_parallel=tp > 1,
-                          first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+                          first_stage_layers=getattr(args, "first_stage_layers", None),
+                          last_stage_layers=getattr(args, "last_stage_layers", None))
 
 
 def default_nproc(layout) -> int:
@@ -88,6 +99,8 @@ def _job(direction: str, args: dict):
         return hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
     if direction == "mcore-to-hf":
         return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns))
+    if direction == "lora-to-hf":
+        return lora_to_hf(ns.checkpoint, ns.adapter_out, ns.merged_out, _layout(ns))
     return verify(ns.hf_path, ns.mcore_path, _layout(ns))
 
 
@@ -102,17 +115,53 @@ def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
 
 def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout) -> None:
     """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
-    import torch
-
-    from rlmegatron.models.convert import copy_tokenizer, load_mcore
+    from rlmegatron.models.convert import load_mcore
     from rlmegatron.models.hf_config import read_hf_config
-    from rlmegatron.resharding import export_hf
 
     _, weight_map, chunks = load_mcore(mcore_path, layout)
     config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
+    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path)
+
+
+def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None, layout) -> None:
+    """Rank body of `rlm convert lora-to-hf`: the base model from its HF checkpoint, the adapters from the training
+    checkpoint (resharded to `layout`), then the same exporter the weight push uses: the PEFT adapter SGLang loads,
+    and the merged weights the engines get."""
+    from rlmegatron.checkpoint.state import AdapterMeta, load_model_weights
+    from rlmegatron.models.convert import HFCheckpoint, build_chunks, load_hf_weights
+    from rlmegatron.models.hf_config import model_facts
+    from rlmegatron.models.lora import add_adapters
+    from rlmegatron.models.weight_map import WeightMap
+    from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
+    from rlmegatron.runtime import init_model_parallel
+
+    actor = os.path.join(checkpoint, "actor")
+    meta = AdapterMeta.load(actor)
+    base = HFCheckpoint(meta.base_model)
+    facts = model_facts(base.config, layout.tp, padded_vocab=meta.padded_vocab_size, keys=base.key_files)
+    weight_map = WeightMap(facts, stacked_experts=base.stacked_experts)
+    init_model_parallel(layout)
+    # The adapters' initial values do not matter: the checkpoint's replace them.
+    chunks = [add_adapters(chunk, meta.lora, seed=0) for chunk in build_chunks(facts, layout, meta.dtype)]
+    load_hf_weights(chunks, weight_map, base)
+    base.close()
+    load_model_weights(chunks, actor)
+    if adapter_out:
+        export_peft_adapter(HFWeightExporter(chunks, weight_map), adapter_out, meta.lora, meta.base_model)
+    if merged_out:
+        _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model)
+
+
+def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str) -> None:
+    """The chunks as an HF checkpoint with `tokenizer_dir`'s tokenizer files; collective, rank 0 writes."""
+    import torch
+
+    from rlmegatron.models.convert import copy_tokenizer
+    from rlmegatron.resharding import export_hf
+
     export_hf(chunks, weight_map, out, config)
     if torch.distributed.get_rank() == 0:
-        copy_tokenizer(hf_config_dir or mcore_path, out)
+        copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
 
 
@@ -163,6 +212,80 @@ def _layout_problems(hf: dict, source: Path, layout, world: int | None) -> list[
     return lines
 
 
+def _world(args) -> int | None:
+    """The ranks the conversion runs on, when known before it starts: --nproc, else torchrun's."""
+    return args.nproc or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+
+
+def _nproc_problems(args, layout) -> list[str]:
+    world = _world(args)
+    if world and world % default_nproc(layout):
+        return [f"--nproc={world}: Megatron needs a multiple of TP×PP and of ETP×EP×PP; "
+                f"use {default_nproc(layout)} or a multiple of it"]
+    return []
+
+
+def _check_fresh_out(flag: str, path: str) -> None:
+    from rlmegatron.models.convert import ConversionError
+
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"{flag}={out}: exists and is not empty; a conversion never overwrites a "
+                              "checkpoint: name a new directory, or remove this one")
+
+
+def _preflight_lora(args, layout) -> None:
+    """`lora-to-hf`'s checks: a complete checkpoint of a LoRA run whose base model is on disk, fresh outputs."""
+    from rlmegatron.checkpoint.state import ADAPTER_META, AdapterMeta
+    from rlmegatron.models.convert import ConversionError, HFCheckpoint
+
+    checkpoint = _existing_dir("--checkpoint", args.checkpoint)
+    if not (args.adapter_out or args.merged_out):
+        raise ConversionError("nothing to write: name --adapter-out (a PEFT adapter), --merged-out (HF weights with "
+                              "the adapters merged) or both")
+    if args.adapter_out and args.merged_out and Path(args.adapter_out).resolve() == Path(args.merged_out).resolve():
+        raise ConversionError(f"--adapter-out and --merged-out are both {args.merged_out}: name two directories")
+    problem = manifest_problem(checkpoint)
+    if problem:
+        # A run_dir or its checkpoints/ named instead of one of its steps: name the newest complete one.
+        newest = CheckpointManager(checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint).latest()
+        if newest is not None:
+            raise ConversionError(f"--checkpoint={checkpoint}: holds a run's checkpoints, not one; name a step, "
+                                  f"e.g. the newest complete one, {newest}")
+        raise ConversionError(f"--checkpoint={checkpoint}: not a complete checkpoint ({problem}); name a step_N "
+                              "directory under trainer.run_dir/checkpoints")
+    meta_file = checkpoint / "actor" / ADAPTER_META
+    if not meta_file.is_file():
+        raise ConversionError(f"--checkpoint={checkpoint}: not a LoRA checkpoint (no actor/{ADAPTER_META}): only a "
+                              "run with actor.lora.rank > 0 saves adapters; a full run's policy is its hf_policy "
+                              "export")
+    try:
+        meta = AdapterMeta.load(meta_file.parent)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConversionError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from err
+    if meta.random_init:
+        raise ConversionError(f"--checkpoint={checkpoint}: the run started from random base weights "
+                              "(model.random_init), which no file holds: there is no base model to apply the "
+                              "adapters to")
+    if not Path(meta.base_model).is_dir():
+        raise ConversionError(f"{meta_file}: base_model {meta.base_model}: no such directory; the adapters need "
+                              "the HF model the run trained them on")
+    base = HFCheckpoint(meta.base_model)
+    for flag, out in (("--adapter-out", args.adapter_out), ("--merged-out", args.merged_out)):
+        if out:
+            _check_fresh_out(flag, out)
+    hf = base.facts(1).hf
+    if args.adapter_out and architecture_of(hf, base.path / "config.json").is_moe:
+        raise ConversionError(f"--adapter-out={args.adapter_out}: PEFT adapters are written for dense models, and "
+                              f"{meta.base_model} has experts; use --merged-out")
+    problems = _layout_problems(hf, base.path / "config.json", layout, _world(args)) + _nproc_problems(args, layout)
+    if not problems and meta.padded_vocab_size % layout.tp:  # TP's own rules first, as for the other directions
+        problems.append(f"--tp={layout.tp}: does not divide the run's padded vocabulary ({meta.padded_vocab_size} "
+                        "rows); use a TP size that does")
+    if problems:
+        raise ConversionError("\n".join(problems))
+
+
 def preflight(args, layout) -> None:
     """Everything checkable before a rank starts, checked once here: the inputs exist and parse, the output
     overwrites nothing, the model is supported and the layout divides it. Raises ValueError, one line per problem."""
@@ -170,17 +293,16 @@ def preflight(args, layout) -> None:
     from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
     from rlmegatron.models.weight_map import WeightMap, WeightMapError
 
+    if args.direction == "lora-to-hf":
+        return _preflight_lora(args, layout)
     if args.direction in ("hf-to-mcore", "verify"):
         checkpoint = HFCheckpoint(_existing_dir("--hf-path", args.hf_path))
     if args.direction in ("mcore-to-hf", "verify"):
         meta = ConvertMeta.load(_existing_dir("--mcore-path", args.mcore_path))
     if getattr(args, "hf_config", None):
         read_hf_config(_existing_dir("--hf-config", args.hf_config))
-    if args.direction != "verify" and Path(args.out).exists():
-        out = Path(args.out)
-        if not out.is_dir() or any(out.iterdir()):
-            raise ConversionError(f"--out={out}: exists and is not empty; a conversion never overwrites a "
-                                  "checkpoint: name a new directory, or remove this one")
+    if args.direction != "verify":
+        _check_fresh_out("--out", args.out)
     if args.direction == "hf-to-mcore":
         source = checkpoint.path / "config.json"
     else:
@@ -197,11 +319,7 @@ def preflight(args, layout) -> None:
     # Whether the model is supported at all comes first; then TP's rules (heads, experts), before the padded
     # vocabulary a converted checkpoint fixes is checked at that TP.
     hf = facts_at(1).hf
-    world = args.nproc or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    problems = _layout_problems(hf, source, layout, world)
-    if world and world % default_nproc(layout):
-        problems.append(f"--nproc={world}: Megatron needs a multiple of TP×PP and of ETP×EP×PP; "
-                        f"use {default_nproc(layout)} or a multiple of it")
+    problems = _layout_problems(hf, source, layout, _world(args)) + _nproc_problems(args, layout)
     if problems:
         raise ConversionError("\n".join(problems))
     facts = facts_at(layout.tp)
@@ -262,5 +380,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = max(diffs, key=lambda d: d["max_abs_diff"])
         print(f"logits max_abs_diff={worst['max_abs_diff']:.3e} cosine={worst['cosine']:.8f} (tolerance {args.tolerance:g})")
         return EXIT_OK if worst["max_abs_diff"] <= args.tolerance else EXIT_BEYOND_TOLERANCE
-    print(f"rlm convert {args.direction}: wrote {args.out}")
+    written = [getattr(args, name, None) for name in ("out", "adapter_out", "merged_out")]
+    print(f"rlm convert {args.direction}: wrote {' and '.join(path for path in written if path)}")
     return EXIT_OK

@@ -1,22 +1,29 @@
 """Rank side of a checkpoint: model and optimizer through dist_checkpointing, and this rank's RNG states."""
 from __future__ import annotations
 
+import json
 import os
 import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlmegatron.models.lora import has_adapters, is_adapter_name
+from rlmegatron.models.lora import LoRASettings, has_adapters, is_adapter_name
 from rlmegatron.runtime.distributed import rng_tracker_states, set_rng_tracker_states
 from rlmegatron.workers.megatron_step import unwrap
 
 
 def _model_sharded_state_dict(chunks: list) -> dict:
-    """The trained weights: with LoRA only the adapters, as the base model is the HF checkpoint's, unchanged."""
+    """The trained weights: with LoRA only the adapters and the modules it trains whole, as the base model is the HF
+    checkpoint's, unchanged."""
     adapters_only = has_adapters(chunks)
-    states = [{key: value for key, value in unwrap(chunk).sharded_state_dict().items()
-               if not adapters_only or is_adapter_name(key)} for chunk in chunks]
+    states = []
+    for chunk in chunks:
+        trained = {name for name, param in unwrap(chunk).named_parameters() if param.requires_grad}
+        states.append({key: value for key, value in unwrap(chunk).sharded_state_dict().items()
+                       if not adapters_only or is_adapter_name(key) or key in trained})
     return states[0] if len(chunks) == 1 else {f"model{i}": state for i, state in enumerate(states)}
 
 
@@ -40,6 +47,23 @@ def save_training_state(worker, path: str) -> None:
                              "lr_scheduler": worker.scheduler.state_dict()}, path)
 
 
+def _load_model_state(chunks: list, state: dict) -> None:
+    strict = not has_adapters(chunks)  # adapters alone leave the base weights as they are
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state, strict=strict)
+    else:
+        for i, chunk in enumerate(chunks):
+            unwrap(chunk).load_state_dict(state[f"model{i}"], strict=strict)
+
+
+def load_model_weights(chunks: list, path: str) -> None:
+    """The model part of a training state `save_training_state` wrote (with LoRA: the adapters) into `chunks`, at
+    their layout, whatever the saved one; optimizer and schedule stay on disk."""
+    from megatron.core import dist_checkpointing
+
+    _load_model_state(chunks, dist_checkpointing.load({"model": _model_sharded_state_dict(chunks)}, path)["model"])
+
+
 def load_training_state(worker, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -53,17 +77,36 @@ def load_training_state(worker, path: str) -> None:
     state = dist_checkpointing.load(
         {"model": model, "optimizer": _optimizer_state(worker, model, is_loading=True)}, path
     )
-    strict = not has_adapters(worker.chunks)  # adapters alone leave the base weights as they are
-    if len(worker.chunks) == 1:
-        unwrap(worker.chunks[0]).load_state_dict(state["model"], strict=strict)
-    else:
-        for i, chunk in enumerate(worker.chunks):
-            unwrap(chunk).load_state_dict(state["model"][f"model{i}"], strict=strict)
+    _load_model_state(worker.chunks, state["model"])
     with torch.no_grad():  # the main-param shards are views of leaf weights: copying into them must not be traced
         worker.optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(worker.optimizer, state["optimizer"])
     # After the optimizer, whose param groups carry the saved learning rates: the schedule sets them anew.
     worker.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+ADAPTER_META = "lora.json"
+"""Beside a LoRA actor's training state: what its adapters adapt, which the adapter-only checkpoint lacks."""
+
+
+@dataclass(frozen=True)
+class AdapterMeta:
+    """The LoRA settings and base model of an adapter-only checkpoint: what `rlm convert lora-to-hf` rebuilds."""
+
+    lora: LoRASettings
+    base_model: str  # the HF directory whose weights the adapters adapt
+    dtype: str
+    random_init: bool  # the base weights were random ones, in no file
+    padded_vocab_size: int  # the run's (an embedding in modules_to_save was saved at it, whatever the TP it loads at)
+
+    def save(self, directory: str) -> None:
+        Path(directory, ADAPTER_META).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "AdapterMeta":
+        data = json.loads(Path(directory, ADAPTER_META).read_text())
+        lora = {key: tuple(value) if isinstance(value, list) else value for key, value in data.pop("lora").items()}
+        return cls(lora=LoRASettings(**lora), **data)
 
 
 def _restore_adam_steps(optimizer, loaded) -> None:

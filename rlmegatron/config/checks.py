@@ -440,6 +440,12 @@ def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProbl
         reason = ("LoRA adapts each expert's own linears, which grouped-GEMM experts do not have; "
                   "remove moe_grouped_gemm or set actor.lora.rank=0")
         problems.append(SpecProblem("actor.megatron.extra", megatron.extra, reason))
+    if "output_layer" in lora.modules_to_save and arch is not None and arch.tie_word_embeddings:
+        reason = "the model ties its output layer to the embedding (tie_word_embeddings): name embedding"
+        problems.append(SpecProblem("actor.lora.modules_to_save", lora.modules_to_save, reason))
+    if lora.weight_sync == "adapter" and lora.modules_to_save:
+        reason = "SGLang loads LoRA factors, not whole modules; use actor.lora.weight_sync=merge"
+        problems.append(SpecProblem("actor.lora.modules_to_save", lora.modules_to_save, reason))
     if lora.weight_sync == "adapter":
         if spec.rollout.engine != "sglang":
             reason = "only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge or rollout.engine=sglang"

@@ -239,6 +239,11 @@ class LoRAConfig(Section):
     target_modules: list[LoRATarget] = Field(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], min_length=1)
     """Megatron's linears that get adapters (the experts' too): attention's QKV and output projections, the MLP's
     first and second linears."""
+    modules_to_save: list[Literal["embedding", "output_layer"]] = []
+    """Whole modules that train beside the adapters (PEFT's modules_to_save): `embedding` (with tied embeddings, the
+    output layer too), `output_layer` (untied models). Their gradients and Adam state are full-size; checkpoints hold
+    them with the adapters, and the reference uses their base values. A random-init model's frozen embedding caps
+    every token's probability (benchmarks/RESULTS.md, LoRA quickstart): train it there."""
     weight_sync: Literal["merge", "adapter"] = "merge"
     """How the engines get the trained policy: `merge` sends base + (alpha / rank) * B @ A as full weights (any
     engine); `adapter` sends the base weights once and then only the adapters, which SGLang loads as a LoRA adapter

@@ -187,7 +187,7 @@ def lora_settings(lora) -> Optional[LoRASettings]:
     if not lora.rank:
         return None
     return LoRASettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                        target_modules=tuple(lora.target_modules))
+                        target_modules=tuple(lora.target_modules), modules_to_save=tuple(lora.modules_to_save))
 
 
 def reward_model_role(model) -> RoleSettings:

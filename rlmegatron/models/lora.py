@@ -27,6 +27,7 @@ from rlmegatron.models.weight_map import canonical_name, global_layers
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_PARAMS = ("lora_A", "lora_B")
+SAVABLE = ("embedding", "output_layer")  # modules_to_save: the GPTModel's children that may train whole
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class LoRASettings:
     alpha: float
     dropout: float = 0.0
     target_modules: tuple[str, ...] = TARGETS
+    modules_to_save: tuple[str, ...] = ()
+    """Of SAVABLE: modules that train whole beside the adapters (PEFT's modules_to_save)."""
 
     @property
     def scale(self) -> float:
@@ -145,6 +148,15 @@ def add_adapters(model: torch.nn.Module, settings: LoRASettings, seed: int) -> t
         adapted += 1
     if not adapted and (model.pre_process or model.decoder.layers):
         raise ValueError(f"LoRA target_modules {list(settings.target_modules)} match no layer of the model")
+    # Each module to save trains whole; a copy of its base weights is what the adapters-off model (the reference,
+    # the base weights an engine gets) uses. A tied output layer on a stage of its own is the embedding's copy.
+    saved = [param for name, param in model.named_parameters()
+             if name.partition(".")[0] in settings.modules_to_save
+             or ("embedding" in settings.modules_to_save and getattr(param, "shared_embedding", False))]
+    for param in saved:
+        param.requires_grad_(True)
+    model.lora_saved_modules = [(param, None) for param in saved]
+    remember_base_weights([model])  # a random-init model's base; loading other weights takes a new copy
     if model.pre_process:
         # Frozen embeddings give activations that need no gradient, and activation recompute's checkpoints would
         # then drop the adapters' gradients: the embedding's output asks for one.
@@ -186,6 +198,25 @@ def _attach(module, settings: LoRASettings, weight_name: str, seed: int) -> None
     module.__class__ = _adapted_class(type(module))
 
 
+def _saved_modules(chunks) -> list:
+    return [pair for chunk in chunks
+            for pair in getattr(chunk.module if hasattr(chunk, "module") else chunk, "lora_saved_modules", [])]
+
+
+def base_weight_copies(chunks) -> list[torch.Tensor]:
+    """The copies `remember_base_weights` keeps: memory of the model's, offloaded with its parameters."""
+    return [base for _, base in _saved_modules(chunks)]
+
+
+def remember_base_weights(chunks) -> None:
+    """The modules to save (LoRASettings.modules_to_save) hold the base model's weights now, as loaded: keep a copy for
+    `adapters_disabled`. Called once the base weights are in, before any training or checkpoint load."""
+    for chunk in chunks:
+        model = chunk.module if hasattr(chunk, "module") else chunk
+        if hasattr(model, "lora_saved_modules"):
+            model.lora_saved_modules = [(param, param.detach().clone()) for param, _ in model.lora_saved_modules]
+
+
 def adapted_modules(chunks) -> Iterator[_LoRAMixin]:
     for chunk in chunks:
         model = chunk.module if hasattr(chunk, "module") else chunk
@@ -198,12 +229,20 @@ def has_adapters(chunks) -> bool:
 
 @contextlib.contextmanager
 def adapters_disabled(chunks) -> Iterator[None]:
-    """The base model: every adapter of `chunks` off for the block."""
+    """The base model: every adapter of `chunks` off, and the modules to save at their base weights, for the block."""
     modules = list(adapted_modules(chunks))
+    saved = _saved_modules(chunks)
+    trained = [param.detach().clone() for param, _ in saved]
     for module in modules:
         module.lora_enabled = False
+    with torch.no_grad():
+        for param, base in saved:
+            param.copy_(base)
     try:
         yield
     finally:
         for module in modules:
             module.lora_enabled = True
+        with torch.no_grad():
+            for (param, _), value in zip(saved, trained):
+                param.copy_(value)

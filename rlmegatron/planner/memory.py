@@ -31,7 +31,7 @@ from math import ceil
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, pipeline_stage_layers
-from rlmegatron.planner.parameters import ParameterCount
+from rlmegatron.planner.parameters import LoRALayerParameters, ParameterCount
 
 GB = 1e9
 
@@ -60,6 +60,7 @@ class TrainingMemory:
     gradients: float
     optimizer_state: float  # 0 when the optimizer lives on the CPU
     activations: float
+    adapter_parameters: int = 0  # LoRA factors this GPU holds (actor.lora): with them, the only ones that train
 
     @property
     def model_state(self) -> float:
@@ -113,8 +114,12 @@ def training_memory(
     megatron: MegatronConfig,
     offload: OffloadConfig,
     batch: MicroBatch,
+    lora: tuple[LoRALayerParameters, ...] | None = None,
+    modules_to_save: tuple[str, ...] = (),
 ) -> TrainingMemory:
-    """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout)."""
+    """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout); with
+    `lora` (the actor's adapters, per layer) the base weights are frozen: gradients and Adam state are the adapters'
+    alone, and those of the `modules_to_save` (actor.lora) that train whole."""
     world = spec.placement.trainer_world_size
     tp, pp, cp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, megatron.context_parallel_size
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
@@ -137,6 +142,15 @@ def training_memory(
             dense += params.final_norm + (params.output_layer or (params.embedding if pp > 1 else 0))
         dense //= tp
         experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
+        dense_adapters = sum(lora[i].dense_per_gpu(tp) for i in layers) if lora else 0
+        expert_adapters = sum(lora[i].experts_per_gpu(ep, etp) for i in layers) if lora else 0
+        saved = params.embedding if "embedding" in modules_to_save and index == 0 else 0
+        if index == pp - 1:  # the output layer, or a tied one's copy of the embedding on a last stage of its own
+            tied_copy = params.output_layer == 0 and pp > 1
+            saved += params.output_layer if "output_layer" in modules_to_save else 0
+            saved += params.embedding if "embedding" in modules_to_save and tied_copy else 0
+        # What trains: every weight, or with LoRA only the factors (frozen weights get no gradient or Adam state).
+        trained_dense, trained_experts = (dense_adapters + saved // tp, expert_adapters) if lora else (dense, experts)
         in_flight = pp - index if pp > 1 else 1
         stored, recompute_working_set = _stage_activations(arch, megatron, batch, len(layers), cp)
         activations = in_flight * stored + recompute_working_set
@@ -147,19 +161,23 @@ def training_memory(
                 pipeline_stage=index,
                 dense_parameters=dense,
                 expert_parameters=experts,
-                parameters=(dense + experts) * weight,
-                gradients=(dense + experts) * grad,
-                optimizer_state=dense * dense_optim + experts * expert_optim,
+                # A module LoRA trains whole keeps a copy of its base weights, for the adapters-off model.
+                parameters=(dense + experts + dense_adapters + expert_adapters + saved // tp) * weight,
+                gradients=(trained_dense + trained_experts) * grad,
+                optimizer_state=trained_dense * dense_optim + trained_experts * expert_optim,
                 activations=activations,
+                adapter_parameters=dense_adapters + expert_adapters,
             )
         )
     return max(candidates, key=lambda memory: memory.total)
 
 
-def _layer_activations(arch: ModelArchitecture, megatron: MegatronConfig, s: int, b: int, full_scores: bool) -> float:
-    """Korthikanti et al.'s per-layer activation bytes (they count 16-bit values, hence the bare constants)."""
+def _layer_activations(arch: ModelArchitecture, megatron: MegatronConfig, s: int, b: int, full_scores: bool,
+                       keys: int) -> float:
+    """Korthikanti et al.'s per-layer activation bytes (they count 16-bit values, hence the bare constants) for `s`
+    query tokens per rank attending to `keys` tokens: the attention scores are s x keys per head, the rest s wide."""
     h, a, t = arch.hidden_size, arch.num_attention_heads, megatron.tensor_model_parallel_size
-    scores = 5 * a * s / h if full_scores else 0.0
+    scores = 5 * a * keys / h if full_scores else 0.0
     if megatron.sequence_parallel:
         return s * b * h * (34 + scores) / t
     return s * b * h * (10 + 24 / t + scores / t)
@@ -170,19 +188,21 @@ def _stage_activations(
 ) -> tuple[float, float]:
     """(bytes kept per in-flight micro-batch, bytes of the one recompute group being rebuilt) on a stage.
 
-    Context parallelism splits the sequence. Only the micro-batch in its backward pass rebuilds a
-    recompute group, so that working set is counted once, not per micro-batch in flight.
+    Context parallelism splits the sequence: each rank keeps the activations of its 1/CP of the tokens, whose
+    queries attend to the keys of the whole sequence (ring attention streams them; the CPU path gathers them), so
+    the attention scores shrink by CP, not CP². Only the micro-batch in its backward pass rebuilds a recompute
+    group, so that working set is counted once, not per micro-batch in flight.
     """
-    s, b = ceil(batch.sequence_length / cp), batch.sequences
+    s, b, keys = ceil(batch.sequence_length / cp), batch.sequences, batch.sequence_length
     granularity = megatron.recompute_granularity
     if granularity == "none":
-        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=True), 0.0
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=True, keys=keys), 0.0
     if granularity == "selective":
-        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False), 0.0
+        return num_layers * _layer_activations(arch, megatron, s, b, full_scores=False, keys=keys), 0.0
     group = min(megatron.recompute_num_layers, num_layers)
     sp_split = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
     checkpoint = _ACTIVATION_BYTES * s * b * arch.hidden_size / sp_split
-    full = _layer_activations(arch, megatron, s, b, full_scores=True)
+    full = _layer_activations(arch, megatron, s, b, full_scores=True, keys=keys)
     if megatron.recompute_method == "block":  # the first `group` layers keep their input only, the rest everything
         return group * checkpoint + (num_layers - group) * full, full
     return ceil(num_layers / group) * checkpoint, group * full
@@ -192,6 +212,53 @@ def _output_activations(arch: ModelArchitecture, batch: MicroBatch, tp: int, cp:
     """The paper's 4sbv/t for the logits and the loss (log-probs in RL) on the last stage."""
     s = ceil(batch.sequence_length / cp)
     return 4 * s * batch.sequences * arch.vocab_size / tp
+
+
+@dataclass(frozen=True)
+class ScoringMemory:
+    """Per-GPU bytes of the reward model (reward.model) on the trainer ranks, at its own TP: frozen weights, and while
+    it scores, one layer's activations for one micro-batch (a forward pass keeps none for a backward)."""
+
+    parameters: int  # its weights on this GPU: the decoder and a one-label head, sharded by its TP
+    weights: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.activations
+
+
+def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount) -> ScoringMemory:
+    model = spec.reward.model
+    megatron = MegatronConfig(tensor_model_parallel_size=model.tensor_model_parallel_size,
+                              sequence_parallel=model.sequence_parallel)
+    # Its output layer is the one-label score head, not the vocabulary's.
+    held = (params.total - params.output_layer + arch.hidden_size) // model.tensor_model_parallel_size
+    s = spec.data.max_prompt_length + spec.data.max_response_length
+    activations = _layer_activations(arch, megatron, s, model.micro_batch_size_per_gpu, full_scores=True, keys=s)
+    return ScoringMemory(parameters=held, weights=held * _WEIGHT_BYTES[spec.model.dtype], activations=activations)
+
+
+@dataclass(frozen=True)
+class RolloutBufferMemory:
+    """Host memory of the rollouts alive at once in the driver: the one training and, in one_step_off and async, the
+    `trainer.staleness_bound` made ahead (controller.rollout_buffer.Ahead). Counts the batch tensors (token ids and
+    attention mask as int64, response mask and rollout log-probs as fp32, rollout_data.build_batch), not the
+    engines' per-token Python lists beside them."""
+
+    rollouts: int
+    bytes_per_rollout: float
+
+    @property
+    def total(self) -> float:
+        return self.rollouts * self.bytes_per_rollout
+
+
+def rollout_buffer_memory(spec: JobSpec) -> RolloutBufferMemory:
+    prompt, response = spec.data.max_prompt_length, spec.data.max_response_length
+    samples = spec.data.train_batch_size * spec.rollout.n
+    per_sample = 2 * 8 * (prompt + response) + 2 * 4 * response
+    return RolloutBufferMemory(rollouts=spec.trainer.staleness_bound + 1, bytes_per_rollout=samples * per_sample)
 
 
 def resident_model_state(memory: TrainingMemory, offload: OffloadConfig) -> float:

@@ -111,3 +111,49 @@ def _attention_parameters(arch: ModelArchitecture) -> int:
     bias = (heads + 2 * kv_heads) * d if arch.qkv_bias else 0
     qk_norm = 2 * d if arch.qk_norm else 0
     return projections + bias + qk_norm
+
+
+@dataclass(frozen=True)
+class LoRALayerParameters:
+    """One layer's LoRA factors (actor.lora), by how they split: on a column-parallel linear (linear_qkv,
+    linear_fc1) A [r, in] is replicated over TP and B [out, r] split; on a row-parallel one (linear_proj,
+    linear_fc2) A is split and B replicated. Routed experts' split over ETP, and each EP rank holds its experts'."""
+
+    split: int
+    replicated: int
+    expert_split: int
+    expert_replicated: int
+
+    def dense_per_gpu(self, tp: int) -> int:
+        return self.split // tp + self.replicated
+
+    def experts_per_gpu(self, ep: int, etp: int) -> int:
+        return (self.expert_split // etp + self.expert_replicated) // ep
+
+
+def lora_parameters(arch: ModelArchitecture, rank: int, targets: tuple[str, ...]) -> tuple[LoRALayerParameters, ...]:
+    """The LoRA factors of each decoder layer (rlmegatron.models.lora), for `rank` on the `targets` linears."""
+    h = arch.hidden_size
+
+    def factors(column: bool, fan_in: int, fan_out: int) -> tuple[int, int]:
+        """(split, replicated) parameters of one adapted linear."""
+        return (rank * fan_out, rank * fan_in) if column else (rank * fan_in, rank * fan_out)
+
+    def mlp(ffn: int) -> list[tuple[int, int]]:  # gated: fc1 holds gate and up; ffn 0: no such MLP
+        return [factors(True, h, 2 * ffn) if "linear_fc1" in targets and ffn else (0, 0),
+                factors(False, ffn, h) if "linear_fc2" in targets and ffn else (0, 0)]
+
+    attention = []
+    if "linear_qkv" in targets and arch.mla is None:  # MLA's projections are other linears, which LoRA leaves
+        attention.append(factors(True, h, (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim))
+    if "linear_proj" in targets:
+        value_dim = arch.mla.v_head_dim if arch.mla is not None else arch.head_dim
+        attention.append(factors(False, arch.num_attention_heads * value_dim, h))
+    layers = []
+    for moe in arch.moe_layers:
+        dense = attention + mlp(arch.shared_expert_intermediate_size if moe else arch.intermediate_size or 0)
+        experts = mlp(arch.moe_intermediate_size or 0) if moe else []
+        layers.append(LoRALayerParameters(sum(s for s, _ in dense), sum(r for _, r in dense),
+                                          arch.num_experts * sum(s for s, _ in experts),
+                                          arch.num_experts * sum(r for _, r in experts)))
+    return tuple(layers)

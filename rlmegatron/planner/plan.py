@@ -7,18 +7,23 @@ from typing import Any
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.config.errors import SpecProblem
 from rlmegatron.config.spec import JobSpec, MegatronConfig
+from rlmegatron.models.families import read_architecture
 from rlmegatron.planner.memory import (
     GB,
     EngineMemory,
+    RolloutBufferMemory,
+    ScoringMemory,
     TrainingMemory,
     WeightSync,
     engine_memory,
     micro_batch,
     resident_model_state,
+    rollout_buffer_memory,
+    scoring_memory,
     training_memory,
     weight_sync,
 )
-from rlmegatron.planner.parameters import count_parameters
+from rlmegatron.planner.parameters import count_parameters, lora_parameters
 
 DEFAULT_GPU_MEM_GB = 80.0  # an H100 SXM
 DEFAULT_LINK_GBPS = 400.0  # one NDR InfiniBand port per GPU; intra-node NVLink 4 is ~3600 Gb/s
@@ -47,10 +52,14 @@ class Plan:
     gpu_bytes: float
     actor: TrainingMemory
     critic: TrainingMemory | None
+    reward_model: ScoringMemory | None
     engine: EngineMemory
     sync: WeightSync
     trainer_phases: tuple[PhaseMemory, ...]  # on the trainer GPUs (and the engines' when colocated)
     rollout_gpu_bytes: float | None  # on the engines' own GPUs when disaggregated
+    trainer_gpus: int
+    rollout_gpus: int | None  # the rollout pool's own GPUs when disaggregated (None: they are the trainer's)
+    rollout_buffer: RolloutBufferMemory  # in the driver's host memory
     problems: tuple[SpecProblem, ...]
 
     @property
@@ -70,9 +79,12 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
     gpu_bytes = settings.gpu_mem_gb * GB
     actor_batch = micro_batch(spec, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz,
                               spec.actor.ppo_max_token_len_per_gpu, spec.actor.megatron)
-    actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch)
+    lora = spec.actor.lora
+    adapters = lora_parameters(arch, lora.rank, tuple(lora.target_modules)) if lora.rank else None
+    actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch, adapters,
+                            tuple(lora.modules_to_save))
     resident = {"actor": resident_model_state(actor, spec.actor.offload)}
-    if spec.needs_reference:
+    if spec.needs_reference and not lora.rank:  # with LoRA the reference is the actor with its adapters off
         ref = training_memory(spec, arch, params, spec.ref.megatron, spec.actor.offload, actor_batch)
         resident["ref"] = 0.0 if spec.ref.offload.params else ref.parameters
     critic = None
@@ -87,6 +99,11 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         )
         critic = training_memory(spec, arch, params, spec.critic.megatron, spec.critic.offload, critic_batch)
         resident["critic"] = resident_model_state(critic, spec.critic.offload)
+    reward_model = None
+    if spec.reward.model.path is not None:  # on the trainer ranks, colocated or not
+        reward_arch = read_architecture(spec.reward.model.path)
+        reward_model = scoring_memory(spec, reward_arch, count_parameters(reward_arch))
+        resident["reward model"] = 0.0 if spec.reward.model.offload.params else reward_model.weights
     engine = engine_memory(spec, arch, params, gpu_bytes)
     colocated = spec.placement.mode == "colocate"
 
@@ -96,6 +113,9 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
     phases = [PhaseMemory("actor_update", 0.0, {"actor": actor.total, **others("actor")})]
     if critic is not None:
         phases.append(PhaseMemory("critic_update", 0.0, {"critic": critic.total, **others("critic")}))
+    if reward_model is not None:
+        phases.append(PhaseMemory("reward_scoring", 0.0,
+                                  {"reward model": reward_model.total, **others("reward model")}))
     if colocated:
         phases.append(PhaseMemory("rollout", 0.0, {"engine": engine.static_reservation, **others()}))
     phases = [PhaseMemory(p.phase, sum(p.parts.values()), p.parts) for p in phases]
@@ -107,10 +127,14 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         gpu_bytes=gpu_bytes,
         actor=actor,
         critic=critic,
+        reward_model=reward_model,
         engine=engine,
         sync=weight_sync(spec, params, settings.link_gbps),
         trainer_phases=tuple(phases),
         rollout_gpu_bytes=None if colocated else engine.static_reservation,
+        trainer_gpus=spec.placement.trainer_world_size,
+        rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
+        rollout_buffer=rollout_buffer_memory(spec),
         problems=(),
     )
     problems = [
@@ -152,6 +176,12 @@ def _fix_for(phase: str, spec: JobSpec) -> tuple[str, Any, str]:
             spec.rollout.mem_fraction_static,
             "lower it, or offload the idle roles (actor.offload.params/grads, ref.offload.params)",
         )
+    if phase == "reward_scoring":
+        return (
+            "reward.model.tensor_model_parallel_size",
+            spec.reward.model.tensor_model_parallel_size,
+            "raise it, lower reward.model.micro_batch_size_per_gpu, or offload the idle roles",
+        )
     megatron = spec.actor.megatron if phase == "actor_update" else spec.critic.megatron
     role = "actor" if phase == "actor_update" else "critic"
     fix = (
@@ -190,6 +220,8 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"actor training, per GPU (pipeline stage {actor.pipeline_stage}):",
         f"  parameters        {_gb(actor.parameters):>10}  ({actor.dense_parameters / 1e9:.2f}B dense"
         f" + {actor.expert_parameters / 1e9:.2f}B expert shards)",
+        *([f"  LoRA adapters     {actor.adapter_parameters / 1e6:>8.2f} M  parameters, the only ones that train"]
+          if actor.adapter_parameters else []),
         f"  gradients         {_gb(actor.gradients):>10}",
         f"  optimizer state   {_gb(actor.optimizer_state):>10}",
         f"  activations       {_gb(actor.activations):>10}",
@@ -201,6 +233,15 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         lines.append(f"  {phase.phase:<15} {_gb(phase.bytes):>10}  ({parts})")
     if plan.rollout_gpu_bytes is not None:
         lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
+    if plan.reward_model is not None:
+        lines.append(f"reward model (TP={spec.reward.model.tensor_model_parallel_size}) on the trainer GPUs: "
+                     f"weights {_gb(plan.reward_model.weights)}, scoring activations "
+                     f"{_gb(plan.reward_model.activations)} per GPU")
+    pools = (f"{plan.trainer_gpus} trainer GPUs and the engines on them" if plan.rollout_gpus is None
+             else f"{plan.trainer_gpus} trainer GPUs, {plan.rollout_gpus or 'undeclared'} rollout GPUs")
+    buffer = plan.rollout_buffer
+    lines.append(f"pools: {pools}; trainer.mode={spec.trainer.mode}: {buffer.rollouts} rollout(s) in the driver's "
+                 f"memory at once, {_gb(buffer.total)} of batch tensors")
     lines += [
         f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}, "
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "

@@ -147,6 +147,18 @@ class HFWeightExporter:
                 yield f"{prefix}.lora_A.weight", a_part
                 yield f"{prefix}.lora_B.weight", b_part
 
+    def module_stream(self, modules: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT name, full tensor) of the weights of the GPTModel children `modules` (LoRA's modules_to_save), as
+        trained, identically on every rank: named like their HF tensors, as PEFT saves a module it trains whole."""
+        tied = self.weight_map.facts.tie_word_embeddings
+        for entry in self._plan:
+            if entry.name.partition(".")[0] in modules:
+                for hf_name, value in self.weight_map.megatron_to_hf(
+                        entry.name, self._full_megatron_tensor(entry, entry.name)).items():
+                    yield f"base_model.model.{hf_name}", value
+                    if tied and entry.name.startswith("embedding."):  # PEFT saves the tied lm_head's copy too
+                        yield "base_model.model.lm_head.weight", value
+
     def _expert_group(self, entry: _Entry, slot: int, local_experts: int) -> dict[str, torch.Tensor]:
         """Full tensors of local expert `slot` of every EP rank, keyed by weight-map name (global ids)."""
         from megatron.core import parallel_state as ps
@@ -245,12 +257,18 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
 
     # Cloned: the projections of one fused weight share its A, and safetensors refuses shared memory.
     tensors = {name: tensor.detach().cpu().clone() for name, tensor in exporter.adapter_stream()}
+    saved = {name: tensor.detach().cpu().clone() for name, tensor in exporter.module_stream(lora.modules_to_save)}
     if torch.distributed.get_rank() == 0:
         os.makedirs(out, exist_ok=True)
         modules = sorted({name.split(".lora_")[0].rpartition(".")[2] for name in tensors})
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
                   "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
                   "base_model_name_or_path": base_model}
+        if saved:
+            # A tied output layer is the embedding: PEFT re-ties it to the trained copy it loads.
+            config.update(modules_to_save=sorted({name.rsplit(".", 2)[-2] for name in saved}),
+                          ensure_weight_tying=True)
+        tensors.update(saved)
         save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
         Path(out, "adapter_config.json").write_text(json.dumps(config, indent=1))
     torch.distributed.barrier()

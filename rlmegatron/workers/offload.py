@@ -5,6 +5,8 @@ from typing import Iterable
 
 import torch
 
+from rlmegatron.models.lora import base_weight_copies
+
 PARTS = ("params", "grads", "optimizer")
 
 
@@ -39,6 +41,7 @@ class Offloader:
                         yield buffer.grad_data
             if "params" in parts:
                 yield from chunk.parameters()
+                yield from base_weight_copies([chunk])  # LoRA's base weights of the modules it trains whole
             if "grads" in parts:
                 for param in chunk.parameters():
                     if getattr(param, "main_grad", None) is not None:

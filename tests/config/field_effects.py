@@ -187,12 +187,20 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.kl_loss_type": ("estimator of the KL loss", (ACTOR_SETTINGS, KL_ESTIMATORS)),
     "actor.lora.alpha": ("scale alpha / rank of the adapters' update", (LORA_SPEC, NEVER_TRAINS)),
     "actor.lora.dropout": ("dropout on the adapters' input", (LORA_SPEC,)),
+    "actor.lora.modules_to_save": ("modules that train whole beside the adapters, base values with them off",
+                                   (LORA_RANK + "test_the_reference_is_the_actor_with_its_adapters_off",
+                                    LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
+                                    LORA_RANK + "test_a_checkpoint_holds_the_adapters_and_the_modules_trained_whole_"
+                                    "and_resumes_them",
+                                    "tests/planner/test_memory.py::"
+                                    "test_lora_trains_only_the_adapters_split_over_tp_like_their_weights", CHECKS)),
     "actor.lora.rank": ("LoRA: only adapters of that rank train, the reference is the actor with them off, engines "
                         "and HF export get merged weights, checkpoints hold the adapters",
                         (LORA_SPEC, LORA_PARITY, LORA_ONLY,
                          LORA_RANK + "test_the_reference_is_the_actor_with_its_adapters_off",
                          LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
-                         LORA_RANK + "test_a_checkpoint_holds_the_adapters_only_and_resumes_them", CHECKS)),
+                         LORA_RANK + "test_a_checkpoint_holds_the_adapters_and_the_modules_trained_whole_and_resumes_them",
+                         CHECKS)),
     "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
     "actor.lora.weight_sync": ("merged weights, or SGLang loads the adapters and samples with them",
                                (LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",

@@ -583,6 +583,21 @@ CASES = [
         id="lora-adapter-sync-needs-a-dense-model",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.modules_to_save": ["output_layer"]},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.modules_to_save=[output_layer]: the model ties its output layer to the embedding "
+        "(tie_word_embeddings): name embedding",
+        id="lora-saves-no-tied-output-layer",
+    ),
+    pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.modules_to_save": ["embedding"], "actor.lora.weight_sync": "adapter",
+         "rollout.engine": "sglang"},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.modules_to_save=[embedding]: SGLang loads LoRA factors, not whole modules; use "
+        "actor.lora.weight_sync=merge",
+        id="lora-adapter-sync-takes-no-saved-modules",
+    ),
+    pytest.param(
         {"reward.model.path": "/nonexistent/rm"},
         "tiny-qwen3",
         "job.yaml: reward.model.path=/nonexistent/rm: has no config.json; give the directory of an HF "

@@ -132,7 +132,8 @@ def test_dump_reloads_to_the_same_spec(algorithm):
     assert spec_from_raw(parse_yaml(dump_spec(spec))) == spec
 
 
-@pytest.mark.parametrize("config", ["configs/quickstart.yaml", "configs/gsm8k_cpu_smoke.yaml"])
+@pytest.mark.parametrize("config", ["configs/quickstart.yaml", "configs/quickstart_lora.yaml",
+                                    "configs/gsm8k_cpu_smoke.yaml"])
 def test_shipped_job_specs_validate(config, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)  # their paths are relative to the repository root
     spec = load_spec(config)

@@ -53,6 +53,13 @@ def test_adapter_sync_loads_each_steps_adapter_and_samples_with_it(tmp_path):
         assert sampled[0] is None and set(sampled) == {None, "step_1", "step_2"}  # step 1 samples the base
         released = [c["tags"] for c in mine if c["path"] == "/release_memory_occupation"]
         assert released and all("weights" not in tags for tags in released)
+    # The checkpoint holds what `rlm convert lora-to-hf` needs to rebuild the adapted model (tests/models/test_lora.py).
+    from rlmegatron.checkpoint.state import AdapterMeta
+    from rlmegatron.models.lora import LoRASettings
+
+    meta = AdapterMeta.load(tmp_path / "run" / "checkpoints" / "step_3" / "actor")
+    assert meta == AdapterMeta(LoRASettings(rank=4, alpha=8.0), str(base_dir), "fp32", random_init=False,
+                               padded_vocab_size=128)  # the quickstart's 128 tokens, at TP=1
     # The last adapter, over the base weights, is the merged policy the run exported.
     adapter_dir = tmp_path / "run" / "lora_adapters" / "step_3"
     adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))

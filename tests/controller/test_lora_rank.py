@@ -1,6 +1,7 @@
 """A policy rank built from a spec with `actor.lora` (one gloo rank): adapters of that rank, scale and dropout on the
-chosen linears; the reference is the actor with its adapters off (no second model); the engine gets the merged
-weights; a checkpoint holds the adapters (and their optimizer) only and resumes them; the HF export is merged."""
+chosen linears, and the embedding trained whole (modules_to_save); the reference is the actor with its adapters off
+and its base embedding (no second model); the engine gets the merged weights; a checkpoint holds the adapters and
+the embedding (and their optimizer) only and resumes them; the HF export is merged."""
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ LORA_SPEC = [
     "actor.use_kl_loss=true", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
     "actor.optim.lr=0.05", "actor.offload.params=true",
     "actor.lora.rank=4", "actor.lora.alpha=12", "actor.lora.dropout=0.1",
-    "actor.lora.target_modules=[linear_qkv,linear_fc2]",
+    "actor.lora.target_modules=[linear_qkv,linear_fc2]", "actor.lora.modules_to_save=[embedding]",
 ]
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def _lora_rank_job(workdir: str) -> dict:
@@ -32,6 +34,7 @@ def _lora_rank_job(workdir: str) -> dict:
     from rlmegatron.models.lora import adapted_modules, adapters_disabled, is_adapter_name
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
+    from rlmegatron.workers.megatron_step import unwrap
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
@@ -43,6 +46,15 @@ def _lora_rank_job(workdir: str) -> dict:
                    for m in adapted_modules(models.actor.chunks)}
     report = {"adapted": modules, "shared": models.reference.chunks is models.actor.chunks}
 
+    def embedding():
+        with models.phase("actor"):
+            return dict(unwrap(models.actor.chunks[0]).named_parameters())[EMBEDDING].detach().clone()
+
+    report["embedding_before"] = embedding()
+    with models.phase("actor"):
+        report["trainable"] = sum(p.numel() for chunk in models.actor.chunks
+                                  for p in unwrap(chunk).parameters() if p.requires_grad)
+
     batch = rollout_batch(n=8)
     log_probs = rank.compute_log_prob(batch)
     report["ref_before"] = rank.compute_ref_log_prob(batch)
@@ -52,6 +64,7 @@ def _lora_rank_job(workdir: str) -> dict:
         rank.update_actor(train)
     report["log_probs"] = rank.compute_log_prob(batch)
     report["ref_after"] = rank.compute_ref_log_prob(batch)
+    report["embedding_after"] = embedding()
     with models.phase("actor"):
         with adapters_disabled(models.actor.chunks):
             report["base_stream"] = {n: t.clone() for n, t in HFWeightExporter(models.actor.chunks,
@@ -77,8 +90,8 @@ def _lora_rank_job(workdir: str) -> dict:
     report["resumed_log_probs"] = resumed.compute_log_prob(batch)
     resumed.update_actor(train)
     report["third_step"] = (resumed.compute_log_prob(batch), continued)
-    report["adapter_keys_are_lora"] = all(is_adapter_name(k) for k in report["checkpoint_keys"]
-                                          if not k.startswith("optimizer"))
+    report["saved_whole"] = [k for k in report["checkpoint_keys"]
+                             if not k.startswith("optimizer") and not is_adapter_name(k)]
     resumed.shutdown()
     return report
 
@@ -92,24 +105,41 @@ def test_the_spec_puts_adapters_of_its_rank_scale_and_dropout_on_the_chosen_line
     assert report["adapted"] == {"LoRAColumnParallelLinear": (4, 3.0, 0.1), "LoRARowParallelLinear": (4, 3.0, 0.1)}
 
 
+def test_rlm_plan_counts_the_gradients_and_adam_state_of_what_trains(report, monkeypatch):
+    """The planner's LoRA accounting against the rank: fp32 gradients and Adam's two moments of every parameter that
+    trains (the adapters and the embedding), on one rank."""
+    from rlmegatron.config import load_spec, read_architecture
+    from rlmegatron.planner.plan import PlanSettings, build_plan
+
+    monkeypatch.chdir(REPO_ROOT)  # the spec's paths are relative to the repository
+    spec = load_spec("configs/quickstart.yaml", LORA_SPEC)
+    plan = build_plan(spec, read_architecture(REPO_ROOT / "configs" / "quickstart" / "model"), PlanSettings())
+    assert plan.actor.gradients == report["trainable"] * 4
+    assert plan.actor.optimizer_state == report["trainable"] * 8
+
+
 def test_the_reference_is_the_actor_with_its_adapters_off(report):
     assert report["shared"], "with LoRA the reference has no model of its own"
     # B starts at zero (the reference batches by ref.log_prob_micro_batch_size_per_gpu, so not bit for bit)
     assert (report["ref_before"] - report["log_probs_before"]).abs().max() < 1e-5
     assert (report["log_probs"] - report["log_probs_before"]).abs().max() > 0.05, "the adapters must have trained"
     assert torch.equal(report["ref_after"], report["ref_before"])  # the base weights never change
+    # ... and the embedding, which trains whole (modules_to_save), is the base one again with the adapters off.
+    assert (report["embedding_after"] - report["embedding_before"]).abs().max() > 1e-3
 
 
 def test_the_engine_and_the_hf_export_get_the_merged_weights(report):
     merged, base = report["merged_stream"], report["base_stream"]
     assert max(float((merged[n] - base[n]).abs().max()) for n in merged) > 1e-3
+    vocab = base["model.embed_tokens.weight"].shape[0]
+    assert torch.equal(base["model.embed_tokens.weight"], report["embedding_before"][:vocab])
+    assert torch.equal(merged["model.embed_tokens.weight"], report["embedding_after"][:vocab])
     assert all(torch.equal(report["served"][n], merged[n]) for n in merged)
     assert all(torch.equal(report["exported"][n], merged[n]) for n in merged)
 
 
-def test_a_checkpoint_holds_the_adapters_only_and_resumes_them(report):
-    model_keys = [k for k in report["checkpoint_keys"] if not k.startswith("optimizer")]
-    assert model_keys and report["adapter_keys_are_lora"], model_keys[:5]
+def test_a_checkpoint_holds_the_adapters_and_the_modules_trained_whole_and_resumes_them(report):
+    assert report["saved_whole"] == [EMBEDDING]  # beside the adapters: no frozen weight
     assert torch.equal(report["resumed_log_probs"], report["log_probs"])
     resumed, continued = report["third_step"]
     assert torch.equal(resumed, continued)  # Adam's moments and step came back too

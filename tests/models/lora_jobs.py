@@ -9,7 +9,13 @@ from megatron.core import parallel_state as ps
 
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, transformer_config
-from rlmegatron.models.lora import LoRASettings, adapters_disabled, add_adapters, is_adapter_name
+from rlmegatron.models.lora import (
+    LoRASettings,
+    adapters_disabled,
+    add_adapters,
+    is_adapter_name,
+    remember_base_weights,
+)
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.resharding import HFWeightExporter
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
@@ -19,6 +25,7 @@ from tests.workers.jobs import rollout_batch
 
 LORA = LoRASettings(rank=4, alpha=8.0)
 RESHARDED = ("TP2-SP", "EP2")  # layouts whose trained adapters are also loaded back at TP=1
+CONVERTED = ("TP1", "TP2")  # dense layouts saved as a run's checkpoint, for `rlm convert lora-to-hf`
 # adam_eps=1: an Adam step is ~lr*g, so a wrong gradient shows as a wrong update, not as the same sign step.
 SETTINGS = dict(ppo_mini_batch_size=8, micro_batch_size=2, optimizer=OptimizerSettings(lr=0.5, adam_eps=1.0))
 
@@ -39,12 +46,37 @@ def build_actor(path: str, layout: ParallelLayout, lora: LoRASettings | None) ->
     weight_map = WeightMap(facts)
     load_hf_weights([unwrap(chunk) for chunk in actor.chunks], weight_map, checkpoint)
     checkpoint.close()
+    remember_base_weights(actor.chunks)  # as a run's ranks do once the base weights are in
     return actor, weight_map
 
 
 def _adam_state_numel(optimizer) -> int:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return sum(state["exp_avg"].numel() for opt in inner for state in opt.optimizer.state.values())
+
+
+def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str, lora: LoRASettings = LORA) -> dict | None:
+    """`actor` saved as a run saves its checkpoint (adapters, AdapterMeta, manifest); returns its Megatron logits of
+    fixed tokens with the adapters on and off (rank 0)."""
+    from pathlib import Path
+
+    from rlmegatron.checkpoint.integrity import write_manifest
+    from rlmegatron.checkpoint.state import AdapterMeta, save_training_state
+    from rlmegatron.models.convert import megatron_logits, verify_tokens
+
+    chunks, facts = [unwrap(chunk) for chunk in actor.chunks], weight_map.facts
+    tokens = verify_tokens(facts.vocab_size)
+    logits = megatron_logits(chunks, facts, tokens)
+    with adapters_disabled(actor.chunks):
+        base_logits = megatron_logits(chunks, facts, tokens)
+    save_training_state(actor, os.path.join(checkpoint, "actor"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        AdapterMeta(lora, base, "fp32", random_init=False,
+                    padded_vocab_size=weight_map.facts.padded_vocab_size).save(os.path.join(checkpoint, "actor"))
+        write_manifest(Path(checkpoint), step=2)
+    torch.distributed.barrier()
+    return {"tokens": tokens, "logits": logits, "base_logits": base_logits}
 
 
 def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict:
@@ -85,6 +117,8 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             result["merged"], result["adapter"] = merged, adapter
         if label in RESHARDED:
             actor.save_weights(os.path.join(workdir, f"{family}-{label}"))
+        if family == "qwen3" and label in CONVERTED:
+            result["logits"] = _save_run_checkpoint(actor, weight_map, path, os.path.join(workdir, f"run-{label}"))
         if label == "TP1":  # the plain model at the same layout: what the adapters start from and switch off to
             del actor
             plain, _ = build_actor(path, layout, None)
@@ -97,4 +131,21 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
             merged = dict(HFWeightExporter(actor.chunks, weight_map).stream())
             if torch.distributed.get_rank() == 0:
                 report[f"{family}/{label}"]["resharded"] = merged
+    # `rlm convert lora-to-hf`'s rank body here, on these two ranks at TP=2, for the checkpoint saved at TP=1 (the
+    # test runs the command itself for the other, at TP=1): spawning ranks costs more than converting.
+    from rlmegatron.convert_cli import lora_to_hf
+
+    run = os.path.join(workdir, "run-TP1")
+    lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout(tp=2, sequence_parallel=True))
+    # The embedding (tied to the output layer) trained whole beside the adapters at TP=2, converted at TP=1.
+    path, saved = os.path.join(workdir, "qwen3"), replace(LORA, modules_to_save=("embedding",))
+    actor, weight_map = build_actor(path, ParallelLayout(tp=2), saved)
+    train_batch = replace(batch, old_log_probs=actor.compute_log_prob(batch)[0] - 0.05 * batch.response_mask)
+    for _ in range(2):
+        actor.update(train_batch)
+    run = os.path.join(workdir, "run-TP2-embedding")
+    report["qwen3/TP2-embedding"] = {"trained_log_probs": actor.compute_log_prob(batch)[0],
+                                     "logits": _save_run_checkpoint(actor, weight_map, path, run, saved)}
+    lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout())
     return report
+

@@ -129,6 +129,29 @@ def _with_file(directory, name, text):
     return directory
 
 
+def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, padded_vocab=256):
+    """A step_N directory as a run saves one, its actor's state a stand-in (the checks before the ranks read none);
+    `meta`: a LoRA run's, adapting `base`."""
+    from pathlib import Path
+
+    from rlmegatron.checkpoint.integrity import write_manifest
+    from rlmegatron.checkpoint.state import AdapterMeta
+    from rlmegatron.models.lora import LoRASettings
+
+    step = Path(t, "step_2")
+    (step / "actor").mkdir(parents=True)
+    (step / "actor" / "common.pt").write_bytes(b"x")
+    if meta:
+        AdapterMeta(LoRASettings(rank=4, alpha=8.0), str(base), "fp32", random_init, padded_vocab).save(step / "actor")
+    if manifest:
+        write_manifest(step, 2)
+    return step
+
+
+def _lora(checkpoint, t, *flags):
+    return ["lora-to-hf", "--checkpoint", str(checkpoint), *(flags or ("--merged-out", str(t / "o")))]
+
+
 LLAMA3_ROPE_WITHOUT_LOW = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
 # id -> (argv from (models dir m, test's tmp dir t), what the one line must say; {m} and {t} are those dirs)
 CONVERT_CASES = {
@@ -180,6 +203,34 @@ CONVERT_CASES = {
                           "--tp=3: does not divide the model's 4 attention heads"),
     "hf-config-missing": (lambda m, t: _to_hf(m / "mcore", t / "o", "--hf-config", str(t / "nope")),
                           "--hf-config={t}/nope: no such directory"),
+    "lora-checkpoint-missing": (lambda m, t: _lora(t / "nope", t), "--checkpoint={t}/nope: no such directory"),
+    "lora-nothing-to-write": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--tp", "1"),
+                              "nothing to write: name --adapter-out (a PEFT adapter), --merged-out"),
+    "lora-same-outs": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--adapter-out", str(t / "o"),
+                                          "--merged-out", str(t / "o")),
+                       "--adapter-out and --merged-out are both {t}/o: name two directories"),
+    "lora-checkpoint-incomplete": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", manifest=False), t),
+                                   "--checkpoint={t}/step_2: not a complete checkpoint (no "),
+    "lora-names-the-checkpoints-not-a-step": (
+        lambda m, t: _lora(_run_checkpoint(t / "run" / "checkpoints", m / "llama").parent, t),
+        "--checkpoint={t}/run/checkpoints: holds a run's checkpoints, not one; name a step, e.g. the newest "
+        "complete one, {t}/run/checkpoints/step_2"),
+    "lora-checkpoint-of-a-full-run": (lambda m, t: _lora(_run_checkpoint(t, meta=False), t),
+                                      "--checkpoint={t}/step_2: not a LoRA checkpoint (no actor/lora.json)"),
+    "lora-random-base": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", random_init=True), t),
+                         "--checkpoint={t}/step_2: the run started from random base weights (model.random_init)"),
+    "lora-base-gone": (lambda m, t: _lora(_run_checkpoint(t, t / "gone"), t),
+                       "{t}/step_2/actor/lora.json: base_model {t}/gone: no such directory"),
+    "lora-out-not-empty": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--merged-out", str(m / "llama")),
+                           "--merged-out={m}/llama: exists and is not empty"),
+    "lora-peft-of-moe": (lambda m, t: _lora(_run_checkpoint(t, m / "deepseek_v3"), t, "--adapter-out", str(t / "o")),
+                         "--adapter-out={t}/o: PEFT adapters are written for dense models"),
+    "lora-tp-vs-padded-vocab": (lambda m, t: _lora(_run_checkpoint(t, m / "llama", padded_vocab=130), t,
+                                                   "--merged-out", str(t / "o"), "--tp", "4"),
+                                "--tp=4: does not divide the run's padded vocabulary (130 rows)"),
+    "lora-tp-vs-heads": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--merged-out", str(t / "o"),
+                                            "--tp", "3"),
+                         "--tp=3: does not divide the model's 4 attention heads"),
     "verify-hf-path-missing": (lambda m, t: ["verify", "--hf-path", str(t / "nope"), "--mcore-path", str(m / "mcore")],
                                "--hf-path={t}/nope: no such directory"),
 }

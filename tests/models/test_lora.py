@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
-from tests.models.lora_jobs import RESHARDED, lora_job
+from tests.models.lora_jobs import CONVERTED, RESHARDED, lora_job
 from tests.models.tiny_hf import save_tiny_model
 
 CASES = [
@@ -30,8 +30,8 @@ def report(tmp_path_factory):
     reports = run_ranks(lora_job, 2, CASES, str(workdir), timeout_s=600)
     assert all(torch.equal(r[k]["trained_log_probs"], reports[0][k]["trained_log_probs"]) for r in reports
                for k in r), "ranks disagree"
-    return {**reports[0], "base": {family: load_file(str(workdir / family / "model.safetensors"))
-                                   for family in {family for family, _, _ in CASES}}}
+    return {**reports[0], "workdir": workdir, "base": {family: load_file(str(workdir / family / "model.safetensors"))
+                                                       for family in {family for family, _, _ in CASES}}}
 
 
 @pytest.mark.parametrize("family,label", [(f, label) for f, label, _ in CASES if label != "TP1"])
@@ -91,3 +91,70 @@ def test_adapters_saved_at_one_layout_load_at_tp1_with_the_same_merged_weights(r
     """A distributed checkpoint of the adapters reshards: fc1's B by its gate and up halves, experts by their ids."""
     result = report[f"{family}/{label}"]
     assert max(float((result["resharded"][n] - result["merged"][n]).abs().max()) for n in result["merged"]) == 0.0
+
+
+# ---- `rlm convert lora-to-hf`: a run's adapter-only checkpoint as a PEFT adapter and as merged HF weights ----------
+@pytest.fixture(scope="module")
+def converted(report):
+    """The qwen3 actors trained at TP1 and TP2, saved as a run's checkpoints, each converted at the other TP size (the
+    checkpoint reshards, and both exporter paths run): TP1's by lora_job on its ranks, TP2's by the command."""
+    from rlmegatron.convert_cli import main
+
+    workdir = report["workdir"]
+    run = workdir / "run-TP2"
+    assert main(["lora-to-hf", "--checkpoint", str(run), "--tp", "1", "--device", "cpu",
+                 "--adapter-out", f"{run}-peft", "--merged-out", f"{run}-merged"]) == 0
+    return workdir
+
+
+@pytest.mark.parametrize("label", CONVERTED)
+def test_transformers_with_the_converted_peft_adapter_and_merged_weights_give_our_logits(report, converted, label):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    workdir, ours = converted, report[f"qwen3/{label}"]["logits"]
+    adapter_effect = (ours["logits"] - ours["base_logits"]).abs().max()
+    assert adapter_effect > 1e-2, "the adapters must move the logits far beyond the tolerance"
+    base = AutoModelForCausalLM.from_pretrained(workdir / "qwen3", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(workdir / f"run-{label}-merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
+        assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+        peft = PeftModel.from_pretrained(base, workdir / f"run-{label}-peft").eval()
+        assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+
+
+def test_an_embedding_trained_whole_converts_into_the_merged_weights_and_a_peft_adapter(report):
+    """actor.lora.modules_to_save=[embedding] at TP=2, converted at TP=1: with the adapters off the model is the base
+    one, embedding included; the merged weights, and the PEFT adapter (the embedding as a module to save, tied to
+    the output layer again) over the base model, carry the trained embedding and adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ours, workdir = report["qwen3/TP2-embedding"]["logits"], report["workdir"]
+    assert (ours["logits"] - ours["base_logits"]).abs().max() > 1e-2
+    base = AutoModelForCausalLM.from_pretrained(workdir / "qwen3", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(workdir / "run-TP2-embedding-merged", dtype=torch.float32)
+    trained = (merged.get_input_embeddings().weight - base.get_input_embeddings().weight).abs().max()
+    assert trained > 1e-3, "the embedding must have trained"
+    with torch.no_grad():
+        assert (base(ours["tokens"]).logits - ours["base_logits"]).abs().max() < 1e-4
+        assert (merged(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+        peft = PeftModel.from_pretrained(base, workdir / "run-TP2-embedding-peft").eval()
+        assert (peft(ours["tokens"]).logits - ours["logits"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family,label,layout", CASES, ids=[f"{f}-{label}" for f, label, _ in CASES])
+def test_the_planner_counts_the_adapters_each_rank_holds(report, family, label, layout):
+    """`rlm plan`'s LoRA count (planner.parameters.lora_parameters), against the factors rank 0 really holds."""
+    from rlmegatron.models.families import architecture_of
+    from rlmegatron.planner.parameters import lora_parameters
+    from tests.models.lora_jobs import LORA
+    from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
+
+    arch = architecture_of({"model_type": family, **COMMON, **FAMILY_CONFIGS[family]})
+    layers = lora_parameters(arch, LORA.rank, LORA.target_modules)
+    stage = layers[: len(layers) // layout.pp]  # rank 0: the first pipeline stage
+    etp = layout.etp or layout.tp
+    expected = sum(layer.dense_per_gpu(layout.tp) + layer.experts_per_gpu(layout.ep, etp) for layer in stage)
+    assert report[f"{family}/{label}"]["adapter_numel"] == expected

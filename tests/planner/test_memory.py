@@ -86,9 +86,65 @@ def test_recompute_and_context_parallel_shrink_activations_in_order():
         for granularity in ("none", "selective", "full")
     ]
     assert sizes[0] > sizes[1] > sizes[2]
-    with_cp = _plan(_spec("qwen3-1.7b", {**base, "context_parallel_size": 2})).actor.activations
-    # Half the tokens per rank, and the 5as/h attention-score term halves again with s.
-    assert sizes[0] / 4 < with_cp < sizes[0] / 2
+
+
+def test_context_parallel_keeps_its_tokens_whose_queries_attend_to_the_whole_sequence():
+    # CP=2 with TP=2 + SP, no recompute: each rank keeps the activations of s/2 tokens, sbh(34 + 5as/h)/t per layer
+    # with b = s/2 queries but the attention scores over all s keys (the term shrinks by CP, not CP squared), and
+    # the logits of its s/2 tokens.
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    spec = _spec("qwen3-1.7b", {**layout, "context_parallel_size": 2}, actor={"ppo_micro_batch_size_per_gpu": 2})
+    s, b, h, a, layers, t, vocab = 2048, 2, 2048, 16, 28, 2, 151936
+    local = s // 2
+    expected = layers * local * b * h * (34 + 5 * a * s / h) / t + 4 * local * b * vocab / t
+    assert _plan(spec).actor.activations == pytest.approx(expected, rel=1e-12)
+    assert _plan(_spec("qwen3-1.7b", layout, actor={"ppo_micro_batch_size_per_gpu": 2})).actor.activations == \
+        pytest.approx(2 * expected, rel=1e-12)
+
+
+def test_lora_trains_only_the_adapters_split_over_tp_like_their_weights():
+    # Qwen3-1.7B, rank 16 on all four linears at TP=2 (DP=4 of 8 GPUs), bf16 with the distributed optimizer: per
+    # layer, column-parallel qkv and fc1 keep A [r, in] whole and B [out/2, r]; row-parallel proj and fc2 the reverse.
+    h, heads, kv, d, ffn, layers, r = 2048, 16, 8, 128, 6144, 28, 16
+    qkv = r * h + r * (heads + 2 * kv) * d // 2
+    proj = r * heads * d // 2 + r * h
+    fc1 = r * h + r * 2 * ffn // 2
+    fc2 = r * ffn // 2 + r * h
+    adapters = layers * (qkv + proj + fc1 + fc2)
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    full = _plan(_spec("qwen3-1.7b", layout)).actor
+    lora = _plan(_spec("qwen3-1.7b", layout, actor={"lora": {"rank": r, "alpha": 32}})).actor
+    assert lora.adapter_parameters == adapters
+    assert lora.parameters == (full.dense_parameters + adapters) * 2  # frozen bf16 weights, and the adapters
+    assert lora.gradients == adapters * 4 and full.gradients == full.dense_parameters * 4
+    assert lora.optimizer_state == pytest.approx(adapters * 12 / 4)
+    assert lora.activations == full.activations
+    only_qkv = _plan(_spec("qwen3-1.7b", layout, actor={"lora": {"rank": r, "target_modules": ["linear_qkv"]}}))
+    assert only_qkv.actor.adapter_parameters == layers * qkv
+    # The (tied) embedding trained whole beside them: its TP shard gets gradients and Adam state too, and a copy of
+    # its base weights stays for the adapters-off model.
+    saved = _plan(_spec("qwen3-1.7b", layout, actor={"lora": {"rank": r, "modules_to_save": ["embedding"]}})).actor
+    assert saved.gradients == (adapters + 151936 * h // 2) * 4
+    assert saved.parameters == lora.parameters + 151936 * h // 2 * 2
+
+
+def test_lora_experts_shard_their_adapters_over_ep_and_etp():
+    # Qwen3-30B-A3B at TP=2, EP=8, ETP=1: each GPU holds 128/8 experts' fc1/fc2 factors whole; the attention's split.
+    h, heads, kv, d, experts, moe_ffn, layers, r = 2048, 32, 4, 128, 128, 768, 48, 8
+    attention = (r * h + r * (heads + 2 * kv) * d // 2) + (r * heads * d // 2 + r * h)
+    expert = (r * h + r * 2 * moe_ffn) + (r * moe_ffn + r * h)
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 8,
+              "expert_tensor_parallel_size": 1}
+    actor = _plan(_spec("qwen3-30b-a3b", layout, actor={"lora": {"rank": r}})).actor
+    assert actor.adapter_parameters == layers * (attention + experts // 8 * expert)
+
+
+def test_a_lora_run_keeps_no_reference_model():
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    kl = {"use_kl_loss": True}
+    with_ref = _plan(_spec("qwen3-1.7b", layout, actor=kl)).trainer_phases[0].parts
+    with_lora = _plan(_spec("qwen3-1.7b", layout, actor={**kl, "lora": {"rank": 8}})).trainer_phases[0].parts
+    assert "ref (idle)" in with_ref and "ref (idle)" not in with_lora
 
 
 def test_experts_shard_over_ep_and_etp():
@@ -120,3 +176,62 @@ def test_mla_caches_the_compressed_latent():
                                  "pipeline_model_parallel_size": 1},
                  rollout={"tensor_parallel_size": 8, "expert_parallel_size": 8})
     assert _plan(spec, gpu_mem_gb=1000).engine.kv_bytes_per_token == 61 * (512 + 64) * 2
+
+
+def _reward_model_dir(tmp_path):
+    """Qwen3-1.7B's architecture as a one-label sequence classifier (the planner reads its config alone)."""
+    import json
+
+    config = json.loads((MODELS_DIR / "qwen3-1.7b" / "config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_reward_model_takes_its_weights_and_one_layers_activations_on_the_trainer_gpus(tmp_path, offload):
+    # Its own TP=2 (no SP), 4 sequences of 2048 tokens per forward: weights = (decoder + a 1-label head) / 2 in
+    # bf16; one layer's activations sbh(10 + 24/t + 5as/(ht)); idle, it stays resident unless offloaded.
+    path = _reward_model_dir(tmp_path)
+    model = {"path": path, "tensor_model_parallel_size": 2, "micro_batch_size_per_gpu": 4,
+             "offload": {"params": offload}}
+    plan = _plan(_spec("qwen3-1.7b", {}, reward={"model": model}))
+    params = count_parameters(read_architecture(path))
+    h, a, s, b, t = 2048, 16, 2048, 4, 2
+    weights = (params.total + h) // t * 2  # tied embeddings: the count has no output layer to take away
+    activations = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert plan.reward_model.weights == weights
+    assert plan.reward_model.activations == pytest.approx(activations, rel=1e-12)
+    phases = {phase.phase: phase for phase in plan.trainer_phases}
+    assert phases["reward_scoring"].parts["reward model"] == pytest.approx(weights + activations)
+    assert phases["actor_update"].parts["reward model (idle)"] == (0 if offload else weights)
+    assert phases["rollout"].parts["reward model (idle)"] == (0 if offload else weights)
+
+
+@pytest.mark.parametrize("mode, rollouts", [("sync", 1), ("one_step_off", 2), ("async", 4)])
+def test_async_modes_plan_the_rollout_buffer_and_the_two_pools(mode, rollouts):
+    # 64 prompts x 4 samples of 1024 + 1024 tokens: int64 ids and mask over 2048 tokens, fp32 response mask and
+    # rollout log-probs over 1024, per sample; the one training plus max_staleness=3 (one_step_off: 1) made ahead.
+    spec = _spec("qwen3-1.7b", {}, rollout={"n": 4}, placement={"mode": "disaggregate", "rollout_nnodes": 2,
+                                                                  "rollout_gpus_per_node": 4},
+                 trainer={"mode": mode, "max_staleness": 3} if mode == "async" else {"mode": mode})
+    plan = _plan(spec)
+    assert plan.rollout_buffer.rollouts == rollouts
+    assert plan.rollout_buffer.total == rollouts * 64 * 4 * (2 * 8 * 2048 + 2 * 4 * 1024)
+    assert (plan.trainer_gpus, plan.rollout_gpus) == (8, 8)
+    assert plan.rollout_gpu_bytes == plan.engine.static_reservation
+    assert "rollout" not in {phase.phase for phase in plan.trainer_phases}  # the engines have their own GPUs
+
+
+def test_the_buffer_counts_the_bytes_of_the_batch_a_rollout_builds():
+    from rlmegatron.controller.rollout_data import build_batch
+    from rlmegatron.planner.memory import rollout_buffer_memory
+    from rlmegatron.rollout.engine import GenerationResult
+
+    spec = _spec("qwen3-1.7b", {}, data={"max_prompt_length": 12, "max_response_length": 5, "train_batch_size": 2},
+                 actor={"ppo_mini_batch_size": 2}, rollout={"n": 4})
+    results = [GenerationResult(request_index=i, sample_index=0, output_token_ids=(7,) * 5,
+                                output_token_logprobs=(-0.5,) * 5, finish_reason="length") for i in range(8)]
+    batch = build_batch([[1] * 12] * 8, results, response_width=5)
+    tensors = [batch.input_ids, batch.attention_mask, batch.response_mask, batch.rollout_log_probs]
+    assert rollout_buffer_memory(spec).bytes_per_rollout == sum(t.nbytes for t in tensors)

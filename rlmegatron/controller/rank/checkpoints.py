@@ -8,7 +8,13 @@ from typing import Optional
 import torch
 
 from rlmegatron.checkpoint.integrity import load_failures_named
-from rlmegatron.checkpoint.state import load_training_state, rng_states, save_training_state, set_rng_states
+from rlmegatron.checkpoint.state import (
+    AdapterMeta,
+    load_training_state,
+    rng_states,
+    save_training_state,
+    set_rng_states,
+)
 from rlmegatron.controller.rank.role_models import RoleModels
 from rlmegatron.resharding import export_hf
 
@@ -18,6 +24,13 @@ def save(models: RoleModels, path: str) -> None:
     for role, worker in models.trained():
         with models.phase(role):
             save_training_state(worker, os.path.join(path, role))
+    settings = models.settings
+    if settings.lora is not None and torch.distributed.get_rank() == 0:
+        # The adapters alone do not say what they adapt: `rlm convert lora-to-hf` reads it here.
+        model = settings.model
+        base = os.path.abspath(model.path) if os.path.isdir(model.path) else model.path
+        AdapterMeta(settings.lora, base, model.dtype, model.random_init,
+                    models.weight_map.facts.padded_vocab_size).save(os.path.join(path, "actor"))
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     torch.save(rng_states(), _rng_file(path))
     torch.distributed.barrier()

@@ -17,7 +17,7 @@ import torch
 from rlmegatron.controller.role_settings import ModelSource, TrainerRankSettings
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
-from rlmegatron.models.lora import add_adapters
+from rlmegatron.models.lora import add_adapters, remember_base_weights
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.workers import ActorWorker, CriticWorker, ReferenceWorker
@@ -50,6 +50,8 @@ class RoleModels:
                 worker_settings = dataclasses.replace(worker_settings, vocab_size=facts.vocab_size)
             setattr(self, role, self._build(role, worker_settings, untied if role == "critic" else facts))
         self._load_initial_weights(untied)
+        if settings.lora is not None:  # the modules LoRA trains whole start from, and switch off to, these weights
+            remember_base_weights(self.actor.chunks)
         if "reward" in roles:
             self.reward = self._build_reward_model(settings.reward_model_path)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
