@@ -21,15 +21,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         first_id = rank * shard
         x = logits.float() / temperature  # a new fp32 buffer, whatever the logits' dtype: reused in place below
         if vocab_size is not None and first_id + shard > vocab_size:
-            # Megatron pads the vocabulary to a multiple of TP; the padding ids get no probability.
-            x[..., max(vocab_size - first_id, 0):] = float("-inf")
+            # Megatron pads the vocabulary to a multiple of TP; the padding ids get no probability. A large finite
+            # value, not -inf: a label id in the padding (a batch's filler tokens) then has a very negative but
+            # finite log-prob, as in Megatron's cross-entropy, instead of an infinite one.
+            x[..., max(vocab_size - first_id, 0):] = -1e30
         x_max = x.max(dim=-1).values
         torch.distributed.all_reduce(x_max, op=torch.distributed.ReduceOp.MAX, group=group)
         x.sub_(x_max.unsqueeze(-1))
         local_label = labels - first_id
         in_shard = (local_label >= 0) & (local_label < shard)
         local_label = local_label.clamp(0, shard - 1)
-        label_logit = x.gather(-1, local_label.unsqueeze(-1)).squeeze(-1) * in_shard
+        label_logit = torch.where(in_shard, x.gather(-1, local_label.unsqueeze(-1)).squeeze(-1), 0.0)
         torch.distributed.all_reduce(label_logit, group=group)
         probs = x.exp_()
         sum_exp = probs.sum(dim=-1)

@@ -2,6 +2,8 @@
 and TP=2 (gloo), with a temperature and Megatron's vocabulary padding."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -36,7 +38,14 @@ def job(tp: int, temperature: float) -> dict:
     ref_log_probs, ref_entropy = reference(full, labels, temperature)
     ((weights[0] * ref_log_probs).sum() + (weights[1] * ref_entropy).sum()).backward()
     no_entropy, none = vocab_parallel_log_probs_and_entropy(local.detach(), labels, temperature, False, VOCAB)
+    # A label in the vocabulary's padding (filler tokens of a batch): a finite, very negative log-prob, as
+    # Megatron's cross-entropy gives, not -inf or NaN; the other tokens are unaffected.
+    padding_labels = labels.clone()
+    padding_labels[0] = VOCAB + 1
+    padded, _ = vocab_parallel_log_probs_and_entropy(local.detach(), padding_labels, temperature, True, VOCAB)
     return {
+        "padding_label": float(padded[0]),
+        "others_unchanged": torch.equal(padded[1:], log_probs.detach()[1:]),
         "log_probs": float((log_probs.double() - ref_log_probs.detach()).abs().max()),
         "entropy": float((entropy.double() - ref_entropy.detach()).abs().max()),
         "grad": float((local.grad.double() - full.grad[:, rank * shard : (rank + 1) * shard]).abs().max()),
@@ -51,3 +60,4 @@ def test_log_probs_entropy_and_their_gradients_equal_full_vocabulary_torch(tp):
         assert report["grad_scale"] > 0.1  # the gradient is not trivially zero
         assert report["log_probs"] < 1e-5 and report["entropy"] < 1e-5 and report["grad"] < 1e-6, report
         assert report["without_entropy_equal"]
+        assert -math.inf < report["padding_label"] < -1e20 and report["others_unchanged"], report
