@@ -70,8 +70,8 @@ def start_ray(spec: JobSpec) -> None:
     # A CPU rank is one CPU bundle: ask for exactly that many, whatever the machine has.
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
     # They get it by inheritance (the local cluster's processes, and their workers, start with this environment), not
-    # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, and
-    # start-up took about 25% longer (benchmarks/RESULTS.md, "Start-up").
+    # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, which
+    # then wait 0.8-1.2 s for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
