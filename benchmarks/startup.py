@@ -4,9 +4,9 @@
 
 Each round starts one `rlm train configs/quickstart.yaml` child per source tree (the tree's rlmegatron is imported:
 PYTHONPATH), alternating, so load from other jobs falls on both alike; pass two trees to compare two commits
-(`mkdir /tmp/before && git archive REF | tar -x -C /tmp/before`). A child records when each driver phase starts and ends, from the moment its
-command was started (the interpreter's own start included), and exits as soon as step 1 is logged (the reaper stops
-its Ray session). Printed per run: the phases and the 1-minute load average before and after.
+(`mkdir /tmp/before && git archive REF | tar -x -C /tmp/before`). A child records when each driver phase starts and
+ends, from the moment its command was started (the interpreter's own start included), and exits as soon as step 1 is
+logged (the reaper stops its Ray session). Printed per run: the phases and the 1-minute load average before and after.
 
 The driver sees the ranks as one phase (`ranks`: Ray actors start, import torch, Megatron-Core and transformers, build
 the model, its optimizer and the local engine, and sync the engine's weights once); benchmarks/RESULTS.md ("Start-up")
@@ -28,8 +28,9 @@ CONFIG = "configs/quickstart.yaml"
 PHASES = ("ready_to_launch", "build_dataset", "start_ray", "create_pools", "ranks")
 
 
-def child(out: str, started: float, overrides: list[str]) -> None:
-    """`rlm train CONFIG OVERRIDES` in this process, writing each phase's (start, end) to `out` at step 1."""
+def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
+    """`rlm train CONFIG OVERRIDES` into `run_dir` in this process, writing each phase's (start, end) to `out` at
+    step 1."""
     marks: dict[str, list[float]] = {"imports": [started, 0.0]}
     from rlmegatron.cli import main
     from rlmegatron.controller import job
@@ -68,17 +69,17 @@ def child(out: str, started: float, overrides: list[str]) -> None:
         log_metrics(self, metrics, step)
 
     Tracker.start, Tracker.log_metrics = fit_started, logged
-    main(["train", CONFIG, f"trainer.run_dir={tempfile.mkdtemp(prefix='startup_')}", *overrides])
+    main(["train", CONFIG, f"trainer.run_dir={run_dir}", *overrides])
     raise SystemExit("the run ended before step 1 was logged")
 
 
 def one_run(tree: Path, overrides: list[str]) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory(prefix="startup_") as run_dir:
         load_before = os.getloadavg()[0]
         started = time.time()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         code = (f"import sys; sys.path.insert(0, {str(REPO_ROOT / 'benchmarks')!r}); import startup; "
-                f"startup.child({out.name!r}, {started!r}, {overrides!r})")
+                f"startup.child({out.name!r}, {run_dir!r}, {started!r}, {overrides!r})")
         subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         record = json.loads(Path(out.name).read_text())
