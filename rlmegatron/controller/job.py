@@ -1,13 +1,14 @@
 """`rlm train`: connect to Ray, place the ranks, build data, reward and tracking, run the fit loop, print a summary."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from rlmegatron import reaper
 from rlmegatron.agent.tools import declaring_tools
@@ -68,12 +69,30 @@ def start_ray(spec: JobSpec) -> None:
     gpus = ranks if placement.device == "cuda" else 0
     # A CPU rank is one CPU bundle: ask for exactly that many, whatever the machine has.
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
+    # They get it by inheritance (the local cluster's processes, and their workers, start with this environment), not
+    # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, which
+    # then wait 0.8-1.2 s for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
-    context = ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING",
-                       runtime_env={"env_vars": {"PYTHONPATH": python_path}})
+    with _environment(PYTHONPATH=python_path):
+        context = ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING")
     reaper.start(mark, context.address_info["session_dir"])
+
+
+@contextlib.contextmanager
+def _environment(**variables: str) -> Iterator[None]:
+    """`variables` in this process's environment for the processes started meanwhile, then as they were."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:

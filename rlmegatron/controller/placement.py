@@ -16,6 +16,8 @@ class ResourcePool:
     placement_group: object
     bundle_order: tuple[int, ...]
     device: str
+    nodes: tuple[str, ...]
+    """The Ray node id of each rank's bundle, in rank order."""
 
     @property
     def world_size(self) -> int:
@@ -54,7 +56,7 @@ def create_pool(name: str, nnodes: int, per_node: int, device: str, timeout_s: f
     node_of = placement_group_table(group)["bundles_to_node_id"]
     # Ranks of one node stay contiguous, so TP groups (innermost in Megatron's order) never span nodes.
     order = tuple(sorted(node_of, key=lambda index: (node_of[index], index)))
-    return ResourcePool(name, group, order, device)
+    return ResourcePool(name, group, order, device, tuple(node_of[index] for index in order))
 
 
 def create_pools(placement: PlacementConfig) -> Pools:

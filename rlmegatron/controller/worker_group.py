@@ -205,12 +205,16 @@ class RayWorkerGroup(RayActorGroup[T]):
         # CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as more threads only
         # fight over the same cores and fewer leave some idle (one rank on two cores).
         threads = max(1, (os.cpu_count() or 1) // world_size) if pool.device == "cpu" else 1
-        # Rank 0's node hosts the rendezvous, so its address comes from a probe placed like rank 0.
-        probe = ray.remote(master_address).options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
-            num_cpus=0,
-        )
-        addr, port = ray.get(probe.remote())
+        # Rank 0's node hosts the rendezvous: this one's address, or on another node, one from a probe placed like
+        # rank 0 (a worker process of its own, which takes seconds to start: a local cluster does without).
+        if pool.nodes[0] == ray.get_runtime_context().get_node_id():
+            addr, port = master_address()
+        else:
+            probe = ray.remote(master_address).options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
+                num_cpus=0,
+            )
+            addr, port = ray.get(probe.remote())
         actors = []
         for rank in range(world_size):
             # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.

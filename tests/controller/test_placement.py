@@ -48,3 +48,7 @@ def test_the_trainer_pool_spans_every_node(monkeypatch):
     assert asked["init"]["num_cpus"] == 6  # 2 nodes x 3 CPU ranks
     assert asked["trainer"] == [{"CPU": 1}] * 6
     assert pools.colocated and pools.trainer.world_size == 6
+    # Each rank's node, in rank order: rank 0's says where the rendezvous is (this node: no probe).
+    assert pools.trainer.nodes == ("node0",) * 3 + ("node1",) * 3
+    # The ranks inherit the driver's PYTHONPATH from the processes ray.init starts, not through a job runtime_env.
+    assert "runtime_env" not in asked["init"]

@@ -29,13 +29,19 @@ def ray():
 
 
 def test_cpu_ranks_take_an_equal_share_of_the_cores(ray):
+    """Also: the ranks' process group forms whether the driver takes rank 0's address itself (rank 0's bundle on its
+    node) or a probe placed like rank 0 reports it (another node's, here pretended)."""
+    import dataclasses
+
     from ray.util.placement_group import remove_placement_group
 
     from rlmegatron.controller.placement import create_pool
     from rlmegatron.controller.worker_group import RayWorkerGroup
 
-    for ranks in (1, 2):
+    for ranks, rank0_here in ((1, True), (2, True), (2, False)):
         pool = create_pool("trainer", 1, ranks, "cpu")
+        if not rank0_here:
+            pool = dataclasses.replace(pool, nodes=("another node",) * ranks)
         group = RayWorkerGroup(pool, Threads)
         try:
             assert group.call_all(Threads.count) == [max(1, os.cpu_count() // ranks)] * ranks
