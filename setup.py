@@ -29,7 +29,7 @@ setup(
         # NVIDIA Apex is an optional GPU build from source (see README); the PyPI
         # package named "apex" is unrelated and must never be listed here.
         "gpu": ["transformer-engine[pytorch]>=2.4", "sglang>=0.5", "sglang-router>=0.1"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8"],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )
