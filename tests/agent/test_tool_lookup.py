@@ -9,10 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

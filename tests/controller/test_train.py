@@ -15,8 +15,6 @@ import pytest
 from rlmegatron.cli import EXIT_BAD_SPEC, main
 from tests.helpers.remote_code import write_remote_code_model
 
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
 # Tiny steps: 4 prompts x 4 samples, validation on step 2 (none before training), a checkpoint every 2 steps.

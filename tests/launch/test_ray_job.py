@@ -9,12 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from rlmegatron import reaper
 from rlmegatron.runtime.launcher import free_port
-
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,6 @@ from rlmegatron.runtime import ParallelLayout, run_ranks
 from tests.models.conversion_jobs import layouts_for, round_trip_job
 from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model, saved_mtp_layers
 
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
-
 LOGIT_TOLERANCE = 1e-4
 MATRIX_TIMEOUT_S = 600  # ~1.5 minutes on 2 cores for the 38 family/layout pairs
 CHECKPOINTS = FAMILIES + tuple(VARIANTS)

@@ -5,8 +5,6 @@ from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
 from tests.helpers.megatron_parity import parity_job
 
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
-
 TOLERANCE = 1e-5
 
 

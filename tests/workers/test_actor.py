@@ -10,8 +10,6 @@ from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.runtime import run_ranks
 from tests.workers.jobs import make_actor, on_policy_job, parity_job, plugin_loss_job, rollout_batch
 
-pytestmark = pytest.mark.long  # a parallel run starts it first (tests/conftest.py)
-
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 TOLERANCE = 1e-5
