@@ -29,7 +29,8 @@ setup(
         # NVIDIA Apex is an optional GPU build from source (see README); the PyPI
         # package named "apex" is unrelated and must never be listed here.
         "gpu": ["transformer-engine[pytorch]>=2.4", "sglang>=0.5", "sglang-router>=0.1"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21"],  # peft: LoRA export parity tests
+        # peft: the LoRA export parity tests; pytest-xdist: the suite's two workers (README's test command)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8"],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )

@@ -124,12 +124,18 @@ def main(argv: list[str]) -> int:
         return 2
     owner, mark, session_dir = int(argv[0]), argv[1], argv[2]
     wait_for_exit(owner)
+    sweep(mark, session_dir)
+    return 0
+
+
+def sweep(mark: str, session_dir: str) -> None:
+    """SIGKILL the session's processes, again until a pass finds none it has not killed: one started during a
+    pass goes too. Nothing of another session is touched (unlike `ray stop`, which ends every Ray on the machine)."""
     killed: set[tuple[int, str]] = set()
     while fresh := set(session_processes(mark, session_dir).items()) - killed:
         for pid, start_time in fresh:
             _kill(pid, start_time)
         killed |= fresh
-    return 0
 
 
 if __name__ == "__main__":

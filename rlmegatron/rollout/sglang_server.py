@@ -152,15 +152,26 @@ class ServerProcess:
     def stop(self, grace_s: float = 10.0) -> None:
         if self.process is None:
             return
+        group = self.process.pid
         if self.process.poll() is None:
             try:
-                os.killpg(self.process.pid, 15)
+                os.killpg(group, 15)
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
+                os.killpg(group, 9)
                 self.process.wait()
             except ProcessLookupError:
                 pass
+        # The lifeline has exited, but its group may not be empty yet: a SIGTERM that comes before the lifeline has
+        # set its handler ends it at once, and the server it started is then reaped by init moments later. Return
+        # once nothing of the group is left.
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 9)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         self.process = None
 
     def wait_ready(self, is_healthy: Callable[[], bool], timeout_s: float, poll_s: float = 0.2) -> None:

@@ -39,6 +39,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+_PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.runtime.launcher"]
+
+
 def _serialize(obj: Any) -> bytes:
     # torch.save, not the multiprocessing pickler: torch's shared-memory tensor
     # reduction would hand the parent file descriptors of a process that exits.
@@ -47,9 +50,12 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _rank_main(fn, args, rank, world_size, port, device, threads, results):
+def _rank_main(fn, args, rank, world_size, port, device, threads, environment, results):
     # Own process group, so cleanup also reaches helpers the rank starts (dist_checkpointing's Manager).
     os.setpgrp()
+    # The caller's environment as it is now, as a spawned rank would have it (the fork server's is its first caller's).
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -94,16 +100,19 @@ def run_ranks(
 ) -> list[Any]:
     """Call `fn(*args)` on `nprocs` fresh processes joined in one process group; return each rank's value.
 
-    `fn` must be importable by name (a module-level function), since ranks are
-    spawned, not forked: forking a process that already ran torch can deadlock.
+    `fn` must be importable by name (a module-level function): ranks are forked from
+    multiprocessing's fork server, never from the caller, which may have run torch.
     """
-    ctx = mp.get_context("spawn")
+    # Forked from a server that imported torch, Megatron and transformers once (about 4 s of CPU each time otherwise)
+    # and ran nothing: forking a process that already ran torch can deadlock, forking this one cannot.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // nprocs) if device == "cpu" else 1
     procs = [
         # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
-        ctx.Process(target=_rank_main, args=(fn, args, rank, nprocs, port, device, threads, results))
+        ctx.Process(target=_rank_main, args=(fn, args, rank, nprocs, port, device, threads, dict(os.environ), results))
         for rank in range(nprocs)
     ]
     for proc in procs:

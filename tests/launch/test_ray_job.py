@@ -6,8 +6,10 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from rlmegatron import reaper
 from rlmegatron.runtime.launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +20,11 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
     # A short temp dir: Ray's socket paths must fit in 107 characters. No token auth on a loopback test head.
     # submit.sh and the job's `rlm train` find ray and rlm on PATH, as in an activated environment.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}"}
+    # Every process of this head carries a mark of its own: the end of the test stops them and nothing else (`ray
+    # stop` would also end the Ray of a test running beside this one, or of another session on the machine).
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
+           reaper.MARK_VARIABLE: mark}
     temp_dir = f"/tmp/rlm-ray-{os.getpid()}"
     head = ["ray", "start", "--head", "--num-cpus", "3", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
             "--dashboard-port", str(dashboard), "--temp-dir", temp_dir, "--disable-usage-stats"]
@@ -55,4 +61,4 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
         print(f"quickstart as a Ray job: {wall_s:.0f} s wall, reward {first:.3f} -> {last:.3f}, validation "
               f"{before:.3f} -> {after:.3f}")
     finally:
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        reaper.sweep(mark, temp_dir)

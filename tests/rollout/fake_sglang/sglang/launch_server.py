@@ -113,6 +113,7 @@ class FakeServer:
             count = self.generates
             self.in_flight += 1
             in_flight = self.in_flight
+            self.settled.notify_all()  # a count the requests held for the fatal one wait on (_generate)
         try:
             return self._generate(body, params, count, in_flight, lora)
         finally:
@@ -121,7 +122,13 @@ class FakeServer:
                 self.settled.notify_all()
 
     def _generate(self, body, params, count, in_flight, lora):
-        if count == self.args.fake_die_after_generates and self.first_to_die():
+        dies_at = self.args.fake_die_after_generates
+        if 0 < count < dies_at and not os.path.exists(self.args.fake_marker):
+            # A server that may die does so with its earlier requests still in flight, however slowly a loaded machine
+            # delivers the batch: they wait for the fatal request (bounded, for a batch that never gets that far).
+            with self.settled:
+                self.settled.wait_for(lambda: self.generates >= dies_at, timeout=10)
+        if count == dies_at and self.first_to_die():
             os._exit(3)  # mid-batch: the other requests in flight get their connections reset
         time.sleep(0.02)
         checksum = int(sum(float(t.double().sum()) for t in self.weights.values()) * 1000) % 997
