@@ -111,6 +111,7 @@ def main(conn, model_dir: str, dtype: torch.dtype, device: str) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    held: list = []  # the last bucket, while the sender asks to keep its mapping (see "keep")
     while True:
         kind, body = conn.recv()
         if kind == "stop":
@@ -130,7 +131,7 @@ def main(conn, model_dir: str, dtype: torch.dtype, device: str) -> None:
                     answer = {"open_s": opened - start, "copy_s": time.perf_counter() - opened}
                 # Holding the last bucket keeps its CUDA-IPC mapping in torch's cache, so a sender that reuses its
                 # buffer is not mapped anew for every bucket; SGLang drops it (the `keep` off measures that).
-                kept = bucket if body.get("keep") else None
+                held[:] = [bucket] if body.get("keep") else []
                 del bucket
             elif kind == "digests":
                 from rlmegatron.rollout.local import checkpoint_named_weights

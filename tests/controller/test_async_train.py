@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.controller.test_train import QUICKSTART, REPO_ROOT, SMALL, processes_of_run, train, with_fake_sglang
+from tests.helpers.checkpoints import wait_for_checkpoint
 
 ASYNC = ["trainer.total_steps=4", "placement.gpus_per_node=1", "placement.mode=disaggregate",
          "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", "trainer.save_freq=-1",
@@ -47,11 +48,7 @@ def test_an_engine_that_dies_while_generating_ahead_is_restarted_and_synced_and_
                                 f"trainer.mode={mode}", "trainer.total_steps=20", "trainer.save_freq=1",
                                 "rollout.sglang.extra_args.fake-token-delay=0.01", f"trainer.run_dir={run_dir}",
                                 *sglang], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-        latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 180
-        while not (latest.is_file() and latest.read_text() == "step_3") and run.poll() is None:
-            assert time.monotonic() < deadline, "no step_3 checkpoint within 180 s"
-            time.sleep(0.1)
+        latest = wait_for_checkpoint(run, run_dir, 3, timeout_s=180)
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=60)
     errors = (tmp_path / "stderr").read_text()

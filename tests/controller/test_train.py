@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlmegatron.cli import EXIT_BAD_SPEC, main
+from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,11 +113,7 @@ def ray_run(tmp_path_factory):
         killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
-        latest = tmp / "killed" / "checkpoints" / "latest"
-        deadline = time.monotonic() + 240
-        while not (latest.is_file() and latest.read_text() == "step_4") and killed.poll() is None:
-            assert time.monotonic() < deadline, "no step_4 checkpoint within 240 s"
-            time.sleep(0.2)
+        wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
         killed.send_signal(signal.SIGTERM)
         killed.wait(timeout=120)
     first = {"history": mlflow_history(tmp / "killed" / "mlflow.db"), "stderr": (tmp / "killed.stderr").read_text()}

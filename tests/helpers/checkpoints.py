@@ -1,0 +1,16 @@
+"""Waiting, in a test, for a run started as a process to write a given checkpoint."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+
+def wait_for_checkpoint(run: subprocess.Popen, run_dir: Path, step: int, timeout_s: float) -> Path:
+    """Block until `run_dir`'s `latest` names step_`step` (or the run ends); returns the `latest` file."""
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout_s
+    while not (latest.is_file() and latest.read_text() == f"step_{step}") and run.poll() is None:
+        assert time.monotonic() < deadline, f"no step_{step} checkpoint within {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return latest
