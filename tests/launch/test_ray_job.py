@@ -26,8 +26,12 @@ def test_the_quickstart_learns_as_a_ray_job_on_a_local_head(tmp_path):
     env = {**os.environ, "PATH": path, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
            reaper.MARK_VARIABLE: mark}
     temp_dir = f"/tmp/rlm-ray-{os.getpid()}"
+    # Ports of its own for the agents too: their defaults (52365 for the job agent's HTTP) belong to whichever Ray on
+    # the machine took them first, and a head whose agent lost that race never accepts a job ("No available agent").
+    agent_ports = [f"--{option}={free_port()}" for option in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                              "runtime-env-agent-port", "metrics-export-port")]
     head = ["ray", "start", "--head", "--num-cpus", "3", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
-            "--dashboard-port", str(dashboard), "--temp-dir", temp_dir, "--disable-usage-stats"]
+            "--dashboard-port", str(dashboard), "--temp-dir", temp_dir, "--disable-usage-stats", *agent_ports]
     subprocess.run(head, env={**env, "RAY_ADDRESS": ""}, check=True, capture_output=True, timeout=120)
     try:
         run_dir = tmp_path / "run"
