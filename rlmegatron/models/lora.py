@@ -232,17 +232,18 @@ def adapters_disabled(chunks) -> Iterator[None]:
     """The base model: every adapter of `chunks` off, and the modules to save at their base weights, for the block."""
     modules = list(adapted_modules(chunks))
     saved = _saved_modules(chunks)
-    trained = [param.detach().clone() for param, _ in saved]
+    # The modules to save swap storage with their base copies, and back: no copy of a vocabulary-sized embedding
+    # per reference pass and per weight push. Nothing trains inside the block, so the swapped-out views of Megatron's
+    # parameter buffer are only held, untouched, until they come back.
+    trained = [param.data for param, _ in saved]
     for module in modules:
         module.lora_enabled = False
-    with torch.no_grad():
-        for param, base in saved:
-            param.copy_(base)
+    for param, base in saved:
+        param.data = base
     try:
         yield
     finally:
         for module in modules:
             module.lora_enabled = True
-        with torch.no_grad():
-            for (param, _), value in zip(saved, trained):
-                param.copy_(value)
+        for (param, _), value in zip(saved, trained):
+            param.data = value
