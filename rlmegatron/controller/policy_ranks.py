@@ -1,7 +1,7 @@
 """The trainer ranks as the driver calls them: one typed method per PolicyRank method the driver uses."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -66,9 +66,10 @@ class PolicyRanks:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None,
+                     left_out: Sequence[int] = ()) -> list[int]:
         """The disaggregated servers that went down during the push (rank 0 pushes to them)."""
-        return self.group.call_all(PolicyRank.sync_weights, version, restarted)[0]
+        return self.group.call_all(PolicyRank.sync_weights, version, restarted, list(left_out))[0]
 
     # --- checkpoints and export ---
 

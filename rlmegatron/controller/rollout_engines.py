@@ -125,11 +125,12 @@ class DisaggregatedEngines:
         targets = list(range(self.count)) if restarted is None else restarted
         leaders = {self.leaders[e]: () for e in targets}
         paused = self.hosts.call_each(EngineHost.pause_generation, leaders) if self.partial_rollout else {}
+        left_out = []
         if restarted is None:
             ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
-            targets = [e for e in targets if ready[self.leaders[e]] and paused.get(self.leaders[e], True)]
-        down = self.ranks.sync_weights(version, restarted if restarted is not None or len(targets) == self.count
-                                       else targets)
+            left_out = [e for e in targets if not (ready[self.leaders[e]] and paused.get(self.leaders[e], True))]
+            targets = [e for e in targets if e not in left_out]
+        down = self.ranks.sync_weights(version, restarted, left_out)
         if self.partial_rollout:
             self.hosts.call_each(EngineHost.continue_generation, {leader: () for leader in paused})
         if restarted is not None and down:

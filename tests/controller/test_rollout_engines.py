@@ -131,8 +131,8 @@ class RecordingTrainer:
     def connect_engines(self, endpoints) -> None:
         self.calls.append(("connect_engines", endpoints))
 
-    def sync_weights(self, version, restarted=None) -> list[int]:
-        self.calls.append(("sync_weights", version, restarted))
+    def sync_weights(self, version, restarted=None, left_out=()) -> list[int]:
+        self.calls.append(("sync_weights", version, restarted, list(left_out)))
         return []  # no server went down during the push
 
 
@@ -156,7 +156,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
     pool = DisaggregatedEngines(rollout_settings(spec), trainer)
     try:
         assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
-        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None)]
+        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None, [])]
         requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
         pool.hosts[1].node_process.stop()
         deadline = time.monotonic() + 30
@@ -164,7 +164,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
             time.sleep(0.1)
         assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
         pool.sync("v1", restarted=[0])
-        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "v1", [0])]
+        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "v1", [0], [])]
         assert [len(r.output_token_ids) for r in pool.generate(requests)[0]] == [2]
     finally:
         pool.shutdown()
@@ -335,17 +335,19 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     pool = DisaggregatedEngines(rollout_settings(spec), trainer)
     events.clear()
     pool.sync("step_1")
-    assert trainer.calls[-1] == ("sync_weights", "step_1", [0])  # to engine 0 alone
+    assert trainer.calls[-1] == ("sync_weights", "step_1", None, [1, 2])  # to engine 0 alone
     pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)] if partial else []
     assert events == pauses + [("pushed", 0, "step_1")]
     # The generation that met the failure syncs a server as restarted: to it alone, whatever else is down.
     events.clear()
     pool.sync("step_1", restarted=[2])
-    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2])]
+    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2], [])]
     assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
     # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
     # restart, that ends the run: a re-sync is not retried without bound.
-    trainer.sync_weights = lambda version, restarted=None: list(restarted)  # every server it pushed to went down
+    # Every server it pushed to went down.
+    trainer.sync_weights = lambda version, restarted=None, left_out=(): (
+        list(restarted) if restarted is not None else [e for e in range(3) if e not in left_out])
     events.clear()
     pool.sync("step_2")
     assert [event for event in events if event[0] == "pushed"] == []
@@ -364,7 +366,7 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
     calls = tmp_path / "calls.jsonl"
 
     class Trainer(RecordingTrainer):
-        def sync_weights(self, version, restarted=None) -> list[int]:
+        def sync_weights(self, version, restarted=None, left_out=()) -> list[int]:
             seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
             self.calls.append(("sync_weights", version, seen))
             return []

@@ -3,7 +3,7 @@ the rank's parts: its Megatron roles (role_models), its share of a colocated rol
 weight push to the engines (weight_push), and checkpoints and export (checkpoints)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,10 +82,11 @@ class PolicyRank:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
         self.weights.connect(endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
-        """Trained weights -> the engines (all, or the `restarted` ones), as HF-named full tensors; returns the
-        disaggregated servers that went down during the push (left out of it)."""
-        return self.weights.sync(version, restarted)
+    def sync_weights(self, version: str, restarted: Optional[list[int]] = None,
+                     left_out: Sequence[int] = ()) -> list[int]:
+        """Trained weights -> the engines (all but the `left_out` disaggregated servers, or the `restarted` ones),
+        as HF-named full tensors; returns the disaggregated servers that went down during the push."""
+        return self.weights.sync(version, restarted, left_out)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -12,7 +12,7 @@ import contextlib
 import os
 import shutil
 import socket
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -57,28 +57,31 @@ class WeightPush:
                                          self.settings.weight_group_backend)
             self.distributed.connect(engine, url, tp_size, group)
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None) -> list[int]:
-        """The trained weights to the engines: all, or the `restarted` ones. With adapter sync, the base weights at
-        the start and to restarted servers, and the adapters of every trained version. Returns the disaggregated
-        servers that went down during the push (`DistributedWeightPush.push`): left out, not failed."""
+    def sync(self, version: str, restarted: Optional[list[int]] = None, left_out: Sequence[int] = ()) -> list[int]:
+        """The trained weights to the engines: all but the `left_out` disaggregated servers (down, or restarted and
+        not yet rejoined), or the `restarted` ones. With adapter sync, the base weights at the start and to restarted
+        servers, and the adapters of every trained version. Returns the disaggregated servers that went down during
+        the push (`DistributedWeightPush.push`): left out, not failed."""
         lora, chunks = self.settings.lora, self.models.actor.chunks
-        down: list[int] = []
+        down: list[int] = list(left_out)
         with self.models.phase("actor"):
             if lora is None or version == INITIAL_VERSION or restarted is not None:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    down += self._push(self._exporter().stream(), version, restarted)
+                    down += self._push(self._exporter().stream(), version, restarted, down)
             if lora is not None and version != INITIAL_VERSION:
                 down += self._push_adapter(version, restarted, down)
-        return down
+        return [engine for engine in down if engine not in left_out]
 
     def _exporter(self) -> HFWeightExporter:
         if self.exporter is None:
             self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
         return self.exporter
 
-    def _push(self, stream, version: str, restarted: Optional[list[int]]) -> list[int]:
+    def _push(self, stream, version: str, restarted: Optional[list[int]], left_out: list[int]) -> list[int]:
         if self.distributed is not None:
-            return self.distributed.push(stream, version, only=restarted)
+            only = restarted if restarted is not None or not left_out else \
+                [engine for engine in self.distributed.servers if engine not in left_out]
+            return self.distributed.push(stream, version, only=only)
         if self.engine is not None:
             self.engine.receive_weights(stream, version, restarted)
         else:
