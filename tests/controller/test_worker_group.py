@@ -11,7 +11,9 @@ from rlmegatron.data import DatasetError
 
 
 def _rank(index: int):
-    time.sleep(index)  # the second rank fails a second after the first
+    # The second rank fails 3 s after the first: a second was less than the gap between two Ray workers' starts while
+    # the other test worker kept both cores busy, and the second failed first. Within gather's 5 s grace still.
+    time.sleep(3 * index)
     raise DatasetError(f"train.jsonl:3: not valid JSON (rank {index})")
 
 
