@@ -91,19 +91,27 @@ def merge_results(shares: list[list[GenerationRequest]], answers: list[list[Gene
 def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], response_width: int) -> RolloutBatch:
     """Left-padded prompts then right-padded responses; rollout log-probs aligned with response_mask, which is 0 on
     a multi-turn response's tool answers (`GenerationResult.response_mask`)."""
+    # One tensor built from flat lists and scattered in place, not a few small tensors per row: per-row slicing
+    # cost 7 ms for TRL's echo task's 128 responses, the reward phase's largest part.
     prompt_width = max(len(p) for p in prompt_ids)
     rows = len(results)
     input_ids = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(rows, response_width)
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+    response_lengths = torch.tensor([len(r.output_token_ids) for r in results])
+    columns = torch.arange(prompt_width + response_width)
+    in_prompt = (columns >= prompt_width - prompt_lengths[:, None]) & (columns < prompt_width)
+    in_response = (columns >= prompt_width) & (columns < prompt_width + response_lengths[:, None])
+    input_ids[in_prompt] = torch.tensor([token for prompt in prompt_ids for token in prompt], dtype=torch.long)
+    input_ids[in_response] = torch.tensor([t for r in results for t in r.output_token_ids], dtype=torch.long)
+    attention_mask = (in_prompt | in_response).long()
+    response_cells = in_response[:, prompt_width:]
+    response_mask = response_cells.float()
+    if any(r.response_mask is not None for r in results):
+        response_mask[response_cells] = torch.tensor(
+            [m for r in results for m in (r.response_mask or [1] * len(r.output_token_ids))], dtype=torch.float)
     rollout_log_probs = torch.zeros(rows, response_width)
-    for row, (prompt, result) in enumerate(zip(prompt_ids, results)):
-        out = torch.tensor(result.output_token_ids, dtype=torch.long)
-        input_ids[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
-        input_ids[row, prompt_width : prompt_width + len(out)] = out
-        attention_mask[row, prompt_width - len(prompt) : prompt_width + len(out)] = 1
-        response_mask[row, : len(out)] = 1 if result.response_mask is None else torch.tensor(result.response_mask)
-        rollout_log_probs[row, : len(out)] = torch.tensor(result.output_token_logprobs)
+    rollout_log_probs[response_cells] = torch.tensor(
+        [v for r in results for v in r.output_token_logprobs], dtype=torch.float)
     return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs)
 
 

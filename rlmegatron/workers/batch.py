@@ -169,43 +169,51 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     load-balanced chunks, and the length or total to 2×CP×TP; rank `cp_rank` keeps its chunks of each.
     """
     columns = batch.input_ids.shape[1]
-    token_lists, column_lists = [], []
-    for row in rows:
-        columns_of_row = batch.attention_mask[row].nonzero().squeeze(-1)
-        token_lists.append(batch.input_ids[row, columns_of_row])
-        column_lists.append(columns_of_row)
-    lengths = [len(t) for t in token_lists]
+    # Whole-tensor indexing, not a loop over rows: per-row slicing cost 8 ms per step for 64 short sequences (TRL's
+    # echo task), a tenth of the update.
+    index = torch.as_tensor(rows, dtype=torch.long)
+    mask = batch.attention_mask[index].bool()
+    lengths_t = mask.sum(dim=1)
+    starts = mask.int().argmax(dim=1)  # each row's real tokens are one contiguous block
+    lengths = lengths_t.tolist()
     sequence_multiple = 2 * cp if cp > 1 else 1
+    widest = max(lengths)
+    offsets_in_row = torch.arange(widest)
+    # tokens[n, j]: the j-th real token of row n (0 past its end); next_valid[n, j]: token j+1 is in the sequence.
+    source_columns = (starts[:, None] + offsets_in_row).clamp(max=columns - 1)
+    tokens = torch.where(offsets_in_row < lengths_t[:, None], batch.input_ids[index].gather(1, source_columns), 0)
+    next_valid = offsets_in_row < (lengths_t - 1)[:, None]
+    next_tokens = torch.where(next_valid, tokens.roll(-1, dims=1), 0)
+    pairs = next_valid.nonzero()  # (n, j) of every position whose next token is in the same sequence, row by row
+    targets = pairs[:, 0] * columns + source_columns[pairs[:, 0], pairs[:, 1]] + 1
 
-    sources, targets = [], []
     if pack:
         spans = [_round_up(length, sequence_multiple) for length in lengths]
         total = _round_up(sum(spans), sequence_multiple * tp)
+        starts_packed = torch.tensor([0, *spans[:-1]]).cumsum(0)
+        real = offsets_in_row < lengths_t[:, None]
+        at = (starts_packed[:, None] + offsets_in_row)[real]
         input_ids = torch.zeros(1, total, dtype=batch.input_ids.dtype)
-        position_ids = torch.zeros(1, total, dtype=torch.long)
+        input_ids[0, at] = tokens[real].to(input_ids.dtype)
         labels = torch.zeros(1, total, dtype=batch.input_ids.dtype)
-        offset = 0
-        for n, (tokens, cols, span) in enumerate(zip(token_lists, column_lists, spans)):
-            input_ids[0, offset : offset + len(tokens)] = tokens
-            position_ids[0, offset : offset + span] = torch.arange(span)
-            labels[0, offset : offset + len(tokens) - 1] = tokens[1:]
-            sources.append(torch.arange(offset, offset + len(tokens) - 1))
-            targets.append(n * columns + cols[1:])
-            offset += span
+        labels[0, at] = next_tokens[real].to(labels.dtype)
+        # Positions count through each sequence's rounding padding too; the final rounding block stays at 0.
+        offset = sum(spans)
+        span_positions = torch.arange(max(spans))
+        in_span = span_positions < torch.tensor(spans)[:, None]
+        position_ids = torch.zeros(1, total, dtype=torch.long)
+        position_ids[0, (starts_packed[:, None] + span_positions)[in_span]] = span_positions.expand_as(in_span)[in_span]
+        source_index = starts_packed[pairs[:, 0]] + pairs[:, 1]
         # Rounding padding forms its own pseudo-sequence, so THD rope and attention see whole blocks.
         boundaries = [0, *torch.tensor(spans).cumsum(0).tolist()] + ([total] if total > offset else [])
         packed_seq_params = _thd_params(boundaries, max(max(spans), total - offset))
         blocks = [(start, end - start) for start, end in zip(boundaries[:-1], boundaries[1:])]
     else:
-        width = _round_up(max(lengths), sequence_multiple * tp)
-        input_ids = torch.zeros(len(rows), width, dtype=batch.input_ids.dtype)
-        labels = torch.zeros_like(input_ids)
-        for n, (tokens, cols) in enumerate(zip(token_lists, column_lists)):
-            # Right padding: with causal attention no real token can see a pad, so no mask is needed.
-            input_ids[n, : len(tokens)] = tokens
-            labels[n, : len(tokens) - 1] = tokens[1:]
-            sources.append(n * width + torch.arange(len(tokens) - 1))
-            targets.append(n * columns + cols[1:])
+        width = _round_up(widest, sequence_multiple * tp)
+        # Right padding: with causal attention no real token can see a pad, so no mask is needed.
+        input_ids = torch.nn.functional.pad(tokens, (0, width - widest)).to(batch.input_ids.dtype)
+        labels = torch.nn.functional.pad(next_tokens, (0, width - widest)).to(batch.input_ids.dtype)
+        source_index = pairs[:, 0] * width + pairs[:, 1]
         position_ids = torch.arange(width).expand(len(rows), width).contiguous()
         packed_seq_params = None
         blocks = [(0, width)]
@@ -223,8 +231,8 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         position_ids=position_ids,
         labels=labels,
         packed_seq_params=packed_seq_params,
-        source_index=torch.cat(sources),
-        target_index=torch.cat(targets),
+        source_index=source_index,
+        target_index=targets,
         batch_columns=columns,
         response_length=batch.response_length,
         response_fields=batch.select(rows),

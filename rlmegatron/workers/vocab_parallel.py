@@ -19,19 +19,25 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature: float, vocab_size, with_entropy: bool, group):
         rank, shard = torch.distributed.get_rank(group), logits.shape[-1]
         first_id = rank * shard
-        x = logits.float() / temperature  # a new fp32 buffer, whatever the logits' dtype: reused in place below
-        if vocab_size is not None and first_id + shard > vocab_size:
-            # Megatron pads the vocabulary to a multiple of TP; the padding ids get no probability. A large finite
-            # value, not -inf: a label id in the padding (a batch's filler tokens) then has a very negative but
-            # finite log-prob, as in Megatron's cross-entropy, instead of an infinite one.
-            x[..., max(vocab_size - first_id, 0):] = -1e30
+        # Megatron pads the vocabulary to a multiple of 128 x TP, and the padding ids get no probability: only the
+        # ids below vocab_size are computed on (TRL's 48-token echo model has 128 logits, 80 of them padding; exp
+        # and xlogy of -1e30 there were 2.7x the work and ran on a slow underflow path). A shard of padding alone
+        # keeps one column at -1e30 so that it still joins the collectives.
+        real = shard if vocab_size is None else min(shard, max(vocab_size - first_id, 0))
+        x = logits[..., : max(real, 1)].float() / temperature  # a new fp32 buffer, reused in place below
+        if real == 0:
+            x.fill_(-1e30)
         x_max = x.max(dim=-1).values
         torch.distributed.all_reduce(x_max, op=torch.distributed.ReduceOp.MAX, group=group)
         x.sub_(x_max.unsqueeze(-1))
         local_label = labels - first_id
         in_shard = (local_label >= 0) & (local_label < shard)
-        local_label = local_label.clamp(0, shard - 1)
-        label_logit = torch.where(in_shard, x.gather(-1, local_label.unsqueeze(-1)).squeeze(-1), 0.0)
+        in_vocab = in_shard & (local_label < real)
+        local_label = local_label.clamp(0, x.shape[-1] - 1)
+        # A label in the padding (a batch's filler tokens) gets a very negative but finite log-prob, as in
+        # Megatron's cross-entropy, instead of an infinite one.
+        label_logit = torch.where(in_vocab, x.gather(-1, local_label.unsqueeze(-1)).squeeze(-1),
+                                  torch.where(in_shard, -1e30, 0.0))
         torch.distributed.all_reduce(label_logit, group=group)
         probs = x.exp_()
         sum_exp = probs.sum(dim=-1)
@@ -42,20 +48,23 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         if with_entropy:
             entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # 0 log 0 = 0: padding and underflow
             torch.distributed.all_reduce(entropy, group=group)
-        ctx.save_for_backward(probs, local_label, in_shard, entropy)
-        ctx.temperature, ctx.input_dtype = temperature, logits.dtype
+        ctx.save_for_backward(probs, local_label, in_vocab, entropy)
+        ctx.temperature, ctx.input_dtype, ctx.shard = temperature, logits.dtype, shard
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        probs, local_label, in_shard, entropy = ctx.saved_tensors
+        probs, local_label, in_vocab, entropy = ctx.saved_tensors
         grad_log_probs = torch.zeros_like(probs[..., 0]) if grad_log_probs is None else grad_log_probs
         grad = probs * -grad_log_probs.unsqueeze(-1)
-        grad.scatter_add_(-1, local_label.unsqueeze(-1), (grad_log_probs * in_shard).unsqueeze(-1))
+        grad.scatter_add_(-1, local_label.unsqueeze(-1), (grad_log_probs * in_vocab).unsqueeze(-1))
         if grad_entropy is not None and entropy is not None:
             dentropy = torch.special.xlogy(probs, probs).addcmul_(probs, entropy.unsqueeze(-1))
             grad.addcmul_(dentropy, grad_entropy.unsqueeze(-1), value=-1.0)
-        return (grad / ctx.temperature).to(ctx.input_dtype), None, None, None, None, None
+        grad = (grad / ctx.temperature).to(ctx.input_dtype)
+        if grad.shape[-1] < ctx.shard:  # the padding ids' logits had no effect: zero gradient
+            grad = torch.nn.functional.pad(grad, (0, ctx.shard - grad.shape[-1]))
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_log_probs_and_entropy(
