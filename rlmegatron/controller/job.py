@@ -131,7 +131,8 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
         if spec.reward.model.path is not None:  # the ranks hold the reward model
             reward_manager = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
         if spec.placement.mode == "colocate":
-            engines = ColocatedEngines(ranks)
+            sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
+            engines = ColocatedEngines(ranks, sleeps)
         else:
             engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
         trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, opening.result(),

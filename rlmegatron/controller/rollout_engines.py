@@ -50,10 +50,13 @@ class RolloutEngines(Protocol):
 class ColocatedEngines:
     """The engines inside the trainer ranks: generation goes to the ranks that lead one."""
 
-    def __init__(self, ranks: PolicyRanks) -> None:
+    def __init__(self, ranks: PolicyRanks, sleeps: bool = True) -> None:
+        """`sleeps`: the engines give memory back while the trainer runs. A local engine on the CPU has none to
+        give, and then no call is made: it was a round trip to every rank per step for nothing."""
         self.ranks = ranks
         self.leaders = ranks.engine_ranks()
         """The rank that leads each engine."""
+        self.sleeps = sleeps
 
     @property
     def count(self) -> int:
@@ -65,7 +68,8 @@ class ColocatedEngines:
         return {engine: replies[self.leaders[engine]] for engine in shares}
 
     def release_memory(self) -> None:
-        self.ranks.release_rollout_memory()
+        if self.sleeps:
+            self.ranks.release_rollout_memory()
 
     def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
         self.ranks.sync_weights(version, restarted)

@@ -161,8 +161,9 @@ def share_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """
     from megatron.core import parallel_state as ps
 
-    torch.distributed.all_reduce(tensor, group=ps.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(tensor, group=ps.get_data_parallel_group())
+    for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+        if torch.distributed.get_world_size(group) > 1:  # a collective of one rank still costs a gloo round
+            torch.distributed.all_reduce(tensor, group=group)
     return tensor
 
 

@@ -392,3 +392,22 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
         assert paths == ["/pause_generation", "/continue_generation"] * 2
     else:
         assert paths == [] and [call[2] for call in trainer.calls[1:]] == [[], []]
+
+
+class _CountingRanks:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def engine_ranks(self) -> list[int]:
+        return [0, 1]
+
+    def release_rollout_memory(self) -> None:
+        self.released += 1
+
+
+def test_engines_with_no_device_memory_to_give_back_are_not_called_to_release_it():
+    sleeping, local_on_cpu = _CountingRanks(), _CountingRanks()
+    for _ in range(3):
+        rollout_engines.ColocatedEngines(sleeping).release_memory()
+        rollout_engines.ColocatedEngines(local_on_cpu, sleeps=False).release_memory()
+    assert (sleeping.released, local_on_cpu.released) == (3, 0)
