@@ -5,7 +5,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from rlmegatron.runtime.distributed import transformer_config_overrides
+from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
 from rlmegatron.workers.batch import fixed_micro_batches, split_to_multiple, token_budget_micro_batches
 
@@ -161,10 +161,8 @@ def share_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """
     from megatron.core import parallel_state as ps
 
-    for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
-        if torch.distributed.get_world_size(group) > 1:  # a collective of one rank still costs a gloo round
-            torch.distributed.all_reduce(tensor, group=group)
-    return tensor
+    all_reduce_shared(tensor, ps.get_pipeline_model_parallel_group())
+    return all_reduce_shared(tensor, ps.get_data_parallel_group())
 
 
 def run_forward_only(chunks: list, batch: RolloutBatch, micro_batches: list[MicroBatch], per_token: Callable,

@@ -11,6 +11,7 @@ import torch
 from rlmegatron.algorithms import LossAggregation, local_denominator
 from rlmegatron.errors import Divergence
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.runtime.distributed import all_reduce_shared
 from rlmegatron.tracking.progress import Progress, report
 from rlmegatron.workers import megatron_step
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch
@@ -200,7 +201,7 @@ def weights_finite(chunks: list) -> bool:
     a temporary the size of the tensor (finite weights so large that their sum overflows count as diverged too)."""
     sums = [param.detach().sum(dtype=torch.float32) for chunk in chunks for param in chunk.parameters()]
     bad = (~torch.isfinite(torch.stack(sums))).any().to(torch.int32).reshape(1)
-    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    all_reduce_shared(bad, None, torch.distributed.ReduceOp.MAX)
     return not bool(bad.item())
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from rlmegatron.runtime.distributed import all_reduce_shared
+
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """log p(label) and entropy H of softmax(logits / T), the last dim being this TP rank's vocabulary shard.
@@ -28,7 +30,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         if real == 0:
             x.fill_(-1e30)
         x_max = x.max(dim=-1).values
-        torch.distributed.all_reduce(x_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        all_reduce_shared(x_max, group, torch.distributed.ReduceOp.MAX)
         x.sub_(x_max.unsqueeze(-1))
         local_label = labels - first_id
         in_shard = (local_label >= 0) & (local_label < shard)
@@ -38,16 +40,16 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         # Megatron's cross-entropy, instead of an infinite one.
         label_logit = torch.where(in_vocab, x.gather(-1, local_label.unsqueeze(-1)).squeeze(-1),
                                   torch.where(in_shard, -1e30, 0.0))
-        torch.distributed.all_reduce(label_logit, group=group)
+        all_reduce_shared(label_logit, group)
         probs = x.exp_()
         sum_exp = probs.sum(dim=-1)
-        torch.distributed.all_reduce(sum_exp, group=group)
+        all_reduce_shared(sum_exp, group)
         probs.div_(sum_exp.unsqueeze(-1))
         log_probs = label_logit - sum_exp.log()
         entropy = None
         if with_entropy:
             entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # 0 log 0 = 0: padding and underflow
-            torch.distributed.all_reduce(entropy, group=group)
+            all_reduce_shared(entropy, group)
         ctx.save_for_backward(probs, local_label, in_vocab, entropy)
         ctx.temperature, ctx.input_dtype, ctx.shard = temperature, logits.dtype, shard
         return log_probs, entropy
