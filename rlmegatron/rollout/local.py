@@ -154,12 +154,16 @@ class LocalEngine(RolloutEngine):
                         interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
-        prompt_width = max(len(s.prompt) for s in samples)
-        input_ids = torch.full((batch, prompt_width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, prompt_width), dtype=torch.long)
-        for row, sample in enumerate(samples):
-            input_ids[row, prompt_width - len(sample.prompt) :] = torch.tensor(sample.prompt)
-            attention_mask[row, prompt_width - len(sample.prompt) :] = 1
+        # The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
+        # distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute.
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_of = torch.tensor([distinct.setdefault(s.prompt, len(distinct)) for s in samples], device=device)
+        prompt_width = max(len(prompt) for prompt in distinct)
+        input_ids = torch.full((len(distinct), prompt_width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(distinct), prompt_width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
+            input_ids[row, prompt_width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, prompt_width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -184,9 +188,12 @@ class LocalEngine(RolloutEngine):
                 past_key_values=cache,
                 use_cache=True,
             )
-            cache = out.past_key_values
-            _raise_if_not_finite(out.logits[:, -1, :], position, finish)
-            scaled = out.logits[:, -1, :].float() / divisors
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            if position == 0 and len(distinct) < batch:  # from one row per prompt to one per sample
+                cache.reorder_cache(prompt_of)
+                logits, attention_mask, position_ids = (t[prompt_of] for t in (logits, attention_mask, position_ids))
+            _raise_if_not_finite(logits, position, finish)
+            scaled = logits.float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             next_tokens = torch.argmax(scaled, dim=-1)
             sampled = [row for row in range(batch) if finish[row] is None and not is_greedy[row]]

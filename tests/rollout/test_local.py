@@ -85,6 +85,27 @@ def test_a_seeded_sample_does_not_depend_on_its_batch(model):
     assert [r.output_token_ids for r in alone] == [r.output_token_ids for r in together if r.request_index == 2]
 
 
+def test_the_samples_of_a_prompt_share_its_prefill_and_match_samples_made_one_by_one(model):
+    spec = SamplingSpec(n=4, temperature=4.0, max_new_tokens=6, seed=11)
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        # The same prompt twice as two requests and a third prompt: 3 distinct prompts' prefill for 12 samples.
+        requests = [GenerationRequest(PROMPTS[2], spec), GenerationRequest(PROMPTS[0], spec),
+                    GenerationRequest(PROMPTS[2], spec)]
+        shared = LocalEngine(model).generate(requests)
+        first_call = prefill_rows[0]
+        one_by_one = LocalEngine(model, max_batch_size=1).generate(requests)
+    finally:
+        hook.remove()
+    assert first_call == (2, len(PROMPTS[2]))
+    assert [r.output_token_ids for r in shared] == [r.output_token_ids for r in one_by_one]
+    assert len({r.output_token_ids for r in shared if r.request_index == 0}) > 1, "the n samples should differ"
+    for a, b in zip(shared, one_by_one):
+        assert max(abs(x - y) for x, y in zip(a.output_token_logprobs, b.output_token_logprobs)) < 1e-5
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(5.0, 1.0, -1), (10.0, 0.9, 20)])
 def test_samples_follow_the_filtered_softmax(model, temperature, top_p, top_k):
     """4096 first tokens (high temperatures: the test model's logits are sharp): never outside the top-k / top-p
