@@ -282,19 +282,15 @@ def main(argv: list[str] | None = None) -> int:
                                              out / "actor.log")
         report["parts"]["actor"] = load(result)
         report["machine"].update(report["parts"]["actor"].pop("machine", {}))
-    if "grpo" in args.parts:
-        result = out / "grpo.json"
-        # Its run directory (logs, the final HF export) stays out of the results: the device tool returns 8 files.
-        with tempfile.TemporaryDirectory(prefix="rlm-gpu-grpo-") as run_dir:
-            report["status"]["grpo"] = run_part("grpo", grpo_command(args, result, Path(run_dir)),
-                                                args.grpo_timeout_s, out / "grpo.log")
-        report["parts"]["grpo"] = load(result)
-    if "async" in args.parts:
-        result = out / "async.json"
-        with tempfile.TemporaryDirectory(prefix="rlm-gpu-async-") as run_dir:
-            report["status"]["async"] = run_part("async", async_command(args, result, Path(run_dir)),
-                                                 args.async_timeout_s, out / "async.log")
-        report["parts"]["async"] = load(result)
+    for part, command in (("grpo", grpo_command), ("async", async_command)):
+        if part not in args.parts:
+            continue
+        result = out / f"{part}.json"
+        # Its run directories (logs, the final HF export) stay out of the results: the device tool returns 8 files.
+        with tempfile.TemporaryDirectory(prefix=f"rlm-gpu-{part}-") as run_dir:
+            report["status"][part] = run_part(part, command(args, result, Path(run_dir)),
+                                              getattr(args, f"{part}_timeout_s"), out / f"{part}.log")
+        report["parts"][part] = load(result)
     if "device_name" not in report["machine"]:  # the actor part, which says it, did not run (or failed early)
         from benchmarks.gpu.actor import machine_info
 
