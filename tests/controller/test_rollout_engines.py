@@ -300,6 +300,36 @@ class ServerlessHost(rollout_pool.EngineHost):
         self.events.append(("pushed", self.index, version))
 
 
+def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_takes_gloo(tmp_path, monkeypatch):
+    """One GPU split between trainer and engine (run_training(use_ray=False), disaggregated): the pool's host lives in
+    the trainer's process, so its place is the trainer's GPU; the server process is launched on that GPU, and rank 0
+    learns it shares the device, for which it takes gloo (NCCL refuses two ranks on one GPU)."""
+    import socket
+    from types import SimpleNamespace
+
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+
+    monkeypatch.setattr(servers, "device_id", lambda device: "3")  # this process's GPU, as CUDA_VISIBLE_DEVICES says
+    launched = []
+
+    def server_of(settings, server, hf_config):  # the launch spec, not a server
+        launched.append(server)
+        return SimpleNamespace(spec=server, stale=False, health=lambda: True, mark_synced=lambda version: None)
+
+    monkeypatch.setattr(rollout_pool, "sglang_engine", server_of)
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        "placement.device=cuda", "placement.gpus_per_node=1", "placement.mode=disaggregate",
+        "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", f"trainer.run_dir={tmp_path}"])
+    trainer = RecordingTrainer()
+    DisaggregatedEngines(rollout_settings(spec), trainer)
+    (server,) = launched
+    assert server.env == {"CUDA_VISIBLE_DEVICES": "3"} and server.module == "rlmegatron.rollout.local_server"
+    (endpoint,) = trainer.calls[0][1]
+    assert endpoint == (0, server.url, ((socket.gethostname(), "3"),))
+    assert servers.weight_group_backend("cuda", endpoint[2]) == "gloo"
+
+
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rollout_engines import DisaggregatedEngines
