@@ -143,8 +143,9 @@ def grpo_command(args, result: Path, run_dir: Path) -> list[str]:
 
 
 def async_command(args, result: Path, run_dir: Path) -> list[str]:
+    # Sync and async first: a part cut by its time limit keeps the modes it finished, and those two are the comparison.
     return [sys.executable, "-m", "benchmarks.async_modes", "--device", args.device, "--steps", str(args.async_steps),
-            "--out-dir", str(run_dir), "--result", str(result)]
+            "--modes", "sync", "async", "one_step_off", "--out-dir", str(run_dir), "--result", str(result)]
 
 
 def load(path: Path) -> dict:
