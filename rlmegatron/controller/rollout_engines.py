@@ -4,8 +4,8 @@ Colocated (`ColocatedEngines`): the trainer ranks host the engines, an in-proces
 (`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led by the group's first rank
 (controller.rank.colocated_engine); weights move through shared memory or CUDA IPC. Disaggregated
 (`DisaggregatedEngines`): SGLang servers on their own pool, each supervised by an `EngineHost` there
-(controller.rollout_pool); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or on
-the GPU of rank 0 itself).
+(controller.rollout_pool); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or to a server on
+rank 0's own GPU).
 """
 from __future__ import annotations
 
