@@ -5,7 +5,10 @@ Parts:
 - actor (benchmarks/gpu/actor.py): the Megatron actor's forward+backward MFU at the largest micro-batch that fits,
   the colocated weight sync of that actor into a second process through CUDA-IPC buckets, and local-engine
   generation in that second process;
-- grpo (benchmarks/gpu/grpo.py): the quickstart's GRPO job for a few steps on one rank of the device.
+- grpo (benchmarks/gpu/grpo.py): the quickstart's GRPO job for a few steps on one rank of the device;
+- async (benchmarks/async_modes.py, not in the default set: with the others it would not fit one 10-minute call): the
+  quickstart in trainer.mode sync, one_step_off and async, disaggregated, same steps, each mode in a fresh process,
+  with one GPU split between the trainer rank (in that process, no Ray) and the local engine (a process of its own).
 
 `--device cpu` is the rehearsal: tiny sizes, CPU shared memory instead of CUDA IPC, no MFU without --peak-tflops.
 """
@@ -24,18 +27,24 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.async_modes import TARGET_REWARD
+
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = {"mfu": 0.40, "sync_vs_device_copy": 0.8}
-PARTS = ("actor", "grpo")
+PARTS = ("actor", "grpo", "async")
+DEFAULT_PARTS = ("actor", "grpo")
 
 # Sizes per device. cuda: one H100/H200 within one 10-minute command; cpu: the rehearsal, seconds.
 DEFAULTS = {
     "cuda": dict(model="configs/models/qwen2.5-0.5b", prompt_len=1024, response_len=1024, accumulation=2, repeats=3,
                  max_micro_batch=1024, mfu_budget_s=150.0, bucket_mb=None, gen_batch=64, gen_prompt_len=256,
-                 gen_new_tokens=256, grpo_steps=20, actor_timeout_s=390, grpo_timeout_s=150),
+                 gen_new_tokens=256, grpo_steps=20, actor_timeout_s=390, grpo_timeout_s=150,
+                 # 150 steps: where the quickstart's 5-step mean reward reached 0.8 on CPU (steps 126-143).
+                 async_steps=150, async_timeout_s=480),
     "cpu": dict(model="configs/models/tiny-qwen3", prompt_len=16, response_len=16, accumulation=2, repeats=1,
                 max_micro_batch=2, mfu_budget_s=60.0, bucket_mb=1 / 16, gen_batch=4, gen_prompt_len=8,
-                gen_new_tokens=8, grpo_steps=2, actor_timeout_s=240, grpo_timeout_s=240),
+                gen_new_tokens=8, grpo_steps=2, actor_timeout_s=240, grpo_timeout_s=240, async_steps=2,
+                async_timeout_s=240),
 }
 
 
@@ -51,13 +60,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("results_dir", nargs="?", default=os.environ.get("OUT"),
                         help="where results.json and results.md go (default: $OUT)")
     parser.add_argument("--device", choices=sorted(DEFAULTS), default="cuda")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
     parser.add_argument("--model", help="directory with an HF config.json (random init)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, where it is not detected")
     parser.add_argument("--mfu-modes", nargs="+", choices=["packed", "padded"], default=["packed", "padded"])
     for name in ("prompt_len", "response_len", "accumulation", "repeats", "max_micro_batch", "gen_batch",
-                 "gen_prompt_len", "gen_new_tokens", "grpo_steps", "actor_timeout_s", "grpo_timeout_s"):
+                 "gen_prompt_len", "gen_new_tokens", "grpo_steps", "actor_timeout_s", "grpo_timeout_s", "async_steps",
+                 "async_timeout_s"):
         parser.add_argument("--" + name.replace("_", "-"), type=int)
     parser.add_argument("--mfu-budget-s", type=float)
     parser.add_argument("--bucket-mb", type=float, help="default: the spec's rollout.update_weights_bucket_mb")
@@ -132,6 +142,12 @@ def grpo_command(args, result: Path, run_dir: Path) -> list[str]:
             "--run-dir", str(run_dir), "--result", str(result), *args.grpo_override]
 
 
+def async_command(args, result: Path, run_dir: Path) -> list[str]:
+    # Sync and async first: a part cut by its time limit keeps the modes it finished, and those two are the comparison.
+    return [sys.executable, "-m", "benchmarks.async_modes", "--device", args.device, "--steps", str(args.async_steps),
+            "--modes", "sync", "async", "one_step_off", "--out-dir", str(run_dir), "--result", str(result)]
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -145,6 +161,28 @@ def verdict(value, target) -> str:
 def g(value: float) -> str:
     """Three significant digits: GPU and CPU rehearsal numbers differ by orders of magnitude."""
     return f"{value:.3g}"
+
+
+def async_rows(found: dict) -> list[str]:
+    """One row per mode of the `async` part; steps/s also as a multiple of sync's."""
+    rows = []
+    sync = next((row for row in found.get("modes", []) if row["mode"] == "sync" and "error" not in row), None)
+    target = f"5-step mean reward >= {TARGET_REWARD}"
+    for row in found.get("modes", []):
+        where = (f"{row['mode']}, quickstart, disaggregated on one {found['device']} (trainer rank and local engine in "
+                 f"two processes, no Ray), {found['steps']} steps")
+        if "error" in row:
+            rows.append(f"| {where} | failed, {row['error']} (async.log) | {target} | not measured |")
+            continue
+        versus = f" = {g(row['steps_per_s'] / sync['steps_per_s'])} x sync" if sync and sync is not row else ""
+        reached = row["first_step_5_mean_ge_0.8"]
+        rows.append(
+            f"| {where} | {g(row['steps_per_s'])} steps/s{versus}, median step {g(row['step_s_median'])} s; busy: "
+            f"trainer {row['trainer_busy']:.2f}, engine {row['engine_busy']:.2f}; mean reward "
+            f"{row['reward_first']:.3f} -> {row['reward_last']:.3f}, 5-step mean >= {TARGET_REWARD} "
+            f"{f'from step {reached}' if reached else 'not reached'}; staleness max {row['staleness_max']:g}; "
+            f"start-up {row['startup_s']:.0f} s | {target} | {'met' if reached else 'not met'} |")
+    return rows
 
 
 def markdown(report: dict) -> str:
@@ -200,6 +238,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| GRPO, quickstart, {grpo['steps']} steps, one rank | mean reward {grpo['reward_first']:.3f} -> "
                      f"{grpo['reward_last']:.3f}; median step {g(grpo['step_s_median'])} s; start-up "
                      f"{grpo['startup_s']:.0f} s | - | - |")
+    lines += async_rows(report["parts"].get("async", {}))
     for name, status in report["status"].items():
         if status["returncode"] != 0:
             lines.append(f"| part {name} | exit {status['returncode']}{', timed out' if status['timed_out'] else ''} "
@@ -244,13 +283,19 @@ def main(argv: list[str] | None = None) -> int:
                                              out / "actor.log")
         report["parts"]["actor"] = load(result)
         report["machine"].update(report["parts"]["actor"].pop("machine", {}))
-    if "grpo" in args.parts:
-        result = out / "grpo.json"
-        # Its run directory (logs, the final HF export) stays out of the results: the device tool returns 8 files.
-        with tempfile.TemporaryDirectory(prefix="rlm-gpu-grpo-") as run_dir:
-            report["status"]["grpo"] = run_part("grpo", grpo_command(args, result, Path(run_dir)),
-                                                args.grpo_timeout_s, out / "grpo.log")
-        report["parts"]["grpo"] = load(result)
+    for part, command in (("grpo", grpo_command), ("async", async_command)):
+        if part not in args.parts:
+            continue
+        result = out / f"{part}.json"
+        # Its run directories (logs, the final HF export) stay out of the results: the device tool returns 8 files.
+        with tempfile.TemporaryDirectory(prefix=f"rlm-gpu-{part}-") as run_dir:
+            report["status"][part] = run_part(part, command(args, result, Path(run_dir)),
+                                              getattr(args, f"{part}_timeout_s"), out / f"{part}.log")
+        report["parts"][part] = load(result)
+    if "device_name" not in report["machine"]:  # the actor part, which says it, did not run (or failed early)
+        from benchmarks.gpu.actor import machine_info
+
+        report["machine"].update(machine_info(args.device))
     (out / "results.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (out / "results.md").write_text(table)

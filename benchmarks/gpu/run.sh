@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu/run.sh [RESULTS_DIR] [--device cuda|cpu] [harness options]   # RESULTS_DIR defaults to $OUT
 #   bash benchmarks/gpu/run.sh /tmp/rehearsal --device cpu                             # the CPU rehearsal (tiny sizes)
+#   bash benchmarks/gpu/run.sh "$OUT" --parts async    # sync / one_step_off / async on one GPU: a command of its own
 #
 # The device image has torch, transformers, pyyaml, safetensors, psutil and pyarrow, but not megatron-core or
 # pydantic: when they are missing, they are installed from the wheels in $RLM_WHEELS (default

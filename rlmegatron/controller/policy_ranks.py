@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlmegatron.controller.rank.policy_rank import PolicyRank
+from rlmegatron.controller.servers import ServerDevices
 from rlmegatron.controller.worker_group import WorkerGroup
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.tracking.progress import Progress
@@ -62,8 +63,8 @@ class PolicyRanks:
 
     # --- weights to the engines ---
 
-    def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
-        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
+    def connect_engines(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
+        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
     def sync_weights(self, version: str, restarted: Optional[list[int]] = None,

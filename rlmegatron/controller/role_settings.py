@@ -92,11 +92,6 @@ class RolloutSettings:
     partial_rollout: bool = False
     """New weights reach the engines mid-generation (trainer.partial_rollout): pause, swap, continue."""
 
-    @property
-    def weight_group_backend(self) -> str:
-        """The backend of the groups over which trainer rank 0 broadcasts weights to disaggregated servers."""
-        return "nccl" if self.device == "cuda" else "gloo"
-
 
 @dataclass(frozen=True)
 class TrainerRankSettings:

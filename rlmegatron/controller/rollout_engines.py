@@ -4,7 +4,8 @@ Colocated (`ColocatedEngines`): the trainer ranks host the engines, an in-proces
 (`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led by the group's first rank
 (controller.rank.colocated_engine); weights move through shared memory or CUDA IPC. Disaggregated
 (`DisaggregatedEngines`): SGLang servers on their own pool, each supervised by an `EngineHost` there
-(controller.rollout_pool); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU).
+(controller.rollout_pool); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or to a server on
+rank 0's own GPU).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rlmegatron.controller.placement import ResourcePool
 from rlmegatron.controller.policy_ranks import PolicyRanks
 from rlmegatron.controller.role_settings import RolloutSettings
 from rlmegatron.controller.rollout_pool import EngineHost
-from rlmegatron.controller.servers import server_nodes
+from rlmegatron.controller.servers import ServerDevices, server_nodes
 from rlmegatron.controller.worker_group import group_on
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.rollout.sglang import ServerUnavailable
@@ -83,13 +84,17 @@ class DisaggregatedEngines:
     this process."""
 
     def __init__(self, settings: RolloutSettings, ranks: PolicyRanks, pool: Optional[ResourcePool] = None) -> None:
-        self.ranks, self.tp_size = ranks, settings.tensor_parallel_size
+        self.ranks = ranks
         self.partial_rollout = settings.partial_rollout
         size = settings.pool_size
         # A host serves its engine's generation and, meanwhile (trainer.mode one_step_off, async), the weight push.
         self.hosts = group_on(pool, size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
         places = self.hosts.call_all(EngineHost.place)
-        layout = server_nodes(places, self.tp_size, size // self.tp_size)
+        tp_size = settings.tensor_parallel_size
+        layout = server_nodes(places, tp_size, size // tp_size)
+        self.devices: list[ServerDevices] = [tuple((places[slot].node, places[slot].device)
+                                                   for node in nodes for slot in node.slots) for nodes in layout]
+        """Per engine, where its TP ranks sit: trainer rank 0 picks its weight-update group's backend from it."""
         # Per engine: the launching host of each node, node 0's (the leader) last, so the hosts in this process
         # have started the other nodes before the leader waits for the whole server.
         self.node_hosts = [[node.slots[0] for node in nodes[1:] + nodes[:1]] for nodes in layout]
@@ -107,7 +112,7 @@ class DisaggregatedEngines:
 
     def connect(self, engines: list[int]) -> None:
         """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
-        self.ranks.connect_engines([(e, self.urls[e], self.tp_size) for e in engines])
+        self.ranks.connect_engines([(e, self.urls[e], self.devices[e]) for e in engines])
 
     def generate(self, shares: dict[int, list[GenerationRequest]],
                  progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:

@@ -49,6 +49,20 @@ def device_id(device: str) -> str:
     return str(torch.cuda.current_device())
 
 
+ServerDevices = tuple[tuple[str, str], ...]
+"""A server's TP ranks as (node, device) each, in TP order: where its weight-update group's members sit."""
+
+
+def weight_group_backend(device: str, server: ServerDevices) -> str:
+    """The backend of the group over which this process (trainer rank 0) broadcasts weights to a disaggregated
+    server: NCCL between GPUs; gloo on CPU, and where one of the server's ranks is on this process's own GPU (one GPU
+    split between trainer and engine, a run without Ray): NCCL refuses two ranks of a group on one device ("Duplicate
+    GPU detected"), while gloo stages CUDA tensors through host memory."""
+    if device != "cuda":
+        return "gloo"
+    return "gloo" if (socket.gethostname(), device_id(device)) in server else "nccl"
+
+
 @dataclass(frozen=True)
 class ServerNode:
     """One node's share of engine `engine`: `slots` (indices of places, in server TP order) of which the first

@@ -44,6 +44,21 @@ def test_an_engine_over_unequal_parts_of_nodes_is_refused():
         server_nodes(places([3, 3]), tp=4, engines=1)
 
 
+def test_a_server_on_trainer_rank_0s_own_gpu_gets_its_weights_over_gloo(monkeypatch):
+    """NCCL refuses a group with two ranks on one GPU ("Duplicate GPU detected"): one GPU split between the trainer
+    and a disaggregated engine (a run without Ray) takes gloo, which stages CUDA tensors through the host; a server
+    with no rank on rank 0's GPU takes NCCL; on CPU it is gloo."""
+    import socket
+
+    monkeypatch.setattr(servers, "device_id", lambda device: "3" if device == "cuda" else "cpu")
+    here = socket.gethostname()
+    assert servers.weight_group_backend("cuda", ((here, "3"),)) == "gloo"
+    assert servers.weight_group_backend("cuda", ((here, "2"), (here, "3"))) == "gloo"  # one TP rank shares it
+    assert servers.weight_group_backend("cuda", ((here, "2"),)) == "nccl"
+    assert servers.weight_group_backend("cuda", (("another-node", "3"),)) == "nccl"  # GPU 3 of another node
+    assert servers.weight_group_backend("cpu", ((here, "cpu"),)) == "gloo"
+
+
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [(f"model.layers.{i}.mlp.up_proj.weight", scale * torch.randn(64, 32, generator=generator))
@@ -156,7 +171,9 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
     pool = DisaggregatedEngines(rollout_settings(spec), trainer)
     try:
         assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
-        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "init", None, [])]
+        # Rank 0 learns where the server's two TP ranks sit (node, device): its group's backend follows from it.
+        server = (("node0", "cpu"), ("node1", "cpu"))
+        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], server)]), ("sync_weights", "init", None, [])]
         requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
         pool.hosts[1].node_process.stop()
         deadline = time.monotonic() + 30
@@ -164,7 +181,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
             time.sleep(0.1)
         assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
         pool.sync("v1", restarted=[0])
-        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], 2)]), ("sync_weights", "v1", [0], [])]
+        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], server)]), ("sync_weights", "v1", [0], [])]
         assert [len(r.output_token_ids) for r in pool.generate(requests)[0]] == [2]
     finally:
         pool.shutdown()
@@ -283,6 +300,36 @@ class ServerlessHost(rollout_pool.EngineHost):
         self.events.append(("pushed", self.index, version))
 
 
+def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_takes_gloo(tmp_path, monkeypatch):
+    """One GPU split between trainer and engine (run_training(use_ray=False), disaggregated): the pool's host lives in
+    the trainer's process, so its place is the trainer's GPU; the server process is launched on that GPU, and rank 0
+    learns it shares the device, for which it takes gloo (NCCL refuses two ranks on one GPU)."""
+    import socket
+    from types import SimpleNamespace
+
+    from rlmegatron.config import load_spec
+    from rlmegatron.controller.rollout_engines import DisaggregatedEngines
+
+    monkeypatch.setattr(servers, "device_id", lambda device: "3")  # this process's GPU, as CUDA_VISIBLE_DEVICES says
+    launched = []
+
+    def server_of(settings, server, hf_config):  # the launch spec, not a server
+        launched.append(server)
+        return SimpleNamespace(spec=server, stale=False, health=lambda: True, mark_synced=lambda version: None)
+
+    monkeypatch.setattr(rollout_pool, "sglang_engine", server_of)
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        "placement.device=cuda", "placement.gpus_per_node=1", "placement.mode=disaggregate",
+        "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", f"trainer.run_dir={tmp_path}"])
+    trainer = RecordingTrainer()
+    DisaggregatedEngines(rollout_settings(spec), trainer)
+    (server,) = launched
+    assert server.env == {"CUDA_VISIBLE_DEVICES": "3"} and server.module == "rlmegatron.rollout.local_server"
+    (endpoint,) = trainer.calls[0][1]
+    assert endpoint == (0, server.url, ((socket.gethostname(), "3"),))
+    assert servers.weight_group_backend("cuda", endpoint[2]) == "gloo"
+
+
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
     from rlmegatron.controller.rollout_engines import DisaggregatedEngines
@@ -341,7 +388,8 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     # The generation that met the failure syncs a server as restarted: to it alone, whatever else is down.
     events.clear()
     pool.sync("step_1", restarted=[2])
-    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", 1)]), ("sync_weights", "step_1", [2], [])]
+    assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", (("n0", "cpu"),))]),
+                                  ("sync_weights", "step_1", [2], [])]
     assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
     # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
     # restart, that ends the run: a re-sync is not retried without bound.

@@ -118,3 +118,33 @@ def test_non_finite_logits_reach_the_client_as_a_divergence(served):
     push_model(push, broken, "nan")
     with pytest.raises(Divergence, match="rollout logits: the server's log-prob of response token 1"):
         engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=4))])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one GPU split between trainer and engine needs a GPU")
+def test_a_server_on_the_trainers_own_gpu_takes_cuda_weights_over_gloo(tmp_path):
+    """One GPU split between the trainer and a disaggregated engine (a run without Ray): the server's process gets
+    this process's GPU, and the weights, CUDA tensors, cross over the backend `weight_group_backend` picks for it
+    (gloo: NCCL refuses two ranks of a group on one device); generation then follows them."""
+    import socket
+
+    from rlmegatron.controller.servers import device_id, weight_group_backend
+
+    torch.cuda.set_device(0)
+    gpu = device_id("cuda")
+    backend = weight_group_backend("cuda", ((socket.gethostname(), gpu),))
+    assert backend == "gloo"
+    config = model_config(tmp_path / "model")
+    spec = ServerSpec(model_path=str(tmp_path / "model"), port=free_port(), python=sys.executable,
+                      module=LOCAL_SERVER_MODULE, device="cuda", dtype="float32", env={"CUDA_VISIBLE_DEVICES": gpu})
+    engine = SGLangEngine(spec, str(tmp_path), bucket_bytes=1 << 20, startup_timeout_s=120, request_timeout_s=120)
+    try:
+        push = DistributedWeightPush(1 << 20)
+        push.connect(0, spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), "same_gpu_test", backend))
+        policy = model(config, seed=1).cuda()
+        push_model(push, policy, "v1")
+        (result,) = engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=12))])
+    finally:
+        engine.shutdown()
+    tokens, logprobs = teacher_forced(policy.cpu(), list(PROMPT), list(result.output_token_ids))
+    assert list(result.output_token_ids) == tokens and result.weight_version == "v1"
+    assert result.output_token_logprobs == pytest.approx(logprobs, abs=1e-3)  # the GPU's kernels against the CPU's

@@ -13,6 +13,7 @@ from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
 from rlmegatron.controller.rank.role_models import RoleModels
 from rlmegatron.controller.rank.weight_push import WeightPush
 from rlmegatron.controller.role_settings import trainer_rank_settings
+from rlmegatron.controller.servers import ServerDevices
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
 from rlmegatron.tracking.progress import Progress
 from rlmegatron.workers import RolloutBatch
@@ -78,8 +79,8 @@ class PolicyRank:
         with self.models.phase("actor"):
             return self.models.actor.update(batch, progress if self.rank == 0 else None)
 
-    def connect_engines(self, endpoints: list[tuple[int, str, int]]) -> None:
-        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, tp_size) server."""
+    def connect_engines(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
+        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.weights.connect(endpoints)
 
     def sync_weights(self, version: str, restarted: Optional[list[int]] = None,

@@ -2,8 +2,8 @@
 (collective: every rank walks the whole stream), to the rollout engines after each update.
 
 Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: trainer rank 0
-broadcasts each bucket to every server over a weight-update group of its own (NCCL; gloo on CPU); the other ranks
-let the stream pass.
+broadcasts each bucket to every server over a weight-update group of its own (NCCL; gloo on CPU, or where the
+server shares rank 0's GPU: `servers.weight_group_backend`); the other ranks let the stream pass.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from rlmegatron.controller.rank.colocated_engine import ColocatedEngine
 from rlmegatron.controller.rank.role_models import RoleModels
 from rlmegatron.controller.role_settings import RolloutSettings
+from rlmegatron.controller.servers import ServerDevices, weight_group_backend
 from rlmegatron.models.lora import adapters_disabled
 from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
 from rlmegatron.rollout.buckets import travel_rules_for
@@ -42,20 +43,21 @@ class WeightPush:
         """Disaggregated adapter sync, on trainer rank 0: each server's URL and the adapter it holds."""
         self.adapter_path: Optional[str] = None
 
-    def connect(self, endpoints: list[tuple[int, str, int]]) -> None:
-        """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, tp_size) server."""
+    def connect(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
+        """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, its TP ranks' devices)
+        server."""
         if torch.distributed.get_rank() != 0:
             return
         if self.distributed is None:
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes,
                                                      travel_rules_for(self.settings.model.hf_config()))
         address = socket.gethostbyname(socket.gethostname())
-        for engine, url, tp_size in endpoints:
+        for engine, url, devices in endpoints:
             self.server_urls[engine] = url
             port = free_port("")
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
-                                         self.settings.weight_group_backend)
-            self.distributed.connect(engine, url, tp_size, group)
+                                         weight_group_backend(self.settings.device, devices))
+            self.distributed.connect(engine, url, len(devices), group)
 
     def sync(self, version: str, restarted: Optional[list[int]] = None, left_out: Sequence[int] = ()) -> list[int]:
         """The trained weights to the engines: all but the `left_out` disaggregated servers (down, or restarted and
