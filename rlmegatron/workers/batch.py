@@ -198,15 +198,15 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         labels = torch.zeros(1, total, dtype=batch.input_ids.dtype)
         labels[0, at] = next_tokens[real].to(labels.dtype)
         # Positions count through each sequence's rounding padding too; the final rounding block stays at 0.
-        offset = sum(spans)
+        sequences_end = sum(spans)
         span_positions = torch.arange(max(spans))
         in_span = span_positions < torch.tensor(spans)[:, None]
         position_ids = torch.zeros(1, total, dtype=torch.long)
         position_ids[0, (starts_packed[:, None] + span_positions)[in_span]] = span_positions.expand_as(in_span)[in_span]
         source_index = starts_packed[pairs[:, 0]] + pairs[:, 1]
         # Rounding padding forms its own pseudo-sequence, so THD rope and attention see whole blocks.
-        boundaries = [0, *torch.tensor(spans).cumsum(0).tolist()] + ([total] if total > offset else [])
-        packed_seq_params = _thd_params(boundaries, max(max(spans), total - offset))
+        boundaries = [0, *torch.tensor(spans).cumsum(0).tolist()] + ([total] if total > sequences_end else [])
+        packed_seq_params = _thd_params(boundaries, max(max(spans), total - sequences_end))
         blocks = [(start, end - start) for start, end in zip(boundaries[:-1], boundaries[1:])]
     else:
         width = _round_up(widest, sequence_multiple * tp)
