@@ -45,3 +45,58 @@ def test_a_micro_batch_moves_to_a_device_whole():
               if (value := getattr(moved.response_fields, field.name)) is not None]
     assert len(tensors) == 5 and len(fields) >= 4
     assert all(t.device.type == "meta" for t in tensors + fields)
+
+
+def _row_by_row(batch, rows: list[int], pack: bool, tp: int) -> dict[str, list]:
+    """What a micro-batch must hold, built one row at a time in plain Python: each row's real tokens (one block),
+    laid end to end (packed, each sequence starting at its own position 0) or one per row right-padded to a multiple
+    of TP, every label the next token of the same sequence, and each position whose next token is a real token
+    mapped to that token's [row, column] cell of the batch."""
+    tokens = [[int(t) for t, m in zip(batch.input_ids[r], batch.attention_mask[r]) if m] for r in rows]
+    columns = [[c for c, m in enumerate(batch.attention_mask[r].tolist()) if m] for r in rows]
+    width = batch.input_ids.shape[1]
+    round_up = lambda n: -(-n // tp) * tp  # noqa: E731
+    if pack:
+        total = round_up(sum(map(len, tokens)))
+        ids, labels, positions, sources, targets, offset = [0] * total, [0] * total, [0] * total, [], [], 0
+        for n, seq in enumerate(tokens):
+            for j, token in enumerate(seq):
+                ids[offset + j], positions[offset + j] = token, j
+                if j + 1 < len(seq):
+                    labels[offset + j] = seq[j + 1]
+                    sources.append(offset + j)
+                    targets.append(n * width + columns[n][j + 1])
+            offset += len(seq)
+        return {"input_ids": [ids], "labels": [labels], "position_ids": [positions], "source_index": sources,
+                "target_index": targets}
+    padded = round_up(max(map(len, tokens)))
+    ids, labels, sources, targets = [], [], [], []
+    for n, seq in enumerate(tokens):
+        ids.append(seq + [0] * (padded - len(seq)))
+        labels.append(seq[1:] + [0] * (padded - len(seq) + 1))
+        sources += [n * padded + j for j in range(len(seq) - 1)]
+        targets += [n * width + c for c in columns[n][1:]]
+    return {"input_ids": ids, "labels": labels, "position_ids": [list(range(padded))] * len(rows),
+            "source_index": sources, "target_index": targets}
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_micro_batch_holds_each_rows_tokens_labels_and_way_back_as_built_row_by_row(pack, tp, monkeypatch):
+    from megatron.core import parallel_state
+
+    from rlmegatron.workers.batch import RolloutBatch
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda *args, **kwargs: None)  # THD params
+    generator = torch.Generator().manual_seed(tp + 2 * pack)
+    for _ in range(40):
+        rows, prompt, response = int(torch.randint(1, 9, ())), int(torch.randint(1, 6, ())), int(torch.randint(1, 6, ()))
+        mask = torch.zeros(rows, prompt + response, dtype=torch.long)
+        for r in range(rows):  # left-padded prompts of 1..prompt tokens, right-padded responses of 0..response
+            start = int(torch.randint(0, prompt, (), generator=generator))
+            mask[r, start : prompt + int(torch.randint(0, response + 1, (), generator=generator))] = 1
+        batch = RolloutBatch(torch.randint(1, 50, mask.shape, generator=generator), mask, torch.ones(rows, response))
+        chosen = sorted(torch.randperm(rows, generator=generator)[: int(torch.randint(1, rows + 1, ()))].tolist())
+        built = build_micro_batch(batch, chosen, pack, tp)
+        assert {name: getattr(built, name).tolist() for name in _row_by_row(batch, chosen, pack, tp)} == \
+            _row_by_row(batch, chosen, pack, tp)
