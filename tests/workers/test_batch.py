@@ -90,13 +90,14 @@ def test_a_micro_batch_holds_each_rows_tokens_labels_and_way_back_as_built_row_b
     monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda *args, **kwargs: None)  # THD params
     generator = torch.Generator().manual_seed(tp + 2 * pack)
     for _ in range(40):
-        rows, prompt, response = int(torch.randint(1, 9, ())), int(torch.randint(1, 6, ())), int(torch.randint(1, 6, ()))
+        rows, prompt, response = (int(torch.randint(1, high, (), generator=generator)) for high in (9, 6, 6))
         mask = torch.zeros(rows, prompt + response, dtype=torch.long)
         for r in range(rows):  # left-padded prompts of 1..prompt tokens, right-padded responses of 0..response
             start = int(torch.randint(0, prompt, (), generator=generator))
             mask[r, start : prompt + int(torch.randint(0, response + 1, (), generator=generator))] = 1
         batch = RolloutBatch(torch.randint(1, 50, mask.shape, generator=generator), mask, torch.ones(rows, response))
-        chosen = sorted(torch.randperm(rows, generator=generator)[: int(torch.randint(1, rows + 1, ()))].tolist())
+        chosen = sorted(torch.randperm(rows, generator=generator)[: int(torch.randint(1, rows + 1, (), generator=generator))]
+                        .tolist())
         built = build_micro_batch(batch, chosen, pack, tp)
         assert {name: getattr(built, name).tolist() for name in _row_by_row(batch, chosen, pack, tp)} == \
             _row_by_row(batch, chosen, pack, tp)
