@@ -96,8 +96,8 @@ def test_a_micro_batch_holds_each_rows_tokens_labels_and_way_back_as_built_row_b
             start = int(torch.randint(0, prompt, (), generator=generator))
             mask[r, start : prompt + int(torch.randint(0, response + 1, (), generator=generator))] = 1
         batch = RolloutBatch(torch.randint(1, 50, mask.shape, generator=generator), mask, torch.ones(rows, response))
-        chosen = sorted(torch.randperm(rows, generator=generator)[: int(torch.randint(1, rows + 1, (), generator=generator))]
-                        .tolist())
+        count = int(torch.randint(1, rows + 1, (), generator=generator))
+        chosen = sorted(torch.randperm(rows, generator=generator)[:count].tolist())
         built = build_micro_batch(batch, chosen, pack, tp)
         assert {name: getattr(built, name).tolist() for name in _row_by_row(batch, chosen, pack, tp)} == \
             _row_by_row(batch, chosen, pack, tp)
