@@ -574,7 +574,9 @@ class TrackingConfig(Section):
         list[Literal["mlflow", "console"]], BeforeValidator(_wrap_single_item)
     ] = ["console"]
     tracking_uri: Text | None = None
-    """MLflow server or store; null uses MLFLOW_TRACKING_URI, else ./mlruns."""
+    """MLflow server or store: http(s)://host:port, sqlite:///path.db, or MLflow's file store (file:/dir or a plain
+    directory; MLflow 3 opens it only with MLFLOW_ALLOW_FILE_STORE=true, which a run sets for itself). null uses
+    MLFLOW_TRACKING_URI, else sqlite:///<trainer.run_dir>/mlflow.db."""
     project_name: Text = "rlmegatron"
     """MLflow experiment that groups the runs (verl's trainer.project_name); each run is trainer.experiment_name."""
     rollout_trace: RolloutTraceConfig = Field(default_factory=RolloutTraceConfig)

@@ -43,7 +43,7 @@ from rlmegatron.controller.rollout_data import (
     traced_samples,
 )
 from rlmegatron.errors import Divergence
-from rlmegatron.rewards import NonFiniteReward, RewardResult
+from rlmegatron.rewards import NonFiniteReward, RewardResult, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
@@ -206,6 +206,7 @@ class Trainer:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
         kept: list[Rollout] = []
+        scored: list[tuple[int, dict[str, float]]] = []  # each round's responses and reward manager's metrics
         rounds = 0
         while True:
             rounds += 1
@@ -214,15 +215,18 @@ class Trainer:
                 results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(step, rounds))
             with timer("reward"):
                 part = self.score(prompts, results, first_uid=(step * 1000 + rounds) * len(prompts))
+            scored.append((len(part), part.reward_metrics))
             if not sampling.enable:
-                return part
+                break
             kept.append(part.select(_rows_of_varied_groups(part)))
             total = sum(len(k) for k in kept)
             if total >= wanted or rounds >= sampling.max_num_gen_batches:
                 metrics["training/num_gen_batches"] = rounds
-                if total == 0:
-                    return part  # nothing varied: train on the last round, whose advantages are all zero
-                return Rollout.concat(kept).select(list(range(min(total, wanted))))
+                if total > 0:  # else nothing varied: train on the last round, whose advantages are all zero
+                    part = Rollout.concat(kept).select(list(range(min(total, wanted))))
+                break
+        metrics.update(step_reward_metrics(scored))
+        return part
 
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""

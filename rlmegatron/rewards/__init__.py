@@ -9,6 +9,7 @@ from rlmegatron.rewards.manager import (
     RewardInput,
     RewardResult,
     build_reward_manager,
+    step_reward_metrics,
 )
 from rlmegatron.rewards.math_reward import last_boxed_answer, math_score, normalize_math_answer
 
@@ -27,4 +28,5 @@ __all__ = [
     "last_boxed_answer",
     "math_score",
     "normalize_math_answer",
+    "step_reward_metrics",
 ]

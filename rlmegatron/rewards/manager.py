@@ -97,6 +97,23 @@ class RewardResult:
     extra: dict[str, list[Any]]
     """Further keys of dict-returning reward functions, one entry per response (None where absent)."""
     metrics: dict[str, float]
+    """The batch's: counts of responses (COUNTED_METRICS), and means over its responses (every other name)."""
+
+
+COUNTED_METRICS = ("reward/errors", "reward/timeouts")
+
+
+def step_reward_metrics(batches: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's reward metrics from the (responses, RewardResult.metrics) of each batch it scored, as if it had
+    scored them all at once (dynamic sampling scores several): counts add up, means are weighted by responses."""
+    sums: dict[str, float] = {}
+    responses: dict[str, int] = {}
+    for size, metrics in batches:
+        for name, value in metrics.items():
+            weight = 1 if name in COUNTED_METRICS else size
+            sums[name] = sums.get(name, 0.0) + weight * value
+            responses[name] = responses.get(name, 0) + size
+    return {name: total if name in COUNTED_METRICS else total / responses[name] for name, total in sums.items()}
 
 
 @dataclass(frozen=True)

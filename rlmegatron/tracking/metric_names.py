@@ -8,8 +8,12 @@ critic/advantages/{mean,max,min}, critic/returns/mean, critic/values/mean
 critic/reward_baseline/mean          ReMax: reward of the greedy response per prompt (not trained on)
 response_length/{mean,max,min}, response_length/clip_ratio       clip_ratio: share hitting max length
 prompt_length/{mean,max,min}
-reward/errors, reward/timeouts       reward functions that raised / ran past reward.timeout_s
+reward/errors, reward/timeouts       responses whose reward function raised (or returned no number) / ran past
+                                     reward.timeout_s; summed over a step's dynamic-sampling rounds
 reward/overlong_penalty/mean, reward/overlong_ratio              DAPO manager
+reward/model_score/mean              reward.model: the model's score before reward.model.weight
+reward/rule_score/mean               reward.model with the rule's scores combined in (rule_weight or a combiner)
+                                     reward/* means are over every response a step scored (all its rounds)
 timing_s/{gen,gen_baseline,reward,old_log_prob,ref,adv,update_actor,update_critic,update_weights,step}
 perf/throughput                      tokens per second per GPU over the whole step
 val/{data_source}/score/mean         validation, one per data source (val/ prefix)

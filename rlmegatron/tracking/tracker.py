@@ -8,6 +8,7 @@ import queue
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,11 @@ class MlflowBackend:
         setup.run_dir.mkdir(parents=True, exist_ok=True)
         self.setup, self.params, self.resolved_yaml = setup, params, resolved_yaml
         self.tracking_uri = resolve_tracking_uri(setup)
+        if is_file_store(self.tracking_uri):
+            # MLflow 3 refuses to open its file store (file:/dir or a plain directory) unless this is set; the user
+            # named that store, so it is allowed for this process (and the processes it starts), and for no other
+            # store.
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id: str | None = None
 
@@ -349,6 +355,11 @@ def resolve_tracking_uri(setup: TrackingSetup) -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{(setup.run_dir / 'mlflow.db').resolve()}"
+
+
+def is_file_store(tracking_uri: str) -> bool:
+    """Whether MLflow opens this URI as its file store: a file: URI or a path without a scheme."""
+    return urllib.parse.urlparse(tracking_uri).scheme in ("", "file")
 
 
 def _param_text(value: Any) -> str:

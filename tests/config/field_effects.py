@@ -117,6 +117,7 @@ MLFLOW_STORE = TRACKING + "test_mlflow_sqlite_store_holds_params_metrics_and_the
 CONSOLE = TRACKING + "test_console_prints_a_compact_table_each_step"
 TRACKING_URI = TRACKING + "test_the_mlflow_store_is_the_specs_tracking_uri"
 URI_ORDER = TRACKING + "test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir"
+FILE_STORE = TRACKING + "test_an_mlflow_file_store_takes_the_runs_metrics"
 TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_every_node"
 
 # Rejections and checks.
@@ -406,7 +407,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tracking.project_name": ("MLflow experiment", (MLFLOW_STORE,)),
     "tracking.rollout_trace.backend": ("where each step's samples are logged as text", (TRACE_MLFLOW, TRACE_CONSOLE)),
     "tracking.rollout_trace.prompts_per_step": ("prompts whose samples are traced", (TRACE_MLFLOW, TRACE_PROMPTS)),
-    "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER)),
+    "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER, FILE_STORE)),
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
     "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),

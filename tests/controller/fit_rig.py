@@ -169,7 +169,7 @@ class Rig:
     trainer: RigTrainer
     ranks: FakeRanks
     engines: FakeEngines
-    reward: FakeRewardManager
+    reward: Callable[[list[RewardInput]], RewardResult]
     tracker: Tracker
     result: FitResult
 
@@ -186,11 +186,12 @@ class Rig:
 
 
 def run_rig(run_dir: Path, *overrides: str, reward=first_token_is_even, train_prompts: int = 8,
-            val_prompts: int = 0, ranks: FakeRanks | None = None, engines: FakeEngines | None = None) -> Rig:
-    """`Trainer.fit` on rig_spec(overrides), in `run_dir`."""
+            val_prompts: int = 0, ranks: FakeRanks | None = None, engines: FakeEngines | None = None,
+            reward_manager=None) -> Rig:
+    """`Trainer.fit` on rig_spec(overrides), in `run_dir`; `reward_manager` (a real one) in place of `reward`."""
     spec = rig_spec(f"trainer.run_dir={run_dir}", *overrides)
     ranks = ranks or FakeRanks()
-    engines, reward_manager = engines or FakeEngines(), FakeRewardManager(reward)
+    engines, reward_manager = engines or FakeEngines(), reward_manager or FakeRewardManager(reward)
     loader = PromptDataLoader(prompts(train_prompts), spec.data.train_batch_size, shuffle=spec.data.shuffle,
                               seed=spec.data.seed)
     val_set = prompts(val_prompts, "val") if spec.data.val_files else None

@@ -1,10 +1,12 @@
 """The spec fields the fit loop reads take effect: sampling, validation, schedule, estimator options, KL in the
 reward and dynamic sampling, each checked by hand on the pure-Python rig (tests/controller/fit_rig.py)."""
 import math
+import textwrap
 
 import pytest
 import torch
 
+from rlmegatron.rewards import DAPORewardManager
 from tests.controller.fit_rig import FakeRanks, constant, run_rig
 
 
@@ -139,6 +141,28 @@ def test_dynamic_sampling_generates_up_to_its_round_limit(tmp_path):
     assert len(stuck.ranks.updates["actor"][0]) == 8  # nothing varied: the last round, all-zero advantages
     varied = run_rig(tmp_path / "varied", "algorithm.dynamic_sampling.enable=true")
     assert varied.history["training/num_gen_batches"] == [(1, 1), (2, 1)]
+
+
+def test_the_reward_managers_metrics_cover_every_dynamic_sampling_round(tmp_path):
+    """DAPO's manager with a rule that scores 0 (every group all-equal, so each step runs all 3 rounds) and raises
+    on one-token responses. Prompt i's sample s is 1 + (2 + i + s) % 3 tokens (fit_rig); unshuffled, step 1 scores
+    prompts 0-3, 4-7, 0-3: 3, 3 and 3 one-token responses; 3, 2 and 3 of 3 tokens, past max_response_length -
+    overlong_buffer.length = 2 and so penalised 1 each. Step 2 scores 4-7, 0-3, 4-7."""
+    (tmp_path / "rule.py").write_text(textwrap.dedent("""
+        def rule(data_source, solution_str, ground_truth, extra_info):
+            if len(solution_str.split()) == 1:
+                raise ValueError("one token")
+            return 0.0
+    """))
+    manager = DAPORewardManager(f"{tmp_path / 'rule.py'}:rule", 0, 30.0, max_response_length=3,
+                                overlong_buffer_length=1, overlong_penalty_factor=1.0)
+    rig = run_rig(tmp_path / "run", "data.shuffle=false", "algorithm.dynamic_sampling.enable=true",
+                  "algorithm.dynamic_sampling.max_num_gen_batches=3", reward_manager=manager)
+    assert rig.history["training/num_gen_batches"] == [(1, 3), (2, 3)]
+    assert rig.history["reward/errors"] == [(1, 9.0), (2, 9.0)]  # summed over the rounds, not the last round's 3
+    assert rig.history["reward/timeouts"] == [(1, 0.0), (2, 0.0)]
+    assert rig.history["reward/overlong_ratio"] == [(1, pytest.approx(8 / 24)), (2, pytest.approx(7 / 24))]
+    assert rig.history["reward/overlong_penalty/mean"] == [(1, pytest.approx(-8 / 24)), (2, pytest.approx(-7 / 24))]
 
 
 def test_rollout_correction_weights_and_rejects_what_the_actor_trains_on(tmp_path):

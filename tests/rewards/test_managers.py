@@ -20,6 +20,7 @@ from rlmegatron.rewards import (
     RewardFunctionError,
     RewardInput,
     build_reward_manager,
+    step_reward_metrics,
 )
 
 CUSTOM_REWARD = textwrap.dedent("""
@@ -385,3 +386,11 @@ def test_dapo_without_the_buffer_enabled_is_naive():
     config = RewardConfig(manager="dapo")
     manager = build_reward_manager(config, max_response_length=16)
     assert manager.overlong_penalty(10_000) == 0.0
+
+
+def test_a_steps_reward_metrics_add_counts_and_weigh_means_by_responses():
+    rounds = [(2, {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/overlong_ratio": 0.5}),
+              (6, {"reward/errors": 2.0, "reward/timeouts": 3.0, "reward/overlong_ratio": 1 / 6})]
+    assert step_reward_metrics(rounds) == {"reward/errors": 3.0, "reward/timeouts": 3.0,
+                                           "reward/overlong_ratio": pytest.approx(2 / 8)}
+    assert step_reward_metrics(rounds[:1]) == rounds[0][1]

@@ -1,5 +1,6 @@
 """Tracking: the MLflow sqlite store holds what was logged, console tables, ASCII plots, URI choice."""
 import io
+import os
 import time
 from pathlib import Path
 
@@ -25,8 +26,11 @@ def test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml(tmp_path
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset below")  # so monkeypatch removes it if the tracker sets it
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     run_dir = tmp_path / "run"
     tracker = Tracker.from_spec(job_spec(run_dir, ["mlflow"]))
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # MLflow's file store is allowed only when it is the store
     tracker.start(0)
     tracker.log_metrics({"critic/score/mean": 0.25, "actor/pg_loss": -0.5}, step=1)
     tracker.log_metrics({"critic/score/mean": 0.75}, step=2)
@@ -111,6 +115,30 @@ def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp
     assert resolve_tracking_uri(setup) == "http://mlflow:5000"
     explicit = TrackingSetup(["mlflow"], tmp_path, "p", "e", tracking_uri="file:///x")
     assert resolve_tracking_uri(explicit) == "file:///x"
+
+
+@pytest.mark.parametrize("uri", ["file:{}", "{}"], ids=["file_uri", "plain_directory"])
+def test_an_mlflow_file_store_takes_the_runs_metrics(tmp_path, monkeypatch, uri):
+    """MLflow 3 refuses its file store unless MLFLOW_ALLOW_FILE_STORE=true; a spec naming one gets it anyway."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset below")  # so monkeypatch removes what the tracker sets
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    store = tmp_path / "mlruns"
+    spec = job_spec(tmp_path / "run", ["mlflow"]).model_copy(deep=True)
+    spec.tracking.tracking_uri = uri.format(store)
+    tracker = Tracker.from_spec(spec)
+    tracker.start(0)
+    tracker.log_metrics({"critic/score/mean": 0.25}, step=1)
+    tracker.log_metrics({"critic/score/mean": 0.75}, step=2)
+    tracker.finish()
+
+    client = MlflowClient(tracking_uri=store.as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["actor.optim.lr"] == "3e-06"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [
+        (1, 0.25), (2, 0.75)]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["resolved_spec.yaml"]
 
 
 def test_the_mlflow_store_is_the_specs_tracking_uri(tmp_path, monkeypatch):
