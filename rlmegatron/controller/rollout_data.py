@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from rlmegatron.data import Sample
-from rlmegatron.rewards import RewardInput, RewardResult
+from rlmegatron.rewards import RewardInput, RewardResult, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.workers import RolloutBatch
 
@@ -52,7 +52,7 @@ class Rollout:
             batch=concat_batches([part.batch for part in parts]),
             scores=torch.cat([part.scores for part in parts]),
             rewards=torch.cat([part.rewards for part in parts]),
-            reward_metrics=parts[-1].reward_metrics,
+            reward_metrics=step_reward_metrics([(len(part), part.reward_metrics) for part in parts]),
         )
 
 
