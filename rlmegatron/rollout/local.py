@@ -1,6 +1,7 @@
 """In-process rollout engine: batched, KV-cached generation with a transformers causal LM on CPU or GPU."""
 from __future__ import annotations
 
+import inspect
 import math
 import re
 
@@ -111,6 +112,10 @@ class LocalEngine(RolloutEngine):
         # Generators live on the model's device: drawing the sampling noise on the host and copying it over would
         # cost a vocabulary-sized transfer per token (10x the step time of greedy decoding, measured on an H100).
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        # Only the last position's logits are sampled from: a prefill that asks for no others skips a [batch, prompt,
+        # vocabulary] tensor (gigabytes for a 150k vocabulary and long prompts). Remote-code models may lack the option.
+        self._last_logits_only = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
         self.weight_version: str | None = None
         self._released: set[str] = set()
         self._offloaded: dict[str, torch.Tensor] = {}
@@ -187,6 +192,7 @@ class LocalEngine(RolloutEngine):
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
+                **self._last_logits_only,
             )
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             if position == 0 and len(distinct) < batch:  # from one row per prompt to one per sample

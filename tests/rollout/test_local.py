@@ -106,6 +106,17 @@ def test_the_samples_of_a_prompt_share_its_prefill_and_match_samples_made_one_by
         assert max(abs(x - y) for x, y in zip(a.output_token_logprobs, b.output_token_logprobs)) < 1e-5
 
 
+def test_the_prefill_computes_the_last_positions_logits_only(model):
+    """A [batch, prompt, vocabulary] logits tensor is what a long prompt with a 150k vocabulary cannot afford."""
+    shapes = []
+    hook = model.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.logits.shape)))
+    try:
+        LocalEngine(model).generate([GenerationRequest(PROMPTS[2], SamplingSpec(temperature=0.0, max_new_tokens=2))])
+    finally:
+        hook.remove()
+    assert shapes == [(1, 1, 160), (1, 1, 160)]
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(5.0, 1.0, -1), (10.0, 0.9, 20)])
 def test_samples_follow_the_filtered_softmax(model, temperature, top_p, top_k):
     """4096 first tokens (high temperatures: the test model's logits are sharp): never outside the top-k / top-p
