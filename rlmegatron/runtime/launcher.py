@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -40,6 +40,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.runtime.launcher"]
+
+
+def fork_server(preload: Sequence[str] = ()) -> Any:
+    """multiprocessing's forkserver context, its server started now if it is not running: it imports torch,
+    Megatron-Core, transformers and `preload` (about 4 s of CPU) in the background, while the caller goes on, and
+    ranks forked from it start with all of that imported. `preload` counts only for the call that starts the server.
+
+    Forked from a server that imported them and ran nothing: forking a process that already ran torch (or has
+    threads) can deadlock, forking this one cannot."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
+    forkserver.ensure_running()
+    return ctx
+
+
+def rank_threads(device: str, world_size: int) -> int:
+    """Torch threads per rank. CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as
+    more threads only fight over the same cores and fewer leave some idle (one rank on two cores)."""
+    return max(1, (os.cpu_count() or 1) // world_size) if device == "cpu" else 1
 
 
 def _serialize(obj: Any) -> bytes:
@@ -75,7 +96,7 @@ def _rank_main(fn, args, rank, world_size, port, device, threads, environment, r
         results.put((rank, False, traceback.format_exc(), None if mistake is None else str(mistake)))
 
 
-def _stop(procs, grace_s: float) -> None:
+def stop_processes(procs, grace_s: float) -> None:
     """Let finished ranks exit on their own, then end each rank's whole process group."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
@@ -103,13 +124,10 @@ def run_ranks(
     `fn` must be importable by name (a module-level function): ranks are forked from
     multiprocessing's fork server, never from the caller, which may have run torch.
     """
-    # Forked from a server that imported torch, Megatron and transformers once (about 4 s of CPU each time otherwise)
-    # and ran nothing: forking a process that already ran torch can deadlock, forking this one cannot.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = fork_server()
     results = ctx.Queue()
     port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // nprocs) if device == "cpu" else 1
+    threads = rank_threads(device, nprocs)
     procs = [
         # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
         ctx.Process(target=_rank_main, args=(fn, args, rank, nprocs, port, device, threads, dict(os.environ), results))
@@ -144,7 +162,7 @@ def run_ranks(
                 # them a moment to report their own error, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 5.0)
     finally:
-        _stop(procs, grace_s=30.0 if len(values) == nprocs else 0.0)
+        stop_processes(procs, grace_s=30.0 if len(values) == nprocs else 0.0)
         results.close()
 
     if errors or len(values) < nprocs:

@@ -1,0 +1,115 @@
+"""RankProcesses: trainer ranks as local processes without Ray, failing as RayWorkerGroup fails (a rank's error raised
+with its type, a dead rank named at once) and leaving no process behind, even when the driver is killed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmegatron.controller.rank_processes import RankDied, RankProcesses
+from rlmegatron.data import DatasetError
+from rlmegatron.tracking.progress import ProgressBar, report
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Member:
+    def __init__(self, offset: int) -> None:
+        self.rank = torch.distributed.get_rank()
+        self.offset = offset
+
+    def summed(self, value: int) -> tuple[int, int, float]:
+        """(rank, torch threads, the all-reduced value + rank + offset): a collective over both ranks."""
+        total = torch.tensor([float(value + self.rank + self.offset)])
+        torch.distributed.all_reduce(total)
+        return self.rank, torch.get_num_threads(), total.item()
+
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise DatasetError(f"train.jsonl:3: not valid JSON (rank {rank})")
+        return self.rank
+
+    def die_on(self, rank: int) -> None:
+        if self.rank == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.barrier()  # the peer waits for the dead rank, as in a collective of a real step
+
+    def count_to(self, count: int, progress) -> int:
+        for _ in range(count):
+            report(progress)
+        return count
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture
+def ranks():
+    group = RankProcesses("cpu", 2, Member, 10)
+    yield group
+    group.shutdown()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_two_ranks_run_a_collective_and_answer_in_rank_order(ranks):
+    threads = max(1, os.cpu_count() // 2)
+    # Each rank adds its rank and the offset it was built with: (5+0+10) + (5+1+10) = 31.
+    assert ranks.call_all(Member.summed, 5) == [(0, threads, 31.0), (1, threads, 31.0)]
+    assert ranks.call_each(Member.summed, {1: (1,), 0: (2,)}) == {1: (1, threads, 24.0), 0: (0, threads, 24.0)}
+
+
+def test_a_ranks_error_is_raised_with_its_type_and_the_group_goes_on(ranks):
+    with pytest.raises(DatasetError, match=r"^train.jsonl:3: not valid JSON \(rank 1\)$") as raised:
+        ranks.call_all(Member.fail_on, 1)
+    assert "trainer rank 1 failed" in str(raised.value.__cause__)  # the rank's traceback, for RLM_DEBUG=1
+    assert ranks.call_all(Member.fail_on, 5) == [0, 1]
+
+
+def test_a_killed_rank_fails_the_call_at_once_naming_it(ranks):
+    ranks.call_all(Member.pid)  # built
+    started = time.monotonic()
+    with pytest.raises(RankDied, match=r"^trainer rank 1 \(pid \d+\) was killed by SIGKILL$"):
+        ranks.call_all(Member.die_on, 1)
+    # Rank 0 waits in the barrier for ever: the call gives up on it after the peers' grace (5 s), not later.
+    assert time.monotonic() - started < 10
+
+
+def test_progress_reported_in_the_ranks_advances_the_drivers_bar(ranks):
+    bar = ProgressBar("rollout", 7)
+    assert ranks.call_each(Member.count_to, {0: (3, bar.advance), 1: (4, bar.advance)}) == {0: 3, 1: 4}
+    assert bar.done == 7
+
+
+def test_shutdown_leaves_no_rank_process():
+    group = RankProcesses("cpu", 2, Member, 0)
+    pids = group.call_all(Member.pid)
+    group.shutdown()
+    assert all(gone(pid) for pid in pids)
+
+
+def test_no_rank_outlives_a_driver_killed_outright():
+    code = ("import os, sys, time; from tests.controller.test_rank_processes import Member; "
+            "from rlmegatron.controller.rank_processes import RankProcesses; "
+            "group = RankProcesses('cpu', 2, Member, 0); print(*group.call_all(Member.pid), flush=True); "
+            "time.sleep(60)")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    pids = [int(pid) for pid in driver.stdout.readline().split()]
+    assert len(pids) == 2, pids
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids)
