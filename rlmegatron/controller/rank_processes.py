@@ -26,7 +26,7 @@ import time
 import traceback
 import types
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, Sequence, TypeVar
+from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, TypeVar
 
 from rlmegatron.controller.worker_group import PEER_GRACE_S, RankHost, rank_env
 from rlmegatron.errors import user_error_in
@@ -51,9 +51,8 @@ class RankProcesses(Generic[T]):
     The constructor returns as soon as the processes are started and told what to build: they import and build while
     the driver goes on; the first call waits for them (and raises what building raised)."""
 
-    def __init__(self, device: str, world_size: int, rank_class: Callable[..., T], *args: Any,
-                 preload: Sequence[str] = ()) -> None:
-        context = fork_server(preload)
+    def __init__(self, device: str, world_size: int, rank_class: Callable[..., T], *args: Any) -> None:
+        context = fork_server([rank_class.__module__], device)
         port, threads = free_port(), rank_threads(device, world_size)
         self.pipes: list[Connection] = []
         self.procs = []

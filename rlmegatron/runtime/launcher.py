@@ -15,12 +15,13 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.runtime.distributed import Device, destroy_distributed, init_distributed
+from rlmegatron.runtime.notices import import_notices_off
 
 
 class RankFailure(RuntimeError):
@@ -42,7 +43,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 _PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.runtime.launcher"]
 
 
-def fork_server(preload: Sequence[str] = ()) -> Any:
+def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
     """multiprocessing's forkserver context, its server started now if it is not running: it imports torch,
     Megatron-Core, transformers and `preload` (about 4 s of CPU) in the background, while the caller goes on, and
     ranks forked from it start with all of that imported. `preload` counts only for the call that starts the server.
@@ -53,8 +54,26 @@ def fork_server(preload: Sequence[str] = ()) -> Any:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *preload])
-    forkserver.ensure_running()
+    # Its imports come before any rank quiets the library notices they print: it starts with them off.
+    with environment(PYTHONWARNINGS=",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
+                                                           import_notices_off(device)]))):
+        forkserver.ensure_running()
     return ctx
+
+
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """`variables` in this process's environment for the processes started meanwhile, then as they were."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def rank_threads(device: str, world_size: int) -> int:
@@ -124,7 +143,7 @@ def run_ranks(
     `fn` must be importable by name (a module-level function): ranks are forked from
     multiprocessing's fork server, never from the caller, which may have run torch.
     """
-    ctx = fork_server()
+    ctx = fork_server(device=device)
     results = ctx.Queue()
     port = free_port()
     threads = rank_threads(device, nprocs)

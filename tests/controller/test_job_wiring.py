@@ -58,7 +58,7 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
         "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
     with pytest.raises(Stop):
-        run_training(spec, use_ray=False)
+        run_training(spec, in_process=True)
 
     assert made["tokenizer"] == ["elsewhere/tokenizer"]
     (train_args, _), (val_args, _) = made["dataset"]

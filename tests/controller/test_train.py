@@ -29,9 +29,10 @@ FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
 RLM = str(Path(sys.executable).parent / "rlm")
 
 
-def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None = None) -> dict:
+def train(tmp: Path, name: str, where: str, *overrides: str, env: dict | None = None) -> dict:
+    """`where`: launched (as placement.launcher says) or local (the one rank in the job's process)."""
     out = tmp / f"{name}.json"
-    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
+    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), where, *SMALL, *overrides],
                          cwd=REPO_ROOT, timeout=300, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return {**json.loads(out.read_text()), "stdout": run.stdout, "stderr": run.stderr}
@@ -110,7 +111,7 @@ def ray_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
-        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang, "placement.launcher=ray",
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
@@ -122,7 +123,7 @@ def ray_run(tmp_path_factory):
     sglang, env = with_fake_sglang(tmp, "resumed")
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
-    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
+    resumed = train(tmp, "resumed", "launched", "placement.launcher=ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
                     "trainer.resume=auto", *sglang, *router, env=env)
     return tmp, first, resumed, killed.returncode
 
