@@ -69,7 +69,7 @@ class RankProcesses(Generic[T]):
             self.procs.append(proc)
         self.sequence = 0
         self.lock = threading.Lock()  # one call at a time, in the order the driver's threads make them (as Ray's queue)
-        self.stuck: set[int] = set()  # ranks that have not answered an earlier call
+        self.stuck: dict[int, int] = {}  # the ranks that have not answered the latest call (yet, or ever)
         self.building = self._send({rank: ("build", (rank_class, *args), {}) for rank in range(world_size)})
 
     def __len__(self) -> int:
@@ -117,14 +117,16 @@ class RankProcesses(Generic[T]):
             key = id(message)
             if key not in encoded:
                 encoded[key] = _dumps((self.sequence, *message), callbacks)
-            self.pipes[rank].send_bytes(encoded[key])
+            with contextlib.suppress(OSError):  # a dead rank's pipe: _receive names it from its exit
+                self.pipes[rank].send_bytes(encoded[key])
         self.callbacks = callbacks
         return dict.fromkeys(messages, self.sequence)
 
     def _receive(self, waiting: dict[int, int], timeout_s: Optional[float] = None) -> dict[int, Any]:
         """The replies to the messages `waiting` for (rank -> sequence number). The first failure (an exception, a
         death) is raised once every other rank has answered or PEER_GRACE_S has passed."""
-        waiting = dict(waiting)
+        # Kept as it shrinks: a driver interrupted meanwhile (Ctrl-C, SIGTERM) finds the busy ranks in it.
+        self.stuck = waiting = dict(waiting)
         replies: dict[int, Any] = {}
         failure: Optional[BaseException] = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -164,7 +166,6 @@ class RankProcesses(Generic[T]):
                     failure = failure or _rank_error(rank, *payload)
             if failure is not None and deadline is None:
                 deadline = time.monotonic() + PEER_GRACE_S
-        self.stuck = set(waiting)
         if failure is not None:
             raise failure
         if waiting:
@@ -232,6 +233,7 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
             break
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = lambda pid: lambda count: send((0, _PROGRESS, (pid[1], count)))
+        sequence, op = 0, "call"
         try:
             sequence, op, args, kwargs = unpickler.load()
             if op == "build":
@@ -244,7 +246,8 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
                 value = host.call(*args, **kwargs)
             send((sequence, "ok", value))
         except BaseException as error:  # noqa: BLE001 - every failure must reach the driver
-            send((sequence if "sequence" in locals() else 0, "error", (_portable(error), traceback.format_exc())))
+            text = traceback.format_exc()
+            send((sequence, "error", (_portable(error), text)))
         if op == "shutdown":
             break
 
@@ -252,9 +255,7 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
 def _portable(error: BaseException) -> Optional[BaseException]:
     """`error` if it survives a pickle round trip (as a rank's errors, ours and the user's, do), else None; a user
     error that does not is raised as what it says."""
-    with contextlib.suppress(Exception):
-        error.__traceback__ = None
-        error.__context__ = error.__cause__ = None
+    with contextlib.suppress(Exception):  # its traceback and chained errors are not pickled: the text has them
         pickle.loads(pickle.dumps(error))
         return error
     mistake = user_error_in(error)

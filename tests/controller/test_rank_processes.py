@@ -46,6 +46,9 @@ class Member:
     def pid(self) -> int:
         return os.getpid()
 
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
 
 @pytest.fixture
 def ranks():
@@ -95,6 +98,27 @@ def test_shutdown_leaves_no_rank_process():
     group = RankProcesses("cpu", 2, Member, 0)
     pids = group.call_all(Member.pid)
     group.shutdown()
+    assert all(gone(pid) for pid in pids)
+
+
+def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_waited_for(ranks):
+    """Ctrl-C (or SIGTERM, which rlm train turns into the same exit) while the ranks work: shutdown must not wait
+    for the step to end."""
+    pids = ranks.call_all(Member.pid)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            ranks.call_all(Member.sleep, 60)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    started = time.monotonic()
+    ranks.shutdown()
+    assert time.monotonic() - started < 10
     assert all(gone(pid) for pid in pids)
 
 
