@@ -13,6 +13,7 @@ import torch
 from rlmegatron.controller.rank_processes import RankDied, RankProcesses
 from rlmegatron.data import DatasetError
 from rlmegatron.tracking.progress import ProgressBar, report
+from tests.helpers.processes import alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,14 +58,6 @@ def ranks():
     group.shutdown()
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
-
 def test_two_ranks_run_a_collective_and_answer_in_rank_order(ranks):
     threads = max(1, os.cpu_count() // 2)
     # Each rank adds its rank and the offset it was built with: (5+0+10) + (5+1+10) = 31.
@@ -98,7 +91,7 @@ def test_shutdown_leaves_no_rank_process():
     group = RankProcesses("cpu", 2, Member, 0)
     pids = group.call_all(Member.pid)
     group.shutdown()
-    assert all(gone(pid) for pid in pids)
+    assert not any(map(alive, pids))
 
 
 def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_waited_for(ranks):
@@ -119,7 +112,7 @@ def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_
     started = time.monotonic()
     ranks.shutdown()
     assert time.monotonic() - started < 10
-    assert all(gone(pid) for pid in pids)
+    assert not any(map(alive, pids))
 
 
 def test_no_rank_outlives_a_driver_killed_outright():
@@ -134,6 +127,6 @@ def test_no_rank_outlives_a_driver_killed_outright():
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 10
-    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(gone(pid) for pid in pids)
+    assert not any(map(alive, pids))
