@@ -133,7 +133,8 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
             pools = create_pools(spec.placement)
             ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
         elif launch == "processes":
-            # Returns at once: the ranks build while the driver goes on, until its first call to them.
+            # Returns once the fork server (started above) has forked them: they build while the driver goes on, up to
+            # its first call to them.
             ranks = PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank,
                                               spec, total_steps))
         else:

@@ -48,8 +48,9 @@ class RankDied(RankFailure):
 class RankProcesses(Generic[T]):
     """`world_size` ranks of `rank_class(*args)` on this machine, rank i as local rank i, one process group.
 
-    The constructor returns as soon as the processes are started and told what to build: they import and build while
-    the driver goes on; the first call waits for them (and raises what building raised)."""
+    The constructor returns as soon as the processes are forked (the fork server must have done its imports) and told
+    what to build: they build while the driver goes on; the first call waits for them (and raises what building
+    raised)."""
 
     def __init__(self, device: str, world_size: int, rank_class: Callable[..., T], *args: Any) -> None:
         context = fork_server([rank_class.__module__], device)
