@@ -57,17 +57,23 @@ class RankProcesses(Generic[T]):
         port, threads = free_port(), rank_threads(device, world_size)
         self.pipes: list[Connection] = []
         self.procs = []
-        for rank in range(world_size):
-            here, there = context.Pipe()
-            proc = context.Process(
-                target=_serve, name=f"rank {rank}",
-                # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
-                args=(there, os.getpid(), dict(os.environ), os.getcwd(),
-                      rank_env(rank, world_size, rank, "127.0.0.1", port), device, threads))
-            proc.start()
-            there.close()
-            self.pipes.append(here)
-            self.procs.append(proc)
+        try:
+            for rank in range(world_size):
+                here, there = context.Pipe()
+                proc = context.Process(
+                    target=_serve, name=f"rank {rank}",
+                    # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
+                    args=(there, os.getpid(), dict(os.environ), os.getcwd(),
+                          rank_env(rank, world_size, rank, "127.0.0.1", port), device, threads))
+                self.pipes.append(here)
+                proc.start()
+                there.close()
+                self.procs.append(proc)
+        except BaseException:
+            # Interrupted while it waited for the fork server (Ctrl-C): the ranks started so far would wait for their
+            # peers, and multiprocessing would wait for them as this process exits.
+            stop_processes(self.procs, grace_s=0.0)
+            raise
         self.sequence = 0
         self.lock = threading.Lock()  # one call at a time, in the order the driver's threads make them (as Ray's queue)
         self.stuck: dict[int, int] = {}  # the ranks that have not answered the latest call (yet, or ever)
