@@ -1,11 +1,9 @@
 """RankProcesses: trainer ranks as local processes without Ray, failing as RayWorkerGroup fails (a rank's error raised
-with its type, a dead rank named at once) and leaving no process behind, even when the driver is killed."""
+with its type, a dead rank named at once) and leaving no process behind. That none outlives a driver killed outright
+is tested end to end, servers included: tests/controller/test_sigkill.py."""
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,6 @@ from rlmegatron.controller.rank_processes import RankDied, RankProcesses
 from rlmegatron.data import DatasetError
 from rlmegatron.tracking.progress import ProgressBar, report
 from tests.helpers.processes import alive
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Member:
@@ -112,21 +108,4 @@ def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_
     started = time.monotonic()
     ranks.shutdown()
     assert time.monotonic() - started < 10
-    assert not any(map(alive, pids))
-
-
-def test_no_rank_outlives_a_driver_killed_outright():
-    code = ("import os, sys, time; from tests.controller.test_rank_processes import Member; "
-            "from rlmegatron.controller.rank_processes import RankProcesses; "
-            "group = RankProcesses('cpu', 2, Member, 0); print(*group.call_all(Member.pid), flush=True); "
-            "time.sleep(60)")
-    driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    pids = [int(pid) for pid in driver.stdout.readline().split()]
-    assert len(pids) == 2, pids
-    driver.kill()
-    driver.wait()
-    deadline = time.monotonic() + 10
-    while any(map(alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert not any(map(alive, pids))
