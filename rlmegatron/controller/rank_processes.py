@@ -94,13 +94,15 @@ class RankProcesses(Generic[T]):
         """Orderly where the ranks are idle; ranks still busy with a call the driver gave up on (an interrupted step,
         a failed peer) are killed at once, as are all after `timeout_s`."""
         idle = self.lock.acquire(blocking=False)  # else a driver thread is still waiting for a call
+        orderly = idle and not self.stuck
         try:
-            if idle and not self.stuck:
+            if orderly:
                 alive = [rank for rank, proc in enumerate(self.procs) if proc.is_alive()]
                 with contextlib.suppress(Exception):  # what went wrong was said already: this is cleanup
                     self._receive(self._send({rank: ("shutdown", (), {}) for rank in alive}), timeout_s)
         finally:
-            stop_processes(self.procs, grace_s=5.0)
+            # After an orderly stop the ranks exit on their own (their checkpoint writers joined); busy ones never do.
+            stop_processes(self.procs, grace_s=5.0 if orderly else 0.0)
             for pipe in self.pipes:
                 pipe.close()
             if idle:

@@ -107,5 +107,5 @@ def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_
         signal.signal(signal.SIGALRM, previous)
     started = time.monotonic()
     ranks.shutdown()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 4  # not the 5 s an orderly stop gives ranks to exit, nor a 60 s timeout
     assert not any(map(alive, pids))
