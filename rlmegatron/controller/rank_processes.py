@@ -30,7 +30,7 @@ from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, Param
 
 from rlmegatron.controller.worker_group import PEER_GRACE_S, RankHost, rank_env
 from rlmegatron.errors import user_error_in
-from rlmegatron.runtime.launcher import RankFailure, fork_server, free_port, rank_threads, stop_processes
+from rlmegatron.runtime.launcher import RankFailure, RankUserError, fork_server, free_port, rank_threads, stop_processes
 from rlmegatron.tracking.progress import ProgressBar
 
 T = TypeVar("T")
@@ -269,8 +269,6 @@ def _portable(error: BaseException) -> Optional[BaseException]:
         return error
     mistake = user_error_in(error)
     if mistake is not None:
-        from rlmegatron.runtime.launcher import RankUserError
-
         return RankUserError(str(mistake))
     return None
 

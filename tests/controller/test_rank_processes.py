@@ -3,6 +3,7 @@ with its type, a dead rank named at once) and leaving no process behind. That no
 is tested end to end, servers included: tests/controller/test_sigkill.py."""
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -10,8 +11,18 @@ import torch
 
 from rlmegatron.controller.rank_processes import RankDied, RankProcesses
 from rlmegatron.data import DatasetError
+from rlmegatron.errors import UserError
+from rlmegatron.runtime.launcher import RankFailure
 from rlmegatron.tracking.progress import ProgressBar, report
 from tests.helpers.processes import alive
+
+
+class Unpicklable(UserError):
+    """A user error pickle cannot rebuild (its constructor takes more than its message)."""
+
+    def __init__(self, message: str, row: int) -> None:
+        super().__init__(message)
+        self.row = row
 
 
 class Member:
@@ -29,6 +40,11 @@ class Member:
         if self.rank == rank:
             raise DatasetError(f"train.jsonl:3: not valid JSON (rank {rank})")
         return self.rank
+
+    def fail_unpicklable(self, user: bool) -> None:
+        if user:
+            raise Unpicklable("train.jsonl:7: bad row", 7)
+        raise RuntimeError("a bug", threading.Lock())  # an argument pickle refuses
 
     def die_on(self, rank: int) -> None:
         if self.rank == rank:
@@ -66,6 +82,14 @@ def test_a_ranks_error_is_raised_with_its_type_and_the_group_goes_on(ranks):
         ranks.call_all(Member.fail_on, 1)
     assert "trainer rank 1 failed" in str(raised.value.__cause__)  # the rank's traceback, for RLM_DEBUG=1
     assert ranks.call_all(Member.fail_on, 5) == [0, 1]
+
+
+def test_an_error_pickle_cannot_carry_is_raised_as_its_text(ranks):
+    with pytest.raises(UserError, match=r"^train.jsonl:7: bad row$"):  # still the user's one line
+        ranks.call_all(Member.fail_unpicklable, True)
+    with pytest.raises(RankFailure, match=r"^trainer rank 0 failed:\nTraceback") as raised:
+        ranks.call_all(Member.fail_unpicklable, False)
+    assert "RuntimeError: ('a bug', <unlocked _thread.lock object" in str(raised.value)
 
 
 def test_a_killed_rank_fails_the_call_at_once_naming_it(ranks):
