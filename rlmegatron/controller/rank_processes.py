@@ -2,16 +2,16 @@
 (placement.launcher=processes).
 
 Ray costs a one-node run about 5.5 s of start-up (its import and `ray.init`) and 1-2 ms per actor call
-(benchmarks/RESULTS.md, "Start-up"); a pipe to a forked process costs neither. Each rank is forked from the fork
-server (runtime.launcher.fork_server), which imported torch, Megatron-Core, transformers and the rank's class once,
-while the driver was still checking the job; a rank then joins the process group (`RankHost`), builds its object and
-runs the calls sent to it, one at a time, in order, as a Ray actor does.
+(benchmarks/RESULTS.md, "Start-up"); a pipe to a forked process costs neither. Each rank is forked from the fork server
+(runtime.launcher.fork_server), which imported torch, Megatron-Core, transformers and the rank's class once, while the
+driver was still checking the job; a rank then joins the process group (`RankHost`), builds its object and runs the
+calls sent to it, one at a time, in order, as a Ray actor does.
 
-Failures are reported as RayWorkerGroup reports them: a rank's exception is raised in the driver with its own type
-(the trainer catches a Divergence by type; a UserError stays one line), its traceback as the cause; a rank that dies
-fails the call at once, naming it; after the first failure the other ranks get `PEER_GRACE_S` to report (they may be
-stuck in a collective with it), then the call raises. No rank outlives the driver: each ends its own process group
-when the driver's process is gone, however it went (SIGKILL included).
+Failures are reported as RayWorkerGroup reports them: a rank's exception is raised in the driver with its own type (the
+trainer catches a Divergence by type; a UserError stays one line), its traceback as the cause; a rank that dies fails
+the call at once, naming it; after the first failure the other ranks get `PEER_GRACE_S` to report (they may be stuck in
+a collective with it), then the call raises the failure that caused the others (`_cause`). No rank outlives the driver:
+each ends its own process group when the driver's process is gone, however it went (SIGKILL included).
 """
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ class RankProcesses(Generic[T]):
                     sequence, kind, payload = pickle.loads(self.pipes[rank].recv_bytes())
                 except (EOFError, OSError):  # gone, all it sent read
                     self.procs[rank].join(timeout=5.0)
-                    failure = failure or RankDied(f"trainer rank {rank} (pid {self.procs[rank].pid}) "
-                                                  f"{_ended(self.procs[rank].exitcode)}")
+                    failure = _cause(failure, RankDied(f"trainer rank {rank} (pid {self.procs[rank].pid}) "
+                                                       f"{_ended(self.procs[rank].exitcode)}"))
                     del waiting[rank]
                     continue
                 if kind == _PROGRESS:
@@ -172,7 +172,7 @@ class RankProcesses(Generic[T]):
                 if kind == "ok":
                     replies[rank] = payload
                 else:
-                    failure = failure or _rank_error(rank, *payload)
+                    failure = _cause(failure, _rank_error(rank, *payload))
             if failure is not None and deadline is None:
                 deadline = time.monotonic() + PEER_GRACE_S
         if failure is not None:
@@ -180,6 +180,15 @@ class RankProcesses(Generic[T]):
         if waiting:
             raise RankFailure(f"trainer ranks {sorted(waiting)} did not answer within {timeout_s:.0f} s")
         return replies
+
+
+def _cause(first: Optional[BaseException], new: BaseException) -> BaseException:
+    """Which of two failures of one call to raise. Its peers fail in their collectives with a rank that died or
+    raised, maybe before it is seen: a death is the cause, then a user's mistake, then whichever came first."""
+    def weight(error: BaseException) -> int:
+        return 2 if isinstance(error, RankDied) else 1 if user_error_in(error) is not None else 0
+
+    return new if first is None or weight(new) > weight(first) else first
 
 
 def _dumps(message: tuple, callbacks: dict[int, Callable]) -> bytes:

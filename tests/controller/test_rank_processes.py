@@ -41,6 +41,13 @@ class Member:
             raise DatasetError(f"train.jsonl:3: not valid JSON (rank {rank})")
         return self.rank
 
+    def fail_after_a_peers_bug(self) -> None:
+        """Rank 0 fails first, as a peer does in a collective with a rank that made a user's mistake."""
+        if self.rank == 0:
+            raise RuntimeError("Connection closed by peer")
+        time.sleep(0.5)
+        raise DatasetError("train.jsonl:3: not valid JSON")
+
     def fail_unpicklable(self, user: bool) -> None:
         if user:
             raise Unpicklable("train.jsonl:7: bad row", 7)
@@ -82,12 +89,14 @@ def test_a_ranks_error_is_raised_with_its_type_and_the_group_goes_on(ranks):
         ranks.call_all(Member.fail_on, 1)
     assert "trainer rank 1 failed" in str(raised.value.__cause__)  # the rank's traceback, for RLM_DEBUG=1
     assert ranks.call_all(Member.fail_on, 5) == [0, 1]
+    with pytest.raises(DatasetError, match=r"^train.jsonl:3: not valid JSON$"):  # the cause, not the first to fail
+        ranks.call_all(Member.fail_after_a_peers_bug)
 
 
 def test_an_error_pickle_cannot_carry_is_raised_as_its_text(ranks):
     with pytest.raises(UserError, match=r"^train.jsonl:7: bad row$"):  # still the user's one line
         ranks.call_all(Member.fail_unpicklable, True)
-    with pytest.raises(RankFailure, match=r"^trainer rank 0 failed:\nTraceback") as raised:
+    with pytest.raises(RankFailure, match=r"^trainer rank [01] failed:\nTraceback") as raised:  # both raise: either
         ranks.call_all(Member.fail_unpicklable, False)
     assert "RuntimeError: ('a bug', <unlocked _thread.lock object" in str(raised.value)
 
