@@ -57,6 +57,9 @@ class RankProcesses(Generic[T]):
         port, threads = free_port(), rank_threads(device, world_size)
         self.pipes: list[Connection] = []
         self.procs = []
+        self.sequence = 0
+        self.lock = threading.Lock()  # one call at a time, in the order the driver's threads make them (as Ray's queue)
+        self.stuck: dict[int, int] = {}  # the ranks that have not answered the latest call (yet, or ever)
         try:
             for rank in range(world_size):
                 here, there = context.Pipe()
@@ -69,15 +72,12 @@ class RankProcesses(Generic[T]):
                 proc.start()
                 there.close()
                 self.procs.append(proc)
+            self.building = self._send({rank: ("build", (rank_class, *args), {}) for rank in range(world_size)})
         except BaseException:
-            # Interrupted while it waited for the fork server (Ctrl-C): the ranks started so far would wait for their
-            # peers, and multiprocessing would wait for them as this process exits.
+            # Interrupted while it waited for the fork server (Ctrl-C), or the arguments do not pickle: the ranks
+            # started so far would wait for their peers, and multiprocessing would wait for them as this process exits.
             stop_processes(self.procs, grace_s=0.0)
             raise
-        self.sequence = 0
-        self.lock = threading.Lock()  # one call at a time, in the order the driver's threads make them (as Ray's queue)
-        self.stuck: dict[int, int] = {}  # the ranks that have not answered the latest call (yet, or ever)
-        self.building = self._send({rank: ("build", (rank_class, *args), {}) for rank in range(world_size)})
 
     def __len__(self) -> int:
         return len(self.procs)
