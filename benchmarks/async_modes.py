@@ -32,11 +32,12 @@ DISAGGREGATED = ["placement.gpus_per_node=1", "placement.mode=disaggregate", "pl
                  "trainer.val_before_train=false", "data.val_files=[]", "tracking.backends=[console]"]
 
 
-def child(out: str, use_ray: bool, overrides: list[str]) -> None:
+def child(out: str, ray: bool, overrides: list[str]) -> None:
     from rlmegatron.config import load_spec
     from rlmegatron.controller.job import run_training
 
-    report = run_training(load_spec("configs/quickstart.yaml", overrides), use_ray=use_ray)
+    spec = load_spec("configs/quickstart.yaml", [*overrides, "placement.launcher=ray"] if ray else overrides)
+    report = run_training(spec, in_process=not ray)
     Path(out).write_text(json.dumps({"seconds": report.seconds, "history": report.history}))
 
 

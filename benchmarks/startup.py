@@ -1,16 +1,18 @@
 """Start-up of `rlm train` before step 1, phase by phase (issue 14: "start-up to step 1 <= 10 s on the quickstart").
 
-    python benchmarks/startup.py [--rounds 3] [--tree DIR --tree DIR2] [-- KEY=VALUE ...]
+    python benchmarks/startup.py [--rounds 3] [--tree DIR --tree DIR2] [--variant "KEY=VALUE ..." ...] [KEY=VALUE ...]
 
 Each round starts one `rlm train configs/quickstart.yaml` child per source tree (the tree's rlmegatron is imported:
 PYTHONPATH), alternating, so load from other jobs falls on both alike; pass two trees to compare two commits
-(`mkdir /tmp/before && git archive REF | tar -x -C /tmp/before`). A child records when each driver phase starts and
+(`mkdir /tmp/before && git archive REF | tar -x -C /tmp/before`), or two variants of the spec
+(`--variant placement.launcher=ray --variant placement.launcher=processes`), alternated the same way. A child records when each driver phase starts and
 ends, from the moment its command was started (the interpreter's own start included), and exits as soon as step 1 is
 logged (the reaper stops its Ray session). Printed per run: the phases and the 1-minute load average before and after.
 
 The driver sees the ranks as one phase (`ranks`: Ray actors start, import torch, Megatron-Core and transformers, build
 the model, its optimizer and the local engine, and sync the engine's weights once); benchmarks/RESULTS.md ("Start-up")
-breaks that down from timestamps taken inside the ranks.
+breaks that down from timestamps taken inside the ranks. Rank processes (placement.launcher=processes) are started in
+`ranks` and build while the driver goes on: `first call` (the engines asking them which lead one) waits for them.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/quickstart.yaml"
-PHASES = ("ready_to_launch", "build_dataset", "start_ray", "create_pools", "ranks")
+PHASES = ("ready_to_launch", "build_dataset", "fork_server", "start_ray", "create_pools", "ranks")
 
 
 def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
@@ -53,7 +55,11 @@ def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
     class TimedRanks(job.RayWorkerGroup):
         __init__ = timed("ranks", job.RayWorkerGroup.__init__)
 
-    job.RayWorkerGroup = TimedRanks
+    class TimedProcesses(job.RankProcesses):
+        __init__ = timed("ranks", job.RankProcesses.__init__)
+
+    job.RayWorkerGroup, job.RankProcesses = TimedRanks, TimedProcesses
+    job.PolicyRanks.engine_ranks = timed("first call", job.PolicyRanks.engine_ranks)
     start, log_metrics = Tracker.start, Tracker.log_metrics
 
     def fit_started(self, step):
@@ -94,11 +100,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tree", type=Path, action="append", help="a source tree to run (default: this one)")
+    parser.add_argument("--variant", action="append", default=None,
+                        help="space-separated overrides of one variant, alternated with the others in each round")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for the quickstart spec")
     args = parser.parse_args()
     for _ in range(args.rounds):
         for tree in args.tree or [REPO_ROOT]:
-            print(json.dumps(one_run(tree.resolve(), args.overrides)), flush=True)
+            for variant in args.variant or [""]:
+                run = one_run(tree.resolve(), [*args.overrides, *variant.split()])
+                print(json.dumps({"variant": variant, **run}), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 FIRST = (
-    "tests/agent/test_tool_lookup.py",  # Ray
+    "tests/agent/test_tool_lookup.py",  # rank processes (placement.launcher=auto)
     "tests/models/test_conversion.py",
     "tests/controller/test_train.py",  # Ray
     "tests/runtime/test_parallel_parity.py",

@@ -179,14 +179,14 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
         def finish(self, status):
             pass
 
-    def start_ray(spec):
+    def start_ranks(device, world_size, rank_class, spec, total_steps):
         launched.append(spec)
         raise SystemExit(0)
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", lambda spec: NoTracker())
-    monkeypatch.setattr(job, "start_ray", start_ray)
+    monkeypatch.setattr(job, "RankProcesses", start_ranks)  # placement.launcher=auto: the quickstart's ranks
     hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json"]
     # A run directory of its own: a finished quickstart in runs/ would end the command before anything starts.
     assert main(["train", QUICKSTART, *hub_model, f"trainer.run_dir={tmp_path}"]) == 0

@@ -1,5 +1,5 @@
 """The GRPO part of the GPU harness: the quickstart job for a few steps on one rank of `--device`, colocated local
-engine, in-process (`run_training(spec, use_ray=False)`: no Ray), console tracking only (no MLflow), no checkpoints.
+engine, in-process (`run_training(spec, in_process=True)`: no Ray), console tracking only (no MLflow), no checkpoints.
 
     python -m benchmarks.gpu.grpo --device cuda --steps 20 --run-dir DIR --result FILE [KEY=VALUE ...]
 
@@ -61,7 +61,7 @@ def main() -> None:
     from rlmegatron.controller.job import run_training
 
     spec_overrides = overrides(args.device, args.steps, args.run_dir, args.overrides)
-    report = run_training(load_spec(QUICKSTART, spec_overrides), use_ray=False)
+    report = run_training(load_spec(QUICKSTART, spec_overrides), in_process=True)
     result = {"spec": QUICKSTART, "overrides": spec_overrides, **summary(report, time.perf_counter() - start)}
     result["forbidden_modules_imported"] = sorted(
         {name.split(".")[0] for name in sys.modules} & {"ray", "mlflow", "sglang", "transformer_engine"})

@@ -504,10 +504,21 @@ class PlacementConfig(Section):
     """Rollout nodes (disaggregate only)."""
     rollout_gpus_per_node: PositiveInt | None = None
     """Rollout GPUs per node (disaggregate only)."""
+    launcher: Literal["auto", "ray", "processes"] = "auto"
+    """How `rlm train` starts the trainer ranks. ray: as Ray actors (any number of nodes; joins the cluster in
+    RAY_ADDRESS, else starts a local one); processes: as processes of this machine, driven over pipes, without Ray
+    (one node; about 5 s less start-up on a small machine); auto: processes when the run fits that (one node, no
+    RAY_ADDRESS, and on GPU no rollout pool of its own), else ray."""
 
     @property
     def trainer_world_size(self) -> int:
         return self.nnodes * self.gpus_per_node
+
+    @property
+    def fits_processes(self) -> bool:
+        """Whether the ranks can run as processes of this machine: one node, and a rollout pool (if any) that
+        needs no placing (on CPU its hosts run in the driver; GPUs of their own need Ray to place them)."""
+        return self.nnodes == 1 and (self.mode == "colocate" or self.device == "cpu")
 
     @property
     def rollout_pool_size(self) -> int | None:

@@ -1,22 +1,23 @@
-"""`rlm train`: connect to Ray, place the ranks, build data, reward and tracking, run the fit loop, print a summary."""
+"""`rlm train`: start the ranks (local processes, or Ray actors), build data, reward and tracking, run the fit loop,
+print a summary."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 from rlmegatron import reaper
 from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
-from rlmegatron.config import JobSpec, SpecError
+from rlmegatron.config import JobSpec, SpecError, SpecProblem
 from rlmegatron.config.checks import schedule_problems
 from rlmegatron.controller.placement import create_pools, remove_pools
 from rlmegatron.controller.policy_ranks import PolicyRanks
+from rlmegatron.controller.rank_processes import RankProcesses
 from rlmegatron.controller.rank.policy_rank import PolicyRank
 from rlmegatron.controller.role_settings import rollout_settings
 from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
@@ -27,6 +28,7 @@ from rlmegatron.data import PromptDataLoader, build_dataset
 from rlmegatron.preflight import ready_to_launch
 from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
+from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 
@@ -54,6 +56,18 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def launcher(spec: JobSpec) -> str:
+    """placement.launcher as it applies to this run: "ray" or "processes" (see the field)."""
+    placement, cluster = spec.placement, os.environ.get("RAY_ADDRESS")
+    if placement.launcher == "processes" and cluster:
+        raise SpecError([SpecProblem("placement.launcher", "processes", f"runs the ranks on this machine without Ray, "
+                                     f"but RAY_ADDRESS={cluster} names a Ray cluster; use placement.launcher=ray or "
+                                     f"auto, or unset RAY_ADDRESS")])
+    if placement.launcher == "auto":
+        return "processes" if placement.fits_processes and not cluster else "ray"
+    return placement.launcher
+
+
 def start_ray(spec: JobSpec) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local one just big enough for the placement."""
     import ray
@@ -75,27 +89,19 @@ def start_ray(spec: JobSpec) -> None:
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
-    with _environment(PYTHONPATH=python_path):
+    with environment(PYTHONPATH=python_path):
         context = ray.init(num_cpus=ranks, num_gpus=gpus, include_dashboard=False, logging_level="WARNING")
     reaper.start(mark, context.address_info["session_dir"])
 
 
-@contextlib.contextmanager
-def _environment(**variables: str) -> Iterator[None]:
-    """`variables` in this process's environment for the processes started meanwhile, then as they were."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
+def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
+    """The job, its ranks started as placement.launcher says, or (`in_process`: tests, the GPU harness) one rank in
+    this process."""
+    launch = None if in_process else launcher(spec)
+    if launch == "processes":
+        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start now in
+        # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.
+        fork_server([PolicyRank.__module__], spec.placement.device)
     # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
     tokenizer = declaring_tools(ready_to_launch(spec), [(t.plugin, t.config) for t in spec.rollout.multi_turn.tools])
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
@@ -121,11 +127,16 @@ def run_training(spec: JobSpec, use_ray: bool = True) -> JobReport:
     try:
         if spec.rollout.sglang.router and not spec.rollout.sglang.router_url:
             spec, router = start_router(spec)
-        if use_ray:
+        if launch == "ray":
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
             ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
+        elif launch == "processes":
+            # Returns once the fork server (started above) has forked them: they build while the driver goes on, up to
+            # its first call to them.
+            ranks = PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank,
+                                              spec, total_steps))
         else:
             ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
         if spec.reward.model.path is not None:  # the ranks hold the reward model

@@ -17,7 +17,7 @@ import torch
 
 from rlmegatron.controller.placement import ResourcePool
 from rlmegatron.runtime import destroy_distributed, init_distributed
-from rlmegatron.runtime.launcher import free_port
+from rlmegatron.runtime.launcher import free_port, rank_threads
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -202,9 +202,7 @@ class RayWorkerGroup(RayActorGroup[T]):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world_size = pool.world_size
-        # CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as more threads only
-        # fight over the same cores and fewer leave some idle (one rank on two cores).
-        threads = max(1, (os.cpu_count() or 1) // world_size) if pool.device == "cpu" else 1
+        threads = rank_threads(pool.device, world_size)
         # Rank 0's node hosts the rendezvous: this one's address, or on another node, one from a probe placed like
         # rank 0 (a worker process of its own, which takes seconds to start: a local cluster does without).
         if pool.nodes[0] == ray.get_runtime_context().get_node_id():

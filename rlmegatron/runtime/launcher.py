@@ -15,12 +15,13 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.runtime.distributed import Device, destroy_distributed, init_distributed
+from rlmegatron.runtime.notices import import_notices_off
 
 
 class RankFailure(RuntimeError):
@@ -40,6 +41,45 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.runtime.launcher"]
+
+
+def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
+    """multiprocessing's forkserver context, its server started now if it is not running: it imports torch,
+    Megatron-Core, transformers and `preload` (about 4 s of CPU) in the background, while the caller goes on, and
+    ranks forked from it start with all of that imported. `preload` counts only for the call that starts the server.
+
+    Forked from a server that imported them and ran nothing: forking a process that already ran torch (or has
+    threads) can deadlock, forking this one cannot."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
+    # Its imports come before any rank quiets the library notices they print: it starts with them off.
+    with environment(PYTHONWARNINGS=",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
+                                                           import_notices_off(device)]))):
+        forkserver.ensure_running()
+    return ctx
+
+
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """`variables` in this process's environment for the processes started meanwhile, then as they were."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def rank_threads(device: str, world_size: int) -> int:
+    """Torch threads per rank. CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as
+    more threads only fight over the same cores and fewer leave some idle (one rank on two cores)."""
+    return max(1, (os.cpu_count() or 1) // world_size) if device == "cpu" else 1
 
 
 def _serialize(obj: Any) -> bytes:
@@ -75,7 +115,7 @@ def _rank_main(fn, args, rank, world_size, port, device, threads, environment, r
         results.put((rank, False, traceback.format_exc(), None if mistake is None else str(mistake)))
 
 
-def _stop(procs, grace_s: float) -> None:
+def stop_processes(procs, grace_s: float) -> None:
     """Let finished ranks exit on their own, then end each rank's whole process group."""
     deadline = time.monotonic() + grace_s
     for proc in procs:
@@ -103,13 +143,10 @@ def run_ranks(
     `fn` must be importable by name (a module-level function): ranks are forked from
     multiprocessing's fork server, never from the caller, which may have run torch.
     """
-    # Forked from a server that imported torch, Megatron and transformers once (about 4 s of CPU each time otherwise)
-    # and ran nothing: forking a process that already ran torch can deadlock, forking this one cannot.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = fork_server(device=device)
     results = ctx.Queue()
     port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // nprocs) if device == "cpu" else 1
+    threads = rank_threads(device, nprocs)
     procs = [
         # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
         ctx.Process(target=_rank_main, args=(fn, args, rank, nprocs, port, device, threads, dict(os.environ), results))
@@ -144,7 +181,7 @@ def run_ranks(
                 # them a moment to report their own error, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 5.0)
     finally:
-        _stop(procs, grace_s=30.0 if len(values) == nprocs else 0.0)
+        stop_processes(procs, grace_s=30.0 if len(values) == nprocs else 0.0)
         results.close()
 
     if errors or len(values) < nprocs:

@@ -27,6 +27,12 @@ CPU_ONLY = (
 )
 
 
+def import_notices_off(device: str) -> str:
+    """PYTHONWARNINGS for a process that imports Megatron-Core before it can call quiet_library_notices (the fork
+    server, runtime.launcher): the notices printed at import. Their texts are plain (-W takes no regex)."""
+    return ",".join(f"ignore:{message}:{category.__name__}" for category, message in CPU_ONLY if device == "cpu")
+
+
 def quiet_library_notices(device: str) -> None:
     """Silence the notices above in this process (a rank), before Megatron-Core is imported."""
     for category, message in EVERYWHERE + (CPU_ONLY if device == "cpu" else ()):

@@ -9,6 +9,6 @@ from rlmegatron.controller.job import run_training
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
     out, *overrides = sys.argv[1:]
-    report = run_training(load_spec("configs/tool_lookup_cpu.yaml", overrides), use_ray=True)
+    report = run_training(load_spec("configs/tool_lookup_cpu.yaml", overrides))
     with open(out, "w") as handle:
         json.dump({"history": report.history, "seconds": report.seconds}, handle)

@@ -218,6 +218,7 @@ def rlm_train(monkeypatch):
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("a worker was started"))
+    monkeypatch.setattr(job, "RankProcesses", lambda *args: pytest.fail("a worker was started"))
     return lambda *overrides: main(["train", "configs/quickstart.yaml", *overrides])
 
 

@@ -45,6 +45,8 @@ JOB_WIRING = ("tests/controller/test_job_wiring.py::"
 # Whole runs (tests/controller/test_train.py).
 TRAIN = "tests/controller/test_train.py::"
 IN_PROCESS = TRAIN + "test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code"
+PROCESSES_RUN = TRAIN + "test_the_processes_launcher_trains_on_two_rank_processes_without_ray"
+LAUNCHER = "tests/controller/test_job_wiring.py::test_auto_launches_processes_where_the_run_fits_one_machine_without_ray"
 RAY_LOOP = TRAIN + "test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks"
 RESUME = TRAIN + "test_resume_gives_the_same_next_step_metrics"
 SIGTERM = TRAIN + "test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint"
@@ -328,6 +330,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
     "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
     "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
+    "placement.launcher": ("trainer ranks as local processes without Ray, or as Ray actors",
+                           (PROCESSES_RUN, RAY_LOOP, LAUNCHER, CHECKS)),
     "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
     "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),

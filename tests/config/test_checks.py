@@ -349,6 +349,21 @@ CASES = [
         id="colocate-rejects-rollout-nodes",
     ),
     pytest.param(
+        {"placement.launcher": "processes", "placement.nnodes": 2},
+        "tiny-qwen3",
+        "job.yaml: placement.launcher=processes: runs the ranks on this machine without Ray, but placement.nnodes=2 "
+        "needs Ray; use placement.launcher=ray or auto",
+        id="processes-on-one-node",
+    ),
+    pytest.param(
+        {"placement.launcher": "processes", "placement.device": "cuda", "placement.mode": "disaggregate",
+         "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 8},
+        "tiny-qwen3",
+        "job.yaml: placement.launcher=processes: runs the ranks on this machine without Ray, but a rollout pool of "
+        "GPUs of its own (placement.mode=disaggregate) needs Ray; use placement.launcher=ray or auto",
+        id="processes-place-no-gpu-pool",
+    ),
+    pytest.param(
         {"rollout.n": 1, "actor.ppo_micro_batch_size_per_gpu": 1},
         "tiny-qwen3",
         "job.yaml: rollout.n=1: algorithm.adv_estimator=grpo compares the responses to each prompt, which needs "

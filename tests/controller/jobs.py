@@ -7,8 +7,8 @@ from rlmegatron.controller.job import run_training
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
-    out, use_ray, *overrides = sys.argv[1:]
-    report = run_training(load_spec("configs/quickstart.yaml", overrides), use_ray=use_ray == "ray")
+    out, where, *overrides = sys.argv[1:]  # where: launched (as placement.launcher says) or local (in this process)
+    report = run_training(load_spec("configs/quickstart.yaml", overrides), in_process=where == "local")
     with open(out, "w") as handle:
         json.dump({"history": report.history, "checkpoint": report.checkpoint, "exported_hf": report.exported_hf,
                    "seconds": report.seconds, "steps": report.steps,

@@ -58,7 +58,7 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
         "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
     with pytest.raises(Stop):
-        run_training(spec, use_ray=False)
+        run_training(spec, in_process=True)
 
     assert made["tokenizer"] == ["elsewhere/tokenizer"]
     (train_args, _), (val_args, _) = made["dataset"]
@@ -75,3 +75,37 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
         "tokenizer", tuple(loader_args), tuple(val_args), (str(tmp_path / "run"), 2))
     # The quickstart's engines are local on the CPU: nothing to give back between steps, so no release call.
     assert reward.args == reward_args and engines.args == (workers, False)
+
+
+@pytest.mark.parametrize("settings, ray_address, launched", [
+    ([], None, "processes"),  # the quickstart: 2 CPU ranks on this machine
+    (["placement.nnodes=2"], None, "ray"),
+    ([], "10.0.0.1:6379", "ray"),  # a cluster named: auto joins it
+    (["placement.device=cuda", "placement.mode=disaggregate", "placement.rollout_nnodes=1",
+      "placement.rollout_gpus_per_node=1", "rollout.engine=sglang"], None, "ray"),  # a GPU pool to place
+    (["placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1"], None,
+     "processes"),  # on CPU the pool's hosts run in the driver
+    (["placement.launcher=ray"], None, "ray"),
+])
+def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(settings, ray_address, launched,
+                                                                             monkeypatch):
+    from rlmegatron.controller.job import launcher
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray_address:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    assert launcher(load_spec("configs/quickstart.yaml", settings)) == launched
+
+
+def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(monkeypatch):
+    from rlmegatron.config import SpecError
+    from rlmegatron.controller.job import launcher
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(SpecError) as refused:
+        launcher(load_spec("configs/quickstart.yaml", ["placement.launcher=processes"]))
+    assert str(refused.value) == ("placement.launcher=processes: runs the ranks on this machine without Ray, but "
+                                  "RAY_ADDRESS=10.0.0.1:6379 names a Ray cluster; use placement.launcher=ray or auto, "
+                                  "or unset RAY_ADDRESS")

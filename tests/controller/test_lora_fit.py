@@ -1,4 +1,4 @@
-"""`rlm train` with LoRA and adapter sync, colocated on two Ray ranks with the loopback SGLang server: the base
+"""`rlm train` with LoRA and adapter sync, colocated on two rank processes with the loopback SGLang server: the base
 weights travel once, then each step's adapters load as a LoRA adapter the next rollout samples with, replacing the
 one before; the engines keep their weights while asleep. The run's HF export is the merged policy, which the last
 adapter over the base model gives."""
@@ -30,7 +30,7 @@ def test_adapter_sync_loads_each_steps_adapter_and_samples_with_it(tmp_path):
 
     base_dir = save_base_model(tmp_path / "base")
     sglang, env = with_fake_sglang(tmp_path, "lora")
-    result = train(tmp_path, "lora", "ray", f"model.path={base_dir}", "model.random_init=false",
+    result = train(tmp_path, "lora", "launched", f"model.path={base_dir}", "model.random_init=false",
                    "trainer.total_steps=3", "trainer.test_freq=-1", "data.val_files=[]",
           "trainer.save_freq=3", "tracking.backends=[console]", f"trainer.run_dir={tmp_path / 'run'}",
           "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.weight_sync=adapter", "actor.optim.lr=5e-2",

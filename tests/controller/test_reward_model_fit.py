@@ -1,4 +1,4 @@
-"""`rlm train` with a reward model (`reward.model`) on two Ray ranks: a tiny reward model whose
+"""`rlm train` with a reward model (`reward.model`) on two rank processes: a tiny reward model whose
 preference is known by construction (the response digit nearest 7 scores highest) at TP=2 with sequence
 parallelism and its weights offloaded between uses, scoring alone; the reward rises as the policy learns it.
 On the pure-Python rig (tests/controller/fit_rig.py): the model's and the rule's scores reach the tracker apart."""
@@ -50,7 +50,7 @@ def save_preference_model(directory: Path, preferred: str = "7") -> tuple[Path, 
 
 def test_the_reward_model_scores_alone_and_the_policy_learns_its_preference(tmp_path):
     path, scores = save_preference_model(tmp_path / "reward_model")
-    result = train(tmp_path, "reward_model", "ray", "trainer.total_steps=10", "trainer.test_freq=-1",
+    result = train(tmp_path, "reward_model", "launched", "trainer.total_steps=10", "trainer.test_freq=-1",
                    "data.train_batch_size=8", "rollout.n=8",
                    "data.val_files=[]", "trainer.save_freq=10", "tracking.backends=[console]",
                    f"trainer.run_dir={tmp_path / 'run'}", "reward.function=null", "actor.optim.lr=1e-2",

@@ -1,8 +1,11 @@
 """`rlm train` killed with SIGKILL mid-run: within seconds nothing it started is left, neither Ray's head processes
-and agents nor the rank actors nor their (loopback) SGLang servers (rlmegatron/reaper.py)."""
+and agents nor the rank actors (rlmegatron/reaper.py), nor the rank processes of placement.launcher=processes (each
+watches the driver), nor their (loopback) SGLang servers (rlmegatron/lifeline.py)."""
 import os
 import subprocess
 import time
+
+import pytest
 
 from tests.controller.test_train import QUICKSTART, REPO_ROOT, RLM, SMALL, processes_of_run, with_fake_sglang
 from tests.helpers.processes import alive, command, descendants
@@ -11,11 +14,13 @@ GONE_WITHIN_S = 10
 FULL_BAR = "[" + "#" * 30 + "]"
 
 
-def test_nothing_the_driver_started_outlives_its_sigkill(tmp_path):
+@pytest.mark.parametrize("launcher", ["ray", "processes"])
+def test_nothing_the_driver_started_outlives_its_sigkill(tmp_path, launcher):
     sglang, env = with_fake_sglang(tmp_path, "sigkilled")
     with open(tmp_path / "stderr", "w") as stderr:
         driver = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=20", *sglang,
-                                   f"trainer.run_dir={tmp_path / 'run'}"], cwd=REPO_ROOT, env=env, stderr=stderr)
+                                   f"placement.launcher={launcher}", f"trainer.run_dir={tmp_path / 'run'}"],
+                                  cwd=REPO_ROOT, env=env, stderr=stderr)
     tree: list[int] = []
     try:
         deadline = time.monotonic() + 240
@@ -26,12 +31,16 @@ def test_nothing_the_driver_started_outlives_its_sigkill(tmp_path):
         commands = [command(pid) for pid in tree]
         # By the program's name: a Ray worker still being set up names the raylet in its arguments.
         programs = [line.split(" ", 1)[0].rsplit("/", 1)[-1] for line in commands]
-        for part in ("gcs_server", "raylet"):
-            assert programs.count(part) == 1, (part, commands)
-        for part in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "rlmegatron.reaper"):
-            assert sum(part in line for line in commands) == 1, (part, commands)
-        for part in ("ray::RankHost", "rlmegatron.lifeline"):  # one per rank
-            assert sum(part in line for line in commands) == 2, (part, commands)
+        if launcher == "ray":
+            for part in ("gcs_server", "raylet"):
+                assert programs.count(part) == 1, (part, commands)
+            for part in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "rlmegatron.reaper"):
+                assert sum(part in line for line in commands) == 1, (part, commands)
+            assert sum("ray::RankHost" in line for line in commands) == 2, commands
+        else:  # the fork server and the two ranks forked from it (which keep its command line); no Ray at all
+            assert sum("multiprocessing.forkserver" in line for line in commands) >= 3, commands
+            assert not any("ray" in program for program in programs), commands
+        assert sum("rlmegatron.lifeline" in line for line in commands) == 2, commands  # one per rank
         servers = [line for line in commands if "sglang.launch_server" in line and "rlmegatron.lifeline" not in line]
         assert len(servers) == 2, commands  # each under its lifeline
 

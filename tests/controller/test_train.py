@@ -29,9 +29,10 @@ FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
 RLM = str(Path(sys.executable).parent / "rlm")
 
 
-def train(tmp: Path, name: str, use_ray: str, *overrides: str, env: dict | None = None) -> dict:
+def train(tmp: Path, name: str, where: str, *overrides: str, env: dict | None = None) -> dict:
+    """`where`: launched (as placement.launcher says) or local (the one rank in the job's process)."""
     out = tmp / f"{name}.json"
-    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), use_ray, *SMALL, *overrides],
+    run = subprocess.run([sys.executable, "-m", "tests.controller.jobs", str(out), where, *SMALL, *overrides],
                          cwd=REPO_ROOT, timeout=300, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return {**json.loads(out.read_text()), "stdout": run.stdout, "stderr": run.stderr}
@@ -74,7 +75,7 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
     monkeypatch.chdir(REPO_ROOT)
     started = []
     monkeypatch.setattr(job, "start_ray", lambda spec: started.append(spec))
-    monkeypatch.setattr(job, "run_training", lambda spec, use_ray=True: started.append(spec))
+    monkeypatch.setattr(job, "run_training", lambda spec, in_process=False: started.append(spec))
     assert main(["train", QUICKSTART, "rollout.n=0"]) == EXIT_BAD_SPEC
     assert "rollout.n=0" in capsys.readouterr().err
     assert started == []
@@ -86,6 +87,7 @@ def test_a_warmup_longer_than_the_epochs_is_rejected_before_any_worker_starts(mo
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("Ray started"))
+    monkeypatch.setattr(job, "RankProcesses", lambda *args: pytest.fail("rank processes started"))
     assert main(["train", QUICKSTART, "trainer.total_steps=null", "actor.optim.lr_warmup_steps=100000"]) == EXIT_BAD_SPEC
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(r"actor\.optim\.lr_warmup_steps=100000: must be below the run's (\d+) steps "
@@ -110,7 +112,7 @@ def ray_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
-        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang, "placement.launcher=ray",
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
@@ -122,7 +124,7 @@ def ray_run(tmp_path_factory):
     sglang, env = with_fake_sglang(tmp, "resumed")
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
-    resumed = train(tmp, "resumed", "ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
+    resumed = train(tmp, "resumed", "launched", "placement.launcher=ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
                     "trainer.resume=auto", *sglang, *router, env=env)
     return tmp, first, resumed, killed.returncode
 
@@ -260,6 +262,22 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
     assert resume_weights == release + 1 and replacement[resume_weights]["tags"] == ["weights"]
     assert set(paths[resume_weights + 1 : resume_cache]) == {"/update_weights_from_tensor", "/flush_cache"}
     assert replacement[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
+
+
+def test_the_processes_launcher_trains_on_two_rank_processes_without_ray(tmp_path):
+    result = train(tmp_path, "processes", "launched", "placement.launcher=processes", "trainer.total_steps=2",
+                   f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1",
+                   "tracking.backends=[console]")
+    history = result["history"]
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "timing_s/update_actor"):
+        assert [s for s, _ in history[name]] == [1, 2], name
+        assert all(math.isfinite(v) for _, v in history[name]), name
+    assert history["actor/entropy"][0][1] > 0  # two ranks really trained a policy that samples
+    assert not result["ray_imported"]
+    # The progress bars, fed from the rank processes over their pipes: 16 samples and 1 optimizer step per step.
+    full = "[" + "#" * 30 + "]"
+    assert result["stderr"].count(f"rollout        {full} 16/16") == 2
+    assert result["stderr"].count(f"update_actor   {full} 1/1") == 2
 
 
 def test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code(tmp_path):

@@ -20,6 +20,6 @@ if __name__ == "__main__":
         return shard(batch, pack, micro_batch_size, max_token_len)
 
     megatron_step.shard_micro_batches = recording_shard
-    report = run_training(spec, use_ray=False)
+    report = run_training(spec, in_process=True)
     with open(out, "w") as handle:
         json.dump({"history": report.history, "notes": notes, "cuts": cuts, "run_dir": spec.trainer.run_dir}, handle)
