@@ -16,6 +16,7 @@ each ends its own process group when the driver's process is gone, however it we
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import io
 import os
 import pickle
@@ -27,6 +28,8 @@ import traceback
 import types
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, TypeVar
+
+import torch
 
 from rlmegatron.controller.worker_group import PEER_GRACE_S, RankHost, rank_env
 from rlmegatron.errors import user_error_in
@@ -191,11 +194,32 @@ def _cause(first: Optional[BaseException], new: BaseException) -> BaseException:
     return new if first is None or weight(new) > weight(first) else first
 
 
-def _dumps(message: tuple, callbacks: dict[int, Callable]) -> bytes:
-    """`message` pickled; a progress bar's `advance` among it stays here (callbacks) and travels as a stand-in.
-    Plain pickle, not the multiprocessing one: that moves every tensor to shared memory and passes a descriptor."""
-    buffer = io.BytesIO()
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+
+
+def _tensor_as_array(tensor: torch.Tensor):
+    """A CPU tensor travels as its numpy array: torch's own pickling writes each storage through torch.save, 0.56 ms
+    to pickle a step's batch and 0.32 ms to load it, against 0.03 and 0.02 ms this way (and a view sends its own
+    elements, not the storage it views). Anything numpy cannot hold takes torch's way."""
+    if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.dtype not in _NUMPY_DTYPES or tensor.is_sparse
+            or tensor.is_neg()):
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return torch.from_numpy, (tensor.numpy(),)
+
+
+def _pickler(buffer: io.BytesIO) -> pickle.Pickler:
+    """Plain pickle, not the multiprocessing one (that moves every tensor to shared memory and passes a descriptor),
+    with CPU tensors as numpy arrays."""
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array}
+    return pickler
+
+
+def _dumps(message: tuple, callbacks: dict[int, Callable]) -> bytes:
+    """`message` pickled; a progress bar's `advance` among it stays here (callbacks) and travels as a stand-in."""
+    buffer = io.BytesIO()
+    pickler = _pickler(buffer)
 
     def persistent_id(obj: Any) -> Optional[tuple]:
         if isinstance(obj, types.MethodType) and obj.__func__ is ProgressBar.advance:
@@ -239,9 +263,10 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
     send_lock = threading.Lock()  # progress reports come from the rank's engine threads too
 
     def send(reply: tuple) -> None:
-        data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _pickler(buffer).dump(reply)
         with send_lock:
-            pipe.send_bytes(data)
+            pipe.send_bytes(buffer.getvalue())
 
     host: Optional[RankHost] = None
     while True:
