@@ -195,13 +195,20 @@ def _raise_if_not_finite(values: dict[str, float], when: str) -> None:
 
 
 def weights_finite(chunks: list) -> bool:
-    """Whether every rank's parameters are all finite; collective over all ranks, so each takes the same way.
+    """Whether every rank's parameters are all finite; every rank takes the same way.
 
     One sum per parameter tensor: a NaN or inf anywhere makes it NaN or inf, and it reads each weight once without
-    a temporary the size of the tensor (finite weights so large that their sum overflows count as diverged too)."""
+    a temporary the size of the tensor (finite weights so large that their sum overflows count as diverged too).
+    Collective over the ranks whose weights differ: the model-parallel group (TP x PP). Data-parallel replicas hold
+    the same weights after the step (the optimizer's all-gather), so a replica's answer is its peers'; a collective
+    over them was a sync point per step (1 ms at DP=2 on TRL's echo task). Sharded experts differ across the data-
+    parallel ranks too: with MoE every rank is asked."""
+    from megatron.core import parallel_state as ps
+
     sums = [param.detach().sum(dtype=torch.float32) for chunk in chunks for param in chunk.parameters()]
     bad = (~torch.isfinite(torch.stack(sums))).any().to(torch.int32).reshape(1)
-    all_reduce_shared(bad, None, torch.distributed.ReduceOp.MAX)
+    moe = getattr(megatron_step.unwrap(chunks[0]).config, "num_moe_experts", None)
+    all_reduce_shared(bad, None if moe else ps.get_model_parallel_group(), torch.distributed.ReduceOp.MAX)
     return not bool(bad.item())
 
 
