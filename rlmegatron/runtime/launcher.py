@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_lib
+import random
 import signal
 import socket
 import time
@@ -33,9 +34,37 @@ class RankUserError(RankFailure, UserError):
     is the mistake's, said once however many ranks made it; every rank's traceback is its cause (RLM_DEBUG=1)."""
 
 
+# Ray's worker processes listen on 10002-19999 by default; ports are picked above them.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now; "" probes every interface (a rendezvous other nodes connect to)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free on `host` now; "" probes every interface (a rendezvous other nodes connect to).
+
+    Picked at random below the kernel's ephemeral range, not by binding port 0: a server binds its port a second
+    or more after it is picked, and a port from the ephemeral range can meanwhile become the local end of any
+    outgoing connection on the machine (gloo's, Ray's, an HTTP client's); the parallel test suite saw a colocated
+    SGLang server fail on EADDRINUSE that way. Two pickers may still draw the same port, one time in ~12,000."""
+    low, _ = _ephemeral_ports()
+    draw = random.SystemRandom()  # not the random module's state: a seeded run would pick the same ports everywhere
+    for _ in range(64) if low - 1 > _LOWEST_PORT else ():
+        port = draw.randint(_LOWEST_PORT, low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no such range here, or all of it taken
         sock.bind((host, 0))
         return sock.getsockname()[1]
 

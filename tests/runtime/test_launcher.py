@@ -86,3 +86,23 @@ def test_importing_rlmegatron_leaves_torch_cuda_untouched():
         "from torch.overrides import _get_current_function_mode_stack as s; assert not s(), s()"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_free_ports_are_picked_below_the_range_outgoing_connections_take_theirs_from(monkeypatch):
+    import socket
+
+    from rlmegatron.runtime import launcher
+
+    low, _ = launcher._ephemeral_ports()
+    ports = [launcher.free_port() for _ in range(50)]
+    assert all(launcher._LOWEST_PORT <= port < low for port in ports), ports
+    assert len(set(ports)) > 40  # drawn, not the same few
+    for port in ports[:5]:  # each one is free
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    # Where no such range exists below it (a kernel set to start outgoing ports at 20000), the kernel picks.
+    monkeypatch.setattr(launcher, "_ephemeral_ports", lambda: (20000, 60999))
+    fallback = launcher.free_port()
+    assert fallback >= low
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", fallback))
