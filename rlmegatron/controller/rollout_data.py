@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from rlmegatron.data import Sample
-from rlmegatron.rewards import RewardInput, RewardResult, step_reward_metrics
+from rlmegatron.rewards import RewardInput, RewardResult
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.workers import RolloutBatch
 
@@ -26,7 +26,6 @@ class Rollout:
     """[B] what the reward function returned."""
     rewards: torch.Tensor
     """[B] scores plus any shaping (DAPO overlong penalty): what the estimator sees."""
-    reward_metrics: dict[str, float]
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -40,7 +39,6 @@ class Rollout:
             batch=self.batch.select(index),
             scores=self.scores[index],
             rewards=self.rewards[index],
-            reward_metrics=self.reward_metrics,
         )
 
     @staticmethod
@@ -52,7 +50,6 @@ class Rollout:
             batch=concat_batches([part.batch for part in parts]),
             scores=torch.cat([part.scores for part in parts]),
             rewards=torch.cat([part.rewards for part in parts]),
-            reward_metrics=step_reward_metrics([(len(part), part.reward_metrics) for part in parts]),
         )
 
 
@@ -195,7 +192,7 @@ def scored(prompts: list[Sample], uids: list[int], results: list[GenerationResul
     """The reward is the reward manager's plus, for a multi-turn response, its tools' reward deltas."""
     tool_rewards = torch.tensor([r.agent.tool_reward if r.agent else 0.0 for r in results], dtype=torch.float32)
     return Rollout(prompts, uids, results, batch, torch.tensor(reward.scores, dtype=torch.float32),
-                   torch.tensor(reward.rewards, dtype=torch.float32) + tool_rewards, reward.metrics)
+                   torch.tensor(reward.rewards, dtype=torch.float32) + tool_rewards)
 
 
 def token_level(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,7 @@ class Trainer:
         sampling = self.spec.algorithm.dynamic_sampling
         wanted = self.spec.data.train_batch_size * self.spec.rollout.n
         kept: list[Rollout] = []
-        scored: list[tuple[int, dict[str, float]]] = []  # each round's responses and reward manager's metrics
+        round_metrics: list[tuple[int, dict[str, float]]] = []  # each round's responses and reward manager's metrics
         rounds = 0
         while True:
             rounds += 1
@@ -214,8 +214,8 @@ class Trainer:
             with timer("gen"):
                 results = self.generate(prompts, self.spec.rollout, seed=self.sampling_seed(step, rounds))
             with timer("reward"):
-                part = self.score(prompts, results, first_uid=(step * 1000 + rounds) * len(prompts))
-            scored.append((len(part), part.reward_metrics))
+                part, reward_metrics = self.score(prompts, results, first_uid=(step * 1000 + rounds) * len(prompts))
+            round_metrics.append((len(part), reward_metrics))
             if not sampling.enable:
                 break
             kept.append(part.select(_rows_of_varied_groups(part)))
@@ -225,7 +225,7 @@ class Trainer:
                 if total > 0:  # else nothing varied: train on the last round, whose advantages are all zero
                     part = Rollout.concat(kept).select(list(range(min(total, wanted))))
                 break
-        metrics.update(step_reward_metrics(scored))
+        metrics.update(step_reward_metrics(round_metrics))
         return part
 
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
@@ -251,12 +251,13 @@ class Trainer:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
         return results
 
-    def score(self, prompts, results, first_uid: int) -> Rollout:
+    def score(self, prompts, results, first_uid: int) -> tuple[Rollout, dict[str, float]]:
+        """The scored rollout, and the reward manager's metrics of its responses."""
         rows = [prompts[r.request_index] for r in results]
         uids = [first_uid + r.request_index for r in results]
         batch = build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
         reward = self.rewards(rows, results)
-        return scored(rows, uids, results, batch, reward)
+        return scored(rows, uids, results, batch, reward), reward.metrics
 
     def rewards(self, rows, results) -> RewardResult:
         """The reward manager's scores; a NaN or infinite one stops the run here, before it reaches any loss."""

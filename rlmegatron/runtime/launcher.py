@@ -38,13 +38,14 @@ class RankUserError(RankFailure, UserError):
 _LOWEST_PORT = 20000
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for the local ports of outgoing connections (Linux's default where it cannot be read)."""
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's range for outgoing connections' local ports (Linux's default where it cannot
+    be read)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,7 +55,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     or more after it is picked, and a port from the ephemeral range can meanwhile become the local end of any
     outgoing connection on the machine (gloo's, Ray's, an HTTP client's); the parallel test suite saw a colocated
     SGLang server fail on EADDRINUSE that way. Two pickers may still draw the same port, one time in ~12,000."""
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_low()
     draw = random.SystemRandom()  # not the random module's state: a seeded run would pick the same ports everywhere
     for _ in range(64) if low - 1 > _LOWEST_PORT else ():
         port = draw.randint(_LOWEST_PORT, low - 1)

@@ -33,8 +33,7 @@ def rollout() -> Rollout:
                                         output_token_ids=(3 + row, 2), output_token_logprobs=(-0.1, -0.2),
                                         finish_reason="stop"))
     scores = 0.5 * torch.arange(6, dtype=torch.float32)
-    return Rollout([prompts[p] for p in rows], uids, results, batch=None, scores=scores, rewards=scores - 1,
-                   reward_metrics={})
+    return Rollout([prompts[p] for p in rows], uids, results, batch=None, scores=scores, rewards=scores - 1)
 
 
 def test_the_first_groups_in_rollout_order_with_every_response_decoded():

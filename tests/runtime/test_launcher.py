@@ -93,7 +93,7 @@ def test_free_ports_are_picked_below_the_range_outgoing_connections_take_theirs_
 
     from rlmegatron.runtime import launcher
 
-    low, _ = launcher._ephemeral_ports()
+    low = launcher._ephemeral_low()
     ports = [launcher.free_port() for _ in range(50)]
     assert all(launcher._LOWEST_PORT <= port < low for port in ports), ports
     assert len(set(ports)) > 40  # drawn, not the same few
@@ -101,7 +101,7 @@ def test_free_ports_are_picked_below_the_range_outgoing_connections_take_theirs_
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
     # Where no such range exists below it (a kernel set to start outgoing ports at 20000), the kernel picks.
-    monkeypatch.setattr(launcher, "_ephemeral_ports", lambda: (20000, 60999))
+    monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 20000)
     fallback = launcher.free_port()
     assert fallback >= low
     with socket.socket() as sock:
