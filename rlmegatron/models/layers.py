@@ -1,7 +1,7 @@
 """Modules the local (non-Transformer-Engine) layer spec uses in place of Megatron-Core's, on CPU and GPU alike.
 
-`SDPACoreAttention` (separate k/v head dims, as MLA needs, packed sequences attended one by one, and context
-parallelism),
+`SDPACoreAttention` (separate k/v head dims, as MLA needs, packed sequences attended one by one, shared-prompt
+micro-batches, and context parallelism),
 `SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism) and
 `DuplicatedLinear` (MLA's replicated down projections, as TE's 'duplicated' mode);
 `enable_local_mla` lets Megatron's MLA take DuplicatedLinear for those projections.
@@ -21,6 +21,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from rlmegatron.models.context_parallel import chunk_positions, gathered_positions
+from rlmegatron.runtime.cpu_compat import plain_torch
 
 _LOCAL_MLA = False
 
@@ -86,7 +87,7 @@ class SDPACoreAttention(torch.nn.Module):
         if cp > 1:  # backward reduce-scatters the K and V gradients back to the ranks that hold those tokens
             key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
         if packed_seq_params is not None:
-            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q, cp, rank)
+            return self._packed(query, key, value, packed_seq_params, cp, rank)
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         k, v = _repeat_kv(k, v, q.size(1))
@@ -102,9 +103,15 @@ class SDPACoreAttention(torch.nn.Module):
         s, b = out.size(2), out.size(0)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _packed(self, query, key, value, cu_seqlens, cp: int, rank: int):
-        """THD [tokens, heads, dim] attention, each sequence on its own (see `_packed_plan`)."""
-        plan = _packed_plan(tuple(cu_seqlens.tolist()), query.size(0), cp, rank, query.device)
+    def _packed(self, query, key, value, params, cp: int, rank: int):
+        """THD [tokens, heads, dim] attention, each sequence on its own (see `_packed_plan`), or each prompt and
+        response of a shared-prompt micro-batch (`_shared_prompt_plan`)."""
+        groups = getattr(params, "prompt_groups", None)
+        with plain_torch():  # index arithmetic naming no device: the CPU layer's rewrite tripled its cost
+            if groups is not None:
+                plan = _shared_prompt_plan(groups, query.size(0), query.device)
+            else:
+                plan = _packed_plan(tuple(params.cu_seqlens_q.tolist()), query.size(0), cp, rank, query.device)
         outputs = []
         for bucket in plan.buckets:
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
@@ -136,9 +143,9 @@ def _repeat_kv(k, v, heads: int):
 
 @dataclass(frozen=True)
 class _Bucket:
-    q_index: torch.Tensor  # [n, Lq] local query rows of n sequences, right-padded
+    q_index: torch.Tensor  # [n, Lq] local query rows of n spans, right-padded
     q_valid: torch.Tensor  # indices of the real ones among the n * Lq
-    k_index: torch.Tensor  # [n, Lk] rows of the (gathered) keys in sequence order, right-padded
+    k_index: torch.Tensor  # [n, Lk] rows of the (gathered) keys in position order, right-padded
     mask: Optional[torch.Tensor]  # [n, 1, Lq, Lk], or None: plain causal
 
 
@@ -148,9 +155,77 @@ class _PackedPlan:
     order: torch.Tensor  # the buckets' concatenated valid rows -> local token order
 
 
-# Sequences shorter than this fraction of a bucket's longest start a new bucket: padding costs at most
-# 1/0.8² = 1.6x a sequence's attention work, and a pack of similar lengths is one SDPA call.
+@dataclass(frozen=True)
+class _Spans:
+    """Runs of queries that each attend causally to one run of keys (a packed sequence, or a response after its shared
+    prompt), flattened: span i's queries are q_rows[q_start[i] : q_start[i] + q_length[i]], their positions among its
+    keys q_positions[...] alike, its keys k_rows[k_start[i] : k_start[i] + k_length[i]] in position order."""
+
+    q_rows: torch.Tensor
+    q_positions: torch.Tensor
+    q_length: list[int]
+    k_rows: torch.Tensor
+    k_length: list[int]
+    plain: list[bool]  # the queries are the keys, at positions 0, 1, ...: a causal mask does
+
+    @staticmethod
+    def of_ranges(starts: torch.Tensor, lengths: torch.Tensor, prefix_starts: torch.Tensor,
+                  prefix_lengths: torch.Tensor) -> "_Spans":
+        """Spans whose queries are the rows starts[i] + (0..lengths[i]-1) and whose keys are the prefix rows
+        prefix_starts[i] + (0..prefix_lengths[i]-1) followed by the queries (built without a loop over spans)."""
+        key_lengths = prefix_lengths + lengths
+        q_span, q_offset = _ragged(lengths)
+        k_span, k_offset = _ragged(key_lengths)
+        prefix = prefix_lengths[k_span]
+        k_rows = torch.where(k_offset < prefix, prefix_starts[k_span] + k_offset, starts[k_span] + k_offset - prefix)
+        return _Spans(starts[q_span] + q_offset, prefix_lengths[q_span] + q_offset, lengths.tolist(), k_rows,
+                      key_lengths.tolist(), (prefix_lengths == 0).tolist())
+
+
+def _ragged(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the concatenation of runs of `lengths`: each element's run, and its offset in that run."""
+    run = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return run, torch.arange(len(run)) - (lengths.cumsum(0) - lengths)[run]
+
+
+# A bucket of spans runs as one right-padded SDPA call; a span joins the current bucket while the bucket's padded work
+# (queries x keys) stays within 1/0.8² = 1.6x its real work. Spans are taken longest keys first.
 _BUCKET_FILL = 0.8
+
+
+def _bucketed(spans: _Spans, local_tokens: int, device) -> _PackedPlan:
+    q_length, k_length = spans.q_length, spans.k_length
+    q_lengths, k_lengths = torch.tensor(q_length), torch.tensor(k_length)
+    q_start, k_start = q_lengths.cumsum(0) - q_lengths, k_lengths.cumsum(0) - k_lengths
+    ranked = sorted((i for i in range(len(q_length)) if q_length[i]), key=lambda i: (-k_length[i], -q_length[i]))
+    buckets, valid_rows, start = [], [], 0
+    while start < len(ranked):
+        keys, queries, work, end = k_length[ranked[start]], 0, 0, start
+        while end < len(ranked):
+            span = ranked[end]
+            grown_queries, grown_work = max(queries, q_length[span]), work + q_length[span] * k_length[span]
+            if end > start and (end - start + 1) * grown_queries * keys * _BUCKET_FILL**2 > grown_work:
+                break
+            queries, work, end = grown_queries, grown_work, end + 1
+        members, start = torch.tensor(ranked[start:end]), end
+        q_valid = torch.arange(queries) < q_lengths[members, None]
+        q_at = (q_start[members, None] + torch.arange(queries)).clamp(max=max(len(spans.q_rows) - 1, 0))
+        k_valid = torch.arange(keys) < k_lengths[members, None]
+        k_at = (k_start[members, None] + torch.arange(keys)).clamp(max=max(len(spans.k_rows) - 1, 0))
+        q_index = torch.where(q_valid, spans.q_rows[q_at], 0)
+        k_index = torch.where(k_valid, spans.k_rows[k_at], 0)
+        # Padding queries look at key 0 only, so no row of the softmax is empty (NaN); their outputs are dropped.
+        q_positions = torch.where(q_valid, spans.q_positions[q_at], 0)
+        # Right-padded spans whose queries are their keys need only the causal mask: no real query reaches a padding
+        # key. Otherwise (CP chunks, responses after a prompt) each query sees the keys up to its position.
+        plain = all(spans.plain[i] for i in members.tolist())
+        mask = None if plain else (q_positions[:, None, :, None] >= torch.arange(keys)).to(device)
+        valid = q_valid.flatten().nonzero().squeeze(1)
+        valid_rows.append(q_index.flatten()[valid])
+        buckets.append(_Bucket(q_index.to(device), valid.to(device), k_index.to(device), mask))
+    order = torch.empty(local_tokens, dtype=torch.long)
+    order[torch.cat(valid_rows)] = torch.arange(local_tokens)
+    return _PackedPlan(tuple(buckets), order.to(device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -163,44 +238,37 @@ def _packed_plan(boundaries: tuple[int, ...], local_tokens: int, cp: int, rank: 
     """
     if boundaries[-1] < local_tokens * cp:
         boundaries = boundaries + (local_tokens * cp,)
-    sequences = []  # (length, query rows, query positions, key rows in sequence order)
-    for start, end in zip(boundaries[:-1], boundaries[1:]):
-        length, first = end - start, start // cp
-        if length == 0:
-            continue
-        rows = torch.arange(first, first + length // cp)
-        if cp == 1:
-            sequences.append((length, rows, None, rows))
-            continue
+    edges = torch.tensor(boundaries)
+    lengths = edges[1:] - edges[:-1]
+    if cp == 1:
+        return _bucketed(_Spans.of_ranges(edges[:-1], lengths, edges[:-1], torch.zeros_like(lengths)), local_tokens,
+                         device)
+    rows, positions, keys = [], [], []
+    for start, length in zip(boundaries[:-1], lengths.tolist()):
+        first = start // cp
+        rows.append(torch.arange(first, first + length // cp))
         key_rows = torch.empty(length, dtype=torch.long)
-        key_rows[gathered_positions(length, cp)] = torch.cat([rows + r * local_tokens for r in range(cp)])
-        sequences.append((length, rows, chunk_positions(length, cp, rank), key_rows))
-    sequences.sort(key=lambda s: -s[0])
-    buckets, valid_rows = [], []
-    while sequences:
-        longest = sequences[0][0]
-        count = next((i for i, s in enumerate(sequences) if s[0] < _BUCKET_FILL * longest), len(sequences))
-        group, sequences = sequences[:count], sequences[count:]
-        q_len = longest // cp
-        q_index = torch.zeros(count, q_len, dtype=torch.long)
-        k_index = torch.zeros(count, longest, dtype=torch.long)
-        # Padding queries look at key 0 only, so no row of the softmax is empty (NaN); their outputs are dropped.
-        q_pos = torch.zeros(count, q_len, dtype=torch.long)
-        q_valid = torch.zeros(count, q_len, dtype=torch.bool)
-        for n, (length, rows, positions, key_rows) in enumerate(group):
-            q_index[n, : len(rows)] = rows
-            q_valid[n, : len(rows)] = True
-            k_index[n, :length] = key_rows
-            if positions is not None:
-                q_pos[n, : len(rows)] = positions
-            valid_rows.append(rows)
-        # At CP=1 a right-padded sequence needs only the causal mask: no real query reaches a padding key.
-        mask = None if cp == 1 else (q_pos[:, None, :, None] >= torch.arange(longest)).to(device)
-        valid = q_valid.flatten().nonzero().squeeze(1)
-        buckets.append(_Bucket(q_index.to(device), valid.to(device), k_index.to(device), mask))
-    order = torch.empty(local_tokens, dtype=torch.long)
-    order[torch.cat(valid_rows)] = torch.arange(local_tokens)
-    return _PackedPlan(tuple(buckets), order.to(device))
+        key_rows[gathered_positions(length, cp)] = torch.cat([rows[-1] + r * local_tokens for r in range(cp)])
+        keys.append(key_rows)
+        positions.append(chunk_positions(length, cp, rank))
+    spans = _Spans(torch.cat(rows), torch.cat(positions), [len(r) for r in rows], torch.cat(keys),
+                   lengths.tolist(), [False] * len(rows))
+    return _bucketed(spans, local_tokens, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_prompt_plan(groups: tuple, local_tokens: int, device) -> _PackedPlan:
+    """Index tensors that run a shared-prompt micro-batch (models/shared_prompts.py): each prompt attends to itself,
+    each response to its prompt and its own earlier tokens; tokens outside every group (rounding padding) form a
+    sequence of their own."""
+    prompts = [(start, length) for start, length, _ in groups]
+    responses = [(start, length, prompt_start, prompt_length)
+                 for prompt_start, prompt_length, members in groups for start, length in members]
+    covered = max([start + length for start, length in prompts]
+                  + [start + length for start, length, _, _ in responses], default=0)
+    runs = [(start, length, 0, 0) for start, length in prompts] + responses + [(covered, local_tokens - covered, 0, 0)]
+    starts, lengths, prefix_starts, prefix_lengths = torch.tensor(runs, dtype=torch.long).unbind(1)
+    return _bucketed(_Spans.of_ranges(starts, lengths, prefix_starts, prefix_lengths), local_tokens, device)
 
 
 class SequenceParallelTorchNorm:

@@ -33,12 +33,17 @@ class ActorSettings(TrainingSettings):
 
 def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
     """log p(response token) [n, R] and entropy [n, R] (or None) from one micro-batch's vocab-parallel logits."""
-    labels = micro_batch.labels.to(logits.device)
+    if micro_batch.context_order is None:
+        # Only the logits that predict a response token, each with that token as its label: no softmax over the
+        # prompts' positions, and a shared prompt's last position (micro_batch's docstring) once per response.
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, micro_batch.source_index)
+        labels, to_grid = micro_batch.target_labels, micro_batch.targets_to_grid
+    else:  # each CP rank holds some positions' logits: per position here, gathered as values by to_response_grid
+        labels, to_grid = micro_batch.labels, micro_batch.to_response_grid
     log_probs, entropy = vocab_parallel_log_probs_and_entropy(
         logits, labels, settings.temperature, with_entropy, settings.vocab_size
     )
-    grid_log_probs = micro_batch.to_response_grid(log_probs)
-    return grid_log_probs, (micro_batch.to_response_grid(entropy) if with_entropy else None)
+    return to_grid(log_probs), (to_grid(entropy) if with_entropy else None)
 
 
 def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch, with_entropy: bool):
@@ -50,7 +55,7 @@ def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch,
         return (log_probs * mask,) + ((entropy * mask,) if with_entropy else ())
 
     results = megatron_step.run_forward_only(
-        chunks, batch, micro_batches(settings, batch), per_token, outputs=2 if with_entropy else 1
+        chunks, batch, micro_batches(settings, batch, chunks), per_token, outputs=2 if with_entropy else 1
     )
     return (results[0], results[1]) if with_entropy else (results[0], None)
 

@@ -120,19 +120,23 @@ class MicroBatch:
     """Model inputs for some rows of a RolloutBatch, unpadded, and the way back to the [rows, R] response grid.
 
     The model emits one value per input position p (log-prob of the next token, or a value
-    estimate); ``source_index`` lists the flat input positions whose next token lies in the same
-    sequence and ``target_index`` the flat [len(rows), L] cell of that next token. At CP>1 the inputs
-    are this rank's load-balanced chunks of each sequence (rlmegatron/models/context_parallel.py), and
-    ``context_order`` places the CP ranks' gathered outputs back in sequence order.
+    estimate). Each response token is a target: ``target_index`` is its flat [len(rows), L] cell,
+    ``target_labels`` the token, and ``source_index`` the flat input position that predicts it (the
+    position before it in its sequence; in a shared-prompt micro-batch the prompt's last position
+    predicts the first token of each of its responses, so it appears once per response). At CP>1 the
+    inputs are this rank's load-balanced chunks of each sequence (rlmegatron/models/context_parallel.py),
+    ``context_order`` places the CP ranks' gathered outputs back in sequence order, and ``labels`` holds
+    each input position's next token (None in a shared-prompt micro-batch, where it is not one token).
     """
 
     rows: list[int]
     input_ids: torch.Tensor  # [1, T] packed or [n, T] right-padded; T/CP tokens of each at CP>1
     position_ids: torch.Tensor
-    labels: torch.Tensor
+    labels: Optional[torch.Tensor]
     packed_seq_params: object  # megatron PackedSeqParams (THD) or None
     source_index: torch.Tensor
     target_index: torch.Tensor
+    target_labels: torch.Tensor
     batch_columns: int
     response_length: int
     response_fields: RolloutBatch  # the rows' own per-token fields ([n, R]) for the loss
@@ -141,7 +145,8 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         """Every tensor on `device`, moved once per micro-batch so the loss's index and field reads stay there."""
-        tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "context_order")
+        tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "target_labels",
+                   "context_order")
         moved = {name: getattr(self, name).to(device) for name in tensors if getattr(self, name) is not None}
         return dataclasses.replace(self, response_fields=self.response_fields.to(device), **moved)
 
@@ -151,8 +156,11 @@ class MicroBatch:
         At CP>1 the per-token values of every CP rank are gathered first (never the logits they came from)."""
         if self.context_order is not None:
             per_position = gather_tokens(per_position, self.context_order, self.context_group)
-        grid = per_position.new_zeros(len(self.rows) * self.batch_columns)
-        grid = grid.index_copy(0, self.target_index, per_position.reshape(-1)[self.source_index])
+        return self.targets_to_grid(per_position.reshape(-1)[self.source_index])
+
+    def targets_to_grid(self, per_target: torch.Tensor) -> torch.Tensor:
+        """One value per target (in ``target_index`` order) -> [n, R] aligned with response_mask (differentiable)."""
+        grid = per_target.new_zeros(len(self.rows) * self.batch_columns).index_copy(0, self.target_index, per_target)
         return grid.view(len(self.rows), self.batch_columns)[:, -self.response_length :]
 
 
@@ -184,8 +192,11 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     tokens = torch.where(offsets_in_row < lengths_t[:, None], batch.input_ids[index].gather(1, source_columns), 0)
     next_valid = offsets_in_row < (lengths_t - 1)[:, None]
     next_tokens = torch.where(next_valid, tokens.roll(-1, dims=1), 0)
-    pairs = next_valid.nonzero()  # (n, j) of every position whose next token is in the same sequence, row by row
+    # (n, j) of every position whose next token is a response token of the same sequence, row by row: the model's
+    # outputs over the prompt predict nothing the losses read.
+    pairs = (next_valid & (source_columns >= columns - batch.response_length - 1)).nonzero()
     targets = pairs[:, 0] * columns + source_columns[pairs[:, 0], pairs[:, 1]] + 1
+    target_labels = next_tokens[pairs[:, 0], pairs[:, 1]]
 
     if pack:
         spans = [_round_up(length, sequence_multiple) for length in lengths]
@@ -233,6 +244,7 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         packed_seq_params=packed_seq_params,
         source_index=source_index,
         target_index=targets,
+        target_labels=target_labels.to(batch.input_ids.dtype),
         batch_columns=columns,
         response_length=batch.response_length,
         response_fields=batch.select(rows),
@@ -240,18 +252,101 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     )
 
 
-def _thd_params(boundaries: list[int], max_seqlen: int):
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+    """(group [B], prompt length [B], response length [B]) of rows laid out as RolloutBatch's: rows whose prompts
+    (their real tokens before the last `response_length` columns) are the same token for token share a group, numbered
+    from 0."""
+    prompt_columns = input_ids.shape[1] - response_length
+    mask = attention_mask.bool()
+    in_prompt = mask[:, :prompt_columns]
+    _, group_of = torch.unique(torch.where(in_prompt, input_ids[:, :prompt_columns], -1), dim=0, return_inverse=True)
+    return group_of, in_prompt.sum(dim=1), mask[:, prompt_columns:].sum(dim=1)
+
+
+def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: int = 1) -> MicroBatch:
+    """`rows` of `batch` in one THD row, those with the same prompt as one group: the prompt's tokens once, then each
+    response's tokens at the positions that follow the prompt (models/shared_prompts.py says why this is exact).
+
+    A row's prompt is its real tokens before the last R columns. The total rounds up to a multiple of TP (sequence
+    parallelism), the rounding a sequence of its own. Context parallelism is not supported (it splits sequences).
+    """
+    from rlmegatron.models.shared_prompts import SharedPromptParams
+
+    columns, response_columns = batch.input_ids.shape[1], batch.response_length
+    prompt_columns = columns - response_columns
+    index = torch.as_tensor(rows, dtype=torch.long)
+    ids, mask = batch.input_ids[index], batch.attention_mask[index].bool()
+    in_prompt, in_response = mask[:, :prompt_columns], mask[:, prompt_columns:]
+    group_of, row_prompt_lengths, response_lengths = prompt_groups(ids, mask, response_columns)
+    order = torch.argsort(group_of, stable=True)  # the rows group by group, each group's in their given order
+    sorted_groups = group_of[order]
+    leads = torch.ones(len(rows), dtype=torch.bool)
+    leads[1:] = sorted_groups[1:] != sorted_groups[:-1]
+    first_rows = order[leads]  # one row per group, in group order: its prompt is the group's
+    group_prompt = in_prompt[first_rows]
+    prompt_lengths = row_prompt_lengths[first_rows]
+    group_tokens = prompt_lengths.index_add(0, group_of, response_lengths)
+    group_starts = group_tokens.cumsum(0) - group_tokens
+    # Each response starts after its group's prompt and the responses of its group that precede it.
+    before = response_lengths[order].cumsum(0) - response_lengths[order]
+    sorted_starts = (group_starts + prompt_lengths)[sorted_groups] + before - before[leads][sorted_groups]
+    response_starts = torch.empty_like(sorted_starts)
+    response_starts[order] = sorted_starts
+    used = int(group_tokens.sum())
+    total = _round_up(used, tp)
+
+    input_ids = torch.zeros(1, total, dtype=batch.input_ids.dtype)
+    position_ids = torch.zeros(1, total, dtype=torch.long)
+    prompt_rank = group_prompt.cumsum(dim=1) - 1
+    at = (group_starts[:, None] + prompt_rank)[group_prompt]
+    input_ids[0, at] = ids[first_rows, :prompt_columns][group_prompt]
+    position_ids[0, at] = prompt_rank[group_prompt]
+    response_rank = in_response.cumsum(dim=1) - 1
+    response_at = response_starts[:, None] + response_rank
+    input_ids[0, response_at[in_response]] = ids[:, prompt_columns:][in_response]
+    position_ids[0, response_at[in_response]] = (prompt_lengths[group_of][:, None] + response_rank)[in_response]
+
+    # Every response token is a target, predicted by the token before it: the previous response token, or for the
+    # first one the prompt's last token (none when the prompt is empty).
+    prompt_last = (group_starts + prompt_lengths - 1)[group_of][:, None].expand_as(response_at)
+    sources = torch.where(response_rank == 0, prompt_last, response_at - 1)
+    predicted = in_response & ((response_rank > 0) | (prompt_lengths[group_of] > 0)[:, None])
+    cells = torch.arange(len(rows))[:, None] * columns + prompt_columns + torch.arange(response_columns)
+    responses: list[list[tuple[int, int]]] = [[] for _ in first_rows]
+    for start, size, group in zip(sorted_starts.tolist(), response_lengths[order].tolist(), sorted_groups.tolist()):
+        if size:
+            responses[group].append((start, size))
+    groups = tuple((start, length, tuple(members))
+                   for start, length, members in zip(group_starts.tolist(), prompt_lengths.tolist(), responses))
+    longest = int((prompt_lengths[group_of] + response_lengths).max())
+    return MicroBatch(
+        rows=list(rows),
+        input_ids=input_ids,
+        position_ids=position_ids,
+        labels=None,
+        packed_seq_params=_thd_params([0, total], longest, SharedPromptParams, prompt_groups=groups),
+        source_index=sources[predicted],
+        target_index=cells[predicted],
+        target_labels=ids[:, prompt_columns:][predicted],
+        batch_columns=columns,
+        response_length=response_columns,
+        response_fields=batch.select(rows),
+    )
+
+
+def _thd_params(boundaries: list[int], max_seqlen: int, params_class=None, **fields):
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
     if torch.cuda.is_available():
         cu_seqlens = cu_seqlens.cuda()
-    return PackedSeqParams(
+    return (params_class or PackedSeqParams)(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
         cp_group=parallel_state.get_context_parallel_group(),
+        **fields,
     )

@@ -1,13 +1,15 @@
 """Megatron model chunks and the micro-batched forward(-backward) pass the actor, reference and critic share."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
-from rlmegatron.workers.batch import fixed_micro_batches, split_to_multiple, token_budget_micro_batches
+from rlmegatron.workers.batch import build_shared_prompt_micro_batch, fixed_micro_batches, prompt_groups
+from rlmegatron.workers.batch import split_to_multiple, token_budget_micro_batches
 
 # (pre_process, post_process, vp_stage) -> the GPTModel chunk for this rank; the HF bridge plugs in here.
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
@@ -103,39 +105,104 @@ def packing_pays(lengths: list[int], length_multiple: int = 1) -> bool:
     return padded > (1 + PACK_ABOVE_PADDING) * sum(lengths)
 
 
+# Shared-prompt micro-batches (models/shared_prompts.py) are used when laying out each prompt once would leave at most
+# this fraction of the batch's tokens: TRL's echo task (8 samples of 9-token prompts, 1-4 response tokens) keeps 0.34
+# and its update's forward and backward runs in 0.56x the time; a batch of distinct prompts keeps 1.0.
+SHARE_PROMPTS_BELOW = 0.8
+
+
 def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_size: int,
-                        max_token_len: Optional[int]) -> list[MicroBatch]:
+                        max_token_len: Optional[int], share_prompts: Optional[bool] = False) -> list[MicroBatch]:
     """This DP rank's token-balanced share of `batch`, cut into micro-batches (by token budget if given), each
     packed or right-padded as `pack` says (None: as `packing_pays`). The CP ranks of a DP rank get the same rows,
-    each sequence split over them."""
+    each sequence split over them. With `share_prompts` (only where the model supports it: shared_prompts_supported),
+    the responses to one prompt go to one rank and one micro-batch, which lays the prompt out once: always (True)
+    or when that saves enough tokens (None; SHARE_PROMPTS_BELOW)."""
     from megatron.core import parallel_state as ps
 
     lengths = batch.sequence_lengths().tolist()
-    mine = balanced_partition(lengths, dp_size())[ps.get_data_parallel_rank()]
-    if max_token_len is not None:
-        groups = token_budget_micro_batches(mine, lengths, max_token_len)
+    dp, dp_rank = dp_size(), ps.get_data_parallel_rank()
+    units = None if share_prompts is False else prompt_units(batch, micro_batch_size, max_token_len, dp,
+                                                             share_prompts is None)
+    if units is not None:
+        unit_rows, unit_tokens = units
+        mine = balanced_partition(unit_tokens, dp)[dp_rank]
+        if max_token_len is not None:
+            unit_groups = token_budget_micro_batches(mine, unit_tokens, max_token_len)
+        else:
+            unit_groups = _fill_micro_batches(mine, [len(rows) for rows in unit_rows], micro_batch_size)
+        groups = [[row for unit in group for row in unit_rows[unit]] for group in unit_groups]
+    elif max_token_len is not None:
+        groups = token_budget_micro_batches(balanced_partition(lengths, dp)[dp_rank], lengths, max_token_len)
     else:
-        groups = fixed_micro_batches(mine, micro_batch_size)
+        groups = fixed_micro_batches(balanced_partition(lengths, dp)[dp_rank], micro_batch_size)
     if ps.get_virtual_pipeline_model_parallel_world_size():
         groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    if units is not None:
+        return [build_shared_prompt_micro_batch(batch, rows, tp) for rows in groups]
     padded_multiple = tp * 2 * cp if cp > 1 else tp  # what build_micro_batch rounds a padded width up to
     return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], padded_multiple) if pack is None
                               else pack, tp, cp, ps.get_context_parallel_rank()) for rows in groups]
+
+
+def prompt_units(batch: RolloutBatch, micro_batch_size: int, max_token_len: Optional[int], ranks: int,
+                 only_if_it_pays: bool = True) -> Optional[tuple[list[list[int]], list[int]]]:
+    """The rows of `batch` cut into units that share a prompt and fit one micro-batch (`micro_batch_size` rows, or
+    `max_token_len` tokens laid out shared), and each unit's token count; None when there are fewer units than
+    `ranks` to spread them over, or (`only_if_it_pays`) sharing would not save enough (SHARE_PROMPTS_BELOW)."""
+    group_of, prompt_lengths, response_lengths = (values.tolist() for values in prompt_groups(
+        batch.input_ids, batch.attention_mask, batch.response_length))
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(group_of):
+        members.setdefault(group, []).append(row)
+    unit_rows, unit_tokens = [], []
+    for rows in members.values():
+        prompt = prompt_lengths[rows[0]]
+        unit: list[int] = []
+        tokens = prompt
+        for row in rows:
+            size = response_lengths[row]
+            full = len(unit) == micro_batch_size if max_token_len is None else tokens + size > max_token_len
+            if unit and full:
+                unit_rows.append(unit)
+                unit_tokens.append(tokens)
+                unit, tokens = [], prompt
+            unit.append(row)
+            tokens += size
+        unit_rows.append(unit)
+        unit_tokens.append(tokens)
+    if len(unit_rows) < ranks or (only_if_it_pays and
+                                  sum(unit_tokens) > SHARE_PROMPTS_BELOW * int(batch.attention_mask.sum())):
+        return None
+    return unit_rows, unit_tokens
+
+
+def _fill_micro_batches(units: list[int], sizes: list[int], micro_batch_size: int) -> list[list[int]]:
+    """`units` in order, into micro-batches of at most `micro_batch_size` rows (each unit fits one by itself)."""
+    groups: list[list[int]] = []
+    rows = micro_batch_size
+    for unit in units:
+        if rows + sizes[unit] > micro_batch_size:
+            groups.append([])
+            rows = 0
+        groups[-1].append(unit)
+        rows += sizes[unit]
+    return groups
 
 
 def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):
     """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlmegatron.models.shared_prompts import SharedPromptParams, rope_at_token_positions
+
     def forward_step(data_iterator: Iterator[MicroBatch], model):
         micro_batch = next(data_iterator).to("cuda" if torch.cuda.is_available() else "cpu")
-        output = model(
-            micro_batch.input_ids,
-            micro_batch.position_ids,
-            None,
-            packed_seq_params=micro_batch.packed_seq_params,
-        )
+        params = micro_batch.packed_seq_params
+        with (rope_at_token_positions(unwrap(model), micro_batch.position_ids, params.max_seqlen_q)
+              if isinstance(params, SharedPromptParams) else contextlib.nullcontext()):
+            output = model(micro_batch.input_ids, micro_batch.position_ids, None, packed_seq_params=params)
         return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
 
     from megatron.core import parallel_state as ps

@@ -22,6 +22,7 @@ class RewardModelSettings:
     micro_batch_size: int = 4
     max_token_len: int | None = None
     use_packing: bool = True
+    share_prompts: bool | None = None  # the same sequence in several rows laid out once, when that pays
 
 
 def sequence_batch(sequences: Sequence[Sequence[int]]) -> RolloutBatch:
@@ -69,6 +70,6 @@ class RewardModelWorker:
         def per_token(micro_batch, output):
             return (response_values(micro_batch, output),)
 
-        scores = megatron_step.run_forward_only(self.chunks, batch, micro_batches(self.settings, batch), per_token,
+        scores = megatron_step.run_forward_only(self.chunks, batch, micro_batches(self.settings, batch, self.chunks), per_token,
                                                 outputs=1)[0]
         return scores[:, 0]

@@ -11,6 +11,7 @@ import torch
 from rlmegatron.algorithms import LossAggregation, local_denominator
 from rlmegatron.errors import Divergence
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
+from rlmegatron.runtime.cpu_compat import plain_torch
 from rlmegatron.runtime.distributed import all_reduce_shared
 from rlmegatron.tracking.progress import Progress, report
 from rlmegatron.workers import megatron_step
@@ -46,15 +47,22 @@ class TrainingSettings:
     micro_batch_size: int = 2  # sequences per micro-batch when max_token_len is None
     max_token_len: Optional[int] = None  # dynamic batch size: tokens per micro-batch
     use_packing: Optional[bool] = None  # THD packing (True), right padding (False); None: megatron_step.packing_pays
+    # Shared-prompt micro-batches where the model supports them: None when they pay (megatron_step.prompt_units),
+    # True whenever they can, False never (tests compare the layouts).
+    share_prompts: Optional[bool] = None
     loss_agg_mode: str = "token-mean"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     use_distributed_optimizer: bool = True  # Adam state sharded over DP; else every rank keeps all of it
 
 
-def micro_batches(settings, batch: RolloutBatch) -> list[MicroBatch]:
-    """This rank's micro-batches of `batch` under `settings`' batching fields."""
-    return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
-                                             settings.max_token_len)
+def micro_batches(settings, batch: RolloutBatch, chunks: list) -> list[MicroBatch]:
+    """This rank's micro-batches of `batch` under `settings`' batching fields, for the model `chunks`."""
+    from rlmegatron.models.shared_prompts import shared_prompts_supported  # lazy: megatron stays out of this module
+
+    share = settings.share_prompts is not False and shared_prompts_supported(chunks)
+    with plain_torch():  # index arithmetic naming no device: the CPU layer's rewrite tripled its cost
+        return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
+                                                 settings.max_token_len, share and settings.share_prompts)
 
 
 class TrainingWorker:
@@ -128,7 +136,7 @@ class TrainingWorker:
         self.offloader.onload()
 
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
-        return micro_batches(self.settings, batch)
+        return micro_batches(self.settings, batch, self.chunks)
 
     def _aggregation(self, mini_batch: RolloutBatch) -> LossAggregation:
         # Every rank holds the whole mini-batch, so its mask gives the global denominator directly.

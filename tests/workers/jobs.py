@@ -23,14 +23,17 @@ VOCAB = 128
 PROMPT, RESPONSE = 6, 6
 
 
-def rollout_batch(n: int = 8, seed: int = 3) -> RolloutBatch:
-    """Left-padded prompts, right-padded responses of varied lengths, with PPO fields filled in."""
+def rollout_batch(n: int = 8, seed: int = 3, samples_per_prompt: int = 1) -> RolloutBatch:
+    """Left-padded prompts, right-padded responses of varied lengths, with PPO fields filled in; each prompt is
+    the prompt of `samples_per_prompt` consecutive rows (GRPO's group)."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (n, PROMPT + RESPONSE), generator=gen)
     attention_mask = torch.zeros(n, PROMPT + RESPONSE, dtype=torch.long)
     response_mask = torch.zeros(n, RESPONSE)
     for i in range(n):
-        prompt_len = 2 + i % (PROMPT - 1)
+        first = i - i % samples_per_prompt
+        input_ids[i, :PROMPT] = input_ids[first, :PROMPT]
+        prompt_len = 2 + first % (PROMPT - 1)
         response_len = 1 + (3 * i) % RESPONSE
         attention_mask[i, PROMPT - prompt_len : PROMPT + response_len] = 1
         response_mask[i, :response_len] = 1
@@ -105,8 +108,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir: str) -> dict:
-    """The TP=PP=1 actor vs padded, dynamic-bsz and each (label, layout, actor settings); reference; offload."""
-    batch = rollout_batch()
+    """The TP=PP=1 actor vs padded, dynamic-bsz and each (label, layout, actor settings); reference; offload.
+    The batch's prompts are each two rows', which saves enough for the layouts that support it to lay each out
+    once (models/shared_prompts.py); each variant reports whether it did."""
+    batch = rollout_batch(samples_per_prompt=2)
     weights = os.path.join(workdir, "weights")
     make_actor(ParallelLayout()).save_weights(weights)
     # Every actor, the TP=1 baseline included, starts from the checkpoint: fresh models differ by init RNG.
@@ -138,13 +143,17 @@ def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir:
     baseline.update(train_batch)
     baseline.save_weights(os.path.join(workdir, "twice-baseline"))
 
-    # The dynamic-bsz budget of 9 tokens gives DP ranks different micro-batch counts than the fixed size 2.
-    variants = [("padded", ParallelLayout(), {"use_packing": False}),
-                ("dynamic-bsz", ParallelLayout(), {"max_token_len": 9}),
+    # The dynamic-bsz budget of 10 tokens gives DP ranks different micro-batch counts than the fixed size 2 (and
+    # splits a group of two, which alone would not save enough to share by default).
+    variants = [("padded", ParallelLayout(), {"use_packing": False, "share_prompts": False}),
+                ("packed", ParallelLayout(), {"share_prompts": False}),
+                ("dynamic-bsz", ParallelLayout(), {"max_token_len": 10, "share_prompts": True}),
                 *layout_variants]
+    report["shared"] = {"baseline": _lays_prompts_out_shared(baseline, batch)}
     for label, layout, settings in variants:
         actor = make_actor(layout, **settings)
         actor.load_weights(weights)
+        report["shared"][label] = _lays_prompts_out_shared(actor, batch)
         variant_log_probs, variant_entropy = actor.compute_log_prob(batch)
         variant_metrics = actor.update(train_batch)
         actor.save_weights(os.path.join(workdir, f"updated-{label}"))
@@ -162,6 +171,14 @@ def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir:
     twice_offloaded = full_parameters(os.path.join(workdir, "twice-offloaded"))
     report["offload_param_diff"] = _max_diff(twice_offloaded, full_parameters(os.path.join(workdir, "twice-baseline")))
     return report
+
+
+def _lays_prompts_out_shared(actor: ActorWorker, batch: RolloutBatch) -> bool:
+    from rlmegatron.models.shared_prompts import SharedPromptParams
+    from rlmegatron.workers.training import micro_batches
+
+    return all(isinstance(micro.packed_seq_params, SharedPromptParams)
+               for micro in micro_batches(actor.settings, batch, actor.chunks))
 
 
 def plugin_loss_job(reference: str) -> dict:

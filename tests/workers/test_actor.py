@@ -24,18 +24,24 @@ def parity_reports(tmp_path_factory):
     # Context parallelism splits each sequence over 2 ranks: packed (at DP=2) and padded (TP=2 with SP, DP=1).
     layout_variants += [("TP1xPP1xCP2", L(cp=2), {}),
                         ("TP2xPP1xCP2xSP-padded", L(tp=2, cp=2, sequence_parallel=True), {"use_packing": False})]
+    # Shared prompts under sequence parallelism: the layout rounds up to a multiple of TP.
+    layout_variants.append(("TP2xSP", L(tp=2, sequence_parallel=True), {}))
     return run_ranks(parity_job, 4, layout_variants, str(tmp_path_factory.mktemp("parity")), timeout_s=300)
 
 
 def test_log_probs_entropy_and_update_match_tp1(parity_reports):
-    """Padded, dynamic-bsz (token budget), TP=2, PP=2, TP=2xPP=2, PP=2xVPP=2, CP=2 and TP=2xCP=2 all equal packed
-    TP=PP=1."""
+    """Padded, packed, dynamic-bsz (token budget), TP=2, PP=2, TP=2xPP=2, PP=2xVPP=2, CP=2, TP=2xCP=2 and TP=2 with
+    SP all equal TP=PP=1 with each prompt laid out once for its two responses (models/shared_prompts.py), which
+    every variant but those that turn it off, split sequences (CP) or have one sequence per micro-batch uses."""
     report = parity_reports[0]
     assert all((r["log_probs"] == report["log_probs"]).all() for r in parity_reports), "ranks disagree"
     assert report["log_probs"].abs().sum() > 0 and report["entropy"].min() >= 0
     assert report["update_size"] > 1e-5, "the update must move the weights for the comparison to mean anything"
-    assert set(report["variants"]) == {"padded", "dynamic-bsz", "TP2xPP1", "TP1xPP2", "TP2xPP2", "TP1xPP2xVPP2",
-                                       "TP1xPP2xVPP2-mbs1", "TP1xPP1xCP2", "TP2xPP1xCP2xSP-padded"}
+    assert set(report["variants"]) == {"padded", "packed", "dynamic-bsz", "TP2xPP1", "TP1xPP2", "TP2xPP2",
+                                       "TP1xPP2xVPP2", "TP1xPP2xVPP2-mbs1", "TP1xPP1xCP2", "TP2xPP1xCP2xSP-padded",
+                                       "TP2xSP"}
+    unshared = {"padded", "packed", "TP1xPP2xVPP2-mbs1", "TP1xPP1xCP2", "TP2xPP1xCP2xSP-padded"}
+    assert {label for label, shared in report["shared"].items() if not shared} == unshared
     for label, result in report["variants"].items():
         assert result["log_probs_diff"] < TOLERANCE, (label, result)
         assert result["entropy_diff"] < TOLERANCE, (label, result)

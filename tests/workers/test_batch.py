@@ -43,41 +43,48 @@ def test_a_micro_batch_moves_to_a_device_whole():
                                                                          torch.Tensor)]
     fields = [value for field in dataclasses.fields(moved.response_fields)
               if (value := getattr(moved.response_fields, field.name)) is not None]
-    assert len(tensors) == 5 and len(fields) >= 4
+    assert len(tensors) == 6 and len(fields) >= 4
     assert all(t.device.type == "meta" for t in tensors + fields)
 
 
 def _row_by_row(batch, rows: list[int], pack: bool, tp: int) -> dict[str, list]:
     """What a micro-batch must hold, built one row at a time in plain Python: each row's real tokens (one block),
     laid end to end (packed, each sequence starting at its own position 0) or one per row right-padded to a multiple
-    of TP, every label the next token of the same sequence, and each position whose next token is a real token
-    mapped to that token's [row, column] cell of the batch."""
+    of TP, every label the next token of the same sequence, and each position whose next token is a response token
+    mapped to that token's [row, column] cell of the batch, with that token as the target's label."""
     tokens = [[int(t) for t, m in zip(batch.input_ids[r], batch.attention_mask[r]) if m] for r in rows]
     columns = [[c for c, m in enumerate(batch.attention_mask[r].tolist()) if m] for r in rows]
     width = batch.input_ids.shape[1]
+    first_response_column = width - batch.response_length
     round_up = lambda n: -(-n // tp) * tp  # noqa: E731
     if pack:
         total = round_up(sum(map(len, tokens)))
-        ids, labels, positions, sources, targets, offset = [0] * total, [0] * total, [0] * total, [], [], 0
+        ids, labels, positions, sources, targets, target_labels, offset = [0] * total, [0] * total, [0] * total, [], \
+            [], [], 0
         for n, seq in enumerate(tokens):
             for j, token in enumerate(seq):
                 ids[offset + j], positions[offset + j] = token, j
                 if j + 1 < len(seq):
                     labels[offset + j] = seq[j + 1]
-                    sources.append(offset + j)
-                    targets.append(n * width + columns[n][j + 1])
+                    if columns[n][j + 1] >= first_response_column:
+                        sources.append(offset + j)
+                        targets.append(n * width + columns[n][j + 1])
+                        target_labels.append(seq[j + 1])
             offset += len(seq)
         return {"input_ids": [ids], "labels": [labels], "position_ids": [positions], "source_index": sources,
-                "target_index": targets}
+                "target_index": targets, "target_labels": target_labels}
     padded = round_up(max(map(len, tokens)))
-    ids, labels, sources, targets = [], [], [], []
+    ids, labels, sources, targets, target_labels = [], [], [], [], []
     for n, seq in enumerate(tokens):
         ids.append(seq + [0] * (padded - len(seq)))
         labels.append(seq[1:] + [0] * (padded - len(seq) + 1))
-        sources += [n * padded + j for j in range(len(seq) - 1)]
-        targets += [n * width + c for c in columns[n][1:]]
+        for j in range(len(seq) - 1):
+            if columns[n][j + 1] >= first_response_column:
+                sources.append(n * padded + j)
+                targets.append(n * width + columns[n][j + 1])
+                target_labels.append(seq[j + 1])
     return {"input_ids": ids, "labels": labels, "position_ids": [list(range(padded))] * len(rows),
-            "source_index": sources, "target_index": targets}
+            "source_index": sources, "target_index": targets, "target_labels": target_labels}
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -101,3 +108,83 @@ def test_a_micro_batch_holds_each_rows_tokens_labels_and_way_back_as_built_row_b
         built = build_micro_batch(batch, chosen, pack, tp)
         assert {name: getattr(built, name).tolist() for name in _row_by_row(batch, chosen, pack, tp)} == \
             _row_by_row(batch, chosen, pack, tp)
+
+
+def _grouped_batch(generator, rows: int, prompt: int, response: int, groups: int):
+    """Rows that draw their prompt (1..prompt tokens, left-padded) from `groups` distinct ones, in random order, with
+    right-padded responses of 0..response tokens."""
+    from rlmegatron.workers.batch import RolloutBatch
+
+    prompts = [torch.randint(1, 50, (int(torch.randint(1, prompt + 1, (), generator=generator)),), generator=generator)
+               for _ in range(groups)]
+    input_ids = torch.zeros(rows, prompt + response, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for r in range(rows):
+        tokens = prompts[int(torch.randint(0, groups, (), generator=generator))]
+        size = int(torch.randint(0, response + 1, (), generator=generator))
+        input_ids[r, prompt - len(tokens) : prompt] = tokens
+        input_ids[r, prompt : prompt + size] = torch.randint(1, 50, (size,), generator=generator)
+        mask[r, prompt - len(tokens) : prompt + size] = 1
+    return RolloutBatch(input_ids, mask, torch.ones(rows, response))
+
+
+def _shared_row_by_row(batch, rows: list[int], tp: int) -> dict:
+    """What a shared-prompt micro-batch must hold, built in plain Python: each distinct prompt of `rows` once (in the
+    order of their prompt columns, padding as -1, compared as lists), each followed by the responses of its rows in
+    the given order, each response at the positions that follow its prompt; every response token predicted by the
+    token before it in that layout (the prompt's last for a first token, none if the prompt is empty)."""
+    width, response = batch.input_ids.shape[1], batch.response_length
+    prompt_columns = width - response
+    key = {r: [int(t) if m else -1 for t, m in zip(batch.input_ids[r, :prompt_columns],
+                                                    batch.attention_mask[r, :prompt_columns])] for r in rows}
+    ids, positions, sources, targets, target_labels, groups = [], [], [], [], [], []
+    for group_key in sorted({tuple(k) for k in key.values()}):
+        prompt = [t for t in group_key if t >= 0]
+        start = len(ids)
+        ids += prompt
+        positions += range(len(prompt))
+        members = []
+        for n, r in enumerate(rows):
+            if tuple(key[r]) != group_key:
+                continue
+            cells = [c for c in range(prompt_columns, width) if batch.attention_mask[r, c]]
+            if cells:
+                members.append((len(ids), len(cells)))
+            for k, c in enumerate(cells):
+                if k or prompt:  # the token before: this response's previous one, just laid out, or the prompt's last
+                    sources.append(len(ids) - 1 if k else start + len(prompt) - 1)
+                    targets.append(n * width + c)
+                    target_labels.append(int(batch.input_ids[r, c]))
+                ids.append(int(batch.input_ids[r, c]))
+                positions.append(len(prompt) + k)
+        groups.append((start, len(prompt), tuple(members)))
+    padding = -(-len(ids) // tp) * tp - len(ids)
+    return {"input_ids": [ids + [0] * padding], "position_ids": [positions + [0] * padding], "source_index": sources,
+            "target_index": targets, "target_labels": target_labels, "groups": tuple(groups)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_shared_prompt_micro_batch_lays_each_prompt_out_once_as_built_row_by_row(tp, monkeypatch):
+    from megatron.core import parallel_state
+
+    from rlmegatron.workers.batch import build_shared_prompt_micro_batch
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda *args, **kwargs: None)  # THD params
+    generator = torch.Generator().manual_seed(10 + tp)
+    shared_somewhere = 0
+    for _ in range(40):
+        rows, prompt, response, groups = (int(torch.randint(1, high, (), generator=generator)) for high in (12, 6, 5, 4))
+        batch = _grouped_batch(generator, rows, prompt, response, groups)
+        count = int(torch.randint(1, rows + 1, (), generator=generator))
+        chosen = torch.randperm(rows, generator=generator)[:count].tolist()  # any order: it is kept within a group
+        built = build_shared_prompt_micro_batch(batch, chosen, tp)
+        expected = _shared_row_by_row(batch, chosen, tp)
+        assert built.packed_seq_params.prompt_groups == expected["groups"]
+        assert built.input_ids.tolist() == expected["input_ids"]
+        assert built.position_ids.tolist() == expected["position_ids"]
+        triples = zip(built.target_index.tolist(), built.source_index.tolist(), built.target_labels.tolist())
+        assert sorted(triples) == sorted(zip(expected["target_index"], expected["source_index"],
+                                             expected["target_labels"]))  # one order of the targets is as good
+        assert built.packed_seq_params.cu_seqlens_q.tolist() == [0, built.input_ids.shape[1]]
+        shared_somewhere += built.input_ids.shape[1] < int(batch.attention_mask[chosen].sum())
+    assert shared_somewhere > 10  # the cases exercise groups of several rows, not only one row per prompt
