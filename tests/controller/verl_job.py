@@ -15,9 +15,9 @@ if __name__ == "__main__":
     cuts = []
     shard = megatron_step.shard_micro_batches
 
-    def recording_shard(batch, pack, micro_batch_size, max_token_len):
+    def recording_shard(batch, pack, micro_batch_size, max_token_len, share_prompts=False):
         cuts.append([len(batch), micro_batch_size])
-        return shard(batch, pack, micro_batch_size, max_token_len)
+        return shard(batch, pack, micro_batch_size, max_token_len, share_prompts)
 
     megatron_step.shard_micro_batches = recording_shard
     report = run_training(spec, in_process=True)
