@@ -75,8 +75,9 @@ def make_reference(layout: ParallelLayout) -> ReferenceWorker:
     return reference
 
 
-def make_critic(layout: ParallelLayout) -> CriticWorker:
-    settings = CriticSettings(ppo_mini_batch_size=8, micro_batch_size=2, cliprange_value=0.5, optimizer=OPTIMIZER)
+def make_critic(layout: ParallelLayout, **settings) -> CriticWorker:
+    settings = CriticSettings(**{**dict(ppo_mini_batch_size=8, micro_batch_size=2, cliprange_value=0.5,
+                                        optimizer=OPTIMIZER), **settings})
     critic = CriticWorker(settings, model_provider(layout, tie_embeddings=False), layout)
     critic.init(parallel_state_ready=True)
     return critic
@@ -173,12 +174,12 @@ def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir:
     return report
 
 
-def _lays_prompts_out_shared(actor: ActorWorker, batch: RolloutBatch) -> bool:
+def _lays_prompts_out_shared(worker, batch: RolloutBatch) -> bool:
     from rlmegatron.models.shared_prompts import SharedPromptParams
     from rlmegatron.workers.training import micro_batches
 
     return all(isinstance(micro.packed_seq_params, SharedPromptParams)
-               for micro in micro_batches(actor.settings, batch, actor.chunks))
+               for micro in micro_batches(worker.settings, batch, worker.chunks))
 
 
 def plugin_loss_job(reference: str) -> dict:
@@ -231,6 +232,16 @@ def critic_and_moe_job(workdir: str) -> dict:
     tp2_critic = make_critic(ParallelLayout(tp=2))
     tp2_critic.load_weights(critic_weights)
     report = {"values": values, "values_tp2_diff": float((tp2_critic.compute_values(batch) - values).abs().max())}
+    # Each prompt of two rows laid out once: the value at the prompt's last position serves both responses.
+    grouped = rollout_batch(samples_per_prompt=2)
+    shared_critic, unshared_critic = (make_critic(ParallelLayout(), share_prompts=share) for share in (True, False))
+    for each in (shared_critic, unshared_critic):
+        each.load_weights(critic_weights)
+    report["values_shared_diff"] = float((shared_critic.compute_values(grouped)
+                                          - unshared_critic.compute_values(grouped)).abs().max())
+    report["values_shared_size"] = float(unshared_critic.compute_values(grouped).abs().max())
+    report["values_shared_layouts"] = [_lays_prompts_out_shared(each, grouped)
+                                       for each in (shared_critic, unshared_critic)]
     gen = torch.Generator().manual_seed(5)
     returns = (values + 0.3 * torch.randn(values.shape, generator=gen)) * batch.response_mask
     train_batch = replace(batch, values=values, returns=returns)

@@ -65,6 +65,12 @@ def test_critic_values_at_tp2_equal_tp1(report):
     assert report["values_tp2_diff"] < 1e-5
 
 
+def test_critic_values_of_shared_prompts_equal_each_sequence_laid_out_alone(report):
+    assert report["values_shared_layouts"] == [True, False]
+    assert report["values_shared_size"] > 0.01
+    assert report["values_shared_diff"] < 1e-5
+
+
 def test_critic_values_at_cp2_equal_cp1(report):
     assert report["values_cp2_diff"] < 1e-5
 
