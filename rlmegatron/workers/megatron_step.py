@@ -106,8 +106,10 @@ def packing_pays(lengths: list[int], length_multiple: int = 1) -> bool:
 
 
 # Shared-prompt micro-batches (models/shared_prompts.py) are used when laying out each prompt once would leave at most
-# this fraction of the batch's tokens: TRL's echo task (8 samples of 9-token prompts, 1-4 response tokens) keeps 0.34
-# and its update's forward and backward runs in 0.56x the time; a batch of distinct prompts keeps 1.0.
+# this fraction of the batch's tokens. On TRL's echo model (benchmarks/shared_prompts.py, RESULTS.md) a whole update
+# took 0.71x the time at 0.34 of the tokens, 0.91x at 0.56, 0.95-0.99x at 0.70-0.71 and 1.03x at 0.88: the layout
+# adds a few index operations per micro-batch and attention calls per layer, which a model that tiny notices; a
+# larger model's work grows with its tokens and gains more at the same fraction.
 SHARE_PROMPTS_BELOW = 0.8
 
 
