@@ -130,9 +130,12 @@ class LocalEngine(RolloutEngine):
         """`interrupted`, asked between tokens: once it says true, every unfinished sample returns what it has so
         far with finish reason `abort` (SGLang's abort on pause_generation, which partial rollout continues)."""
         self._check_usable()
-        if self.generator.device != self.device:  # the model moved after construction: its stream goes with it
+        # Asked once: `self.device` walks the model's modules, and asking it per sample was 0.3 ms of the 8 ms
+        # that a batch of 64 samples of TRL's echo model takes (benchmarks/local_generation.py).
+        device = self.device
+        if self.generator.device != device:  # the model moved after construction: its stream goes with it
             seed = int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
-            self.generator = torch.Generator(self.device).manual_seed(seed)
+            self.generator = torch.Generator(device).manual_seed(seed)
         samples = [
             _Sample(
                 request_index,
@@ -142,7 +145,7 @@ class LocalEngine(RolloutEngine):
                 # Seed per sample, so sample i of a seeded request is the same whatever else is in the batch.
                 None
                 if request.sampling.seed is None
-                else torch.Generator(self.device).manual_seed(
+                else torch.Generator(device).manual_seed(
                     (request.sampling.seed * 1_000_003 + sample_index) % 2**63),
             )
             for request_index, request in enumerate(requests)
