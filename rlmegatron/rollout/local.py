@@ -239,16 +239,32 @@ class LocalEngine(RolloutEngine):
 
     def _sample(self, scaled: torch.Tensor, samples: list[_Sample]) -> torch.Tensor:
         """One token per row of `scaled` (logits / temperature) by the Gumbel-max trick: argmax of the filtered logits
-        plus Gumbel noise is a draw from their softmax. Only the noise is drawn row by row, one uniform per
-        vocabulary entry from the sample's own generator, so a seeded sample does not depend on its batch; the
-        filtering and the draw run on the whole batch at once."""
-        uniform = torch.empty(scaled.shape, dtype=torch.float64, device=scaled.device)
-        for row, sample in enumerate(samples):
-            torch.rand(scaled.shape[-1], generator=sample.generator or self.generator, dtype=torch.float64,
-                       out=uniform[row])
-        filtered = scaled.clone()
+        plus Gumbel noise is a draw from their softmax. Only a seeded sample's noise is drawn row by row, one uniform
+        per vocabulary entry from its own generator, so it does not depend on its batch; the filtering and the draw
+        run on the whole batch at once."""
+        vocabulary = scaled.shape[-1]
+        shared = [row for row, sample in enumerate(samples) if sample.generator is None]
+        # The rows without a seed in one draw from the engine's generator: on the CPU (a serial Mersenne twister) the
+        # same numbers, in row order, as one draw per row; on a GPU a draw of its own.
+        if len(shared) == len(samples):
+            uniform = torch.rand(scaled.shape, generator=self.generator, dtype=torch.float64, device=scaled.device)
+        else:
+            uniform = torch.empty(scaled.shape, dtype=torch.float64, device=scaled.device)
+            if shared:
+                uniform[shared] = torch.rand((len(shared), vocabulary), generator=self.generator,
+                                             dtype=torch.float64, device=scaled.device)
+            # In place into each row's view: 1.5 us a row, where torch.rand(out=uniform[row]) took 2.6 (64 rows of
+            # TRL's echo task: 97 against 167 us per token).
+            for row_noise, sample in zip(uniform.unbind(), samples):
+                if sample.generator is not None:
+                    row_noise.uniform_(generator=sample.generator)
+        filtered = scaled
         for top_k, top_p in {(s.sampling.top_k, s.sampling.top_p) for s in samples}:
+            if not (0 < top_k < vocabulary or top_p < 1.0):
+                continue  # nothing to mask; skipping the copy saves 30 us per token at 64 rows
             rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
+            if filtered is scaled:
+                filtered = scaled.clone()
             filtered[rows] = filter_top_k_top_p(scaled[rows], top_k, top_p)
         # In float64, -log(-log(u)) keeps its accuracy for u near 1 (the noise's upper tail); a u of exactly 0 gives
         # -inf, never drawn.
