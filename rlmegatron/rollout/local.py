@@ -206,10 +206,13 @@ class LocalEngine(RolloutEngine):
             _raise_if_not_finite(logits, position, finish)
             scaled = logits.float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
-            next_tokens = torch.argmax(scaled, dim=-1)
             sampled = [row for row in range(batch) if finish[row] is None and not is_greedy[row]]
-            if sampled:
-                next_tokens[sampled] = self._sample(scaled[sampled], [samples[row] for row in sampled])
+            if len(sampled) == batch:  # GRPO's rollouts until a sample ends: no gather and scatter of the rows
+                next_tokens = self._sample(scaled, samples)
+            else:
+                next_tokens = torch.argmax(scaled, dim=-1)
+                if sampled:
+                    next_tokens[sampled] = self._sample(scaled[sampled], [samples[row] for row in sampled])
             chosen = token_logprobs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1).tolist()
             for row, (token, sample) in enumerate(zip(next_tokens.tolist(), samples)):
                 if finish[row] is not None:
