@@ -69,8 +69,9 @@ def main() -> None:
         profiler.stop()
         Path(args.profile).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     print(f"generate, {len(results)} samples of {args.prompts} prompts, <= {args.max_new_tokens} new tokens, "
-          f"{'un' if args.unseeded else ''}seeded, {args.threads} thread(s): median {statistics.median(times) * 1e3:.2f} ms "
-          f"(process CPU {statistics.median(cpu_times) * 1e3:.2f}), fastest {min(times) * 1e3:.2f} ms over {args.repeats}; {tokens} tokens, checksum {checksum}, "
+          f"{'un' if args.unseeded else ''}seeded, {args.threads} thread(s): "
+          f"median {statistics.median(times) * 1e3:.2f} ms (process CPU {statistics.median(cpu_times) * 1e3:.2f}), "
+          f"fastest {min(times) * 1e3:.2f} ms over {args.repeats}; {tokens} tokens, checksum {checksum}, "
           f"log-prob sum {logprob_sum:.6f}")
 
 
