@@ -85,6 +85,23 @@ def test_a_seeded_sample_does_not_depend_on_its_batch(model):
     assert [r.output_token_ids for r in alone] == [r.output_token_ids for r in together if r.request_index == 2]
 
 
+def test_a_seeded_samples_noise_is_one_draw_per_token_from_its_own_generator(model):
+    """What a seed stands for, however the engine batches its draws (on the CPU, several tokens' noise in one call):
+    token t of sample i is the argmax of logits / temperature plus Gumbel noise from the t-th vocabulary-sized draw
+    of a generator seeded with seed * 1_000_003 + i. 8 tokens of a 160-token vocabulary cross the engine's blocks."""
+    spec = SamplingSpec(n=3, temperature=4.0, max_new_tokens=8, seed=21)
+    results = LocalEngine(model).generate([GenerationRequest(p, spec) for p in PROMPTS])
+    for result in results:
+        generator = torch.Generator().manual_seed(21 * 1_000_003 + result.sample_index)
+        prompt = PROMPTS[result.request_index]
+        tokens = list(prompt)
+        for _ in range(8):
+            gumbel = -torch.log(-torch.log(torch.rand(160, generator=generator, dtype=torch.float64)))
+            tokens.append(int(torch.argmax(full_logits(model, tokens)[-1] / 4.0 + gumbel.float())))
+        assert tuple(tokens[len(prompt):]) == result.output_token_ids
+    assert len({r.output_token_ids for r in results if r.request_index == 2}) == 3, "the n samples should differ"
+
+
 def test_the_samples_of_a_prompt_share_its_prefill_and_match_samples_made_one_by_one(model):
     spec = SamplingSpec(n=4, temperature=4.0, max_new_tokens=6, seed=11)
     prefill_rows = []
