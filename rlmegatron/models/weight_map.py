@@ -15,6 +15,7 @@ use the map without it.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
@@ -28,6 +29,19 @@ from rlmegatron.models.pipeline import pipeline_stage_layers
 
 class WeightMapError(ValueError):
     """HF keys no rule maps, Megatron parameters nothing fills, or tensors of the wrong shape."""
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_layer_attribute() -> str:
+    """The name of an MTP layer's transformer layer in Megatron-Core's modules: `transformer_layer` in 0.16,
+    `mtp_model_layer` in 0.19 (whose MTP layers may also be hybrid stacks). Read from the installed class, so that
+    every version this package supports (setup.py) maps its own names."""
+    import inspect
+
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return "mtp_model_layer" if "self.mtp_model_layer" in inspect.getsource(MultiTokenPredictionLayer) \
+        else "transformer_layer"
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,7 @@ class WeightMap:
             self.add(m + "eh_proj.weight", [h + "eh_proj.weight"])
             self.add(m + "final_layernorm.weight", [h + "shared_head.norm.weight"])
             # Megatron builds an MTP layer's transformer layer from the last decoder layer's spec.
-            self._layer(m + "transformer_layer.", h, moe=moe_layers[-1])
+            self._layer(m + mtp_layer_attribute() + ".", h, moe=moe_layers[-1])
 
     def _layer(self, m: str, h: str, moe: bool) -> None:
         family, arch = self.facts.family, self.facts.arch

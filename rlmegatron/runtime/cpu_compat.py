@@ -132,11 +132,13 @@ def _patch_alltoall_split_sizes():
 
     original_forward = mappings._AllToAll.forward
 
-    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes, *later_arguments):
         def as_list(sizes):
             return None if sizes is None else [int(s) for s in sizes]
 
-        return original_forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+        # *later_arguments: Megatron-Core 0.19 added use_nccl_stream (False on CPU), which 0.16 lacks.
+        return original_forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes),
+                                *later_arguments)
 
     # The MoE alltoall dispatcher passes split sizes as tensors/arrays; gloo wants lists.
     mappings._AllToAll.forward = staticmethod(forward)
