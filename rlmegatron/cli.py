@@ -37,6 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides += left_over
     try:
         return args.command(args)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C before a command's own handling (`train`'s) began, or in one without
+        if args.debug or os.environ.get("RLM_DEBUG") == "1":
+            traceback.print_exception(interrupt)
+        print("interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except Exception as error:
         mistake = user_error_in(error)
         if mistake is None:

@@ -194,3 +194,15 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
     assert spec.model.path == spec.model.tokenizer_path == str(REPO_ROOT / "configs" / "quickstart" / "model")
     # model.random_init: its config and tokenizer are all the run reads of it.
     assert fetched == [("Qwen/Qwen3-0.6B", HUB_PATTERNS, False)]
+
+
+def test_ctrl_c_before_training_starts_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Ctrl-C while the spec loads (it imports torch: seconds) is reported as an interrupt, not a traceback."""
+    import rlmegatron.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_spec", interrupted)
+    assert main(["train", "configs/quickstart.yaml"]) == cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "interrupted\n"

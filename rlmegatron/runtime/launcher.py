@@ -14,6 +14,7 @@ import queue as queue_lib
 import random
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
@@ -86,9 +87,25 @@ def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
     ctx.set_forkserver_preload([*_PRELOAD, *preload])
     # Its imports come before any rank quiets the library notices they print: it starts with them off.
     with environment(PYTHONWARNINGS=",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
-                                                           import_notices_off(device)]))):
+                                                           import_notices_off(device)]))), _ctrl_c_ignored():
         forkserver.ensure_running()
     return ctx
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored while the fork server starts: it keeps that through exec, so a Ctrl-C during its seconds of
+    imports does not print a traceback from it (the driver reports the interrupt and ends it). Its serving loop
+    ignores SIGINT anyway, and the ranks it forks inherit that: the driver, not a KeyboardInterrupt in the middle
+    of a collective, stops them. Only the main thread may set a handler; elsewhere the server starts as it would."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -106,3 +106,32 @@ def test_free_ports_are_picked_below_the_range_outgoing_connections_take_theirs_
     assert fallback >= low
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", fallback))
+
+
+_DRIVER_INTERRUPTED_WHILE_THE_FORK_SERVER_IMPORTS = """
+import sys, time
+from rlmegatron.runtime.launcher import fork_server
+try:
+    fork_server()
+    print("started", flush=True)
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_while_the_fork_server_imports_prints_no_traceback_of_it():
+    """Ctrl-C reaches the driver's whole process group; the fork server, seconds into importing torch, Megatron and
+    transformers, used to print its KeyboardInterrupt traceback under the driver's one-line report."""
+    import signal
+
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER_INTERRUPTED_WHILE_THE_FORK_SERVER_IMPORTS],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert driver.stdout.readline().strip() == "started"
+    time.sleep(0.3)  # the server is importing: that takes seconds
+    os.killpg(driver.pid, signal.SIGINT)
+    _, stderr = driver.communicate(timeout=120)  # until the server, which holds stderr too, has gone
+    assert driver.returncode == 130
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr
