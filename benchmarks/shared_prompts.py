@@ -1,11 +1,12 @@
 """The actor's update with and without shared-prompt micro-batches (models/shared_prompts.py), on TRL's echo model.
 
-    python benchmarks/shared_prompts.py [--updates 25] [P,R,N,PROMPTS ...]
+    python benchmarks/shared_prompts.py [--updates 25] [--model DIR] [P,R,N,PROMPTS ...]
 
 Each configuration is PROMPTS prompts of P tokens with N responses each of R/2..R tokens, one micro-batch, one
 rank in this process (one thread, as a launched CPU rank of two has). The two actors start from the same weights and
 their updates alternate, so the machine's load falls on both alike; the table gives the median update and the
-tokens each layout runs. Needs the task files `benchmarks/peer_trl.py` writes (runs/peer_trl/task).
+tokens each layout runs. The model: TRL's echo model from the task files `benchmarks/peer_trl.py` writes
+(runs/peer_trl/task), or any HF checkpoint directory (`--model`; token ids 4-47 are used).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def grouped_batch(prompt: int, response: int, n: int, prompts: int, generator: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--updates", type=int, default=25)
+    parser.add_argument("--model", default=MODEL)
     parser.add_argument("configs", nargs="*", default=["9,4,8,8", "3,4,8,8", "4,8,4,8", "8,8,2,16", "2,8,2,16"])
     args = parser.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -54,7 +56,7 @@ def main() -> None:
     init_distributed("cpu")
     layout = ParallelLayout()
     init_model_parallel(layout)
-    facts = HFCheckpoint(MODEL).facts(1)
+    facts = HFCheckpoint(args.model).facts(1)
     config = transformer_config(facts, layout)
     print("| P, R, n, prompts | tokens unshared | tokens shared | ratio | update unshared ms | update shared ms | "
           "shared / unshared |")
@@ -65,7 +67,7 @@ def main() -> None:
         for share in (False, True):
             torch.manual_seed(0)
             actors[share] = ActorWorker(
-                ActorSettings(ppo_mini_batch_size=n * prompts, micro_batch_size=n * prompts, vocab_size=48,
+                ActorSettings(ppo_mini_batch_size=n * prompts, micro_batch_size=n * prompts, vocab_size=facts.vocab_size,
                               share_prompts=share, optimizer=OptimizerSettings(lr=1e-3)),
                 lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
             actors[share].init(parallel_state_ready=True)

@@ -108,8 +108,8 @@ def packing_pays(lengths: list[int], length_multiple: int = 1) -> bool:
 # Shared-prompt micro-batches (models/shared_prompts.py) are used when laying out each prompt once would leave at most
 # this fraction of the batch's tokens. On TRL's echo model (benchmarks/shared_prompts.py, RESULTS.md) a whole update
 # took 0.71x the time at 0.34 of the tokens, 0.91x at 0.56, 0.95-0.99x at 0.70-0.71 and 1.03x at 0.88: the layout
-# adds a few index operations per micro-batch and attention calls per layer, which a model that tiny notices; a
-# larger model's work grows with its tokens and gains more at the same fraction.
+# adds a few index operations per micro-batch and attention calls per layer, which a model that tiny notices. On a
+# Qwen3 of hidden size 256 and 4 layers the time followed the tokens (0.51x at 0.50, 0.81x at 0.81, 0.88x at 0.93).
 SHARE_PROMPTS_BELOW = 0.8
 
 
