@@ -213,7 +213,8 @@ def format_report(report: JobReport) -> str:
     # The held-out score before training (step 0, trainer.val_before_train) and after: what the run taught.
     validation = [f"validation: {key} " + " -> ".join(map(_score_at, points[:1] if len(points) == 1
                                                           else [points[0], points[-1]]))
-                  for key, points in sorted(report.history.items()) if key.startswith("val/") and points]
+                  for key, points in sorted(report.history.items())
+                  if key.startswith("val/") and key.endswith("/score/mean") and points]
     return "\n".join([
         f"trained {steps} ({count} step{'s' * (count != 1)}{resumed}) in {report.seconds:.1f} s; "
         f"critic/score/mean {reward}",

@@ -313,17 +313,23 @@ class Trainer:
     # --- validation, counters, checkpoints, export ---
 
     def validate(self) -> dict[str, float]:
+        """Each data source's mean score, and the reward manager's metrics over the whole validation set (its errors
+        and timeouts above all: a reward function that fails only on held-out answers would otherwise go unseen),
+        all under val/."""
         prompts = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         batch_size = self.spec.data.val_batch_size or len(prompts)
         scores: dict[str, list[float]] = defaultdict(list)
+        batch_metrics = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             results = self.generate(chunk, self.spec.rollout.val_kwargs, seed=self.spec.rollout.seed, label="validation")
             rows = [chunk[r.request_index] for r in results]
             reward = self.rewards(rows, results)
+            batch_metrics.append((len(rows), reward.metrics))
             for prompt, score in zip(rows, reward.scores):
                 scores[prompt.data_source].append(score)
-        return {f"val/{source}/score/mean": sum(v) / len(v) for source, v in scores.items()}
+        return {**{f"val/{source}/score/mean": sum(v) / len(v) for source, v in scores.items()},
+                **{f"val/{name}": value for name, value in step_reward_metrics(batch_metrics).items()}}
 
     def step_counters(self, batch, timer: Timer) -> dict[str, float]:
         tokens = float(batch.attention_mask.sum())

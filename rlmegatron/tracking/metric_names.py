@@ -17,6 +17,7 @@ reward/rule_score/mean               reward.model with the rule's scores combine
 timing_s/{gen,gen_baseline,reward,old_log_prob,ref,adv,update_actor,update_critic,update_weights,step}
 perf/throughput                      tokens per second per GPU over the whole step
 val/{data_source}/score/mean         validation, one per data source (val/ prefix)
+val/reward/*                         the reward manager's metrics above over the whole validation set
 training/epoch, training/global_step
 """
 

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from rlmegatron.rewards import DAPORewardManager
+from rlmegatron.rewards import DAPORewardManager, NaiveRewardManager
 from tests.controller.fit_rig import FakeRanks, constant, run_rig
 
 
@@ -163,6 +163,23 @@ def test_the_reward_managers_metrics_cover_every_dynamic_sampling_round(tmp_path
     assert rig.history["reward/timeouts"] == [(1, 0.0), (2, 0.0)]
     assert rig.history["reward/overlong_ratio"] == [(1, pytest.approx(8 / 24)), (2, pytest.approx(7 / 24))]
     assert rig.history["reward/overlong_penalty/mean"] == [(1, pytest.approx(-8 / 24)), (2, pytest.approx(-7 / 24))]
+
+
+def test_validation_logs_the_reward_managers_errors_beside_the_scores(tmp_path):
+    """A reward function that fails only on some held-out answers: each validation counts its failures (over every
+    validation batch, not the last one's) and they score 0."""
+    (tmp_path / "rule.py").write_text(textwrap.dedent("""
+        def rule(data_source, solution_str, ground_truth, extra_info):
+            if solution_str.split()[0] == "1":  # the second sample of every prompt (tests/controller/fit_rig.py)
+                raise ValueError("unparsable")
+            return 1.0
+    """))
+    manager = NaiveRewardManager(f"{tmp_path / 'rule.py'}:rule")
+    rig = run_rig(tmp_path / "run", "data.val_files=[val.jsonl]", "data.val_batch_size=2", "rollout.val_kwargs.n=2",
+                  "trainer.test_freq=2", "trainer.total_steps=2", "trainer.val_before_train=true", val_prompts=5,
+                  reward_manager=manager)
+    assert rig.history["val/reward/errors"] == [(0, 5.0), (2, 5.0)]  # 5 prompts x 1 failing sample, in 3 batches
+    assert rig.history["val/val/score/mean"] == [(0, 0.5), (2, 0.5)]
 
 
 def test_rollout_correction_weights_and_rejects_what_the_actor_trains_on(tmp_path):
