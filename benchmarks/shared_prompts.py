@@ -67,8 +67,8 @@ def main() -> None:
         for share in (False, True):
             torch.manual_seed(0)
             actors[share] = ActorWorker(
-                ActorSettings(ppo_mini_batch_size=n * prompts, micro_batch_size=n * prompts, vocab_size=facts.vocab_size,
-                              share_prompts=share, optimizer=OptimizerSettings(lr=1e-3)),
+                ActorSettings(ppo_mini_batch_size=n * prompts, micro_batch_size=n * prompts,
+                              vocab_size=facts.vocab_size, share_prompts=share, optimizer=OptimizerSettings(lr=1e-3)),
                 lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
             actors[share].init(parallel_state_ready=True)
         generator = torch.Generator().manual_seed(0)

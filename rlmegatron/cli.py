@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides += left_over
     try:
         return args.command(args)
-    except KeyboardInterrupt as interrupt:  # Ctrl-C before a command's own handling (`train`'s) began, or in one without
+    except KeyboardInterrupt as interrupt:  # Ctrl-C before a command's own handling (`train`'s) began, or without one
         if args.debug or os.environ.get("RLM_DEBUG") == "1":
             traceback.print_exception(interrupt)
         print("interrupted", file=sys.stderr, flush=True)

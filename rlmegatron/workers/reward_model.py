@@ -70,6 +70,6 @@ class RewardModelWorker:
         def per_token(micro_batch, output):
             return (response_values(micro_batch, output),)
 
-        scores = megatron_step.run_forward_only(self.chunks, batch, micro_batches(self.settings, batch, self.chunks), per_token,
-                                                outputs=1)[0]
+        scores = megatron_step.run_forward_only(self.chunks, batch, micro_batches(self.settings, batch, self.chunks),
+                                                per_token, outputs=1)[0]
         return scores[:, 0]

@@ -173,7 +173,8 @@ def test_a_shared_prompt_micro_batch_lays_each_prompt_out_once_as_built_row_by_r
     generator = torch.Generator().manual_seed(10 + tp)
     shared_somewhere = 0
     for _ in range(40):
-        rows, prompt, response, groups = (int(torch.randint(1, high, (), generator=generator)) for high in (12, 6, 5, 4))
+        rows, prompt, response, groups = (int(torch.randint(1, high, (), generator=generator))
+                                          for high in (12, 6, 5, 4))
         batch = _grouped_batch(generator, rows, prompt, response, groups)
         count = int(torch.randint(1, rows + 1, (), generator=generator))
         chosen = torch.randperm(rows, generator=generator)[:count].tolist()  # any order: it is kept within a group
