@@ -117,7 +117,7 @@ class SDPACoreAttention(torch.nn.Module):
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             k, v = _repeat_kv(k, v, q.size(1))
-            out = self._sdpa(q, k, v, bucket.mask).transpose(1, 2)
+            out = self._sdpa(q, k, v, bucket.mask(k.size(2))).transpose(1, 2)
             outputs.append(out.reshape(-1, *out.shape[2:])[bucket.q_valid])
         out = torch.cat(outputs)[plan.order]
         return out.reshape(out.size(0), 1, -1)
@@ -146,7 +146,15 @@ class _Bucket:
     q_index: torch.Tensor  # [n, Lq] local query rows of n spans, right-padded
     q_valid: torch.Tensor  # indices of the real ones among the n * Lq
     k_index: torch.Tensor  # [n, Lk] rows of the (gathered) keys in position order, right-padded
-    mask: Optional[torch.Tensor]  # [n, 1, Lq, Lk], or None: plain causal
+    q_positions: Optional[torch.Tensor]  # [n, Lq] each query's position among its keys, or None: plain causal
+
+    def mask(self, keys: int) -> Optional[torch.Tensor]:
+        """[n, 1, Lq, Lk]: each query sees the keys up to its position. Made per call, not kept with the cached plan:
+        n x Lq x Lk booleans (100 MB for 64 responses of 1024 tokens after a 512-token prompt) for each of the
+        plans the cache holds would stay on the GPU."""
+        if self.q_positions is None:
+            return None
+        return self.q_positions[:, None, :, None] >= torch.arange(keys, device=self.q_positions.device)
 
 
 @dataclass(frozen=True)
@@ -219,10 +227,10 @@ def _bucketed(spans: _Spans, local_tokens: int, device) -> _PackedPlan:
         # Right-padded spans whose queries are their keys need only the causal mask: no real query reaches a padding
         # key. Otherwise (CP chunks, responses after a prompt) each query sees the keys up to its position.
         plain = all(spans.plain[i] for i in members.tolist())
-        mask = None if plain else (q_positions[:, None, :, None] >= torch.arange(keys)).to(device)
         valid = q_valid.flatten().nonzero().squeeze(1)
         valid_rows.append(q_index.flatten()[valid])
-        buckets.append(_Bucket(q_index.to(device), valid.to(device), k_index.to(device), mask))
+        buckets.append(_Bucket(q_index.to(device), valid.to(device), k_index.to(device),
+                               None if plain else q_positions.to(device)))
     order = torch.empty(local_tokens, dtype=torch.long)
     order[torch.cat(valid_rows)] = torch.arange(local_tokens)
     return _PackedPlan(tuple(buckets), order.to(device))

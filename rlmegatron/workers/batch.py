@@ -263,12 +263,14 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
     return group_of, in_prompt.sum(dim=1), mask[:, prompt_columns:].sum(dim=1)
 
 
-def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: int = 1) -> MicroBatch:
+def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: int = 1,
+                                    groups: Optional[tuple[torch.Tensor, ...]] = None) -> MicroBatch:
     """`rows` of `batch` in one THD row, those with the same prompt as one group: the prompt's tokens once, then each
     response's tokens at the positions that follow the prompt (models/shared_prompts.py says why this is exact).
 
     A row's prompt is its real tokens before the last R columns. The total rounds up to a multiple of TP (sequence
     parallelism), the rounding a sequence of its own. Context parallelism is not supported (it splits sequences).
+    `groups`: `prompt_groups` of the whole batch, when the caller has it (it is not worked out again for the rows).
     """
     from rlmegatron.models.shared_prompts import SharedPromptParams
 
@@ -277,7 +279,11 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
     index = torch.as_tensor(rows, dtype=torch.long)
     ids, mask = batch.input_ids[index], batch.attention_mask[index].bool()
     in_prompt, in_response = mask[:, :prompt_columns], mask[:, prompt_columns:]
-    group_of, row_prompt_lengths, response_lengths = prompt_groups(ids, mask, response_columns)
+    if groups is None:
+        group_of, row_prompt_lengths, response_lengths = prompt_groups(ids, mask, response_columns)
+    else:  # the batch's group numbers, renumbered 0.. over these rows
+        batch_groups, row_prompt_lengths, response_lengths = (values[index] for values in groups)
+        group_of = torch.unique(batch_groups, return_inverse=True)[1]
     order = torch.argsort(group_of, stable=True)  # the rows group by group, each group's in their given order
     sorted_groups = group_of[order]
     leads = torch.ones(len(rows), dtype=torch.bool)

@@ -124,8 +124,11 @@ def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_s
 
     lengths = batch.sequence_lengths().tolist()
     dp, dp_rank = dp_size(), ps.get_data_parallel_rank()
-    units = None if share_prompts is False else prompt_units(batch, micro_batch_size, max_token_len, dp,
-                                                             share_prompts is None)
+    # Every row's prompt group, worked out once: the units and every micro-batch's layout read it.
+    prompts = None if share_prompts is False else prompt_groups(batch.input_ids, batch.attention_mask,
+                                                                batch.response_length)
+    units = None if prompts is None else prompt_units(prompts, micro_batch_size, max_token_len, dp,
+                                                      share_prompts is None)
     if units is not None:
         unit_rows, unit_tokens = units
         mine = balanced_partition(unit_tokens, dp)[dp_rank]
@@ -142,19 +145,19 @@ def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_s
         groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     if units is not None:
-        return [build_shared_prompt_micro_batch(batch, rows, tp) for rows in groups]
+        return [build_shared_prompt_micro_batch(batch, rows, tp, prompts) for rows in groups]
     padded_multiple = tp * 2 * cp if cp > 1 else tp  # what build_micro_batch rounds a padded width up to
     return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], padded_multiple) if pack is None
                               else pack, tp, cp, ps.get_context_parallel_rank()) for rows in groups]
 
 
-def prompt_units(batch: RolloutBatch, micro_batch_size: int, max_token_len: Optional[int], ranks: int,
+def prompt_units(prompts: tuple[torch.Tensor, ...], micro_batch_size: int, max_token_len: Optional[int], ranks: int,
                  only_if_it_pays: bool = True) -> Optional[tuple[list[list[int]], list[int]]]:
-    """The rows of `batch` cut into units that share a prompt and fit one micro-batch (`micro_batch_size` rows, or
-    `max_token_len` tokens laid out shared), and each unit's token count; None when there are fewer units than
-    `ranks` to spread them over, or (`only_if_it_pays`) sharing would not save enough (SHARE_PROMPTS_BELOW)."""
-    group_of, prompt_lengths, response_lengths = (values.tolist() for values in prompt_groups(
-        batch.input_ids, batch.attention_mask, batch.response_length))
+    """The rows of a batch (`prompts`: its `batch.prompt_groups`) cut into units that share a prompt and fit one micro-batch
+    (`micro_batch_size` rows, or `max_token_len` tokens laid out shared), and each unit's token count; None when there
+    are fewer units than `ranks` to spread them over, or (`only_if_it_pays`) sharing would not save enough
+    (SHARE_PROMPTS_BELOW)."""
+    group_of, prompt_lengths, response_lengths = (values.tolist() for values in prompts)
     members: dict[int, list[int]] = {}
     for row, group in enumerate(group_of):
         members.setdefault(group, []).append(row)
@@ -174,8 +177,8 @@ def prompt_units(batch: RolloutBatch, micro_batch_size: int, max_token_len: Opti
             tokens += size
         unit_rows.append(unit)
         unit_tokens.append(tokens)
-    if len(unit_rows) < ranks or (only_if_it_pays and
-                                  sum(unit_tokens) > SHARE_PROMPTS_BELOW * int(batch.attention_mask.sum())):
+    tokens_unshared = sum(prompt_lengths) + sum(response_lengths)
+    if len(unit_rows) < ranks or (only_if_it_pays and sum(unit_tokens) > SHARE_PROMPTS_BELOW * tokens_unshared):
         return None
     return unit_rows, unit_tokens
 

@@ -59,10 +59,10 @@ def micro_batches(settings, batch: RolloutBatch, chunks: list) -> list[MicroBatc
     """This rank's micro-batches of `batch` under `settings`' batching fields, for the model `chunks`."""
     from rlmegatron.models.shared_prompts import shared_prompts_supported  # lazy: megatron stays out of this module
 
-    share = settings.share_prompts is not False and shared_prompts_supported(chunks)
+    share = settings.share_prompts if shared_prompts_supported(chunks) else False
     with plain_torch():  # index arithmetic naming no device: the CPU layer's rewrite tripled its cost
         return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
-                                                 settings.max_token_len, share and settings.share_prompts)
+                                                 settings.max_token_len, share)
 
 
 class TrainingWorker:

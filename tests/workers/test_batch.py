@@ -167,7 +167,7 @@ def _shared_row_by_row(batch, rows: list[int], tp: int) -> dict:
 def test_a_shared_prompt_micro_batch_lays_each_prompt_out_once_as_built_row_by_row(tp, monkeypatch):
     from megatron.core import parallel_state
 
-    from rlmegatron.workers.batch import build_shared_prompt_micro_batch
+    from rlmegatron.workers.batch import build_shared_prompt_micro_batch, prompt_groups
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda *args, **kwargs: None)  # THD params
     generator = torch.Generator().manual_seed(10 + tp)
@@ -188,4 +188,10 @@ def test_a_shared_prompt_micro_batch_lays_each_prompt_out_once_as_built_row_by_r
                                              expected["target_labels"]))  # one order of the targets is as good
         assert built.packed_seq_params.cu_seqlens_q.tolist() == [0, built.input_ids.shape[1]]
         shared_somewhere += built.input_ids.shape[1] < int(batch.attention_mask[chosen].sum())
+        # The batch's groups handed in (as shard_micro_batches does) give the same micro-batch.
+        handed = build_shared_prompt_micro_batch(batch, chosen, tp, prompt_groups(
+            batch.input_ids, batch.attention_mask, batch.response_length))
+        assert handed.packed_seq_params.prompt_groups == built.packed_seq_params.prompt_groups
+        assert all(torch.equal(getattr(handed, name), getattr(built, name))
+                   for name in ("input_ids", "position_ids", "source_index", "target_index", "target_labels"))
     assert shared_somewhere > 10  # the cases exercise groups of several rows, not only one row per prompt
