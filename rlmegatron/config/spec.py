@@ -559,6 +559,11 @@ class TrainerConfig(Section):
     logs how many versions behind the trained policy they are."""
     max_staleness: PositiveInt = 2
     """async: the most weight versions a trained sample may lag behind the policy it trains (one_step_off: 1)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a trainer rank waits in one collective (an all-reduce, an MoE all-to-all, a barrier) for the other ranks
+    of its group; past them the run stops with a line naming the step and the call (exit 3) instead of waiting for
+    good. Megatron's and torch's default; raise it where ranks legitimately wait longer (loading a very large model
+    on one rank while the others wait)."""
     partial_rollout: bool = False
     """one_step_off and async: new weights reach the engines mid-generation: in-flight samples are paused, the
     weights swapped, and each goes on from the tokens it has with the new policy (keeping every token's rollout

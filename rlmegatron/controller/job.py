@@ -131,12 +131,13 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
-            ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps))
+            ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps,
+                                               collective_timeout_s=spec.trainer.collective_timeout_s))
         elif launch == "processes":
             # Returns once the fork server (started above) has forked them: they build while the driver goes on, up to
             # its first call to them.
             ranks = PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank,
-                                              spec, total_steps))
+                                              spec, total_steps, collective_timeout_s=spec.trainer.collective_timeout_s))
         else:
             ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
         if spec.reward.model.path is not None:  # the ranks hold the reward model

@@ -55,7 +55,8 @@ class RankProcesses(Generic[T]):
     what to build: they build while the driver goes on; the first call waits for them (and raises what building
     raised)."""
 
-    def __init__(self, device: str, world_size: int, rank_class: Callable[..., T], *args: Any) -> None:
+    def __init__(self, device: str, world_size: int, rank_class: Callable[..., T], *args: Any,
+                 collective_timeout_s: float = 600.0) -> None:
         context = fork_server([rank_class.__module__], device)
         port, threads = free_port(), rank_threads(device, world_size)
         self.pipes: list[Connection] = []
@@ -70,7 +71,7 @@ class RankProcesses(Generic[T]):
                     target=_serve, name=f"rank {rank}",
                     # Not daemonic: dist_checkpointing starts its own writer processes inside each rank.
                     args=(there, os.getpid(), dict(os.environ), os.getcwd(),
-                          rank_env(rank, world_size, rank, "127.0.0.1", port), device, threads))
+                          rank_env(rank, world_size, rank, "127.0.0.1", port), device, threads, collective_timeout_s))
                 self.pipes.append(here)
                 proc.start()
                 there.close()
@@ -123,6 +124,8 @@ class RankProcesses(Generic[T]):
     def _send(self, messages: Mapping[int, tuple]) -> dict[int, int]:
         """Each rank's message; returns the sequence number its reply will carry."""
         self.sequence += 1
+        op, args, _ = next(iter(messages.values()))
+        self.calling = args[0].__name__ if op == "call" else op  # what a rank that dies was doing
         callbacks: dict[int, Callable] = {}
         encoded: dict[int, bytes] = {}
         for rank, message in messages.items():
@@ -161,7 +164,7 @@ class RankProcesses(Generic[T]):
                 except (EOFError, OSError):  # gone, all it sent read
                     self.procs[rank].join(timeout=5.0)
                     failure = _cause(failure, RankDied(f"trainer rank {rank} (pid {self.procs[rank].pid}) "
-                                                       f"{_ended(self.procs[rank].exitcode)}"))
+                                                       f"{_ended(self.procs[rank].exitcode)} during {self.calling}"))
                     del waiting[rank]
                     continue
                 if kind == _PROGRESS:
@@ -251,7 +254,7 @@ def _ended(exitcode: Optional[int]) -> str:
 
 
 def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict[str, str], device: str,
-           threads: int) -> None:
+           threads: int, collective_timeout_s: float) -> None:
     # Its own process group, so ending it also ends the helpers the rank starts (dist_checkpointing's writers);
     # nor does a Ctrl-C on the terminal reach it directly: the driver stops it (shutdown).
     os.setpgrp()
@@ -280,7 +283,7 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
         try:
             sequence, op, args, kwargs = unpickler.load()
             if op == "build":
-                host = RankHost(env, device, threads)
+                host = RankHost(env, device, threads, collective_timeout_s)
                 host.build(*args)
                 value = None
             elif op == "shutdown":

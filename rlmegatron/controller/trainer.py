@@ -45,6 +45,7 @@ from rlmegatron.controller.rollout_data import (
 from rlmegatron.errors import Divergence
 from rlmegatron.rewards import NonFiniteReward, RewardResult, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
+from rlmegatron.runtime.distributed import CollectiveTimeout
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
 if TYPE_CHECKING:
@@ -72,8 +73,8 @@ class Timer:
 
 
 class TrainingStopped(RuntimeError):
-    """The loop stopped on a step it must not apply or save: a NaN or infinite reward, or a Divergence (rollout
-    logits, log-probs, values, a loss term, a gradient norm, the weights)."""
+    """The loop stopped on a step it must not apply or save: a NaN or infinite reward, a Divergence (rollout
+    logits, log-probs, values, a loss term, a gradient norm, the weights), or a collective that timed out."""
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Trainer:
         while self.step < self.total_steps():
             self.step += 1
             timer, metrics = Timer(), {}
-            with timer("step"), self.stop_on_non_finite():
+            with timer("step"), self.stop_on_failed_step():
                 produced = self.next_rollout(rollouts, metrics)
                 rollout = produced.rollout
                 baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
@@ -175,10 +176,12 @@ class Trainer:
             return update(batch, progress)
 
     @contextmanager
-    def stop_on_non_finite(self):
+    def stop_on_failed_step(self):
+        """A step that must not be applied or saved (NaN, inf, a collective that timed out) stops the run with one line
+        naming the step and the last complete checkpoint."""
         try:
             yield
-        except (Divergence, NonFiniteReward) as error:
+        except (Divergence, NonFiniteReward, CollectiveTimeout) as error:
             if making_ahead():
                 raise  # in a rollout made ahead: the step that would train it stops (rollout_buffer.Ahead)
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
@@ -238,7 +241,7 @@ class Trainer:
         ]
         shares = shard_requests(requests, self.engines.count)
         # Validation's generation too: a Divergence there stops the run as one in the step does.
-        with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress, self.stop_on_non_finite():
+        with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress, self.stop_on_failed_step():
             answers = self.engines.generate(dict(enumerate(shares)), progress)
             while restarted := [engine for engine, answer in answers.items() if answer is None]:
                 # A restarted engine has no trained weights: push them (collective), then resend its share.
@@ -261,7 +264,7 @@ class Trainer:
 
     def rewards(self, rows, results) -> RewardResult:
         """The reward manager's scores; a NaN or infinite one stops the run here, before it reaches any loss."""
-        with self.stop_on_non_finite():
+        with self.stop_on_failed_step():
             return self.reward_manager(reward_inputs(rows, results, self.tokenizer))
 
     def greedy_baselines(self, rollout: Rollout, timer: Timer, metrics: dict[str, float]) -> torch.Tensor:

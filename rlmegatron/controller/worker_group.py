@@ -17,6 +17,7 @@ import torch
 
 from rlmegatron.controller.placement import ResourcePool
 from rlmegatron.runtime import destroy_distributed, init_distributed
+from rlmegatron.runtime.distributed import CollectiveTimeout, is_collective_timeout
 from rlmegatron.runtime.launcher import free_port, rank_threads
 
 T = TypeVar("T")
@@ -59,13 +60,27 @@ class Member:
 
 
 class RankHost(Member):
-    """A trainer rank's member: joins the process group before its object is built, leaves it after shutdown."""
+    """A trainer rank's member: joins the process group before its object is built, leaves it after shutdown. A call
+    that waited `collective_timeout_s` in a collective raises CollectiveTimeout, naming the call."""
 
-    def __init__(self, env: dict[str, str], device: str, threads: int = 1) -> None:
+    def __init__(self, env: dict[str, str], device: str, threads: int = 1,
+                 collective_timeout_s: float = 600.0) -> None:
         super().__init__()
         os.environ.update(env)
         torch.set_num_threads(threads)
-        init_distributed(device)
+        init_distributed(device, collective_timeout_s)
+        self.collective_timeout_s = collective_timeout_s
+
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        try:
+            return super().call(method, *args, **kwargs)
+        except RuntimeError as error:
+            if not is_collective_timeout(error):
+                raise
+            raise CollectiveTimeout(
+                f"{method.__name__}: trainer rank {os.environ['RANK']} waited {self.collective_timeout_s:g} s in a "
+                f"collective that other ranks of its group did not join (trainer.collective_timeout_s): one of them "
+                f"is stuck or slower than that, or they ran different collectives") from error
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -197,7 +212,8 @@ class RayActorGroup(Generic[T]):
 class RayWorkerGroup(RayActorGroup[T]):
     """The trainer ranks: `pool.world_size` Ray actors, rank i on bundle i of the pool, one process group."""
 
-    def __init__(self, pool: ResourcePool, rank_class: Callable[..., T], *args: Any) -> None:
+    def __init__(self, pool: ResourcePool, rank_class: Callable[..., T], *args: Any,
+                 collective_timeout_s: float = 600.0) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -217,7 +233,7 @@ class RayWorkerGroup(RayActorGroup[T]):
         for rank in range(world_size):
             # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
             env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
-            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads))
+            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads, collective_timeout_s))
         gather([actor.build.remote(rank_class, *args) for actor in actors])
         super().__init__(actors)
 

@@ -144,6 +144,39 @@ def _patch_alltoall_split_sizes():
     mappings._AllToAll.forward = staticmethod(forward)
 
 
+def _patch_uneven_gathers():
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, *later_arguments, **options):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, *later_arguments, **options)
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+    def reduce_scatter(input_, group, input_split_sizes=None, *later_arguments, **options):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, *later_arguments, **options)
+        sizes = [int(size) for size in input_split_sizes]
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    # The MoE alltoall dispatcher at expert TP > 1 gathers and reduce-scatters each rank's received tokens over the
+    # expert-TP group, whose counts differ per rank. gloo's all_gather and reduce_scatter need equal sizes (NCCL's
+    # do not): pad to the largest and slice, and reduce the whole then keep this rank's rows. The autograd functions
+    # look both up by module name when they run.
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
 def _patch_shape_exchange():
     from megatron.core.pipeline_parallel import p2p_communication as p2p
 
@@ -224,5 +257,6 @@ def enable_cpu_compat() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _patch_alltoall_split_sizes()
+    _patch_uneven_gathers()
     _patch_shape_exchange()
     _ENABLED = True

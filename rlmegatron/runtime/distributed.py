@@ -69,9 +69,36 @@ def transformer_config_overrides(device: Device) -> dict:
     return {}
 
 
+class CollectiveTimeout(RuntimeError):
+    """A rank waited longer than the process group's timeout in a collective: a peer never joined it (stuck, far
+    slower, or running a different sequence of collectives). The message names the rank's call."""
+
+
+# What the backends' timeouts say: gloo's RuntimeError, and NCCL's watchdog where it raises (DistBackendError)
+# rather than ending the process.
+_TIMEOUT_MARKERS = ("Timed out waiting", "Watchdog caught collective operation timeout")
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether `error` is the process group's timeout."""
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TIMEOUT_MARKERS)
+
+
+_timeout = datetime.timedelta(seconds=600.0)
+"""init_distributed's timeout, which every group built later here (Megatron's included) gets too."""
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective of this process's groups waits for its peers."""
+    return _timeout
+
+
 def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
-    """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    """Join the default process group from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT); a collective
+    that waits `timeout_s` for its peers raises (CollectiveTimeout's causes), in this group and every later one."""
+    global _timeout
     quiet_library_notices(device)
+    _timeout = datetime.timedelta(seconds=timeout_s)
     if device == "cpu":
         enable_cpu_compat()
         backend = "gloo"
@@ -81,7 +108,7 @@ def init_distributed(device: Device, timeout_s: float = 600.0) -> None:
     else:
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.distributed.init_process_group(backend, timeout=_timeout)
 
 
 @dataclass
@@ -169,6 +196,8 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, others: Sequen
             context_parallel_size=key.cp,
             expert_model_parallel_size=key.ep,
             expert_tensor_parallel_size=key.etp,
+            # Megatron's groups otherwise wait 30 minutes, whatever the default group's timeout is.
+            distributed_timeout_minutes=_timeout.total_seconds() / 60,
         )
         _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
         model_parallel_cuda_manual_seed(seed)

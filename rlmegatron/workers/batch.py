@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -96,22 +96,30 @@ def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
-def split_to_multiple(groups: list[list[int]], lengths: list[int], multiple: int) -> list[list[int]]:
-    """Split the micro-batches with the most tokens until their count is a multiple of `multiple`.
-
-    Megatron's interleaved (VPP) schedule takes micro-batches in groups of PP and refuses a partial group;
-    splitting only shrinks micro-batches, so a token budget still holds, and the loss normalisation counts
-    micro-batches after the split.
-    """
+def split_largest(groups: list[list[int]], lengths: list[int], enough: Callable[[int], bool]) -> list[list[int]]:
+    """Split the micro-batches with the most tokens in two until `enough(their count)`, or until each holds one
+    sequence. Splitting only shrinks micro-batches, so a token budget still holds."""
     groups = [list(group) for group in groups]
-    while len(groups) % multiple:
+    while not enough(len(groups)):
         splittable = [g for g in groups if len(g) > 1]
         if not splittable:
-            raise ValueError(f"the interleaved pipeline needs a multiple of {multiple} micro-batches per data-parallel "
-                             f"rank, and {len(groups)} sequences cannot make one; give each rank more sequences")
+            break
         largest = max(splittable, key=lambda g: sum(lengths[i] for i in g))
         at = groups.index(largest)
         groups[at : at + 1] = [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return groups
+
+
+def split_to_multiple(groups: list[list[int]], lengths: list[int], multiple: int) -> list[list[int]]:
+    """Split the micro-batches with the most tokens until their count is a multiple of `multiple`.
+
+    Megatron's interleaved (VPP) schedule takes micro-batches in groups of PP and refuses a partial group; the loss
+    normalisation counts micro-batches after the split.
+    """
+    groups = split_largest(groups, lengths, lambda count: count % multiple == 0)
+    if len(groups) % multiple:
+        raise ValueError(f"the interleaved pipeline needs a multiple of {multiple} micro-batches per data-parallel "
+                         f"rank, and {len(groups)} sequences cannot make one; give each rank more sequences")
     return groups
 
 
@@ -127,6 +135,7 @@ class MicroBatch:
     inputs are this rank's load-balanced chunks of each sequence (rlmegatron/models/context_parallel.py),
     ``context_order`` places the CP ranks' gathered outputs back in sequence order, and ``labels`` holds
     each input position's next token (None in a shared-prompt micro-batch, where it is not one token).
+    A micro-batch with no ``rows`` is a filler (``filler_micro_batch``): it runs the model and nothing reads it.
     """
 
     rows: list[int]
@@ -250,6 +259,17 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         response_fields=batch.select(rows),
         **context,
     )
+
+
+def filler_micro_batch(batch: RolloutBatch, row: int, tp: int = 1, cp: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """A micro-batch that runs the model on `row`'s tokens and targets nothing: no rows, no loss, no results.
+
+    A rank runs these when it must match its peers' count of micro-batches (megatron_step.shard_micro_batches):
+    its collectives inside the forward and backward (the MoE all-to-alls) then pair with theirs."""
+    real = build_micro_batch(batch, [row], False, tp, cp, cp_rank)
+    nothing = real.target_index[:0]
+    return dataclasses.replace(real, rows=[], source_index=nothing, target_index=nothing,
+                               target_labels=real.target_labels[:0], response_fields=batch.select([]))
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):

@@ -8,8 +8,8 @@ import torch
 
 from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
-from rlmegatron.workers.batch import build_shared_prompt_micro_batch, fixed_micro_batches, prompt_groups
-from rlmegatron.workers.batch import split_to_multiple, token_budget_micro_batches
+from rlmegatron.workers.batch import build_shared_prompt_micro_batch, filler_micro_batch, fixed_micro_batches
+from rlmegatron.workers.batch import prompt_groups, split_largest, split_to_multiple, token_budget_micro_batches
 
 # (pre_process, post_process, vp_stage) -> the GPTModel chunk for this rank; the HF bridge plugs in here.
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
@@ -119,7 +119,9 @@ def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_s
     packed or right-padded as `pack` says (None: as `packing_pays`). The CP ranks of a DP rank get the same rows,
     each sequence split over them. With `share_prompts` (only where the model supports it: shared_prompts_supported),
     the responses to one prompt go to one rank and one micro-batch, which lays the prompt out once: always (True)
-    or when that saves enough tokens (None; SHARE_PROMPTS_BELOW)."""
+    or when that saves enough tokens (None; SHARE_PROMPTS_BELOW).
+
+    With expert parallelism every DP rank runs the same number of micro-batches (`_same_count_as_peers`)."""
     from megatron.core import parallel_state as ps
 
     lengths = batch.sequence_lengths().tolist()
@@ -129,26 +131,58 @@ def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_s
                                                                 batch.response_length)
     units = None if prompts is None else prompt_units(prompts, micro_batch_size, max_token_len, dp,
                                                       share_prompts is None)
-    if units is not None:
-        unit_rows, unit_tokens = units
-        mine = balanced_partition(unit_tokens, dp)[dp_rank]
-        if max_token_len is not None:
-            unit_groups = token_budget_micro_batches(mine, unit_tokens, max_token_len)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+
+    def cut(share: list[int]) -> list[list[int]]:
+        """One DP rank's share (units or rows) -> its micro-batches' rows."""
+        if units is not None:
+            unit_rows, unit_tokens = units
+            if max_token_len is not None:
+                unit_groups = token_budget_micro_batches(share, unit_tokens, max_token_len)
+            else:
+                unit_groups = _fill_micro_batches(share, [len(rows) for rows in unit_rows], micro_batch_size)
+            groups = [[row for unit in group for row in unit_rows[unit]] for group in unit_groups]
+        elif max_token_len is not None:
+            groups = token_budget_micro_batches(share, lengths, max_token_len)
         else:
-            unit_groups = _fill_micro_batches(mine, [len(rows) for rows in unit_rows], micro_batch_size)
-        groups = [[row for unit in group for row in unit_rows[unit]] for group in unit_groups]
-    elif max_token_len is not None:
-        groups = token_budget_micro_batches(balanced_partition(lengths, dp)[dp_rank], lengths, max_token_len)
-    else:
-        groups = fixed_micro_batches(balanced_partition(lengths, dp)[dp_rank], micro_batch_size)
-    if ps.get_virtual_pipeline_model_parallel_world_size():
-        groups = split_to_multiple(groups, lengths, ps.get_pipeline_model_parallel_world_size())
+            groups = fixed_micro_batches(share, micro_batch_size)
+        return split_to_multiple(groups, lengths, pp) if vpp else groups
+
+    shares = balanced_partition(lengths if units is None else units[1], dp)
+    groups = cut(shares[dp_rank])
+    fillers = 0
+    if ps.get_expert_model_parallel_world_size() > 1:
+        groups, fillers = _same_count_as_peers(groups, [cut(share) for r, share in enumerate(shares) if r != dp_rank],
+                                               lengths)
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     if units is not None:
-        return [build_shared_prompt_micro_batch(batch, rows, tp, prompts) for rows in groups]
-    padded_multiple = tp * 2 * cp if cp > 1 else tp  # what build_micro_batch rounds a padded width up to
-    return [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], padded_multiple) if pack is None
-                              else pack, tp, cp, ps.get_context_parallel_rank()) for rows in groups]
+        built = [build_shared_prompt_micro_batch(batch, rows, tp, prompts) for rows in groups]
+    else:
+        padded_multiple = tp * 2 * cp if cp > 1 else tp  # what build_micro_batch rounds a padded width up to
+        built = [build_micro_batch(batch, rows, packing_pays([lengths[r] for r in rows], padded_multiple)
+                                   if pack is None else pack, tp, cp, ps.get_context_parallel_rank())
+                 for rows in groups]
+    if fillers:
+        shortest = min(range(len(lengths)), key=lengths.__getitem__)
+        built += [filler_micro_batch(batch, shortest, tp, cp, ps.get_context_parallel_rank())] * fillers
+    return built
+
+
+def _same_count_as_peers(groups: list[list[int]], peers: list[list[list[int]]],
+                         lengths: list[int]) -> tuple[list[list[int]], int]:
+    """`groups` (this rank's micro-batches) as many as the most any peer DP rank has, and how many fillers
+    (`filler_micro_batch`) that still takes.
+
+    An MoE layer at EP > 1 exchanges tokens with the other ranks of its EP group, which hold other DP ranks' rows, in
+    each micro-batch's forward and backward: a rank that ran fewer micro-batches would leave its peers waiting in an
+    all-to-all for good. Every rank holds the whole batch and cuts every share alike, so each works out its peers'
+    counts itself, without a collective. Its own micro-batches are split first (real work, only smaller); a rank
+    with fewer sequences than the count runs fillers for the rest. Counts from the interleaved schedule's split are
+    multiples of PP already, so the largest is too."""
+    most = max([len(groups), *(len(peer) for peer in peers)])
+    groups = split_largest(groups, lengths, lambda count: count >= most)
+    return groups, most - len(groups)
 
 
 def prompt_units(prompts: tuple[torch.Tensor, ...], micro_batch_size: int, max_token_len: Optional[int], ranks: int,
@@ -197,7 +231,8 @@ def _fill_micro_batches(units: list[int], sizes: list[int], micro_batch_size: in
 
 
 def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):
-    """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only)."""
+    """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only), an empty
+    one for each filler."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlmegatron.models.shared_prompts import SharedPromptParams, rope_at_token_positions
@@ -208,6 +243,8 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
         with (rope_at_token_positions(unwrap(model), micro_batch.position_ids, params.max_seqlen_q)
               if isinstance(params, SharedPromptParams) else contextlib.nullcontext()):
             output = model(micro_batch.input_ids, micro_batch.position_ids, None, packed_seq_params=params)
+        if not micro_batch.rows:  # a filler: its backward runs (and pairs its collectives) with zero gradients
+            return output, lambda output_tensor: (output_tensor.sum() * 0.0, {})
         return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
 
     from megatron.core import parallel_state as ps
@@ -252,7 +289,7 @@ def run_forward_only(chunks: list, batch: RolloutBatch, micro_batches: list[Micr
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = torch.zeros(outputs, len(batch), batch.response_length, device=device)
     if is_last_stage():
-        for item in collected:
+        for item in filter(None, collected):  # fillers bring nothing
             rows = torch.as_tensor(item["rows"], device=device)
             for k, result in enumerate(item["results"]):
                 full[k, rows] = result.float()

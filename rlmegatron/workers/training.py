@@ -235,8 +235,10 @@ def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
     """The loss functions' metric dicts (last stage only) -> one dict every rank agrees on.
 
     `summed` carries the global denominator, so its sum over micro-batches and DP ranks is the
-    mini-batch value; every other metric is a per-micro-batch mean, averaged.
+    mini-batch value; every other metric is a per-micro-batch mean, averaged (over the micro-batches with rows:
+    fillers report nothing).
     """
+    collected = [item for item in collected if item]
     names = _names_from_last_stage(sorted(collected[0]) if collected else [])
     sums = torch.zeros(len(names) + 1)
     if megatron_step.is_last_stage():

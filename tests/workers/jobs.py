@@ -23,9 +23,11 @@ VOCAB = 128
 PROMPT, RESPONSE = 6, 6
 
 
-def rollout_batch(n: int = 8, seed: int = 3, samples_per_prompt: int = 1) -> RolloutBatch:
-    """Left-padded prompts, right-padded responses of varied lengths, with PPO fields filled in; each prompt is
-    the prompt of `samples_per_prompt` consecutive rows (GRPO's group)."""
+def rollout_batch(n: int = 8, seed: int = 3, samples_per_prompt: int = 1,
+                  lengths: list[tuple[int, int]] | None = None) -> RolloutBatch:
+    """Left-padded prompts, right-padded responses of varied lengths (or row i's (prompt, response) lengths
+    `lengths[i]`), with PPO fields filled in; each prompt is the prompt of `samples_per_prompt` consecutive rows
+    (GRPO's group)."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (n, PROMPT + RESPONSE), generator=gen)
     attention_mask = torch.zeros(n, PROMPT + RESPONSE, dtype=torch.long)
@@ -33,8 +35,8 @@ def rollout_batch(n: int = 8, seed: int = 3, samples_per_prompt: int = 1) -> Rol
     for i in range(n):
         first = i - i % samples_per_prompt
         input_ids[i, :PROMPT] = input_ids[first, :PROMPT]
-        prompt_len = 2 + first % (PROMPT - 1)
-        response_len = 1 + (3 * i) % RESPONSE
+        prompt_len, response_len = (2 + first % (PROMPT - 1), 1 + (3 * i) % RESPONSE) if lengths is None \
+            else lengths[i]
         attention_mask[i, PROMPT - prompt_len : PROMPT + response_len] = 1
         response_mask[i, :response_len] = 1
     input_ids = input_ids * attention_mask
@@ -48,11 +50,12 @@ def rollout_batch(n: int = 8, seed: int = 3, samples_per_prompt: int = 1) -> Rol
 
 
 def model_provider(layout: ParallelLayout, kind: str = "dense", tie_embeddings: bool | None = None,
-                   init_groups: bool = True):
-    """Build the parallel groups for `layout` (unless already built) and a provider of the tiny `kind` GPTModel."""
+                   init_groups: bool = True, **config_fields):
+    """Build the parallel groups for `layout` (unless already built) and a provider of the tiny `kind` GPTModel
+    (`config_fields` replace its TransformerConfig's)."""
     if init_groups:
         init_model_parallel(layout)
-    config = transformer_config(kind, layout, dispatcher="alltoall")
+    config = replace(transformer_config(kind, layout, dispatcher="alltoall"), **config_fields)
     tie = (kind == "dense") if tie_embeddings is None else tie_embeddings
     return gpt_model_provider(config, VOCAB, PROMPT + RESPONSE, tie_embeddings=tie, use_te=False)
 
@@ -218,7 +221,8 @@ def on_policy_job() -> dict:
 
 
 def critic_and_moe_job(workdir: str) -> dict:
-    """Critic values at TP=2 and CP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2."""
+    """Critic values at TP=2 and CP=2 vs TP=1 and value-loss descent; one PPO update of a MoE actor at EP=2; the EP=2
+    actor's micro-batches in every layout (moe_micro_batch_counts_job)."""
     batch = rollout_batch()
     actor_weights = os.path.join(workdir, "actor")
     make_actor(ParallelLayout()).save_weights(actor_weights)
@@ -279,7 +283,61 @@ def critic_and_moe_job(workdir: str) -> dict:
 
     reward_model = os.path.join(workdir, "reward_model")  # written by the test
     report["reward_model_values"] = make_reward_model_critic(ParallelLayout(tp=2), reward_model).compute_values(batch)
+    report["moe_counts"] = moe_micro_batch_counts_job(workdir)
     return report
+
+
+# Each layout at EP=2 on a batch whose token-balanced DP shares cut into different numbers of micro-batches:
+# two long rows and fourteen short ones over DP=4 give ranks 3 and 5 rows. One row per micro-batch (padded) leaves
+# the 3-row ranks 2 fillers short of the others; pairs (packed), a token budget and shared prompts need splits, and
+# the shared prompt's rank (one unit of two rows) a filler too.
+MOE_COUNT_LENGTHS = [(6, 6), (6, 6)] + [(2, 1)] * 14
+MOE_COUNT_VARIANTS = {
+    "padded": dict(use_packing=False, share_prompts=False, micro_batch_size=1),
+    "packed": dict(use_packing=True, share_prompts=False, micro_batch_size=2),
+    "shared-prompt": dict(share_prompts=True, micro_batch_size=2),
+    "dynamic-bsz": dict(share_prompts=False, max_token_len=16),
+}
+
+
+def moe_micro_batch_counts_job(workdir: str) -> dict:
+    """At DP=4, an EP=1 actor's log-probs before and after one update, then per layout variant the EP=2 actor's, with
+    its micro-batch counts per rank, how many are fillers and the layouts of the others. No router aux loss: a filler
+    runs the router on real tokens, which an aux loss would count (megatron_step._same_count_as_peers)."""
+    from rlmegatron.workers.training import micro_batches
+
+    batch = rollout_batch(n=16, seed=7, samples_per_prompt=2, lengths=MOE_COUNT_LENGTHS)
+    train_batch = replace(batch, old_log_probs=-2.0 * batch.response_mask)
+    weights = os.path.join(workdir, "moe-counts")
+    report: dict = {}
+    for label, ep, settings in [("ep1", 1, MOE_COUNT_VARIANTS["padded"]),
+                                *((label, 2, settings) for label, settings in MOE_COUNT_VARIANTS.items())]:
+        layout = ParallelLayout(ep=ep)
+        # One mini-batch of the whole batch: the update runs the micro-batches reported.
+        actor = ActorWorker(ActorSettings(**{**ACTOR_DEFAULTS, "ppo_mini_batch_size": len(batch), **settings}),
+                            model_provider(layout, "moe", moe_aux_loss_coeff=0.0), layout)
+        actor.init(parallel_state_ready=True)
+        if ep == 1:
+            actor.save_weights(weights)  # every actor starts from these
+        actor.load_weights(weights)
+        mine = micro_batches(actor.settings, batch, actor.chunks)
+        counts = torch.tensor([len(mine), sum(not micro.rows for micro in mine)])
+        every = [torch.zeros(2, dtype=torch.long) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, counts)
+        before = actor.compute_log_prob(batch, with_entropy=False)[0]
+        metrics = actor.update(train_batch)
+        report[label] = {"counts": [int(c[0]) for c in every], "fillers": [int(c[1]) for c in every],
+                         "layouts": sorted({_layout_of(micro) for micro in mine if micro.rows}),
+                         "before": before, "after": actor.compute_log_prob(batch, with_entropy=False)[0],
+                         "pg_loss": metrics["actor/pg_loss"]}
+    return report
+
+
+def _layout_of(micro) -> str:
+    from rlmegatron.models.shared_prompts import SharedPromptParams
+
+    params = micro.packed_seq_params
+    return "padded" if params is None else "shared-prompt" if isinstance(params, SharedPromptParams) else "packed"
 
 
 # A warm-up of 2 trainer steps, then a decay to min_lr at step 5 (the schedule's last).

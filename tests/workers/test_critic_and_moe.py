@@ -8,7 +8,7 @@ import torch
 
 from rlmegatron.runtime import run_ranks
 from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
-from tests.workers.jobs import VOCAB, critic_and_moe_job, rollout_batch
+from tests.workers.jobs import MOE_COUNT_VARIANTS, VOCAB, critic_and_moe_job, rollout_batch
 
 
 def save_reward_model(directory: Path) -> Path:
@@ -90,3 +90,24 @@ def test_moe_actor_trains_at_ep2_and_logs_router_aux_loss(report):
     assert max(v for n, v in changes.items() if "router" in n) > 0, changes
     aux = [name for name in metrics if name.startswith("actor/moe_")]
     assert aux and all(math.isfinite(metrics[name]) and metrics[name] > 0 for name in aux), metrics
+
+
+def test_every_rank_of_an_ep2_group_runs_as_many_micro_batches_in_every_layout_and_trains_as_ep1(report):
+    """The ranks' shares of the batch cut into 3 and 5 micro-batches at EP=1 (where nothing pairs them up); at EP=2,
+    where each micro-batch's all-to-alls pair a rank with others, every rank runs the same number: its own split, or
+    fillers after them. The result is EP=1's: the same log-probs before and after one update."""
+    counts = report["moe_counts"]
+    baseline = counts["ep1"]
+    assert len(set(baseline["counts"])) > 1, baseline["counts"]
+    changed = float((baseline["after"] - baseline["before"]).abs().max())
+    assert changed > 1e-3  # the update moves the log-probs; the layouts agree a hundred times closer
+    for label in MOE_COUNT_VARIANTS:
+        variant = counts[label]
+        assert len(set(variant["counts"])) == 1, (label, variant["counts"])
+        assert variant["layouts"] == [label if label != "dynamic-bsz" else "packed"], (label, variant["layouts"])
+        for when in ("before", "after"):
+            assert float((variant[when] - baseline[when]).abs().max()) < 1e-5, (label, when)
+        assert abs(variant["pg_loss"] - baseline["pg_loss"]) < 1e-6, label
+    assert counts["padded"]["fillers"] == [2, 2, 0, 0]  # the 3-row ranks cannot split single rows
+    assert counts["shared-prompt"]["fillers"] == [1, 0, 0, 0]  # one prompt of two rows: split once, then a filler
+    assert counts["packed"]["fillers"] == [0, 0, 0, 0]  # pairs split into singles instead

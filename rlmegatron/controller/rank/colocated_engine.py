@@ -23,6 +23,7 @@ from rlmegatron.rollout.local import LocalEngine
 from rlmegatron.rollout.sglang import share_buckets
 from rlmegatron.rollout.sglang_server import ServerProcess, launch_node
 from rlmegatron.runtime.cpu_compat import plain_torch
+from rlmegatron.runtime.distributed import collective_timeout
 from rlmegatron.tracking.progress import Progress
 
 
@@ -82,7 +83,8 @@ class ColocatedEngine:
         torch.distributed.all_gather_object(places, this_place(settings.device))
         layout = server_nodes(places, tp, (settings.num_gpus or world) // tp)
         # Every rank creates every group, in the same order, as new_group requires.
-        groups = [torch.distributed.new_group([s for node in nodes for s in node.slots], backend="gloo")
+        groups = [torch.distributed.new_group([s for node in nodes for s in node.slots], backend="gloo",
+                                              timeout=collective_timeout())
                   for nodes in layout] if tp > 1 else [None] * len(layout)
         mine = next(((node, index) for nodes in layout for node in nodes
                      for index, slot in enumerate(node.slots) if slot == rank), None)
