@@ -1,4 +1,5 @@
-"""Dotted command-line overrides (`actor.optim.lr=1e-6`): parsed as YAML values and laid over the raw spec."""
+"""Dotted command-line overrides (`actor.optim.lr=1e-6`): parsed as YAML values and laid over the raw spec;
+`~actor.ppo_micro_batch_size_per_gpu` (Hydra's and so verl's spelling) removes a key the YAML sets."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,10 @@ from pydantic import BaseModel
 from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.config.fieldpaths import path_problem
 from rlmegatron.config.yamlio import parse_yaml
+
+
+REMOVE: Any = object()
+"""The value of a `~key` override: the key goes, and the field takes its default."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,13 @@ class Override:
 
 
 def parse_override(text: str) -> Override | SpecProblem:
-    """`a.b.c=value` -> Override(("a", "b", "c"), value), the value read as YAML (so 8, 1e-6, true, [x, y])."""
+    """`a.b.c=value` -> Override(("a", "b", "c"), value), the value read as YAML (so 8, 1e-6, true, [x, y]);
+    `~a.b.c` -> Override(("a", "b", "c"), REMOVE)."""
+    if text.startswith("~"):
+        keys = tuple(text[1:].strip().split("."))
+        if "=" in text or not all(keys):
+            return SpecProblem(text, NO_VALUE, "a removal must look like ~section.key (e.g. ~rollout.n), no value")
+        return Override(keys, REMOVE)
     path, sep, value_text = text.partition("=")
     keys = tuple(path.strip().split("."))
     if not sep or not all(keys):
@@ -58,7 +69,9 @@ def apply_overrides(
             continue
         reason = path_problem(root, parsed.keys) or _set_in(result, parsed)
         if reason:
-            problems.append(SpecProblem(parsed.path, parsed.value, parsed.blame(reason)))
+            removal = parsed.value is REMOVE
+            problems.append(SpecProblem("~" + parsed.path if removal else parsed.path,
+                                        NO_VALUE if removal else parsed.value, parsed.blame(reason)))
         else:
             applied.append(parsed)
     return result, applied, problems
@@ -75,6 +88,11 @@ def _set_in(raw: dict[str, Any], override: Override) -> str | None:
             where = ".".join(override.keys[: depth + 1])
             return f"cannot set it: {where} is {child!r} in the YAML, not a section"
         section = child
+    if override.value is REMOVE:
+        if override.keys[-1] not in section:
+            return "cannot remove it: the YAML does not set it (nor does an override before this one)"
+        del section[override.keys[-1]]
+        return None
     section[override.keys[-1]] = override.value
     return None
 

@@ -187,9 +187,14 @@ def unused_settings(spec: JobSpec, raw: Mapping[str, Any]) -> list[SpecProblem]:
     for rule in RULES:
         matched = sorted(path for path in written if _covered(path, rule) and not _has_child(path, written))
         if matched and not rule.applies(spec):
-            problems += [SpecProblem(path, _value_at(spec, path), rule.why(spec)) for path in matched
-                         if _value_at(spec, path) != _value_without(raw, path)]
+            problems += [SpecProblem(path, _value_at(spec, path), _on_the_command_line(rule.why(spec), path))
+                         for path in matched if _value_at(spec, path) != _value_without(raw, path)]
     return problems
+
+
+def _on_the_command_line(why: str, path: str) -> str:
+    """`why`, saying how to remove the field without editing the YAML where it tells the user to remove it."""
+    return why.replace("remove it", f"remove it (~{path} on the command line)", 1)
 
 
 def _value_without(raw: Mapping[str, Any], path: str) -> Any:

@@ -1,18 +1,19 @@
-"""PPO's vanilla loss, with trainer rank 1 asleep for $RLM_SLOW_RANK_S seconds in its first loss of step
-$RLM_SLOW_AT_STEP: a peer that stops answering, as a stuck rank or a mismatched collective looks to the others."""
+"""PPO's vanilla loss, with trainer rank 1 asleep for $RLM_SLOW_RANK_S seconds in its first call once the path
+$RLM_SLOW_ONCE_EXISTS exists (a checkpoint of the step before): a peer that stops answering, as a stuck rank or a
+mismatched collective looks to the others."""
 import os
 import time
 
 from rlmegatron.algorithms.policy_loss import ppo_clip_policy_loss
 
-calls = 0
+slept = False
 
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation,
                         rollout_is_weights=None):
-    global calls
-    calls += 1  # one loss per micro-batch; the test's steps have one micro-batch per rank
-    if os.environ["RANK"] == "1" and calls == int(os.environ["RLM_SLOW_AT_STEP"]):
+    global slept
+    if os.environ["RANK"] == "1" and not slept and os.path.exists(os.environ["RLM_SLOW_ONCE_EXISTS"]):
+        slept = True
         time.sleep(float(os.environ["RLM_SLOW_RANK_S"]))
     return ppo_clip_policy_loss(old_log_prob, log_prob, advantages, response_mask, config, aggregation,
                                 rollout_is_weights)
