@@ -62,6 +62,7 @@ class RankProcesses(Generic[T]):
         self.pipes: list[Connection] = []
         self.procs = []
         self.sequence = 0
+        self.calling = "build"
         self.lock = threading.Lock()  # one call at a time, in the order the driver's threads make them (as Ray's queue)
         self.stuck: dict[int, int] = {}  # the ranks that have not answered the latest call (yet, or ever)
         try:
@@ -124,8 +125,9 @@ class RankProcesses(Generic[T]):
     def _send(self, messages: Mapping[int, tuple]) -> dict[int, int]:
         """Each rank's message; returns the sequence number its reply will carry."""
         self.sequence += 1
-        op, args, _ = next(iter(messages.values()))
-        self.calling = args[0].__name__ if op == "call" else op  # what a rank that dies was doing
+        for op, args, _ in messages.values():
+            self.calling = args[0].__name__ if op == "call" else op  # what a rank that dies was doing
+            break
         callbacks: dict[int, Callable] = {}
         encoded: dict[int, bytes] = {}
         for rank, message in messages.items():
