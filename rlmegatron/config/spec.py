@@ -250,6 +250,19 @@ class LoRAConfig(Section):
     (PEFT format, under trainer.run_dir/lora_adapters, a path the servers must see) and samples with."""
 
 
+class MoEConfig(Section):
+    """What an MoE actor does about its routers (rlmegatron/models/routing_replay.py)."""
+
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Replay recorded expert choices instead of the router's own top-k in the actor's Megatron passes, the routing
+    weights recomputed from the trained router's scores over them: `r3` the rollout engine's routing of each token
+    (the engines return it) in every pass; `r2` the old-log-prob pass's own routing in the update (needs that pass:
+    several mini-batches or epochs). The reference's pass routes freely."""
+    routing_agreement: bool = False
+    """Have the engines return their routing and log moe/routing_agreement, the fraction of (token, MoE layer) pairs
+    whose top-k the actor's router chooses as the rollout did (r3 logs it anyway)."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -268,6 +281,12 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_type: Text = "low_var_kl"
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+
+    @property
+    def wants_rollout_routing(self) -> bool:
+        """Whether the engines return each token's experts (rollout routing replay, or its agreement measured)."""
+        return self.moe.routing_replay == "r3" or self.moe.routing_agreement
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
         """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""

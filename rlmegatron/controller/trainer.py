@@ -234,9 +234,12 @@ class Trainer:
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
         # One seed per request, so a request's samples do not depend on which engine serves it.
+        # The training rollout's routing, for the actor's routing replay or its agreement (actor.moe).
+        routing = label == "rollout" and self.spec.actor.wants_rollout_routing
         requests = [
             GenerationRequest(tuple(p.prompt_ids), sampling_spec(
-                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info)
+                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info,
+                return_routed_experts=routing)
             for i, p in enumerate(prompts)
         ]
         shares = shard_requests(requests, self.engines.count)
