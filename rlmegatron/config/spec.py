@@ -253,7 +253,8 @@ class LoRAConfig(Section):
 class MoEConfig(Section):
     """What an MoE actor does about its routers (rlmegatron/models/routing_replay.py)."""
 
-    routing_replay: Literal["off", "r2", "r3"] = "off"
+    # YAML 1.1 reads a bare `off` as false.
+    routing_replay: Annotated[Literal["off", "r2", "r3"], BeforeValidator(lambda v: "off" if v is False else v)] = "off"
     """Replay recorded expert choices instead of the router's own top-k in the actor's Megatron passes, the routing
     weights recomputed from the trained router's scores over them: `r3` the rollout engine's routing of each token
     (the engines return it) in every pass; `r2` the old-log-prob pass's own routing in the update (needs that pass:

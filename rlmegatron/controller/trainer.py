@@ -19,6 +19,7 @@ from rlmegatron.algorithms import (
     RolloutCorrectionConfig,
     apply_kl_penalty,
     compute_advantages,
+    policy_mismatch,
     rollout_correction,
 )
 from rlmegatron.config.spec import SamplingParams
@@ -135,6 +136,7 @@ class Trainer:
                 if spec.needs_old_log_prob_pass:
                     with timer("old_log_prob"):
                         batch.old_log_probs = self.ranks.compute_log_prob(batch)
+                    metrics.update(policy_mismatch(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask))
                 metrics.update(self.correct_rollout(batch))
                 if spec.needs_reference:
                     with timer("ref"):

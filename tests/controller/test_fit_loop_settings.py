@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlmegatron.rewards import DAPORewardManager, NaiveRewardManager
-from tests.controller.fit_rig import FakeRanks, constant, run_rig
+from tests.controller.fit_rig import REPO_ROOT, FakeRanks, constant, run_rig
 
 
 def steps(history: dict, name: str) -> list[int]:
@@ -32,6 +32,18 @@ def test_rollout_sampling_settings_reach_every_request_and_the_batch(tmp_path):
     default = run_rig(tmp_path / "b", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2")
     default_seeds = [[request.sampling.seed for request in requests] for requests in default.calls("rollout")]
     assert len({seed for step in seeds + default_seeds for seed in step}) == 8
+
+
+def test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it(tmp_path):
+    """An MoE actor replaying the rollout's routing (r3) or measuring its agreement asks for it on every training
+    request, not on validation's; r2 (its own old-log-prob pass's routing) and no replay do not ask."""
+    moe = [f"model.path={REPO_ROOT / 'configs' / 'models' / 'tiny-qwen3-moe'}", "data.val_files=[val.jsonl]",
+           "trainer.val_before_train=true", "actor.ppo_mini_batch_size=2"]
+    for setting, asked in [("actor.moe.routing_replay=r3", True), ("actor.moe.routing_agreement=true", True),
+                           ("actor.moe.routing_replay=r2", False), ("actor.moe.routing_replay=off", False)]:
+        rig = run_rig(tmp_path / setting, *moe, setting, val_prompts=2)
+        assert {request.return_routed_experts for request in rig.requests("rollout")} == {asked}, setting
+        assert {request.return_routed_experts for request in rig.requests("validation")} == {False}, setting
 
 
 def test_max_new_tokens_follows_data_max_response_length(tmp_path):
