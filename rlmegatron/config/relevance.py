@@ -140,6 +140,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("trainer.max_staleness",), lambda s: s.trainer.mode == "async",
          lambda s: f"only bounds trainer.mode=async (trainer.mode={s.trainer.mode} lags "
                    f"{s.trainer.staleness_bound} weight versions); remove it or set trainer.mode=async"),
+    Rule(("trainer.on_policy_check",), lambda s: s.trainer.mode == "sync",
+         lambda s: f"trainer.mode={s.trainer.mode} samples with weights up to {s.trainer.staleness_bound} versions "
+                   f"old by design, which the check would stop; remove it or set trainer.mode=sync"),
     Rule(("trainer.partial_rollout",), lambda s: s.trainer.mode != "sync",
          lambda s: "weights only arrive mid-generation when generation overlaps training; remove it or set "
                    "trainer.mode to one_step_off or async"),

@@ -579,6 +579,13 @@ class TrainerConfig(Section):
     logs how many versions behind the trained policy they are."""
     max_staleness: PositiveInt = 2
     """async: the most weight versions a trained sample may lag behind the policy it trains (one_step_off: 1)."""
+    on_policy_check: float | None = Field(None, gt=0)
+    """The largest |log p_rollout - log p_old| a response token may have (trainer.mode=sync): past it the step stops
+    (exit 3) naming the row and token, before the update. A detector of weight-sync and routing bugs: the engines
+    should sample with exactly the weights the actor scores with. With rollout.engine=local in fp32 the gap is one
+    float32 ulp of the log-prob at most, for a dense model and for an MoE one with actor.moe.routing_replay=r3
+    (kernels round differently: benchmarks/RESULTS.md, "On-policy check"); 1e-5 leaves room for that. It adds the
+    old-log-prob pass where the update would not need one. null checks nothing."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Seconds a trainer rank waits in one collective (an all-reduce, an MoE all-to-all, a barrier) for the other ranks
     of its group; past them the run stops with a line naming the step and the call (exit 3) instead of waiting for
@@ -643,13 +650,14 @@ class JobSpec(Section):
         """Whether the step needs the actor's log-probs before its update as a pass of their own. Not when the update
         is exactly on-policy (synchronous training, one epoch, one mini-batch: its only forward runs on the weights
         that sampled, so the old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them),
-        unless something reads them before the update: the reward's KL penalty, or rollout correction."""
+        unless something reads them before the update: the reward's KL penalty, rollout correction, or the on-policy
+        check (trainer.on_policy_check)."""
         mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
         correction = self.algorithm.rollout_correction
         corrected = correction.rollout_is is not None or correction.rollout_rs is not None \
             or correction.rollout_token_veto_threshold is not None
         return (self.trainer.mode != "sync" or self.actor.ppo_epochs > 1 or mini_batches > 1
-                or self.algorithm.use_kl_in_reward or corrected)
+                or self.algorithm.use_kl_in_reward or corrected or self.trainer.on_policy_check is not None)
 
     @property
     def rule_scores(self) -> bool:

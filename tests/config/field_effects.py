@@ -189,6 +189,7 @@ REPLAY_AGREEMENT = REPLAY + "test_the_engine_records_every_token_it_ran_and_mega
 REPLAY_SETTINGS = ROLES + "test_the_actor_settings_carry_the_moe_routing_fields_and_the_reference_routes_freely"
 REPLAY_CHECKS = "tests/config/test_checks.py::test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing"
 REPLAY_REQUESTS = FIT + "test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it"
+ON_POLICY_CHECK = FIT + "test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_off_policy"
 COLLECTIVE_TIMEOUT = ("tests/controller/test_moe_fit.py::"
                       "test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout_naming_step_and_call")
 
@@ -436,6 +437,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
     "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,
                                                                                      MODE_ERRORS)),
+    "trainer.on_policy_check": ("the step stops when an engine's log-prob is off the actor's by more",
+                                (ON_POLICY_CHECK,)),
     "trainer.partial_rollout": ("weights swapped mid-generation, samples continued",
                                 (PAUSED_PUSH, PARTIAL_SGLANG, PARTIAL_LOCAL, ASYNC_RUN)),
     "trainer.resume": ("checkpoint a run starts from", (RESUME,)),

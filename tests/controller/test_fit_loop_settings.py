@@ -46,6 +46,31 @@ def test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses
         assert {request.return_routed_experts for request in rig.requests("validation")} == {False}, setting
 
 
+def test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_off_policy(tmp_path):
+    """The fake engine's log-probs are -0.5 on every token: ranks that score -0.5 pass the check, ranks that score
+    -0.5 + 2e-5 stop step 1 before its update; without the check the same ranks train (on-policy, no pass)."""
+    from rlmegatron.controller.trainer import TrainingStopped
+
+    on_policy = FakeRanks()
+    on_policy.log_prob = -0.5
+    rig = run_rig(tmp_path / "exact", "trainer.on_policy_check=1e-5", ranks=on_policy)
+    assert on_policy.calls.count("compute_log_prob") == 2 and len(rig.ranks.updates["actor"]) == 2
+
+    off = FakeRanks()
+    off.log_prob = -0.5 + 2e-5
+    with pytest.raises(TrainingStopped) as stopped:
+        run_rig(tmp_path / "off", "trainer.on_policy_check=1e-5", ranks=off)
+    assert str(stopped.value).startswith(
+        "step 1: trainer.on_policy_check=1e-05: row 0, response token 0 has log-prob -0.5 from the engine and "
+        "-0.49998 from the actor (2e-05 apart): the engine did not sample with the trained weights"), stopped.value
+    assert "update_actor" not in off.calls
+
+    unchecked = FakeRanks()
+    unchecked.log_prob = -0.5 + 2e-5
+    run_rig(tmp_path / "unchecked", ranks=unchecked)
+    assert "compute_log_prob" not in unchecked.calls and unchecked.calls.count("update_actor") == 2
+
+
 def test_max_new_tokens_follows_data_max_response_length(tmp_path):
     rig = run_rig(tmp_path, "data.max_response_length=4")
     assert {request.sampling.max_new_tokens for request in rig.requests("rollout")} == {4}
