@@ -24,6 +24,11 @@ class Divergence(FloatingPointError):
     gradient norm or the weights after an optimizer step. The message starts with the metric's name."""
 
 
+class OffPolicy(RuntimeError):
+    """trainer.on_policy_check: the engine's log-prob of a sampled token is farther from the actor's than the check
+    allows, so the engine did not sample with the weights the actor trains (a weight-sync or routing bug)."""
+
+
 def user_error_in(error: BaseException) -> UserError | None:
     """The user error `error` is, or carries from a Ray worker; None for anything else (a bug)."""
     while True:

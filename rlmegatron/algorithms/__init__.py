@@ -46,7 +46,12 @@ from rlmegatron.algorithms.policy_loss import (
     ppo_clip_policy_loss,
 )
 from rlmegatron.algorithms.registry import Registry, UnknownNameError
-from rlmegatron.algorithms.rollout_correction import RolloutCorrection, RolloutCorrectionConfig, rollout_correction
+from rlmegatron.algorithms.rollout_correction import (
+    RolloutCorrection,
+    RolloutCorrectionConfig,
+    policy_mismatch,
+    rollout_correction,
+)
 from rlmegatron.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
@@ -90,6 +95,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "opo_advantages",
+    "policy_mismatch",
     "ppo_clip_policy_loss",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",

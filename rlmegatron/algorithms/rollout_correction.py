@@ -118,6 +118,24 @@ def rollout_correction(
     return RolloutCorrection(weights, keep.to(response_mask.dtype), metrics)
 
 
+def policy_mismatch(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                    response_mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's probabilities of the sampled tokens are from the engine's, whether or not they are
+    corrected (verl's names): |p_rollout - p_old| per response token, its mean and max, and KL(rollout || old)
+    estimated on the rollout's samples (k3: mean of r - 1 - log r, r = p_old / p_rollout, never negative)."""
+    mask = response_mask.bool()
+    if not mask.any():
+        return {}
+    old, rollout = old_log_probs[mask].double(), rollout_log_probs[mask].double()
+    difference = (old.exp() - rollout.exp()).abs()
+    log_ratio = (old - rollout).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return {
+        "training/rollout_probs_diff_mean": float(difference.mean()),
+        "training/rollout_probs_diff_max": float(difference.max()),
+        "training/rollout_kl": float((log_ratio.exp() - 1 - log_ratio).mean()),
+    }
+
+
 def _fraction(selected: torch.Tensor, among: torch.Tensor) -> float:
     total = int(among.sum())
     return float((selected & among).sum()) / total if total else 0.0

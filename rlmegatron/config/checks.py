@@ -29,6 +29,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_rollout(spec, arch)
     problems += _check_algorithm(spec)
     problems += _check_lora(spec, arch)
+    problems += _check_routing(spec, arch)
     problems += _check_reward_model(spec)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
@@ -454,6 +455,30 @@ def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProbl
             reason = ("adapters travel from dense models on one pipeline stage (no experts, "
                       "actor.megatron.pipeline_model_parallel_size=1); use actor.lora.weight_sync=merge")
             problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
+    return problems
+
+
+def _check_routing(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
+    """Routing replay and its agreement need routers, a pass to record (r2) and engines that return routing."""
+    moe, problems = spec.actor.moe, []
+    asked = [(f"actor.moe.{name}", value) for name, value, default in
+             (("routing_replay", moe.routing_replay, "off"), ("routing_agreement", moe.routing_agreement, False))
+             if value != default]
+    if not asked or arch is None:
+        return problems
+    if not arch.is_moe:
+        return [SpecProblem(field, value, "the model is dense (its config.json declares no routed experts); remove it")
+                for field, value in asked]
+    if moe.routing_replay == "r2" and not spec.needs_old_log_prob_pass:
+        problems.append(SpecProblem(
+            "actor.moe.routing_replay", "r2", "replays the old-log-prob pass's routing in the update, and this update "
+            "is on-policy (one epoch of one mini-batch), so no such pass runs and the update's routing is its own; use "
+            "r3, or more mini-batches (actor.ppo_mini_batch_size below data.train_batch_size) or epochs"))
+    if spec.actor.wants_rollout_routing and spec.rollout.multi_turn.tools:
+        field, value = ("actor.moe.routing_replay", "r3") if moe.routing_replay == "r3" else \
+            ("actor.moe.routing_agreement", True)
+        problems.append(SpecProblem(field, value, "multi-turn rollouts do not return their routing yet; use r2 or off "
+                                                  "without routing_agreement, or no rollout.multi_turn.tools"))
     return problems
 
 

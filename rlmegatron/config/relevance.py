@@ -140,6 +140,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("trainer.max_staleness",), lambda s: s.trainer.mode == "async",
          lambda s: f"only bounds trainer.mode=async (trainer.mode={s.trainer.mode} lags "
                    f"{s.trainer.staleness_bound} weight versions); remove it or set trainer.mode=async"),
+    Rule(("trainer.on_policy_check",), lambda s: s.trainer.mode == "sync",
+         lambda s: f"trainer.mode={s.trainer.mode} samples with weights up to {s.trainer.staleness_bound} versions "
+                   f"old by design, which the check would stop; remove it or set trainer.mode=sync"),
     Rule(("trainer.partial_rollout",), lambda s: s.trainer.mode != "sync",
          lambda s: "weights only arrive mid-generation when generation overlaps training; remove it or set "
                    "trainer.mode to one_step_off or async"),
@@ -163,6 +166,8 @@ RULES: tuple[Rule, ...] = (
     # The old-log-prob pass batches like the actor's update; its budget rule is the actor's, above.
     _dynamic_batching("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
                       "rollout.log_prob_micro_batch_size_per_gpu", packs="the old-log-prob pass")[1],
+    Rule(("actor.moe.routing_agreement",), lambda s: s.actor.moe.routing_replay != "r3",
+         lambda s: "routing replay r3 measures the agreement anyway (its record is the rollout's routing); remove it"),
     Rule(("tracking.rollout_trace.prompts_per_step",), lambda s: s.tracking.rollout_trace.backend is not None,
          lambda s: "no samples are traced (tracking.rollout_trace.backend is null); remove it or set a backend"),
     Rule(("rollout.tensor_parallel_size", "rollout.expert_parallel_size", "rollout.enable_dp_attention",

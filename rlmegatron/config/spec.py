@@ -250,6 +250,20 @@ class LoRAConfig(Section):
     (PEFT format, under trainer.run_dir/lora_adapters, a path the servers must see) and samples with."""
 
 
+class MoEConfig(Section):
+    """What an MoE actor does about its routers (rlmegatron/models/routing_replay.py)."""
+
+    # YAML 1.1 reads a bare `off` as false.
+    routing_replay: Annotated[Literal["off", "r2", "r3"], BeforeValidator(lambda v: "off" if v is False else v)] = "off"
+    """Replay recorded expert choices instead of the router's own top-k in the actor's Megatron passes, the routing
+    weights recomputed from the trained router's scores over them: `r3` the rollout engine's routing of each token
+    (the engines return it) in every pass; `r2` the old-log-prob pass's own routing in the update (needs that pass:
+    several mini-batches or epochs). The reference's pass routes freely."""
+    routing_agreement: bool = False
+    """Have the engines return their routing and log moe/routing_agreement, the fraction of (token, MoE layer) pairs
+    whose top-k the actor's router chooses as the rollout did (r3 logs it anyway)."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -268,6 +282,12 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_type: Text = "low_var_kl"
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+
+    @property
+    def wants_rollout_routing(self) -> bool:
+        """Whether the engines return each token's experts (rollout routing replay, or its agreement measured)."""
+        return self.moe.routing_replay == "r3" or self.moe.routing_agreement
 
     def policy_loss_settings(self) -> dict[str, tuple[str, Any]]:
         """Each field of the policy losses' config (rlmegatron.algorithms.PolicyLossConfig) -> (spec field, value)."""
@@ -559,6 +579,13 @@ class TrainerConfig(Section):
     logs how many versions behind the trained policy they are."""
     max_staleness: PositiveInt = 2
     """async: the most weight versions a trained sample may lag behind the policy it trains (one_step_off: 1)."""
+    on_policy_check: float | None = Field(None, gt=0)
+    """The largest |log p_rollout - log p_old| a response token may have (trainer.mode=sync): past it the step stops
+    (exit 3) naming the row and token, before the update. A detector of weight-sync and routing bugs: the engines
+    should sample with exactly the weights the actor scores with. With rollout.engine=local in fp32 the gap is one
+    float32 ulp of the log-prob at most, for a dense model and for an MoE one with actor.moe.routing_replay=r3
+    (kernels round differently: benchmarks/RESULTS.md, "On-policy check"); 1e-5 leaves room for that. It adds the
+    old-log-prob pass where the update would not need one. null checks nothing."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Seconds a trainer rank waits in one collective (an all-reduce, an MoE all-to-all, a barrier) for the other ranks
     of its group; past them the run stops with a line naming the step and the call (exit 3) instead of waiting for
@@ -623,13 +650,14 @@ class JobSpec(Section):
         """Whether the step needs the actor's log-probs before its update as a pass of their own. Not when the update
         is exactly on-policy (synchronous training, one epoch, one mini-batch: its only forward runs on the weights
         that sampled, so the old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them),
-        unless something reads them before the update: the reward's KL penalty, or rollout correction."""
+        unless something reads them before the update: the reward's KL penalty, rollout correction, or the on-policy
+        check (trainer.on_policy_check)."""
         mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
         correction = self.algorithm.rollout_correction
         corrected = correction.rollout_is is not None or correction.rollout_rs is not None \
             or correction.rollout_token_veto_threshold is not None
         return (self.trainer.mode != "sync" or self.actor.ppo_epochs > 1 or mini_batches > 1
-                or self.algorithm.use_kl_in_reward or corrected)
+                or self.algorithm.use_kl_in_reward or corrected or self.trainer.on_policy_check is not None)
 
     @property
     def rule_scores(self) -> bool:

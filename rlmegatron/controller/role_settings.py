@@ -174,6 +174,8 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
         kl_loss_type=actor.kl_loss_type,
         entropy_coeff=actor.entropy_coeff,
         log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
+        routing_replay=actor.moe.routing_replay,
+        routing_agreement=actor.moe.routing_agreement,
     )
 
 
@@ -200,6 +202,8 @@ def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
         micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
         max_token_len=_micro_batch_tokens(ref.log_prob_max_token_len_per_gpu, ref.megatron)
         if ref.log_prob_use_dynamic_bsz else None,
+        routing_replay="off",  # the reference routes freely
+        routing_agreement=False,
     )
 
 

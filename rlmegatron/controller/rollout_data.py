@@ -109,7 +109,33 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
     rollout_log_probs = torch.zeros(rows, response_width)
     rollout_log_probs[response_cells] = torch.tensor(
         [v for r in results for v in r.output_token_logprobs], dtype=torch.float)
-    return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs)
+    routed = None
+    if any(r.routed_experts is not None for r in results):
+        # Every token the engine ran: the prompt and the response but its last token, whose record would come from a
+        # call that never happens. Tool answers route freely (-1): the engine read them, the policy did not write them.
+        ran = in_prompt | (in_response & (columns < prompt_width + response_lengths[:, None] - 1))
+        routed = torch.full((*input_ids.shape, *_routing_shape(results)), -1, dtype=torch.int16)
+        routed[ran] = torch.cat([_routing_of(r, len(prompt), index) for index, (r, prompt)
+                                 in enumerate(zip(results, prompt_ids))])
+        routed[:, prompt_width:][response_cells & (response_mask == 0)] = -1
+    return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs,
+                        routed_experts=routed)
+
+
+def _routing_shape(results: list[GenerationResult]) -> tuple[int, int]:
+    return next(tuple(r.routed_experts.shape[1:]) for r in results if r.routed_experts is not None)
+
+
+def _routing_of(result: GenerationResult, prompt_length: int, row: int) -> torch.Tensor:
+    """A result's routing record, checked: one row per token the engine ran."""
+    expected = prompt_length + len(result.output_token_ids) - 1
+    routed = result.routed_experts
+    if routed is None or routed.shape[0] != expected:
+        got = "none" if routed is None else f"{routed.shape[0]} tokens"
+        raise ValueError(f"the engine's answer to request {result.request_index} (sample {result.sample_index}, row "
+                         f"{row}) has routing for {got}, not the {expected} tokens it ran (prompt + response - 1); "
+                         f"routing replay cannot route it as the rollout did")
+    return routed
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -119,11 +145,16 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
     def left_pad(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t, (width - t.shape[1], 0))
 
+    def left_pad_routing(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, 0, width - t.shape[1], 0), value=-1)
+
+    routed = [b.routed_experts for b in batches]
     return RolloutBatch(
         input_ids=torch.cat([left_pad(b.input_ids) for b in batches]),
         attention_mask=torch.cat([left_pad(b.attention_mask) for b in batches]),
         response_mask=torch.cat([b.response_mask for b in batches]),
         rollout_log_probs=torch.cat([b.rollout_log_probs for b in batches]),
+        routed_experts=None if routed[0] is None else torch.cat([left_pad_routing(t) for t in routed]),
     )
 
 

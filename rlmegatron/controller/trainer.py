@@ -19,6 +19,7 @@ from rlmegatron.algorithms import (
     RolloutCorrectionConfig,
     apply_kl_penalty,
     compute_advantages,
+    policy_mismatch,
     rollout_correction,
 )
 from rlmegatron.config.spec import SamplingParams
@@ -42,7 +43,7 @@ from rlmegatron.controller.rollout_data import (
     token_level,
     traced_samples,
 )
-from rlmegatron.errors import Divergence
+from rlmegatron.errors import Divergence, OffPolicy
 from rlmegatron.rewards import NonFiniteReward, RewardResult, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.runtime.distributed import CollectiveTimeout
@@ -74,7 +75,8 @@ class Timer:
 
 class TrainingStopped(RuntimeError):
     """The loop stopped on a step it must not apply or save: a NaN or infinite reward, a Divergence (rollout
-    logits, log-probs, values, a loss term, a gradient norm, the weights), or a collective that timed out."""
+    logits, log-probs, values, a loss term, a gradient norm, the weights), a collective that timed out, or an
+    engine found sampling off the trained policy (trainer.on_policy_check)."""
 
 
 @dataclass
@@ -86,6 +88,20 @@ class FitResult:
     seconds: float
     last_checkpoint: Optional[str]
     exported_hf: Optional[str]
+
+
+def check_on_policy(batch, tolerance: float) -> None:
+    """OffPolicy naming the response token whose rollout and old log-probs are farthest apart, when over
+    `tolerance` (trainer.on_policy_check)."""
+    gap = (batch.rollout_log_probs - batch.old_log_probs).abs() * batch.response_mask
+    worst = int(gap.argmax())
+    row, token = divmod(worst, gap.shape[1])
+    if gap.view(-1)[worst] > tolerance:
+        raise OffPolicy(
+            f"trainer.on_policy_check={tolerance:g}: row {row}, response token {token} has log-prob "
+            f"{float(batch.rollout_log_probs[row, token]):.7g} from the engine and "
+            f"{float(batch.old_log_probs[row, token]):.7g} from the actor ({float(gap[row, token]):.3g} apart): the "
+            f"engine did not sample with the trained weights (a weight-sync or routing bug)")
 
 
 class Trainer:
@@ -135,6 +151,9 @@ class Trainer:
                 if spec.needs_old_log_prob_pass:
                     with timer("old_log_prob"):
                         batch.old_log_probs = self.ranks.compute_log_prob(batch)
+                    metrics.update(policy_mismatch(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask))
+                    if trainer.on_policy_check is not None:
+                        check_on_policy(batch, trainer.on_policy_check)
                 metrics.update(self.correct_rollout(batch))
                 if spec.needs_reference:
                     with timer("ref"):
@@ -181,7 +200,7 @@ class Trainer:
         naming the step and the last complete checkpoint."""
         try:
             yield
-        except (Divergence, NonFiniteReward, CollectiveTimeout) as error:
+        except (Divergence, NonFiniteReward, CollectiveTimeout, OffPolicy) as error:
             if making_ahead():
                 raise  # in a rollout made ahead: the step that would train it stops (rollout_buffer.Ahead)
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
@@ -234,9 +253,12 @@ class Trainer:
     def generate(self, prompts, params, seed: int, label: str = "rollout") -> list:
         """Every prompt sampled `params.n` times, the prompts spread evenly over the engines."""
         # One seed per request, so a request's samples do not depend on which engine serves it.
+        # The training rollout's routing, for the actor's routing replay or its agreement (actor.moe).
+        routing = label == "rollout" and self.spec.actor.wants_rollout_routing
         requests = [
             GenerationRequest(tuple(p.prompt_ids), sampling_spec(
-                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info)
+                params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info,
+                return_routed_experts=routing)
             for i, p in enumerate(prompts)
         ]
         shares = shard_requests(requests, self.engines.count)

@@ -243,22 +243,33 @@ def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
 class RolloutBufferMemory:
     """Host memory of the rollouts alive at once in the driver: the one training and, in one_step_off and async, the
     `trainer.staleness_bound` made ahead (controller.rollout_buffer.Ahead). Counts the batch tensors (token ids and
-    attention mask as int64, response mask and rollout log-probs as fp32, rollout_data.build_batch), not the
-    engines' per-token Python lists beside them."""
+    attention mask as int64, response mask and rollout log-probs as fp32, and with the rollout's routing asked for
+    (actor.moe) its int16 expert ids per token, MoE layer and top-k slot; rollout_data.build_batch), not the engines'
+    per-token Python lists beside them. The routing ids travel with the batch to every trainer rank each step."""
 
     rollouts: int
     bytes_per_rollout: float
+    routing_bytes_per_rollout: float = 0.0
+    """Of bytes_per_rollout, the routing ids."""
 
     @property
     def total(self) -> float:
         return self.rollouts * self.bytes_per_rollout
 
 
-def rollout_buffer_memory(spec: JobSpec) -> RolloutBufferMemory:
+# int16: expert ids below 32,768 and -1 for a token without a record (models/routing_replay.py).
+_ROUTING_ID_BYTES = 2
+
+
+def rollout_buffer_memory(spec: JobSpec, arch: ModelArchitecture) -> RolloutBufferMemory:
     prompt, response = spec.data.max_prompt_length, spec.data.max_response_length
     samples = spec.data.train_batch_size * spec.rollout.n
     per_sample = 2 * 8 * (prompt + response) + 2 * 4 * response
-    return RolloutBufferMemory(rollouts=spec.trainer.staleness_bound + 1, bytes_per_rollout=samples * per_sample)
+    routing = 0.0
+    if spec.actor.wants_rollout_routing and arch.is_moe:
+        routing = samples * (prompt + response) * arch.num_moe_layers * arch.num_experts_per_tok * _ROUTING_ID_BYTES
+    return RolloutBufferMemory(rollouts=spec.trainer.staleness_bound + 1,
+                               bytes_per_rollout=samples * per_sample + routing, routing_bytes_per_rollout=routing)
 
 
 def resident_model_state(memory: TrainingMemory, offload: OffloadConfig) -> float:

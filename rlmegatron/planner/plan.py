@@ -134,7 +134,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         rollout_gpu_bytes=None if colocated else engine.static_reservation,
         trainer_gpus=spec.placement.trainer_world_size,
         rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
-        rollout_buffer=rollout_buffer_memory(spec),
+        rollout_buffer=rollout_buffer_memory(spec, arch),
         problems=(),
     )
     problems = [
@@ -242,6 +242,9 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     buffer = plan.rollout_buffer
     lines.append(f"pools: {pools}; trainer.mode={spec.trainer.mode}: {buffer.rollouts} rollout(s) in the driver's "
                  f"memory at once, {_gb(buffer.total)} of batch tensors")
+    if buffer.routing_bytes_per_rollout:
+        lines.append(f"routing ids (actor.moe): {_gb(buffer.routing_bytes_per_rollout)} per rollout, in the batch "
+                     f"every trainer rank receives each step")
     lines += [
         f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}, "
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "

@@ -48,6 +48,8 @@ class GenerationRequest:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     tool_context: Optional[Mapping[str, Any]] = field(default=None, hash=False, compare=False)
     """Multi-turn: the prompt row's extra_info, which its tools see (`agent.tools.ToolContext`)."""
+    return_routed_experts: bool = False
+    """MoE: the results carry each token's experts (`GenerationResult.routed_experts`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -92,6 +94,10 @@ class GenerationResult:
     """Multi-turn: 1 on the model's tokens, 0 on tool answers and template tokens (whose log-probs are 0);
     None: every output token is the model's."""
     agent: AgentRecord | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
+    """When asked (`GenerationRequest.return_routed_experts`): the experts each MoE layer chose for each token the
+    engine ran, [prompt + output - 1 tokens, MoE layers, top-k] int16 (SGLang's convention: the last output token is
+    never fed back)."""
 
     @property
     def oldest_weight_version(self) -> str | None:

@@ -1,6 +1,7 @@
 """In-process rollout engine: batched, KV-cached generation with a transformers causal LM on CPU or GPU."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
@@ -131,6 +132,44 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
+class _RouterRecorder:
+    """While a batch generates: each model call's expert ids from every MoE layer's router, [call's rows x tokens,
+    MoE layers, k] (the prefill's rows are the batch's distinct prompts, left-padded; each decode's, its samples)."""
+
+    def __init__(self, routers: list[nn.Module]) -> None:
+        self.routers = routers
+        self.calls: list[torch.Tensor] = []
+        self._layers: list[torch.Tensor] = []
+        self._hooks: list = []
+
+    def __enter__(self) -> "_RouterRecorder":
+        self._hooks = [router.register_forward_hook(self._took) for router in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _took(self, module, args, output) -> None:
+        ids = output[-1]
+        if ids.is_floating_point():
+            raise TypeError(f"{type(module).__name__} does not return its expert ids last; routing cannot be recorded")
+        self._layers.append(ids.reshape(-1, ids.shape[-1]))
+        if len(self._layers) == len(self.routers):  # the model call's last MoE layer
+            self.calls.append(torch.stack(self._layers, dim=1))
+            self._layers = []
+
+    def per_sample(self, prompt_of: list[int], padding: list[int], output_lengths: list[int]) -> list[torch.Tensor]:
+        """Each sample's [prompt + output - 1, MoE layers, k] int16: its prompt's tokens from the prefill, then each
+        output token but the last from the decode call that fed it back."""
+        prefill = self.calls[0].unflatten(0, (len(padding), -1))
+        decodes = self.calls[1:]
+        return [torch.cat([prefill[prompt, padding[prompt]:], *(decodes[step][row : row + 1]
+                                                                 for step in range(length - 1))])
+                .to(device="cpu", dtype=torch.int16)
+                for row, (prompt, length) in enumerate(zip(prompt_of, output_lengths))]
+
+
 class LocalEngine(RolloutEngine):
     """Generation with an HF `AutoModelForCausalLM`.
 
@@ -160,6 +199,9 @@ class LocalEngine(RolloutEngine):
         self._last_logits_only = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
         self.weight_version: str | None = None
+        # transformers 5's MoE families route with a *TopKRouter module per MoE layer, returning (logits, weights,
+        # expert ids): what routing replay records (models/routing_replay.py).
+        self.routers = [module for module in model.modules() if type(module).__name__.lower().endswith("topkrouter")]
         self._released: set[str] = set()
         self._offloaded: dict[str, torch.Tensor] = {}
         self._alive = True
@@ -194,17 +236,24 @@ class LocalEngine(RolloutEngine):
             for request_index, request in enumerate(requests)
             for sample_index in range(request.sampling.n)
         ]
+        routing = any(request.return_routed_experts for request in requests)
+        if routing and not self.routers:
+            raise ValueError("routed experts were asked for, and the rollout model has no top-k routers "
+                             f"({type(self.model).__name__})")
         results: list[GenerationResult] = []
         for start in range(0, len(samples), self.max_batch_size):
-            results.extend(self._generate_batch(samples[start : start + self.max_batch_size], interrupted))
-            report(progress, len(samples[start : start + self.max_batch_size]))
+            batch = samples[start : start + self.max_batch_size]
+            with _RouterRecorder(self.routers) if routing else contextlib.nullcontext() as recorder:
+                generated = self._generate_batch(batch, interrupted, recorder)
+            results.extend(generated)
+            report(progress, len(batch))
         return results
 
     # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, 7 % of
     # a decode step of TRL's echo model (3 steps of 64 rows: 4.92 -> 4.58 ms); nothing made here reaches autograd.
     @torch.inference_mode()
-    def _generate_batch(self, samples: list[_Sample],
-                        interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
+    def _generate_batch(self, samples: list[_Sample], interrupted: Callable[[], bool] | None = None,
+                        recorder: "_RouterRecorder | None" = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
         # The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
@@ -275,6 +324,8 @@ class LocalEngine(RolloutEngine):
             input_ids = next_tokens.unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
             position_ids = position_ids[:, -1:] + 1
+        routed = [None] * batch if recorder is None else recorder.per_sample(prompt_of.tolist(), padding,
+                                                                             [len(o) for o in outputs])
         return [
             GenerationResult(
                 request_index=sample.request_index,
@@ -283,6 +334,7 @@ class LocalEngine(RolloutEngine):
                 output_token_logprobs=tuple(logprobs[row]),
                 finish_reason=finish[row] or "length",
                 weight_version=self.weight_version,
+                routed_experts=routed[row],
             )
             for row, sample in enumerate(samples)
         ]

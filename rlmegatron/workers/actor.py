@@ -8,8 +8,9 @@ from typing import Optional
 import torch
 
 from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
+from rlmegatron.models.routing_replay import RoutingTaps
 from rlmegatron.workers import megatron_step
-from rlmegatron.workers.batch import MicroBatch, RolloutBatch
+from rlmegatron.workers.batch import MicroBatch, RolloutBatch, share_prompt_routing
 from rlmegatron.workers.training import TrainingSettings, TrainingWorker, micro_batches, raise_if_not_finite_tokens
 from rlmegatron.workers.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
@@ -29,6 +30,10 @@ class ActorSettings(TrainingSettings):
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     log_prob_micro_batch_size: Optional[int] = None  # the old-log-prob pass's; None uses micro_batch_size
+    # MoE (models/routing_replay.py): "r3" replays the batch's rollout routing in every pass, "r2" the old-log-prob
+    # pass's own in the update; `routing_agreement` compares the model's own routing with the batch's record.
+    routing_replay: str = "off"
+    routing_agreement: bool = False
 
 
 def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
@@ -46,7 +51,8 @@ def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: 
     return to_grid(log_probs), (to_grid(entropy) if with_entropy else None)
 
 
-def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch, with_entropy: bool):
+def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch, with_entropy: bool,
+                     routing: Optional[RoutingTaps] = None):
     """log p(response token) [B, R] (and entropy [B, R]) under `chunks`' weights, zero outside response_mask."""
 
     def per_token(micro_batch, logits):
@@ -55,15 +61,29 @@ def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch,
         return (log_probs * mask,) + ((entropy * mask,) if with_entropy else ())
 
     results = megatron_step.run_forward_only(
-        chunks, batch, micro_batches(settings, batch, chunks), per_token, outputs=2 if with_entropy else 1
-    )
+        chunks, batch, micro_batches(settings, batch, chunks), per_token, outputs=2 if with_entropy else 1,
+        routing=routing)
     return (results[0], results[1]) if with_entropy else (results[0], None)
 
 
 class ActorWorker(TrainingWorker):
-    """One rank of the actor: every rank of the group gets the same RolloutBatch and returns the same result."""
+    """One rank of the actor: every rank of the group gets the same RolloutBatch and returns the same result.
+
+    An MoE actor with routing replay or agreement (ActorSettings) taps its routers (models/routing_replay.py): R3
+    replays the batch's rollout record in every pass; R2 records the old-log-prob pass's routing and replays it in
+    the update of the same batch. `moe/routing_agreement` is measured in the first pass over a step's batch (the
+    old-log-prob pass, or else the on-policy update) and reported with the update's metrics."""
 
     metric_prefix = "actor"
+
+    def init(self, parallel_state_ready: bool = False) -> None:
+        super().init(parallel_state_ready)
+        s = self.settings
+        wanted = s.routing_replay != "off" or s.routing_agreement
+        moe = getattr(megatron_step.unwrap(self.chunks[0]).config, "num_moe_experts", None)
+        self.routing = RoutingTaps(self.chunks) if wanted and moe else None
+        self.recorded_routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # R2: (input_ids, record)
+        self.measured: Optional[tuple[torch.Tensor, tuple[int, int]]] = None  # (input_ids, agreement) of a pass
 
     def compute_log_prob(self, batch: RolloutBatch, with_entropy: bool = True):
         """log p(response token) [B, R] (and entropy [B, R]) under the current weights, zero outside response_mask."""
@@ -71,7 +91,15 @@ class ActorWorker(TrainingWorker):
         if settings.log_prob_micro_batch_size is not None:
             # No backward pass here, so larger micro-batches than the update's fit in the same memory.
             settings = replace(settings, micro_batch_size=settings.log_prob_micro_batch_size)
-        log_probs, entropy = compute_log_prob(self.chunks, settings, batch, with_entropy)
+        if self.routing is None:
+            log_probs, entropy = compute_log_prob(self.chunks, settings, batch, with_entropy)
+        else:
+            mode = {"r3": "replay", "r2": "record", "off": "measure"}[settings.routing_replay]
+            with self.routing.passing(mode, batch):
+                log_probs, entropy = compute_log_prob(self.chunks, settings, batch, with_entropy, self.routing)
+            if mode == "record":
+                self.recorded_routing = (batch.input_ids, share_prompt_routing(batch, self.routing.recorded(batch)))
+            self.measured = (batch.input_ids, self.routing.agreement())
         raise_if_not_finite_tokens({"actor/old_log_prob": log_probs, "actor/entropy": entropy}, batch.response_mask)
         return log_probs, entropy
 
@@ -84,7 +112,34 @@ class ActorWorker(TrainingWorker):
             raise ValueError("without old_log_probs the update must be on-policy: one epoch of one mini-batch")
         if s.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
-        return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
+        if self.routing is None:
+            return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
+        if s.routing_replay == "r2":
+            batch = replace(batch, routed_experts=self._recorded_routing_of(batch))
+        measured = self._of(self.measured, batch)
+        mode = "replay" if s.routing_replay != "off" else "measure" if measured is None else "free"
+        with self.routing.passing(mode):
+            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss",
+                                             progress=progress, routing=self.routing)
+        agreeing, compared = self.routing.agreement() if measured is None else measured
+        self.measured = self.recorded_routing = None
+        if compared:
+            metrics["moe/routing_agreement"] = agreeing / compared
+        return metrics
+
+    def _recorded_routing_of(self, batch: RolloutBatch) -> torch.Tensor:
+        recorded = self._of(self.recorded_routing, batch)
+        if recorded is None:
+            raise RuntimeError("routing replay r2 replays the old-log-prob pass's routing, and no such pass ran over "
+                               "this batch")
+        return recorded
+
+    @staticmethod
+    def _of(kept: Optional[tuple[torch.Tensor, object]], batch: RolloutBatch):
+        """What was kept of a pass over `batch`'s rows (None: a pass over other rows, or none)."""
+        if kept is None or not torch.equal(kept[0], batch.input_ids):
+            return None
+        return kept[1]
 
     def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
         s = self.settings

@@ -27,6 +27,9 @@ class RolloutBatch:
     rollout_log_probs: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
     """Rollout correction's importance weights (algorithms.rollout_correction), when the spec asks for them."""
+    routed_experts: Optional[torch.Tensor] = None
+    """MoE routing replay's record: [B, L, MoE layers, top-k] int16 expert ids over the token columns, -1 where a
+    token has none (models/routing_replay.py)."""
     advantages: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
@@ -149,13 +152,15 @@ class MicroBatch:
     batch_columns: int
     response_length: int
     response_fields: RolloutBatch  # the rows' own per-token fields ([n, R]) for the loss
+    token_cells: Optional[torch.Tensor] = None  # [n, T]: each input position's batch cell, row * L + column; -1: none
+    routed_experts: Optional[torch.Tensor] = None  # [n, T, MoE layers, k]: the record's experts per input position
     context_order: Optional[torch.Tensor] = None  # [T]: the sequence position of each gathered column (CP>1)
     context_group: object = None  # the CP process group (CP>1)
 
     def to(self, device) -> "MicroBatch":
         """Every tensor on `device`, moved once per micro-batch so the loss's index and field reads stay there."""
         tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "target_labels",
-                   "context_order")
+                   "token_cells", "routed_experts", "context_order")
         moved = {name: getattr(self, name).to(device) for name in tensors if getattr(self, name) is not None}
         return dataclasses.replace(self, response_fields=self.response_fields.to(device), **moved)
 
@@ -171,6 +176,16 @@ class MicroBatch:
         """One value per target (in ``target_index`` order) -> [n, R] aligned with response_mask (differentiable)."""
         grid = per_target.new_zeros(len(self.rows) * self.batch_columns).index_copy(0, self.target_index, per_target)
         return grid.view(len(self.rows), self.batch_columns)[:, -self.response_length :]
+
+
+def routing_at(batch: RolloutBatch, token_cells: torch.Tensor) -> Optional[torch.Tensor]:
+    """The batch's routing record at the cells `token_cells` names ([n, T] -> [n, T, MoE layers, k]); -1 (route
+    freely) where a position has no cell; None when the batch has no record."""
+    if batch.routed_experts is None:
+        return None
+    record = batch.routed_experts.reshape(-1, *batch.routed_experts.shape[2:])
+    at = record[token_cells.clamp(min=0)]
+    return at.masked_fill_((token_cells < 0)[..., None, None], -1)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -201,6 +216,8 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     tokens = torch.where(offsets_in_row < lengths_t[:, None], batch.input_ids[index].gather(1, source_columns), 0)
     next_valid = offsets_in_row < (lengths_t - 1)[:, None]
     next_tokens = torch.where(next_valid, tokens.roll(-1, dims=1), 0)
+    in_sequence = offsets_in_row < lengths_t[:, None]
+    cells = torch.where(in_sequence, index[:, None] * columns + source_columns, -1)
     # (n, j) of every position whose next token is a response token of the same sequence, row by row: the model's
     # outputs over the prompt predict nothing the losses read.
     pairs = (next_valid & (source_columns >= columns - batch.response_length - 1)).nonzero()
@@ -217,6 +234,8 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         input_ids[0, at] = tokens[real].to(input_ids.dtype)
         labels = torch.zeros(1, total, dtype=batch.input_ids.dtype)
         labels[0, at] = next_tokens[real].to(labels.dtype)
+        token_cells = torch.full((1, total), -1, dtype=torch.long)
+        token_cells[0, at] = cells[real]
         # Positions count through each sequence's rounding padding too; the final rounding block stays at 0.
         sequences_end = sum(spans)
         span_positions = torch.arange(max(spans))
@@ -233,6 +252,7 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         # Right padding: with causal attention no real token can see a pad, so no mask is needed.
         input_ids = torch.nn.functional.pad(tokens, (0, width - widest)).to(batch.input_ids.dtype)
         labels = torch.nn.functional.pad(next_tokens, (0, width - widest)).to(batch.input_ids.dtype)
+        token_cells = torch.nn.functional.pad(cells, (0, width - widest), value=-1)
         source_index = pairs[:, 0] * width + pairs[:, 1]
         position_ids = torch.arange(width).expand(len(rows), width).contiguous()
         packed_seq_params = None
@@ -243,7 +263,8 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
 
         # Column positions each CP rank keeps, in its local order: its two chunks of every block (sequence).
         local = [torch.cat([start + chunk_positions(span, cp, r) for start, span in blocks]) for r in range(cp)]
-        input_ids, position_ids, labels = (t[:, local[cp_rank]] for t in (input_ids, position_ids, labels))
+        input_ids, position_ids, labels, token_cells = (t[:, local[cp_rank]]
+                                                        for t in (input_ids, position_ids, labels, token_cells))
         context = dict(context_order=torch.cat(local), context_group=parallel_state.get_context_parallel_group())
     return MicroBatch(
         rows=list(rows),
@@ -257,6 +278,8 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         batch_columns=columns,
         response_length=batch.response_length,
         response_fields=batch.select(rows),
+        token_cells=token_cells,
+        routed_experts=routing_at(batch, token_cells),
         **context,
     )
 
@@ -269,7 +292,8 @@ def filler_micro_batch(batch: RolloutBatch, row: int, tp: int = 1, cp: int = 1, 
     real = build_micro_batch(batch, [row], False, tp, cp, cp_rank)
     nothing = real.target_index[:0]
     return dataclasses.replace(real, rows=[], source_index=nothing, target_index=nothing,
-                               target_labels=real.target_labels[:0], response_fields=batch.select([]))
+                               target_labels=real.target_labels[:0], response_fields=batch.select([]),
+                               token_cells=torch.full_like(real.token_cells, -1), routed_experts=None)
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
@@ -281,6 +305,18 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, respons
     in_prompt = mask[:, :prompt_columns]
     _, group_of = torch.unique(torch.where(in_prompt, input_ids[:, :prompt_columns], -1), dim=0, return_inverse=True)
     return group_of, in_prompt.sum(dim=1), mask[:, prompt_columns:].sum(dim=1)
+
+
+def share_prompt_routing(batch: RolloutBatch, record: torch.Tensor) -> torch.Tensor:
+    """`record` ([B, L, MoE layers, k]) with each prompt's routing on every row of its group: a shared-prompt
+    micro-batch runs a prompt once, so a pass records it on one row only; rows with the same prompt have it in the
+    same columns."""
+    group_of, _, _ = prompt_groups(batch.input_ids, batch.attention_mask, batch.response_length)
+    prompt = record[:, : record.shape[1] - batch.response_length]
+    known = torch.full((int(group_of.max()) + 1, *prompt.shape[1:]), -1, dtype=record.dtype)
+    known.index_reduce_(0, group_of, prompt, "amax")
+    prompt.copy_(torch.where(prompt >= 0, prompt, known[group_of]))
+    return record
 
 
 def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: int = 1,
@@ -323,14 +359,19 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
 
     input_ids = torch.zeros(1, total, dtype=batch.input_ids.dtype)
     position_ids = torch.zeros(1, total, dtype=torch.long)
+    # A prompt's positions are its group's first row's cells; each response's, its own row's.
+    token_cells = torch.full((1, total), -1, dtype=torch.long)
+    row_cells = index[:, None] * columns + torch.arange(columns)
     prompt_rank = group_prompt.cumsum(dim=1) - 1
     at = (group_starts[:, None] + prompt_rank)[group_prompt]
     input_ids[0, at] = ids[first_rows, :prompt_columns][group_prompt]
     position_ids[0, at] = prompt_rank[group_prompt]
+    token_cells[0, at] = row_cells[first_rows, :prompt_columns][group_prompt]
     response_rank = in_response.cumsum(dim=1) - 1
     response_at = response_starts[:, None] + response_rank
     input_ids[0, response_at[in_response]] = ids[:, prompt_columns:][in_response]
     position_ids[0, response_at[in_response]] = (prompt_lengths[group_of][:, None] + response_rank)[in_response]
+    token_cells[0, response_at[in_response]] = row_cells[:, prompt_columns:][in_response]
 
     # Every response token is a target, predicted by the token before it: the previous response token, or for the
     # first one the prompt's last token (none when the prompt is empty).
@@ -357,6 +398,8 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
         batch_columns=columns,
         response_length=response_columns,
         response_fields=batch.select(rows),
+        token_cells=token_cells,
+        routed_experts=routing_at(batch, token_cells),
     )
 
 

@@ -6,6 +6,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from rlmegatron.models.routing_replay import RoutingTaps
 from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
 from rlmegatron.workers.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
 from rlmegatron.workers.batch import build_shared_prompt_micro_batch, filler_micro_batch, fixed_micro_batches
@@ -230,9 +231,11 @@ def _fill_micro_batches(units: list[int], sizes: list[int], micro_batch_size: in
     return groups
 
 
-def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool):
+def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool,
+                     routing: Optional[RoutingTaps] = None):
     """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only), an empty
-    one for each filler."""
+    one for each filler. `routing`: the model's router taps, which replay, record or compare each micro-batch's
+    routing as their mode says (models/routing_replay.py)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlmegatron.models.shared_prompts import SharedPromptParams, rope_at_token_positions
@@ -241,7 +244,8 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
         micro_batch = next(data_iterator).to("cuda" if torch.cuda.is_available() else "cpu")
         params = micro_batch.packed_seq_params
         with (rope_at_token_positions(unwrap(model), micro_batch.position_ids, params.max_seqlen_q)
-              if isinstance(params, SharedPromptParams) else contextlib.nullcontext()):
+              if isinstance(params, SharedPromptParams) else contextlib.nullcontext()), \
+                (contextlib.nullcontext() if routing is None else routing.forward(model, micro_batch)):
             output = model(micro_batch.input_ids, micro_batch.position_ids, None, packed_seq_params=params)
         if not micro_batch.rows:  # a filler: its backward runs (and pairs its collectives) with zero gradients
             return output, lambda output_tensor: (output_tensor.sum() * 0.0, {})
@@ -275,8 +279,9 @@ def share_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run_forward_only(chunks: list, batch: RolloutBatch, micro_batches: list[MicroBatch], per_token: Callable,
-                     outputs: int) -> list[torch.Tensor]:
-    """Forward `micro_batches`; `per_token(micro_batch, output) -> tuple of [n, R]`; returns `outputs` [B, R] tensors."""
+                     outputs: int, routing: Optional[RoutingTaps] = None) -> list[torch.Tensor]:
+    """Forward `micro_batches`; `per_token(micro_batch, output) -> tuple of [n, R]`; returns `outputs` [B, R] tensors.
+    `routing` as forward_backward's."""
     for chunk in chunks:
         chunk.eval()
 
@@ -285,7 +290,7 @@ def run_forward_only(chunks: list, batch: RolloutBatch, micro_batches: list[Micr
         return torch.zeros((), device=output_tensor.device), {"rows": micro_batch.rows, "results": results}
 
     with torch.no_grad():
-        collected = forward_backward(chunks, micro_batches, loss_func_for, forward_only=True)
+        collected = forward_backward(chunks, micro_batches, loss_func_for, forward_only=True, routing=routing)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     full = torch.zeros(outputs, len(batch), batch.response_length, device=device)
     if is_last_stage():

@@ -91,3 +91,15 @@ def test_bounds_that_cross_are_refused():
     with pytest.raises(ValueError, match="must be below rollout_rs_threshold"):
         RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=2.0)
     assert not RolloutCorrectionConfig().enabled
+
+
+def test_the_policy_mismatch_is_the_probability_gap_and_the_kl_of_the_sampled_tokens():
+    """Worked by hand: p_old 0.5 and 0.2 against p_rollout 0.4 and 0.2 (a third token outside the mask): gaps 0.1 and
+    0; KL(rollout || old) by k3 with r = 1.25 and 1: (0.25 - ln 1.25 + 0) / 2."""
+    from rlmegatron.algorithms import policy_mismatch
+
+    old, rollout = torch.tensor([[0.5, 0.2, 0.9]]).log(), torch.tensor([[0.4, 0.2, 0.5]]).log()
+    metrics = policy_mismatch(old, rollout, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert metrics == pytest.approx({"training/rollout_probs_diff_mean": 0.05, "training/rollout_probs_diff_max": 0.1,
+                                     "training/rollout_kl": (0.25 - math.log(1.25)) / 2}, rel=1e-6)
+    assert policy_mismatch(old, rollout, torch.zeros(1, 3)) == {}

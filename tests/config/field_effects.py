@@ -181,6 +181,18 @@ TRACE_PROMPTS = "tests/controller/test_rollout_trace.py::test_no_limit_traces_ev
 BATCH_BUDGET = REWARDS + "test_the_batch_budget_ends_a_batch_of_slow_samples"
 ASYNC_REWARDS = REWARDS + "test_an_async_function_runs_concurrently_in_the_driver_as_many_at_once_as_allowed"
 
+# MoE routing replay (rlmegatron/models/routing_replay.py).
+REPLAY = "tests/models/test_routing_replay.py::"
+REPLAY_EXACT = REPLAY + "test_replaying_the_models_own_routing_changes_nothing_bit_for_bit_in_every_layout"
+REPLAY_OTHER = REPLAY + "test_replaying_other_experts_changes_the_log_probs_and_the_router_still_learns"
+REPLAY_AGREEMENT = REPLAY + "test_the_engine_records_every_token_it_ran_and_megatron_routes_them_alike_in_fp32"
+REPLAY_SETTINGS = ROLES + "test_the_actor_settings_carry_the_moe_routing_fields_and_the_reference_routes_freely"
+REPLAY_CHECKS = "tests/config/test_checks.py::test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing"
+REPLAY_REQUESTS = FIT + "test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it"
+ON_POLICY_CHECK = FIT + "test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_off_policy"
+COLLECTIVE_TIMEOUT = ("tests/controller/test_moe_fit.py::"
+                      "test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout_naming_step_and_call")
+
 EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.clip_ratio_c": ("dual-clip bound of the policy loss", (ACTOR_SETTINGS, CLIPS)),
     "actor.clip_ratio_high": ("upper ratio clip of the policy loss", (ACTOR_SETTINGS, CLIPS)),
@@ -227,6 +239,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.megatron.tensor_model_parallel_size": ("actor's tensor parallelism", (LAYOUT, ACTOR_PARITY)),
     "actor.megatron.use_distributed_optimizer": ("Adam state sharded over DP or per rank", (PLAIN_ADAM,)),
     "actor.megatron.virtual_pipeline_model_parallel_size": ("actor's virtual pipeline stages", (LAYOUT, ACTOR_PARITY)),
+    "actor.moe.routing_agreement": ("engines return routing; moe/routing_agreement logged",
+                                    (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_AGREEMENT, REPLAY_CHECKS)),
+    "actor.moe.routing_replay": ("the actor's passes take recorded experts: the rollout's (r3) or the old-log-prob "
+                                 "pass's (r2)", (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_EXACT, REPLAY_OTHER,
+                                                 REPLAY_CHECKS)),
     "actor.offload.grads": ("actor grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.optimizer": ("actor Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.params": ("actor weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
@@ -412,12 +429,16 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tracking.rollout_trace.backend": ("where each step's samples are logged as text", (TRACE_MLFLOW, TRACE_CONSOLE)),
     "tracking.rollout_trace.prompts_per_step": ("prompts whose samples are traced", (TRACE_MLFLOW, TRACE_PROMPTS)),
     "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER, FILE_STORE)),
+    "trainer.collective_timeout_s": ("a collective waiting longer stops the run, naming step and call",
+                                     (COLLECTIVE_TIMEOUT,)),
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
     "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
     "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
     "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,
                                                                                      MODE_ERRORS)),
+    "trainer.on_policy_check": ("the step stops when an engine's log-prob is off the actor's by more",
+                                (ON_POLICY_CHECK,)),
     "trainer.partial_rollout": ("weights swapped mid-generation, samples continued",
                                 (PAUSED_PUSH, PARTIAL_SGLANG, PARTIAL_LOCAL, ASYNC_RUN)),
     "trainer.resume": ("checkpoint a run starts from", (RESUME,)),

@@ -782,3 +782,21 @@ def test_a_reward_model_with_two_labels_or_a_layout_that_does_not_fit_is_named(t
     assert problems_with({"reward.model.path": str(tmp_path)}) == []
     [problem] = problems_with({"reward.model.path": str(tmp_path), "reward.model.tensor_model_parallel_size": 3})
     assert problem.startswith("job.yaml: reward.model.tensor_model_parallel_size=3: does not divide the ")
+
+
+def test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing():
+    for field in ("actor.moe.routing_replay=r3", "actor.moe.routing_agreement=true"):
+        assert problems_of(minimal_spec(), field) == [
+            f"command line: {field}: the model is dense (its config.json declares no routed experts); remove it"]
+    # minimal_spec's update has 2 mini-batches: r2 has the old-log-prob pass to record; one mini-batch has none.
+    assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r2") == []
+    on_policy = problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r2",
+                            "actor.ppo_mini_batch_size=16")
+    assert len(on_policy) == 1 and on_policy[0].startswith(
+        "command line: actor.moe.routing_replay=r2: replays the old-log-prob pass's routing in the update, and this "
+        "update is on-policy"), on_policy
+    # r3 measures the agreement itself; asking for it too changes nothing.
+    assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r3",
+                       "actor.moe.routing_agreement=true") == [
+        "command line: actor.moe.routing_agreement=true: routing replay r3 measures the agreement anyway (its record "
+        "is the rollout's routing); remove it (~actor.moe.routing_agreement on the command line)"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlmegatron.rewards import DAPORewardManager, NaiveRewardManager
-from tests.controller.fit_rig import FakeRanks, constant, run_rig
+from tests.controller.fit_rig import REPO_ROOT, FakeRanks, constant, run_rig
 
 
 def steps(history: dict, name: str) -> list[int]:
@@ -32,6 +32,43 @@ def test_rollout_sampling_settings_reach_every_request_and_the_batch(tmp_path):
     default = run_rig(tmp_path / "b", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2")
     default_seeds = [[request.sampling.seed for request in requests] for requests in default.calls("rollout")]
     assert len({seed for step in seeds + default_seeds for seed in step}) == 8
+
+
+def test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it(tmp_path):
+    """An MoE actor replaying the rollout's routing (r3) or measuring its agreement asks for it on every training
+    request, not on validation's; r2 (its own old-log-prob pass's routing) and no replay do not ask."""
+    moe = [f"model.path={REPO_ROOT / 'configs' / 'models' / 'tiny-qwen3-moe'}", "data.val_files=[val.jsonl]",
+           "trainer.val_before_train=true", "actor.ppo_mini_batch_size=2"]
+    for setting, asked in [("actor.moe.routing_replay=r3", True), ("actor.moe.routing_agreement=true", True),
+                           ("actor.moe.routing_replay=r2", False), ("actor.moe.routing_replay=off", False)]:
+        rig = run_rig(tmp_path / setting, *moe, setting, val_prompts=2)
+        assert {request.return_routed_experts for request in rig.requests("rollout")} == {asked}, setting
+        assert {request.return_routed_experts for request in rig.requests("validation")} == {False}, setting
+
+
+def test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_off_policy(tmp_path):
+    """The fake engine's log-probs are -0.5 on every token: ranks that score -0.5 pass the check, ranks that score
+    -0.5 + 2e-5 stop step 1 before its update; without the check the same ranks train (on-policy, no pass)."""
+    from rlmegatron.controller.trainer import TrainingStopped
+
+    on_policy = FakeRanks()
+    on_policy.log_prob = -0.5
+    rig = run_rig(tmp_path / "exact", "trainer.on_policy_check=1e-5", ranks=on_policy)
+    assert on_policy.calls.count("compute_log_prob") == 2 and len(rig.ranks.updates["actor"]) == 2
+
+    off = FakeRanks()
+    off.log_prob = -0.5 + 2e-5
+    with pytest.raises(TrainingStopped) as stopped:
+        run_rig(tmp_path / "off", "trainer.on_policy_check=1e-5", ranks=off)
+    assert str(stopped.value).startswith(
+        "step 1: trainer.on_policy_check=1e-05: row 0, response token 0 has log-prob -0.5 from the engine and "
+        "-0.49998 from the actor (2e-05 apart): the engine did not sample with the trained weights"), stopped.value
+    assert "update_actor" not in off.calls
+
+    unchecked = FakeRanks()
+    unchecked.log_prob = -0.5 + 2e-5
+    run_rig(tmp_path / "unchecked", ranks=unchecked)
+    assert "compute_log_prob" not in unchecked.calls and unchecked.calls.count("update_actor") == 2
 
 
 def test_max_new_tokens_follows_data_max_response_length(tmp_path):

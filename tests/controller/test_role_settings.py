@@ -50,6 +50,19 @@ def test_the_actor_settings_carry_every_actor_field():
     assert (counted.micro_batch_size, counted.max_token_len, counted.temperature) == (2, None, 1.0)
 
 
+def test_the_actor_settings_carry_the_moe_routing_fields_and_the_reference_routes_freely():
+    from rlmegatron.controller.role_settings import reference_settings
+
+    replayed = spec("actor.moe.routing_replay=r2", "actor.moe.routing_agreement=true", model="tiny-qwen3-moe")
+    settings = actor_settings(replayed, 1)
+    assert (settings.routing_replay, settings.routing_agreement) == ("r2", True)
+    reference = reference_settings(settings, replayed.ref)
+    assert (reference.routing_replay, reference.routing_agreement) == ("off", False)
+    assert replayed.actor.wants_rollout_routing
+    assert not spec("actor.moe.routing_replay=r2", model="tiny-qwen3-moe").actor.wants_rollout_routing
+    assert spec("actor.moe.routing_replay=r3", model="tiny-qwen3-moe").actor.wants_rollout_routing
+
+
 def test_a_per_gpu_token_budget_holds_the_tokens_of_every_context_parallel_rank():
     # Each of the CP ranks holds 1/CP of a micro-batch's tokens, so the micro-batch packs CP x the per-GPU budget.
     cp2 = spec("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=1024",

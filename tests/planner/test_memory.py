@@ -3,7 +3,7 @@ import pytest
 
 from rlmegatron.config import read_architecture, spec_from_raw
 from rlmegatron.planner.parameters import count_parameters
-from rlmegatron.planner.plan import PlanSettings, build_plan
+from rlmegatron.planner.plan import PlanSettings, build_plan, render_plan
 from tests.config.specs import MODELS_DIR
 
 
@@ -234,4 +234,31 @@ def test_the_buffer_counts_the_bytes_of_the_batch_a_rollout_builds():
                                 output_token_logprobs=(-0.5,) * 5, finish_reason="length") for i in range(8)]
     batch = build_batch([[1] * 12] * 8, results, response_width=5)
     tensors = [batch.input_ids, batch.attention_mask, batch.response_mask, batch.rollout_log_probs]
-    assert rollout_buffer_memory(spec).bytes_per_rollout == sum(t.nbytes for t in tensors)
+    assert rollout_buffer_memory(spec, read_architecture(spec.model.hf_config)).bytes_per_rollout == \
+        sum(t.nbytes for t in tensors)
+
+
+def test_the_buffer_counts_the_rollouts_routing_ids_when_the_actor_replays_or_measures_them():
+    """A Qwen3-MoE rollout with its routing (actor.moe.routing_replay=r3): int16 ids per token, MoE layer and top-k
+    slot, as build_batch lays them over the batch's columns."""
+    import torch
+
+    from rlmegatron.controller.rollout_data import build_batch
+    from rlmegatron.planner.memory import rollout_buffer_memory
+    from rlmegatron.rollout.engine import GenerationResult
+
+    sections = dict(data={"max_prompt_length": 12, "max_response_length": 5, "train_batch_size": 2},
+                    actor={"ppo_mini_batch_size": 2}, rollout={"n": 4})
+    plain = _spec("qwen3-30b-a3b", {}, **sections)
+    spec = _spec("qwen3-30b-a3b", {}, **{**sections, "actor": {"ppo_mini_batch_size": 2,
+                                                              "moe": {"routing_replay": "r3"}}})
+    arch = read_architecture(spec.model.hf_config)
+    routed = torch.zeros(12 + 5 - 1, arch.num_moe_layers, arch.num_experts_per_tok, dtype=torch.int16)
+    results = [GenerationResult(request_index=i, sample_index=0, output_token_ids=(7,) * 5, routed_experts=routed,
+                                output_token_logprobs=(-0.5,) * 5, finish_reason="length") for i in range(8)]
+    batch = build_batch([[1] * 12] * 8, results, response_width=5)
+    memory = rollout_buffer_memory(spec, arch)
+    assert memory.routing_bytes_per_rollout == batch.routed_experts.nbytes == 8 * 17 * 48 * 8 * 2
+    assert memory.bytes_per_rollout - memory.routing_bytes_per_rollout == \
+        rollout_buffer_memory(plain, arch).bytes_per_rollout
+    assert "routing ids (actor.moe): " in render_plan(spec, _plan(spec))
