@@ -47,19 +47,23 @@ def validation_scores(stdout: str) -> list[float]:
 
 @pytest.mark.parametrize("layout", [
     # The issue's repro: each prompt's 8 responses laid out once (shared-prompt micro-batches), whose units cut the
-    # two ranks' shares into different numbers of micro-batches once a batch repeats a prompt.
-    ["actor.megatron.expert_model_parallel_size=2"],
+    # two ranks' shares into different numbers of micro-batches once a batch repeats a prompt. The actor replays the
+    # rollout's routing (r3), and every step checks that the engine sampled what the actor scores (fp32).
+    ["actor.megatron.expert_model_parallel_size=2", "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5"],
     # 4 ranks: experts split over EP=2 and TP=2 (with sequence parallelism), micro-batches cut by a token budget.
     ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.tensor_model_parallel_size=2",
      "actor.megatron.sequence_parallel=true", "placement.gpus_per_node=4", "actor.use_dynamic_bsz=true",
      "actor.ppo_max_token_len_per_gpu=48", "~actor.ppo_micro_batch_size_per_gpu"],
-], ids=["ep2-shared-prompts", "ep2xtp2-token-budget"])
+], ids=["ep2-shared-prompts-r3", "ep2xtp2-token-budget"])
 def test_a_moe_policy_trains_twenty_steps_at_expert_parallelism_and_learns(tmp_path, layout):
     run = train(tmp_path, "run", *RUN, *layout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert f"trained steps 1-{STEPS} ({STEPS} steps)" in run.stdout
     before, after = validation_scores(run.stdout)
     assert before == 0.0 and after > 0.3, (before, after)  # the random model echoes the digit; it learns the next
+    if "actor.moe.routing_replay=r3" in layout:
+        agreement = [float(v) for v in re.findall(r"moe/routing_agreement +([\d.e-]+)", run.stdout)]
+        assert len(agreement) == STEPS and min(agreement) == 1.0, agreement  # fp32: the engine routes as Megatron
 
 
 def test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout_naming_step_and_call(tmp_path):
