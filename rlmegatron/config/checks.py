@@ -474,6 +474,11 @@ def _check_routing(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
             "actor.moe.routing_replay", "r2", "replays the old-log-prob pass's routing in the update, and this update "
             "is on-policy (one epoch of one mini-batch), so no such pass runs and the update's routing is its own; use "
             "r3, or more mini-batches (actor.ppo_mini_batch_size below data.train_batch_size) or epochs"))
+    if spec.actor.megatron.extra.get("moe_router_fusion"):
+        # Transformer Engine's fused top-k never asks Megatron-Core's router-replay hook.
+        problems.append(SpecProblem("actor.megatron.extra.moe_router_fusion", True,
+                                    "routing replay and its agreement need Megatron-Core's unfused top-k routing; "
+                                    "remove it"))
     if spec.actor.wants_rollout_routing and spec.rollout.multi_turn.tools:
         field, value = ("actor.moe.routing_replay", "r3") if moe.routing_replay == "r3" else \
             ("actor.moe.routing_agreement", True)

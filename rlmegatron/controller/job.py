@@ -137,7 +137,8 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
             # Returns once the fork server (started above) has forked them: they build while the driver goes on, up to
             # its first call to them.
             ranks = PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank,
-                                              spec, total_steps, collective_timeout_s=spec.trainer.collective_timeout_s))
+                                              spec, total_steps,
+                                              collective_timeout_s=spec.trainer.collective_timeout_s))
         else:
             ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
         if spec.reward.model.path is not None:  # the ranks hold the reward model

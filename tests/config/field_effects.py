@@ -187,11 +187,13 @@ REPLAY_EXACT = REPLAY + "test_replaying_the_models_own_routing_changes_nothing_b
 REPLAY_OTHER = REPLAY + "test_replaying_other_experts_changes_the_log_probs_and_the_router_still_learns"
 REPLAY_AGREEMENT = REPLAY + "test_the_engine_records_every_token_it_ran_and_megatron_routes_them_alike_in_fp32"
 REPLAY_SETTINGS = ROLES + "test_the_actor_settings_carry_the_moe_routing_fields_and_the_reference_routes_freely"
-REPLAY_CHECKS = "tests/config/test_checks.py::test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing"
+REPLAY_CHECKS = ("tests/config/test_checks.py::"
+                 "test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing")
 REPLAY_REQUESTS = FIT + "test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it"
-ON_POLICY_CHECK = FIT + "test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_off_policy"
-COLLECTIVE_TIMEOUT = ("tests/controller/test_moe_fit.py::"
-                      "test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout_naming_step_and_call")
+ON_POLICY_CHECK = (FIT + "test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_"
+                   "off_policy")
+COLLECTIVE_TIMEOUT = ("tests/controller/test_moe_fit.py::test_a_rank_that_stops_answering_stops_the_run_within_the_"
+                      "collective_timeout_naming_step_and_call")
 
 EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.clip_ratio_c": ("dual-clip bound of the policy loss", (ACTOR_SETTINGS, CLIPS)),

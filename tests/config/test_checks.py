@@ -795,6 +795,10 @@ def test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_r
     assert len(on_policy) == 1 and on_policy[0].startswith(
         "command line: actor.moe.routing_replay=r2: replays the old-log-prob pass's routing in the update, and this "
         "update is on-policy"), on_policy
+    assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r2",
+                       "actor.megatron.extra.moe_router_fusion=true") == [
+        "command line: actor.megatron.extra.moe_router_fusion=true: routing replay and its agreement need "
+        "Megatron-Core's unfused top-k routing; remove it"]
     # r3 measures the agreement itself; asking for it too changes nothing.
     assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r3",
                        "actor.moe.routing_agreement=true") == [
