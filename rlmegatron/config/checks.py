@@ -479,9 +479,15 @@ def _check_routing(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         problems.append(SpecProblem("actor.megatron.extra.moe_router_fusion", True,
                                     "routing replay and its agreement need Megatron-Core's unfused top-k routing; "
                                     "remove it"))
+    # What asks the engines for the rollout's routing.
+    field, value = ("actor.moe.routing_replay", "r3") if moe.routing_replay == "r3" else \
+        ("actor.moe.routing_agreement", True)
+    if spec.actor.wants_rollout_routing and spec.rollout.engine == "local" and spec.model.trust_remote_code:
+        # The local engine records transformers' own *TopKRouter modules (rollout/local.py); custom code has its own.
+        problems.append(SpecProblem(field, value, "the local engine records routing from transformers' own MoE "
+                                                  "routers, and model.trust_remote_code runs the model's own code; "
+                                                  "use rollout.engine=sglang, or r2 without routing_agreement"))
     if spec.actor.wants_rollout_routing and spec.rollout.multi_turn.tools:
-        field, value = ("actor.moe.routing_replay", "r3") if moe.routing_replay == "r3" else \
-            ("actor.moe.routing_agreement", True)
         problems.append(SpecProblem(field, value, "multi-turn rollouts do not return their routing yet; use r2 or off "
                                                   "without routing_agreement, or no rollout.multi_turn.tools"))
     return problems
