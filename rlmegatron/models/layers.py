@@ -90,16 +90,20 @@ class SDPACoreAttention(torch.nn.Module):
             return self._packed(query, key, value, packed_seq_params, cp, rank)
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        k, v = _repeat_kv(k, v, q.size(1))
-        if cp > 1:
-            q_pos = chunk_positions(k.size(2), cp, rank, q.device)
-            k_pos = gathered_positions(k.size(2), cp, q.device)
+        if cp == 1 and attention_mask is None:
+            # Right-padded rows need no mask (no real token sees a pad): plain causal attention, which SDPA runs on its
+            # flash or memory-efficient kernels; a boolean mask sends it to the math path at twice the work.
+            out = self._sdpa(q, k, v, None)
         else:
-            q_pos = k_pos = torch.arange(q.size(2), device=q.device)
-        mask = q_pos[:, None] >= k_pos[None, :]
-        if attention_mask is not None:
-            mask = mask & ~attention_mask.bool()[..., q_pos[:, None], k_pos[None, :]]  # Megatron's marks what to hide
-        out = self._sdpa(q, k, v, mask)
+            if cp > 1:
+                q_pos = chunk_positions(k.size(2), cp, rank, q.device)
+                k_pos = gathered_positions(k.size(2), cp, q.device)
+            else:
+                q_pos = k_pos = torch.arange(q.size(2), device=q.device)
+            mask = q_pos[:, None] >= k_pos[None, :]
+            if attention_mask is not None:
+                mask = mask & ~attention_mask.bool()[..., q_pos[:, None], k_pos[None, :]]  # Megatron marks what to hide
+            out = self._sdpa(q, k, v, mask)
         s, b = out.size(2), out.size(0)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -116,13 +120,13 @@ class SDPACoreAttention(torch.nn.Module):
         for bucket in plan.buckets:
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            k, v = _repeat_kv(k, v, q.size(1))
             out = self._sdpa(q, k, v, bucket.mask(k.size(2))).transpose(1, 2)
             outputs.append(out.reshape(-1, *out.shape[2:])[bucket.q_valid])
         out = torch.cat(outputs)[plan.order]
         return out.reshape(out.size(0), 1, -1)
 
     def _sdpa(self, q, k, v, mask):
+        # Grouped-query attention inside SDPA: K and V are not repeated to every query head first.
         return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -131,14 +135,8 @@ class SDPACoreAttention(torch.nn.Module):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=mask is None,
             scale=self.softmax_scale,
+            enable_gqa=k.size(1) != q.size(1),
         )
-
-
-def _repeat_kv(k, v, heads: int):
-    if k.size(1) == heads:
-        return k, v
-    repeat = heads // k.size(1)
-    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
 @dataclass(frozen=True)
