@@ -15,6 +15,7 @@ the held-out score (greedy, 64 prompts) before and after, and the step where the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -57,7 +58,8 @@ def train(run_dir: Path, model: Path, steps: int, *overrides: str) -> dict:
     spec = load_spec(str(REPO_ROOT / "configs" / "quickstart.yaml"), [
         f"model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_freq=-1",
         "tracking.backends=[console]", "actor.ppo_mini_batch_size=8", *overrides])
-    return run_training(spec).history
+    with contextlib.redirect_stdout(sys.stderr):  # the run's own report; stdout keeps the tables
+        return run_training(spec).history
 
 
 def mean_of(history: dict, name: str) -> float | None:
