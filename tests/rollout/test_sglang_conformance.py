@@ -194,3 +194,47 @@ def test_a_dead_server_restarts_resyncs_and_a_sleeping_restart_resumes_nothing_i
     engine.relaunch()
     engine.wake_up_with_weights(iter(weights(2.0)), version="v2")
     assert engine.process.alive and model_state(engine)["version"] == "v2"
+
+
+PARSE_WITH_SGLANG = """
+import json, sys
+import gpu_stubs
+gpu_stubs.install()
+from sglang.srt.server_args import prepare_server_args
+for argv in json.loads(sys.stdin.read()):
+    try:
+        prepare_server_args(argv)
+        print(json.dumps([argv, "ok"]))
+    except SystemExit as error:
+        print(json.dumps([argv, f"exit {error.code}"]))
+"""
+
+
+def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args():
+    """server_command for every option the spec reaches (TP/EP, dp-attention, memory saver, tokenizer, remote code,
+    dtype, device, load format, several nodes, LoRA, deterministic inference) and the flags verl_keys recommends,
+    through SGLang 0.5.23's argparse, which exits 2 on an unknown or ambiguous flag."""
+    from rlmegatron.config.spec import RolloutConfig
+    from rlmegatron.controller.role_settings import server_spec
+    from rlmegatron.rollout.sglang_server import server_command
+
+    rollout = RolloutConfig(tensor_parallel_size=4, expert_parallel_size=2, enable_dp_attention=True,
+                            mem_fraction_static=0.6, sglang={"load_format": "dummy", "extra_args": {
+                                # what verl_keys maps verl's rollout options to
+                                "disable-cuda-graph": True, "disable-radix-cache": True, "chunked-prefill-size": -1,
+                                "max-running-requests": 64, "max-prefill-tokens": 8192,
+                                "cuda-graph-bs-decode": [1, 2, 4], "enable-deterministic-inference": True}})
+    spec = server_spec(rollout, str(MODEL), port=30000, lora_rank=8, trust_remote_code=True, dtype="bfloat16",
+                       device="cpu", nnodes=2, dist_init_addr="10.0.0.1:5000")
+    plain = server_spec(RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False}),
+                        str(MODEL), port=30000)
+    commands = [server_command(spec.for_node(1))[3:], server_command(plain)[3:]]
+    import subprocess
+
+    answer = subprocess.run([sys.executable, "-c", PARSE_WITH_SGLANG], input=json.dumps(commands), text=True,
+                            capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"),
+                                                                              str(REPO_ROOT)])})
+    results = [json.loads(line) for line in answer.stdout.splitlines() if line.startswith("[")]
+    assert results == [[command, "ok"] for command in commands], answer.stderr[-2000:]
+    assert "--cuda-graph-bs-decode" in commands[0] and "--enable-lora" in commands[0] and "--nnodes" in commands[0]
