@@ -14,7 +14,17 @@ CORE = [
     "safetensors>=0.4",
     "psutil>=5.9",  # megatron.core.dist_checkpointing needs it
     "pyarrow>=14",  # parquet datasets
+    "packaging>=23",  # the SGLang server's version, checked against SGLANG_RANGE
 ]
+
+# The SGLang versions whose protocol the client speaks (rlmegatron.rollout.sglang.SUPPORTED_SGLANG says the same).
+SGLANG_RANGE = "sglang>=0.5.10,<=0.5.23"
+# SGLang's own server code runs in the tests (tests/rollout/sglang_cpu) at this version. Its wheel pins CUDA torch and
+# GPU kernels, so launch/install.sh installs it with --no-deps; these are what its HTTP app and weight-update path
+# import beyond rlmegatron's own dependencies (GPU-only imports are stood in for: tests/rollout/sglang_cpu/gpu_stubs.py).
+SGLANG_FOR_TESTS = "sglang==0.5.23"
+SGLANG_APP_DEPS = ["fastapi", "uvicorn", "orjson", "pybase64", "msgspec", "pyzmq", "uvloop", "dill", "sentencepiece",
+                   "openai==2.8.0", "partial_json_parser", "setproctitle", "einops", "python-multipart"]
 
 setup(
     name="rlmegatron",
@@ -28,9 +38,9 @@ setup(
     extras_require={
         # NVIDIA Apex is an optional GPU build from source (see README); the PyPI
         # package named "apex" is unrelated and must never be listed here.
-        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang>=0.5", "sglang-router>=0.1"],
+        "gpu": ["transformer-engine[pytorch]>=2.4", SGLANG_RANGE, "sglang-router>=0.1"],
         # peft: the LoRA export parity tests; pytest-xdist: the suite's two workers (README's test command)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", *SGLANG_APP_DEPS],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )

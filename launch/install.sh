@@ -21,6 +21,9 @@ if [ "$mode" = --cpu ]; then
   "${pip[@]}" install -q --retries 1 --timeout 20 \
     --extra-index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"
   "${pip[@]}" install -q -e ".[test]"
+  # SGLang's own server code for the conformance tests, without its CUDA torch and GPU kernels (setup.py:
+  # SGLANG_FOR_TESTS names the version; its app's light dependencies come with the test extra).
+  "${pip[@]}" install -q --no-deps "$(sed -n 's/^SGLANG_FOR_TESTS = "\(.*\)"$/\1/p' setup.py)"
 else
   "${pip[@]}" install -q "torch==${TORCH_VERSION}"
   "${pip[@]}" install -q -e ".[test,gpu]"

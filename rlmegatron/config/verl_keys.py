@@ -516,7 +516,8 @@ VERL_KEYS: dict[str, Entry] = {
         "an engine serves prompts of data.max_prompt_length plus rollout.max_new_tokens; SGLang's context length "
         "is the model's"),
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": Always(
-        (None,), "SGLang picks its CUDA-graph batch sizes", "set rollout.sglang.extra_args.cuda-graph-bs instead"),
+        (None,), "SGLang picks its CUDA-graph batch sizes",
+        "set rollout.sglang.extra_args.cuda-graph-bs-decode (a list of batch sizes) instead"),
     # verl passes SGLang's keyword names; rlmegatron's server takes them as --dashed-flags.
     "actor_rollout_ref.rollout.engine_kwargs.sglang.": _to("rollout.sglang.extra_args.", dashed=True),
     "actor_rollout_ref.rollout.engine_kwargs.vllm": NoMeaning(

@@ -2,7 +2,9 @@
 
 The layout is SGLang's multi-dtype `FlattenedTensorBucket`: every tensor is viewed as uint8 and
 concatenated, so `start_idx`, `end_idx` and `numel` count bytes of the flat buffer, and a tensor is
-rebuilt as `flat[start_idx:end_idx].view(dtype).reshape(shape)`.
+rebuilt as `flat[start_idx:end_idx].view(dtype).reshape(shape)`. That view needs `start_idx` to be a multiple of the
+dtype's size, so each tensor starts at the next such offset (a bf16 tensor of odd length before an fp32 one leaves
+two bytes of padding).
 """
 from __future__ import annotations
 
@@ -78,6 +80,10 @@ def travel_rules_for(hf_config: Any) -> tuple[TravelRule, ...]:
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _aligned(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
 
 
 class Bucketer:
@@ -156,18 +162,20 @@ class Bucketer:
         return [item]
 
     def _flatten(self, named_tensors: list[NamedTensor]) -> FlattenedBucket:
-        total = sum(tensor_nbytes(t) for _, t in named_tensors)
+        starts, end = [], 0
+        for _, tensor in named_tensors:
+            start = _aligned(end, tensor.element_size())
+            starts.append(start)
+            end = start + tensor_nbytes(tensor)
         device = named_tensors[0][1].device
-        flat = self._allocate(total, device)
+        flat = self._allocate(end, device)
         metadata, destinations, sources = [], [], []
-        offset = 0
-        for name, tensor in named_tensors:
+        for (name, tensor), offset in zip(named_tensors, starts):
             nbytes = tensor_nbytes(tensor)
             if nbytes:
                 destinations.append(flat[offset : offset + nbytes])
                 sources.append(tensor.detach().reshape(-1).view(torch.uint8))
             metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes))
-            offset += nbytes
         if destinations:  # one multi-tensor copy, not a launch per tensor
             torch._foreach_copy_(destinations, sources)
         return FlattenedBucket(flat, metadata)

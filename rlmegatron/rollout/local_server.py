@@ -28,6 +28,10 @@ import torch
 from rlmegatron.errors import Divergence
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
+
+PROTOCOL_VERSION = "0.5.20"
+"""The SGLang version whose protocol this server speaks, as its /server_info reports it: the last without weight-update
+sessions, which a server that applies each update whole does not need."""
 from rlmegatron.rollout.sglang_protocol import init_custom_process_group
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -174,7 +178,10 @@ def handler_for(server: LocalServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_GET(self) -> None:
-            self.reply(200 if self.path in ("/health", "/health_generate") else 404)
+            if self.path == "/server_info":
+                self.reply(200, {"version": PROTOCOL_VERSION})
+            else:
+                self.reply(200 if self.path in ("/health", "/health_generate", "/ping") else 404)
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from packaging.version import InvalidVersion, Version
 
-from rlmegatron.errors import Divergence
+from rlmegatron.errors import Divergence, UserError
 from rlmegatron.rollout.buckets import Bucketer, TravelRule
 from rlmegatron.rollout.engine import (
     INITIAL_VERSION,
@@ -42,12 +43,26 @@ class SGLangRequestError(RuntimeError):
     """The server answered and refused the request (4xx or success=false): retrying will not help."""
 
 
+SUPPORTED_SGLANG = (Version("0.5.10"), Version("0.5.23"))
+"""The SGLang versions whose protocol this client speaks (setup.py's `gpu` extra pins the same range); 0.5.23 is the one
+the conformance tests run (tests/rollout/test_sglang_conformance.py)."""
+WEIGHT_UPDATE_SESSION_SINCE = Version("0.5.21")
+"""From this version, update_weights_from_tensor/_from_distributed are refused outside a begin/end_weight_update
+session."""
+
+
+class UnsupportedServer(UserError):
+    """The server runs an SGLang version outside SUPPORTED_SGLANG."""
+
+
 class EngineRestarted(RuntimeError):
     """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
 
 
-def sampling_params(spec: SamplingSpec) -> dict[str, Any]:
-    """SGLang `sampling_params` for one sample (n is expanded client-side so each sample retries alone)."""
+def sampling_params(spec: SamplingSpec, seeded: bool = False) -> dict[str, Any]:
+    """SGLang `sampling_params` for one sample (n is expanded client-side so each sample retries alone). `seeded`: the
+    server runs with --enable-deterministic-inference, the only mode in which SGLang samples by `sampling_seed`;
+    elsewhere it ignores the seed, so none is sent."""
     params: dict[str, Any] = {
         "n": 1,
         "max_new_tokens": spec.max_new_tokens,
@@ -56,7 +71,7 @@ def sampling_params(spec: SamplingSpec) -> dict[str, Any]:
         "top_k": spec.top_k,
         "stop_token_ids": list(spec.stop_token_ids),
     }
-    if spec.seed is not None:
+    if seeded and spec.seed is not None:
         params["sampling_seed"] = spec.seed
     return params
 
@@ -67,6 +82,8 @@ class SGLangClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.version: Version | None = None
+        """The server's SGLang version, once `check_version` read it."""
 
     def _call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
@@ -107,6 +124,37 @@ class SGLangClient:
     def unload_lora_adapter(self, name: str) -> dict:
         return self._post_checked("/unload_lora_adapter", {"lora_name": name})
 
+    def check_version(self) -> Version:
+        """Reads the server's version (`/server_info`) and refuses one outside SUPPORTED_SGLANG."""
+        answer = self._call("GET", "/server_info", timeout_s=30)
+        reported = answer.get("version") if isinstance(answer, dict) else None
+        low, high = SUPPORTED_SGLANG
+        try:
+            version = Version(str(reported))
+        except InvalidVersion:
+            version = None
+        if version is None or not low <= version <= high:
+            raise UnsupportedServer(f"the SGLang server at {self.base_url} runs version {reported}; rlmegatron "
+                                    f"supports SGLang {low} to {high}: install one of those (pip install "
+                                    f"'sglang>={low},<={high}') in the interpreter rollout.sglang.python names")
+        self.version = version
+        return version
+
+    def begin_weight_update(self) -> None:
+        """SGLang 0.5.21+ refuses update_weights_from_tensor/_from_distributed outside a session this opens; older
+        versions have no session, and nothing is sent."""
+        if self._has_sessions():
+            self._post_checked("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        if self._has_sessions():
+            self._post_checked("/end_weight_update", {})
+
+    def _has_sessions(self) -> bool:
+        if self.version is None:
+            raise RuntimeError(f"{self.base_url}: check_version first, so the weight-update protocol is known")
+        return self.version >= WEIGHT_UPDATE_SESSION_SINCE
+
     def update_weights_from_tensor(
         self, serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False
     ) -> dict:
@@ -146,12 +194,31 @@ class SGLangClient:
     def continue_generation(self) -> None:
         self._call("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> None:
-        self._call("POST", "/flush_cache", {})
+    def flush_cache(self) -> bool:
+        """Drops the prefix cache the old weights computed. False: SGLang refused (HTTP 400) because requests are
+        running or queued; it flushes nothing then, and those requests finish on the new weights."""
+        try:
+            self._call("POST", "/flush_cache", {})
+        except SGLangRequestError as error:
+            if "HTTP 400" not in str(error):
+                raise
+            return False
+        return True
 
     def health(self, timeout_s: float = 5.0) -> bool:
+        """Readiness: `/health` runs a one-token generation through the scheduler (503 while the server starts).
+        It waits while generation is paused, so it is no liveness probe: that is `alive`."""
         try:
             self._call("GET", "/health", timeout_s=timeout_s)
+            return True
+        except (ServerUnavailable, SGLangRequestError):
+            return False
+
+    def alive(self, timeout_s: float = 5.0) -> bool:
+        """Liveness: `/ping` answers from the HTTP process without generating, also while generation is paused
+        (SGLang 0.5.10-0.5.23)."""
+        try:
+            self._call("GET", "/ping", timeout_s=timeout_s)
             return True
         except (ServerUnavailable, SGLangRequestError):
             return False
@@ -310,6 +377,10 @@ class SGLangEngine(RolloutEngine):
         """The trained policy is the base weights plus a LoRA adapter named by its version (actor.lora.weight_sync
         `adapter`); `adapter` is the one the server holds, None until the first is loaded."""
         self.adapter: str | None = None
+        self.seeded = bool(spec.extra_args.get("enable-deterministic-inference"))
+        """SGLang samples by the requests' seeds only in deterministic-inference mode (`sampling_params`)."""
+        self.released: set[str] = set()
+        """The memory tags the server has released: SGLang's scheduler dies on a resume of any other."""
         try:
             self.relaunch()
         except BaseException:
@@ -361,7 +432,8 @@ class SGLangEngine(RolloutEngine):
             if self.stale:
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
-                answer = self.generation_client.generate(list(input_ids), sampling_params(spec), self.adapter)
+                answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
+                                                         self.adapter)
                 result = parse_generate_response(answer, request_index, sample_index)
                 # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
                 # the trained version that produced the tokens.
@@ -375,9 +447,11 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
         """Colocated: each bucket travels as a shared-memory/IPC handle, one per server TP rank."""
+        self.client.begin_weight_update()
         share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
                       post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
-        self.client.flush_cache()
+        self.client.end_weight_update()
+        self.client.flush_cache()  # refused only while requests run, which finish on the new weights
         self.mark_synced(version)
 
     def load_adapter(self, name: str, path: str, version: str) -> None:
@@ -385,7 +459,7 @@ class SGLangEngine(RolloutEngine):
         self.client.load_lora_adapter(name, path)
         if self.adapter is not None and self.adapter != name:
             self.client.unload_lora_adapter(self.adapter)
-        self.client.flush_cache()
+        self.client.flush_cache()  # refused only while requests run, which finish on the new adapter
         self.mark_synced(version)
         self.adapter = name
 
@@ -404,12 +478,18 @@ class SGLangEngine(RolloutEngine):
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """A server without the memory saver cannot release anything, so it keeps its memory."""
-        if self.spec.enable_memory_saver:
-            self.client.release_memory_occupation(check_memory_tags(tags))
+        held = [tag for tag in check_memory_tags(tags) if tag not in self.released]
+        if self.spec.enable_memory_saver and held:
+            self.client.release_memory_occupation(held)
+            self.released.update(held)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        if self.spec.enable_memory_saver:
-            self.client.resume_memory_occupation(check_memory_tags(tags))
+        """Only tags the server released: resuming another raises in SGLang's scheduler, which ends the server (a
+        sleeping engine in LoRA mode released no weights; a restarted one released nothing)."""
+        released = [tag for tag in check_memory_tags(tags) if tag in self.released]
+        if self.spec.enable_memory_saver and released:
+            self.client.resume_memory_occupation(released)
+            self.released.difference_update(released)
 
     def pause_generation(self) -> None:
         self.client.pause_generation()
@@ -418,13 +498,20 @@ class SGLangEngine(RolloutEngine):
         self.client.continue_generation()
 
     def health(self) -> bool:
-        return self.process.alive and self.client.health()
+        """Liveness, which holds while generation is paused (`SGLangClient.alive`)."""
+        return self.process.alive and self.client.alive()
 
     def relaunch(self) -> None:
         """After a multi-node restart, once the caller started the other nodes: this node up, the server ready."""
         if not self.process.alive:
             self.process.start()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """A fresh server: ready to generate (its `/health`), of a supported version, holding all its memory."""
         self.process.wait_ready(self.client.health, self.startup_timeout_s)
+        self.client.check_version()
+        self.released = set()
 
     def shutdown(self) -> None:
         if self.in_router:
@@ -441,7 +528,7 @@ class SGLangEngine(RolloutEngine):
         with self._recovery_lock:
             if self._epoch != failed_epoch:
                 return
-            if self.process.alive and self.client.health():
+            if self.process.alive and self.client.alive():
                 # A transient error on a healthy server: retry without a restart.
                 self._epoch += 1
                 return
@@ -465,7 +552,7 @@ class SGLangEngine(RolloutEngine):
                 self._epoch += 1
                 return
             self.process.start()
-            self.process.wait_ready(self.client.health, self.startup_timeout_s)
+            self._wait_ready()
             self.adapter = None  # a restarted server holds none
             if self.resync is not None:
                 stream, version = self.resync()
@@ -512,6 +599,7 @@ class DistributedWeightPush:
     def connect(self, key: int, url: str, tp_size: int, group: DistributedGroupSpec) -> None:
         """Joins a group with server `key`; a restarted server gets a new group (its old members are gone)."""
         client = SGLangClient(url, self.timeout_s)
+        client.check_version()
         world_size = 1 + tp_size  # tp_size counts the server's ranks on all its nodes
         pending = _in_thread(lambda: client.init_weights_update_group(
             group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
@@ -530,6 +618,22 @@ class DistributedWeightPush:
         generation that next meets it, and joins a new group."""
         keys = list(self.servers if only is None else only)
         down: list[int] = []
+        for key in keys:
+            try:
+                self.servers[key][0].begin_weight_update()
+            except ServerUnavailable:
+                down.append(key)
+        self._broadcast(named_tensors, version, keys, down)
+        for key in keys:
+            if key not in down:
+                try:
+                    self.servers[key][0].end_weight_update()
+                    self.servers[key][0].flush_cache()  # refused only while requests run: they finish on the new weights
+                except ServerUnavailable:
+                    down.append(key)
+        return down
+
+    def _broadcast(self, named_tensors: WeightStream, version: str, keys: list[int], down: list[int]) -> None:
         for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
             pairs = bucket.named_tensors()
             for key in keys:
@@ -554,13 +658,6 @@ class DistributedWeightPush:
                     continue
                 for work in sent:
                     work.wait()
-        for key in keys:
-            if key not in down:
-                try:
-                    self.servers[key][0].flush_cache()
-                except ServerUnavailable:
-                    down.append(key)
-        return down
 
 
 def _in_thread(call: Callable[[], Any]) -> Future:

@@ -175,8 +175,10 @@ def test_colocated_sync_round_trips_buckets_in_order(tmp_path):
         updates = [c for c in log if c["path"] == "/update_weights_from_tensor"]
         assert order[:2] == [("/release_memory_occupation", ["weights", "kv_cache", "cuda_graph"]),
                              ("/resume_memory_occupation", ["weights"])]
-        assert order[2:2 + len(updates)] == [("/update_weights_from_tensor", None)] * len(updates)
-        assert order[2 + len(updates):] == [("/flush_cache", None), ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
+        assert order[2:4 + len(updates)] == [("/begin_weight_update", None), *[("/update_weights_from_tensor", None)]
+                                             * len(updates), ("/end_weight_update", None)]
+        assert order[4 + len(updates):] == [("/flush_cache", None),
+                                            ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
         assert len(updates) > 1, "1 KiB buckets should split these weights"
         assert all(c["modules"] == ["sglang.srt.weight_sync.tensor_bucket"] for c in updates)
         together = [c["names"] for c in updates if "model.layers.0.self_attn.q_a_proj.weight" in c["names"]]

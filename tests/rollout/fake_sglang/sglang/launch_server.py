@@ -7,6 +7,12 @@ default abort mode does, it ends them with what they have and finish reason abor
 Nth request, `--fake-die-after-generates`, or its Nth weight bucket, `--fake-die-on-push`), fail to start
 (`--fake-fail-start`) or take its time (`--fake-slow-start SECONDS`).
 
+It is no more lenient than SGLang 0.5.23 (tests/rollout/test_sglang_conformance.py runs the same scenario against
+both): weight updates outside a /begin_weight_update../end_weight_update session are refused (400; not before
+`--fake-version` 0.5.21), /flush_cache is refused (400) while a request runs, /health generates (so it waits while
+generation is paused, 503 after SGLang's 20 s), /ping answers at once, and a resume of a memory tag that was not
+released ends the server, as the KeyError in SGLang's scheduler does.
+
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
 once every other node joined; other nodes serve no HTTP; losing any node ends the whole server.
 """
@@ -30,6 +36,10 @@ TAGS = {"weights", "kv_cache", "cuda_graph"}
 
 
 class BadRequest(Exception):
+    pass
+
+
+class NotFound(Exception):
     pass
 
 
@@ -73,6 +83,8 @@ class FakeServer:
         self.pushes = 0
         self.lock = threading.Lock()
         self.groups = {}
+        self.session = False
+        self.has_sessions = tuple(map(int, args.fake_version.split("."))) >= (0, 5, 21)
         self.nodes_joined = threading.Event()
         self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
         self.unpaused.set()
@@ -167,6 +179,7 @@ class FakeServer:
     def update_weights_from_tensor(self, body):
         expect(body, {"serialized_named_tensors": list, "load_format": str, "flush_cache": bool,
                       "weight_version": (str, type(None))})
+        self.require_session("update_weights_from_tensor")
         if body["load_format"] != "flattened_bucket" or len(body["serialized_named_tensors"]) != self.args.tp_size:
             raise BadRequest("expected one flattened bucket per TP rank")
         if "weights" in self.released:
@@ -191,6 +204,32 @@ class FakeServer:
                     modules=sorted({type(m).__module__ for m in bucket["metadata"]}))
         return {"success": True, "message": "Succeeded to update model weights."}
 
+    def require_session(self, what):
+        if self.has_sessions and not self.session:
+            raise BadRequest(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    def weight_update_session(self, path, body):
+        if not self.has_sessions:
+            raise NotFound(path)
+        opening = path == "/begin_weight_update"
+        if self.session == opening:
+            raise BadRequest("a weight-update session is already open" if opening else "no weight-update session")
+        self.session = opening
+        self.record(path)
+        return {"success": True, "message": "Success"}
+
+    def flush_cache(self):
+        with self.settled:
+            if self.in_flight:
+                raise BadRequest("Cache not flushed because there are pending requests")
+        self.record("/flush_cache")
+
+    def health_generate(self):
+        """SGLang's /health: a one-token generation, which waits while generation is paused."""
+        if not self.nodes_joined.is_set():
+            return 503
+        return 200 if self.unpaused.wait(timeout=20) else 503
+
     def init_weights_update_group(self, body):
         expect(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
                       "group_name": str, "backend": str})
@@ -205,6 +244,7 @@ class FakeServer:
     def update_weights_from_distributed(self, body):
         expect(body, {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
                       "weight_version": (str, type(None))})
+        self.require_session("update_weights_from_distributed")
         group = self.groups[body["group_name"]]
         self.pushes += 1
         if self.pushes == self.args.fake_die_on_push and self.first_to_die():
@@ -247,6 +287,9 @@ class FakeServer:
             raise BadRequest(f"unknown tags {body['tags']}")
         if path == "/release_memory_occupation":
             self.released |= set(body["tags"])
+        elif not set(body["tags"]) <= self.released:
+            print(f"KeyError: resume of {sorted(set(body['tags']) - self.released)}, never released", flush=True)
+            os._exit(1)  # SGLang's scheduler raises (offload_tags.remove), which ends the server
         else:
             self.released -= set(body["tags"])
         self.record(path, tags=body["tags"])
@@ -263,6 +306,8 @@ def make_handler(server):
         "/unload_lora_adapter": server.unload_lora_adapter,
         "/release_memory_occupation": lambda body: server.memory("/release_memory_occupation", body),
         "/resume_memory_occupation": lambda body: server.memory("/resume_memory_occupation", body),
+        "/begin_weight_update": lambda body: server.weight_update_session("/begin_weight_update", body),
+        "/end_weight_update": lambda body: server.weight_update_session("/end_weight_update", body),
     }
     control = {"/pause_generation", "/continue_generation", "/flush_cache"}
 
@@ -272,7 +317,11 @@ def make_handler(server):
 
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
+                self.reply(server.health_generate())
+            elif self.path == "/ping":
                 self.reply(200 if server.nodes_joined.is_set() else 503)
+            elif self.path == "/server_info":
+                self.reply(200, {"version": server.args.fake_version})
             elif self.path == "/fake/progress":
                 self.reply(200, {"tokens": server.tokens_generated})
             elif self.path == "/fake/weights":
@@ -285,7 +334,10 @@ def make_handler(server):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             try:
                 if self.path in control:
-                    server.record(self.path)
+                    if self.path == "/flush_cache":
+                        server.flush_cache()
+                    else:
+                        server.record(self.path)
                     if self.path == "/pause_generation":
                         server.pause()
                     elif self.path == "/continue_generation":
@@ -298,6 +350,8 @@ def make_handler(server):
                     self.reply(404, {"error": self.path})
             except BadRequest as error:
                 self.reply(400, {"success": False, "message": str(error)})
+            except NotFound as error:
+                self.reply(404, {"detail": f"{error} not found"})
 
     return Handler
 
@@ -330,6 +384,7 @@ def main():
     parser.add_argument("--fake-fail-start", default="")
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
     parser.add_argument("--fake-token-delay", type=float, default=0.0)
+    parser.add_argument("--fake-version", default="0.5.23")
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
     if args.fake_fail_start:

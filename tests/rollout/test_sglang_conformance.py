@@ -1,0 +1,240 @@
+"""rlmegatron's SGLang client against SGLang 0.5.23's own server code (tests/rollout/sglang_cpu): its FastAPI app,
+tokenizer-manager control methods, scheduler-side weight-update manager and model-runner weight updater, with only
+the model, the memory saver and the scheduler loop stood in. One server for the module (it starts in ~15-40 s)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, SGLangEngine
+from rlmegatron.rollout.sglang_server import ServerSpec
+from rlmegatron.runtime.launcher import free_port
+
+HERE = Path(__file__).parent
+REPO_ROOT = HERE.parents[1]
+MODEL = REPO_ROOT / "configs" / "quickstart" / "model"
+TOKEN_DELAY_S = 0.05
+
+
+@pytest.fixture(autouse=True, scope="module")
+def file_system_sharing():
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def weights(scale: float = 1.0) -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes; the bf16 tensor's odd length puts the fp32 one after it off a 4-byte boundary unless aligned."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", (torch.randn(7, 3, generator=generator) * scale).to(torch.bfloat16)),
+        ("model.layers.0.mlp.gate_proj.weight", torch.randn(8, 16, generator=generator) * scale),
+        ("model.layers.0.input_layernorm.weight", (torch.randn(5, generator=generator) * scale).half()),
+        ("model.norm.weight", torch.randn(16, generator=generator) * scale),
+    ]
+
+
+def digest(tensor: torch.Tensor) -> list:
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+            hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+
+
+def checksum(named) -> int:
+    return int(sum(float(tensor.double().sum()) for _, tensor in named) * 1000) % 997
+
+
+def tokens(input_ids, count: int, weights_checksum: int) -> list[int]:
+    """The stand-in model's tokens: token s is (sum(input) + 31 s + checksum of its weights) mod 1000."""
+    return [(sum(input_ids) + 31 * step + weights_checksum) % 1000 for step in range(count)]
+
+
+def model_state(engine: SGLangEngine) -> dict:
+    return SGLangClient(engine.spec.url)._call("GET", "/standin/model")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("sglang_cpu")
+    spec = ServerSpec(
+        model_path=str(MODEL), port=free_port(), python=sys.executable, module="sglang_cpu_server",
+        device="cpu", dtype="float32", load_format="dummy",
+        extra_args={"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all"},
+        env={"PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"), str(REPO_ROOT)]),
+             "RLM_SGLANG_CPU_TOKEN_DELAY": str(TOKEN_DELAY_S)},
+    )
+    engine = SGLangEngine(spec, str(log_dir), bucket_bytes=256, resync=lambda: (iter(weights()), "v1"),
+                          startup_timeout_s=300, request_timeout_s=60, partial_rollout=True)
+    yield engine
+    engine.shutdown()
+
+
+def test_the_server_runs_sglang_0_5_23_and_generates(engine):
+    assert str(engine.client.version) == "0.5.23"
+    (result,) = engine.generate([GenerationRequest((1, 2, 3), SamplingSpec(max_new_tokens=4, seed=3))])
+    assert result.output_token_ids == tuple(tokens((1, 2, 3), 4, 0))
+    assert result.output_token_logprobs == pytest.approx((-0.01, -0.02, -0.03, -0.04))
+    assert result.finish_reason == "length" and result.weight_version == "default"
+
+
+def test_colocated_push_after_sleep_hands_the_model_every_tensor_bit_for_bit(engine):
+    """Release all memory, wake with weights: one weight-update session around the buckets (SGLang 0.5.21+ refuses
+    updates outside one), buckets SGLang's FlattenedTensorBucket rebuilds (aligned), then the KV cache back."""
+    engine.release_memory()
+    assert model_state(engine)["released"] == ["cuda_graph", "kv_cache", "weights"]
+    engine.wake_up_with_weights(iter(weights()), version="v1")
+    state = model_state(engine)
+    assert state["weights"] == {name: digest(tensor) for name, tensor in weights()}
+    assert state["version"] == "v1" and state["released"] == []
+    (result,) = engine.generate([GenerationRequest((4, 5), SamplingSpec(max_new_tokens=3))])
+    assert result.output_token_ids == tuple(tokens((4, 5), 3, checksum(weights())))
+    assert result.weight_version == "v1"
+
+
+def test_a_lora_mode_sleep_resumes_only_what_it_released(engine):
+    """LoRA adapter sync keeps the base weights on the device: the engine releases kv_cache and cuda_graph only, and
+    waking it must not resume `weights`, which SGLang's scheduler answers by dying."""
+    engine.release_memory(("kv_cache", "cuda_graph"))
+    engine.wake_up_with_weights(iter(weights()), version="v1")
+    assert engine.process.alive and engine.health()
+    assert model_state(engine)["released"] == []
+
+
+def test_disaggregated_push_over_gloo_hands_the_model_every_tensor_bit_for_bit(engine):
+    push = DistributedWeightPush(bucket_bytes=256)
+    push.connect(0, engine.spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), "conformance", "gloo"))
+    assert push.push(iter(weights(2.0)), "v2") == []
+    state = model_state(engine)
+    assert state["weights"] == {name: digest(tensor) for name, tensor in weights(2.0)}
+    assert state["version"] == "v2"
+    engine.update_weights(iter(weights()), "v1")  # back to what the other tests expect
+
+
+def wait_for_generation(engine: SGLangEngine, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"] < count:
+        assert time.monotonic() < deadline, "the server generated nothing in 60 s"
+        time.sleep(0.02)
+
+
+def test_pause_keeps_the_server_alive_and_partial_rollout_goes_on_with_the_new_weights(engine):
+    """While paused SGLang's /health waits (it generates a token): the engine's liveness probe must still say alive,
+    or every paused server would be left out of the push."""
+    prompt, length = (1, 2), 30
+    start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(engine.generate, [GenerationRequest(prompt, SamplingSpec(max_new_tokens=length))])
+        wait_for_generation(engine, start + 3)
+        engine.pause_generation()
+        probed = time.monotonic()
+        assert engine.health()
+        assert time.monotonic() - probed < 2
+        engine.update_weights(iter(weights(3.0)), version="v3")
+        engine.continue_generation()
+        (result,) = pending.result(timeout=120)
+    versions = result.token_weight_versions
+    before = versions.count("v1")
+    assert 0 < before < length and versions == ("v1",) * before + ("v3",) * (length - before)
+    head = tokens(prompt, before, checksum(weights()))
+    assert list(result.output_token_ids) == head + tokens((*prompt, *head), length - before, checksum(weights(3.0)))
+    engine.update_weights(iter(weights()), "v1")
+
+
+def adapter(tmp_path: Path, name: str, seed: int) -> str:
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    path = tmp_path / name
+    path.mkdir()
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.randn(4, 16, generator=generator),
+               f"{prefix}.lora_B.weight": torch.randn(16, 4, generator=generator)},
+              str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    return str(path)
+
+
+def test_an_adapter_loads_while_requests_run_though_sglang_refuses_the_flush(engine, tmp_path):
+    """Loading an adapter takes no model-update lock, so generation runs on: SGLang refuses /flush_cache (400) while
+    any request runs. That is no failure: the adapter is in, the next one replaces it, samples name it."""
+    request = [GenerationRequest((1, 2, 3), SamplingSpec(max_new_tokens=20))]
+    start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(engine.generate, request)
+        wait_for_generation(engine, start + 2)
+        assert not engine.client.flush_cache()  # SGLang's answer while a request runs
+        engine.load_adapter("step_1", adapter(tmp_path, "step_1", 1), "step_1")
+        running.result(timeout=60)
+    assert engine.generate(request)[0].weight_version == "step_1"
+    engine.load_adapter("step_2", adapter(tmp_path, "step_2", 2), "step_2")
+    assert sorted(model_state(engine)["adapters"]) == ["step_2"]
+    assert engine.generate(request)[0].weight_version == "step_2"
+    engine.lora_adapters, engine.adapter = False, None  # the other tests sample with the base weights
+
+
+def test_a_dead_server_restarts_resyncs_and_a_sleeping_restart_resumes_nothing_it_did_not_release(engine):
+    """Router-free restart: the server dies, the next generation restarts it and re-syncs the weights; then a
+    sleeping engine (LoRA mode) whose server restarts wakes without resuming what the new server never released."""
+    engine.process.stop()
+    (result,) = engine.generate([GenerationRequest((4, 5), SamplingSpec(max_new_tokens=3))])
+    assert result.output_token_ids == tuple(tokens((4, 5), 3, checksum(weights())))
+    assert engine.restarts == 1
+    assert model_state(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
+    engine.release_memory(("kv_cache", "cuda_graph"))
+    engine.process.stop()
+    engine.relaunch()
+    engine.wake_up_with_weights(iter(weights(2.0)), version="v2")
+    assert engine.process.alive and model_state(engine)["version"] == "v2"
+
+
+PARSE_WITH_SGLANG = """
+import json, sys
+import gpu_stubs
+gpu_stubs.install()
+from sglang.srt.server_args import prepare_server_args
+for argv in json.loads(sys.stdin.read()):
+    try:
+        prepare_server_args(argv)
+        print(json.dumps([argv, "ok"]))
+    except SystemExit as error:
+        print(json.dumps([argv, f"exit {error.code}"]))
+"""
+
+
+def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args():
+    """server_command for every option the spec reaches (TP/EP, dp-attention, memory saver, tokenizer, remote code,
+    dtype, device, load format, several nodes, LoRA, deterministic inference) and the flags verl_keys recommends,
+    through SGLang 0.5.23's argparse, which exits 2 on an unknown or ambiguous flag."""
+    from rlmegatron.config.spec import RolloutConfig
+    from rlmegatron.controller.role_settings import server_spec
+    from rlmegatron.rollout.sglang_server import server_command
+
+    rollout = RolloutConfig(tensor_parallel_size=4, expert_parallel_size=2, enable_dp_attention=True,
+                            mem_fraction_static=0.6, sglang={"load_format": "dummy", "extra_args": {
+                                # what verl_keys maps verl's rollout options to
+                                "disable-cuda-graph": True, "disable-radix-cache": True, "chunked-prefill-size": -1,
+                                "max-running-requests": 64, "max-prefill-tokens": 8192,
+                                "cuda-graph-bs-decode": [1, 2, 4], "enable-deterministic-inference": True}})
+    spec = server_spec(rollout, str(MODEL), port=30000, lora_rank=8, trust_remote_code=True, dtype="bfloat16",
+                       device="cpu", nnodes=2, dist_init_addr="10.0.0.1:5000")
+    plain = server_spec(RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False}),
+                        str(MODEL), port=30000)
+    commands = [server_command(spec.for_node(1))[3:], server_command(plain)[3:]]
+    import subprocess
+
+    answer = subprocess.run([sys.executable, "-c", PARSE_WITH_SGLANG], input=json.dumps(commands), text=True,
+                            capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"),
+                                                                              str(REPO_ROOT)])})
+    results = [json.loads(line) for line in answer.stdout.splitlines() if line.startswith("[")]
+    assert results == [[command, "ok"] for command in commands], answer.stderr[-2000:]
+    assert "--cuda-graph-bs-decode" in commands[0] and "--enable-lora" in commands[0] and "--nnodes" in commands[0]
