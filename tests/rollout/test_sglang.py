@@ -428,3 +428,50 @@ def test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next(tmp_path
     for tensors, version in zip(loaded, ("step_1", "step_2")):
         on_disk = load_file(str(Path(adapters[version]) / "adapter_model.safetensors"))
         assert tensors == {name: json.loads(json.dumps(digest(t))) for name, t in on_disk.items()}
+
+
+def test_a_sleeping_engine_whose_server_restarted_wakes_without_resuming_what_the_new_server_holds(tmp_path):
+    """LoRA mode releases kv_cache and cuda_graph only; a server restarted meanwhile released nothing. Resuming a tag
+    a server never released ends SGLang's scheduler (the fake dies alike: test_sglang_conformance compares them)."""
+    engine = make_engine(tmp_path)
+    try:
+        engine.release_memory(("kv_cache", "cuda_graph"))
+        engine.wake_up_with_weights(iter(weights()), "v1")
+        assert engine.process.alive and engine.released == set()
+        engine.release_memory(("kv_cache", "cuda_graph"))
+        engine.process.stop()
+        engine.relaunch()
+        engine.wake_up_with_weights(iter(weights()), "v2")
+        assert engine.process.alive and engine.health() and server_weights(engine)["version"] == "v2"
+        assert [c["path"] for c in calls(tmp_path) if "memory" in c["path"]] == [
+            "/release_memory_occupation", "/resume_memory_occupation", "/release_memory_occupation"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.24"])
+def test_a_server_outside_the_supported_versions_is_refused_in_one_line(tmp_path, version):
+    import re
+
+    from rlmegatron.errors import UserError
+
+    with pytest.raises(UserError) as refused:
+        make_engine(tmp_path, **{"fake-version": version})
+    assert re.fullmatch(rf"the SGLang server at http://127\.0\.0\.1:\d+ runs version {re.escape(version)}; rlmegatron "
+                        r"supports SGLang 0\.5\.10 to 0\.5\.23: install one of those \(pip install "
+                        r"'sglang>=0\.5\.10,<=0\.5\.23'\) in the interpreter rollout\.sglang\.python names",
+                        str(refused.value)), refused.value
+
+
+def test_buckets_align_each_tensor_to_its_dtype_so_every_view_works():
+    """An odd-length bf16 tensor before an fp32 one: packed back to back, the fp32 one would start 2 bytes off its
+    alignment and .view(float32) would fail, in SGLang's FlattenedTensorBucket and in named_tensors() alike."""
+    from rlmegatron.rollout.buckets import Bucketer
+
+    tensors = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(5, dtype=torch.float32)),
+               ("c", torch.arange(3, dtype=torch.int8)), ("d", torch.arange(2, dtype=torch.float64))]
+    (bucket,) = Bucketer(1 << 20, ()).buckets(iter(tensors))
+    assert [(name, tensor.dtype, tensor.tolist()) for name, tensor in bucket.named_tensors()] == [
+        (name, tensor.dtype, tensor.tolist()) for name, tensor in tensors]
+    for meta in bucket.metadata:
+        assert meta.start_idx % meta.dtype.itemsize == 0, meta

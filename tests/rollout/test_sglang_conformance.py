@@ -181,19 +181,85 @@ def test_an_adapter_loads_while_requests_run_though_sglang_refuses_the_flush(eng
     engine.lora_adapters, engine.adapter = False, None  # the other tests sample with the base weights
 
 
-def test_a_dead_server_restarts_resyncs_and_a_sleeping_restart_resumes_nothing_it_did_not_release(engine):
-    """Router-free restart: the server dies, the next generation restarts it and re-syncs the weights; then a
-    sleeping engine (LoRA mode) whose server restarts wakes without resuming what the new server never released."""
+def protocol_answers(url: str, progress: str) -> list[tuple[str, str]]:
+    """What a server answers to the calls where SGLang 0.5.23 is strict, in order (the last one ends the server):
+    a weight update outside and inside a session, /flush_cache while a request runs, /health and /ping while
+    generation is paused, and the resume of a memory tag it never released. `progress`: the server's route that
+    counts the tokens it generated."""
+    from rlmegatron.rollout.buckets import Bucketer
+    from rlmegatron.rollout.sglang import ServerUnavailable, SGLangRequestError, sampling_params
+    from rlmegatron.rollout.sglang_protocol import serialize_flattened_bucket
+
+    client = SGLangClient(url, timeout_s=30)
+    client.check_version()
+    bucket = next(Bucketer(1 << 20, (), shared_memory=True).buckets(iter(weights())))
+    payload = [serialize_flattened_bucket(bucket)]
+    answers = []
+
+    def attempt(name: str, call) -> None:
+        try:
+            call()
+            answers.append((name, "ok"))
+        except SGLangRequestError as error:
+            answers.append((name, "refused: " + str(error).split("HTTP ", 1)[1][:3]))
+        except ServerUnavailable:
+            answers.append((name, "unavailable"))
+
+    attempt("update outside a session", lambda: client.update_weights_from_tensor(payload, "v1"))
+    attempt("begin a session", client.begin_weight_update)
+    attempt("update inside it", lambda: client.update_weights_from_tensor(payload, "v1"))
+    attempt("end it", client.end_weight_update)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        start = client._call("GET", progress)["tokens"]
+        running = pool.submit(client.generate, [1, 2], sampling_params(SamplingSpec(max_new_tokens=40)))
+        deadline = time.monotonic() + 60
+        while client._call("GET", progress)["tokens"] < start + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        answers.append(("flush while a request runs", "ok" if client.flush_cache() else "refused"))
+        client.pause_generation()
+        answers.append(("health while paused", "answers" if client.health(timeout_s=2) else "waits"))
+        answers.append(("ping while paused", "answers" if client.alive(timeout_s=2) else "waits"))
+        client.continue_generation()
+        running.result(timeout=60)
+    # The paused /health left a one-token generation queued, and SGLang asserts an idle scheduler before it
+    # releases memory (it dies otherwise): a health check of our own returns once that one is done too.
+    answers.append(("health after continuing", "answers" if client.health(timeout_s=30) else "waits"))
+    attempt("release kv_cache", lambda: client.release_memory_occupation(["kv_cache"]))
+    attempt("resume weights, never released", lambda: client.resume_memory_occupation(["weights"]))
+    deadline = time.monotonic() + 10
+    while client.alive(timeout_s=1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    answers.append(("alive after that", str(client.alive(timeout_s=1))))
+    return answers
+
+
+def test_the_fake_server_answers_as_sglang_0_5_23_where_it_is_strict(engine, tmp_path):
+    """The same calls against SGLang's own code and against tests/rollout/fake_sglang, which the rest of the suite
+    uses because it starts in a second: the same answers, so the fake is no more lenient. Ends the real server,
+    which the next test restarts."""
+    from tests.rollout.test_sglang import make_engine
+
+    fake = make_engine(tmp_path, **{"fake-token-delay": TOKEN_DELAY_S})
+    try:
+        expected = protocol_answers(fake.spec.url, "/fake/progress")
+    finally:
+        fake.shutdown()
+    assert expected == [
+        ("update outside a session", "refused: 400"), ("begin a session", "ok"), ("update inside it", "ok"),
+        ("end it", "ok"), ("flush while a request runs", "refused"), ("health while paused", "waits"),
+        ("ping while paused", "answers"), ("health after continuing", "answers"), ("release kv_cache", "ok"),
+        ("resume weights, never released", "unavailable"), ("alive after that", "False")]
+    assert protocol_answers(engine.spec.url, "/standin/progress") == expected
+
+
+def test_a_dead_server_restarts_and_resyncs(engine):
+    """Router-free restart: the server is down (the test before ended it), the next generation restarts it and
+    re-syncs the weights."""
     engine.process.stop()
     (result,) = engine.generate([GenerationRequest((4, 5), SamplingSpec(max_new_tokens=3))])
     assert result.output_token_ids == tuple(tokens((4, 5), 3, checksum(weights())))
-    assert engine.restarts == 1
+    assert engine.restarts == 1 and engine.released == set()
     assert model_state(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
-    engine.release_memory(("kv_cache", "cuda_graph"))
-    engine.process.stop()
-    engine.relaunch()
-    engine.wake_up_with_weights(iter(weights(2.0)), version="v2")
-    assert engine.process.alive and model_state(engine)["version"] == "v2"
 
 
 PARSE_WITH_SGLANG = """

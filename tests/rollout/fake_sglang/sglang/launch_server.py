@@ -10,7 +10,8 @@ Nth request, `--fake-die-after-generates`, or its Nth weight bucket, `--fake-die
 It is no more lenient than SGLang 0.5.23 (tests/rollout/test_sglang_conformance.py runs the same scenario against
 both): weight updates outside a /begin_weight_update../end_weight_update session are refused (400; not before
 `--fake-version` 0.5.21), /flush_cache is refused (400) while a request runs, /health generates (so it waits while
-generation is paused, 503 after SGLang's 20 s), /ping answers at once, and a resume of a memory tag that was not
+generation is paused, 503 after SGLang's 20 s, and counts as a request in flight meanwhile), /ping answers at once,
+a release of memory while any request is in flight ends the server, and a resume of a memory tag that was not
 released ends the server, as the KeyError in SGLang's scheduler does.
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
@@ -91,6 +92,7 @@ class FakeServer:
         self.aborting = False  # ... and aborts those in flight
         self.tokens_generated = 0  # GET /fake/progress: a test can pause once generation is under way
         self.in_flight = 0
+        self.waiting_health = 0  # /health generations waiting for /continue_generation
         self.settled = threading.Condition()  # /pause_generation answers once no request is in flight
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
@@ -225,10 +227,17 @@ class FakeServer:
         self.record("/flush_cache")
 
     def health_generate(self):
-        """SGLang's /health: a one-token generation, which waits while generation is paused."""
+        """SGLang's /health: a one-token generation, which waits while generation is paused, and is a request in
+        flight meanwhile (it keeps the server from being idle, even after its client gave up)."""
         if not self.nodes_joined.is_set():
             return 503
-        return 200 if self.unpaused.wait(timeout=20) else 503
+        with self.settled:
+            self.waiting_health += 1
+        try:
+            return 200 if self.unpaused.wait(timeout=20) else 503
+        finally:
+            with self.settled:
+                self.waiting_health -= 1
 
     def init_weights_update_group(self, body):
         expect(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
@@ -286,6 +295,10 @@ class FakeServer:
         if not set(body["tags"]) <= TAGS:
             raise BadRequest(f"unknown tags {body['tags']}")
         if path == "/release_memory_occupation":
+            if self.in_flight or self.waiting_health:
+                print("AssertionError: release_memory_occupation should be called only when server is idle",
+                      flush=True)
+                os._exit(1)  # SGLang's scheduler asserts an idle scheduler, which ends the server
             self.released |= set(body["tags"])
         elif not set(body["tags"]) <= self.released:
             print(f"KeyError: resume of {sorted(set(body['tags']) - self.released)}, never released", flush=True)
