@@ -166,6 +166,11 @@ RULES: tuple[Rule, ...] = (
     # The old-log-prob pass batches like the actor's update; its budget rule is the actor's, above.
     _dynamic_batching("actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu",
                       "rollout.log_prob_micro_batch_size_per_gpu", packs="the old-log-prob pass")[1],
+    Rule(("rollout.seed",),
+         lambda s: s.rollout.engine != "sglang"
+         or bool(s.rollout.sglang.extra_args.get("enable-deterministic-inference")),
+         lambda s: "SGLang samples by a request's seed only in deterministic-inference mode; remove it or set "
+                   "rollout.sglang.extra_args.enable-deterministic-inference=true"),
     Rule(("actor.moe.routing_agreement",), lambda s: s.actor.moe.routing_replay != "r3",
          lambda s: "routing replay r3 measures the agreement anyway (its record is the rollout's routing); remove it"),
     Rule(("tracking.rollout_trace.prompts_per_step",), lambda s: s.tracking.rollout_trace.backend is not None,

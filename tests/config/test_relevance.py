@@ -65,6 +65,11 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"rollout.sglang.extra_args": {"foo": 1}}, f"rollout.sglang.extra_args.foo=1: {SGLANG_ONLY}"),
         ({"rollout.engine": "sglang", "rollout.sglang.router_args": {"policy": "round_robin"}},
          "rollout.sglang.router_args.policy=round_robin: only applies to a router rlm train starts"),
+        ({"rollout.engine": "sglang", "rollout.seed": 3},
+         "rollout.seed=3: SGLang samples by a request's seed only in deterministic-inference mode"),
+        ({"trainer.mode": "async", "placement.mode": "disaggregate", "placement.rollout_nnodes": 1,
+          "placement.rollout_gpus_per_node": 4, "trainer.on_policy_check": 1e-5},
+         "trainer.on_policy_check=1.0e-05: trainer.mode=async samples with weights up to 2 versions old by design"),
     ],
     ids=lambda value: None if isinstance(value, dict) else value.split("=")[0],
 )
