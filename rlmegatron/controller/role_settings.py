@@ -21,7 +21,7 @@ from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.hf_config import spec_config_options
 from rlmegatron.models.lora import LoRASettings
 from rlmegatron.rollout.agent_loop import AgentSettings
-from rlmegatron.rollout.sglang_server import SGLANG_DTYPES, ServerSpec
+from rlmegatron.rollout.sglang_server import RETURN_ROUTED_EXPERTS, SGLANG_DTYPES, ServerSpec
 
 LOCAL_SERVER_MODULE = "rlmegatron.rollout.local_server"
 from rlmegatron.runtime import ParallelLayout
@@ -265,7 +265,8 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
                            dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device, **local,
-                           lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0),
+                           lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0,
+                           return_routed_experts=spec.actor.wants_rollout_routing),
         router_url=sglang.router_url,
         router_args=dict(sglang.router_args),
         startup_timeout_s=sglang.startup_timeout_s,
@@ -293,11 +294,14 @@ def agent_settings(spec: JobSpec) -> Optional[AgentSettings]:
 
 
 def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: int = 0,
-                **overrides: Any) -> ServerSpec:
+                return_routed_experts: bool = False, **overrides: Any) -> ServerSpec:
     """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields;
-    `lora_rank` > 0 serves LoRA adapters of that rank on every linear."""
+    `lora_rank` > 0 serves LoRA adapters of that rank on every linear; `return_routed_experts`: the server records
+    each token's experts for the requests that ask (routing replay, actor.moe)."""
     sglang = rollout.sglang
     lora = {"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"} if lora_rank else {}
+    if return_routed_experts:
+        lora[RETURN_ROUTED_EXPERTS] = True
     fields = dict(
         python=sglang.python,
         tp_size=rollout.tensor_parallel_size,

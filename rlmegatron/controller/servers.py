@@ -19,7 +19,8 @@ from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.rollout.sglang import EngineRestarted, SGLangEngine
-from rlmegatron.rollout.sglang_server import ServerSpec
+from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
+from rlmegatron.rollout.sglang_server import RETURN_ROUTED_EXPERTS, ServerSpec
 from rlmegatron.runtime.launcher import free_port
 from rlmegatron.tracking.progress import Progress
 
@@ -121,6 +122,7 @@ def sglang_engine(settings: RolloutSettings, server: ServerSpec, hf_config, ipc_
         ipc_group=ipc_group,
         lora_adapters=settings.lora is not None,
         partial_rollout=settings.partial_rollout,
+        routing=RoutedExpertsLayout.of(hf_config) if server.extra_args.get(RETURN_ROUTED_EXPERTS) else None,
     )
 
 

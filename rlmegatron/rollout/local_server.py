@@ -28,11 +28,12 @@ import torch
 from rlmegatron.errors import Divergence
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout, init_custom_process_group
+from rlmegatron.rollout.sglang_server import RETURN_ROUTED_EXPERTS
 
 PROTOCOL_VERSION = "0.5.20"
 """The SGLang version whose protocol this server speaks, as its /server_info reports it: the last without weight-update
 sessions, which a server that applies each update whole does not need."""
-from rlmegatron.rollout.sglang_protocol import init_custom_process_group
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -89,10 +90,13 @@ class Scheduler:
 
 
 class LocalServer:
-    def __init__(self, engine: LocalEngine) -> None:
+    def __init__(self, engine: LocalEngine, return_routed_experts: bool = False) -> None:
+        """`return_routed_experts`: as SGLang's --enable-return-routed-experts, requests that ask get each token's
+        experts, in SGLang's format."""
         self.engine = engine
         self.scheduler = Scheduler(engine)
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.routing = RoutedExpertsLayout.of(engine.model.config.to_dict()) if return_routed_experts else None
 
     def generate(self, body: dict) -> dict:
         params = body["sampling_params"]
@@ -100,18 +104,24 @@ class LocalServer:
                                 max_new_tokens=params["max_new_tokens"],
                                 stop_token_ids=tuple(params.get("stop_token_ids", ())),
                                 seed=params.get("sampling_seed"))
+        routed = bool(body.get("return_routed_experts"))
+        if routed and self.routing is None:
+            raise ValueError("return_routed_experts needs a server launched with --enable-return-routed-experts")
         try:
-            result = self.scheduler.generate(GenerationRequest(tuple(body["input_ids"]), sampling))
+            result = self.scheduler.generate(GenerationRequest(tuple(body["input_ids"]), sampling,
+                                                               return_routed_experts=routed))
         except Divergence:
             # As from SGLang, which samples from such logits: the log-prob says it (the client raises Divergence).
             return {"output_ids": [0], "meta_info": {"finish_reason": {"type": "length"},
                                                      "output_token_logprobs": [[math.nan, 0, None]],
                                                      "weight_version": self.engine.weight_version}}
-        return {"output_ids": list(result.output_token_ids), "meta_info": {
-            "finish_reason": {"type": result.finish_reason},
-            "output_token_logprobs": [[logprob, token, None] for logprob, token in
-                                      zip(result.output_token_logprobs, result.output_token_ids)],
-            "weight_version": result.weight_version}}
+        meta = {"finish_reason": {"type": result.finish_reason},
+                "output_token_logprobs": [[logprob, token, None] for logprob, token in
+                                          zip(result.output_token_logprobs, result.output_token_ids)],
+                "weight_version": result.weight_version}
+        if routed:
+            meta["routed_experts"] = self.routing.encode(result.routed_experts)
+        return {"output_ids": list(result.output_token_ids), "meta_info": meta}
 
     def init_weights_update_group(self, body: dict) -> dict:
         self.groups[body["group_name"]] = init_custom_process_group(
@@ -221,10 +231,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda")  # SGLang's default: the launch command names only cpu
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(f"--{RETURN_ROUTED_EXPERTS}", dest="return_routed_experts", action="store_true")
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
     engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code)
-    httpd = Server((args.host, args.port), handler_for(LocalServer(engine)))
+    httpd = Server((args.host, args.port), handler_for(LocalServer(engine, args.return_routed_experts)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

@@ -30,7 +30,11 @@ from rlmegatron.rollout.engine import (
     WeightStream,
     check_memory_tags,
 )
-from rlmegatron.rollout.sglang_protocol import init_custom_process_group, serialize_flattened_bucket
+from rlmegatron.rollout.sglang_protocol import (
+    RoutedExpertsLayout,
+    init_custom_process_group,
+    serialize_flattened_bucket,
+)
 from rlmegatron.rollout.sglang_server import ServerSpec, launch_node
 from rlmegatron.tracking.progress import Progress, report
 
@@ -113,10 +117,16 @@ class SGLangClient:
             raise SGLangRequestError(f"{path} failed: {answer.get('message')}")
         return answer
 
-    def generate(self, input_ids: list[int], params: dict[str, Any], lora_name: str | None = None) -> dict:
-        """`lora_name`: the loaded LoRA adapter to sample with (SGLang's `lora_path` names it); None: the base."""
+    def generate(self, input_ids: list[int], params: dict[str, Any], lora_name: str | None = None,
+                 return_routed_experts: bool = False) -> dict:
+        """`lora_name`: the loaded LoRA adapter to sample with (SGLang's `lora_path` names it); None: the base.
+        `return_routed_experts`: the answer carries each token's experts (a server launched to record them)."""
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-        return self._call("POST", "/generate", body if lora_name is None else {**body, "lora_path": lora_name})
+        if lora_name is not None:
+            body["lora_path"] = lora_name
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        return self._call("POST", "/generate", body)
 
     def load_lora_adapter(self, name: str, path: str) -> dict:
         return self._post_checked("/load_lora_adapter", {"lora_name": name, "lora_path": path})
@@ -268,7 +278,9 @@ class RouterClient:
             self.client._call("POST", f"/remove_worker?url={urllib.parse.quote(url, safe=':/')}")
 
 
-def parse_generate_response(answer: dict, request_index: int, sample_index: int) -> GenerationResult:
+def parse_generate_response(answer: dict, request_index: int, sample_index: int,
+                            routing: RoutedExpertsLayout | None = None) -> GenerationResult:
+    """`routing`: the model's layout of the routed experts the answer must carry (none asked for: None)."""
     meta = answer["meta_info"]
     output_ids = [int(token) for token in answer["output_ids"]]
     triples = meta["output_token_logprobs"]  # [logprob, token_id, text-or-None] per output token
@@ -285,6 +297,12 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int)
         raise Divergence(f"rollout logits: the server's log-prob of response token {position + 1} of sample "
                          f"{request_index}/{sample_index} is {logprobs[position]}; the rollout model's weights "
                          "are not usable")
+    routed = None
+    if routing is not None:
+        if not meta.get("routed_experts"):
+            raise SGLangRequestError(f"the answer to sample {request_index}/{sample_index} carries no routed_experts "
+                                     "though they were asked for; launch the server with --enable-return-routed-experts")
+        routed = routing.decode(meta["routed_experts"])
     return GenerationResult(
         request_index=request_index,
         sample_index=sample_index,
@@ -292,6 +310,7 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int)
         output_token_logprobs=logprobs,
         finish_reason=reason,
         weight_version=meta.get("weight_version"),
+        routed_experts=routed,
     )
 
 
@@ -299,6 +318,15 @@ def joined(parts: Sequence[GenerationResult]) -> GenerationResult:
     """One sample from the pieces partial rollout generated it in, each piece's tokens tagged with its weights."""
     if len(parts) == 1:
         return parts[0]
+    routed = None
+    if parts[0].routed_experts is not None:
+        # Each piece's record covers its whole input (the prompt and the tokens before it, prefilled again) and its
+        # own tokens but the last. A token keeps the routing of the piece that ran it first: the piece that
+        # sampled it, or, for a piece's last token, the next piece's prefill.
+        routed, kept = parts[0].routed_experts, parts[0].routed_experts.shape[0]
+        for part in parts[1:]:
+            routed = torch.cat([routed, part.routed_experts[kept:]])
+            kept = routed.shape[0]
     return GenerationResult(
         request_index=parts[0].request_index,
         sample_index=parts[0].sample_index,
@@ -307,6 +335,7 @@ def joined(parts: Sequence[GenerationResult]) -> GenerationResult:
         finish_reason=parts[-1].finish_reason,
         weight_version=parts[-1].weight_version,
         token_weight_versions=tuple(part.weight_version for part in parts for _ in part.output_token_ids),
+        routed_experts=routed,
     )
 
 
@@ -349,12 +378,15 @@ class SGLangEngine(RolloutEngine):
         ipc_group: torch.distributed.ProcessGroup | None = None,
         lora_adapters: bool = False,
         partial_rollout: bool = False,
+        routing: RoutedExpertsLayout | None = None,
     ) -> None:
         """`router_url`: the sglang_router in front of several servers; generation goes through it, and this
         server is one of its workers exactly while it holds trained weights. `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
         bucket (`share_buckets`). Without it this process shares one copy with every server TP rank.
         `partial_rollout`: a sample aborted by `pause_generation` (new weights on the way) is sent again as the
-        prompt plus the tokens it has, and goes on from there once the server continues (`_generate_one`)."""
+        prompt plus the tokens it has, and goes on from there once the server continues (`_generate_one`).
+        `routing`: the model's routed-experts layout, for a server launched to return them
+        (--enable-return-routed-experts): requests that ask for them get them."""
         self.spec = spec
         self.process = launch_node(spec, log_dir, start=False)
         self.ipc_group = ipc_group
@@ -381,6 +413,7 @@ class SGLangEngine(RolloutEngine):
         """SGLang samples by the requests' seeds only in deterministic-inference mode (`sampling_params`)."""
         self.released: set[str] = set()
         """The memory tags the server has released: SGLang's scheduler dies on a resume of any other."""
+        self.routing = routing
         try:
             self.relaunch()
         except BaseException:
@@ -409,7 +442,12 @@ class SGLangEngine(RolloutEngine):
         if spec.seed is not None:
             # Distinct but reproducible seeds for the n samples of one request.
             spec = SamplingSpec(**{**spec.__dict__, "seed": spec.seed * 1_000_003 + sample_index})
-        result = self._request(request_index, sample_index, request.prompt_token_ids, spec)
+        routing = None
+        if request.return_routed_experts:
+            if self.routing is None:
+                raise ValueError(f"server {self.spec.url} was not launched to return routed experts")
+            routing = self.routing
+        result = self._request(request_index, sample_index, request.prompt_token_ids, spec, routing)
         if not self.partial_rollout:
             return result
         # Partial rollout: an abort is the server making way for new weights. The sample goes on from its tokens
@@ -419,12 +457,12 @@ class SGLangEngine(RolloutEngine):
             tokens = [token for part in produced for token in part.output_token_ids]
             rest = SamplingSpec(**{**spec.__dict__, "max_new_tokens": spec.max_new_tokens - len(tokens),
                                    "seed": None if spec.seed is None else spec.seed + len(tokens)})
-            result = self._request(request_index, sample_index, (*request.prompt_token_ids, *tokens), rest)
+            result = self._request(request_index, sample_index, (*request.prompt_token_ids, *tokens), rest, routing)
             produced.append(result)
         return joined(produced)
 
     def _request(self, request_index: int, sample_index: int, input_ids: Sequence[int],
-                 spec: SamplingSpec) -> GenerationResult:
+                 spec: SamplingSpec, routing: RoutedExpertsLayout | None = None) -> GenerationResult:
         # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
@@ -433,8 +471,8 @@ class SGLangEngine(RolloutEngine):
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
-                                                         self.adapter)
-                result = parse_generate_response(answer, request_index, sample_index)
+                                                         self.adapter, return_routed_experts=routing is not None)
+                result = parse_generate_response(answer, request_index, sample_index, routing)
                 # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
                 # the trained version that produced the tokens.
                 return result if self.adapter is None else dataclasses.replace(result, weight_version=self.adapter)

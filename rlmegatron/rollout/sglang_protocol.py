@@ -1,16 +1,20 @@
-"""SGLang's wire formats: the flattened-bucket payload of /update_weights_from_tensor and the weight-update process group."""
+"""SGLang's wire formats: the flattened-bucket payload of /update_weights_from_tensor, the weight-update process group,
+and the routed experts a generation returns."""
 from __future__ import annotations
 
 import base64
 import copyreg
 import io
 import pickle
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 
+import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  registers torch's tensor/storage reductions on ForkingPickler
 
+from rlmegatron.models.families import architecture_of
 from rlmegatron.rollout.buckets import FlattenedBucket, FlattenedTensorMetadata
 
 SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
@@ -118,3 +122,32 @@ def init_custom_process_group(
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+@dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """SGLang's `meta_info.routed_experts` (`--enable-return-routed-experts`, request field `return_routed_experts`):
+    base64 of int32 expert ids, [tokens, decoder layers, top-k], for every token the server ran (the prompt and the
+    output but its last token); a dense layer's entries mean nothing. The record routing replay keeps is the MoE
+    layers' only, [tokens, MoE layers, top-k] int16 (models/routing_replay.py)."""
+
+    layers: int
+    moe_layers: tuple[int, ...]
+    """0-based decoder layers whose MLP is routed."""
+    topk: int
+
+    @classmethod
+    def of(cls, hf_config) -> "RoutedExpertsLayout":
+        arch = architecture_of(hf_config)
+        return cls(len(arch.moe_layers), tuple(i for i, routed in enumerate(arch.moe_layers) if routed),
+                   arch.num_experts_per_tok)
+
+    def decode(self, payload: str) -> torch.Tensor:
+        ids = np.frombuffer(base64.b64decode(payload), dtype=np.int32).reshape(-1, self.layers, self.topk)
+        return torch.from_numpy(ids[:, list(self.moe_layers)].astype(np.int16))
+
+    def encode(self, routed: torch.Tensor) -> str:
+        """The server side, as SGLang writes it (the local engine's server): zeros in the dense layers."""
+        full = torch.zeros(routed.shape[0], self.layers, self.topk, dtype=torch.int32)
+        full[:, list(self.moe_layers)] = routed.to(torch.int32)
+        return base64.b64encode(full.numpy().tobytes()).decode("utf-8")

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 
+RETURN_ROUTED_EXPERTS = "enable-return-routed-experts"
+"""The server flag that has SGLang record each token's experts for requests that ask (`return_routed_experts`)."""
 # model.dtype -> SGLang's --dtype, so the engines serve the dtype the trainer trains in.
 SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

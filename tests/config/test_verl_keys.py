@@ -173,9 +173,9 @@ def test_translations_that_combine_yield_or_conflict(base, tmp_path):
     # Hydra's + prefix, rlmegatron's own keys beside verl's, and a path + name pair joined into one plug-in.
     reward, dataset = tmp_path / "r.py", tmp_path / "d.py"
     reward.touch(), dataset.touch()
-    spec, _ = spec_with("+trainer.val_before_train=False", "rollout.seed=7", f"custom_reward_function.path={reward}",
+    spec, _ = spec_with("+trainer.val_before_train=False", "trainer.seed=7", f"custom_reward_function.path={reward}",
                         f"data.custom_cls.path={dataset}", "data.custom_cls.name=Prompts")
-    assert (spec.trainer.val_before_train, spec.rollout.seed) == (False, 7)
+    assert (spec.trainer.val_before_train, spec.trainer.seed) == (False, 7)
     assert (spec.reward.function, spec.data.dataset_class) == (f"{reward}:compute_score", f"{dataset}:Prompts")
     # verl's clip_ratio yields to clip_ratio_high, and enable_gradient_checkpointing to an explicit granularity.
     spec, notes = spec_with("actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",

@@ -148,3 +148,37 @@ def test_a_server_on_the_trainers_own_gpu_takes_cuda_weights_over_gloo(tmp_path)
     tokens, logprobs = teacher_forced(policy.cpu(), list(PROMPT), list(result.output_token_ids))
     assert list(result.output_token_ids) == tokens and result.weight_version == "v1"
     assert result.output_token_logprobs == pytest.approx(logprobs, abs=1e-3)  # the GPU's kernels against the CPU's
+
+
+def test_the_local_server_returns_each_tokens_experts_in_sglangs_format():
+    """A Qwen3-MoE whose first layer is dense: the answer's routed_experts is SGLang's layout (every decoder layer,
+    zeros in the dense one), which the client's RoutedExpertsLayout reads back as the engine recorded it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlmegatron.rollout.local import LocalEngine
+    from rlmegatron.rollout.local_server import LocalServer
+    from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                                  num_experts_per_tok=2, mlp_only_layers=[0], vocab_size=160,
+                                  max_position_embeddings=64, num_hidden_layers=3)
+    torch.manual_seed(0)
+    engine = LocalEngine(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    server = LocalServer(engine, return_routed_experts=True)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 4, "sampling_seed": 5}
+    answer = server.generate({"input_ids": list(PROMPT), "sampling_params": params, "return_routed_experts": True})
+    layout = RoutedExpertsLayout.of(config.to_dict())
+    assert layout == RoutedExpertsLayout(layers=3, moe_layers=(1, 2), topk=2)
+    (direct,) = engine.generate([GenerationRequest(PROMPT, SamplingSpec(max_new_tokens=4, seed=5),
+                                                   return_routed_experts=True)])
+    assert answer["output_ids"] == list(direct.output_token_ids)
+    assert torch.equal(layout.decode(answer["meta_info"]["routed_experts"]), direct.routed_experts)
+    assert direct.routed_experts.shape == (len(PROMPT) + 4 - 1, 2, 2)
+    import base64
+
+    import numpy as np
+
+    raw = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32).reshape(-1, 3, 2)
+    assert (raw[:, 0] == 0).all()  # the dense layer
+    server.scheduler.hold("end")

@@ -475,3 +475,32 @@ def test_buckets_align_each_tensor_to_its_dtype_so_every_view_works():
         (name, tensor.dtype, tensor.tolist()) for name, tensor in tensors]
     for meta in bucket.metadata:
         assert meta.start_idx % meta.dtype.itemsize == 0, meta
+
+
+def test_an_answer_without_the_experts_it_was_asked_for_names_the_sample():
+    from rlmegatron.rollout.sglang import SGLangRequestError, parse_generate_response
+    from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
+
+    answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
+                                               "output_token_logprobs": [[-0.5, 7, None]]}}
+    with pytest.raises(SGLangRequestError, match=r"^the answer to sample 3/1 carries no routed_experts though they "
+                                                 r"were asked for; launch the server with "
+                                                 r"--enable-return-routed-experts$"):
+        parse_generate_response(answer, 3, 1, RoutedExpertsLayout(2, (1,), 2))
+    assert parse_generate_response(answer, 3, 1).routed_experts is None
+
+
+def test_a_sample_continued_after_a_pause_keeps_each_tokens_first_routing():
+    """Partial rollout: piece 1 ran the prompt (3 tokens) and its 2 tokens but the last; piece 2 ran all 5 again
+    (with the new weights) and its 2 tokens but the last. Each token keeps the routing of the piece that ran it
+    first: rows 0-3 from piece 1, rows 4-5 from piece 2."""
+    from rlmegatron.rollout.engine import GenerationResult
+    from rlmegatron.rollout.sglang import joined
+
+    def piece(tokens, rows, fill):
+        return GenerationResult(0, 0, tokens, (-0.1,) * len(tokens), "abort",
+                                routed_experts=torch.full((rows, 1, 2), fill, dtype=torch.int16))
+
+    sample = joined([piece((10, 11), 3 + 2 - 1, 1), piece((12, 13), 5 + 2 - 1, 2)])
+    assert sample.output_token_ids == (10, 11, 12, 13)
+    assert sample.routed_experts[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2]  # prompt + 4 outputs - 1 rows

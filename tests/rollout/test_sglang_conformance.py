@@ -16,6 +16,7 @@ import torch
 
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, SGLangEngine
+from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
 from rlmegatron.rollout.sglang_server import ServerSpec
 from rlmegatron.runtime.launcher import free_port
 
@@ -68,12 +69,13 @@ def engine(tmp_path_factory):
     spec = ServerSpec(
         model_path=str(MODEL), port=free_port(), python=sys.executable, module="sglang_cpu_server",
         device="cpu", dtype="float32", load_format="dummy",
-        extra_args={"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all"},
+        extra_args={"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all",
+                    "enable-return-routed-experts": True},
         env={"PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"), str(REPO_ROOT)]),
              "RLM_SGLANG_CPU_TOKEN_DELAY": str(TOKEN_DELAY_S)},
     )
     engine = SGLangEngine(spec, str(log_dir), bucket_bytes=256, resync=lambda: (iter(weights()), "v1"),
-                          startup_timeout_s=300, request_timeout_s=60, partial_rollout=True)
+                          startup_timeout_s=300, request_timeout_s=60, partial_rollout=True, routing=ROUTING)
     yield engine
     engine.shutdown()
 
@@ -84,6 +86,27 @@ def test_the_server_runs_sglang_0_5_23_and_generates(engine):
     assert result.output_token_ids == tuple(tokens((1, 2, 3), 4, 0))
     assert result.output_token_logprobs == pytest.approx((-0.01, -0.02, -0.03, -0.04))
     assert result.finish_reason == "length" and result.weight_version == "default"
+
+
+# The stand-in model routes both of its 2 layers, top-2 (sglang_cpu_server.standin_expert); the layout says which
+# layers routing replay keeps: here the second only, as a model with a dense first layer has it.
+ROUTING = RoutedExpertsLayout(layers=2, moe_layers=(1,), topk=2)
+
+
+def test_each_tokens_experts_come_back_as_sglang_encodes_them(engine):
+    """`return_routed_experts`, answered through SGLang's app and encoded by its own detokenizer code: one row per
+    token the server ran (the prompt, then the output but its last token), the MoE layers of the layout kept."""
+    from tests.rollout.sglang_cpu.standin_routing import standin_expert
+
+    prompt = (3, 9, 4)
+    (result,) = engine.generate([GenerationRequest(prompt, SamplingSpec(max_new_tokens=4),
+                                                   return_routed_experts=True)])
+    ran = [*prompt, *result.output_token_ids][:-1]
+    expected = [[[standin_expert(token, layer, slot) for slot in range(2)] for layer in ROUTING.moe_layers]
+                for token in ran]
+    assert result.routed_experts.dtype == torch.int16 and result.routed_experts.tolist() == expected
+    (plain,) = engine.generate([GenerationRequest(prompt, SamplingSpec(max_new_tokens=4))])
+    assert plain.routed_experts is None
 
 
 def test_colocated_push_after_sleep_hands_the_model_every_tensor_bit_for_bit(engine):

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gpu_stubs
+from standin_routing import ROUTED_LAYERS, ROUTED_TOPK, standin_expert
 
 gpu_stubs.install()
 
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from sglang.srt.entrypoints import http_server  # noqa: E402
 from sglang.srt.lora.lora_registry import LoRARegistry  # noqa: E402
+from sglang.srt.managers.detokenizer_manager import DetokenizerManager  # noqa: E402
 from sglang.srt.managers import io_struct  # noqa: E402
 from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper  # noqa: E402
 from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager  # noqa: E402
@@ -269,7 +271,16 @@ class StandInTokenizerManager(type("Borrowed", (), _borrowed(
             params = SamplingParams(**(obj.sampling_params or {}))
             params.verify(VOCAB)
             rid = obj.rid or f"req-{time.monotonic_ns()}"
+            if obj.return_routed_experts and not self.server_args.enable_return_routed_experts:
+                raise ValueError("return_routed_experts needs --enable-return-routed-experts")
             answer = await self.scheduler.generate(rid, list(obj.input_ids), params)
+            if obj.return_routed_experts:
+                # What SGLang's capturer hands the detokenizer: [prompt + output - 1 tokens, layers, top-k] int32,
+                # encoded by SGLang's own detokenizer code.
+                seen = [*obj.input_ids, *answer["output_ids"]][:-1]
+                routed = torch.tensor([[[standin_expert(token, layer, slot) for slot in range(ROUTED_TOPK)]
+                                        for layer in range(ROUTED_LAYERS)] for token in seen], dtype=torch.int32)
+                answer["meta_info"]["routed_experts"] = DetokenizerManager._b64_encode_per_request([routed])[0]
             self.last_receive_tstamp = time.time()
             yield answer
 
