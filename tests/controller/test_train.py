@@ -112,7 +112,9 @@ def ray_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
-        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang, "placement.launcher=ray",
+        # --verbose: the progress bars' lines, checked below, show in the log.
+        killed = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+                                   "placement.launcher=ray",
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
