@@ -1,5 +1,5 @@
-"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours; and
-Divergence: training produced NaN or inf.
+"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours;
+DiskFull: the run's disk filled up (the user's to fix too); and Divergence: training produced NaN or inf.
 
 `rlm` prints a user error's message and exits 2, with no traceback unless RLM_DEBUG=1 or `rlm --debug`; anything
 else keeps its traceback. The message is the whole report: one line per problem, naming the file, field or row and

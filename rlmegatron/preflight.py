@@ -275,5 +275,10 @@ class _Checks:
         # Checked before anything starts: else the first checkpoint or the tracker's store finds out, minutes in.
         run_dir = self.spec.trainer.run_dir
         reason = unwritable(run_dir)
-        if reason:
-            self.problem("trainer.run_dir", run_dir, f"{reason}; give a trainer.run_dir this user can write to")
+        if reason is None:
+            return
+        if not self.launching and not Path(run_dir).exists():  # validated elsewhere than it runs (submit.sh)?
+            self.result.notes.append(f"note: trainer.run_dir={run_dir}: {reason} here; rlm train refuses to start "
+                                     "where it cannot make it")
+            return
+        self.problem("trainer.run_dir", run_dir, f"{reason}; give a trainer.run_dir this user can write to")

@@ -74,19 +74,38 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[None]:
     path = Path(run_dir) / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
-            raise RunDirBusy(f"trainer.run_dir={run_dir}: another run is using it ({_holder(path)}); wait for it "
-                             "to end or stop it, or give this run its own trainer.run_dir") from None
+        _lock_or_refuse(fd, path, run_dir)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+def refuse_if_busy(run_dir: str | Path) -> None:
+    """RunDirBusy at once if another live process holds `run_dir`'s lock, creating nothing: `rlm train` takes the
+    lock only once its checks have passed, and a run refused then would have paid for them (and for the imports its
+    ranks start with) first."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no lock file (no run has been here), or not writable (preflight says so)
+        return
+    try:
+        _lock_or_refuse(fd, path, run_dir)
+    finally:
+        os.close(fd)  # drops the lock it may have taken
+
+
+def _lock_or_refuse(fd: int, path: Path, run_dir: str | Path) -> None:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
+        raise RunDirBusy(f"trainer.run_dir={run_dir}: another run is using it ({_holder(path)}); wait for it to end "
+                         "or stop it, or give this run its own trainer.run_dir") from None
 
 
 def _holder(path: Path) -> str:

@@ -179,7 +179,7 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
         def finish(self, status):
             pass
 
-    def start_ranks(device, world_size, rank_class, spec, total_steps):
+    def start_ranks(device, world_size, rank_class, spec, total_steps, collective_timeout_s):
         launched.append(spec)
         raise SystemExit(0)
 

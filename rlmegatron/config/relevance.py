@@ -149,7 +149,8 @@ RULES: tuple[Rule, ...] = (
                    "trainer.mode to one_step_off or async"),
     Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,
          lambda s: f"trainer.total_steps={s.trainer.total_steps} is set and ends the run instead; remove it, or "
-                   "remove trainer.total_steps to train by epochs", even_default_on_command_line=True),
+                   "remove trainer.total_steps (~trainer.total_steps on the command line) to train by epochs",
+         even_default_on_command_line=True),
     Rule(("data.val_batch_size", "rollout.val_kwargs."), lambda s: bool(s.data.val_files),
          lambda s: "only applies to validation, and data.val_files is empty; remove it or add validation files"),
     Rule(("data.val_files",), lambda s: s.trainer.val_before_train or s.trainer.test_freq > 0,

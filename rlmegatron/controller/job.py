@@ -32,7 +32,7 @@ from rlmegatron.errors import DiskFull, disk_full_in
 from rlmegatron.preflight import ready_to_launch
 from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
-from rlmegatron.run_dir import no_space_left, run_dir_lock
+from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
@@ -103,6 +103,7 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
     """The job, its ranks started as placement.launcher says, or (`in_process`: tests, the GPU harness) one rank in
     this process."""
     launch = None if in_process else launcher(spec)
+    refuse_if_busy(spec.trainer.run_dir)  # at once, when another run holds the run directory
     if launch == "processes":
         # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start now in
         # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.

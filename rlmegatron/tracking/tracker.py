@@ -182,8 +182,8 @@ class InBackground:
 
 class ConsoleBackend:
     """One line per step (the step, its mean score, response length and time, and any validation scores); every
-    `log_freq` steps the compact table of every metric instead: a rule naming the step, then the metrics sorted,
-    three to a line."""
+    `log_freq` trained steps the compact table of every metric instead: a rule naming the step, then the metrics
+    sorted, three to a line."""
 
     COLUMNS = 3
 
@@ -194,7 +194,7 @@ class ConsoleBackend:
         pass  # a stream has no earlier attempt to continue
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.log_freq > 0 and step % self.log_freq == 0:
+        if self.log_freq > 0 and step > 0 and step % self.log_freq == 0:  # step 0: validation before training
             self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
         else:
             self.stream.write(format_step_line(metrics, step))

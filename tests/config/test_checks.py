@@ -738,7 +738,8 @@ def test_local_model_dir_without_config_json_is_named(tmp_path):
 def test_a_ref_layout_without_a_kl_term_is_rejected_not_checked():
     assert problems_with({"ref.megatron.tensor_model_parallel_size": 3}) == [
         "job.yaml: ref.megatron.tensor_model_parallel_size=3: the reference model is only built for a KL term "
-        "(actor.use_kl_loss or algorithm.use_kl_in_reward), and neither is on; remove it or turn one on"
+        "(actor.use_kl_loss or algorithm.use_kl_in_reward), and neither is on; remove it "
+        "(~ref.megatron.tensor_model_parallel_size on the command line) or turn one on"
     ]
 
 

@@ -12,10 +12,7 @@ GSM8K = REPO_ROOT / "configs" / "gsm8k_sample"
 def test_three_grpo_steps_on_real_gsm8k(tmp_path):
     data = tmp_path / "data"
     rlm = [sys.executable, "-m", "rlmegatron"]
-    prepared = subprocess.run([*rlm, "prepare", "gsm8k", "--src", str(GSM8K), "--out", str(data)], cwd=REPO_ROOT,
-                              capture_output=True, text=True, check=True)
-    assert prepared.stdout.splitlines() == [f"train: 48 rows -> {data / 'train.parquet'}",
-                                            f"test: 16 rows -> {data / 'test.parquet'}"]
+    subprocess.run([*rlm, "prepare", "gsm8k", "--src", str(GSM8K), "--out", str(data)], cwd=REPO_ROOT, check=True)
     run = subprocess.run(
         [*rlm, "train", "configs/gsm8k_cpu_smoke.yaml", f"trainer.run_dir={tmp_path / 'run'}",
          f"data.train_files=[{data / 'train.parquet'}]"],

@@ -160,10 +160,12 @@ def test_console_prints_one_line_a_step_and_the_full_table_every_log_freq_steps(
     tracker = Tracker.from_spec(spec, console_stream=stream)
     metrics = {"timing_s/gen": 1.23456, "actor/pg_loss": -0.01234, "critic/score/mean": 0.5,
                "perf/throughput": 12345.6, "response_length/mean": 3.25, "timing_s/step": 2.5}
+    tracker.log_metrics({"val/gsm8k/score/mean": 0.0}, step=0)  # validation before training: a line, whatever N
     tracker.log_metrics(metrics, step=6)
     tracker.log_metrics(metrics, step=7)
     tracker.log_metrics({**metrics, "val/gsm8k/score/mean": 0.125, "val/reward/errors": 0.0}, step=8)
-    lines = stream.getvalue().splitlines()
+    step_0, *lines = stream.getvalue().splitlines()
+    assert step_0 == "step 0  val/gsm8k/score/mean 0"
     assert lines[0] == "step 6  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5"
     assert lines[1].startswith("── step 7 ──")
     assert lines[2:4] == ["actor/pg_loss        -0.01234   critic/score/mean         0.5   perf/throughput         12346",
