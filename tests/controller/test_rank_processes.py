@@ -126,7 +126,7 @@ def test_an_error_pickle_cannot_carry_is_raised_as_its_text(ranks):
 def test_a_killed_rank_fails_the_call_at_once_naming_it(ranks):
     ranks.call_all(Member.pid)  # built
     started = time.monotonic()
-    with pytest.raises(RankDied, match=r"^trainer rank 1 \(pid \d+\) was killed by SIGKILL$"):
+    with pytest.raises(RankDied, match=r"^trainer rank 1 \(pid \d+\) was killed by SIGKILL during die_on$"):
         ranks.call_all(Member.die_on, 1)
     # Rank 0 waits in the barrier for ever: the call gives up on it after the peers' grace (5 s), not later.
     assert time.monotonic() - started < 10
