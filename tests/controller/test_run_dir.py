@@ -72,8 +72,8 @@ def test_a_second_run_on_a_live_run_directory_is_refused_naming_it_and_its_mlflo
         assert late["code"] == 2 and late["stdout"] == ""
         assert re.fullmatch(
             rf"trainer\.run_dir={re.escape(str(run_dir))}: another run is using it \(rlm train, pid {running['pid']} "
-            rf"on host {re.escape(socket.gethostname())}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it to end "
-            r"or stop it, or give this run its own trainer\.run_dir\n", late["stderr"]), late["stderr"]
+            rf"on host {re.escape(socket.gethostname())}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\); wait for it "
+            r"to end or stop it, or give this run its own trainer\.run_dir\n", late["stderr"]), late["stderr"]
     with sqlite3.connect(run_dir / "mlflow.db") as store:
         assert store.execute("SELECT lifecycle_stage, status FROM runs").fetchall() == [("active", "FINISHED")]
         steps = store.execute("SELECT step FROM metrics WHERE key = 'critic/score/mean' ORDER BY step").fetchall()

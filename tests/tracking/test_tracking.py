@@ -168,8 +168,9 @@ def test_console_prints_one_line_a_step_and_the_full_table_every_log_freq_steps(
     assert step_0 == "step 0  val/gsm8k/score/mean 0"
     assert lines[0] == "step 6  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5"
     assert lines[1].startswith("── step 7 ──")
-    assert lines[2:4] == ["actor/pg_loss        -0.01234   critic/score/mean         0.5   perf/throughput         12346",
-                          "response_length/mean     3.25   timing_s/gen            1.235   timing_s/step             2.5"]
+    assert lines[2:4] == [
+        "actor/pg_loss        -0.01234   critic/score/mean         0.5   perf/throughput         12346",
+        "response_length/mean     3.25   timing_s/gen            1.235   timing_s/step             2.5"]
     assert lines[4:] == ["step 8  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5  "
                          "val/gsm8k/score/mean 0.125"]
     assert tracker.series("critic/score/mean") == [0.5, 0.5, 0.5]
