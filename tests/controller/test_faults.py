@@ -9,31 +9,10 @@ from rlmegatron.controller.rank_processes import RankDied
 from rlmegatron.controller.trainer import StoppedByMistake, TrainingStopped
 from rlmegatron.errors import disk_full_in, user_error_in
 from rlmegatron.rewards import NaiveRewardManager
-from tests.controller.fit_rig import FakeRanks, run_rig
+from tests.controller.fit_rig import failing_on_second_call, run_rig
 
 # Three steps, a checkpoint after each: a fault in step 2 has step 1's checkpoint behind it.
 THREE_STEPS = ["trainer.total_steps=3", "trainer.save_freq=1"]
-
-
-class RankKilledIn(FakeRanks):
-    """Fake ranks whose `method` dies (as a rank the OOM killer ends) on its second call: step 2's."""
-
-    def __init__(self, method: str, error: BaseException) -> None:
-        super().__init__()
-        self.method, self.error = method, error
-
-    def __getattribute__(self, name):
-        attribute = super().__getattribute__(name)
-        if name != super().__getattribute__("method"):
-            return attribute
-
-        def dies_on_its_second_call(*args, **kwargs):
-            result = attribute(*args, **kwargs)
-            if self.calls.count(name) == 2:
-                raise self.error
-            return result
-
-        return dies_on_its_second_call
 
 
 def ray_actor_died() -> BaseException:
@@ -47,7 +26,7 @@ def ray_actor_died() -> BaseException:
 def test_a_killed_rank_stops_the_run_naming_the_step_and_the_last_complete_checkpoint(tmp_path, method, launcher):
     died = RankDied(f"trainer rank 1 (pid 4242) was killed by SIGKILL during {method}") if launcher == "processes" \
         else ray_actor_died()
-    ranks = RankKilledIn(method, died)
+    ranks = failing_on_second_call(method, died)  # as a rank the OOM killer ends
     with pytest.raises(TrainingStopped) as raised:
         run_rig(tmp_path, *THREE_STEPS, ranks=ranks)
     assert str(raised.value) == (f"step 2: {died}. No checkpoint is written for this step; the last complete one is "
