@@ -138,8 +138,10 @@ async def _apart(call: Awaitable[Any]) -> Any:
     cancelled = threading.Event()
 
     async def own() -> Any:
+        # The caller sets `cancelled` before it looks for `running`, and this sets `running` before it looks at
+        # `cancelled`: a timeout that came before this thread got here is seen on one side or the other.
         running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        if cancelled.is_set():  # timed out before this thread got to it (set before `running` was looked at)
+        if cancelled.is_set():
             if inspect.iscoroutine(call):
                 call.close()
             raise asyncio.CancelledError
