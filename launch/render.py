@@ -57,15 +57,20 @@ def validate(launch: Launch, env: dict[str, str]) -> int:
     python = str(Path(env["RLM_VENV"], "bin", "python")) if env.get("RLM_VENV") else sys.executable
     command = [python, "-m", "rlmegatron", "validate", *launch.train_command()[2:]]
     try:
-        code = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL).returncode
+        # stderr is kept: an interpreter without the project's packages dies with a traceback, said here in a line.
+        validated = subprocess.run(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
     except OSError as err:
         code, reason = None, str(err)
     else:
-        reason = f"exit code {code}"
-    if code in (0, 2):
-        return code
-    print(f"submit.sh: cannot validate the spec with {python} ({reason}); activate the project's environment, "
-          "or set RLM_VENV (or PYTHON) to one", file=sys.stderr)
+        code, said = validated.returncode, validated.stderr.strip().splitlines()
+        if code in (0, 2):  # accepted (with notes), or the spec's problems: rlm validate's own lines
+            sys.stderr.write(validated.stderr)
+            return code
+        reason = said[-1] if said else f"exit code {code}"
+    print(f"submit.sh: cannot validate the spec with {python} ({reason}); activate the project's environment "
+          "(source .venv/bin/activate, once bash launch/install.sh made it), or set RLM_VENV (or PYTHON) to one",
+          file=sys.stderr)
     return 2
 
 

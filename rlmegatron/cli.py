@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlmegatron.checkpoint import CheckpointManager
-from rlmegatron.errors import user_error_in
+from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.convert_cli import main as convert_main
+from rlmegatron.tracking.progress import ProgressBar
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
@@ -77,15 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
             # SUPPRESS: absent here, the top-level --debug (or its default) stands.
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if takes_spec:
-            subparser.add_argument("config", metavar="CONFIG", help="job spec YAML file")
+            # Both optional to argparse, so that a missing spec is one line of ours (_load_spec), not a usage block
+            # that calls the overrides required.
+            subparser.add_argument("config", metavar="CONFIG", nargs="?", help="job spec YAML file")
             subparser.add_argument(
-                "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.n=8"
+                "overrides", nargs="*", default=[], metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.n=8"
             )
             subparser.add_argument(
                 "--verl", action="store_true",
                 help="the overrides are verl's keys (actor_rollout_ref.actor.optim.lr=1e-6 ...): each is mapped onto "
                 "the spec, accepted with a note, or rejected with rlmegatron's equivalent",
             )
+            if name == "train":
+                subparser.add_argument("--verbose", action="store_true",
+                                       help="print every step's full metric table and, on a log file, the progress "
+                                       "of its phases (else one line per step; trainer.log_freq sets a table every "
+                                       "N steps)")
             if name == "plan":
                 from rlmegatron.planner.command import add_plan_options
 
@@ -121,8 +129,11 @@ def train(args: argparse.Namespace) -> int:
     from rlmegatron.controller.job import run_training
     from rlmegatron.controller.trainer import TrainingStopped
 
-    # A user's mistake found on the way (a SpecError, a CheckpointError, a reward plug-in that does not load, ...)
-    # is a UserError, which `main` reports in one line with exit 2.
+    if args.verbose:
+        spec.trainer.log_freq = 1
+        ProgressBar.log_lines = True
+    # A user's mistake found on the way (a SpecError, a CheckpointError, a reward plug-in that does not load, a full
+    # disk, another run in the run directory, ...) is a UserError, which `main` reports in one line with exit 2.
     try:
         run_training(spec)
     except SpecError as err:  # a rule only training has, checked as the run starts, before any worker
@@ -159,14 +170,29 @@ def convert(args: argparse.Namespace) -> int:
 
 def _load_spec(args: argparse.Namespace) -> JobSpec:
     """The checked spec (a SpecError names every problem). With --verl, the notes on verl keys that were accepted
-    as what rlmegatron does anyway go to stderr."""
+    as what rlmegatron does anyway go to stderr; verl's command line needs no base spec there (verl has none)."""
     from rlmegatron.config import load_spec
 
+    command = f"rlm {args.command.__name__}"
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and _is_override(config):
+        if not args.verl:
+            raise UserError(f"{command}: {config} is an override, and the job spec comes first: {command} CONFIG "
+                            f"[KEY=VALUE ...], e.g. {command} configs/quickstart.yaml {config}")
+        config, overrides = None, [config, *overrides]
+    elif config is None and not args.verl:
+        raise UserError(f"{command}: which job? Give its spec: {command} CONFIG [KEY=VALUE ...], e.g. {command} "
+                        "configs/quickstart.yaml")
     if not args.verl:
-        return load_spec(args.config, args.overrides)
+        return load_spec(config, overrides)
     from rlmegatron.config.verl_keys import load_verl_spec
 
-    spec, notes = load_verl_spec(args.config, args.overrides)
+    spec, notes = load_verl_spec(config, overrides)
     for note in notes:
         print(note, file=sys.stderr)
     return spec
+
+
+def _is_override(argument: str) -> bool:
+    """`key=value` or `~key`, and no file of that name: what argparse took for CONFIG when no spec was given."""
+    return ("=" in argument or argument.startswith("~")) and not os.path.exists(argument)

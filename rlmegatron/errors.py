@@ -1,5 +1,5 @@
-"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours; and
-Divergence: training produced NaN or inf.
+"""UserError: a mistake the user can fix (a spec field, a data file, a plug-in), as opposed to a bug of ours;
+DiskFull: the run's disk filled up (the user's to fix too); and Divergence: training produced NaN or inf.
 
 `rlm` prints a user error's message and exits 2, with no traceback unless RLM_DEBUG=1 or `rlm --debug`; anything
 else keeps its traceback. The message is the whole report: one line per problem, naming the file, field or row and
@@ -10,6 +10,7 @@ A Divergence stops the run before the step it happened in can be saved: the trai
 """
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,35 @@ def user_error_in(error: BaseException) -> UserError | None:
                 error = cause
                 continue
         return error if isinstance(error, UserError) else None
+
+
+class DiskFull(UserError):
+    """The disk the run writes to is full: one line naming the run directory and the last complete checkpoint."""
+
+
+# How a full disk reads where no OSError carries its errno: sqlite's words (through MLflow and SQLAlchemy), and the
+# text of a rank's OSError that reached the driver only as its traceback.
+_DISK_FULL_TEXTS = ("No space left on device", "database or disk is full", "Disk quota exceeded")
+
+
+def disk_full_in(error: BaseException) -> str | None:
+    """The words of the full disk behind `error` (itself, or anything in its chain of causes), else None."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [error]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{current.strerror}{f': {current.filename}' if current.filename else ''}"
+        text = str(current)
+        found = next((words for words in _DISK_FULL_TEXTS if words in text), None)
+        if found is not None:
+            return found
+        todo += [linked for linked in (current.__cause__, current.__context__, getattr(current, "cause", None))
+                 if isinstance(linked, BaseException)]
+    return None
 
 
 def one_of(values: Sequence[Any]) -> str:

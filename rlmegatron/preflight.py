@@ -1,5 +1,6 @@
-"""Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files and the reward and
-dataset plug-ins. `rlm validate` runs them after the spec checks; `rlm train` runs them before Ray or any worker.
+"""Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files, the reward and
+dataset plug-ins, and the run directory (it can be written to). `rlm validate` runs them after the spec checks;
+`rlm train` runs them before Ray or any worker.
 
 The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
 (transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.
@@ -20,6 +21,7 @@ from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
 from rlmegatron.models.families import read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
+from rlmegatron.run_dir import unwritable
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
@@ -58,6 +60,7 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     checks.tokenizer()
     checks.data()
     checks.plugins()
+    checks.run_dir()
     return checks.result
 
 
@@ -267,3 +270,15 @@ class _Checks:
             reason = tool_problem(tool.plugin, tool.config)
             if reason:
                 self.problem(f"rollout.multi_turn.tools[{index}].plugin", tool.plugin, reason)
+
+    def run_dir(self) -> None:
+        # Checked before anything starts: else the first checkpoint or the tracker's store finds out, minutes in.
+        run_dir = self.spec.trainer.run_dir
+        reason = unwritable(run_dir)
+        if reason is None:
+            return
+        if not self.launching and not Path(run_dir).exists():  # validated elsewhere than it runs (submit.sh)?
+            self.result.notes.append(f"note: trainer.run_dir={run_dir}: {reason} here; rlm train refuses to start "
+                                     "where it cannot make it")
+            return
+        self.problem("trainer.run_dir", run_dir, f"{reason}; give a trainer.run_dir this user can write to")

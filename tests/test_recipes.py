@@ -65,3 +65,10 @@ def test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_
     assert [len(layers) for layers in built] == [1] + [4] * 15
     assert built == [list(chunk) for (chunk,) in pipeline_stage_layers(61, 16, first=1)]
     assert built == stage_layers(read_architecture(spec.model.hf_config).num_hidden_layers, megatron)
+
+
+def test_the_quickstarts_header_states_the_time_the_readme_measured():
+    readme = (CONFIGS.parent / "README.md").read_text()
+    measured = float(re.search(r"([\d.]+) s for the whole command", readme)[1])
+    stated = int(re.search(r"# about (\d+) s on 2 idle CPU cores", (CONFIGS / "quickstart.yaml").read_text())[1])
+    assert stated == round(measured)

@@ -7,8 +7,10 @@ processes where the exit path itself is what is checked.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -141,7 +143,42 @@ CHAT_TEMPLATE_REFUSING_SYSTEM = (
 )
 ESTIMATOR_SOURCE = "def estimate(token_level_rewards, response_mask, group_index):\n    return None, None\n"
 
+def traced(a: Assets) -> str:
+    """The quickstart's spec with console traces of 4 prompts a step, as a user's YAML may hold them."""
+    return a.text("traced.yaml", (REPO_ROOT / QUICKSTART).read_text()
+                  + "  rollout_trace: {backend: console, prompts_per_step: 4}\n")
+
+
 CASES = {
+    # ---- the command line itself ------------------------------------------------------------------------------
+    "train-without-a-spec": Case(lambda a: ["train"], ("rlm train: which job? Give its spec: rlm train CONFIG",
+                                                       "rlm train configs/quickstart.yaml")),
+    "override-in-place-of-the-spec": Case(lambda a: ["train", "rollout.n=8"],
+                                          ("rlm train: rollout.n=8 is an override, and the job spec comes first",
+                                           "rlm train configs/quickstart.yaml rollout.n=8")),
+    "verl-keys-alone-without-the-model": Case(lambda a: ["validate", "--verl", "algorithm.adv_estimator=grpo"],
+                                              ("command line: model: is required but missing",
+                                               "command line: data: is required but missing"), problems=2),
+    "verl-epochs-under-the-base-specs-total-steps": Case(
+        lambda a: ["validate", "--verl", QUICKSTART, "trainer.total_epochs=1"],
+        ("command line: trainer.total_epochs=1: trainer.total_steps=150 is set and ends the run instead",
+         "(~trainer.total_steps on the command line) to train by epochs")),
+    "epochs-under-the-specs-total-steps": Case(validate("trainer.total_epochs=1"),
+                                               ("command line: trainer.total_epochs=1: trainer.total_steps=150",)),
+    "trace-turned-off-keeps-its-prompts": Case(
+        lambda a: ["validate", traced(a), "tracking.rollout_trace.backend=null"],
+        ("tracking.rollout_trace.prompts_per_step=4: no samples are traced",
+         "remove it (~tracking.rollout_trace.prompts_per_step on the command line)")),
+    "log-freq-without-the-console": Case(validate("tracking.backends=[mlflow]", "trainer.log_freq=5"),
+                                         ("trainer.log_freq=5: only the console backend prints metric tables",)),
+
+    # ---- the run directory: it can be written to (checked before anything starts) -----------------------------
+    "run-dir-is-a-file": Case(validating(lambda a: [f"trainer.run_dir={a.text('run_file', 'x')}"]),
+                              ("trainer.run_dir=", "run_file: is a file, not a directory",
+                               "give a trainer.run_dir this user can write to")),
+    "run-dir-under-a-file": Case(training(lambda a: [f"trainer.run_dir={a.text('parent_file', 'x')}/run"]),
+                                 ("trainer.run_dir=", "parent_file/run: cannot be created:", "parent_file is a file")),
+
     # ---- the spec file and its fields (rlmegatron.config) -----------------------------------------------------
     "spec-file-missing": Case(lambda a: ["validate", "no/such.yaml"], ("no/such.yaml: cannot read the spec",)),
     "spec-not-yaml": Case(lambda a: ["validate", a.text("broken.yaml", "model: [unclosed\n")],
@@ -433,6 +470,19 @@ def test_a_users_mistake_is_one_line_per_problem_with_exit_2(name, assets, no_la
         assert culprit in err, f"{culprit!r} not in {err!r}"
 
 
+def test_the_readme_says_how_many_cases_each_catalogue_holds():
+    """README's reliability section: the count of CASES, and one bullet per fault case, each naming test files that
+    exist."""
+    section = (REPO_ROOT / "README.md").read_text().split("## Reliability\n", 1)[1].split("\n## ", 1)[0]
+    assert f"runs the {len(CASES)} cases of its `CASES` table" in " ".join(section.split())
+    faults = section.split("**A fault at run time** (", 1)[1]
+    stated = int(faults.split(" cases)", 1)[0])
+    bullets = [line for line in faults.splitlines() if line.startswith("- **")]
+    assert len(bullets) == stated
+    named = re.findall(r"`(tests/[\w/]+\.py)`", faults)
+    assert named and all((REPO_ROOT / path).is_file() for path in named), named
+
+
 # ---- where the exit path itself is the point: processes -------------------------------------------------------
 def rlm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlmegatron", *args], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -447,6 +497,46 @@ def test_rlm_train_refuses_a_missing_data_file_in_one_line_before_ray(tmp_path):
     assert not any(tmp_path.iterdir())  # no tracker, no checkpoint, no Ray session was started
 
 
+@contextlib.contextmanager
+def read_only_directory(path: Path):
+    """`path`, a directory this process cannot write to: mounted read-only as root (whom permission bits do not
+    stop), else stripped of its write bits."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("root here may not mount a read-only tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, no_launch, monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    with read_only_directory(tmp_path / "read_only") as run_dir:
+        code = main(["train", QUICKSTART, f"trainer.run_dir={run_dir}"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_BAD_SPEC and out == ""
+    assert err in (f"trainer.run_dir={run_dir}: cannot be written to ({reason}); give a trainer.run_dir this user can "
+                   "write to\n" for reason in ("Read-only file system", "Permission denied"))
+
+
+def test_the_fixes_a_trace_turned_off_names_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    spec = traced(Assets(tmp_path))
+    for fix in (["tracking.rollout_trace.backend=null", "~tracking.rollout_trace.prompts_per_step"],
+                ["~tracking.rollout_trace"]):
+        assert main(["validate", spec, *fix]) == 0
+        resolved = capsys.readouterr().out
+        assert "  rollout_trace:\n    backend: null\n    prompts_per_step: 2\n" in resolved, fix
+
+
 def test_rlm_debug_shows_the_traceback_of_a_users_mistake():
     result = rlm("validate", QUICKSTART, "reward.function=configs/quickstart/reward.py:score", env={"RLM_DEBUG": "1"})
     assert result.returncode == EXIT_BAD_SPEC
@@ -458,14 +548,14 @@ def test_rlm_debug_shows_the_traceback_of_a_users_mistake():
 SUBMIT = REPO_ROOT / "launch" / "submit.sh"
 
 
-def submit(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def submit(tmp_path: Path, *args: str, python: str = sys.executable) -> tuple[subprocess.CompletedProcess, list[str]]:
     """submit.sh with a stand-in sbatch on PATH; returns its result and the commands sbatch was given."""
     calls = tmp_path / "sbatch_calls"
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PYTHON": python, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
     written_before = set((REPO_ROOT / "runs" / "slurm").glob("*.sbatch"))
     result = subprocess.run(["bash", str(SUBMIT), "--backend", "slurm", "--config", QUICKSTART, *args], cwd=REPO_ROOT,
                             env=env, capture_output=True, text=True, timeout=120)
@@ -487,6 +577,18 @@ def test_submit_validates_the_job_as_submitted_before_writing_or_submitting(tmp_
     assert "Traceback" not in result.stderr
     for culprit in culprits:
         assert culprit in result.stderr
+
+
+def test_submit_without_the_projects_environment_says_so_in_one_line(tmp_path):
+    """An interpreter without the project's packages (a bare venv's) cannot validate: one line, no traceback,
+    nothing written or submitted."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    python = tmp_path / "bare" / "bin" / "python"
+    result, sbatch_calls = submit(tmp_path, python=str(python))
+    assert result.returncode == EXIT_BAD_SPEC and sbatch_calls == []
+    assert result.stderr == (f"submit.sh: cannot validate the spec with {python} (ModuleNotFoundError: No module "
+                             "named 'yaml'); activate the project's environment (source .venv/bin/activate, once "
+                             "bash launch/install.sh made it), or set RLM_VENV (or PYTHON) to one\n")
 
 
 # ---- mistakes the converter, the checkpoint manager and the reward manager report ------------------------------

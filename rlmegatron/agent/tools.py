@@ -15,13 +15,18 @@ answer each prompt differently. A call that raises or runs past its timeout does
 error message as the tool's answer, and the trajectory's metrics count it. Nor does a `create` that raises or
 times out: every call of that trajectory to the tool answers with that error (`release` runs only for the tools
 created); a `release` that fails is counted in the trajectory's metrics (agent/tool_setup_errors).
-`execute` runs on the engine's event loop beside the other trajectories' calls: blocking work belongs in
-`await asyncio.to_thread(...)` or a subprocess (as the python tool does), else the timeout cannot interrupt it.
+Each call (`execute`, `create`, `release`) runs on an event loop of its own in a thread of its own, so a tool that
+blocks (`time.sleep`, a slow C call inside `async def execute`) is cut at the timeout like one that awaits, and the
+other trajectories go on meanwhile. A call that awaits is cancelled at the timeout; one that blocks cannot be, and its
+thread ends when the call returns. So asyncio objects a tool keeps between calls (a lock, a queue) must not be bound
+to one event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Sequence
 
@@ -122,12 +127,55 @@ def build_tools(entries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, A
     return tools
 
 
+async def _apart(call: Awaitable[Any]) -> Any:
+    """What `call` returns, awaited on an event loop of its own in a daemon thread of its own: a call that blocks
+    its loop stalls only that thread, and the caller's timeout still fires. Cancelled (the caller's timeout), it
+    cancels the call where the call awaits; a blocked call's thread is left to end when the call returns (a daemon,
+    so it never holds up the process's exit)."""
+    caller = asyncio.get_running_loop()
+    answer = caller.create_future()
+    running: dict[str, Any] = {}
+    cancelled = threading.Event()
+
+    async def own() -> Any:
+        # The caller sets `cancelled` before it looks for `running`, and this sets `running` before it looks at
+        # `cancelled`: a timeout that came before this thread got here is seen on one side or the other.
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        if cancelled.is_set():
+            if inspect.iscoroutine(call):
+                call.close()
+            raise asyncio.CancelledError
+        return await call
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not answer.done():
+            answer.set_result(value) if error is None else answer.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (asyncio.run(own()), None)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's loop
+            outcome = (None, error)
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody waits for this answer
+            caller.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="rlm-tool-call", daemon=True).start()
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        cancelled.set()
+        if running:
+            with contextlib.suppress(RuntimeError):  # its loop has just finished
+                running["loop"].call_soon_threadsafe(running["task"].cancel)
+        raise
+
+
 async def _guarded(call: Awaitable[Any], tool: Any, timeout_s: float, doing: str,
                    raised: str = "") -> tuple[Any, ToolOutcome | None]:
     """What `call` returned, or None and the error message the model reads (`raised` before the exception's name):
     an exception or a timeout never ends the step."""
     try:
-        return await asyncio.wait_for(call, timeout_s), None
+        return await asyncio.wait_for(_apart(call), timeout_s), None
     except asyncio.TimeoutError:
         return None, ToolOutcome(f"Error: the tool {tool_name(tool)} did not {doing} within {timeout_s:g} s",
                                  error=True, timed_out=True)

@@ -2,6 +2,7 @@
 from; pruning. A complete checkpoint is never overwritten, and one that is not is never silently skipped."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from rlmegatron.checkpoint.integrity import CheckpointLoadFailed, manifest_problem, write_manifest
 from rlmegatron.errors import UserError
+from rlmegatron.run_dir import no_space_left
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -70,11 +72,22 @@ class CheckpointManager:
                                   f"trainer.run_dir={self.root.parent}? Give this one its own run_dir")
         staging = self.root / f".tmp_step_{step}"
         shutil.rmtree(staging, ignore_errors=True)  # a save that was killed: never a checkpoint (no manifest)
-        staging.mkdir(parents=True)
-        ranks.save_checkpoint(str(staging))
-        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
-        write_manifest(staging, step)
-        os.rename(staging, final)
+        try:
+            staging.mkdir(parents=True)
+            ranks.save_checkpoint(str(staging))
+            (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+            write_manifest(staging, step)
+            os.rename(staging, final)
+        except BaseException as error:
+            # Looked at while what the save wrote still fills the disk; the ranks' errors may not say it (and torch's
+            # CheckpointException is a BaseException).
+            full = not isinstance(error, (KeyboardInterrupt, SystemExit)) and no_space_left(self.root)
+            # A save that failed (a full disk, a rank that died) leaves nothing: what it wrote is no checkpoint, and
+            # on a full disk it holds the space the next save needs.
+            shutil.rmtree(staging, ignore_errors=True)
+            if full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(final)) from error
+            raise
         self._mark_latest(final.name)
         self._prune()
         return str(final)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rlmegatron.config.checks import check_spec
 from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
 from rlmegatron.config.fieldpaths import unknown_key_reason
-from rlmegatron.config.overrides import Override, apply_overrides
+from rlmegatron.config.overrides import REMOVE, Override, apply_overrides
 from rlmegatron.config.relevance import unused_settings
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.config.yamlio import dump_yaml, parse_yaml
@@ -39,7 +39,8 @@ def spec_from_raw(
         spec = JobSpec.model_validate(merged)
     except ValidationError as err:
         raise SpecError(problems + _attributed(_problems_from_pydantic(err), file, applied)) from None
-    problems += _attributed(check_spec(spec) + unused_settings(spec, merged), file, applied)
+    command_line = {override.path for override in applied if override.value is not REMOVE}
+    problems += _attributed(check_spec(spec) + unused_settings(spec, merged, command_line), file, applied)
     if problems:
         raise SpecError(problems)
     return spec

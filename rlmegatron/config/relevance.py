@@ -9,7 +9,7 @@ the user wrote that differs from what the field would be without it counts: defa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,10 @@ class Rule:
     applies: Callable[[JobSpec], bool]
     why: Callable[[JobSpec], str]
     exempt: tuple[str, ...] = ()
+    even_default_on_command_line: bool = False
+    """Rejected when an override writes it, even to its default: a value typed on the command line is meant to take
+    effect (verl's `trainer.total_epochs=1` is its default), while a resolved spec that holds every default in its
+    YAML must still load."""
 
 
 def _estimator_takes(option: str) -> Callable[[JobSpec], bool]:
@@ -147,12 +151,16 @@ RULES: tuple[Rule, ...] = (
          lambda s: "weights only arrive mid-generation when generation overlaps training; remove it or set "
                    "trainer.mode to one_step_off or async"),
     Rule(("trainer.total_epochs",), lambda s: s.trainer.total_steps is None,
-         lambda s: "trainer.total_steps is set and ends the run; remove one of the two"),
+         lambda s: f"trainer.total_steps={s.trainer.total_steps} is set and ends the run instead; remove it, or "
+                   "remove trainer.total_steps (~trainer.total_steps on the command line) to train by epochs",
+         even_default_on_command_line=True),
     Rule(("data.val_batch_size", "rollout.val_kwargs."), lambda s: bool(s.data.val_files),
          lambda s: "only applies to validation, and data.val_files is empty; remove it or add validation files"),
     Rule(("data.val_files",), lambda s: s.trainer.val_before_train or s.trainer.test_freq > 0,
          lambda s: "validation never runs (trainer.val_before_train=false, trainer.test_freq=-1); "
                    "remove it or set one of those"),
+    Rule(("trainer.log_freq",), lambda s: "console" in s.tracking.backends,
+         lambda s: "only the console backend prints metric tables; remove it or add console to tracking.backends"),
     Rule(("tracking.tracking_uri", "tracking.project_name"), lambda s: "mlflow" in s.tracking.backends,
          lambda s: "only the mlflow backend uses it; remove it or add mlflow to tracking.backends"),
     Rule(("model.hf_config",), lambda s: s.model.architecture_source()[0] == "model.hf_config",
@@ -190,15 +198,17 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def unused_settings(spec: JobSpec, raw: Mapping[str, Any]) -> list[SpecProblem]:
-    """One problem per field the raw spec sets, to a value of its own, that `spec` never reads (see RULES)."""
+def unused_settings(spec: JobSpec, raw: Mapping[str, Any], command_line: Collection[str] = ()) -> list[SpecProblem]:
+    """One problem per field the raw spec sets, to a value of its own, that `spec` never reads (see RULES).
+    `command_line`: the paths the overrides wrote (Rule.even_default_on_command_line)."""
     written = explicit_paths(raw)
     problems = []
     for rule in RULES:
         matched = sorted(path for path in written if _covered(path, rule) and not _has_child(path, written))
         if matched and not rule.applies(spec):
             problems += [SpecProblem(path, _value_at(spec, path), _on_the_command_line(rule.why(spec), path))
-                         for path in matched if _value_at(spec, path) != _value_without(raw, path)]
+                         for path in matched if _value_at(spec, path) != _value_without(raw, path)
+                         or (rule.even_default_on_command_line and path in command_line)]
     return problems
 
 

@@ -558,6 +558,9 @@ class TrainerConfig(Section):
     """Steps between checkpoints; -1 never saves."""
     test_freq: StepFrequency = -1
     """Steps between validations; -1 never validates during training."""
+    log_freq: StepFrequency = -1
+    """Steps between full metric tables on the console; every other step prints one line (its mean score, response
+    length, time and validation scores). -1: one line every step; `rlm train --verbose` prints the table every step."""
     run_dir: Text | None = None
     """Checkpoints, logs and prepared data of this run; defaults to runs/<experiment_name>."""
     experiment_name: Text = "default"

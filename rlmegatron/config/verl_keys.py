@@ -839,13 +839,14 @@ def _resolved(spec: JobSpec, path: str) -> Any:
     return value
 
 
-def load_verl_spec(path: str, args: Sequence[str]) -> tuple[JobSpec, list[str]]:
-    """The YAML at `path` with verl's `args` translated on top, checked; and the notes to print. Raises SpecError
-    with every problem: untranslatable keys and those of the resulting spec."""
-    raw = read_spec_file(path)
+def load_verl_spec(path: str | None, args: Sequence[str]) -> tuple[JobSpec, list[str]]:
+    """The YAML at `path` (None: no base spec, as verl's own command line has none) with verl's `args` translated on
+    top, checked; and the notes to print. Raises SpecError with every problem: untranslatable keys and those of the
+    resulting spec."""
+    raw = read_spec_file(path) if path is not None else {}
     translation = translate(args, raw)
     try:
-        spec = spec_from_raw(raw, translation.overrides, path)
+        spec = spec_from_raw(raw, translation.overrides, path if path is not None else COMMAND_LINE)
     except SpecError as err:
         raise SpecError(translation.problems + list(err.problems)) from None
     problems = list(translation.problems)

@@ -2,11 +2,14 @@
 print a summary."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,9 +28,11 @@ from rlmegatron.controller.router import start_router
 from rlmegatron.controller.trainer import Trainer, run_total_steps
 from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from rlmegatron.data import PromptDataLoader, build_dataset
+from rlmegatron.errors import DiskFull, disk_full_in
 from rlmegatron.preflight import ready_to_launch
 from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
+from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
@@ -98,12 +103,21 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
     """The job, its ranks started as placement.launcher says, or (`in_process`: tests, the GPU harness) one rank in
     this process."""
     launch = None if in_process else launcher(spec)
+    refuse_if_busy(spec.trainer.run_dir)  # at once, when another run holds the run directory
     if launch == "processes":
         # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start now in
         # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.
         fork_server([PolicyRank.__module__], spec.placement.device)
-    # Model, tokenizer, data files and plug-ins are checked before anything starts; a problem is a SpecError.
+    # Model, tokenizer, data files, plug-ins and the run directory are checked before anything starts; a problem is a
+    # SpecError.
     tokenizer = declaring_tools(ready_to_launch(spec), [(t.plugin, t.config) for t in spec.rollout.multi_turn.tools])
+    # Before anything in run_dir is read or written: a second run there would resume from this one's checkpoints and
+    # take over its MLflow run.
+    with run_dir_lock(spec.trainer.run_dir), disk_full_stops_the_run(spec.trainer.run_dir):
+        return _run_locked(spec, launch, tokenizer)
+
+
+def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
@@ -152,16 +166,12 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
                           checkpoints)
         result = trainer.fit()
         status = "FINISHED"
-    finally:
-        _finish_tracking(opening, status)
-        reward_manager.close()
-        for part in (engines, ranks):
-            if part is not None:
-                part.shutdown()
-        if router is not None:
-            router.stop()
-        if pools is not None:
-            remove_pools(pools)
+    except BaseException:
+        # What stopped the run is what gets reported: a part that fails to stop too (the tracker on a full disk) is
+        # passed over, and every other part still stops.
+        _stop(engines, ranks, router, pools, reward_manager, opening, status)
+        raise
+    _stop(engines, ranks, router, pools, reward_manager, opening, status, reraise=True)
     tracker = opening.result()
     rewards = tracker.series(REWARD_SCORE_MEAN)
     report = JobReport(
@@ -180,12 +190,49 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
     return report
 
 
+def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status: str,
+          reraise: bool = False) -> None:
+    """Every part of the run stops, each whatever the others do: the ranks and servers above all, whose processes
+    would otherwise outlive the driver or keep it from exiting. The first failure is raised after all of them if
+    `reraise` (the run itself went well), else dropped."""
+    steps = [part.shutdown for part in (engines, ranks) if part is not None]
+    steps += [router.stop] if router is not None else []
+    steps += [lambda: remove_pools(pools)] if pools is not None else []
+    steps += [reward_manager.close, lambda: _finish_tracking(opening, status)]
+    failures = []
+    for step in steps:
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - the next part stops all the same
+            failures.append(error)
+    if failures and reraise:
+        raise failures[0]
+
+
 def _finish_tracking(opening: Future, status: str) -> None:
     try:
         tracker = opening.result()
     except Exception:  # noqa: BLE001 - raised where the loop took the tracker, or the run failed before that
         return
     tracker.finish(status)
+
+
+@contextmanager
+def disk_full_stops_the_run(run_dir: str) -> Iterator[None]:
+    """A full disk, wherever the run found it (a checkpoint, the tracker's store, the export), is one line naming the
+    run directory and the last complete checkpoint, exit 2: the user's to fix (free space, move the run)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch's CheckpointException, raised by a save on a full disk, is one
+        reason = disk_full_in(error) or (os.strerror(errno.ENOSPC) if no_space_left(run_dir) else None)
+        if reason is None:
+            raise
+        latest = CheckpointManager(run_dir).latest()
+        raise DiskFull(f"trainer.run_dir={run_dir}: the disk is full ({reason}); the run stopped and its ranks with "
+                       f"it. The last complete checkpoint is {latest or 'none'}: free space and run again to resume "
+                       "from it, or move the run directory to a disk with room") from error
 
 
 def _already_complete(checkpoint, planned: int) -> JobReport:

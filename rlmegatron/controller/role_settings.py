@@ -42,6 +42,8 @@ class ModelSource:
     """bf16, fp16 or fp32: the roles' weights and the engines' alike."""
     random_init: bool
     trust_remote_code: bool
+    tokenizer_path: str
+    """The run's tokenizer: the HF export holds a copy, so the exported model loads and generates as it is."""
 
     def hf_config(self):
         from transformers import AutoConfig
@@ -142,7 +144,7 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
 
 def model_source(spec: JobSpec) -> ModelSource:
     model = spec.model
-    return ModelSource(model.path, model.dtype, model.random_init, model.trust_remote_code)
+    return ModelSource(model.path, model.dtype, model.random_init, model.trust_remote_code, model.tokenizer_path)
 
 
 def parallel_layout(megatron) -> ParallelLayout:

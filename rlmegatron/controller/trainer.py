@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,7 @@ from rlmegatron.controller.rollout_buffer import (
     staleness_metrics,
     waited,
 )
+from rlmegatron.controller.rank_processes import RankDied
 from rlmegatron.controller.rollout_data import (
     Rollout,
     batch_metrics,
@@ -43,8 +45,8 @@ from rlmegatron.controller.rollout_data import (
     token_level,
     traced_samples,
 )
-from rlmegatron.errors import Divergence, OffPolicy
-from rlmegatron.rewards import NonFiniteReward, RewardResult, step_reward_metrics
+from rlmegatron.errors import Divergence, OffPolicy, UserError
+from rlmegatron.rewards import NonFiniteReward, RewardResult, UnusableRewards, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.runtime.distributed import CollectiveTimeout
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
@@ -75,8 +77,14 @@ class Timer:
 
 class TrainingStopped(RuntimeError):
     """The loop stopped on a step it must not apply or save: a NaN or infinite reward, a Divergence (rollout
-    logits, log-probs, values, a loss term, a gradient norm, the weights), a collective that timed out, or an
-    engine found sampling off the trained policy (trainer.on_policy_check)."""
+    logits, log-probs, values, a loss term, a gradient norm, the weights), a collective that timed out, a trainer
+    rank that died (the OOM killer's SIGKILL), or an engine found sampling off the trained policy
+    (trainer.on_policy_check)."""
+
+
+class StoppedByMistake(UserError):
+    """The loop stopped on a step because of the user's mistake found only there (a reward function whose every
+    answer is unusable): one line naming the step and the last complete checkpoint, exit 2."""
 
 
 @dataclass
@@ -181,7 +189,8 @@ class Trainer:
             self.tracker.log_metrics(metrics, step=self.step)
             self.trace(rollout)
             if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
-                self.save(produced.loader_state)
+                with self.stop_on_failed_step():  # a rank that dies while it saves
+                    self.save(produced.loader_state)
         exported = self.export_policy()
         return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
 
@@ -196,16 +205,21 @@ class Trainer:
 
     @contextmanager
     def stop_on_failed_step(self):
-        """A step that must not be applied or saved (NaN, inf, a collective that timed out) stops the run with one line
-        naming the step and the last complete checkpoint."""
+        """A step that must not be applied or saved (NaN, inf, a collective that timed out, a rank that died) stops the
+        run with one line naming the step and the last complete checkpoint; so do rewards that are all unusable, as
+        the reward function's mistake (UnusableRewards, exit 2)."""
         try:
             yield
-        except (Divergence, NonFiniteReward, CollectiveTimeout, OffPolicy) as error:
+        except Exception as error:
+            stops = isinstance(error, (Divergence, NonFiniteReward, CollectiveTimeout, OffPolicy)) or _rank_died(error)
+            if not (stops or isinstance(error, UnusableRewards)):
+                raise
             if making_ahead():
                 raise  # in a rollout made ahead: the step that would train it stops (rollout_buffer.Ahead)
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
-            raise TrainingStopped(f"step {self.step}: {cause}. No checkpoint is written for this step; the last "
-                                  f"complete one is {self.last_checkpoint or 'none'}") from None
+            line = (f"step {self.step}: {cause}. No checkpoint is written for this step; the last complete one is "
+                    f"{self.last_checkpoint or 'none'}")
+            raise (TrainingStopped(line) if stops else StoppedByMistake(line)) from None
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 
@@ -395,6 +409,14 @@ class Trainer:
     def export_policy(self) -> Optional[str]:
         path = str(Path(self.spec.trainer.run_dir) / "hf_policy")
         return self.ranks.export_hf(path)
+
+
+def _rank_died(error: BaseException) -> bool:
+    """A trainer rank's process ended under a call: a rank process (RankDied) or a Ray actor (RayActorError; Ray is
+    looked up, never imported here)."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    return isinstance(error, RankDied) or (ray_exceptions is not None
+                                           and isinstance(error, ray_exceptions.RayActorError))
 
 
 def run_total_steps(spec, train_loader) -> int:

@@ -8,6 +8,7 @@ from rlmegatron.rewards.manager import (
     RewardFunctionError,
     RewardInput,
     RewardResult,
+    UnusableRewards,
     build_reward_manager,
     step_reward_metrics,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "RewardInput",
     "RewardResult",
     "UnknownDataSource",
+    "UnusableRewards",
     "build_reward_manager",
     "default_compute_score",
     "extract_gsm8k_answer",

@@ -63,6 +63,12 @@ class RewardFunctionError(UserError, ValueError):
     arguments. The user's to fix; the message is one line naming the file and the problem."""
 
 
+class UnusableRewards(UserError):
+    """The reward function raised, or returned something other than a number, for every sample of a batch: training
+    on the zeros that stand in for them would teach nothing, so the run stops (one line naming the function and the
+    first sample, exit 2)."""
+
+
 class NonFiniteReward(ArithmeticError):
     """The reward function returned NaN or an infinity; the message names the function, the sample and the value."""
 
@@ -253,6 +259,7 @@ class NaiveRewardManager:
     def __call__(self, items: list[RewardInput]) -> RewardResult:
         outcomes = self._score_all(items)
         self._raise_on_non_finite(items, outcomes)
+        self._raise_if_none_usable(items, outcomes)
         scores = [outcome.score for outcome in outcomes]
         extra_keys = sorted({key for outcome in outcomes for key in outcome.extra})
         extra = {key: [outcome.extra.get(key) for outcome in outcomes] for key in extra_keys}
@@ -409,6 +416,15 @@ class NaiveRewardManager:
             more = f" (and for {len(bad) - 1} more of the batch's {len(items)})" if len(bad) > 1 else ""
             raise NonFiniteReward(f"reward function {function} {outcome.message} for sample {item.sample_id}{more}; "
                                   "a reward must be a finite number")
+
+    def _raise_if_none_usable(self, items: list[RewardInput], outcomes: list[_Outcome]) -> None:
+        """Every sample raised or returned the wrong type: a mistake in the function, not in the responses. (Timeouts
+        are not counted: a slow machine makes them.)"""
+        if items and all(outcome.status in ("error", "invalid") for outcome in outcomes):
+            function = self.function_ref or "rlmegatron.rewards.default_compute_score"
+            raise UnusableRewards(f"reward.function={function} failed on all {len(items)} samples of the batch "
+                                  f"(first: {items[0].sample_id}: {outcomes[0].message}), so every reward would be 0; "
+                                  "fix it to return a number, or a dict with a 'score'")
 
     def _log_failures(self, items: list[RewardInput], outcomes: list[_Outcome]) -> None:
         for status, what in (("error", "raised"), ("invalid", "returned the wrong type"), ("timeout", "timed out")):

@@ -198,6 +198,9 @@ class LocalEngine(RolloutEngine):
         # vocabulary] tensor (gigabytes for a 150k vocabulary and long prompts). Remote-code models may lack the option.
         self._last_logits_only = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
+        # transformers 5.24 names the KV cache `cache`, argument and output field alike, and warns on every call made
+        # with the old `past_key_values`; older versions know only that one.
+        self._cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.weight_version: str | None = None
         # transformers 5's MoE families route with a *TopKRouter module per MoE layer, returning (logits, weights,
         # expert ids): what routing replay records (models/routing_replay.py).
@@ -288,11 +291,11 @@ class LocalEngine(RolloutEngine):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache: cache},
                 **self._last_logits_only,
             )
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            cache, logits = getattr(out, self._cache), out.logits[:, -1, :]
             if position == 0 and len(distinct) < batch:  # from one row per prompt to one per sample
                 cache.reorder_cache(prompt_of)
                 logits, attention_mask, position_ids = (t[prompt_of] for t in (logits, attention_mask, position_ids))

@@ -1,8 +1,9 @@
-"""Library warnings that tell a user of rlmegatron nothing they can act on, silenced in the ranks by their exact
-text: left alone, each rank prints them while it starts, and Ray prints its deduplicated copies again when the job
-ends, below the run's results. Any other warning still shows."""
+"""Library warnings (and log lines) that tell a user of rlmegatron nothing they can act on, silenced in the ranks by
+their exact text or logger: left alone, each rank prints them while it starts, and Ray prints its deduplicated
+copies again when the job ends, below the run's results. Any other warning still shows."""
 from __future__ import annotations
 
+import logging
 import warnings
 
 # (category, start of the message); the comment above each says why it tells a user nothing
@@ -27,6 +28,14 @@ CPU_ONLY = (
 )
 
 
+# Loggers whose messages repeat what the run reports anyway, raised from the call they log in.
+REPEATED = (
+    # Megatron's checkpoint writer logs a write that failed (a full disk: "unexpected pos 704 vs 598"), then raises
+    # it; the driver says it once, as the full disk it was (rlmegatron.run_dir.no_space_left).
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
+
+
 def import_notices_off(device: str) -> str:
     """PYTHONWARNINGS for a process that imports Megatron-Core before it can call quiet_library_notices (the fork
     server, runtime.launcher): the notices printed at import. Their texts are plain (-W takes no regex)."""
@@ -37,3 +46,5 @@ def quiet_library_notices(device: str) -> None:
     """Silence the notices above in this process (a rank), before Megatron-Core is imported."""
     for category, message in EVERYWHERE + (CPU_ONLY if device == "cpu" else ()):
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name in REPEATED:
+        logging.getLogger(name).setLevel(logging.CRITICAL)

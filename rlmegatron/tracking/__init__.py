@@ -7,6 +7,7 @@ from rlmegatron.tracking.tracker import (
     TrackingSetup,
     flatten,
     format_metrics_table,
+    format_step_line,
     resolve_tracking_uri,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "ascii_plot",
     "flatten",
     "format_metrics_table",
+    "format_step_line",
     "resolve_tracking_uri",
 ]

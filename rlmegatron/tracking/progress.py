@@ -26,8 +26,12 @@ def report(progress: Optional[Progress], count: int = 1) -> None:
 
 
 class ProgressBar:
-    """`label [#####.....] done/total elapsed` redrawn in place on a terminal; on a log file, one line at each
-    quarter, so logs stay readable."""
+    """`label [#####.....] done/total elapsed` redrawn in place on a terminal and erased once the phase is done, so a
+    step leaves only its one console line; on a log file nothing, unless `log_lines` (`rlm train --verbose`): then one
+    line at each quarter."""
+
+    log_lines = False
+    """Set for the whole process by `rlm train --verbose`."""
 
     def __init__(self, label: str, total: int, stream: Optional[TextIO] = None, width: int = 30) -> None:
         self.label, self.total, self.width = label, max(total, 1), width
@@ -51,9 +55,10 @@ class ProgressBar:
         line = (f"{self.label:<14} [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
                 f"{time.perf_counter() - self.started:6.1f}s")
         if self.interactive:
-            self.stream.write("\r" + line + ("\n" if self.done == self.total else ""))
+            # Done: the line is blanked and the cursor left at its start, for the step's own line.
+            self.stream.write("\r" + (line if self.done < self.total else " " * len(line) + "\r"))
             self.stream.flush()
-        elif 4 * self.done // self.total > self._quarters_shown:
+        elif self.log_lines and 4 * self.done // self.total > self._quarters_shown:
             self._quarters_shown = 4 * self.done // self.total
             print(line, file=self.stream, flush=True)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import queue
 import sys
@@ -39,6 +40,9 @@ class TrackingSetup:
     experiment_name: str
     tracking_uri: str | None = None
     """None: MLFLOW_TRACKING_URI when set, else sqlite:///<run_dir>/mlflow.db."""
+    log_freq: int = -1
+    """The console prints the full metric table every log_freq steps and one line on the others; -1: one line every
+    step (trainer.log_freq)."""
 
 
 class Backend(Protocol):
@@ -77,7 +81,7 @@ class Tracker:
             if name == "mlflow":
                 backend: Backend = InBackground(MlflowBackend(setup, params or {}, resolved_yaml))
             elif name == "console":
-                backend = ConsoleBackend(console_stream or sys.stdout)
+                backend = ConsoleBackend(console_stream or sys.stdout, setup.log_freq)
             else:
                 raise ValueError(f"unknown tracking backend {name!r}; use mlflow or console")
             self.backends.append(backend)
@@ -93,6 +97,7 @@ class Tracker:
             project_name=spec.tracking.project_name,
             experiment_name=spec.trainer.experiment_name,
             tracking_uri=spec.tracking.tracking_uri,
+            log_freq=spec.trainer.log_freq,
         )
         return cls(setup, flatten(spec.model_dump(mode="json")), dump_spec(spec), console_stream)
 
@@ -176,18 +181,23 @@ class InBackground:
 
 
 class ConsoleBackend:
-    """A compact table per step: a rule naming the step, then the metrics sorted, three to a line."""
+    """One line per step (the step, its mean score, response length and time, and any validation scores); every
+    `log_freq` trained steps the compact table of every metric instead: a rule naming the step, then the metrics
+    sorted, three to a line."""
 
     COLUMNS = 3
 
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO, log_freq: int = -1) -> None:
+        self.stream, self.log_freq = stream, log_freq
 
     def start(self, step: int) -> None:
         pass  # a stream has no earlier attempt to continue
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
+        if self.log_freq > 0 and step > 0 and step % self.log_freq == 0:  # step 0: validation before training
+            self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
+        else:
+            self.stream.write(format_step_line(metrics, step))
         self.stream.flush()
 
     def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
@@ -212,6 +222,18 @@ def format_samples(samples: Sequence[Mapping[str, Any]], step: int) -> str:
         lines += [f"── response {sample['sample']}: score {sample['score']:.4g}, reward {sample['reward']:.4g}, "
                   f"{sample['response_length']} tokens{agent} ──", sample["response"]]
     return "\n".join(lines) + "\n"
+
+
+STEP_LINE_METRICS = (REWARD_SCORE_MEAN, "response_length/mean", "timing_s/step")
+"""What a step's one console line shows, with every validation score (val/<source>/score/mean) of the step."""
+
+
+def format_step_line(metrics: Mapping[str, float], step: int) -> str:
+    """`step 12  critic/score/mean 0.4375  response_length/mean 1  timing_s/step 0.07131`: the metrics' own names,
+    as the table and the MLflow run show them."""
+    shown = [key for key in STEP_LINE_METRICS if key in metrics]
+    shown += sorted(key for key in metrics if key.startswith("val/") and key.endswith("/score/mean"))
+    return "  ".join([f"step {step}", *(f"{key} {_format_value(metrics[key])}" for key in shown)]) + "\n"
 
 
 def format_metrics_table(metrics: Mapping[str, float], step: int, columns: int = 3) -> str:
@@ -242,6 +264,9 @@ class MlflowBackend:
     def __init__(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None) -> None:
         # Imported here: mlflow takes seconds to import, and most commands never track.
         from mlflow.tracking import MlflowClient
+
+        # Its INFO lines as it creates and migrates a new store's tables tell a user nothing; its warnings still show.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
         setup.run_dir.mkdir(parents=True, exist_ok=True)
         self.setup, self.params, self.resolved_yaml = setup, params, resolved_yaml

@@ -61,6 +61,28 @@ def test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead():
     assert "returned str, not (text, reward_delta, metrics)" in wrong.text and wrong.error
 
 
+class Blocking:
+    """A tool whose `async def execute` blocks whatever event loop runs it, as `time.sleep` or a slow C call does."""
+
+    schema = {"type": "function", "function": {"name": "blocking", "parameters": {}}}
+
+    async def execute(self, args, context):
+        time.sleep(args["seconds"])
+        return "done", 0.0, {}
+
+
+def test_a_tool_that_blocks_its_event_loop_is_cut_at_the_timeout_while_the_others_answer():
+    async def calls():
+        return await asyncio.gather(call_tool(Blocking(), {"seconds": 3}, CONTEXT, timeout_s=0.3),
+                                    call_tool(Flaky(), {"mode": "fine"}, CONTEXT, timeout_s=0.3))
+
+    start = time.perf_counter()
+    blocked, fine = asyncio.run(calls())
+    assert time.perf_counter() - start < 1.5  # not the 3 s the blocked call sleeps
+    assert blocked.text == "Error: the tool blocking did not answer within 0.3 s" and blocked.timed_out
+    assert (fine.text, fine.error) == ("ok fine", False)
+
+
 def run_python(tool: PythonTool, *snippets: str) -> list[tuple[str, float, dict]]:
     async def runs():
         return await asyncio.gather(*(tool.execute({"code": code}, CONTEXT) for code in snippets))

@@ -55,6 +55,8 @@ PPO_RUN = TRAIN + "test_ppo_with_critic_trains_the_same_with_every_role_offloade
 NAN_RUN = TRAIN + "test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why"
 ROUTED_RUN = TRAIN + "test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_restarted_one_rejoins"
 GSM8K = "tests/controller/test_gsm8k_smoke.py::test_three_grpo_steps_on_real_gsm8k"
+QUIET_RUN = ("tests/controller/test_run_dir.py::"
+             "test_a_run_prints_one_line_a_step_and_a_table_every_log_freq_steps_and_no_library_warning")
 
 # Engines and servers.
 ENGINES = "tests/controller/test_rollout_engines.py::"
@@ -116,7 +118,7 @@ REWARD_WORKERS = REWARDS + "test_reward_num_workers_score_side_by_side"
 REWARD_TIMEOUT = REWARDS + "test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on"
 TRACKING = "tests/tracking/test_tracking.py::"
 MLFLOW_STORE = TRACKING + "test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml"
-CONSOLE = TRACKING + "test_console_prints_a_compact_table_each_step"
+CONSOLE = TRACKING + "test_console_prints_one_line_a_step_and_the_full_table_every_log_freq_steps"
 TRACKING_URI = TRACKING + "test_the_mlflow_store_is_the_specs_tracking_uri"
 URI_ORDER = TRACKING + "test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir"
 FILE_STORE = TRACKING + "test_an_mlflow_file_store_takes_the_runs_metrics"
@@ -436,6 +438,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                      (COLLECTIVE_TIMEOUT,)),
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),
     "trainer.experiment_name": ("MLflow run name; default run_dir", (MLFLOW_STORE,)),
+    "trainer.log_freq": ("steps between the console's full metric tables (one line on the others)",
+                         (CONSOLE, QUIET_RUN)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
     "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
     "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,

@@ -44,7 +44,10 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
          "(reward.num_workers=0), and reward.num_workers>0 scores in worker processes; remove it"),
         ({"algorithm.dynamic_sampling.max_num_gen_batches": 3},
          "algorithm.dynamic_sampling.max_num_gen_batches=3: only applies with algorithm.dynamic_sampling.enable"),
-        ({"trainer.total_steps": 5, "trainer.total_epochs": 2}, "trainer.total_epochs=2: trainer.total_steps is set"),
+        ({"trainer.total_steps": 5, "trainer.total_epochs": 2},
+         "trainer.total_epochs=2: trainer.total_steps=5 is set and ends the run instead; remove it "
+         "(~trainer.total_epochs on the command line), or remove trainer.total_steps (~trainer.total_steps on the "
+         "command line) to train by epochs"),
         ({"trainer.val_before_train": False}, "data.val_files=[val.parquet]: validation never runs"),
         ({"tracking.project_name": "p"}, "tracking.project_name=p: only the mlflow backend uses it"),
         ({"model.hf_config": "x/config.json"}, "model.hf_config=x/config.json: model.path is a local directory"),

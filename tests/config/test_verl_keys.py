@@ -248,3 +248,12 @@ def test_conversions_that_read_other_keys():
     assert translated("algorithm.rollout_correction.bypass_mode=True")[1] == [
         "command line: algorithm.rollout_correction.bypass_mode=true: the old log-probs are always the trainer's own, "
         "recomputed; the rollout's only weigh or reject samples"]
+
+
+def test_verls_own_command_line_needs_no_base_spec():
+    """verl's command line is the whole job there: `rlm train --verl KEY=VALUE ...` reads it the same way, on the
+    spec's defaults, with what verl has no key for (here a hub model's config.json) among its keys."""
+    spec, _ = load_verl_spec(None, [*GSM8K_GRPO, f"model.hf_config={MODELS_DIR / 'qwen2.5-0.5b'}"])
+    assert (spec.model.path, spec.data.train_files, spec.trainer.total_epochs, spec.trainer.total_steps,
+            spec.trainer.run_dir) == ("Qwen/Qwen2.5-0.5B-Instruct", ["data/gsm8k/train.parquet"], 5, None,
+                                      "/data/gsmk8/checkpoints")

@@ -155,6 +155,21 @@ class FakeRanks:
         self.calls.append("export_hf")
 
 
+def failing_on_second_call(method: str, error: BaseException) -> FakeRanks:
+    """Fake ranks whose `method` raises `error` on its second call (step 2's), after doing its work."""
+    ranks = FakeRanks()
+    call = getattr(ranks, method)
+
+    def second_call_fails(*args, **kwargs):
+        result = call(*args, **kwargs)
+        if ranks.calls.count(method) == 2:
+            raise error
+        return result
+
+    setattr(ranks, method, second_call_fails)
+    return ranks
+
+
 class RigTrainer(Trainer):
     """The fit loop unchanged; each generation call is labelled for the engines' record."""
 

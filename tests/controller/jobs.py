@@ -4,6 +4,10 @@ import sys
 
 from rlmegatron.config import load_spec
 from rlmegatron.controller.job import run_training
+from rlmegatron.tracking.progress import ProgressBar
+
+# The tests read the progress bars' lines in the log, as `rlm train --verbose` prints them.
+ProgressBar.log_lines = True
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":

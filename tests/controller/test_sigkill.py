@@ -18,7 +18,8 @@ FULL_BAR = "[" + "#" * 30 + "]"
 def test_nothing_the_driver_started_outlives_its_sigkill(tmp_path, launcher):
     sglang, env = with_fake_sglang(tmp_path, "sigkilled")
     with open(tmp_path / "stderr", "w") as stderr:
-        driver = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=20", *sglang,
+        # --verbose: the progress bars' lines show in the log, where the test sees step 1 trained.
+        driver = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=20", *sglang,
                                    f"placement.launcher={launcher}", f"trainer.run_dir={tmp_path / 'run'}"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr)
     tree: list[int] = []

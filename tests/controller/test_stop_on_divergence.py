@@ -4,7 +4,7 @@ import pytest
 
 from rlmegatron.controller.trainer import TrainingStopped
 from rlmegatron.errors import Divergence
-from tests.controller.fit_rig import FakeEngines, FakeRanks, run_rig
+from tests.controller.fit_rig import FakeEngines, FakeRanks, failing_on_second_call, run_rig
 
 # PPO with a critic, a KL loss and two epochs (so every phase runs, the old-log-prob pass too), a checkpoint every
 # step, validation on step 2.
@@ -15,17 +15,7 @@ EVERY_PHASE = ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4", "a
 
 def diverging_ranks(method: str) -> FakeRanks:
     """Fake ranks whose `method`'s second call (step 2's) diverges."""
-    ranks = FakeRanks()
-    call = getattr(ranks, method)
-
-    def second_call_diverges(*args, **kwargs):
-        result = call(*args, **kwargs)
-        if ranks.calls.count(method) == 2:
-            raise Divergence(f"{method}: 3 of 12 response tokens are NaN or infinite")
-        return result
-
-    setattr(ranks, method, second_call_diverges)
-    return ranks
+    return failing_on_second_call(method, Divergence(f"{method}: 3 of 12 response tokens are NaN or infinite"))
 
 
 class DivergingEngines(FakeEngines):

@@ -112,7 +112,9 @@ def ray_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
-        killed = subprocess.Popen([RLM, "train", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang, "placement.launcher=ray",
+        # --verbose: the progress bars' lines, checked below, show in the log.
+        killed = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+                                   "placement.launcher=ray",
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
@@ -220,7 +222,11 @@ def test_the_summary_names_the_steps_the_resumed_run_trained(ray_run):
 def test_rerunning_a_finished_job_says_it_is_complete_and_changes_nothing(ray_run, monkeypatch, capsys):
     tmp = ray_run[0]
     run_dir = tmp / "killed"
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    def contents() -> dict:  # but the run directory's lock, which names each run that enters it
+        return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".rlm_run.lock"}
+
+    before = contents()
     monkeypatch.chdir(REPO_ROOT)
     assert main(["train", QUICKSTART, *SMALL, "trainer.total_steps=5", f"trainer.run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
@@ -228,7 +234,7 @@ def test_rerunning_a_finished_job_says_it_is_complete_and_changes_nothing(ray_ru
             "nothing to do. To train on, raise trainer.total_steps above 5; to start over, give a new "
             "trainer.run_dir") in out
     assert "trained" not in out
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert contents() == before
 
 
 def test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint(ray_run):

@@ -4,7 +4,27 @@ import io
 from rlmegatron.tracking.progress import ProgressBar, ProgressCounter, progress_sink, report
 
 
-def test_a_log_file_gets_one_line_per_quarter_and_the_bar_never_overshoots():
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_bar_leaves_no_line_behind_unless_asked():
+    """A step prints one line of its own: a log file gets nothing of its bars, a terminal sees each drawn in place
+    and erased once done."""
+    log, terminal = io.StringIO(), Terminal()
+    for stream in (log, terminal):
+        bar = ProgressBar("rollout", 2, stream=stream, width=4)
+        bar.advance(1)
+        bar.complete()
+    assert log.getvalue() == ""
+    drawn = terminal.getvalue()
+    assert "\n" not in drawn and drawn.startswith("\rrollout        [##..] 1/2 ")
+    assert drawn.endswith("\r" + " " * len(drawn.split("\r")[2]) + "\r")  # the finished bar, blanked
+
+
+def test_a_log_file_gets_one_line_per_quarter_and_the_bar_never_overshoots(monkeypatch):
+    monkeypatch.setattr(ProgressBar, "log_lines", True)  # rlm train --verbose
     stream = io.StringIO()
     bar = ProgressBar("rollout", 8, stream=stream, width=8)
     for _ in range(10):  # a resent share reports its samples twice

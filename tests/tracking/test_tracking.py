@@ -153,19 +153,32 @@ def test_the_mlflow_store_is_the_specs_tracking_uri(tmp_path, monkeypatch):
     assert [resolve_tracking_uri(setup) for setup in opened] == ["sqlite:////elsewhere/mlflow.db"]
 
 
-def test_console_prints_a_compact_table_each_step(tmp_path):
+def test_console_prints_one_line_a_step_and_the_full_table_every_log_freq_steps(tmp_path):
     stream = io.StringIO()
-    tracker = Tracker.from_spec(job_spec(tmp_path, ["console"]), console_stream=stream)
-    tracker.log_metrics({"timing_s/gen": 1.23456, "actor/pg_loss": -0.01234, "critic/score/mean": 0.5,
-                         "perf/throughput": 12345.6}, step=7)
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("── step 7 ──")
-    assert lines[1:] == [
-        "actor/pg_loss     -0.01234   critic/score/mean      0.5   perf/throughput      12346",
-        "timing_s/gen         1.235",
-    ]
-    assert tracker.series("critic/score/mean") == [0.5]
+    spec = job_spec(tmp_path, ["console"])
+    spec.trainer.log_freq = 7
+    tracker = Tracker.from_spec(spec, console_stream=stream)
+    metrics = {"timing_s/gen": 1.23456, "actor/pg_loss": -0.01234, "critic/score/mean": 0.5,
+               "perf/throughput": 12345.6, "response_length/mean": 3.25, "timing_s/step": 2.5}
+    tracker.log_metrics({"val/gsm8k/score/mean": 0.0}, step=0)  # validation before training: a line, whatever N
+    tracker.log_metrics(metrics, step=6)
+    tracker.log_metrics(metrics, step=7)
+    tracker.log_metrics({**metrics, "val/gsm8k/score/mean": 0.125, "val/reward/errors": 0.0}, step=8)
+    step_0, *lines = stream.getvalue().splitlines()
+    assert step_0 == "step 0  val/gsm8k/score/mean 0"
+    assert lines[0] == "step 6  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5"
+    assert lines[1].startswith("── step 7 ──")
+    assert lines[2:4] == [
+        "actor/pg_loss        -0.01234   critic/score/mean         0.5   perf/throughput         12346",
+        "response_length/mean     3.25   timing_s/gen            1.235   timing_s/step             2.5"]
+    assert lines[4:] == ["step 8  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5  "
+                         "val/gsm8k/score/mean 0.125"]
+    assert tracker.series("critic/score/mean") == [0.5, 0.5, 0.5]
     assert format_metrics_table({}, 1).startswith("── step 1")
+    spec.trainer.log_freq = -1  # the default: a line every step, never the table
+    quiet = io.StringIO()
+    Tracker.from_spec(spec, console_stream=quiet).log_metrics(metrics, step=7)
+    assert quiet.getvalue() == "step 7  critic/score/mean 0.5  response_length/mean 3.25  timing_s/step 2.5\n"
 
 
 def test_ascii_plot_shape():

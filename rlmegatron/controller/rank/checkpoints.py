@@ -16,6 +16,7 @@ from rlmegatron.checkpoint.state import (
     set_rng_states,
 )
 from rlmegatron.controller.rank.role_models import RoleModels
+from rlmegatron.controller.role_settings import ModelSource
 from rlmegatron.resharding import export_hf
 
 
@@ -46,10 +47,28 @@ def load(models: RoleModels, path: str) -> None:
 
 
 def export_policy(models: RoleModels, path: str) -> Optional[str]:
-    """The policy as an HF checkpoint (safetensors shards + config.json), written by rank 0; returns the path there."""
+    """The policy as an HF checkpoint (safetensors shards + config.json, the tokenizer and the generation config),
+    written by rank 0; returns the path there."""
     with models.phase("actor"):
         export_hf(models.actor.chunks, models.weight_map, path, models.weight_map.facts.hf)
-    return path if torch.distributed.get_rank() == 0 else None
+    if torch.distributed.get_rank() != 0:
+        return None
+    _add_tokenizer_and_generation_config(models.settings.model, path)
+    return path
+
+
+def _add_tokenizer_and_generation_config(model: ModelSource, path: str) -> None:
+    """What `from_pretrained` needs beside the weights to generate: without tokenizer files transformers builds an
+    empty tokenizer from config.json, and generate() fails on it. The generation config is the model's own where it
+    has one, else the one its config.json implies (its BOS, EOS and pad ids)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    AutoTokenizer.from_pretrained(model.tokenizer_path, trust_remote_code=model.trust_remote_code).save_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(model.path)
+    except OSError:  # the model directory ships none (a config-only directory, model.random_init)
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    generation.save_pretrained(path)
 
 
 def _rng_file(path: str) -> str:
