@@ -49,7 +49,8 @@ def validation_scores(stdout: str) -> list[float]:
     # The issue's repro: each prompt's 8 responses laid out once (shared-prompt micro-batches), whose units cut the
     # two ranks' shares into different numbers of micro-batches once a batch repeats a prompt. The actor replays the
     # rollout's routing (r3), and every step checks that the engine sampled what the actor scores (fp32).
-    ["actor.megatron.expert_model_parallel_size=2", "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5"],
+    ["actor.megatron.expert_model_parallel_size=2", "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5",
+     "trainer.log_freq=1"],
     # 4 ranks: experts split over EP=2 and TP=2 (with sequence parallelism), micro-batches cut by a token budget.
     ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.tensor_model_parallel_size=2",
      "actor.megatron.sequence_parallel=true", "placement.gpus_per_node=4", "actor.use_dynamic_bsz=true",
@@ -76,7 +77,7 @@ def test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout
     command = [RLM, "train", QUICKSTART, f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}",
                "trainer.total_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=[]",
                "trainer.save_freq=1", "trainer.collective_timeout_s=3", "actor.megatron.expert_model_parallel_size=2",
-               "tracking.backends=[console]",
+               "tracking.backends=[console]", "trainer.log_freq=1",
                "actor.policy_loss.loss_mode=tests/controller/slow_rank_loss.py:compute_policy_loss"]
     with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as run:
