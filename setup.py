@@ -40,7 +40,9 @@ setup(
         # package named "apex" is unrelated and must never be listed here.
         "gpu": ["transformer-engine[pytorch]>=2.4", SGLANG_RANGE, "sglang-router>=0.1"],
         # peft: the LoRA export parity tests; pytest-xdist: the suite's two workers (README's test command)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", *SGLANG_APP_DEPS],
+        # sglang-router: its launcher's own argument parser checks the flags rlm train starts a router with
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2",
+                 *SGLANG_APP_DEPS],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )

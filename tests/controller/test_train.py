@@ -42,7 +42,10 @@ def with_fake_sglang(tmp: Path, name: str, die_after_generates: int = 0) -> tupl
     """Overrides and environment that put the loopback SGLang server (tests/rollout/fake_sglang) behind the loop;
     every process of the run carries RLM_TEST_RUN=name-PID (this pytest's pid: another session may run the same
     tests on the machine) in its environment, so survivors can be found (processes_of_run)."""
+    # Seeded samples (SGLang honours seeds in deterministic-inference mode only): a resumed run samples again what the
+    # killed one did, and a group's samples differ, so its advantages do.
     overrides = ["rollout.engine=sglang", f"rollout.sglang.python={sys.executable}",
+                 "rollout.sglang.extra_args.enable-deterministic-inference=true",
                  "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={tmp / name}.calls",
                  f"rollout.sglang.extra_args.fake-marker={tmp / name}.died",
                  f"rollout.sglang.extra_args.fake-die-after-generates={die_after_generates}"]
@@ -266,7 +269,8 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
     assert replacement[release]["tags"] == ["weights", "kv_cache", "cuda_graph"]
     resume_weights, resume_cache = [i for i, p in enumerate(paths) if p == "/resume_memory_occupation"][:2]
     assert resume_weights == release + 1 and replacement[resume_weights]["tags"] == ["weights"]
-    assert set(paths[resume_weights + 1 : resume_cache]) == {"/update_weights_from_tensor", "/flush_cache"}
+    assert set(paths[resume_weights + 1 : resume_cache]) == {"/begin_weight_update", "/update_weights_from_tensor",
+                                                              "/end_weight_update", "/flush_cache"}
     assert replacement[resume_cache]["tags"] == ["kv_cache", "cuda_graph"]
 
 

@@ -504,3 +504,21 @@ def test_a_sample_continued_after_a_pause_keeps_each_tokens_first_routing():
     sample = joined([piece((10, 11), 3 + 2 - 1, 1), piece((12, 13), 5 + 2 - 1, 2)])
     assert sample.output_token_ids == (10, 11, 12, 13)
     assert sample.routed_experts[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2]  # prompt + 4 outputs - 1 rows
+
+
+def test_every_router_flag_the_project_emits_parses_with_sglang_routers_own_parser():
+    """router_command for the router rlm train starts (rollout.sglang.router with router_args), through the parser
+    of sglang_router 0.3.2 (the test extra installs it), which exits 2 on an unknown flag."""
+    from sglang_router.launch_router import parse_router_args
+
+    from rlmegatron.rollout.sglang_server import router_command
+
+    for command in (router_command("py", [], port=8000),
+                    router_command("py", ["http://a:1", "http://b:2"], port=8000, host="0.0.0.0",
+                                   extra_args={"policy": "round_robin", "cache-threshold": 0.5,
+                                               "worker-startup-timeout-secs": 600})):
+        parsed = parse_router_args(command[3:])
+        assert (parsed.host, parsed.port) == (command[command.index("--host") + 1], 8000)
+    assert parsed.worker_urls == ["http://a:1", "http://b:2"] and parsed.policy == "round_robin"
+    with pytest.raises(SystemExit):  # what a flag the router does not know gets
+        parse_router_args(router_command("py", [], port=8000, extra_args={"no-such-flag": 1})[3:])

@@ -164,7 +164,9 @@ class FakeServer:
             if self.aborting:
                 finish = {"type": "abort", "message": "paused"}
                 break
-            token = (sum(body["input_ids"]) + 31 * step + checksum + params.get("sampling_seed", 0)) % self.vocab
+            # As SGLang, a request's seed counts only in deterministic-inference mode.
+            seed = params.get("sampling_seed", 0) if self.args.enable_deterministic_inference else 0
+            token = (sum(body["input_ids"]) + 31 * step + checksum + seed) % self.vocab
             self.tokens_generated += 1
             output_ids.append(token)
             if token in params["stop_token_ids"]:
@@ -390,6 +392,7 @@ def main():
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=0)
     parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--fake-record", required=True)
     parser.add_argument("--fake-marker", default="")
     parser.add_argument("--fake-die-after-generates", type=int, default=0)
