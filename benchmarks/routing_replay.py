@@ -29,15 +29,14 @@ METRICS = ("moe/routing_agreement", "training/rollout_probs_diff_mean", "trainin
 
 
 def write_model(directory: Path, family: str) -> Path:
-    """The quickstart's model directory (tokenizer, config) as `family`; random_init builds the weights."""
+    """The quickstart's model directory (tokenizer, config) as `family` (its Qwen3-MoE ships as
+    configs/quickstart/moe_model); random_init builds the weights."""
+    if family == "qwen3_moe":
+        return REPO_ROOT / "configs" / "quickstart" / "moe_model"
     shutil.rmtree(directory, ignore_errors=True)
     shutil.copytree(REPO_ROOT / "configs" / "quickstart" / "model", directory)
     config = json.loads((directory / "config.json").read_text())
-    if family == "qwen3_moe":
-        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                      mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0)
-    elif family == "deepseek_v3":
+    if family == "deepseek_v3":
         keep = {key: config[key] for key in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id",
                                              "hidden_size", "max_position_embeddings", "rms_norm_eps", "rope_theta")}
         config = {**keep, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

@@ -1,5 +1,5 @@
-"""Regenerates the quickstart's shipped assets: the char tokenizer, a 128-token Qwen3 config and the task, "next
-digit": the prompt `next:3` asks for the digit after 3, `4` (after 9 comes 0)."""
+"""Regenerates the quickstart's shipped assets: the char tokenizer, a 128-token Qwen3 config (and a Qwen3-MoE one) and
+the task, "next digit": the prompt `next:3` asks for the digit after 3, `4` (after 9 comes 0)."""
 import json
 import random
 import string
@@ -44,6 +44,14 @@ def main() -> None:
         "bos_token_id": None,
     }
     (HERE / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # The same task for a mixture of experts: 3 Qwen3-MoE layers of 8 experts, 2 per token (the EP and routing replay
+    # tests, and benchmarks/routing_replay.py).
+    tokenizer.save_pretrained(str(HERE / "moe_model"))
+    moe = {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 3,
+           "max_window_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False,
+           "router_aux_loss_coef": 0.0}
+    (HERE / "moe_model" / "config.json").write_text(json.dumps(moe, indent=2) + "\n")
     for name, count, seed in (("train", 2048, 0), ("val", 64, 1)):
         with open(HERE / f"{name}.jsonl", "w") as out:
             out.writelines(json.dumps(row) + "\n" for row in next_digit_rows(count, seed))

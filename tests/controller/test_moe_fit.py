@@ -1,12 +1,9 @@
 """`rlm train` on a tiny Qwen3-MoE at EP=2 and EP=2 x TP=2 for 20 steps (the fit loop used to hang at step 2: its
 ranks ran different numbers of micro-batches, so their all-to-alls never paired up), and a rank that stops answering
 stops the run within trainer.collective_timeout_s, naming the step and the call."""
-import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,23 +17,13 @@ RUN = [f"trainer.total_steps={STEPS}", f"trainer.test_freq={STEPS}", "trainer.va
        "trainer.save_freq=-1", "tracking.backends=[console]"]
 
 
-def moe_model(directory: Path) -> Path:
-    """The quickstart's model and tokenizer as a Qwen3-MoE: 3 layers of 8 experts, top-2 (random weights)."""
-    shutil.copytree(REPO_ROOT / "configs" / "quickstart" / "model", directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3, num_experts=8,
-                  num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
-                  norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+# The quickstart's task and tokenizer on a Qwen3-MoE: 3 layers of 8 experts, top-2 (random weights).
+MOE_MODEL = REPO_ROOT / "configs" / "quickstart" / "moe_model"
 
 
-def train(tmp: Path, name: str, *overrides: str, timeout_s: float = 240, env: dict | None = None):
-    model = tmp / "moe_model"
-    if not model.exists():
-        moe_model(model)
-    return subprocess.run([RLM, "train", QUICKSTART, f"model.path={model}", f"trainer.run_dir={tmp / name}",
-                           *overrides], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+def train(tmp: Path, name: str, *overrides: str, timeout_s: float = 240):
+    return subprocess.run([RLM, "train", QUICKSTART, f"model.path={MOE_MODEL}", f"trainer.run_dir={tmp / name}",
+                           *overrides], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
 
 
 def validation_scores(stdout: str) -> list[float]:
@@ -71,10 +58,9 @@ def test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout
     """Rank 1 sleeps 120 s in its first loss of step 2 (once step 1's checkpoint is written); rank 0 waits in an
     all-to-all of the update. With trainer.collective_timeout_s=3 the run stops long before rank 1 wakes, with one
     line and exit 3, the step-1 checkpoint kept."""
-    model = moe_model(tmp_path / "moe_model")
     env = {**os.environ, "RLM_SLOW_RANK_S": "120",
            "RLM_SLOW_ONCE_EXISTS": str(tmp_path / "run" / "checkpoints" / "step_1")}
-    command = [RLM, "train", QUICKSTART, f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}",
+    command = [RLM, "train", QUICKSTART, f"model.path={MOE_MODEL}", f"trainer.run_dir={tmp_path / 'run'}",
                "trainer.total_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1", "data.val_files=[]",
                "trainer.save_freq=1", "trainer.collective_timeout_s=3", "actor.megatron.expert_model_parallel_size=2",
                "tracking.backends=[console]", "trainer.log_freq=1",

@@ -33,12 +33,11 @@ def write_model(directory: Path, family: str) -> Path:
     chosen per token, a dense first layer and no MTP)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    shutil.copytree(REPO_ROOT / "configs" / "quickstart" / "model", directory)
+    shutil.copytree(REPO_ROOT / "configs" / "quickstart" / ("moe_model" if family == "qwen3_moe" else "model"),
+                    directory)
     config = json.loads((directory / "config.json").read_text())
     if family == "qwen3_moe":
-        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=4,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                      mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0)
+        config.update(num_hidden_layers=4)  # PP=2: two MoE layers per stage
     else:
         keep = {key: config[key] for key in ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id",
                                              "hidden_size", "max_position_embeddings", "rms_norm_eps")}
