@@ -43,12 +43,8 @@ DEEPSEEK_TRAVEL_RULES = travel_rules_for({"model_type": "deepseek_v3", "q_lora_r
 
 
 @pytest.fixture(autouse=True, scope="module")
-def file_system_sharing():
-    # CPU buckets reach the (unrelated) fake server process through named shared memory.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    yield
-    torch.multiprocessing.set_sharing_strategy(previous)
+def _buckets_by_named_shared_memory(file_system_sharing):
+    """tests/rollout/conftest.py's file_system_sharing for every test of the module."""
 
 
 def weights() -> list[tuple[str, torch.Tensor]]:

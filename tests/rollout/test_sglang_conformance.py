@@ -27,11 +27,8 @@ TOKEN_DELAY_S = 0.05
 
 
 @pytest.fixture(autouse=True, scope="module")
-def file_system_sharing():
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    yield
-    torch.multiprocessing.set_sharing_strategy(previous)
+def _buckets_by_named_shared_memory(file_system_sharing):
+    """tests/rollout/conftest.py's file_system_sharing for every test of the module."""
 
 
 def weights(scale: float = 1.0) -> list[tuple[str, torch.Tensor]]:
