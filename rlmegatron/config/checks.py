@@ -487,9 +487,6 @@ def _check_routing(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         problems.append(SpecProblem(field, value, "the local engine records routing from transformers' own MoE "
                                                   "routers, and model.trust_remote_code runs the model's own code; "
                                                   "use rollout.engine=sglang, or r2 without routing_agreement"))
-    if spec.actor.wants_rollout_routing and spec.rollout.multi_turn.tools:
-        problems.append(SpecProblem(field, value, "multi-turn rollouts do not return their routing yet; use r2 or off "
-                                                  "without routing_agreement, or no rollout.multi_turn.tools"))
     return problems
 
 

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
+import torch
+
 from rlmegatron.agent.parsers import ToolCall, tool_call_parser
 from rlmegatron.agent.tools import ToolContext, ToolOutcome, build_tools, call_tool, tool_lifecycle
 from rlmegatron.rollout.engine import AgentRecord, GenerationRequest, GenerationResult, RolloutEngine, SamplingSpec
@@ -83,6 +85,12 @@ class Trajectory:
     def __init__(self, loop: AgentLoop, request_index: int, sample_index: int, request: GenerationRequest) -> None:
         self.loop, self.request_index, self.sample_index = loop, request_index, sample_index
         self.prompt, self.sampling = request.prompt_token_ids, request.sampling
+        self.return_routed_experts = request.return_routed_experts
+        self.routed: list[torch.Tensor] = []
+        """Routing replay: each token's experts as the engine first ran it, in order: the prompt's and each model
+        turn's from that turn's call, a turn's last token and the tool answer after it from the next turn's prefill
+        (rollout_data.build_batch frees the tool answers' rows)."""
+        self.routed_rows = 0
         self.context = ToolContext(f"{request_index}/{sample_index}", request.tool_context or {})
         self.tokens: list[int] = []
         self.mask: list[int] = []
@@ -125,9 +133,12 @@ class Trajectory:
             # Per sample and turn, so a trajectory samples the same whichever engine or batch serves it.
             seed = ((seed * 1_000_003 + self.sample_index) * 1_009 + self.turns) % (2 ** 31)
         sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=self.budget, seed=seed)
-        return GenerationRequest(self.prompt + tuple(self.tokens), sampling)
+        return GenerationRequest(self.prompt + tuple(self.tokens), sampling,
+                                 return_routed_experts=self.return_routed_experts)
 
     def add_model_turn(self, result: GenerationResult) -> None:
+        if self.return_routed_experts:
+            self._add_routing(result)
         self.answer_start = len(self.tokens)
         self.tokens += result.output_token_ids
         self.mask += [1] * len(result.output_token_ids)
@@ -142,6 +153,28 @@ class Trajectory:
             self.finish = "stop"  # a final answer
         elif self.turns >= self.loop.settings.max_turns:
             self.finish, self.calls = "stop", []
+
+    def _add_routing(self, result: GenerationResult) -> None:
+        """The rows of this turn's record past those earlier turns gave: an earlier turn's are the same tokens run
+        again (a prefill of the conversation so far), which the first run routed."""
+        ran = len(self.prompt) + len(self.tokens) + len(result.output_token_ids) - 1
+        record = result.routed_experts
+        if record is None or record.shape[0] != ran:
+            got = "none" if record is None else f"{record.shape[0]} tokens"
+            raise ValueError(f"the engine's answer to turn {self.turns + 1} of request {self.request_index} (sample "
+                             f"{self.sample_index}) has routing for {got}, not the {ran} tokens it ran (conversation "
+                             f"so far + response - 1); routing replay cannot route it as the rollout did")
+        self.routed.append(record[self.routed_rows :])
+        self.routed_rows = ran
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """[prompt + response - 1, MoE layers, k]: a tool answer the budget cut at the end, which no turn ran, routes
+        freely (-1)."""
+        if not self.routed:
+            return None
+        unrun = len(self.prompt) + len(self.tokens) - 1 - self.routed_rows
+        free = torch.full((unrun, *self.routed[0].shape[1:]), -1, dtype=self.routed[0].dtype)
+        return torch.cat([*self.routed, free])
 
     async def answer_calls(self) -> None:
         """Runs this turn's tool calls one after another (a stateful tool sees them in order) and appends their
@@ -175,6 +208,7 @@ class Trajectory:
             finish_reason=self.finish or "length",
             weight_version=self.weight_version,
             response_mask=tuple(self.mask),
+            routed_experts=self.routed_experts(),
             agent=AgentRecord(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
                               tool_timeouts=self.tool_timeouts, tool_setup_errors=self.tool_setup_errors,
                               tool_reward=self.tool_reward,

@@ -3,6 +3,7 @@ turn by turn with many in flight (token ids in, token ids out); the engines' log
 the model's tokens, through the trainer's micro-batches, packed or not."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -133,3 +134,59 @@ def test_sglang_serves_every_trajectory_turn_by_turn_token_ids_in_and_out_many_i
         for start in starts:
             end = next((k for k in range(start, len(mask)) if not mask[k]), len(mask))
             assert list(tokens[start:end]) in served[prompt + tokens[:start]]
+
+
+def test_multi_turn_trajectories_carry_each_tokens_routing_as_the_whole_conversation_routes_it():
+    """Routing replay (actor.moe.routing_replay=r3) on multi-turn rollouts: each prompt and model token carries the
+    experts the engine gave it when it first ran it (a turn's last token in the next turn's prefill), which in fp32
+    are those a forward of the whole conversation chooses; tool answers and the last model token route freely (-1)."""
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.from_pretrained(REPO_ROOT / "configs" / "quickstart" / "moe_model")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    engine = LocalEngine(model, pad_token_id=0, eos_token_ids=[tokenizer.eos_token_id])
+    prompts = [dataclasses.replace(request, return_routed_experts=True)
+               for request in requests(tokenizer, n=2, max_new_tokens=80)]
+    results = AgentLoop(settings(max_turns=4), tokenizer).generate(engine, prompts)
+    assert max(r.agent.turns for r in results) > 2 and any(r.finish_reason == "length" for r in results)
+
+    batch = build_batch([list(prompts[r.request_index].prompt_token_ids) for r in results], results, 80)
+    routed, layers = batch.routed_experts, config.num_hidden_layers
+    for row, result in enumerate(results):
+        cells = batch.attention_mask[row].bool()
+        tokens = batch.input_ids[row, cells]
+        chosen = []
+        hooks = [router.register_forward_hook(lambda module, args, output: chosen.append(output[-1]))
+                 for router in engine.routers]
+        with torch.no_grad():
+            model(input_ids=tokens.unsqueeze(0))
+        for hook in hooks:
+            hook.remove()
+        whole = torch.stack(chosen, dim=1).sort(dim=-1).values  # [tokens, layers, k]
+        record = routed[row, cells]
+        prompt = len(prompts[result.request_index].prompt_token_ids)
+        ran = torch.tensor([1] * prompt + list(result.response_mask)).bool()
+        # The last model token is never fed back, whether the trajectory ends there or in a tool answer after it.
+        ran[prompt + max(k for k, m in enumerate(result.response_mask) if m):] = False
+        assert torch.equal(record[ran].sort(dim=-1).values.long(), whole[ran].long()), row
+        assert (record[~ran] == -1).all() and record.shape[1] == layers
+        assert (routed[row, ~cells] == -1).all()
+
+
+def test_a_turn_answered_without_routing_names_its_request_sample_and_turn():
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.from_pretrained(REPO_ROOT / "configs" / "quickstart" / "moe_model")
+    torch.manual_seed(0)
+    engine = LocalEngine(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), pad_token_id=0)
+    generate = engine.generate
+
+    def forgets_on_the_second_turn(reqs, progress=None):
+        results = generate(reqs, progress)
+        second = len(reqs[0].prompt_token_ids) > len(prompts[0].prompt_token_ids)
+        return [dataclasses.replace(r, routed_experts=None) for r in results] if second else results
+
+    engine.generate = forgets_on_the_second_turn
+    prompts = [dataclasses.replace(request, return_routed_experts=True)
+               for request in requests(tokenizer, n=1, max_new_tokens=40)[:1]]
+    with pytest.raises(ValueError, match=r"turn 2 of request 0 \(sample 0\) has routing for none, not the \d+ tokens"):
+        AgentLoop(settings(max_turns=4), tokenizer).generate(engine, prompts)

@@ -804,10 +804,9 @@ def test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_r
         "command line: actor.moe.routing_agreement=true: the local engine records routing from transformers' own MoE "
         "routers, and model.trust_remote_code runs the model's own code; use rollout.engine=sglang, or r2 without "
         "routing_agreement"]
+    # Multi-turn trajectories carry their model turns' routing (rollout/agent_loop.py).
     assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r3",
-                       "rollout.multi_turn.tools=[{plugin: rlmegatron/agent/python_tool.py:PythonTool}]") == [
-        "command line: actor.moe.routing_replay=r3: multi-turn rollouts do not return their routing yet; use r2 or "
-        "off without routing_agreement, or no rollout.multi_turn.tools"]
+                       "rollout.multi_turn.tools=[{plugin: rlmegatron/agent/python_tool.py:PythonTool}]") == []
     # r3 measures the agreement itself; asking for it too changes nothing.
     assert problems_of(minimal_spec("tiny-qwen3-moe"), "actor.moe.routing_replay=r3",
                        "actor.moe.routing_agreement=true") == [

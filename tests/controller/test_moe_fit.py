@@ -1,7 +1,10 @@
 """`rlm train` on a tiny Qwen3-MoE at EP=2 and EP=2 x TP=2 for 20 steps (the fit loop used to hang at step 2: its
-ranks ran different numbers of micro-batches, so their all-to-alls never paired up), and a rank that stops answering
-stops the run within trainer.collective_timeout_s, naming the step and the call."""
+ranks ran different numbers of micro-batches, so their all-to-alls never paired up), multi-turn rollouts replaying their
+model turns' routing, and a rank that stops answering stops the run within trainer.collective_timeout_s, naming the
+step and the call."""
+import json
 import os
+import shutil
 import re
 import subprocess
 import time
@@ -52,6 +55,33 @@ def test_a_moe_policy_trains_twenty_steps_at_expert_parallelism_and_learns(tmp_p
     if "actor.moe.routing_replay=r3" in layout:
         agreement = [float(v) for v in re.findall(r"moe/routing_agreement +([\d.e-]+)", run.stdout)]
         assert len(agreement) == STEPS and min(agreement) == 1.0, agreement  # fp32: the engine routes as Megatron
+
+
+def test_multi_turn_rollouts_replay_their_model_turns_routing_and_stay_on_policy_at_ep2(tmp_path):
+    """configs/tool_lookup_cpu.yaml (the model calls a tool, reads its answer, answers) on a Qwen3-MoE of its
+    tokenizer, at EP=2 with r3: in fp32 every step's old log-probs must equal the engine's on every model token
+    (trainer.on_policy_check), which holds only if each token after a tool answer replays the experts the engine gave
+    it; the actor's router agrees with the rollout's on every replayed token."""
+    model = tmp_path / "moe_tool_lookup"
+    shutil.copytree(REPO_ROOT / "configs" / "tool_lookup" / "model", model)
+    dense = json.loads((model / "config.json").read_text())
+    moe = json.loads((MOE_MODEL / "config.json").read_text())
+    experts = {key: moe[key] for key in ("architectures", "model_type", "num_experts", "num_experts_per_tok",
+                                         "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                                         "norm_topk_prob", "output_router_logits", "router_aux_loss_coef")}
+    (model / "config.json").write_text(json.dumps({**dense, **experts}))
+    run = subprocess.run([RLM, "train", "configs/tool_lookup_cpu.yaml", f"model.path={model}",
+                          f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.save_freq=-1",
+                          "trainer.test_freq=-1", "trainer.val_before_train=false", "data.val_files=[]",
+                          "tracking.backends=[console]", "trainer.log_freq=1",
+                          "actor.megatron.expert_model_parallel_size=2", "actor.moe.routing_replay=r3",
+                          "trainer.on_policy_check=1e-5"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    turns = [float(v) for v in re.findall(r"agent/turns/mean +([\d.e-]+)", run.stdout)]
+    assert len(turns) == 3 and max(turns) > 1, turns  # some trajectories called the tool and went on
+    agreement = [float(v) for v in re.findall(r"moe/routing_agreement +([\d.e-]+)", run.stdout)]
+    assert agreement == [1.0] * 3, agreement
 
 
 def test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout_naming_step_and_call(tmp_path):
