@@ -96,7 +96,7 @@ class LocalServer:
         self.engine = engine
         self.scheduler = Scheduler(engine)
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
-        self.routing = RoutedExpertsLayout.of(engine.model.config.to_dict()) if return_routed_experts else None
+        self.routing = RoutedExpertsLayout.of(engine.model.config) if return_routed_experts else None
 
     def generate(self, body: dict) -> dict:
         params = body["sampling_params"]

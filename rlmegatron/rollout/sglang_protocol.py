@@ -138,7 +138,8 @@ class RoutedExpertsLayout:
 
     @classmethod
     def of(cls, hf_config) -> "RoutedExpertsLayout":
-        arch = architecture_of(hf_config)
+        """`hf_config`: a transformers config (the driver's) or a config.json's contents."""
+        arch = architecture_of(hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config)
         return cls(len(arch.moe_layers), tuple(i for i, routed in enumerate(arch.moe_layers) if routed),
                    arch.num_experts_per_tok)
 

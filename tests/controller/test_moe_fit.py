@@ -57,7 +57,13 @@ def test_a_moe_policy_trains_twenty_steps_at_expert_parallelism_and_learns(tmp_p
         assert len(agreement) == STEPS and min(agreement) == 1.0, agreement  # fp32: the engine routes as Megatron
 
 
-def test_multi_turn_rollouts_replay_their_model_turns_routing_and_stay_on_policy_at_ep2(tmp_path):
+@pytest.mark.parametrize("placement", [
+    [],  # the engine in the trainer rank's process, turn by turn in batches
+    # the engine's server in a process of its own, answering in SGLang's format (base64 routed_experts), every
+    # trajectory in flight at once through the SGLang client
+    ["placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1"],
+], ids=["colocated", "disaggregated"])
+def test_multi_turn_rollouts_replay_their_model_turns_routing_and_stay_on_policy_at_ep2(tmp_path, placement):
     """configs/tool_lookup_cpu.yaml (the model calls a tool, reads its answer, answers) on a Qwen3-MoE of its
     tokenizer, at EP=2 with r3: in fp32 every step's old log-probs must equal the engine's on every model token
     (trainer.on_policy_check), which holds only if each token after a tool answer replays the experts the engine gave
@@ -75,7 +81,7 @@ def test_multi_turn_rollouts_replay_their_model_turns_routing_and_stay_on_policy
                           "trainer.test_freq=-1", "trainer.val_before_train=false", "data.val_files=[]",
                           "tracking.backends=[console]", "trainer.log_freq=1",
                           "actor.megatron.expert_model_parallel_size=2", "actor.moe.routing_replay=r3",
-                          "trainer.on_policy_check=1e-5"],
+                          "trainer.on_policy_check=1e-5", *placement],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     turns = [float(v) for v in re.findall(r"agent/turns/mean +([\d.e-]+)", run.stdout)]
