@@ -28,12 +28,24 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
         help=f"bandwidth into each rollout GPU for the weight sync, in Gb/s; default {DEFAULT_LINK_GBPS:g} "
         "(one NDR InfiniBand port; NVLink 4 within a node is ~3600)",
     )
+    parser.add_argument("--gpu-tflops", type=float, default=PlanSettings.gpu_tflops,
+                        help=f"dense BF16 peak of one GPU, for the step-time estimate; default "
+                             f"{PlanSettings.gpu_tflops:g} (H100 SXM)")
+    parser.add_argument("--hbm-gb-per-s", type=float, default=PlanSettings.hbm_gb_per_s,
+                        help=f"memory bandwidth of one GPU in GB/s; default {PlanSettings.hbm_gb_per_s:g} (H100 SXM)")
+    parser.add_argument("--prompt-tokens", type=float,
+                        help="mean prompt length for the step-time estimate (default: data.max_prompt_length)")
+    parser.add_argument("--response-tokens", type=float,
+                        help="mean response length for the step-time estimate (default: data.max_response_length, "
+                             "every response running to the cap)")
 
 
 def run_plan(spec: JobSpec, args: argparse.Namespace) -> int:
     located = spec.model.architecture_source()
     assert located is not None, "load_spec rejects a spec without a readable architecture"
-    settings = PlanSettings(gpu_mem_gb=args.gpu_mem_gb, link_gbps=args.link_gbps)
+    settings = PlanSettings(gpu_mem_gb=args.gpu_mem_gb, link_gbps=args.link_gbps, gpu_tflops=args.gpu_tflops,
+                            hbm_gb_per_s=args.hbm_gb_per_s, prompt_tokens=args.prompt_tokens,
+                            response_tokens=args.response_tokens)
     plan = build_plan(spec, read_architecture(located[1]), settings, file=args.config)
     if args.json:
         json.dump(plan.to_json(), sys.stdout, indent=2, default=str)

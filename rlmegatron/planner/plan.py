@@ -24,6 +24,7 @@ from rlmegatron.planner.memory import (
     weight_sync,
 )
 from rlmegatron.planner.parameters import count_parameters, lora_parameters
+from rlmegatron.planner.step_time import Hardware, StepTime, step_time, workload_of
 
 DEFAULT_GPU_MEM_GB = 80.0  # an H100 SXM
 DEFAULT_LINK_GBPS = 400.0  # one NDR InfiniBand port per GPU; intra-node NVLink 4 is ~3600 Gb/s
@@ -33,6 +34,15 @@ DEFAULT_LINK_GBPS = 400.0  # one NDR InfiniBand port per GPU; intra-node NVLink 
 class PlanSettings:
     gpu_mem_gb: float = DEFAULT_GPU_MEM_GB
     link_gbps: float = DEFAULT_LINK_GBPS
+    gpu_tflops: float = Hardware.peak_tflops
+    hbm_gb_per_s: float = Hardware.hbm_gb_per_s
+    prompt_tokens: float | None = None
+    """Mean prompt and response lengths for the step-time estimate; None: the spec's maxima."""
+    response_tokens: float | None = None
+
+    def hardware(self, gpus_per_node: int) -> Hardware:
+        return Hardware(peak_tflops=self.gpu_tflops, hbm_gb_per_s=self.hbm_gb_per_s, network_gbps=self.link_gbps,
+                        gpus_per_node=gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Plan:
     trainer_gpus: int
     rollout_gpus: int | None  # the rollout pool's own GPUs when disaggregated (None: they are the trainer's)
     rollout_buffer: RolloutBufferMemory  # in the driver's host memory
+    step_time: StepTime
     problems: tuple[SpecProblem, ...]
 
     @property
@@ -71,6 +82,9 @@ class Plan:
         data["problems"] = [str(problem) for problem in self.problems]
         data["peak_bytes"] = self.peak_bytes
         data["actor"]["total"] = self.actor.total
+        data["step_time_s"] = self.step_time.total
+        data["step_time"] = {"phases_s": self.step_time.phases, "overlapped": self.step_time.overlapped,
+                             "assumptions": list(self.step_time.assumptions)}
         return data
 
 
@@ -120,6 +134,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         phases.append(PhaseMemory("rollout", 0.0, {"engine": engine.static_reservation, **others()}))
     phases = [PhaseMemory(p.phase, sum(p.parts.values()), p.parts) for p in phases]
 
+    sync = weight_sync(spec, params, settings.link_gbps)
     plan = Plan(
         model_type=arch.model_type,
         total_parameters=params.total,
@@ -129,12 +144,15 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         critic=critic,
         reward_model=reward_model,
         engine=engine,
-        sync=weight_sync(spec, params, settings.link_gbps),
+        sync=sync,
         trainer_phases=tuple(phases),
         rollout_gpu_bytes=None if colocated else engine.static_reservation,
         trainer_gpus=spec.placement.trainer_world_size,
         rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
         rollout_buffer=rollout_buffer_memory(spec, arch),
+        step_time=step_time(spec, arch, params, actor, engine, sync.bytes_per_engine_gpu,
+                            workload_of(spec, settings.prompt_tokens, settings.response_tokens),
+                            settings.hardware(spec.placement.gpus_per_node)),
         problems=(),
     )
     problems = [
@@ -251,5 +269,9 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)",
         f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "
         f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)",
+        f"step time, estimated (a model, not a measurement; planner/step_time.py): ~{plan.step_time.total:.1f} s"
+        + (" (generation overlaps training)" if plan.step_time.overlapped else ""),
+        *(f"  {phase:<15} {seconds:>8.1f} s" for phase, seconds in plan.step_time.phases.items()),
+        *(f"  assumes {assumption}" for assumption in plan.step_time.assumptions),
     ]
     return "\n".join(lines) + "\n"

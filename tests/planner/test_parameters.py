@@ -17,6 +17,11 @@ from tests.config.specs import MODELS_DIR
         ("deepseek-v3", 671e9, 37e9),
         # Qwen2.5 model card: 0.49B (q/k/v biases, tied embeddings).
         ("qwen2.5-0.5b", 0.49e9, 0.49e9),
+        # The step-time model's published runs (benchmarks/step_time_calibration.py): Llama 3.1 8B (8.03B), Qwen3-32B
+        # (32.8B), Qwen3-235B-A22B (235B total, 22B activated).
+        ("llama-3.1-8b", 8.03e9, 8.03e9),
+        ("qwen3-32b", 32.8e9, 32.8e9),
+        ("qwen3-235b-a22b", 235e9, 22e9),
     ],
 )
 def test_counts_match_published_totals_within_2_percent(model, total, active):
