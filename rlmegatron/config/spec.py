@@ -594,6 +594,11 @@ class TrainerConfig(Section):
     of its group; past them the run stops with a line naming the step and the call (exit 3) instead of waiting for
     good. Megatron's and torch's default; raise it where ranks legitimately wait longer (loading a very large model
     on one rank while the others wait)."""
+    max_restarts: int = Field(0, ge=0)
+    """Times the run restarts its trainer ranks when one dies (killed, out of memory, a collective that timed out)
+    within this `rlm train`: the others are stopped, the ranks and engines start again, and the run resumes from the
+    last complete checkpoint (its data position, RNG and tracker run: a resume as trainer.resume=auto makes) and goes
+    on. Past that many restarts the run stops with one line (exit 3). 0: the first death stops it."""
     partial_rollout: bool = False
     """one_step_off and async: new weights reach the engines mid-generation: in-flight samples are paused, the
     weights swapped, and each goes on from the tokens it has with the new policy (keeping every token's rollout

@@ -25,7 +25,7 @@ from rlmegatron.controller.rank.policy_rank import PolicyRank
 from rlmegatron.controller.role_settings import rollout_settings
 from rlmegatron.controller.rollout_engines import ColocatedEngines, DisaggregatedEngines
 from rlmegatron.controller.router import start_router
-from rlmegatron.controller.trainer import Trainer, run_total_steps
+from rlmegatron.controller.trainer import RankLost, Trainer, run_total_steps
 from rlmegatron.controller.worker_group import LocalWorkerGroup, RayWorkerGroup
 from rlmegatron.data import PromptDataLoader, build_dataset
 from rlmegatron.errors import DiskFull, disk_full_in
@@ -145,26 +145,37 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
             start_ray(spec)
             exit_on_sigterm()
             pools = create_pools(spec.placement)
-            ranks = PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps,
-                                               collective_timeout_s=spec.trainer.collective_timeout_s))
-        elif launch == "processes":
-            # Returns once the fork server (started above) has forked them: they build while the driver goes on, up to
-            # its first call to them.
-            ranks = PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank,
-                                              spec, total_steps,
-                                              collective_timeout_s=spec.trainer.collective_timeout_s))
-        else:
-            ranks = PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
-        if spec.reward.model.path is not None:  # the ranks hold the reward model
-            reward_manager = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
-        if spec.placement.mode == "colocate":
-            sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
-            engines = ColocatedEngines(ranks, sleeps)
-        else:
-            engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
-        trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, reward_manager, opening.result(),
-                          checkpoints)
-        result = trainer.fit()
+        restarts = 0
+        while True:
+            ranks = _start_ranks(spec, launch, pools, total_steps)
+            scoring = reward_manager
+            if spec.reward.model.path is not None:  # the ranks hold the reward model
+                scoring = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
+            if spec.placement.mode == "colocate":
+                sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
+                engines = ColocatedEngines(ranks, sleeps)
+            else:
+                engines = DisaggregatedEngines(rollout_settings(spec), ranks, pools.rollout if pools else None)
+            trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, scoring, opening.result(),
+                              checkpoints)
+            try:
+                result = trainer.fit()
+                break
+            except RankLost as lost:
+                if restarts == spec.trainer.max_restarts:
+                    if restarts:
+                        raise RankLost(f"{lost} (the ranks were restarted {restarts} time(s) already: "
+                                       f"trainer.max_restarts={restarts})") from None
+                    raise
+                restarts += 1
+                # The survivors stop cleanly and everything the ranks held goes with them; the tracker, the router,
+                # Ray's pools and the data stay. The run resumes as trainer.resume=auto would.
+                _stop_each([engines.shutdown, ranks.shutdown])
+                engines = ranks = None
+                newest = checkpoints.plan_resume("auto")
+                print(f"{lost}. Restarting the trainer ranks ({restarts} of trainer.max_restarts="
+                      f"{spec.trainer.max_restarts}) from {newest.path if newest else 'the start (no checkpoint yet)'}",
+                      file=sys.stderr, flush=True)
         status = "FINISHED"
     except BaseException:
         # What stopped the run is what gets reported: a part that fails to stop too (the tracker on a full disk) is
@@ -190,6 +201,29 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
     return report
 
 
+def _start_ranks(spec: JobSpec, launch: Optional[str], pools, total_steps: int) -> PolicyRanks:
+    if launch == "ray":
+        return PolicyRanks(RayWorkerGroup(pools.trainer, PolicyRank, spec, total_steps,
+                                          collective_timeout_s=spec.trainer.collective_timeout_s))
+    if launch == "processes":
+        # Returns once the fork server (started by run_training) has forked them: they build while the driver goes
+        # on, up to its first call to them.
+        return PolicyRanks(RankProcesses(spec.placement.device, spec.placement.trainer_world_size, PolicyRank, spec,
+                                         total_steps, collective_timeout_s=spec.trainer.collective_timeout_s))
+    return PolicyRanks(LocalWorkerGroup(spec.placement.device, PolicyRank, spec, total_steps))
+
+
+def _stop_each(steps) -> list[Exception]:
+    """Runs every step whatever the others do; returns their failures."""
+    failures = []
+    for step in steps:
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - the next part stops all the same
+            failures.append(error)
+    return failures
+
+
 def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status: str,
           reraise: bool = False) -> None:
     """Every part of the run stops, each whatever the others do: the ranks and servers above all, whose processes
@@ -199,12 +233,7 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
     steps += [router.stop] if router is not None else []
     steps += [lambda: remove_pools(pools)] if pools is not None else []
     steps += [reward_manager.close, lambda: _finish_tracking(opening, status)]
-    failures = []
-    for step in steps:
-        try:
-            step()
-        except Exception as error:  # noqa: BLE001 - the next part stops all the same
-            failures.append(error)
+    failures = _stop_each(steps)
     if failures and reraise:
         raise failures[0]
 

@@ -82,6 +82,10 @@ class TrainingStopped(RuntimeError):
     (trainer.on_policy_check)."""
 
 
+class RankLost(TrainingStopped):
+    """A trainer rank died or stopped answering (a collective timed out): what trainer.max_restarts restarts."""
+
+
 class StoppedByMistake(UserError):
     """The loop stopped on a step because of the user's mistake found only there (a reward function whose every
     answer is unusable): one line naming the step and the last complete checkpoint, exit 2."""
@@ -211,7 +215,8 @@ class Trainer:
         try:
             yield
         except Exception as error:
-            stops = isinstance(error, (Divergence, NonFiniteReward, CollectiveTimeout, OffPolicy)) or _rank_died(error)
+            lost = isinstance(error, CollectiveTimeout) or _rank_died(error)
+            stops = lost or isinstance(error, (Divergence, NonFiniteReward, OffPolicy))
             if not (stops or isinstance(error, UnusableRewards)):
                 raise
             if making_ahead():
@@ -219,7 +224,7 @@ class Trainer:
             cause = getattr(error, "cause", error)  # the rank's own exception, without Ray's wrapping
             line = (f"step {self.step}: {cause}. No checkpoint is written for this step; the last complete one is "
                     f"{self.last_checkpoint or 'none'}")
-            raise (TrainingStopped(line) if stops else StoppedByMistake(line)) from None
+            raise (RankLost(line) if lost else TrainingStopped(line) if stops else StoppedByMistake(line)) from None
 
     # --- rollout: generate, score, and (DAPO) keep only groups that teach something ---
 

@@ -8,7 +8,6 @@ controller.rollout_engines) are what the rest of the driver calls.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar
@@ -149,16 +148,24 @@ PEER_GRACE_S = 5.0
 def gather(refs: list) -> list:
     """ray.get of one call on every member. Ray raises the first failure at once and would later print each other
     member's failure, traceback and all, as an unhandled error: those that come within PEER_GRACE_S are fetched here,
-    so the first failure (a user's mistake is then one line) is all that is said."""
+    so one failure (a user's mistake is then one line) is all that is said: the first, unless a member died, whose
+    death is then why its peers' collectives failed (a reset connection) and what is raised."""
     import ray
 
     try:
         return ray.get(refs)
-    except ray.exceptions.RayError:
+    except ray.exceptions.RayError as first:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PEER_GRACE_S)
+        died = None
         for ref in ready:
-            with contextlib.suppress(ray.exceptions.RayError):
+            try:
                 ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                died = died or error
+            except ray.exceptions.RayError:
+                pass
+        if died is not None and not isinstance(first, ray.exceptions.RayActorError):
+            raise died from None
         raise
 
 

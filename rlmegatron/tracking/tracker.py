@@ -74,6 +74,7 @@ class Tracker:
     def __init__(self, setup: TrackingSetup, params: Mapping[str, Any] | None = None,
                  resolved_yaml: str | None = None, console_stream: TextIO | None = None) -> None:
         self.setup = setup
+        self.started = False
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.backends: list[Backend] = []
         self.backend_named: dict[str, Backend] = {}
@@ -103,7 +104,14 @@ class Tracker:
 
     def start(self, step: int) -> None:
         """Open every backend at `step`, the checkpoint's step the run resumes from (0: a fresh start); what a
-        backend holds from an earlier attempt after that step is superseded by what this run logs."""
+        backend holds from an earlier attempt after that step is superseded by what this run logs. Started again
+        (trainer.max_restarts: the ranks restarted within the run) the backends stay open, the same run: only the
+        history drops what the lost attempt logged after `step`."""
+        if self.started:
+            self.history = {key: kept for key, points in self.history.items()
+                            if (kept := [(s, v) for s, v in points if step > 0 and s <= step])}
+            return
+        self.started = True
         for backend in self.backends:
             backend.start(step)
 

@@ -26,6 +26,12 @@ AGENT_TURNS = "tests/agent/test_trajectories.py::test_max_turns_ends_a_trajector
 AGENT_CALLS = "tests/agent/test_tools.py::test_hermes_reads_every_call_of_a_turn_and_names_what_is_malformed"
 TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead"
 
+# Trainer ranks restarted within the run (trainer.max_restarts).
+RANK_RESTART = ("tests/controller/test_rank_restart.py::"
+                "test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from_its_checkpoint")
+RANK_RESTART_LIMIT = ("tests/controller/test_rank_restart.py::"
+                      "test_a_rank_that_dies_again_past_max_restarts_stops_the_run_with_one_line")
+
 # The fit loop on the pure-Python rig (tests/controller/fit_rig.py).
 FIT = "tests/controller/test_fit_loop_settings.py::"
 SAMPLING = FIT + "test_rollout_sampling_settings_reach_every_request_and_the_batch"
@@ -441,6 +447,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer.log_freq": ("steps between the console's full metric tables (one line on the others)",
                          (CONSOLE, QUIET_RUN)),
     "trainer.max_ckpt_to_keep": ("checkpoints kept", (SCHEDULE, JOB_WIRING)),
+    "trainer.max_restarts": ("a dead trainer rank restarts the ranks from the last checkpoint, that many times",
+                             (RANK_RESTART, RANK_RESTART_LIMIT)),
     "trainer.max_staleness": ("how far async rollouts may run ahead", (ASYNC_BOUND, ASYNC_RUN)),
     "trainer.mode": ("generation overlaps training (one_step_off, async) or not", (ONE_STEP_OFF, ASYNC_RUN,
                                                                                      MODE_ERRORS)),
