@@ -384,6 +384,11 @@ CASES = {
     "model-without-weights": Case(validate("model.random_init=false"),
                                   ("model.path=configs/quickstart/model: has no model.safetensors",
                                    "model.random_init=true")),
+    "model-quantised-in-an-unsupported-format": Case(
+        validating(lambda a: ["model.random_init=false", *model_copy(
+            a, "model.path", "nvfp4", config={"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})]),
+        ("model.path=", "nvfp4/config.json: quantization_config: NVFP4 (quant_method modelopt) weights are not "
+         "supported", "dequantise the checkpoint to bf16 first")),
     "model-family-unsupported": Case(with_model("model.path", "mistral", config={"model_type": "mistral"}),
                                      ("model.path=", "mistral", "not supported")),
     "model-values-unsupported": Case(

@@ -30,8 +30,7 @@ _QUANTISED = re.compile(r"\.(self_attn|mlp)\.(.+\.)?[a-z_]*proj[a-z_]*\.weight$"
 # quantization_config.
 DEFAULT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # Formats other frameworks write that are not read here, named as users know them.
-_KNOWN_FORMATS = {"mxfp4": "MXFP4", "fbgemm_fp8": "per-channel FP8", "fp_quant": "MXFP4/NVFP4",
-                  "gptq": "GPTQ", "awq": "AWQ", "bitsandbytes": "bitsandbytes", "compressed-tensors": "compressed-tensors"}
+_KNOWN_FORMATS = {"mxfp4": "MXFP4", "fbgemm_fp8": "per-channel FP8", "gptq": "GPTQ", "awq": "AWQ"}
 _REFUSAL_FIX = ("only block-wise FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3 and Qwen3-FP8 ship) "
                 "is read; dequantise the checkpoint to bf16 first")
 
@@ -41,10 +40,11 @@ class UnsupportedQuantization(UnsupportedModelError):
 
 
 def _format_name(config: dict) -> str:
-    method = str(config.get("quant_method"))
-    detail = config.get("quant_algo") or config.get("format")  # ModelOpt's (NVFP4, FP8, ...), compressed-tensors'
-    name = _KNOWN_FORMATS.get(method, method)
-    return f"{name} ({detail})" if detail else name
+    """E.g. "MXFP4 (quant_method mxfp4)", "NVFP4 (quant_method modelopt)"."""
+    method = config.get("quant_method")
+    # ModelOpt names its format in quant_algo (NVFP4, FP8, ...), compressed-tensors in format.
+    name = config.get("quant_algo") or config.get("format") or _KNOWN_FORMATS.get(method, method)
+    return f"{name} (quant_method {method})"
 
 
 @dataclass(frozen=True)
