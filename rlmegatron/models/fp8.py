@@ -112,14 +112,21 @@ class BlockFP8:
     def dequantise(self, values: torch.Tensor, scales: torch.Tensor, start: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """float32 values of the [rows, cols] window `values` of an FP8 weight, at `start` in it, given the window's
         scales (`scale_window`): each element times its block's scale, a float32 product as the format defines it.
-        One column block at a time, so the window costs one float32 copy and no scale map of its size."""
+        In place on the float32 copy, a partial column block at either end apart from the whole ones between: no
+        scale map of the window's size, and no per-block strided pass (slow on CPU)."""
         rows, cols = self.block
         out = values.to(torch.float32)
-        row_offset, col_offset = start[0] % rows, start[1] % cols
-        row_scales = scales.to(torch.float32).repeat_interleave(rows, dim=0)[row_offset:row_offset + out.shape[0]]
-        for j in range(row_scales.shape[1]):
-            first, last = max(j * cols - col_offset, 0), min((j + 1) * cols - col_offset, out.shape[1])
-            out[:, first:last] *= row_scales[:, j:j + 1]
+        row_scales = scales.to(torch.float32).repeat_interleave(rows, dim=0)[start[0] % rows:][:out.shape[0]]
+        width = out.shape[1]
+        lead = min(-start[1] % cols, width)  # columns before the window's first block boundary
+        whole = (width - lead) // cols
+        if lead:
+            out[:, :lead] *= row_scales[:, :1]
+        block = 1 if lead else 0
+        if whole:
+            out[:, lead:lead + whole * cols].unflatten(1, (whole, cols)).mul_(row_scales[:, block:block + whole, None])
+        if lead + whole * cols < width:
+            out[:, lead + whole * cols:] *= row_scales[:, block + whole:block + whole + 1]
         return out
 
     # ---- writing -----------------------------------------------------------------------------------------------
@@ -158,13 +165,18 @@ class BlockFP8:
             settled = settled | exact
         return quantised.view(padded.shape)[:rows, :cols].contiguous(), chosen
 
-    def quantised_stream(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantised_stream(self, stream: Iterable[tuple[str, torch.Tensor]], others: Optional[torch.dtype] = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors in this format: each tensor the format quantises as its FP8 weight then its scale, the
-        others in bf16, as DeepSeek-V3 and Qwen3-FP8 hold them."""
+        others as they come, or cast to `others`."""
         for key, value in stream:
             if self.quantises(key):
                 weight, scale = self.quantise(value)
                 yield key, weight
                 yield key + SCALE_SUFFIX, scale
             else:
-                yield key, value.to(torch.bfloat16)
+                yield key, value if others is None else value.to(others)
+
+
+# The format of FP8 rollout (rollout.quantization fp8) and of an FP8 export of a model that was not FP8 before.
+DEFAULT = BlockFP8.from_hf_config({"quantization_config": DEFAULT_CONFIG})

@@ -301,7 +301,7 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
 
     stream = HFWeightExporter(chunks, weight_map).stream()
     if fp8 is not None:
-        stream = fp8.quantised_stream(stream)
+        stream = fp8.quantised_stream(stream, others=torch.bfloat16)  # as DeepSeek-V3 and Qwen3-FP8 hold them
         config = {**config, "quantization_config": fp8.config}
     for key, value in stream:
         if not writer:

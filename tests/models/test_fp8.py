@@ -2,6 +2,8 @@
 TP=2, EP=2 and PP=2, and written back by `mcore-to-hf --fp8` byte for byte."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_a_window_dequantises_to_the_same_values_as_the_whole_weight():
     fp8 = BlockFP8(BLOCK)
     whole = dequantise_block_wise(quantised, scale)
     assert torch.equal(fp8.dequantise(quantised, scale), whole)
-    for start, size in (((33, 50), (44, 70)), ((40, 0), (60, 48)), ((99, 129), (1, 1))):
+    for start, size in (((33, 50), (44, 70)), ((40, 0), (60, 48)), ((5, 10), (95, 120)), ((99, 129), (1, 1))):
         window = tuple(slice(s, s + n) for s, n in zip(start, size))
         assert torch.equal(fp8.dequantise(quantised[window], scale[fp8.scale_window(start, size)], start),
                            whole[window])
@@ -80,3 +82,22 @@ def test_power_of_two_scales_survive_bf16():
 def test_which_tensors_the_format_quantises(key, quantised):
     fp8 = BlockFP8(BLOCK, modules_to_not_convert=("model.layers.1.self_attn.o_proj", "lm_head"))
     assert fp8.quantises(key) == quantised
+
+
+def test_mcore_to_hf_writes_fp8_only_with_the_flag_in_the_sources_format_else_deepseeks(tmp_path):
+    from rlmegatron.convert_cli import build_parser, export_format
+    from rlmegatron.models.convert import ConvertMeta
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG
+
+    assert build_parser().parse_args(["mcore-to-hf", "--mcore-path", "m", "--out", "o", "--fp8"]).fp8
+    source = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head"]}
+    hf = {"model_type": "qwen3", "quantization_config": {"quant_method": "mxfp4"}}  # as --hf-config may hold it
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
+    for quantization, written in ((source, source), (None, DEFAULT_CONFIG)):
+        ConvertMeta({"model_type": "qwen3"}, 256, "fp32", False, 0, quantization).save(tmp_path)
+        config, fp8 = export_format(str(tmp_path), None, fp8=True)
+        assert config == {"model_type": "qwen3"} and fp8.config == written
+        assert export_format(str(tmp_path), None, fp8=False) == ({"model_type": "qwen3"}, None)
+    # Unquantised weights are written with --hf-config's config less its quantization_config.
+    assert export_format(str(tmp_path), str(tmp_path / "hf"), fp8=False) == ({"model_type": "qwen3"}, None)
