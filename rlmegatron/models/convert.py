@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -370,12 +371,36 @@ def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor) -> Optional
 
 
 def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the HF transformers model in `hf_path`, in fp32."""
+    """Logits of the HF transformers model in `hf_path`, in fp32. A block-wise FP8 checkpoint's model holds the
+    weights as HFCheckpoint dequantises them: transformers' own dequantisation on CPU takes the block size to be the
+    weight's shape over the scale grid's, which partial edge blocks make wrong."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    checkpoint = HFCheckpoint(hf_path)
+    with tempfile.TemporaryDirectory(prefix="rlm-dequantised-") as plain:
+        if checkpoint.fp8 is not None:
+            # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.
+            _write_dequantised(checkpoint, plain)
+        checkpoint.close()
+        model = AutoModelForCausalLM.from_pretrained(plain if checkpoint.fp8 else hf_path, dtype=torch.float32)
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def _write_dequantised(checkpoint: HFCheckpoint, out: str) -> None:
+    """`checkpoint` as an unquantised HF checkpoint in `out`, a shard at a time (config.json less its
+    quantization_config)."""
+    from safetensors.torch import save_file
+
+    shards: dict[str, list[str]] = {}
+    for key, file in checkpoint.key_files.items():
+        shards.setdefault(file, []).append(key)
+    for file, keys in shards.items():
+        save_file({key: checkpoint.read(Source(key)) for key in keys}, os.path.join(out, file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict(checkpoint.key_files)}
+    Path(out, "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    Path(out, "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
 
 
 def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Block-wise FP8 HF checkpoints, the format DeepSeek-V3 and Qwen3's FP8 releases ship: what config.json's
 `quantization_config` must say for them to be read, exact dequantisation of a window of a quantised weight, and the
-block-wise quantisation that writes the format back.
+block-wise quantisation that writes the format back (`rlm convert mcore-to-hf --fp8`) and that FP8 rollout's weight
+sync streams (rollout.quantization fp8).
 
 In that format each quantised weight is float8_e4m3fn, beside it a float32 `<name>_scale_inv` with one scale per
 `weight_block_size` block (edge blocks may be partial); the weight's value is fp8 × its block's scale. Embeddings,
@@ -23,11 +24,12 @@ SCALE_SUFFIX = "_scale_inv"
 FP8 = torch.float8_e4m3fn
 FP8_HEADER_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
-# The HF weights that transformers' and SGLang's FP8 loaders quantise: the linear projections of attention and MLPs
-# (experts and shared experts included). The router (mlp.gate), eh_proj and the rest are not `*_proj` under those.
-_QUANTISED = re.compile(r"\.(self_attn|mlp)\.(.+\.)?[a-z_]*proj[a-z_]*\.weight$")
-# What `rlm convert mcore-to-hf --fp8` writes when the model did not come from an FP8 checkpoint: DeepSeek-V3's
-# quantization_config.
+# The HF weights that transformers' and SGLang's FP8 loaders quantise: the linear projections of attention and MLPs,
+# experts and shared experts included (Mixtral's experts are w1/w2/w3 under block_sparse_moe). The routers (gate),
+# eh_proj and the rest are not projections under those modules.
+_QUANTISED = re.compile(r"\.(self_attn|mlp|block_sparse_moe)\.(.+\.)?([a-z_]*proj[a-z_]*|w[123])\.weight$")
+# DeepSeek-V3's quantization_config: FP8 rollout's format, and what `rlm convert mcore-to-hf --fp8` writes when the
+# model did not come from an FP8 checkpoint.
 DEFAULT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 # Formats other frameworks write that are not read here, named as users know them.
 _KNOWN_FORMATS = {"mxfp4": "MXFP4", "fbgemm_fp8": "per-channel FP8", "gptq": "GPTQ", "awq": "AWQ"}

@@ -78,7 +78,8 @@ def test_power_of_two_scales_survive_bf16():
     ("model.layers.1.self_attn.o_proj.weight", False),  # listed in modules_to_not_convert
     ("model.layers.2.mlp.gate.weight", False), ("model.layers.4.eh_proj.weight", False),
     ("model.layers.0.self_attn.q_a_layernorm.weight", False), ("model.embed_tokens.weight", False),
-    ("lm_head.weight", False), ("model.layers.2.mlp.shared_expert_gate.weight", False)])
+    ("lm_head.weight", False), ("model.layers.2.mlp.shared_expert_gate.weight", False),
+    ("model.layers.0.block_sparse_moe.experts.1.w2.weight", True), ("model.layers.0.block_sparse_moe.gate.weight", False)])
 def test_which_tensors_the_format_quantises(key, quantised):
     fp8 = BlockFP8(BLOCK, modules_to_not_convert=("model.layers.1.self_attn.o_proj", "lm_head"))
     assert fp8.quantises(key) == quantised
@@ -101,3 +102,15 @@ def test_mcore_to_hf_writes_fp8_only_with_the_flag_in_the_sources_format_else_de
         assert export_format(str(tmp_path), None, fp8=False) == ({"model_type": "qwen3"}, None)
     # Unquantised weights are written with --hf-config's config less its quantization_config.
     assert export_format(str(tmp_path), str(tmp_path / "hf"), fp8=False) == ({"model_type": "qwen3"}, None)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_the_hf_logits_verify_compares_with_are_those_of_the_dequantised_weights(tmp_path, name):
+    """`rlm convert verify` of an FP8 checkpoint: transformers' model with the dequantised weights (a tied head, and
+    DeepSeek's MTP layers, which transformers does not build, included), not transformers' CPU dequantisation, which
+    misreads partial edge blocks."""
+    from rlmegatron.models.convert import hf_logits, verify_tokens
+
+    fp8_dir, reference_dir = save_fp8_model(name, str(tmp_path), NOT_CONVERTED.get(name, ()))
+    tokens = verify_tokens(200)
+    assert torch.equal(hf_logits(fp8_dir, tokens), hf_logits(reference_dir, tokens))
