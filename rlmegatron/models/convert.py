@@ -72,15 +72,14 @@ class HFCheckpoint:
             raise ConversionError(f"{self.path} is missing safetensors shards named by its index: {absent}")
         for file in sorted(set(self.key_files.values())):
             self._shard(file)
+        self._files = self.key_files  # every tensor, weights and FP8 scales: what _slice reads
+        self.key_files = {key: file for key, file in self._files.items() if not key.endswith(SCALE_SUFFIX)}
         self.scale_keys = self._fp8_scales()
 
     def _fp8_scales(self) -> dict[str, str]:
-        """{FP8 weight: its scale}, the scales taken out of `key_files`; ConversionError names an FP8 weight without
-        its scale, a scale without its weight, or a scale whose shape is not the weight's blocks."""
-        self._files = dict(self.key_files)  # what _slice reads: weights and scales
-        scales = {key.removesuffix(SCALE_SUFFIX): key for key in self.key_files if key.endswith(SCALE_SUFFIX)}
-        for key in scales.values():
-            del self.key_files[key]
+        """{FP8 weight: its scale}; ConversionError names an FP8 weight without its scale, a scale without its
+        weight, or a scale whose shape is not the weight's blocks."""
+        scales = {key.removesuffix(SCALE_SUFFIX): key for key in self._files if key.endswith(SCALE_SUFFIX)}
         quantised = [key for key in self.key_files if self._slice(key).get_dtype() == FP8_HEADER_DTYPE]
         if quantised and self.fp8 is None:
             raise ConversionError(f"{self.path}: {quantised[0]} is float8_e4m3fn but config.json declares no "
@@ -377,12 +376,14 @@ def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     checkpoint = HFCheckpoint(hf_path)
-    with tempfile.TemporaryDirectory(prefix="rlm-dequantised-") as plain:
-        if checkpoint.fp8 is not None:
-            # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.
+    if checkpoint.fp8 is None:
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    else:
+        # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.
+        with tempfile.TemporaryDirectory(prefix="rlm-dequantised-") as plain:
             _write_dequantised(checkpoint, plain)
-        checkpoint.close()
-        model = AutoModelForCausalLM.from_pretrained(plain if checkpoint.fp8 else hf_path, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    checkpoint.close()
     with torch.no_grad():
         return model(tokens).logits.float()
 
