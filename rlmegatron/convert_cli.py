@@ -359,8 +359,14 @@ def preflight(args, layout) -> None:
             WeightMap(facts, stacked_experts=checkpoint.stacked_experts).check_hf_keys(set(checkpoint.key_files))
         except WeightMapError as err:
             raise WeightMapError(f"{checkpoint.path}: {err}") from err
-    if facts.mtp_off_note and os.environ.get("RANK", "0") == "0":
-        print(f"rlm convert {args.direction}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
+    notes = [facts.mtp_off_note]
+    if args.direction == "hf-to-mcore" and checkpoint.fp8 is not None and args.dtype != "fp32":
+        notes.append(f"the FP8 weights are dequantised and rounded to {args.dtype}; --dtype fp32 holds them exactly, "
+                     "so that mcore-to-hf --fp8 writes back the checkpoint's own scales (in bf16 they come back "
+                     "within a rounding of the block's largest value; the FP8 values themselves come back alike)")
+    if os.environ.get("RANK", "0") == "0":
+        for note in filter(None, notes):
+            print(f"rlm convert {args.direction}: {note}", file=sys.stderr, flush=True)
 
 
 def _refuse(direction: str, err: BaseException) -> int:

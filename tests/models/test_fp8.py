@@ -114,3 +114,26 @@ def test_the_hf_logits_verify_compares_with_are_those_of_the_dequantised_weights
     fp8_dir, reference_dir = save_fp8_model(name, str(tmp_path), NOT_CONVERTED.get(name, ()))
     tokens = verify_tokens(200)
     assert torch.equal(hf_logits(fp8_dir, tokens), hf_logits(reference_dir, tokens))
+
+
+def test_converting_fp8_weights_to_bf16_says_that_fp32_keeps_them_exactly(tmp_path, capsys):
+    """The FP8 values survive a bf16 Megatron checkpoint, their scales do not quite: said once, before the ranks."""
+    from rlmegatron.convert_cli import _layout, build_parser, preflight
+
+    fp8_dir, _ = save_fp8_model("llama", str(tmp_path / "llama"))
+    capsys.readouterr()  # what saving the model printed
+
+    def notes(*flags):
+        args = build_parser().parse_args(["hf-to-mcore", "--hf-path", fp8_dir, "--out", str(tmp_path / "o"), *flags])
+        preflight(args, _layout(args))
+        return capsys.readouterr().err.splitlines()
+
+    assert notes("--dtype", "fp32") == []
+    (note,) = notes()
+    assert note.startswith("rlm convert hf-to-mcore: the FP8 weights are dequantised and rounded to bf16; "
+                           "--dtype fp32 holds them exactly")
+    # What the note says, in numbers: a bf16 copy gives back every FP8 byte, and scales a rounding off.
+    quantised, scale = quantise_block_wise(torch.randn(200, 300, generator=torch.Generator().manual_seed(0)))
+    again, again_scale = BlockFP8(BLOCK).quantise(dequantise_block_wise(quantised, scale).to(torch.bfloat16))
+    assert torch.equal(again.view(torch.uint8), quantised.view(torch.uint8))
+    assert not torch.equal(again_scale, scale) and torch.allclose(again_scale, scale, rtol=2**-8)
