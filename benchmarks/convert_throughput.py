@@ -27,8 +27,8 @@ def raw_read_seconds(path: str) -> float:
     return time.perf_counter() - start
 
 
-def import_job(hf_path: str, tp: int) -> dict:
-    """Rank body: time the streaming fill of this rank's shard; report its peak RSS."""
+def import_job(hf_path: str, tp: int, dtype: str = "fp32") -> dict:
+    """Rank body: time the streaming fill of this rank's shard (a `dtype` model); report its peak RSS."""
     from rlmegatron.models.convert import HFCheckpoint, build_chunks, load_hf_weights
     from rlmegatron.models.hf_config import model_facts
     from rlmegatron.models.weight_map import WeightMap
@@ -39,7 +39,7 @@ def import_job(hf_path: str, tp: int) -> dict:
     checkpoint = HFCheckpoint(hf_path)
     facts = model_facts(checkpoint.config, tp)
     init_model_parallel(layout)
-    chunks = build_chunks(facts, layout, "fp32")
+    chunks = build_chunks(facts, layout, dtype)
     shard_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
     start = time.perf_counter()
     load_hf_weights(chunks, WeightMap(facts), checkpoint)

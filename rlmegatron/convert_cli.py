@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--mcore-path", required=True)
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--hf-config", default=None, help="directory whose config.json/tokenizer files to ship")
+    to_hf.add_argument("--fp8", action="store_true",
+                       help="write block-wise FP8 weights (float8_e4m3fn + weight_scale_inv per block), as DeepSeek-V3 "
+                            "ships them: the quantization_config of --hf-config, else of the FP8 checkpoint converted, "
+                            "else 128x128 blocks")
     layout_args(to_hf)  # each rank loads only its shard at this layout; the export stream gathers
     lora = sub.add_parser("lora-to-hf", help="a LoRA run's checkpoint -> a PEFT adapter and/or merged HF weights")
     lora.add_argument("--checkpoint", required=True, help="run_dir/checkpoints/step_N of a run with actor.lora")
@@ -98,7 +102,7 @@ def _job(direction: str, args: dict):
     if direction == "hf-to-mcore":
         return hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
     if direction == "mcore-to-hf":
-        return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns))
+        return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns), ns.fp8)
     if direction == "lora-to-hf":
         return lora_to_hf(ns.checkpoint, ns.adapter_out, ns.merged_out, _layout(ns))
     return verify(ns.hf_path, ns.mcore_path, _layout(ns))
@@ -108,19 +112,34 @@ def _job(direction: str, args: dict):
 def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
     """Rank body of `rlm convert hf-to-mcore`."""
     from rlmegatron.models.convert import import_hf, save_mcore
-
-    _, weight_map, chunks = import_hf(hf_path, layout, dtype)
-    save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path)
-
-
-def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout) -> None:
-    """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
-    from rlmegatron.models.convert import load_mcore
     from rlmegatron.models.hf_config import read_hf_config
 
+    _, weight_map, chunks = import_hf(hf_path, layout, dtype)
+    save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path,
+               quantization_config=read_hf_config(hf_path).get("quantization_config"))
+
+
+def export_format(mcore_path: str, hf_config_dir: str | None, fp8: bool):
+    """(config.json, block-wise FP8 format or None) of `mcore-to-hf`: the config of --hf-config, else the converted
+    model's, with the quantization_config of the weights written (none without --fp8: they are not quantised)."""
+    from rlmegatron.models.convert import ConvertMeta
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG, BlockFP8
+    from rlmegatron.models.hf_config import read_hf_config
+
+    meta = ConvertMeta.load(mcore_path)
+    config = read_hf_config(hf_config_dir) if hf_config_dir else meta.hf_config
+    quantization = config.get("quantization_config") or meta.quantization_config or DEFAULT_CONFIG
+    unquantised = {key: value for key, value in config.items() if key != "quantization_config"}
+    return unquantised, BlockFP8.from_hf_config({"quantization_config": quantization}) if fp8 else None
+
+
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout, fp8: bool = False) -> None:
+    """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
+    from rlmegatron.models.convert import load_mcore
+
     _, weight_map, chunks = load_mcore(mcore_path, layout)
-    config = read_hf_config(hf_config_dir) if hf_config_dir else weight_map.facts.hf
-    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path)
+    config, quantization = export_format(mcore_path, hf_config_dir, fp8)
+    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization)
 
 
 def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None, layout) -> None:
@@ -152,14 +171,15 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
         _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model)
 
 
-def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str) -> None:
-    """The chunks as an HF checkpoint with `tokenizer_dir`'s tokenizer files; collective, rank 0 writes."""
+def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None) -> None:
+    """The chunks as an HF checkpoint (block-wise FP8 with `fp8`) with `tokenizer_dir`'s tokenizer files;
+    collective, rank 0 writes."""
     import torch
 
     from rlmegatron.models.convert import copy_tokenizer
     from rlmegatron.resharding import export_hf
 
-    export_hf(chunks, weight_map, out, config)
+    export_hf(chunks, weight_map, out, config, fp8=fp8)
     if torch.distributed.get_rank() == 0:
         copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
@@ -301,6 +321,11 @@ def preflight(args, layout) -> None:
         meta = ConvertMeta.load(_existing_dir("--mcore-path", args.mcore_path))
     if getattr(args, "hf_config", None):
         read_hf_config(_existing_dir("--hf-config", args.hf_config))
+    if getattr(args, "fp8", False):
+        try:
+            export_format(args.mcore_path, args.hf_config, fp8=True)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"--fp8: {err}") from None
     if args.direction != "verify":
         _check_fresh_out("--out", args.out)
     if args.direction == "hf-to-mcore":
@@ -334,8 +359,14 @@ def preflight(args, layout) -> None:
             WeightMap(facts, stacked_experts=checkpoint.stacked_experts).check_hf_keys(set(checkpoint.key_files))
         except WeightMapError as err:
             raise WeightMapError(f"{checkpoint.path}: {err}") from err
-    if facts.mtp_off_note and os.environ.get("RANK", "0") == "0":
-        print(f"rlm convert {args.direction}: {facts.mtp_off_note}", file=sys.stderr, flush=True)
+    notes = [facts.mtp_off_note]
+    if args.direction == "hf-to-mcore" and checkpoint.fp8 is not None and args.dtype != "fp32":
+        notes.append(f"the FP8 weights are dequantised and rounded to {args.dtype}; --dtype fp32 holds them exactly, "
+                     "so that mcore-to-hf --fp8 writes back the checkpoint's own scales (in bf16 they come back "
+                     "within a rounding of the block's largest value; the FP8 values themselves come back alike)")
+    if os.environ.get("RANK", "0") == "0":
+        for note in filter(None, notes):
+            print(f"rlm convert {args.direction}: {note}", file=sys.stderr, flush=True)
 
 
 def _refuse(direction: str, err: BaseException) -> int:

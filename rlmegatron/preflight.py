@@ -9,6 +9,7 @@ what is not there yet is a note there, and `rlm train` refuses to start without 
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     problem (and a hub id may be downloaded) rather than a note."""
     checks = _Checks(spec, launching)
     checks.model()
+    checks.scoring_models()
     checks.tokenizer()
     checks.data()
     checks.plugins()
@@ -167,6 +169,24 @@ class _Checks:
                 f"note: {arch_field}={arch_path}: config.json sets no eos_token_id, so every response runs to "
                 "data.max_response_length tokens"
             )
+
+    def scoring_models(self) -> None:
+        """The reward model's and a critic's own checkpoints (the spec checks read their config.json) hold weights
+        the loader reads: not quantised in a format other than block-wise FP8."""
+        from rlmegatron.models.fp8 import BlockFP8, UnsupportedQuantization  # lazy: torch, as the model check's
+
+        spec = self.spec
+        paths = {"reward.model.path": spec.reward.model.path,
+                 "critic.init_from": spec.critic.init_from if spec.critic.enable and spec.critic.init_from != "actor"
+                 else None}
+        for field_name, path in paths.items():
+            config = Path(path or "") / "config.json"
+            if path is None or not config.is_file():
+                continue  # none, or the spec checks said so
+            try:
+                BlockFP8.from_hf_config(json.loads(config.read_text()))
+            except UnsupportedQuantization as err:
+                self.problem(field_name, path, f"{config}: {err}")
 
     def tokenizer(self) -> None:
         model = self.spec.model

@@ -149,6 +149,9 @@ def traced(a: Assets) -> str:
                   + "  rollout_trace: {backend: console, prompts_per_step: 4}\n")
 
 
+MXFP4_REWARD_MODEL = {"architectures": ["Qwen3ForSequenceClassification"], "id2label": {"0": "LABEL_0"},
+                      "quantization_config": {"quant_method": "mxfp4"}}
+
 CASES = {
     # ---- the command line itself ------------------------------------------------------------------------------
     "train-without-a-spec": Case(lambda a: ["train"], ("rlm train: which job? Give its spec: rlm train CONFIG",
@@ -384,6 +387,16 @@ CASES = {
     "model-without-weights": Case(validate("model.random_init=false"),
                                   ("model.path=configs/quickstart/model: has no model.safetensors",
                                    "model.random_init=true")),
+    "model-quantised-in-an-unsupported-format": Case(
+        validating(lambda a: ["model.random_init=false", *model_copy(
+            a, "model.path", "nvfp4", config={"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})]),
+        ("model.path=", "nvfp4/config.json: quantization_config: NVFP4 (quant_method modelopt) weights are not "
+         "supported", "dequantise the checkpoint to bf16 first")),
+    "reward-model-quantised-in-an-unsupported-format": Case(
+        validating(lambda a: [f"reward.model.path={a.model('rm_mxfp4', config=MXFP4_REWARD_MODEL)}",
+                              "reward.model.rule_weight=1.0"]),
+        ("reward.model.path=", "rm_mxfp4/config.json: quantization_config: MXFP4 (quant_method mxfp4) weights are "
+         "not supported", "dequantise the checkpoint to bf16 first")),
     "model-family-unsupported": Case(with_model("model.path", "mistral", config={"model_type": "mistral"}),
                                      ("model.path=", "mistral", "not supported")),
     "model-values-unsupported": Case(

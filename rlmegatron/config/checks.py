@@ -375,7 +375,36 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
     elif arch.is_moe and arch.num_experts % ep:
         reason = f"does not divide the {arch.num_experts} experts; use {one_of(_divisors(arch.num_experts))}"
         problems.append(SpecProblem("rollout.expert_parallel_size", ep, reason))
+    if rollout.quantization == "fp8" and rollout.engine == "sglang":
+        problems += _fp8_fusion_problems(arch, tp, ep)
     return problems
+
+
+def _fp8_fusion_problems(arch: ModelArchitecture, tp: int, ep: int) -> list[SpecProblem]:
+    """SGLang fuses projections by stacking their rows (q, k, v; gate, up; DeepSeek's q_a_proj, kv_a_proj_with_mqa)
+    and their block-wise FP8 scales alike, one TP rank's share each: the scales land on their blocks only when each
+    projection but the last is whole blocks of rows per rank."""
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG  # the format FP8 rollout syncs; its module imports torch
+
+    block = DEFAULT_CONFIG["weight_block_size"][0]
+    stacked = {}  # projection -> (rows, the TP ranks that share them)
+    if arch.mla is not None:
+        if arch.mla.q_lora_rank:
+            stacked["q_a_proj"] = (arch.mla.q_lora_rank, 1)  # replicated: SGLang does not split it
+    else:
+        stacked["q_proj"] = (arch.num_attention_heads * arch.head_dim, tp)
+        stacked["k_proj"] = (max(arch.num_key_value_heads, tp) * arch.head_dim, tp)  # KV heads replicated up to TP
+    if arch.intermediate_size and not all(arch.moe_layers or (False,)):
+        stacked["gate_proj"] = (arch.intermediate_size, tp)
+    if arch.is_moe:
+        stacked["experts' gate_proj"] = (arch.moe_intermediate_size, tp // ep)  # SGLang's expert TP is TP / EP
+    if arch.shared_expert_intermediate_size:
+        stacked["shared experts' gate_proj"] = (arch.shared_expert_intermediate_size, tp)
+    return [SpecProblem("rollout.quantization", "fp8",
+                        f"SGLang stacks {name} with the next projection into one weight, and its {block}-row FP8 "
+                        f"scale blocks fit only whole blocks: {name} has {rows // ranks} rows per TP rank "
+                        f"({rows} in all); use rollout.quantization=none or rollout.engine=local")
+            for name, (rows, ranks) in stacked.items() if (rows // ranks) % block]
 
 
 def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:

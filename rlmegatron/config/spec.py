@@ -407,6 +407,12 @@ class RolloutConfig(SamplingParams):
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     update_weights_bucket_mb: PositiveInt = 512
     """Size of the flattened buckets that carry weights from the trainer to the engines."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: every weight sync quantises the linear projections block-wise as they stream (float8_e4m3fn and a
+    weight_scale_inv per 128 x 128 block, DeepSeek-V3's format, SGLang's names), about half the bytes of bf16; the
+    engines sample with those weights (SGLang serves them in FP8, the local engine dequantised), so the rollout's
+    log-probs move further from the trainer's, which algorithm.rollout_correction can correct. Training keeps
+    model.dtype."""
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
     """Sequences per forward pass on each data-parallel rank when the actor recomputes the rollout's log-probs (the
     old log-probs; ignored with actor.use_dynamic_bsz); null follows actor.ppo_micro_batch_size_per_gpu."""

@@ -549,7 +549,7 @@ VERL_KEYS: dict[str, Entry] = {
     "actor_rollout_ref.rollout.skip_rollout": Always((False,), "every step generates",
                                                      "rollouts are never skipped or replayed from disk"),
     "actor_rollout_ref.rollout.quantization": Always((False,), "engines serve model.dtype weights",
-                                                     "quantized rollout is not supported"),
+                                                     "set rollout.quantization=fp8 for block-wise FP8 rollout"),
     "actor_rollout_ref.rollout.layered_summon": NoMeaning("weights stream to the engines bucket by bucket "
                                                           "(rollout.update_weights_bucket_mb)"),
     "actor_rollout_ref.rollout.disable_log_stats": NoMeaning("engine statistics stay in the engines' own logs"),

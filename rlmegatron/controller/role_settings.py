@@ -9,6 +9,7 @@ effect). The driver's fit loop reads the algorithm's fields itself (controller/t
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import JobSpec
 from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
+from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.models.hf_config import spec_config_options
 from rlmegatron.models.lora import LoRASettings
 from rlmegatron.rollout.agent_loop import AgentSettings
@@ -78,6 +80,8 @@ class RolloutSettings:
     pool_size: Optional[int]
     """Disaggregated: the rollout pool's hosts, one per GPU the engines use."""
     bucket_bytes: int
+    quantization: str
+    """`fp8`: the sync quantises the weights block-wise (models.fp8.DEFAULT); `none`: they travel in model.dtype."""
     server: ServerSpec
     """Every server's launch spec; host, port, env and the node fields are each launch's own (`servers.launch_spec`)."""
     router_url: Optional[str]
@@ -93,6 +97,11 @@ class RolloutSettings:
     """Where the adapter of each version is written for the servers to load."""
     partial_rollout: bool = False
     """New weights reach the engines mid-generation (trainer.partial_rollout): pause, swap, continue."""
+
+    @property
+    def weight_format(self):
+        """The block-wise FP8 format the sync pushes in, or None: the weights travel as trained."""
+        return FP8_ROLLOUT if self.quantization == "fp8" else None
 
 
 @dataclass(frozen=True)
@@ -265,6 +274,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         num_gpus=rollout.num_gpus,
         pool_size=rollout.num_gpus or spec.placement.rollout_pool_size,
         bucket_bytes=rollout.update_weights_bucket_mb << 20,
+        quantization=rollout.quantization,
         server=server_spec(rollout, spec.model.path, port=0, trust_remote_code=spec.model.trust_remote_code,
                            dtype=SGLANG_DTYPES[spec.model.dtype], device=spec.placement.device, **local,
                            lora_rank=spec.actor.lora.rank if spec.actor.lora.weight_sync == "adapter" else 0,
@@ -299,11 +309,18 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
                 return_routed_experts: bool = False, **overrides: Any) -> ServerSpec:
     """An SGLang server's launch spec from the `rollout` section; `overrides` set the other ServerSpec fields;
     `lora_rank` > 0 serves LoRA adapters of that rank on every linear; `return_routed_experts`: the server records
-    each token's experts for the requests that ask (routing replay, actor.moe)."""
+    each token's experts for the requests that ask (routing replay, actor.moe); `rollout.quantization` fp8 makes the
+    server hold its linear weights in the block-wise FP8 format the sync pushes (SGLang reads the format from the
+    model's quantization_config, which the override gives it)."""
     sglang = rollout.sglang
-    lora = {"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"} if lora_rank else {}
+    flags: dict[str, Any] = {}
+    if lora_rank:
+        flags.update({"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"})
     if return_routed_experts:
-        lora[RETURN_ROUTED_EXPERTS] = True
+        flags[RETURN_ROUTED_EXPERTS] = True
+    if rollout.quantization == "fp8":
+        flags.update({"quantization": "fp8",
+                      "json-model-override-args": json.dumps({"quantization_config": FP8_ROLLOUT.config})})
     fields = dict(
         python=sglang.python,
         tp_size=rollout.tensor_parallel_size,
@@ -313,6 +330,6 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
         enable_memory_saver=sglang.enable_memory_saver,
         load_format=sglang.load_format,
         skip_tokenizer_init=sglang.skip_tokenizer_init,
-        extra_args={**lora, **sglang.extra_args},
+        extra_args={**flags, **sglang.extra_args},
     )
     return ServerSpec(model_path=model_path, port=port, **{**fields, **overrides})

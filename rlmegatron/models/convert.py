@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -19,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from rlmegatron.errors import UserError
+from rlmegatron.models.fp8 import FP8_HEADER_DTYPE, SCALE_SUFFIX, BlockFP8, UnsupportedQuantization
 from rlmegatron.models.hf_config import (
     ModelFacts,
     UnsupportedModelError,
@@ -43,12 +45,17 @@ class ConversionError(UserError, ValueError):
 class HFCheckpoint:
     """Lazy view of a HF safetensors checkpoint: which file holds each key, and sliced reads of it.
 
-    Every shard's header is read when the view is made, so a truncated or corrupt file is named before any
-    rank builds a model."""
+    Every shard's header is read when the view is made, so a truncated or corrupt file, or an FP8 weight whose
+    scale is missing, is named before any rank builds a model. A block-wise FP8 checkpoint reads as its dequantised
+    weights (models.fp8): `key_files` holds the weights, `scale_keys` each FP8 weight's scale."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config = read_hf_config(self.path)
+        try:
+            self.fp8 = BlockFP8.from_hf_config(self.config)
+        except UnsupportedQuantization as err:
+            raise UnsupportedQuantization(f"{self.path / 'config.json'}: {err}") from None
         self._handles: dict[str, object] = {}
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
@@ -65,6 +72,33 @@ class HFCheckpoint:
             raise ConversionError(f"{self.path} is missing safetensors shards named by its index: {absent}")
         for file in sorted(set(self.key_files.values())):
             self._shard(file)
+        self._files = self.key_files  # every tensor, weights and FP8 scales: what _slice reads
+        self.key_files = {key: file for key, file in self._files.items() if not key.endswith(SCALE_SUFFIX)}
+        self.scale_keys = self._fp8_scales()
+
+    def _fp8_scales(self) -> dict[str, str]:
+        """{FP8 weight: its scale}; ConversionError names an FP8 weight without its scale, a scale without its
+        weight, or a scale whose shape is not the weight's blocks."""
+        scales = {key.removesuffix(SCALE_SUFFIX): key for key in self._files if key.endswith(SCALE_SUFFIX)}
+        quantised = [key for key in self.key_files if self._slice(key).get_dtype() == FP8_HEADER_DTYPE]
+        if quantised and self.fp8 is None:
+            raise ConversionError(f"{self.path}: {quantised[0]} is float8_e4m3fn but config.json declares no "
+                                  "quantization_config, so its scales' format is unknown")
+        for key in quantised:
+            if key not in scales:
+                raise ConversionError(f"{self.path}: FP8 weight {key} has no scale: {key}{SCALE_SUFFIX} is missing")
+            shape, scale_shape = self._slice(key).get_shape(), tuple(self._slice(scales[key]).get_shape())
+            blocks = self.fp8.scale_shape(shape) if len(shape) >= 2 else None
+            if scale_shape != blocks:
+                raise ConversionError(
+                    f"{self.path}: {scales[key]} has shape {list(scale_shape)}, not the "
+                    f"{list(blocks or [])} blocks of {list(self.fp8.block)} that {key} {shape} has: "
+                    "per-tensor or per-channel FP8 scales are not supported, only block-wise ones")
+        orphans = sorted(scales.keys() - set(quantised))
+        if orphans:
+            raise ConversionError(f"{self.path}: {scales[orphans[0]]} scales {orphans[0]}, which is not a "
+                                  "float8_e4m3fn tensor of the checkpoint")
+        return {key: scales[key] for key in quantised}
 
     def _shard(self, file: str):
         """The open shard `file`; safetensors checks its header and that the file holds every tensor it lists."""
@@ -86,7 +120,7 @@ class HFCheckpoint:
         return any(key.endswith("experts.gate_up_proj") for key in self.key_files)
 
     def _slice(self, key: str):
-        return self._shard(self.key_files[key]).get_slice(key)
+        return self._shard(self._files[key]).get_slice(key)
 
     def read(self, source: Source, dim: Optional[int] = None, rank: int = 0, size: int = 1,
              padded_rows: Optional[int] = None) -> torch.Tensor:
@@ -106,7 +140,13 @@ class HFCheckpoint:
             chunk = extent // size
             start, stop = rank * chunk, (rank + 1) * chunk
             index[dim] = slice(base + min(start, rows), base + min(stop, rows)) if dim == 0 else slice(start, stop)
-        return tensor[lead + tuple(index)]
+        values = tensor[lead + tuple(index)]
+        if source.key not in self.scale_keys:
+            return values
+        # The window of the weight this read covers, and the scale blocks over it, dequantised one read at a time.
+        start = tuple(0 if i.start is None else i.start for i in index[-2:])
+        rows, cols = self.fp8.scale_window(start, values.shape[-2:])
+        return self.fp8.dequantise(values, self._slice(self.scale_keys[source.key])[lead + (rows, cols)], start)
 
     def shape(self, source: Source) -> tuple[int, ...]:
         """Shape of what `source` names, from the safetensors header alone."""
@@ -128,6 +168,7 @@ class ConvertMeta:
     dtype: str
     stacked_experts: bool
     num_mtp_layers: Optional[int] = None  # None (files written before it was recorded): as config.json declares
+    quantization_config: Optional[dict] = None  # a block-wise FP8 source's, which `mcore-to-hf --fp8` writes back
 
     def save(self, directory: str | Path) -> None:
         Path(directory, META_FILE).write_text(json.dumps(self.__dict__, indent=1))
@@ -242,8 +283,10 @@ def import_hf(hf_path: str, layout: ParallelLayout, dtype: str = "fp32"):
     return facts, weight_map, chunks
 
 
-def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_dir: Optional[str] = None) -> None:
-    """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them."""
+def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_dir: Optional[str] = None,
+               quantization_config: Optional[dict] = None) -> None:
+    """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them; an FP8 source's
+    `quantization_config` is kept in it."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(out, exist_ok=True)
@@ -251,7 +294,8 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
     dist_checkpointing.save(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
         facts = weight_map.facts
-        meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers)
+        meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers,
+                           quantization_config)
         meta.save(out)
         if tokenizer_dir:
             copy_tokenizer(tokenizer_dir, out)
@@ -326,12 +370,38 @@ def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor) -> Optional
 
 
 def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of the HF transformers model in `hf_path`, in fp32."""
+    """Logits of the HF transformers model in `hf_path`, in fp32. A block-wise FP8 checkpoint's model holds the
+    weights as HFCheckpoint dequantises them: transformers' own dequantisation on CPU takes the block size to be the
+    weight's shape over the scale grid's, which partial edge blocks make wrong."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    checkpoint = HFCheckpoint(hf_path)
+    if checkpoint.fp8 is None:
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    else:
+        # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.
+        with tempfile.TemporaryDirectory(prefix="rlm-dequantised-") as plain:
+            _write_dequantised(checkpoint, plain)
+            model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    checkpoint.close()
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def _write_dequantised(checkpoint: HFCheckpoint, out: str) -> None:
+    """`checkpoint` as an unquantised HF checkpoint in `out`, a shard at a time (config.json less its
+    quantization_config)."""
+    from safetensors.torch import save_file
+
+    shards: dict[str, list[str]] = {}
+    for key, file in checkpoint.key_files.items():
+        shards.setdefault(file, []).append(key)
+    for file, keys in shards.items():
+        save_file({key: checkpoint.read(Source(key)) for key in keys}, os.path.join(out, file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict(checkpoint.key_files)}
+    Path(out, "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    Path(out, "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
 
 
 def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:

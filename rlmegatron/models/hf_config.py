@@ -33,7 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class ModelFacts:
     """What GPTModel needs beyond TransformerConfig, and what the weight map needs to know."""
 
-    hf: dict  # the (text) config.json as read
+    hf: dict  # the (text) config.json as read, less a quantization_config: Megatron holds dequantised weights
     family: Family
     arch: ModelArchitecture
     padded_vocab_size: int
@@ -110,7 +110,8 @@ def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layer
     if mtp_layers is None:
         mtp_layers = arch.num_mtp_layers if keys is None else mtp_layers_in(arch, keys)
     return ModelFacts(
-        hf=hf,
+        # What the model exports describes its weights as Megatron holds them; an FP8 export adds its own.
+        hf={key: value for key, value in hf.items() if key != "quantization_config"},
         family=family,
         arch=arch,
         padded_vocab_size=padded,

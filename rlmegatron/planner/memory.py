@@ -86,7 +86,7 @@ class EngineMemory:
 class WeightSync:
     """What one refit moves: each engine GPU receives its shard of the policy's weights."""
 
-    total_bytes: float  # the whole policy in the rollout dtype
+    total_bytes: float  # the whole policy as the engines hold it (rollout_weight_bytes)
     bytes_per_engine_gpu: float
     link_gbps: float
     seconds: float
@@ -280,11 +280,26 @@ def resident_model_state(memory: TrainingMemory, offload: OffloadConfig) -> floa
     return kept
 
 
+def rollout_weight_bytes(spec: JobSpec, params: ParameterCount) -> float:
+    """The policy's bytes as the engines hold it and the sync moves it: in model.dtype, or with
+    rollout.quantization fp8 its projections in FP8 (a byte each, and a float32 scale per 128 x 128 block) and the
+    rest (embeddings, head, norms) in model.dtype. The layers' biases, q/k norms and routers count as projections:
+    a few MB."""
+    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
+    if spec.rollout.quantization == "none":
+        return params.total * weight_bytes
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG  # the format FP8 rollout syncs; its module imports torch
+
+    rows, cols = DEFAULT_CONFIG["weight_block_size"]
+    projections = sum(layer.attention + layer.mlp + layer.routed_experts for layer in params.layers)
+    return projections * (1 + 4 / (rows * cols)) + (params.total - projections) * weight_bytes
+
+
 def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, gpu_bytes: float) -> EngineMemory:
     tp = spec.rollout.tensor_parallel_size
-    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
+    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]  # the KV cache's
     # SGLang splits dense matrices over TP and experts over EP × MoE-TP = TP, so weights divide by TP.
-    weights = params.total * weight_bytes / tp
+    weights = rollout_weight_bytes(spec, params) / tp
     static = spec.rollout.mem_fraction_static * gpu_bytes
     if arch.mla is not None:
         # MLA caches one compressed latent plus the rope key per token, replicated on every TP rank.
@@ -303,7 +318,7 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
 
 
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
-    total = params.total * _WEIGHT_BYTES[spec.model.dtype]
+    total = rollout_weight_bytes(spec, params)
     per_gpu = total / spec.rollout.tensor_parallel_size
     return WeightSync(
         total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9)

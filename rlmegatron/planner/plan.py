@@ -263,8 +263,9 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     if buffer.routing_bytes_per_rollout:
         lines.append(f"routing ids (actor.moe): {_gb(buffer.routing_bytes_per_rollout)} per rollout, in the batch "
                      f"every trainer rank receives each step")
+    fp8 = " (projections in FP8: rollout.quantization)" if spec.rollout.quantization == "fp8" else ""
     lines += [
-        f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}, "
+        f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}{fp8}, "
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "
         f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)",
         f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "

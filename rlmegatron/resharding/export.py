@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rlmegatron.models.fp8 import BlockFP8
 from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
@@ -274,8 +275,10 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
     torch.distributed.barrier()
 
 
-def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the model, at any layout, as HF safetensors shards, their index and config.json.
+def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30,
+              fp8: Optional[BlockFP8] = None) -> None:
+    """Write the model, at any layout, as HF safetensors shards, their index and config.json; with `fp8`, in that
+    block-wise FP8 format, each weight quantised as it streams (config.json gets its quantization_config).
 
     Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
     it is full, so it holds at most one shard beyond its own weights.
@@ -296,7 +299,11 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
             shard_keys.append(sorted(shard))
             shard.clear()
 
-    for key, value in HFWeightExporter(chunks, weight_map).stream():
+    stream = HFWeightExporter(chunks, weight_map).stream()
+    if fp8 is not None:
+        stream = fp8.quantised_stream(stream, others=torch.bfloat16)  # as DeepSeek-V3 and Qwen3-FP8 hold them
+        config = {**config, "quantization_config": fp8.config}
+    for key, value in stream:
         if not writer:
             continue
         if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > max_shard_bytes:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rlmegatron.errors import Divergence
+from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
     MEMORY_TAGS,
@@ -185,9 +186,13 @@ class LocalEngine(RolloutEngine):
         eos_token_ids: Sequence[int] = (),
         max_batch_size: int = 64,
         seed: int = 0,
+        weight_format: BlockFP8 | None = None,
     ) -> None:
-        """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang."""
+        """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang.
+        `weight_format`: the block-wise FP8 format weight updates come in (rollout.quantization fp8), each quantised
+        weight with its scale; the engine samples with them dequantised, the values SGLang's FP8 weights hold."""
         self.model = model.eval()
+        self.weight_format = weight_format
         self.pad_token_id = pad_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -367,21 +372,42 @@ class LocalEngine(RolloutEngine):
         """Copy HF checkpoint-named tensors into the model in place; an unknown name or shape is an error."""
         self._check_usable()
         targets = checkpoint_named_weights(self.model)  # per call: release/resume may move the storage
+        halves: dict[str, torch.Tensor] = {}  # FP8 weights and scales whose partner has not arrived yet
         for item in named_tensors:
             pairs = item.named_tensors() if isinstance(item, FlattenedBucket) else [item]
-            destinations = []
+            destinations, sources = [], []
             for name, tensor in pairs:
+                if self.weight_format is not None and (tensor.dtype == FP8 or name.endswith(SCALE_SUFFIX)):
+                    name, tensor = self._dequantised(name, tensor, halves)
+                    if tensor is None:
+                        continue
                 target = targets.get(name)
                 if target is None:
                     raise KeyError(f"weight the model does not have: {name}")
                 if target.shape != tensor.shape:
                     raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
                 destinations.append(target)
+                sources.append(tensor)
             # A bucket's tensors in one multi-tensor copy: one copy_ per tensor cost about 20 us each on an H100,
             # 6x the bytes' own time for a 512 MB bucket of a 0.5 B model.
             if destinations:
-                torch._foreach_copy_(destinations, [tensor for _, tensor in pairs])
+                torch._foreach_copy_(destinations, sources)
+        if halves:
+            raise ValueError(f"FP8 weight update without the partner of {sorted(halves)[:5]}: each quantised weight "
+                             f"comes with its {SCALE_SUFFIX}")
         self.weight_version = version
+
+    def _dequantised(self, name: str, tensor: torch.Tensor, halves: dict[str, torch.Tensor]
+                     ) -> tuple[str, torch.Tensor | None]:
+        """(weight name, dequantised weight) once both halves of a quantised weight arrived, else (name, None)."""
+        weight_name = name.removesuffix(SCALE_SUFFIX)
+        partner = weight_name if name.endswith(SCALE_SUFFIX) else weight_name + SCALE_SUFFIX
+        if partner not in halves:
+            halves[name] = tensor.clone()  # a bucket's buffer is refilled before the next bucket arrives
+            return name, None
+        other = halves.pop(partner)
+        weight, scale = (other, tensor) if name.endswith(SCALE_SUFFIX) else (tensor, other)
+        return weight_name, self.weight_format.dequantise(weight, scale)
 
     def _unique_state(self) -> dict[str, torch.Tensor]:
         """The state dict with each tensor once: tied embeddings appear under two names, and moving the second would

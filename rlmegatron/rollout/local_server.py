@@ -26,9 +26,10 @@ from typing import Any, Callable
 import torch
 
 from rlmegatron.errors import Divergence
+from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
-from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout, init_custom_process_group
+from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout, init_custom_process_group, on_the_wire
 from rlmegatron.rollout.sglang_server import RETURN_ROUTED_EXPERTS
 
 PROTOCOL_VERSION = "0.5.20"
@@ -124,7 +125,7 @@ class LocalServer:
         return {"output_ids": list(result.output_token_ids), "meta_info": meta}
 
     def init_weights_update_group(self, body: dict) -> dict:
-        self.groups[body["group_name"]] = init_custom_process_group(
+        self.groups[body["group_name"]] = body["backend"], init_custom_process_group(
             body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
             body["rank_offset"], body["group_name"])
         return {"success": True, "message": ""}
@@ -132,11 +133,11 @@ class LocalServer:
     def update_weights_from_distributed(self, body: dict) -> dict:
         """One bucket of a push; the push ends with /flush_cache, which lets generation go on."""
         self.scheduler.hold("update")
-        group = self.groups[body["group_name"]]
+        backend, group = self.groups[body["group_name"]]
         tensors = []
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.engine.device)
-            torch.distributed.broadcast(tensor, group_src=0, group=group)
+            torch.distributed.broadcast(on_the_wire(tensor, backend), group_src=0, group=group)
             tensors.append((name, tensor))
         self.engine.update_weights(tensors, body["weight_version"])
         return {"success": True, "message": ""}
@@ -212,7 +213,9 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 256  # an engine sends up to 64 requests at once; socketserver's 5 drops connections
 
 
-def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool) -> LocalEngine:
+def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool, quantization: str | None = None
+                 ) -> LocalEngine:
+    """`quantization` fp8 (SGLang's --quantization, rollout.quantization): weight updates come block-wise FP8."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -220,7 +223,8 @@ def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bo
                                              trust_remote_code=trust_remote_code).to(device)
     eos = config.eos_token_id
     return LocalEngine(model, pad_token_id=config.pad_token_id or 0,
-                       eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                       eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+                       weight_format=FP8_ROLLOUT if quantization == "fp8" else None)
 
 
 def main() -> None:
@@ -231,10 +235,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cuda")  # SGLang's default: the launch command names only cpu
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--quantization", default=None)
     parser.add_argument(f"--{RETURN_ROUTED_EXPERTS}", dest="return_routed_experts", action="store_true")
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
-    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code)
+    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization)
     httpd = Server((args.host, args.port), handler_for(LocalServer(engine, args.return_routed_experts)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()

@@ -33,6 +33,7 @@ from rlmegatron.rollout.engine import (
 from rlmegatron.rollout.sglang_protocol import (
     RoutedExpertsLayout,
     init_custom_process_group,
+    on_the_wire,
     serialize_flattened_bucket,
 )
 from rlmegatron.rollout.sglang_server import ServerSpec, launch_node
@@ -687,8 +688,8 @@ class DistributedWeightPush:
                 ))
                 # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
                 # fails the push with its answer instead of leaving this rank in a broadcast for ever.
-                sent = [torch.distributed.broadcast(tensor, group_src=0, group=process_group, async_op=True)
-                        for _, tensor in pairs]
+                sent = [torch.distributed.broadcast(on_the_wire(tensor, group.backend), group_src=0,
+                                                    group=process_group, async_op=True) for _, tensor in pairs]
                 try:
                     announce.result()
                 except ServerUnavailable:

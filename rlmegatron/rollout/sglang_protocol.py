@@ -124,6 +124,12 @@ def init_custom_process_group(
     return group
 
 
+def on_the_wire(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+    """What a weight-update broadcast carries of `tensor`: gloo has no float8 types, so over gloo an FP8 weight
+    (rollout.quantization fp8) travels as its bytes, viewed back on arrival by the same view; NCCL carries it as is."""
+    return tensor.view(torch.uint8) if backend == "gloo" and tensor.dtype == torch.float8_e4m3fn else tensor
+
+
 @dataclass(frozen=True)
 class RoutedExpertsLayout:
     """SGLang's `meta_info.routed_experts` (`--enable-return-routed-experts`, request field `return_routed_experts`):

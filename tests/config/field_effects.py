@@ -414,6 +414,17 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.multi_turn.tools": ("the tools, and multi-turn rollouts at all", (AGENT_SETTINGS, AGENT_TOKENS)),
     "rollout.n": ("samples per prompt", (SAMPLING, RAY_LOOP)),
     "rollout.num_gpus": ("GPUs the engines use", (ENGINE_POOL,)),
+    "rollout.quantization": ("fp8: the weight sync quantises the projections block-wise; the engines sample with "
+                             "those weights (SGLang launched to hold them in FP8, the local engine dequantised); "
+                             "rlm plan counts them",
+                             (ROLES + "test_rollout_quantization_fp8_has_the_engine_sample_with_the_actors_weights_"
+                              "quantised_block_wise",
+                              "tests/rollout/test_local.py::test_fp8_weight_updates_are_held_quantised_then_dequantised",
+                              "tests/rollout/test_sglang.py::test_fp8_rollout_launches_servers_that_hold_block_wise_fp8_"
+                              "weights",
+                              "tests/planner/test_memory.py::test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_"
+                              "and_a_scale_per_block",
+                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),
     "rollout.seed": ("sampling seeds of rollout and validation (SGLang: with deterministic inference only)",
                      (SAMPLING, VALIDATION, NEVER_TRAINS)),
     "rollout.sglang.enable_memory_saver": ("SGLang memory saver", (LAUNCH, LAUNCH_OFF)),

@@ -335,6 +335,22 @@ CASES = [
         id="rollout-ep-on-dense-model",
     ),
     pytest.param(
+        {**QWEN25, "rollout.engine": "sglang", "rollout.quantization": "fp8", "rollout.tensor_parallel_size": 2},
+        "tiny-qwen3",
+        "job.yaml: rollout.quantization=fp8: SGLang stacks q_proj with the next projection into one weight, and its "
+        "128-row FP8 scale blocks fit only whole blocks: q_proj has 448 rows per TP rank (896 in all); use "
+        "rollout.quantization=none or rollout.engine=local",
+        id="fp8-rollout-needs-whole-blocks-where-sglang-fuses",
+    ),
+    pytest.param(
+        {"rollout.engine": "sglang", "rollout.quantization": "fp8"},
+        "tiny-qwen3-moe",
+        "job.yaml: rollout.quantization=fp8: SGLang stacks experts' gate_proj with the next projection into one weight, "
+        "and its 128-row FP8 scale blocks fit only whole blocks: experts' gate_proj has 32 rows per TP rank (32 in all); "
+        "use rollout.quantization=none or rollout.engine=local",
+        id="fp8-rollout-needs-whole-expert-blocks",
+    ),
+    pytest.param(
         {"placement.mode": "disaggregate", "placement.rollout_gpus_per_node": 8},
         "tiny-qwen3",
         "job.yaml: placement.rollout_nnodes: is required when placement.mode=disaggregate, where the engines have "
@@ -713,8 +729,13 @@ def test_group_estimators_are_exactly_those_that_take_group_index():
             "tiny-qwen3",
         ),
         ({"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 256}, "tiny-qwen3"),
+        # SGLang's FP8 fusions fit DeepSeek-V3's sizes at TP 8 with EP 8; the local engine fuses nothing.
+        ({**DEEPSEEK, "rollout.engine": "sglang", "rollout.quantization": "fp8", "rollout.tensor_parallel_size": 8,
+          "rollout.expert_parallel_size": 8}, "tiny-qwen3"),
+        ({"rollout.quantization": "fp8"}, "tiny-qwen3"),
     ],
-    ids=["kv-head-replication", "moe-tp-sp-ep-pp-vpp", "deepseek-uneven-pp", "dynamic-bsz-token-budget"],
+    ids=["kv-head-replication", "moe-tp-sp-ep-pp-vpp", "deepseek-uneven-pp", "dynamic-bsz-token-budget",
+         "fp8-rollout-deepseek-v3", "fp8-rollout-local-engine"],
 )
 def test_valid_layouts_pass(settings, model):
     assert problems_with(settings, model) == []

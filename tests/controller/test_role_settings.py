@@ -247,10 +247,32 @@ def _rank_job(workdir: str) -> dict:
     rank.shutdown()
 
     other = PolicyRank(load_spec("configs/quickstart.yaml", [
-        "placement.gpus_per_node=1", "model.dtype=bf16", "trainer.seed=8", f"trainer.run_dir={workdir}/other"]), 1)
+        "placement.gpus_per_node=1", "model.dtype=bf16", "trainer.seed=8", "rollout.quantization=fp8",
+        f"trainer.run_dir={workdir}/other"]), 1)
     report["weights_at_seed_8"] = _first_weights(other)
+    report["fp8_engine"] = _engine_vs_fp8_actor(other)
     other.shutdown()
     return report
+
+
+def _engine_vs_fp8_actor(rank) -> dict:
+    """The engine's weights against the actor's quantised block-wise then dequantised (the projections) or as they
+    are (the rest)."""
+    import torch
+
+    from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
+    from rlmegatron.resharding import HFWeightExporter
+    from rlmegatron.rollout.local import checkpoint_named_weights
+
+    served = checkpoint_named_weights(rank.engine.leader.model)
+    with rank.models.phase("actor"):
+        actor = {name: tensor.clone() for name, tensor in
+                 HFWeightExporter(rank.models.actor.chunks, rank.models.weight_map).stream()}
+    quantised = [name for name in actor if FP8_ROLLOUT.quantises(name)]
+    expected = {name: FP8_ROLLOUT.dequantise(*FP8_ROLLOUT.quantise(tensor)).to(tensor.dtype) if name in quantised
+                else tensor for name, tensor in actor.items()}
+    return {"quantised": len(quantised), "differ": sorted(n for n in actor if not torch.equal(served[n], expected[n])),
+            "unchanged_by_fp8": sorted(n for n in quantised if torch.equal(served[n], actor[n]))}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +303,11 @@ def test_a_rank_built_from_the_spec_batches_its_updates_as_the_spec_says(rank_re
     calls = rank_report["critic_micro_batches"]
     assert len(calls) == 8 and all(tokens <= 12 for call in calls for _, tokens in call)
     assert any(len(call) == 2 for call in calls), "no mini-batch needed a second micro-batch at 12 tokens"
+
+
+def test_rollout_quantization_fp8_has_the_engine_sample_with_the_actors_weights_quantised_block_wise(rank_report):
+    fp8 = rank_report["fp8_engine"]
+    assert fp8["quantised"] > 0 and fp8["differ"] == [] and fp8["unchanged_by_fp8"] == [], fp8
 
 
 def test_a_rank_built_from_the_spec_has_its_dtype_seed_and_critic_init(rank_report):

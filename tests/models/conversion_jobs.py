@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import torch
@@ -137,4 +138,34 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
             if torch.distributed.get_rank() == 0:
                 entry["reloaded_exported"] = _differences(original, reloaded_out)
             report[label] = entry
+    return report
+
+
+def fp8_job(cases: dict[str, L], workdir: str) -> dict:
+    """Per case (a save_fp8_model directory under `workdir`, and a layout): the Megatron weights read from the FP8
+    checkpoint that differ from those read from its dequantised reference; then `rlm convert hf-to-mcore` (fp32) and
+    `mcore-to-hf --fp8` at that layout, and the HF tensors whose bytes differ from the FP8 checkpoint's."""
+    from rlmegatron.convert_cli import hf_to_mcore, mcore_to_hf
+    from rlmegatron.models.convert import import_hf
+
+    report = {}
+    for name, layout in cases.items():
+        fp8_dir, reference_dir = (os.path.join(workdir, name, kind) for kind in ("fp8", "reference"))
+        _, _, chunks = import_hf(fp8_dir, layout)
+        _, _, reference = import_hf(reference_dir, layout)
+        read = [dict(chunk.named_parameters()) for chunk in chunks]
+        expected = [dict(chunk.named_parameters()) for chunk in reference]
+        entry = {"differ": sorted(n for got, want in zip(read, expected) for n in want if not torch.equal(got[n], want[n])),
+                 "weights": sum(len(want) for want in expected)}
+        mcore_dir, out = os.path.join(workdir, name, "mcore"), os.path.join(workdir, name, "fp8-again")
+        hf_to_mcore(fp8_dir, mcore_dir, layout, "fp32")
+        mcore_to_hf(mcore_dir, out, None, layout, fp8=True)
+        if torch.distributed.get_rank() == 0:
+            original, again = _read_safetensors(fp8_dir), _read_safetensors(out)
+            entry["key_mismatch"] = sorted(set(original) ^ set(again))
+            entry["not_bitwise"] = sorted(k for k in original.keys() & again.keys() if original[k].dtype != again[k].dtype
+                                          or not torch.equal(original[k].view(torch.uint8), again[k].view(torch.uint8)))
+            configs = [json.loads(open(os.path.join(d, "config.json")).read()) for d in (fp8_dir, out)]
+            entry["quantization_config"] = [c["quantization_config"] for c in configs]
+        report[name] = entry
     return report

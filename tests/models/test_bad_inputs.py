@@ -16,6 +16,7 @@ from rlmegatron.models.convert import ConversionError, HFCheckpoint
 from rlmegatron.models.hf_config import UnsupportedModelError, model_facts, read_hf_config, transformer_config
 from rlmegatron.models.weight_map import WeightMap, WeightMapError
 from rlmegatron.runtime import ParallelLayout
+from tests.models.fp8_checkpoints import save_fp8_model
 from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS, save_tiny_model
 
 
@@ -87,6 +88,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_inputs")
     for name in ("llama", "deepseek_v3", "deepseek_v3_no_mtp"):
         save_tiny_model(name, str(root / name))
+    shutil.copytree(save_fp8_model("llama", str(root / "llama_fp8_parts"))[0], root / "llama_fp8")
     (root / "mcore").mkdir()
     ConvertMeta(read_hf_config(root / "llama"), 256, "fp32", False, 0).save(root / "mcore")
     return root
@@ -100,15 +102,17 @@ def _to_hf(mcore, out, *flags):
     return ["mcore-to-hf", "--mcore-path", str(mcore), "--out", str(out), *flags]
 
 
-def _broken(models, tmp_path, config=None, drop_tensor=None, shard=None):
-    """A copy of the Llama with config.json fields replaced, a tensor dropped, or its shard's bytes -> shard(bytes)."""
+def _broken(models, tmp_path, config=None, drop_tensor=None, shard=None, source="llama", replace=None):
+    """A copy of the Llama (or `source`) with config.json fields replaced, a tensor dropped or replaced (`replace`:
+    {key: tensor}), or its shard's bytes -> shard(bytes)."""
     target = tmp_path / "broken"
-    shutil.copytree(models / "llama", target)
+    shutil.copytree(models / source, target)
     if config is not None:
         (target / "config.json").write_text(json.dumps({**read_hf_config(target), **config}))
-    if drop_tensor is not None:
+    if drop_tensor is not None or replace is not None:
         tensors = load_file(target / "model.safetensors")
-        save_file({k: v for k, v in tensors.items() if k != drop_tensor}, target / "model.safetensors")
+        tensors = {k: v for k, v in tensors.items() if k != drop_tensor} | (replace or {})
+        save_file(tensors, target / "model.safetensors")
     if shard is not None:
         (target / "model.safetensors").write_bytes(shard((target / "model.safetensors").read_bytes()))
     return target
@@ -152,6 +156,12 @@ def _lora(checkpoint, t, *flags):
     return ["lora-to-hf", "--checkpoint", str(checkpoint), *(flags or ("--merged-out", str(t / "o")))]
 
 
+def _quantised(method: str, **fields) -> dict:
+    return {"quantization_config": {"quant_method": method, **fields}}
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+NOT_READ = "weights are not supported: only block-wise FP8 (quant_method fp8 with weight_block_size"
 LLAMA3_ROPE_WITHOUT_LOW = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
 # id -> (argv from (models dir m, test's tmp dir t), what the one line must say; {m} and {t} are those dirs)
 CONVERT_CASES = {
@@ -176,6 +186,27 @@ CONVERT_CASES = {
                       "{t}/broken/model.safetensors: truncated or corrupt safetensors file"),
     "index-names-a-lost-shard": (lambda m, t: _to_mcore(_index_naming_a_lost_shard(m, t), t / "o"),
                                  "missing safetensors shards named by its index: ['model-00002-of-00002.safetensors']"),
+    "quantised-mxfp4": (lambda m, t: _to_mcore(_broken(m, t, config=_quantised("mxfp4")), t / "o"),
+                        "{t}/broken/config.json: quantization_config: MXFP4 (quant_method mxfp4) " + NOT_READ),
+    "quantised-nvfp4": (lambda m, t: _to_mcore(_broken(m, t, config=_quantised("modelopt", quant_algo="NVFP4")),
+                                               t / "o"),
+                        "{t}/broken/config.json: quantization_config: NVFP4 (quant_method modelopt) " + NOT_READ),
+    "quantised-per-channel-fp8": (lambda m, t: _to_mcore(_broken(m, t, config=_quantised("fbgemm_fp8")), t / "o"),
+                                  "quantization_config: per-channel FP8 (quant_method fbgemm_fp8) " + NOT_READ),
+    "quantised-per-tensor-fp8": (lambda m, t: _to_mcore(_broken(m, t, config=_quantised("fp8")), t / "o"),
+                                 "{t}/broken/config.json: quantization_config: per-tensor FP8 scales (quant_method fp8 "
+                                 "without weight_block_size) are not supported"),
+    "fp8-scale-missing": (lambda m, t: _to_mcore(_broken(m, t, source="llama_fp8", drop_tensor=Q_PROJ + "_scale_inv"),
+                                                 t / "o"),
+                          f"{{t}}/broken: FP8 weight {Q_PROJ} has no scale: {Q_PROJ}_scale_inv is missing"),
+    "fp8-scale-per-channel": (
+        lambda m, t: _to_mcore(_broken(m, t, source="llama_fp8", replace={Q_PROJ + "_scale_inv": torch.ones(64, 1)}),
+                               t / "o"),
+        f"{{t}}/broken: {Q_PROJ}_scale_inv has shape [64, 1], not the [2, 2] blocks of [40, 48] that {Q_PROJ} "
+        "[64, 64] has: per-tensor or per-channel FP8 scales are not supported"),
+    "fp8-without-quantization-config": (
+        lambda m, t: _to_mcore(_broken(m, t, source="llama_fp8", config={"quantization_config": None}), t / "o"),
+        "is float8_e4m3fn but config.json declares no quantization_config"),
     "tensor-missing": (lambda m, t: _to_mcore(_broken(m, t, drop_tensor="model.norm.weight"), t / "o"),
                        "{t}/broken: 1 HF tensors the llama map needs are absent: ['model.norm.weight']"),
     "out-not-empty": (lambda m, t: _to_mcore(m / "llama", m / "deepseek_v3"),
@@ -203,6 +234,9 @@ CONVERT_CASES = {
                           "--tp=3: does not divide the model's 4 attention heads"),
     "hf-config-missing": (lambda m, t: _to_hf(m / "mcore", t / "o", "--hf-config", str(t / "nope")),
                           "--hf-config={t}/nope: no such directory"),
+    "fp8-export-in-an-unsupported-format": (
+        lambda m, t: _to_hf(m / "mcore", t / "o", "--fp8", "--hf-config", str(_broken(m, t, config=_quantised("mxfp4")))),
+        "--fp8: quantization_config: MXFP4 (quant_method mxfp4) " + NOT_READ),
     "lora-checkpoint-missing": (lambda m, t: _lora(t / "nope", t), "--checkpoint={t}/nope: no such directory"),
     "lora-nothing-to-write": (lambda m, t: _lora(_run_checkpoint(t, m / "llama"), t, "--tp", "1"),
                               "nothing to write: name --adapter-out (a PEFT adapter), --merged-out"),

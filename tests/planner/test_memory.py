@@ -262,3 +262,20 @@ def test_the_buffer_counts_the_rollouts_routing_ids_when_the_actor_replays_or_me
     assert memory.bytes_per_rollout - memory.routing_bytes_per_rollout == \
         rollout_buffer_memory(plain, arch).bytes_per_rollout
     assert "routing ids (actor.moe): " in render_plan(spec, _plan(spec))
+
+
+def test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_and_a_scale_per_block():
+    """DeepSeek-V3 on 8 GPUs an engine: 671 B parameters, of which all but the embedding, head and norms (1.9 B)
+    are projections, a byte each plus 4 bytes per 128 x 128 block, against 2 bytes each in bf16."""
+    layout = {"tensor_model_parallel_size": 8, "sequence_parallel": True, "pipeline_model_parallel_size": 1}
+    bf16 = _spec("deepseek-v3", layout, rollout={"tensor_parallel_size": 8, "expert_parallel_size": 8})
+    fp8 = _spec("deepseek-v3", layout, rollout={"tensor_parallel_size": 8, "expert_parallel_size": 8,
+                                                "quantization": "fp8"})
+    params = count_parameters(read_architecture(bf16.model.hf_config))
+    rest = params.embedding + params.output_layer + params.final_norm + sum(layer.norms for layer in params.layers)
+    expected = (params.total - rest) * (1 + 4 / 128**2) + rest * 2
+    plain, quantised = _plan(bf16, gpu_mem_gb=1000), _plan(fp8, gpu_mem_gb=1000)
+    assert quantised.sync.total_bytes == pytest.approx(expected)
+    assert quantised.engine.weights == pytest.approx(expected / 8)
+    assert quantised.sync.total_bytes / plain.sync.total_bytes == pytest.approx(0.501, abs=1e-3)
+    assert quantised.engine.kv_bytes_per_token == plain.engine.kv_bytes_per_token  # the KV cache stays bf16

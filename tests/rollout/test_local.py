@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.buckets import iter_buckets
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
@@ -244,3 +245,22 @@ def test_non_finite_logits_of_a_sample_still_generating_stop_generation_naming_t
         [GenerationRequest(p, SamplingSpec(n=4, max_new_tokens=4, seed=1)) for p in PROMPTS])
     assert max(token for r in results for token in r.output_token_ids) < 150
     assert all(math.isfinite(logprob) for r in results for logprob in r.output_token_logprobs)
+
+
+def test_fp8_weight_updates_are_held_quantised_then_dequantised():
+    """rollout.quantization fp8: each projection arrives as float8_e4m3fn + weight_scale_inv, here each in a bucket of
+    its own, and the engine samples with exactly its dequantised values; the other weights arrive as they are."""
+    engine = LocalEngine(tiny_qwen3(seed=0), weight_format=FP8_ROLLOUT)
+    new_state = {k: v.clone() for k, v in tiny_qwen3(seed=1).state_dict().items()}
+    stream = iter_buckets(FP8_ROLLOUT.quantised_stream(iter(new_state.items())), bucket_bytes=1)
+    engine.update_weights(stream, version="fp8")
+    quantised = [name for name in new_state if FP8_ROLLOUT.quantises(name)]
+    assert len(quantised) == 2 * 7  # q, k, v, o, gate, up, down of both layers
+    for name, tensor in engine.model.state_dict().items():
+        expected = FP8_ROLLOUT.dequantise(*FP8_ROLLOUT.quantise(new_state[name])) if name in quantised \
+            else new_state[name]
+        assert torch.equal(tensor, expected), name
+    assert all(not torch.equal(engine.model.state_dict()[name], new_state[name]) for name in quantised)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=f"without the partner of \\['{weight}'\\]"):
+        engine.update_weights([(weight, FP8_ROLLOUT.quantise(new_state[weight])[0])], version="v2")

@@ -120,6 +120,32 @@ def test_non_finite_logits_reach_the_client_as_a_divergence(served):
         engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=4))])
 
 
+def test_fp8_weights_cross_gloo_as_bytes_and_the_server_samples_with_them_dequantised(tmp_path):
+    """rollout.quantization fp8, disaggregated on CPU: gloo has no float8 type, so the FP8 weights travel as their
+    bytes; the server, launched with SGLang's --quantization fp8, samples with exactly the dequantised weights."""
+    from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
+
+    config = model_config(tmp_path / "model")
+    spec = ServerSpec(model_path=str(tmp_path / "model"), port=free_port(), python=sys.executable,
+                      module=LOCAL_SERVER_MODULE, device="cpu", dtype="float32", extra_args={"quantization": "fp8"})
+    engine = SGLangEngine(spec, str(tmp_path), bucket_bytes=1 << 20, startup_timeout_s=120, request_timeout_s=120)
+    try:
+        push = DistributedWeightPush(1 << 20)
+        push.connect(0, spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), "fp8_test", "gloo"))
+        policy = model(config, seed=1)
+        push.push(FP8_ROLLOUT.quantised_stream(iter(checkpoint_named_weights(policy).items())), "v1")
+        (result,) = engine.generate([GenerationRequest(PROMPT, SamplingSpec(temperature=0.0, max_new_tokens=12))])
+    finally:
+        engine.shutdown()
+    with torch.no_grad():
+        for name, weight in checkpoint_named_weights(policy).items():
+            if FP8_ROLLOUT.quantises(name):
+                weight.copy_(FP8_ROLLOUT.dequantise(*FP8_ROLLOUT.quantise(weight)))
+    tokens, logprobs = teacher_forced(policy, list(PROMPT), list(result.output_token_ids))
+    assert list(result.output_token_ids) == tokens and result.weight_version == "v1"
+    assert result.output_token_logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="one GPU split between trainer and engine needs a GPU")
 def test_a_server_on_the_trainers_own_gpu_takes_cuda_weights_over_gloo(tmp_path):
     """One GPU split between the trainer and a disaggregated engine (a run without Ray): the server's process gets

@@ -518,3 +518,16 @@ def test_every_router_flag_the_project_emits_parses_with_sglang_routers_own_pars
     assert parsed.worker_urls == ["http://a:1", "http://b:2"] and parsed.policy == "round_robin"
     with pytest.raises(SystemExit):  # what a flag the router does not know gets
         parse_router_args(router_command("py", [], port=8000, extra_args={"no-such-flag": 1})[3:])
+
+
+def test_fp8_rollout_launches_servers_that_hold_block_wise_fp8_weights():
+    """SGLang reads the format its weights are held in from the model's quantization_config: the launch gives it the
+    one the sync quantises to."""
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG
+
+    command = server_command(server_spec(RolloutConfig(quantization="fp8"), "/ckpt/hf", port=30000))
+    assert command[command.index("--quantization") + 1] == "fp8"
+    override = json.loads(command[command.index("--json-model-override-args") + 1])
+    assert override == {"quantization_config": DEFAULT_CONFIG}
+    plain = server_command(server_spec(RolloutConfig(), "/ckpt/hf", port=30000))
+    assert "--quantization" not in plain and "--json-model-override-args" not in plain

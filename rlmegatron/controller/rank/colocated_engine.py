@@ -159,4 +159,5 @@ def _local_engine(settings: RolloutSettings, hf_config) -> LocalEngine:
         model,
         pad_token_id=hf_config.pad_token_id or 0,
         eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+        weight_format=settings.weight_format,
     )

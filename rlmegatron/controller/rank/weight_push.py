@@ -69,10 +69,16 @@ class WeightPush:
         with self.models.phase("actor"):
             if lora is None or version == INITIAL_VERSION or restarted is not None:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    down += self._push(self._exporter().stream(), version, restarted, down)
+                    down += self._push(self._weights(), version, restarted, down)
             if lora is not None and version != INITIAL_VERSION:
                 down += self._push_adapter(version, restarted, down)
         return [engine for engine in down if engine not in left_out]
+
+    def _weights(self):
+        """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8."""
+        stream = self._exporter().stream()
+        weight_format = self.settings.weight_format
+        return stream if weight_format is None else weight_format.quantised_stream(stream)
 
     def _exporter(self) -> HFWeightExporter:
         if self.exporter is None:
