@@ -24,7 +24,7 @@ from rlmegatron.config.loader import spec_from_raw
 from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.models.pipeline import PipelineSplitError
-from rlmegatron.planner.memory import _WEIGHT_BYTES, GB, engine_memory, micro_batch, training_memory
+from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_weight_bytes, training_memory
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
 from rlmegatron.planner.step_time import StepTime, generation_seconds, training_seconds, workload_of
@@ -207,7 +207,7 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
                 if engine.kv_tokens <= 0 or rollout_gpus % tp:
                     continue
                 engines.append((generation_seconds(arch, params, engine, rollout_gpus // tp, tp, work,
-                                                   _WEIGHT_BYTES[spec.model.dtype], hw), tp))
+                                                   rollout_weight_bytes(spec, params) / params.total, hw), tp))
             priced_engines[rollout_gpus] = sorted(engines)
         placement = [f"placement.mode={mode}", f"placement.nnodes={nodes}", f"placement.gpus_per_node={per_node}"]
         if mode == "disaggregate":

@@ -36,7 +36,7 @@ from math import ceil, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import _WEIGHT_BYTES, EngineMemory, TrainingMemory, stage_layers
+from rlmegatron.planner.memory import EngineMemory, TrainingMemory, rollout_weight_bytes, stage_layers
 from rlmegatron.planner.parameters import ParameterCount
 
 # Fitted: see the module's docstring. MoE models get their own: a routed layer's grouped GEMMs see a few tokens per
@@ -152,7 +152,8 @@ def training_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: 
 
 
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
-                       work: Workload, weight_bytes: int, hw: Hardware) -> float:
+                       work: Workload, weight_bytes: float, hw: Hardware) -> float:
+    """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections)."""
     per_engine = work.samples / engines
     # Continuous batching admits a waiting sample as soon as one ends, so the KV cache holds samples of the mean
     # length; what does not fit runs later, each later wave as long as a mean response.
@@ -205,7 +206,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     colocated = spec.placement.mode == "colocate"
     rollout_gpus = world if colocated else (spec.placement.rollout_pool_size or world)
     tp_g = spec.rollout.tensor_parallel_size
-    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
+    weight_bytes = rollout_weight_bytes(spec, params) / params.total
     update_passes = (4 if megatron.recompute_granularity == "full" else 3) * spec.actor.ppo_epochs
     actor_cfg = spec.actor
     # A token budget packs rows up to it; fixed micro-batches hold rows of the mean length.
