@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from rlmegatron import reaper
@@ -36,6 +37,7 @@ from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
+from rlmegatron.tracking.tensorboard_events import LOG_DIR as TENSORBOARD_DIR
 
 
 @dataclass
@@ -246,10 +248,17 @@ def _already_complete(checkpoint, planned: int) -> JobReport:
 
 
 def _tracking_location(spec: JobSpec, tracker) -> str:
-    if "mlflow" not in spec.tracking.backends:
-        return "console only (add mlflow to tracking.backends for a store)"
-    return f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, " \
-           f"run {spec.trainer.experiment_name})"
+    """Where each backend that keeps the run put it."""
+    backends, run_dir = spec.tracking.backends, Path(spec.trainer.run_dir)
+    places = []
+    if "mlflow" in backends:
+        places.append(f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, "
+                      f"run {spec.trainer.experiment_name})")
+    if "wandb" in backends:
+        places.append(f"wandb {run_dir / 'wandb'} (project {spec.tracking.project_name})")
+    if "tensorboard" in backends:
+        places.append(f"tensorboard --logdir {run_dir / TENSORBOARD_DIR}")
+    return "; ".join(places) or "console only (add mlflow to tracking.backends for a store)"
 
 
 def format_report(report: JobReport) -> str:

@@ -195,7 +195,7 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from rlmegatron.tracking.tracker import SUPERSEDED_BY_TAG, SUPERSEDES_TAG
+    from rlmegatron.tracking.mlflow_run import SUPERSEDED_BY_TAG, SUPERSEDES_TAG
 
     tmp, first, resumed, _ = ray_run
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'killed' / 'mlflow.db'}")
