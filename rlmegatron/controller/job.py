@@ -36,6 +36,8 @@ from rlmegatron.rewards.model import model_reward_manager
 from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
+from rlmegatron.tracking.curves import CURVES_FILE, draw_curves
+from rlmegatron.tracking.curves import report as report_curves
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 from rlmegatron.tracking.tensorboard_events import LOG_DIR as TENSORBOARD_DIR
 
@@ -54,6 +56,8 @@ class JobReport:
     exported_hf: Optional[str]
     history: dict[str, list[tuple[int, float]]]
     """Every logged metric as (step, value) pairs."""
+    curves: Optional[str] = None
+    """The run's curves.png (tracking/curves.py); None when the run trained nothing."""
 
 
 def exit_on_sigterm() -> None:
@@ -186,10 +190,22 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
         checkpoint=result.last_checkpoint,
         exported_hf=result.exported_hf,
         history=tracker.history,
+        curves=str(_draw_curves(spec, tracker)),
     )
     print(tracker.summary(), flush=True)
     print(format_report(report), flush=True)
     return report
+
+
+def _draw_curves(spec: JobSpec, tracker) -> Path:
+    """curves.png beside the checkpoints: from the MLflow store, which also holds the steps of the attempts before a
+    resume, as `rlm report` draws it; without a store, from what this run logged."""
+    run_dir = Path(spec.trainer.run_dir)
+    if "mlflow" in spec.tracking.backends:
+        return report_curves(run_dir)[0]
+    path = run_dir / CURVES_FILE
+    draw_curves(tracker.history, path, f"{spec.trainer.experiment_name} (the steps this run trained)")
+    return path
 
 
 def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status: str,
@@ -280,6 +296,7 @@ def format_report(report: JobReport) -> str:
         f"tracking:   {report.tracking}",
         f"checkpoint: {report.checkpoint or 'none saved (trainer.save_freq)'}",
         f"hf export:  {report.exported_hf}",
+        *([f"curves:     {report.curves}"] if report.curves else []),
     ])
 
 

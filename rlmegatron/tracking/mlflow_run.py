@@ -35,21 +35,10 @@ class MlflowBackend:
     run a user sees holds each step once."""
 
     def __init__(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None) -> None:
-        # Imported here: mlflow takes seconds to import, and most commands never track.
-        from mlflow.tracking import MlflowClient
-
-        # Its INFO lines as it creates and migrates a new store's tables tell a user nothing; its warnings still show.
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-
         setup.run_dir.mkdir(parents=True, exist_ok=True)
         self.setup, self.params, self.resolved_yaml = setup, params, resolved_yaml
         self.tracking_uri = resolve_tracking_uri(setup)
-        if is_file_store(self.tracking_uri):
-            # MLflow 3 refuses to open its file store (file:/dir or a plain directory) unless this is set; the user
-            # named that store, so it is allowed for this process (and the processes it starts), and for no other
-            # store.
-            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = mlflow_client(self.tracking_uri)
         self.run_id: str | None = None
 
     def start(self, step: int) -> None:
@@ -143,6 +132,20 @@ class MlflowBackend:
     def finish(self, status: str) -> None:
         if self.run_id is not None:  # None: the run stopped before training started
             self.client.set_terminated(self.run_id, status=status)
+
+
+def mlflow_client(tracking_uri: str):
+    """A client of the store the spec (or a run directory's RUN_ID_FILE) names."""
+    # Imported here: mlflow takes seconds to import, and most commands never track.
+    from mlflow.tracking import MlflowClient
+
+    # Its INFO lines as it creates and migrates a new store's tables tell a user nothing; its warnings still show.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    if is_file_store(tracking_uri):
+        # MLflow 3 refuses to open its file store (file:/dir or a plain directory) unless this is set; the user
+        # named that store, so it is allowed for this process (and the processes it starts), and for no other store.
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    return MlflowClient(tracking_uri=tracking_uri)
 
 
 def resolve_tracking_uri(setup: TrackingSetup) -> str:

@@ -15,6 +15,7 @@ import pytest
 from rlmegatron.cli import EXIT_BAD_SPEC, main
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
+from tests.tracking.test_curves import plotted
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
@@ -216,6 +217,31 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
     assert f"mlflow: run {superseded.info.run_id} logged" in resumed["stderr"]
 
 
+def test_the_finished_run_draws_the_curves_of_every_attempt_and_report_redraws_them(ray_run, capsys):
+    """The resumed run's curves.png shows steps 1-5 as its MLflow run holds them: 1-2 from the killed attempt, 3-5
+    its own; `rlm report` draws the same from the store."""
+    from mlflow.tracking import MlflowClient
+
+    tmp, _, resumed, _ = ray_run
+    run_dir = tmp / "killed"
+    path = run_dir / "curves.png"
+    assert f"curves:     {path}" in resumed["stdout"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    drawn = plotted(path)
+    assert {"critic/score/mean", "val/next_digit/score/mean", "actor/ppo_kl", "actor/entropy", "response_length/mean",
+            "timing_s/step"} <= set(drawn)
+    for key, points in drawn.items():
+        assert points == sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)), key
+    assert [step for step, _ in drawn["critic/score/mean"]] == [1, 2, 3, 4, 5]
+    assert [step for step, _ in drawn["val/next_digit/score/mean"]] == [2, 4]
+
+    path.unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert capsys.readouterr().out == f"curves: {path} (steps 1-5 of run quickstart, FINISHED)\n"
+    assert plotted(path) == drawn
+
+
 def test_the_summary_names_the_steps_the_resumed_run_trained(ray_run):
     stdout = ray_run[2]["stdout"]
     assert "trained steps 3-5 (3 steps, resumed from step 2) in " in stdout
@@ -284,6 +310,10 @@ def test_the_processes_launcher_trains_on_two_rank_processes_without_ray(tmp_pat
         assert all(math.isfinite(v) for _, v in history[name]), name
     assert history["actor/entropy"][0][1] > 0  # two ranks really trained a policy that samples
     assert not result["ray_imported"]
+    # Without an MLflow store, the curves are what the run logged.
+    drawn = plotted(tmp_path / "run" / "curves.png")
+    assert {"critic/score/mean", "val/next_digit/score/mean", "actor/entropy", "timing_s/step"} <= set(drawn)
+    assert drawn == {key: [tuple(point) for point in history[key]] for key in drawn}
     # The progress bars, fed from the rank processes over their pipes: 16 samples and 1 optimizer step per step.
     full = "[" + "#" * 30 + "]"
     assert result["stderr"].count(f"rollout        {full} 16/16") == 2
