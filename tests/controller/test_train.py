@@ -15,6 +15,7 @@ import pytest
 from rlmegatron.cli import EXIT_BAD_SPEC, main
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
+from tests.tracking.test_backends import tensorboard_events, tensorboard_history, wandb_history, wandb_runs
 from tests.tracking.test_curves import plotted
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -303,7 +304,7 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
 def test_the_processes_launcher_trains_on_two_rank_processes_without_ray(tmp_path):
     result = train(tmp_path, "processes", "launched", "placement.launcher=processes", "trainer.total_steps=2",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1",
-                   "tracking.backends=[console]")
+                   "tracking.backends=[console,wandb,tensorboard]", "tracking.rollout_trace.backend=wandb")
     history = result["history"]
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "timing_s/update_actor"):
         assert [s for s, _ in history[name]] == [1, 2], name
@@ -311,9 +312,20 @@ def test_the_processes_launcher_trains_on_two_rank_processes_without_ray(tmp_pat
     assert history["actor/entropy"][0][1] > 0  # two ranks really trained a policy that samples
     assert not result["ray_imported"]
     # Without an MLflow store, the curves are what the run logged.
+    logged = {key: [tuple(point) for point in points] for key, points in history.items()}
     drawn = plotted(tmp_path / "run" / "curves.png")
     assert {"critic/score/mean", "val/next_digit/score/mean", "actor/entropy", "timing_s/step"} <= set(drawn)
-    assert drawn == {key: [tuple(point) for point in history[key]] for key in drawn}
+    assert drawn == {key: logged[key] for key in drawn}
+    # W&B (offline) and TensorBoard got every metric under its name: W&B exactly, TensorBoard as float32.
+    [records] = wandb_runs(tmp_path / "run")
+    assert wandb_history(records) == logged
+    assert [r["history"]["step"]["num"] for r in records if r["type"] == "history"
+            and "rollout_samples._type" in r["history"]["item"]] == [1, 2]  # the traced samples' tables
+    events = tensorboard_history(tensorboard_events(tmp_path / "run"))
+    assert events.keys() == logged.keys()
+    for key, points in logged.items():
+        assert [step for step, _ in events[key]] == [step for step, _ in points], key
+        assert [value for _, value in events[key]] == pytest.approx([value for _, value in points], rel=1e-6), key
     # The progress bars, fed from the rank processes over their pipes: 16 samples and 1 optimizer step per step.
     full = "[" + "#" * 30 + "]"
     assert result["stderr"].count(f"rollout        {full} 16/16") == 2
