@@ -51,7 +51,7 @@ setup(
         # sglang-router: its launcher's own argument parser checks the flags rlm train starts a router with
         # wandb>=0.31: the tests read its offline runs back with its transaction-log inspector (wandb leet inspect)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2",
-                 *SGLANG_APP_DEPS, *WANDB, "wandb>=0.31", *TENSORBOARD],
+                 *SGLANG_APP_DEPS, "wandb>=0.31", *TENSORBOARD],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )

@@ -15,8 +15,8 @@ import pytest
 from rlmegatron.cli import EXIT_BAD_SPEC, main
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
-from tests.tracking.test_backends import tensorboard_events, tensorboard_history, wandb_history, wandb_runs
-from tests.tracking.test_curves import plotted
+from tests.helpers.tracking_readers import (plotted, tensorboard_events, tensorboard_history, wandb_history,
+                                           wandb_runs)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"

@@ -2,7 +2,6 @@
 inspector, `wandb leet inspect`, on an offline run; TensorBoard's EventAccumulator on the event files), and a resumed
 run continues each one's run. A backend whose package is missing is one line at validation."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from rlmegatron.cli import EXIT_BAD_SPEC, main
 from rlmegatron.tracking import Tracker
 from rlmegatron.tracking.mlflow_run import resolve_tracking_uri
 from rlmegatron.tracking.samples import format_samples, sample_table
-from rlmegatron.tracking.wandb_run import SAMPLES_KEY
+from tests.helpers.tracking_readers import tensorboard_events, tensorboard_history, wandb_history, wandb_runs
 from tests.tracking.test_tracking import job_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -23,41 +22,6 @@ STEPS = {0: {"val/echo/score/mean": 0.125},
 SAMPLES = [{"sample_id": "echo#3", "sample": k, "prompt": "echo:x", "response": response, "ground_truth": "x",
             "score": score, "reward": score, "response_length": 1}
            for k, (response, score) in enumerate([("x", 1.0), ("q", 0.0)])]
-
-
-def wandb_runs(run_dir: Path) -> list[list[dict]]:
-    """The records of each W&B run directory under run_dir/wandb, oldest first, as W&B's own inspector reads its
-    transaction log (.wandb)."""
-    runs = []
-    for path in sorted((run_dir / "wandb").glob("offline-run-*")):
-        inspected = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-                                   capture_output=True, text=True, timeout=60, check=True)
-        runs.append([json.loads(line) for line in inspected.stdout.splitlines()])
-    return runs
-
-
-def wandb_history(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Metric -> [(step, value)] from a run's history records (W&B's own _keys and the table's entries left out)."""
-    history: dict[str, list[tuple[int, float]]] = {}
-    for record in records:
-        if record["type"] == "history":
-            step = record["history"]["step"]["num"]
-            for key, value in record["history"]["item"].items():
-                if not key.startswith(("_", f"{SAMPLES_KEY}.")):
-                    history.setdefault(key, []).append((int(step), float(value)))
-    return history
-
-
-def tensorboard_events(run_dir: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
-
-
-def tensorboard_history(events) -> dict[str, list[tuple[int, float]]]:
-    return {key: [(event.step, event.value) for event in events.Scalars(key)] for key in events.Tags()["scalars"]}
 
 
 def test_every_backend_gets_the_same_metric_names_values_and_samples(tmp_path, monkeypatch):

@@ -1,24 +1,11 @@
 """curves.png: `rlm report RUN_DIR` redraws it from the MLflow store of a run still running; the PNG decodes and
 carries what it plots, which is what the store holds. (A finished run's own curves: tests/controller/test_train.py.)"""
-import json
 import time
-from pathlib import Path
-
-from PIL import Image
 
 from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main
 from rlmegatron.tracking import Tracker
-from rlmegatron.tracking.curves import PLOTTED_KEY
+from tests.helpers.tracking_readers import plotted
 from tests.tracking.test_tracking import job_spec
-
-
-def plotted(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """What a curves.png shows: each line's label -> [(step, value)], from the PNG's own text entry."""
-    with Image.open(path) as image:
-        image.load()  # decodes the pixels: a truncated file fails here
-        assert image.size[0] > 0 and image.size[1] > 0
-        lines = json.loads(image.text[PLOTTED_KEY])
-    return {label: list(zip(steps, values)) for label, (steps, values) in lines.items()}
 
 
 def wait_until_stored(tracker: Tracker, key: str, points: int) -> None:
