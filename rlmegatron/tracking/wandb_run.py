@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.errors import UserError
 from rlmegatron.tracking.samples import sample_table
 
 if TYPE_CHECKING:
@@ -33,9 +34,13 @@ class WandbBackend:
 
         saved = self.setup.run_dir / RUN_ID_FILE
         previous = json.loads(saved.read_text())["run_id"] if step > 0 and saved.is_file() else None
-        self.run = wandb.init(project=self.setup.project_name, name=self.setup.experiment_name,
-                              dir=str(self.setup.run_dir), config=dict(self.params), id=previous,
-                              resume="allow" if previous else None)
+        try:
+            self.run = wandb.init(project=self.setup.project_name, name=self.setup.experiment_name,
+                                  dir=str(self.setup.run_dir), config=dict(self.params), id=previous,
+                                  resume="allow" if previous else None)
+        except wandb.errors.UsageError as error:  # W&B's word for a setup to fix: no API key outside offline mode, ...
+            raise UserError(f"tracking.backends: wandb: {error} Or log offline, without an account: WANDB_MODE=offline "
+                            f"keeps the run in {self.setup.run_dir / 'wandb'} for `wandb sync`") from error
         saved.write_text(json.dumps({"run_id": self.run.id}))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

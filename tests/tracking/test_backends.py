@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.errors import UserError
 from rlmegatron.tracking import Tracker
 from rlmegatron.tracking.mlflow_run import resolve_tracking_uri
 from rlmegatron.tracking.samples import format_samples, sample_table
@@ -107,3 +108,17 @@ def test_a_backend_whose_package_is_missing_is_one_line_at_validation(backend, m
     assert capsys.readouterr().err.splitlines()[-1:] == [
         f"tracking.backends=[console, {backend}]: the {backend} backend needs the {backend} package, which is not "
         f"installed: pip install 'rlmegatron[{backend}]', or drop {backend}"]
+
+
+def test_wandb_without_an_account_outside_offline_mode_is_one_line(tmp_path, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a W&B key
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    tracker = Tracker.from_spec(job_spec(tmp_path, ["wandb"]))
+    with pytest.raises(UserError) as stopped:
+        tracker.start(0)
+    tracker.finish("FAILED")
+    assert str(stopped.value) == (
+        "tracking.backends: wandb: No API key configured. Use `wandb login` to log in. Or log offline, without an "
+        f"account: WANDB_MODE=offline keeps the run in {tmp_path / 'wandb'} for `wandb sync`")
