@@ -1,6 +1,6 @@
 """Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files, the reward and
-dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses. `rlm validate` runs them after the spec checks;
-`rlm train` runs them before Ray or any worker.
+dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses.
+`rlm validate` runs them after the spec checks; `rlm train` runs them before Ray or any worker.
 
 The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
 (transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.

@@ -62,5 +62,3 @@ def format_metrics_table(metrics: Mapping[str, float], step: int, columns: int =
 def _format_value(value: float) -> str:
     # Throughputs and token counts read better whole than as 1.235e+04.
     return f"{value:.0f}" if 1e4 <= abs(value) < 1e12 else f"{value:.4g}"
-
-

@@ -98,7 +98,8 @@ def mlflow_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], s
 
 
 def report(run_dir: str | Path) -> tuple[Path, str]:
-    """`rlm report RUN_DIR`: curves.png redrawn from the run's MLflow store; its path and a line saying what it shows."""
+    """`rlm report RUN_DIR`: curves.png redrawn from the run's MLflow store; its path, and a line saying what it
+    shows."""
     run_dir = Path(run_dir)
     history, name, status = mlflow_history(run_dir)
     path = run_dir / CURVES_FILE

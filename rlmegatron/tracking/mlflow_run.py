@@ -1,5 +1,5 @@
-"""The MLflow backend: a run in a sqlite store in the run directory (or the store tracking.tracking_uri names), continued
-when the run resumes."""
+"""The MLflow backend: a run in a sqlite store in the run directory (or the store tracking.tracking_uri names),
+continued when the run resumes."""
 from __future__ import annotations
 
 import json

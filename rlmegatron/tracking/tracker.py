@@ -21,7 +21,6 @@ from rlmegatron.tracking.wandb_run import WandbBackend
 if TYPE_CHECKING:
     from rlmegatron.config.spec import JobSpec
 
-
 OPTIONAL_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 """Backend -> the package it needs beyond rlmegatron's own dependencies, installed by the extra of the backend's name
 (`pip install rlmegatron[wandb]`). TensorBoard's event files are written by torch's SummaryWriter, which needs it."""
@@ -180,5 +179,3 @@ class InBackground:
         self.thread.join()
         self.backend.finish("FAILED" if self.failed else status)
         self._raise_error()
-
-
