@@ -6,6 +6,7 @@ The PNG carries what it plots: each line's steps and values, as JSON in its PLOT
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def plotted_metrics(history: History) -> list[tuple[str, dict[str, list[tuple[in
 def draw_curves(history: History, path: Path, title: str) -> dict[str, list[list[float]]]:
     """Write the panels to `path` (a PNG) and return what was drawn: each line's label -> [steps, values], read from
     the figure's own lines."""
+    # Its note that it builds its font cache, on a machine's first drawing that takes over 5 s, would be the only line
+    # on a run's stderr; the fonts it needs ship with it.
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     # lazy: matplotlib takes a second to import, and only the end of a run and `rlm report` draw. The figure is
     # rendered by Agg directly, with no pyplot and no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
