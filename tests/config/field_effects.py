@@ -127,6 +127,7 @@ EVERY_BACKEND = BACKENDS + "test_every_backend_gets_the_same_metric_names_values
 RESUMED_BACKENDS = BACKENDS + "test_a_resumed_run_continues_its_wandb_and_tensorboard_runs"
 MISSING_PACKAGE = BACKENDS + "test_a_backend_whose_package_is_missing_is_one_line_at_validation"
 WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_is_one_line"
+RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
 TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_every_node"
 
 # Rejections and checks.
@@ -435,7 +436,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.val_kwargs.top_k": ("validation top-k", (VALIDATION,)),
     "rollout.val_kwargs.top_p": ("validation top-p", (VALIDATION,)),
     "tracking.backends": ("console, MLflow, W&B and/or TensorBoard",
-                          (MLFLOW_STORE, CONSOLE, EVERY_BACKEND, RESUMED_BACKENDS, MISSING_PACKAGE, WANDB_ACCOUNT)),
+                          (MLFLOW_STORE, CONSOLE, EVERY_BACKEND, RESUMED_BACKENDS, RESUMED_RUN_BACKENDS,
+                           MISSING_PACKAGE, WANDB_ACCOUNT)),
     "tracking.project_name": ("MLflow experiment, W&B project", (MLFLOW_STORE, EVERY_BACKEND)),
     "tracking.rollout_trace.backend": ("where each step's samples are logged as text",
                                        (TRACE_MLFLOW, TRACE_CONSOLE, EVERY_BACKEND)),

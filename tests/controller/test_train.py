@@ -25,6 +25,7 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_mi
          "trainer.val_before_train=false", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
          "tracking.backends=[console,mlflow]", "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
+EVERY_TRACKER = "tracking.backends=[console,mlflow,wandb,tensorboard]"
 
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
@@ -120,7 +121,7 @@ def ray_run(tmp_path_factory):
         # --verbose: the progress bars' lines, checked below, show in the log.
         killed = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
                                    "placement.launcher=ray",
-                                   f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
+                                   f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable", EVERY_TRACKER],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=240)
         killed.send_signal(signal.SIGTERM)
@@ -132,7 +133,7 @@ def ray_run(tmp_path_factory):
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
     resumed = train(tmp, "resumed", "launched", "placement.launcher=ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
-                    "trainer.resume=auto", *sglang, *router, env=env)
+                    "trainer.resume=auto", *sglang, *router, EVERY_TRACKER, env=env)
     return tmp, first, resumed, killed.returncode
 
 
@@ -216,6 +217,29 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
         # Steps 1-2 as the killed run logged them, steps 3-5 as the resumed run did.
         assert points == [p for p in first["history"][key] if p[0] <= 2] + [tuple(p) for p in resumed["history"][key]]
     assert f"mlflow: run {superseded.info.run_id} logged" in resumed["stderr"]
+
+
+def test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once(ray_run):
+    """The killed run's W&B run (offline) is continued by the resumed one, under its id; TensorBoard shows steps 1-2
+    as the killed run logged them and 3-5 as the resumed run did, as MLflow does."""
+    tmp, first, resumed, _ = ray_run
+    run_dir = tmp / "killed"
+    killed_records, resumed_records = wandb_runs(run_dir)
+    [killed_run], [resumed_run] = ([r["run"] for r in records if r["type"] == "run"]
+                                   for records in (killed_records, resumed_records))
+    assert resumed_run["run_id"] == killed_run["run_id"] and resumed_run.get("resume") is True
+    killed, ours = wandb_history(killed_records), wandb_history(resumed_records)
+    assert ours == {key: [tuple(point) for point in points] for key, points in resumed["history"].items()}
+    assert killed == {key: [tuple(point) for point in points] for key, points in first["history"].items()}
+    expected = {key: [tuple(p) for p in first["history"].get(key, []) if p[0] <= 2]
+                + [tuple(p) for p in resumed["history"].get(key, [])]
+                for key in first["history"].keys() | resumed["history"].keys()}
+    events = {key: points for key, points in tensorboard_history(tensorboard_events(run_dir)).items() if points}
+    assert events.keys() == {key for key, points in expected.items() if points}
+    for key, points in events.items():
+        expected_points = expected[key]
+        assert [step for step, _ in points] == [step for step, _ in expected_points], key
+        assert [value for _, value in points] == pytest.approx([value for _, value in expected_points], rel=1e-6), key
 
 
 def test_the_finished_run_draws_the_curves_of_every_attempt_and_report_redraws_them(ray_run, capsys):
