@@ -111,14 +111,22 @@ def test_a_backend_whose_package_is_missing_is_one_line_at_validation(backend, m
 
 
 def test_wandb_without_an_account_outside_offline_mode_is_one_line(tmp_path, monkeypatch):
+    import wandb
+
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a W&B key
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    tracker = Tracker.from_spec(job_spec(tmp_path, ["wandb"]))
-    with pytest.raises(UserError) as stopped:
-        tracker.start(0)
-    tracker.finish("FAILED")
+    # W&B keeps the settings the first run of a process read (here WANDB_MODE=offline, from the tests before);
+    # torn down before and after, it reads this environment, and the next test's again.
+    wandb.teardown()
+    try:
+        tracker = Tracker.from_spec(job_spec(tmp_path, ["wandb"]))
+        with pytest.raises(UserError) as stopped:
+            tracker.start(0)
+        tracker.finish("FAILED")
+    finally:
+        wandb.teardown()
     assert str(stopped.value) == (
         "tracking.backends: wandb: No API key configured. Use `wandb login` to log in. Or log offline, without an "
         f"account: WANDB_MODE=offline keeps the run in {tmp_path / 'wandb'} for `wandb sync`")
