@@ -20,8 +20,8 @@ SAMPLES_KEY = "rollout_samples"
 
 class WandbBackend:
     """A run resumed in the same run directory continues that directory's W&B run (RUN_ID_FILE, W&B's resume="allow"
-    on its id); a fresh start (step 0) is a new run. W&B keeps the first values a run logged for a step: the steps a
-    stopped attempt logged after its last checkpoint keep that attempt's values when the resumed one logs them again
+    on its id); a fresh start (step 0) is a new run. W&B ignores a step below the last one its run holds, so the steps
+    a stopped attempt logged after its last checkpoint keep that attempt's values when the resumed one logs them again
     (W&B's rewind, which would replace them, is a preview feature of its cloud)."""
 
     def __init__(self, setup: TrackingSetup, params: Mapping[str, Any]) -> None:
