@@ -10,6 +10,8 @@ CORE = [
     "pydantic>=2.5,<3",
     "pyyaml>=6",
     "mlflow>=2.15",
+    # curves.png at the end of a run and `rlm report`; mlflow already requires it, so it adds nothing to the install.
+    "matplotlib>=3.5",
     "transformers>=4.51",
     "safetensors>=0.4",
     "psutil>=5.9",  # megatron.core.dist_checkpointing needs it
@@ -26,6 +28,9 @@ SGLANG_FOR_TESTS = "sglang==0.5.23"
 SGLANG_APP_DEPS = ["fastapi", "uvicorn", "orjson", "pybase64", "msgspec", "pyzmq", "uvloop", "dill", "sentencepiece",
                    "openai==2.8.0", "partial_json_parser", "setproctitle", "einops", "python-multipart"]
 
+WANDB = ["wandb>=0.19"]
+TENSORBOARD = ["tensorboard>=2.14"]  # read by torch's SummaryWriter, which writes the event files
+
 setup(
     name="rlmegatron",
     version="0.1.0",
@@ -39,10 +44,14 @@ setup(
         # NVIDIA Apex is an optional GPU build from source (see README); the PyPI
         # package named "apex" is unrelated and must never be listed here.
         "gpu": ["transformer-engine[pytorch]>=2.4", SGLANG_RANGE, "sglang-router>=0.1"],
+        # The tracking backends beyond MLflow and the console (tracking.backends).
+        "wandb": WANDB,
+        "tensorboard": TENSORBOARD,
         # peft: the LoRA export parity tests; pytest-xdist: the suite's two workers (README's test command)
         # sglang-router: its launcher's own argument parser checks the flags rlm train starts a router with
+        # wandb>=0.31: the tests read its offline runs back with its transaction-log inspector (wandb leet inspect)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2",
-                 *SGLANG_APP_DEPS],
+                 *SGLANG_APP_DEPS, "wandb>=0.31", *TENSORBOARD],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""The `rlm` command line: train, validate, plan, convert and prepare."""
+"""The `rlm` command line: train, validate, plan, convert, prepare and report."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.convert_cli import main as convert_main
+from rlmegatron.tracking.curves import report as report_curves
 from rlmegatron.tracking.progress import ProgressBar
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", "show where a job spec puts each role and parallel layout", plan, True),
         ("convert", "convert checkpoints between Hugging Face and Megatron formats", convert, False),
         ("prepare", "turn raw datasets into the parquet files a job spec reads", prepare, False),
+        ("report", "redraw a run's curves.png from its MLflow store", report, False),
     ):
         subparser = subcommands.add_parser(name, help=summary, description=summary)
         subparser.set_defaults(command=command)
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
             from rlmegatron.data.prepare import add_prepare_options
 
             add_prepare_options(subparser)
+        elif name == "report":
+            subparser.add_argument("run_dir", metavar="RUN_DIR", help="the run's trainer.run_dir")
         else:  # convert's own arguments arrive with the converter
             subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
@@ -162,6 +166,11 @@ def prepare(args: argparse.Namespace) -> int:
     from rlmegatron.data.prepare import run_prepare
 
     return run_prepare(args)
+
+
+def report(args: argparse.Namespace) -> int:
+    print(report_curves(args.run_dir)[1], flush=True)
+    return EXIT_OK
 
 
 def convert(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files, the reward and
-dataset plug-ins, and the run directory (it can be written to). `rlm validate` runs them after the spec checks;
-`rlm train` runs them before Ray or any worker.
+dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses.
+`rlm validate` runs them after the spec checks; `rlm train` runs them before Ray or any worker.
 
 The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
 (transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.
@@ -9,6 +9,7 @@ what is not there yet is a note there, and `rlm train` refuses to start without 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -23,6 +24,7 @@ from rlmegatron.models.families import read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
 from rlmegatron.run_dir import unwritable
+from rlmegatron.tracking.tracker import OPTIONAL_PACKAGES
 
 if TYPE_CHECKING:
     from rlmegatron.config import JobSpec
@@ -63,6 +65,7 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     checks.data()
     checks.plugins()
     checks.run_dir()
+    checks.trackers()
     return checks.result
 
 
@@ -302,3 +305,12 @@ class _Checks:
                                      "where it cannot make it")
             return
         self.problem("trainer.run_dir", run_dir, f"{reason}; give a trainer.run_dir this user can write to")
+
+    def trackers(self) -> None:
+        # Looked up, not imported: wandb alone takes most of a second to import.
+        backends = self.spec.tracking.backends
+        for backend in backends:
+            package = OPTIONAL_PACKAGES.get(backend)
+            if package is not None and importlib.util.find_spec(package) is None:
+                self.problem("tracking.backends", backends, f"the {backend} backend needs the {package} package, "
+                             f"which is not installed: pip install 'rlmegatron[{backend}]', or drop {backend}")

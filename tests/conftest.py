@@ -12,6 +12,7 @@ once).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # W&B runs write to their run directory and never reach the network (the wandb backend's tests read them back
+    # from there); its caches and artifact staging go to a directory of this session, not the user's home.
+    os.environ["WANDB_MODE"] = "offline"
+    scratch = tempfile.mkdtemp(prefix="rlm-tests-wandb-")
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        os.environ[name] = os.path.join(scratch, name.lower())
     if missing := [path for path in FIRST if not (REPO_ROOT / path).is_file()]:
         raise pytest.UsageError(f"tests/conftest.py: FIRST names files that do not exist: {', '.join(missing)}")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

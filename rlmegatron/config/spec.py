@@ -619,23 +619,29 @@ class TrainerConfig(Section):
 class RolloutTraceConfig(Section):
     """A few of each step's rollout samples as text (verl's rollout trace): what the policy wrote, and its score."""
 
-    backend: Literal["mlflow", "console"] | None = None
+    backend: Literal["mlflow", "wandb", "tensorboard", "console"] | None = None
     """mlflow: a table (.json) and a text file (.txt) per step among the run's artifacts, under rollout_samples/;
-    console: printed after the step's metrics; null logs none."""
+    wandb: a table per step, logged as rollout_samples; tensorboard: a text summary per step, tagged rollout_samples;
+    console: printed after the step's metrics; null logs none. The backend must be one of tracking.backends."""
     prompts_per_step: PositiveInt | None = 2
     """Prompts per step whose samples are logged, each with all of its rollout.n responses; null logs every one."""
 
 
 class TrackingConfig(Section):
     backends: Annotated[
-        list[Literal["mlflow", "console"]], BeforeValidator(_wrap_single_item)
+        list[Literal["mlflow", "wandb", "tensorboard", "console"]], BeforeValidator(_wrap_single_item)
     ] = ["console"]
+    """Where every metric goes, each under the same name, in any combination. mlflow: a run in tracking_uri's store;
+    wandb: a W&B run in trainer.run_dir/wandb (offline when WANDB_MODE=offline; `pip install rlmegatron[wandb]`);
+    tensorboard: event files in trainer.run_dir/tensorboard (`pip install rlmegatron[tensorboard]`); console: a line
+    per step. A resumed run continues the run directory's MLflow, W&B and TensorBoard runs."""
     tracking_uri: Text | None = None
     """MLflow server or store: http(s)://host:port, sqlite:///path.db, or MLflow's file store (file:/dir or a plain
     directory; MLflow 3 opens it only with MLFLOW_ALLOW_FILE_STORE=true, which a run sets for itself). null uses
     MLFLOW_TRACKING_URI, else sqlite:///<trainer.run_dir>/mlflow.db."""
     project_name: Text = "rlmegatron"
-    """MLflow experiment that groups the runs (verl's trainer.project_name); each run is trainer.experiment_name."""
+    """The MLflow experiment and the W&B project that group the runs (verl's trainer.project_name); each run is
+    trainer.experiment_name."""
     rollout_trace: RolloutTraceConfig = Field(default_factory=RolloutTraceConfig)
 
 

@@ -210,15 +210,17 @@ def _sglang_load_format(value: Any, _: Context) -> Any:
 
 def _trace_backend(value: Any, _: Context) -> Any:
     if value == "weave":
-        raise Rejected("weave is not supported; use mlflow (a table and a text file per step) or console")
+        raise Rejected("weave is not supported; use mlflow (a table and a text file per step), wandb (a table), "
+                       "tensorboard (a text summary) or console")
     return value
 
 
 def _tracking_backends(value: Any, _: Context) -> list[str]:
     names = [value] if isinstance(value, str) else list(value or [])
-    unsupported = [name for name in names if name not in ("console", "mlflow")]
+    unsupported = [name for name in names if name not in ("console", "mlflow", "wandb", "tensorboard")]
     if unsupported:
-        raise Rejected(f"rlmegatron tracks to console and mlflow only; drop {', '.join(map(str, unsupported))}")
+        raise Rejected(f"rlmegatron tracks to console, mlflow, wandb and tensorboard only; drop "
+                       f"{', '.join(map(str, unsupported))}")
     return names
 
 
@@ -653,7 +655,7 @@ VERL_KEYS: dict[str, Entry] = {
         "validation generations are not logged; tracking.rollout_trace logs training samples"),
     "trainer.rollout_data_dir": Always(
         (None,), "rollouts are not dumped to files",
-        "rollouts are not dumped to files; tracking.rollout_trace logs samples to MLflow or the console"),
+        "rollouts are not dumped to files; tracking.rollout_trace logs samples to a tracker (tracking.backends)"),
     "trainer.validation_data_dir": Always((None,), "validation generations are not dumped",
                                           "validation generations are not dumped to files"),
     "trainer.default_hdfs_dir": Always((None,), "checkpoints stay local",

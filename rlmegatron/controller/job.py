@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from rlmegatron import reaper
@@ -35,7 +36,10 @@ from rlmegatron.rewards.model import model_reward_manager
 from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.runtime.launcher import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
+from rlmegatron.tracking.curves import CURVES_FILE, draw_curves
+from rlmegatron.tracking.curves import report as report_curves
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
+from rlmegatron.tracking.tensorboard_events import LOG_DIR as TENSORBOARD_DIR
 
 
 @dataclass
@@ -52,6 +56,8 @@ class JobReport:
     exported_hf: Optional[str]
     history: dict[str, list[tuple[int, float]]]
     """Every logged metric as (step, value) pairs."""
+    curves: Optional[str] = None
+    """The run's curves.png (tracking/curves.py); None when the run trained nothing."""
 
 
 def exit_on_sigterm() -> None:
@@ -195,6 +201,7 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
         checkpoint=result.last_checkpoint,
         exported_hf=result.exported_hf,
         history=tracker.history,
+        curves=str(_draw_curves(spec, tracker)),
     )
     print(tracker.summary(), flush=True)
     print(format_report(report), flush=True)
@@ -222,6 +229,17 @@ def _stop_each(steps) -> list[Exception]:
         except Exception as error:  # noqa: BLE001 - the next part stops all the same
             failures.append(error)
     return failures
+
+
+def _draw_curves(spec: JobSpec, tracker) -> Path:
+    """curves.png beside the checkpoints: from the MLflow store, which also holds the steps of the attempts before a
+    resume, as `rlm report` draws it; without a store, from what this run logged."""
+    run_dir = Path(spec.trainer.run_dir)
+    if "mlflow" in spec.tracking.backends:
+        return report_curves(run_dir)[0]
+    path = run_dir / CURVES_FILE
+    draw_curves(tracker.history, path, f"{spec.trainer.experiment_name} (the steps this run trained)")
+    return path
 
 
 def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status: str,
@@ -275,10 +293,17 @@ def _already_complete(checkpoint, planned: int) -> JobReport:
 
 
 def _tracking_location(spec: JobSpec, tracker) -> str:
-    if "mlflow" not in spec.tracking.backends:
-        return "console only (add mlflow to tracking.backends for a store)"
-    return f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, " \
-           f"run {spec.trainer.experiment_name})"
+    """Where each backend that keeps the run put it."""
+    backends, run_dir = spec.tracking.backends, Path(spec.trainer.run_dir)
+    places = []
+    if "mlflow" in backends:
+        places.append(f"mlflow {resolve_tracking_uri(tracker.setup)} (experiment {spec.tracking.project_name}, "
+                      f"run {spec.trainer.experiment_name})")
+    if "wandb" in backends:
+        places.append(f"wandb {run_dir / 'wandb'} (project {spec.tracking.project_name})")
+    if "tensorboard" in backends:
+        places.append(f"tensorboard --logdir {run_dir / TENSORBOARD_DIR}")
+    return "; ".join(places) or "console only (add mlflow to tracking.backends for a store)"
 
 
 def format_report(report: JobReport) -> str:
@@ -300,6 +325,7 @@ def format_report(report: JobReport) -> str:
         f"tracking:   {report.tracking}",
         f"checkpoint: {report.checkpoint or 'none saved (trainer.save_freq)'}",
         f"hf export:  {report.exported_hf}",
+        *([f"curves:     {report.curves}"] if report.curves else []),
     ])
 
 

@@ -1,33 +1,29 @@
-"""The Tracker: one call per step fans metrics out to the MLflow and console backends."""
+"""The Tracker: one call per step fans metrics out to each backend of tracking.backends (console, MLflow, W&B,
+TensorBoard; a module each)."""
 from __future__ import annotations
 
 import functools
-import json
-import logging
-import os
 import queue
 import sys
 import threading
-import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from rlmegatron.tracking.ascii_plot import ascii_plot
+from rlmegatron.tracking.console import ConsoleBackend
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
+from rlmegatron.tracking.mlflow_run import MlflowBackend
+from rlmegatron.tracking.tensorboard_events import TensorBoardBackend
+from rlmegatron.tracking.wandb_run import WandbBackend
 
 if TYPE_CHECKING:
     from rlmegatron.config.spec import JobSpec
 
-RUN_ID_FILE = "mlflow_run.json"
-SUPERSEDES_TAG = "rlmegatron.supersedes"
-"""On a run that took over from the run of the same run_dir whose points after the resumed step were superseded."""
-SUPERSEDED_BY_TAG = "rlmegatron.superseded_by"
-RESUMED_AT_TAG = "rlmegatron.resumed_at_step"
-_MLFLOW_PARAM_VALUE_LIMIT = 6000  # MLflow rejects longer parameter values
-_MLFLOW_BATCH_LIMIT = 100  # params per log_batch call
+OPTIONAL_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
+"""Backend -> the package it needs beyond rlmegatron's own dependencies, installed by the extra of the backend's name
+(`pip install rlmegatron[wandb]`). TensorBoard's event files are written by torch's SummaryWriter, which needs it."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +77,15 @@ class Tracker:
         for name in setup.backends:
             if name == "mlflow":
                 backend: Backend = InBackground(MlflowBackend(setup, params or {}, resolved_yaml))
+            elif name == "wandb":
+                backend = InBackground(WandbBackend(setup, params or {}))
+            elif name == "tensorboard":
+                backend = TensorBoardBackend(setup)  # its writer has a thread of its own
             elif name == "console":
                 backend = ConsoleBackend(console_stream or sys.stdout, setup.log_freq)
             else:
-                raise ValueError(f"unknown tracking backend {name!r}; use mlflow or console")
+                raise ValueError(f"unknown tracking backend {name!r}; use {', '.join(OPTIONAL_PACKAGES)}, mlflow or "
+                                 "console")
             self.backends.append(backend)
             self.backend_named[name] = backend
 
@@ -186,215 +187,3 @@ class InBackground:
         self.thread.join()
         self.backend.finish("FAILED" if self.failed else status)
         self._raise_error()
-
-
-class ConsoleBackend:
-    """One line per step (the step, its mean score, response length and time, and any validation scores); every
-    `log_freq` trained steps the compact table of every metric instead: a rule naming the step, then the metrics
-    sorted, three to a line."""
-
-    COLUMNS = 3
-
-    def __init__(self, stream: TextIO, log_freq: int = -1) -> None:
-        self.stream, self.log_freq = stream, log_freq
-
-    def start(self, step: int) -> None:
-        pass  # a stream has no earlier attempt to continue
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.log_freq > 0 and step > 0 and step % self.log_freq == 0:  # step 0: validation before training
-            self.stream.write(format_metrics_table(metrics, step, self.COLUMNS))
-        else:
-            self.stream.write(format_step_line(metrics, step))
-        self.stream.flush()
-
-    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
-        self.stream.write(format_samples(samples, step))
-        self.stream.flush()
-
-    def finish(self, status: str) -> None:
-        pass  # nothing buffered
-
-
-def format_samples(samples: Sequence[Mapping[str, Any]], step: int) -> str:
-    """Rollout samples for reading: each prompt once, then each of its responses with its score (and a multi-turn
-    response's turns and tool calls)."""
-    lines = [f"══ step {step}: rollout samples ══"]
-    shown_prompt = None
-    for sample in samples:
-        if sample["prompt"] != shown_prompt or sample["sample"] == 0:
-            shown_prompt = sample["prompt"]
-            lines += [f"── prompt {sample['sample_id']} (ground truth: {sample['ground_truth']}) ──", sample["prompt"]]
-        agent = (f", {sample['turns']} turns, {sample['tool_calls']} tool calls ({sample['tool_errors']} failed)"
-                 if "turns" in sample else "")
-        lines += [f"── response {sample['sample']}: score {sample['score']:.4g}, reward {sample['reward']:.4g}, "
-                  f"{sample['response_length']} tokens{agent} ──", sample["response"]]
-    return "\n".join(lines) + "\n"
-
-
-STEP_LINE_METRICS = (REWARD_SCORE_MEAN, "response_length/mean", "timing_s/step")
-"""What a step's one console line shows, with every validation score (val/<source>/score/mean) of the step."""
-
-
-def format_step_line(metrics: Mapping[str, float], step: int) -> str:
-    """`step 12  critic/score/mean 0.4375  response_length/mean 1  timing_s/step 0.07131`: the metrics' own names,
-    as the table and the MLflow run show them."""
-    shown = [key for key in STEP_LINE_METRICS if key in metrics]
-    shown += sorted(key for key in metrics if key.startswith("val/") and key.endswith("/score/mean"))
-    return "  ".join([f"step {step}", *(f"{key} {_format_value(metrics[key])}" for key in shown)]) + "\n"
-
-
-def format_metrics_table(metrics: Mapping[str, float], step: int, columns: int = 3) -> str:
-    cells = [(key, _format_value(value)) for key, value in sorted(metrics.items())]
-    key_width = max((len(key) for key, _ in cells), default=0)
-    value_width = max((len(value) for _, value in cells), default=0)
-    lines = [f"── step {step} " + "─" * max(0, (key_width + value_width + 3) * columns - len(str(step)) - 8)]
-    for start in range(0, len(cells), columns):
-        row = cells[start : start + columns]
-        lines.append("   ".join(f"{key:<{key_width}} {value:>{value_width}}" for key, value in row).rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _format_value(value: float) -> str:
-    # Throughputs and token counts read better whole than as 1.235e+04.
-    return f"{value:.0f}" if 1e4 <= abs(value) < 1e12 else f"{value:.4g}"
-
-
-class MlflowBackend:
-    """An MLflow run: params and the resolved YAML at start, metrics every step. The default store is a sqlite file
-    in the run directory with artifacts beside it, so a run needs no server. A run resumed in the same run directory
-    continues that directory's MLflow run (RUN_ID_FILE), unless that run logged steps after the checkpoint resumed
-    from (it was stopped between checkpoints): MLflow cannot delete a metric point, so a new run of the same name
-    takes over, holding the earlier run's points up to that step and tagged with the run it supersedes, and the
-    earlier run is deleted (MLflow's soft delete: `mlflow runs restore --run-id ID` brings it back). Either way the
-    run a user sees holds each step once."""
-
-    def __init__(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None) -> None:
-        # Imported here: mlflow takes seconds to import, and most commands never track.
-        from mlflow.tracking import MlflowClient
-
-        # Its INFO lines as it creates and migrates a new store's tables tell a user nothing; its warnings still show.
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-
-        setup.run_dir.mkdir(parents=True, exist_ok=True)
-        self.setup, self.params, self.resolved_yaml = setup, params, resolved_yaml
-        self.tracking_uri = resolve_tracking_uri(setup)
-        if is_file_store(self.tracking_uri):
-            # MLflow 3 refuses to open its file store (file:/dir or a plain directory) unless this is set; the user
-            # named that store, so it is allowed for this process (and the processes it starts), and for no other
-            # store.
-            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        self.run_id: str | None = None
-
-    def start(self, step: int) -> None:
-        previous = self._previous_run()
-        if previous is None:
-            self.run_id = self._start_run(self.setup, self.params, self.resolved_yaml)
-            return
-        # A fresh start (step 0) keeps nothing: even step 0's validation is logged again.
-        kept, superseded = [], 0
-        for key in previous.data.metrics:
-            for point in self.client.get_metric_history(previous.info.run_id, key):
-                if step > 0 and point.step <= step:
-                    kept.append(point)
-                else:
-                    superseded += 1
-        if not superseded:
-            self.client.update_run(previous.info.run_id, status="RUNNING")
-            self.run_id = previous.info.run_id
-            return
-        self.run_id = self._start_run(self.setup, self.params, self.resolved_yaml,
-                                      {SUPERSEDES_TAG: previous.info.run_id, RESUMED_AT_TAG: str(step)})
-        self._log_points(kept)
-        self.client.set_tag(previous.info.run_id, SUPERSEDED_BY_TAG, self.run_id)
-        self.client.delete_run(previous.info.run_id)
-        print(f"mlflow: run {previous.info.run_id} logged {superseded} metric points after step {step}, where this "
-              f"run resumes; run {self.run_id} takes over with its points up to step {step}, and "
-              f"{previous.info.run_id} is deleted (`mlflow runs restore --run-id {previous.info.run_id}` brings it "
-              f"back)", file=sys.stderr, flush=True)
-
-    def _start_run(self, setup: TrackingSetup, params: Mapping[str, Any], resolved_yaml: str | None,
-                   tags: Mapping[str, str] | None = None) -> str:
-        from mlflow.entities import Param
-
-        experiment = self.client.get_experiment_by_name(setup.project_name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            artifact_location = None
-            if self.tracking_uri.startswith("sqlite:"):
-                artifact_location = (setup.run_dir.resolve() / "mlartifacts").as_uri()
-            experiment_id = self.client.create_experiment(setup.project_name, artifact_location=artifact_location)
-        run = self.client.create_run(experiment_id, run_name=setup.experiment_name, tags=dict(tags or {}))
-        run_id = run.info.run_id
-        entries = [Param(key, _param_text(value)) for key, value in params.items()]
-        for start in range(0, len(entries), _MLFLOW_BATCH_LIMIT):
-            self.client.log_batch(run_id, params=entries[start : start + _MLFLOW_BATCH_LIMIT])
-        if resolved_yaml is not None:
-            self.client.log_text(run_id, resolved_yaml, "resolved_spec.yaml")
-        (setup.run_dir / RUN_ID_FILE).write_text(json.dumps({"run_id": run_id, "tracking_uri": self.tracking_uri}))
-        return run_id
-
-    def _previous_run(self):
-        """This run directory's MLflow run, if it is in this store and not deleted."""
-        from mlflow.exceptions import MlflowException
-
-        saved_file = self.setup.run_dir / RUN_ID_FILE
-        if not saved_file.is_file():
-            return None
-        saved = json.loads(saved_file.read_text())
-        if saved.get("tracking_uri") != self.tracking_uri:
-            return None  # the store moved; start a new run rather than write to an unknown one
-        try:
-            run = self.client.get_run(saved["run_id"])
-        except MlflowException:
-            return None  # not in this store (it was recreated)
-        return None if run.info.lifecycle_stage == "deleted" else run
-
-    def _log_points(self, points: list) -> None:
-        for start in range(0, len(points), 1000):  # MLflow's per-batch metric limit
-            self.client.log_batch(self.run_id, metrics=points[start : start + 1000])
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        assert self.run_id is not None, "Tracker.start opens the run"
-        timestamp = int(time.time() * 1000)
-        self._log_points([Metric(key, value, timestamp, step) for key, value in metrics.items()])
-
-    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> None:
-        """Artifacts rollout_samples/step_NNNNNN.json (a table, one row per sample, in the columns/data layout of
-        MLflow's log_table, which pandas.read_json(orient="split") reads) and .txt (the same, to read). Not log_table
-        itself: it lists every table in a run tag that MLflow cuts at 8000 characters, after which every further
-        call fails (some 145 steps into a run)."""
-        if not samples:
-            return
-        name = f"rollout_samples/step_{step:06d}"
-        columns = ["step", *samples[0]]
-        rows = [[step, *(sample[key] for key in columns[1:])] for sample in samples]
-        self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, f"{name}.json")
-        self.client.log_text(self.run_id, format_samples(samples, step), f"{name}.txt")
-
-    def finish(self, status: str) -> None:
-        if self.run_id is not None:  # None: the run stopped before training started
-            self.client.set_terminated(self.run_id, status=status)
-
-
-def resolve_tracking_uri(setup: TrackingSetup) -> str:
-    """tracking.tracking_uri, else MLFLOW_TRACKING_URI, else a sqlite store in the run directory."""
-    if setup.tracking_uri:
-        return setup.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{(setup.run_dir / 'mlflow.db').resolve()}"
-
-
-def is_file_store(tracking_uri: str) -> bool:
-    """Whether MLflow opens this URI as its file store: a file: URI or a path without a scheme."""
-    return urllib.parse.urlparse(tracking_uri).scheme in ("", "file")
-
-
-def _param_text(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= _MLFLOW_PARAM_VALUE_LIMIT else text[: _MLFLOW_PARAM_VALUE_LIMIT - 3] + "..."

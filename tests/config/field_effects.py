@@ -128,6 +128,12 @@ CONSOLE = TRACKING + "test_console_prints_one_line_a_step_and_the_full_table_eve
 TRACKING_URI = TRACKING + "test_the_mlflow_store_is_the_specs_tracking_uri"
 URI_ORDER = TRACKING + "test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir"
 FILE_STORE = TRACKING + "test_an_mlflow_file_store_takes_the_runs_metrics"
+BACKENDS = "tests/tracking/test_backends.py::"
+EVERY_BACKEND = BACKENDS + "test_every_backend_gets_the_same_metric_names_values_and_samples"
+RESUMED_BACKENDS = BACKENDS + "test_a_resumed_run_continues_its_wandb_and_tensorboard_runs"
+MISSING_PACKAGE = BACKENDS + "test_a_backend_whose_package_is_missing_is_one_line_at_validation"
+WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_is_one_line"
+RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
 TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_every_node"
 
 # Rejections and checks.
@@ -446,9 +452,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.val_kwargs.temperature": ("validation temperature", (VALIDATION,)),
     "rollout.val_kwargs.top_k": ("validation top-k", (VALIDATION,)),
     "rollout.val_kwargs.top_p": ("validation top-p", (VALIDATION,)),
-    "tracking.backends": ("console and/or MLflow", (MLFLOW_STORE, CONSOLE)),
-    "tracking.project_name": ("MLflow experiment", (MLFLOW_STORE,)),
-    "tracking.rollout_trace.backend": ("where each step's samples are logged as text", (TRACE_MLFLOW, TRACE_CONSOLE)),
+    "tracking.backends": ("console, MLflow, W&B and/or TensorBoard",
+                          (MLFLOW_STORE, CONSOLE, EVERY_BACKEND, RESUMED_BACKENDS, RESUMED_RUN_BACKENDS,
+                           MISSING_PACKAGE, WANDB_ACCOUNT)),
+    "tracking.project_name": ("MLflow experiment, W&B project", (MLFLOW_STORE, EVERY_BACKEND)),
+    "tracking.rollout_trace.backend": ("where each step's samples are logged as text",
+                                       (TRACE_MLFLOW, TRACE_CONSOLE, EVERY_BACKEND)),
     "tracking.rollout_trace.prompts_per_step": ("prompts whose samples are traced", (TRACE_MLFLOW, TRACE_PROMPTS)),
     "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER, FILE_STORE)),
     "trainer.collective_timeout_s": ("a collective waiting longer stops the run, naming step and call",

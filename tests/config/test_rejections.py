@@ -31,7 +31,8 @@ def test_verl_rollout_key_points_at_its_name_here():
         ("rollout.engine=sglng", "command line: rollout.engine=sglng: should be 'sglang' or 'local'"),
         ("actor.ppo_epochs=0", "command line: actor.ppo_epochs=0: should be greater than or equal to 1"),
         ("data.train_files=[a.csv]", "command line: data.train_files[0]=a.csv: must be a .parquet or .jsonl file"),
-        ("tracking.backends=[wandb]", "command line: tracking.backends[0]=wandb: should be 'mlflow' or 'console'"),
+        ("tracking.backends=[swanlab]", "command line: tracking.backends[0]=swanlab: should be 'mlflow', 'wandb', "
+                                          "'tensorboard' or 'console'"),
         ("reward.function=rewards.py", "command line: reward.function=rewards.py: must look like path/to/file.py:name"),
         ("trainer.save_freq=0", "command line: trainer.save_freq=0: must be a number of steps >= 1, or -1 for never"),
         ("actor=3", "command line: actor=3: must be a section: a mapping of keys to values"),

@@ -49,7 +49,9 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
          "(~trainer.total_epochs on the command line), or remove trainer.total_steps (~trainer.total_steps on the "
          "command line) to train by epochs"),
         ({"trainer.val_before_train": False}, "data.val_files=[val.parquet]: validation never runs"),
-        ({"tracking.project_name": "p"}, "tracking.project_name=p: only the mlflow backend uses it"),
+        ({"tracking.project_name": "p"}, "tracking.project_name=p: only the mlflow and wandb backends use it"),
+        ({"tracking.backends": ["wandb"], "tracking.tracking_uri": "sqlite:///x.db"},
+         "tracking.tracking_uri=sqlite:///x.db: only the mlflow backend uses it"),
         ({"model.hf_config": "x/config.json"}, "model.hf_config=x/config.json: model.path is a local directory"),
         ({"actor.ppo_max_token_len_per_gpu": 512}, "actor.ppo_max_token_len_per_gpu=512: only applies with "
                                                    "actor.use_dynamic_bsz=true"),
@@ -89,6 +91,7 @@ def test_a_setting_that_would_change_nothing_is_rejected(settings, expected):
          "critic.ppo_mini_batch_size": 8},
         {"algorithm.adv_estimator": "reinforce_plus_plus", "algorithm.gamma": 0.9},
         {"actor.kl_loss_coef": 0.001},  # the default: nothing to reject
+        {"tracking.backends": ["wandb", "tensorboard"], "tracking.project_name": "p"},
         {"actor.lora.rank": 8, "actor.lora.alpha": 16, "actor.lora.dropout": 0.05, "actor.use_kl_loss": True,
          "ref.log_prob_micro_batch_size_per_gpu": 2},
         {"reward.function": ASYNC_REWARD, "reward.async_concurrency": 8},

@@ -142,7 +142,7 @@ def test_a_key_without_meaning_and_an_unknown_key_exit_2_naming_the_key_and_our_
         "always packed; drop the key",
         "command line: actor_rollout_ref.model.lora_rank=32: LoRA is not supported: rlmegatron trains every weight",
         "command line: actor_rollout_ref.rollout.trace.backend=weave: weave is not supported; use mlflow (a table "
-        "and a text file per step) or console",
+        "and a text file per step), wandb (a table), tensorboard (a text summary) or console",
     ]
 
 
@@ -234,8 +234,15 @@ def test_conversions_that_read_other_keys():
     assert translated("trainer.resume_mode=resume_path")[1] == [
         "command line: trainer.resume_mode=resume_path: needs trainer.resume_from_path=PATH (rlmegatron's "
         "trainer.resume=PATH)"]
-    assert translated("trainer.logger=[console,wandb]")[1] == [
-        "command line: trainer.logger=[console, wandb]: rlmegatron tracks to console and mlflow only; drop wandb"]
+    # verl's loggers that rlmegatron has are its tracking backends, in any combination; the others are named.
+    assert translated("trainer.logger=[console,wandb]") == ({"tracking.backends": ["console", "wandb"]}, [])
+    assert translated("trainer.logger=[tensorboard,mlflow,wandb]")[0] == {
+        "tracking.backends": ["tensorboard", "mlflow", "wandb"]}
+    assert translated("actor_rollout_ref.rollout.trace.backend=wandb", "trainer.logger=[wandb]")[0] == {
+        "tracking.rollout_trace.backend": "wandb", "tracking.backends": ["wandb"]}
+    assert translated("trainer.logger=[console,swanlab]")[1] == [
+        "command line: trainer.logger=[console, swanlab]: rlmegatron tracks to console, mlflow, wandb and tensorboard "
+        "only; drop swanlab"]
     assert translated("actor_rollout_ref.rollout.do_sample=False", "actor_rollout_ref.actor.kl_loss_type=mse")[0] == {
         "rollout.temperature": 0.0, "actor.kl_loss_type": "k2"}
     # verl's older TIS knob is token-level truncated importance sampling; its -1 turns it off.

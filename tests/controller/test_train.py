@@ -15,6 +15,8 @@ import pytest
 from rlmegatron.cli import EXIT_BAD_SPEC, main
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
+from tests.helpers.tracking_readers import (plotted, tensorboard_events, tensorboard_history, wandb_history,
+                                           wandb_runs)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
@@ -23,6 +25,7 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_mi
          "trainer.val_before_train=false", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=null",
          "tracking.backends=[console,mlflow]", "reward.function=tests/controller/parity_reward.py:compute_score"]
 NOT_REPRODUCIBLE = ("timing_s/", "perf/")
+EVERY_TRACKER = "tracking.backends=[console,mlflow,wandb,tensorboard]"
 
 
 FAKE_SGLANG = REPO_ROOT / "tests" / "rollout" / "fake_sglang"
@@ -118,7 +121,7 @@ def ray_run(tmp_path_factory):
         # --verbose: the progress bars' lines, checked below, show in the log.
         killed = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
                                    "placement.launcher=ray",
-                                   f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable"],
+                                   f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable", EVERY_TRACKER],
                                   cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=600)  # a bound on a hang, not a speed test
         killed.send_signal(signal.SIGTERM)
@@ -130,7 +133,7 @@ def ray_run(tmp_path_factory):
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
     resumed = train(tmp, "resumed", "launched", "placement.launcher=ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
-                    "trainer.resume=auto", *sglang, *router, env=env)
+                    "trainer.resume=auto", *sglang, *router, EVERY_TRACKER, env=env)
     return tmp, first, resumed, killed.returncode
 
 
@@ -195,7 +198,7 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from rlmegatron.tracking.tracker import SUPERSEDED_BY_TAG, SUPERSEDES_TAG
+    from rlmegatron.tracking.mlflow_run import SUPERSEDED_BY_TAG, SUPERSEDES_TAG
 
     tmp, first, resumed, _ = ray_run
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'killed' / 'mlflow.db'}")
@@ -214,6 +217,54 @@ def test_after_the_resume_mlflow_shows_each_step_once(ray_run):
         # Steps 1-2 as the killed run logged them, steps 3-5 as the resumed run did.
         assert points == [p for p in first["history"][key] if p[0] <= 2] + [tuple(p) for p in resumed["history"][key]]
     assert f"mlflow: run {superseded.info.run_id} logged" in resumed["stderr"]
+
+
+def test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once(ray_run):
+    """The killed run's W&B run (offline) is continued by the resumed one, under its id; TensorBoard shows steps 1-2
+    as the killed run logged them and 3-5 as the resumed run did, as MLflow does."""
+    tmp, first, resumed, _ = ray_run
+    run_dir = tmp / "killed"
+    killed_records, resumed_records = wandb_runs(run_dir)
+    [killed_run], [resumed_run] = ([r["run"] for r in records if r["type"] == "run"]
+                                   for records in (killed_records, resumed_records))
+    assert resumed_run["run_id"] == killed_run["run_id"] and resumed_run.get("resume") is True
+    killed, ours = wandb_history(killed_records), wandb_history(resumed_records)
+    assert ours == {key: [tuple(point) for point in points] for key, points in resumed["history"].items()}
+    assert killed == {key: [tuple(point) for point in points] for key, points in first["history"].items()}
+    expected = {key: [tuple(p) for p in first["history"].get(key, []) if p[0] <= 2]
+                + [tuple(p) for p in resumed["history"].get(key, [])]
+                for key in first["history"].keys() | resumed["history"].keys()}
+    events = {key: points for key, points in tensorboard_history(tensorboard_events(run_dir)).items() if points}
+    assert events.keys() == {key for key, points in expected.items() if points}
+    for key, points in events.items():
+        expected_points = expected[key]
+        assert [step for step, _ in points] == [step for step, _ in expected_points], key
+        assert [value for _, value in points] == pytest.approx([value for _, value in expected_points], rel=1e-6), key
+
+
+def test_the_finished_run_draws_the_curves_of_every_attempt_and_report_redraws_them(ray_run, capsys):
+    """The resumed run's curves.png shows steps 1-5 as its MLflow run holds them: 1-2 from the killed attempt, 3-5
+    its own; `rlm report` draws the same from the store."""
+    from mlflow.tracking import MlflowClient
+
+    tmp, _, resumed, _ = ray_run
+    run_dir = tmp / "killed"
+    path = run_dir / "curves.png"
+    assert f"curves:     {path}" in resumed["stdout"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    drawn = plotted(path)
+    assert {"critic/score/mean", "val/next_digit/score/mean", "actor/ppo_kl", "actor/entropy", "response_length/mean",
+            "timing_s/step"} <= set(drawn)
+    for key, points in drawn.items():
+        assert points == sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)), key
+    assert [step for step, _ in drawn["critic/score/mean"]] == [1, 2, 3, 4, 5]
+    assert [step for step, _ in drawn["val/next_digit/score/mean"]] == [2, 4]
+
+    path.unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert capsys.readouterr().out == f"curves: {path} (steps 1-5 of run quickstart, FINISHED)\n"
+    assert plotted(path) == drawn
 
 
 def test_the_summary_names_the_steps_the_resumed_run_trained(ray_run):
@@ -277,13 +328,28 @@ def test_an_engine_that_died_mid_step_was_restarted_resynced_and_the_step_comple
 def test_the_processes_launcher_trains_on_two_rank_processes_without_ray(tmp_path):
     result = train(tmp_path, "processes", "launched", "placement.launcher=processes", "trainer.total_steps=2",
                    f"trainer.run_dir={tmp_path / 'run'}", "trainer.save_freq=-1",
-                   "tracking.backends=[console]")
+                   "tracking.backends=[console,wandb,tensorboard]", "tracking.rollout_trace.backend=wandb")
     history = result["history"]
     for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean", "timing_s/update_actor"):
         assert [s for s, _ in history[name]] == [1, 2], name
         assert all(math.isfinite(v) for _, v in history[name]), name
     assert history["actor/entropy"][0][1] > 0  # two ranks really trained a policy that samples
     assert not result["ray_imported"]
+    # Without an MLflow store, the curves are what the run logged.
+    logged = {key: [tuple(point) for point in points] for key, points in history.items()}
+    drawn = plotted(tmp_path / "run" / "curves.png")
+    assert {"critic/score/mean", "val/next_digit/score/mean", "actor/entropy", "timing_s/step"} <= set(drawn)
+    assert drawn == {key: logged[key] for key in drawn}
+    # W&B (offline) and TensorBoard got every metric under its name: W&B exactly, TensorBoard as float32.
+    [records] = wandb_runs(tmp_path / "run")
+    assert wandb_history(records) == logged
+    assert [r["history"]["step"]["num"] for r in records if r["type"] == "history"
+            and "rollout_samples._type" in r["history"]["item"]] == [1, 2]  # the traced samples' tables
+    events = tensorboard_history(tensorboard_events(tmp_path / "run"))
+    assert events.keys() == logged.keys()
+    for key, points in logged.items():
+        assert [step for step, _ in events[key]] == [step for step, _ in points], key
+        assert [value for _, value in events[key]] == pytest.approx([value for _, value in points], rel=1e-6), key
     # The progress bars, fed from the rank processes over their pipes: 16 samples and 1 optimizer step per step.
     full = "[" + "#" * 30 + "]"
     assert result["stderr"].count(f"rollout        {full} 16/16") == 2

@@ -68,7 +68,7 @@ def test_a_run_resumed_before_steps_it_logged_shows_each_step_once(tmp_path, mon
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from rlmegatron.tracking.tracker import RESUMED_AT_TAG, SUPERSEDED_BY_TAG, SUPERSEDES_TAG
+    from rlmegatron.tracking.mlflow_run import RESUMED_AT_TAG, SUPERSEDED_BY_TAG, SUPERSEDES_TAG
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     killed = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
