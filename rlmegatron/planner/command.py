@@ -6,9 +6,11 @@ import json
 import sys
 import time
 
+from rlmegatron.config.loader import read_spec_file
 from rlmegatron.models.families import read_architecture
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.planner.plan import DEFAULT_GPU_MEM_GB, DEFAULT_LINK_GBPS, PlanSettings, build_plan, render_plan
+from rlmegatron.planner.search import search
 
 EXIT_OK = 0
 EXIT_BAD_LAYOUT = 2  # the same code as a rejected spec: the user's to fix
@@ -46,9 +48,6 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_search(spec: JobSpec, args: argparse.Namespace, settings: PlanSettings) -> int:
-    from rlmegatron.config.loader import read_spec_file
-    from rlmegatron.planner.search import search
-
     located = spec.model.architecture_source()
     assert located is not None, "load_spec rejects a spec without a readable architecture"
     started = time.perf_counter()
