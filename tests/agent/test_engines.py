@@ -121,7 +121,9 @@ def test_sglang_serves_every_trajectory_turn_by_turn_token_ids_in_and_out_many_i
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     generates = [c for c in calls if c["path"] == "/generate"]
     assert len(results) == 24 and len(generates) == sum(r.agent.turns for r in results)
-    assert max(c["in_flight"] for c in generates) >= 8  # trajectories run side by side, not batch by batch
+    # Trajectories run side by side (up to 32 at once), not one after another: a loaded machine starts fewer of the
+    # client's threads together (CI once saw 7), a serial client never more than 1.
+    assert max(c["in_flight"] for c in generates) >= 4
     served = defaultdict(list)  # the n samples of a prompt share their first turn's input
     for c in generates:
         served[tuple(c["input_ids"])].append(c["output_ids"])
