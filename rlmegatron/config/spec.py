@@ -601,8 +601,8 @@ class TrainerConfig(Section):
     good. Megatron's and torch's default; raise it where ranks legitimately wait longer (loading a very large model
     on one rank while the others wait)."""
     max_restarts: int = Field(0, ge=0)
-    """Times the run restarts its trainer ranks when one dies (killed, out of memory, a collective that timed out)
-    within this `rlm train`: the others are stopped, the ranks and engines start again, and the run resumes from the
+    """Times the run restarts its trainer ranks when one dies (killed, out of memory, a collective that timed out, or
+    a rank that raises what is not the user's mistake, such as a CUDA or NCCL error) within this `rlm train`: the others are stopped, the ranks and engines start again, and the run resumes from the
     last complete checkpoint (its data position, RNG and tracker run: a resume as trainer.resume=auto makes) and goes
     on. Past that many restarts the run stops with one line (exit 3). 0: the first death stops it."""
     partial_rollout: bool = False

@@ -45,10 +45,11 @@ from rlmegatron.controller.rollout_data import (
     token_level,
     traced_samples,
 )
-from rlmegatron.errors import Divergence, OffPolicy, UserError
+from rlmegatron.errors import Divergence, OffPolicy, UserError, user_error_in
 from rlmegatron.rewards import NonFiniteReward, RewardResult, UnusableRewards, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.runtime.distributed import CollectiveTimeout
+from rlmegatron.runtime.launcher import RankFailure
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
 if TYPE_CHECKING:
@@ -215,8 +216,12 @@ class Trainer:
         try:
             yield
         except Exception as error:
-            lost = isinstance(error, CollectiveTimeout) or _rank_died(error)
-            stops = lost or isinstance(error, (Divergence, NonFiniteReward, OffPolicy))
+            diverged = isinstance(error, (Divergence, NonFiniteReward, OffPolicy))
+            # With restarts allowed, a rank that raised what is not the user's mistake (a CUDA or NCCL error) is lost
+            # too; without, it stays the bug report it is (its traceback, exit 1).
+            crashed = self.spec.trainer.max_restarts > 0 and not diverged and _rank_raised(error)
+            lost = isinstance(error, CollectiveTimeout) or _rank_died(error) or crashed
+            stops = lost or diverged
             if not (stops or isinstance(error, UnusableRewards)):
                 raise
             if making_ahead():
@@ -422,6 +427,16 @@ def _rank_died(error: BaseException) -> bool:
     ray_exceptions = sys.modules.get("ray.exceptions")
     return isinstance(error, RankDied) or (ray_exceptions is not None
                                            and isinstance(error, ray_exceptions.RayActorError))
+
+
+def _rank_raised(error: BaseException) -> bool:
+    """A trainer rank raised `error`, not as the user's mistake: the processes launcher re-raises the rank's exception
+    with its traceback as the cause (a RankFailure), Ray as a RayTaskError (looked up, never imported here)."""
+    if user_error_in(error) is not None:
+        return False
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    return isinstance(error.__cause__, RankFailure) or (ray_exceptions is not None
+                                                        and isinstance(error, ray_exceptions.RayTaskError))
 
 
 def run_total_steps(spec, train_loader) -> int:

@@ -21,9 +21,10 @@ RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1", "
        "data.val_files=[]", "trainer.log_freq=1", "placement.gpus_per_node=2", "trainer.max_ckpt_to_keep=3", LOSS]
 
 
-def rlm_train(run_dir: Path, *overrides: str, marker: Path, die_after: Path, times: int) -> subprocess.CompletedProcess:
+def rlm_train(run_dir: Path, *overrides: str, marker: Path, die_after: Path, times: int,
+              how: str = "kill") -> subprocess.CompletedProcess:
     env = {**os.environ, "RLM_DIE_MARKER": str(marker), "RLM_DIE_ONCE_EXISTS": str(die_after),
-           "RLM_DIE_TIMES": str(times)}
+           "RLM_DIE_TIMES": str(times), "RLM_DIE_HOW": how}
     env.pop("MLFLOW_TRACKING_URI", None)  # the run directory's own store
     return subprocess.run([RLM, "train", QUICKSTART, *RUN, f"trainer.run_dir={run_dir}", *overrides], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=420)
@@ -68,14 +69,19 @@ def test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from
         assert torch.equal(ours[name], theirs[name]), name
 
 
-def test_a_rank_that_dies_again_past_max_restarts_stops_the_run_with_one_line(tmp_path):
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_rank_that_dies_again_past_max_restarts_stops_the_run_with_one_line(tmp_path, how):
+    """Killed, or raising what is not the user's mistake (a CUDA error): restarted once, stopped the second time."""
     run = tmp_path / "run"
     stopped = rlm_train(run, "placement.launcher=processes", "trainer.max_restarts=1", marker=tmp_path / "died",
-                        die_after=run / "checkpoints" / "step_1", times=2)
+                        die_after=run / "checkpoints" / "step_1", times=2, how=how)
     assert stopped.returncode == 3, stopped.stdout[-2000:] + stopped.stderr[-4000:]
     assert len((tmp_path / "died").read_text().splitlines()) == 2
+    assert "Restarting the trainer ranks (1 of trainer.max_restarts=1)" in stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
-    assert last.startswith("training stopped: step 2: trainer rank 1") and "was killed by SIGKILL" in last
+    assert last.startswith("training stopped: step 2: ")
+    assert ("trainer rank 1" in last and "was killed by SIGKILL" in last) if how == "kill" else \
+        "CUDA error: an illegal memory access" in last
     assert last.endswith("(the ranks were restarted 1 time(s) already: trainer.max_restarts=1)")
     assert "Traceback" not in stopped.stderr
     assert (run / "checkpoints" / "step_1").is_dir() and not (run / "checkpoints" / "step_2").exists()
