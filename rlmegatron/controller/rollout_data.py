@@ -115,8 +115,9 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
         # call that never happens. Tool answers route freely (-1): the engine read them, the policy did not write them.
         ran = in_prompt | (in_response & (columns < prompt_width + response_lengths[:, None] - 1))
         routed = torch.full((*input_ids.shape, *_routing_shape(results)), -1, dtype=torch.int16)
-        routed[ran] = torch.cat([_routing_of(r, len(prompt), index) for index, (r, prompt)
-                                 in enumerate(zip(results, prompt_ids))])
+        routed[ran] = torch.cat([r.checked_routing(len(prompt), f"request {r.request_index} (sample "
+                                                                 f"{r.sample_index}, row {index})")
+                                 for index, (r, prompt) in enumerate(zip(results, prompt_ids))])
         routed[:, prompt_width:][response_cells & (response_mask == 0)] = -1
     return RolloutBatch(input_ids, attention_mask, response_mask, rollout_log_probs=rollout_log_probs,
                         routed_experts=routed)
@@ -124,18 +125,6 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
 
 def _routing_shape(results: list[GenerationResult]) -> tuple[int, int]:
     return next(tuple(r.routed_experts.shape[1:]) for r in results if r.routed_experts is not None)
-
-
-def _routing_of(result: GenerationResult, prompt_length: int, row: int) -> torch.Tensor:
-    """A result's routing record, checked: one row per token the engine ran."""
-    expected = prompt_length + len(result.output_token_ids) - 1
-    routed = result.routed_experts
-    if routed is None or routed.shape[0] != expected:
-        got = "none" if routed is None else f"{routed.shape[0]} tokens"
-        raise ValueError(f"the engine's answer to request {result.request_index} (sample {result.sample_index}, row "
-                         f"{row}) has routing for {got}, not the {expected} tokens it ran (prompt + response - 1); "
-                         f"routing replay cannot route it as the rollout did")
-    return routed
 
 
 def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:

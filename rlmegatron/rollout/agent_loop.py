@@ -157,15 +157,11 @@ class Trajectory:
     def _add_routing(self, result: GenerationResult) -> None:
         """The rows of this turn's record past those earlier turns gave: an earlier turn's are the same tokens run
         again (a prefill of the conversation so far), which the first run routed."""
-        ran = len(self.prompt) + len(self.tokens) + len(result.output_token_ids) - 1
-        record = result.routed_experts
-        if record is None or record.shape[0] != ran:
-            got = "none" if record is None else f"{record.shape[0]} tokens"
-            raise ValueError(f"the engine's answer to turn {self.turns + 1} of request {self.request_index} (sample "
-                             f"{self.sample_index}) has routing for {got}, not the {ran} tokens it ran (conversation "
-                             f"so far + response - 1); routing replay cannot route it as the rollout did")
+        # This turn's prompt is the conversation so far.
+        record = result.checked_routing(len(self.prompt) + len(self.tokens), f"turn {self.turns + 1} of request "
+                                        f"{self.request_index} (sample {self.sample_index})")
         self.routed.append(record[self.routed_rows :])
-        self.routed_rows = ran
+        self.routed_rows = record.shape[0]
 
     def routed_experts(self) -> torch.Tensor | None:
         """[prompt + response - 1, MoE layers, k]: a tool answer the budget cut at the end, which no turn ran, routes

@@ -99,6 +99,17 @@ class GenerationResult:
     engine ran, [prompt + output - 1 tokens, MoE layers, top-k] int16 (SGLang's convention: the last output token is
     never fed back)."""
 
+    def checked_routing(self, prompt_length: int, answer: str) -> torch.Tensor:
+        """`routed_experts`, which must hold a row for each token the engine ran after a prompt of `prompt_length`;
+        `answer` names this answer in the error (a missing or short record is never replayed as free routing)."""
+        expected = prompt_length + len(self.output_token_ids) - 1
+        routed = self.routed_experts
+        if routed is None or routed.shape[0] != expected:
+            got = "none" if routed is None else f"{routed.shape[0]} tokens"
+            raise ValueError(f"the engine's answer to {answer} has routing for {got}, not the {expected} tokens it "
+                             f"ran (prompt + response - 1); routing replay cannot route it as the rollout did")
+        return routed
+
     @property
     def oldest_weight_version(self) -> str | None:
         return self.token_weight_versions[0] if self.token_weight_versions else self.weight_version
