@@ -27,7 +27,7 @@ from rlmegatron.models.pipeline import PipelineSplitError
 from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_weight_bytes, training_memory
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
-from rlmegatron.planner.step_time import StepTime, generation_seconds, training_seconds, workload_of
+from rlmegatron.planner.step_time import StepTime, generation_seconds, training_phases, workload_of
 
 KEEP_TRAINER_LAYOUTS = 6
 KEEP_ENGINE_LAYOUTS = 3
@@ -167,11 +167,10 @@ def _price_trainer(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
     memory = training_memory(sized, arch, params, megatron, offload, batch)
     if memory.total > settings.gpu_mem_gb * GB:
         return None
-    micro_tokens = batch.sequences * batch.sequence_length
-    passes = 4 if megatron.recompute_granularity == "full" else 3
-    forwards = int(spec.needs_old_log_prob_pass) + int(spec.needs_reference)
-    hw = settings.hardware(spec.placement.gpus_per_node)
-    return training_seconds(arch, params, megatron, world, work, passes + forwards, micro_tokens, hw)
+    # The reference follows the actor's layout here, as the spec's unset ref.megatron fields do.
+    phases = training_phases(spec, arch, params, megatron, megatron, world, work,
+                             settings.hardware(spec.placement.gpus_per_node))
+    return sum(phases.values())
 
 
 def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: ModelArchitecture,

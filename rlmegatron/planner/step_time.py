@@ -151,6 +151,24 @@ def training_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: 
     return (compute + comm) * bubble
 
 
+def training_phases(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, megatron: MegatronConfig,
+                    ref_megatron: MegatronConfig, world: int, work: Workload, hw: Hardware) -> dict[str, float]:
+    """The trainer's phases of a step: the old-log-prob and reference passes when the spec runs them, the update;
+    the actor laid out by `megatron`, the reference by `ref_megatron`."""
+    actor = spec.actor
+    # A token budget packs rows up to it; fixed micro-batches hold rows of the mean length.
+    micro_tokens = actor.ppo_max_token_len_per_gpu * megatron.context_parallel_size if actor.use_dynamic_bsz \
+        else actor.ppo_micro_batch_size_per_gpu * work.sequence
+    phases = {}
+    if spec.needs_old_log_prob_pass:
+        phases["old_log_prob"] = training_seconds(arch, params, megatron, world, work, 1, micro_tokens, hw)
+    if spec.needs_reference:
+        phases["ref_log_prob"] = training_seconds(arch, params, ref_megatron, world, work, 1, micro_tokens, hw)
+    update_passes = (4 if megatron.recompute_granularity == "full" else 3) * actor.ppo_epochs
+    phases["update"] = training_seconds(arch, params, megatron, world, work, update_passes, micro_tokens, hw)
+    return phases
+
+
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
                        work: Workload, weight_bytes: float, hw: Hardware) -> float:
     """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections)."""
@@ -207,18 +225,9 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     rollout_gpus = world if colocated else (spec.placement.rollout_pool_size or world)
     tp_g = spec.rollout.tensor_parallel_size
     weight_bytes = rollout_weight_bytes(spec, params) / params.total
-    update_passes = (4 if megatron.recompute_granularity == "full" else 3) * spec.actor.ppo_epochs
-    actor_cfg = spec.actor
-    # A token budget packs rows up to it; fixed micro-batches hold rows of the mean length.
-    micro_tokens = actor_cfg.ppo_max_token_len_per_gpu * megatron.context_parallel_size if actor_cfg.use_dynamic_bsz \
-        else actor_cfg.ppo_micro_batch_size_per_gpu * work.sequence
     phases = {"generation": generation_seconds(arch, params, engine, max(rollout_gpus // tp_g, 1), tp_g, work,
-                                               weight_bytes, hw)}
-    if spec.needs_old_log_prob_pass:
-        phases["old_log_prob"] = training_seconds(arch, params, megatron, world, work, 1, micro_tokens, hw)
-    if spec.needs_reference:
-        phases["ref_log_prob"] = training_seconds(arch, params, spec.ref.megatron, world, work, 1, micro_tokens, hw)
-    phases["update"] = training_seconds(arch, params, megatron, world, work, update_passes, micro_tokens, hw)
+                                               weight_bytes, hw),
+              **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw)}
     pp = megatron.pipeline_model_parallel_size
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
