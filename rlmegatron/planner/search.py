@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from rlmegatron.config.errors import SpecError
 from rlmegatron.config.loader import spec_from_raw
-from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
+from rlmegatron.config.spec import JobSpec, OffloadConfig
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.models.pipeline import PipelineSplitError
 from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_weight_bytes, training_memory
@@ -160,6 +160,8 @@ def _price_trainer(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
         extra[FIRST_STAGE.removeprefix(MEGATRON + "extra.")] = first
     megatron = spec.actor.megatron.model_copy(update={**{k: v for k, v in layout.items() if k != "offload"},
                                                       "extra": extra})
+    # training_memory reads the trainer's world size from the placement: one with `world` trainer GPUs (their split
+    # into nodes does not change the memory).
     sized = spec.model_copy(update={"placement": spec.placement.model_copy(update={"nnodes": 1,
                                                                                    "gpus_per_node": world})})
     batch = micro_batch(sized, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz,
