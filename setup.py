@@ -19,7 +19,7 @@ CORE = [
     "packaging>=23",  # the SGLang server's version, checked against SGLANG_RANGE
 ]
 
-# The SGLang versions whose protocol the client speaks (rlmegatron.rollout.sglang.SUPPORTED_SGLANG says the same).
+# The SGLang versions whose protocol the client speaks (rlmegatron.rollout.sglang.client.SUPPORTED_SGLANG says the same).
 SGLANG_RANGE = "sglang>=0.5.10,<=0.5.23"
 # SGLang's own server code runs in the tests (tests/rollout/sglang_cpu) at this version. Its wheel pins CUDA torch and
 # GPU kernels, so launch/install.sh installs it with --no-deps; these are what its HTTP app and weight-update path

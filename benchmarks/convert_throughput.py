@@ -60,7 +60,7 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlmegatron.runtime import run_ranks
+    from rlmegatron.transport.local_ranks import run_ranks
 
     workdir = tempfile.mkdtemp(prefix="convert-bench-")
     config = AutoConfig.for_model("qwen2", hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -22,8 +22,8 @@ from collections import defaultdict
 SPEC = "benchmarks/peer_trl_echo/spec.yaml"
 TIMED = [  # module, qualified name
     ("rlmegatron.rollout.local", "LocalEngine._generate_batch"),
-    ("rlmegatron.controller.trainer", "build_batch"),  # as the trainer imported it
-    ("rlmegatron.workers.megatron_step", "shard_micro_batches"),
+    ("rlmegatron.driver.trainer", "build_batch"),  # as the trainer imported it
+    ("rlmegatron.rank.roles.megatron_step", "shard_micro_batches"),
     ("megatron.core.pipeline_parallel.schedules", "forward_step"),
     ("megatron.core.pipeline_parallel.schedules", "backward_step"),
     ("megatron.core.optimizer.optimizer", "ChainedOptimizer.step"),
@@ -57,8 +57,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller import worker_group
-    from rlmegatron.controller.job import run_training
+    from rlmegatron.transport import worker_group
+    from rlmegatron.driver.job import run_training
     from rlmegatron.tracking import Tracker
 
     samples: dict[str, list[float]] = defaultdict(list)

@@ -92,7 +92,8 @@ def sync_job(hf_dir: str, layout, bucket_mb: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    from rlmegatron.runtime import ParallelLayout, run_ranks
+    from rlmegatron.runtime import ParallelLayout
+    from rlmegatron.transport.local_ranks import run_ranks
     from tests.models.tiny_hf import save_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -46,7 +46,7 @@ def compare(args, bf16_dir: str, fp8_dir: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from convert_throughput import _model_bytes, import_job  # this directory is on sys.path when run as a script
-    from rlmegatron.runtime import run_ranks
+    from rlmegatron.transport.local_ranks import run_ranks
 
     config = AutoConfig.for_model("qwen2", hidden_size=args.hidden, num_hidden_layers=args.layers,
                                   num_attention_heads=args.hidden // 64, num_key_value_heads=4,

@@ -1,5 +1,5 @@
 """The driver's round trip to the trainer ranks: one `call_all` of a no-op on 2 CPU ranks, as Ray actors
-(placement.launcher=ray) and as rank processes (placement.launcher=processes), alternating in each round.
+(placement.transport=ray) and as rank processes (placement.transport=processes), alternating in each round.
 
     python benchmarks/group_calls.py [--rounds 3] [--calls 300]
 
@@ -37,9 +37,9 @@ def main() -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from rlmegatron.controller.placement import create_pool
-    from rlmegatron.controller.rank_processes import RankProcesses
-    from rlmegatron.controller.worker_group import RayWorkerGroup
+    from rlmegatron.transport.placement import create_pool
+    from rlmegatron.transport.rank_processes import RankProcesses
+    from rlmegatron.transport.worker_group import RayWorkerGroup
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     pool = create_pool("trainer", 1, 2, "cpu")

@@ -47,9 +47,9 @@ def measure(hf: dict, lora_rank: int, alpha: float, temperatures: list[float], s
     from rlmegatron.models.hf_config import build_gpt_model, model_facts, transformer_config
     from rlmegatron.models.lora import LoRASettings, add_adapters
     from rlmegatron.runtime import ParallelLayout, init_model_parallel
-    from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
-    from rlmegatron.workers.megatron_step import unwrap
-    from tests.workers.jobs import rollout_batch
+    from rlmegatron.rank.roles import ActorSettings, ActorWorker, OptimizerSettings
+    from rlmegatron.rank.roles.megatron_step import unwrap
+    from tests.rank.roles.jobs import rollout_batch
 
     layout = ParallelLayout()
     init_model_parallel(layout)
@@ -103,7 +103,7 @@ def _job(hf: dict, rank: int, alpha: float, temperatures: list[float], saved: tu
 
 def main() -> None:
     from rlmegatron.models.hf_config import read_hf_config
-    from rlmegatron.runtime import run_ranks
+    from rlmegatron.transport.local_ranks import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rank", type=int, default=8)

@@ -23,7 +23,7 @@ def packed_job(sequences: int, min_len: int, max_len: int, repeats: int, threads
     torch.set_num_threads(threads)
     from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
     from rlmegatron.runtime import ParallelLayout, init_model_parallel
-    from rlmegatron.workers.batch import RolloutBatch, build_micro_batch
+    from rlmegatron.rank.roles.batch import RolloutBatch, build_micro_batch
 
     layout = ParallelLayout()
     init_model_parallel(layout)
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = parser.parse_args()
-    from rlmegatron.runtime import run_ranks
+    from rlmegatron.transport.local_ranks import run_ranks
 
     (report,) = run_ranks(packed_job, 1, args.sequences, args.min_len, args.max_len, args.repeats, args.threads,
                           timeout_s=1800)

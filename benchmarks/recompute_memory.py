@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.recompute_jobs import hf_config, recompute_job
 
 SETTINGS = {

@@ -21,7 +21,7 @@ MODEL = "runs/peer_trl/task/model"
 
 
 def grouped_batch(prompt: int, response: int, n: int, prompts: int, generator: torch.Generator):
-    from rlmegatron.workers import RolloutBatch
+    from rlmegatron.rank.roles import RolloutBatch
 
     rows = n * prompts
     input_ids = torch.zeros(rows, prompt + response, dtype=torch.long)
@@ -44,14 +44,14 @@ def main() -> None:
     parser.add_argument("configs", nargs="*", default=["9,4,8,8", "3,4,8,8", "4,8,4,8", "8,8,2,16", "2,8,2,16"])
     args = parser.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from rlmegatron.runtime.launcher import free_port
+    from rlmegatron.runtime.distributed import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     torch.set_num_threads(1)
     from rlmegatron.models.convert import HFCheckpoint
     from rlmegatron.models.hf_config import build_gpt_model, transformer_config
     from rlmegatron.runtime import ParallelLayout, init_distributed, init_model_parallel
-    from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
+    from rlmegatron.rank.roles import ActorSettings, ActorWorker, OptimizerSettings
 
     init_distributed("cpu")
     layout = ParallelLayout()

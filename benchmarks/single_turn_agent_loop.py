@@ -27,9 +27,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.rank.colocated_engine import _local_engine
-    from rlmegatron.controller.role_settings import rollout_settings
-    from rlmegatron.controller.rollout_data import sampling_spec
+    from rlmegatron.rank.colocated_engine import _local_engine
+    from rlmegatron.driver.role_settings import rollout_settings
+    from rlmegatron.driver.rollout_data import sampling_spec
     from rlmegatron.data.dataset import build_dataset
     from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
     from rlmegatron.rollout.engine import GenerationRequest

@@ -5,13 +5,13 @@
 Each round starts one `rlm train configs/quickstart.yaml` child per source tree (the tree's rlmegatron is imported:
 PYTHONPATH), alternating, so load from other jobs falls on both alike; pass two trees to compare two commits
 (`mkdir /tmp/before && git archive REF | tar -x -C /tmp/before`), or two variants of the spec
-(`--variant placement.launcher=ray --variant placement.launcher=processes`), alternated the same way. A child records when each driver phase starts and
+(`--variant placement.transport=ray --variant placement.transport=processes`), alternated the same way. A child records when each driver phase starts and
 ends, from the moment its command was started (the interpreter's own start included), and exits as soon as step 1 is
 logged (the reaper stops its Ray session). Printed per run: the phases and the 1-minute load average before and after.
 
 The driver sees the ranks as one phase (`ranks`: Ray actors start, import torch, Megatron-Core and transformers, build
 the model, its optimizer and the local engine, and sync the engine's weights once); benchmarks/RESULTS.md ("Start-up")
-breaks that down from timestamps taken inside the ranks. Rank processes (placement.launcher=processes) are started in
+breaks that down from timestamps taken inside the ranks. Rank processes (placement.transport=processes) are started in
 `ranks` and build while the driver goes on: `first call` (the engines asking them which lead one) waits for them.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
     step 1."""
     marks: dict[str, list[float]] = {"imports": [started, 0.0]}
     from rlmegatron.cli import main
-    from rlmegatron.controller import job
+    from rlmegatron.driver import job
     from rlmegatron.tracking import Tracker
 
     marks["imports"][1] = time.time()
@@ -59,7 +59,7 @@ def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
         __init__ = timed("ranks", job.RankProcesses.__init__)
 
     job.RayWorkerGroup, job.RankProcesses = TimedRanks, TimedProcesses
-    job.PolicyRanks.engine_ranks = timed("first call", job.PolicyRanks.engine_ranks)
+    job.TrainerClient.engine_ranks = timed("first call", job.TrainerClient.engine_ranks)
     start, log_metrics = Tracker.start, Tracker.log_metrics
 
     def fit_started(self, step):

@@ -16,7 +16,7 @@ import time
 import torch
 
 from rlmegatron.rollout.buckets import Bucketer
-from rlmegatron.rollout.sglang_protocol import serialize_flattened_bucket
+from rlmegatron.rollout.sglang.protocol import serialize_flattened_bucket
 
 
 def synthetic_weights(total_mb: int) -> list[tuple[str, torch.Tensor]]:

@@ -130,8 +130,8 @@ def train(args: argparse.Namespace) -> int:
     # The spec is checked before anything heavy, and run_training checks what it points at before Ray or a worker.
     spec = _load_spec(args)
     from rlmegatron.config import SpecError
-    from rlmegatron.controller.job import run_training
-    from rlmegatron.controller.trainer import TrainingStopped
+    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.trainer import TrainingStopped
 
     if args.verbose:
         spec.trainer.log_freq = 1

@@ -146,7 +146,7 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
     """Rank body of `rlm convert lora-to-hf`: the base model from its HF checkpoint, the adapters from the training
     checkpoint (resharded to `layout`), then the same exporter the weight push uses: the PEFT adapter SGLang loads,
     and the merged weights the engines get."""
-    from rlmegatron.checkpoint.state import AdapterMeta, load_model_weights
+    from rlmegatron.rank.checkpoint_state import AdapterMeta, load_model_weights
     from rlmegatron.models.convert import HFCheckpoint, build_chunks, load_hf_weights
     from rlmegatron.models.hf_config import model_facts
     from rlmegatron.models.lora import add_adapters
@@ -256,7 +256,7 @@ def _check_fresh_out(flag: str, path: str) -> None:
 
 def _preflight_lora(args, layout) -> None:
     """`lora-to-hf`'s checks: a complete checkpoint of a LoRA run whose base model is on disk, fresh outputs."""
-    from rlmegatron.checkpoint.state import ADAPTER_META, AdapterMeta
+    from rlmegatron.rank.checkpoint_state import ADAPTER_META, AdapterMeta
     from rlmegatron.models.convert import ConversionError, HFCheckpoint
 
     checkpoint = _existing_dir("--checkpoint", args.checkpoint)
@@ -385,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rlmegatron.models.convert import ConversionError, UnsupportedModelError
     from rlmegatron.models.weight_map import WeightMapError
-    from rlmegatron.runtime import RankFailure, destroy_distributed, init_distributed, run_ranks
+    from rlmegatron.runtime import destroy_distributed, init_distributed
+    from rlmegatron.transport.local_ranks import RankFailure, run_ranks
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layout = _layout(args)

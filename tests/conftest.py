@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 FIRST = (
-    "tests/agent/test_tool_lookup.py",  # rank processes (placement.launcher=auto)
+    "tests/agent/test_tool_lookup.py",  # rank processes (placement.transport=auto)
     "tests/models/test_conversion.py",
-    "tests/controller/test_train.py",  # Ray
+    "tests/driver/test_train.py",  # Ray
     "tests/runtime/test_parallel_parity.py",
     "tests/launch/test_ray_job.py",  # Ray
-    "tests/workers/test_actor.py",
+    "tests/rank/roles/test_actor.py",
 )
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

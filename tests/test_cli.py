@@ -166,7 +166,7 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
     # unless model.random_init) and hand the workers the snapshot's local path, which is what they read.
     import huggingface_hub
 
-    from rlmegatron.controller import job
+    from rlmegatron.driver import job
     from rlmegatron.preflight import HUB_PATTERNS
 
     fetched, launched = [], []
@@ -179,19 +179,19 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
         def finish(self, status):
             pass
 
-    def start_ranks(device, world_size, rank_class, spec, total_steps, collective_timeout_s):
-        launched.append(spec)
+    def start_ranks(device, world_size, rank_class, settings, collective_timeout_s):
+        launched.append(settings)
         raise SystemExit(0)
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.setattr("rlmegatron.tracking.Tracker.from_spec", lambda spec: NoTracker())
-    monkeypatch.setattr(job, "RankProcesses", start_ranks)  # placement.launcher=auto: the quickstart's ranks
+    monkeypatch.setattr(job, "RankProcesses", start_ranks)  # placement.transport=auto: the quickstart's ranks
     hub_model = ["model.path=Qwen/Qwen3-0.6B", "model.hf_config=configs/quickstart/model/config.json"]
     # A run directory of its own: a finished quickstart in runs/ would end the command before anything starts.
     assert main(["train", QUICKSTART, *hub_model, f"trainer.run_dir={tmp_path}"]) == 0
-    [spec] = launched
-    assert spec.model.path == spec.model.tokenizer_path == str(REPO_ROOT / "configs" / "quickstart" / "model")
+    [settings] = launched  # the ranks get their settings, never the spec
+    assert settings.model.path == settings.model.tokenizer_path == str(REPO_ROOT / "configs" / "quickstart" / "model")
     # model.random_init: its config and tokenizer are all the run reads of it.
     assert fetched == [("Qwen/Qwen3-0.6B", HUB_PATTERNS, False)]
 

@@ -203,8 +203,8 @@ def graph(node_of, within=lambda module: True) -> dict[str, dict[str, list[str]]
 def test_the_graph_is_read():
     # Facts that fail if the walk stops finding imports or following them, not counts to keep up to date.
     cli = {(found.target, found.lazy) for found in IMPORTS if found.module == "rlmegatron.cli"}
-    assert ("argparse", False) in cli and ("rlmegatron.controller.job", True) in cli
-    assert "torch" in heavy("rlmegatron.controller.trainer") and "torch" not in heavy("rlmegatron.config")
+    assert ("argparse", False) in cli and ("rlmegatron.driver.job", True) in cli
+    assert "torch" in heavy("rlmegatron.driver.trainer") and "torch" not in heavy("rlmegatron.config")
     assert cycles({"a": {"b": ["a:1"]}, "b": {"c": ["b:1"]}, "c": {"a": ["c:1"]}, "d": {"a": ["d:1"]}}) == [
         ["a", "b", "c"]]
 
@@ -215,8 +215,8 @@ def test_no_cycle_between_packages():
         pytest.fail("\n".join(describe(component, edges) for component in cycles(edges)))
 
 
-def test_no_cycle_among_the_controllers_modules():
-    edges = graph(lambda module: module, within=lambda module: module.startswith("rlmegatron.controller."))
+def test_no_cycle_among_the_drivers_modules():
+    edges = graph(lambda module: module, within=lambda module: module.startswith("rlmegatron.driver."))
     if cycles(edges):
         pytest.fail("\n".join(describe(component, edges) for component in cycles(edges)))
 
@@ -231,3 +231,25 @@ def test_an_import_inside_a_function_keeps_something_heavy_out_or_says_why():
                                 f"that {found.module} lacks; import it at the top (or say why: `{MARKER} <reason>`)")
     if needless:
         pytest.fail("\n".join(needless))
+
+
+# Each process has its package; the driver reaches the others only through the transport. A library package (config,
+# models, rollout, ...) runs in whichever process imports it, so it imports none of the four.
+PROCESS_LAYERS = {"rlmegatron.driver": 0, "rlmegatron.transport": 1, "rlmegatron.rank": 2, "rlmegatron.pool": 2}
+ENTRY_POINTS = {"rlmegatron.cli", "rlmegatron.convert_cli", "rlmegatron.__main__"}
+"""The commands: each is the top of its process (`rlm train` the driver's, `rlm convert` the converter's ranks')."""
+
+
+def test_imports_go_from_the_driver_to_the_transport_to_the_ranks_and_pool_never_back():
+    backwards = []
+    for found in IMPORTS:
+        if not found.target.startswith("rlmegatron"):
+            continue
+        source, target = package_of(found.module), package_of(found.target)
+        if source == target or target not in PROCESS_LAYERS or source in ENTRY_POINTS:
+            continue
+        if source not in PROCESS_LAYERS or PROCESS_LAYERS[target] <= PROCESS_LAYERS[source]:
+            backwards.append(f"{found.where}: {source} imports {found.target}"
+                             + (" (in a function)" if found.lazy else ""))
+    if backwards:
+        pytest.fail("\n".join(backwards))

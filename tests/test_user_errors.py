@@ -662,7 +662,7 @@ def test_a_nan_reward_names_the_function_and_the_sample(tmp_path):
                                             "extra_info=None):\n    return float('nan')\n")
     manager = NaiveRewardManager(function)
     try:
-        # Not a UserError: it stops the run as TrainingStopped, exit 3 (tests/controller/test_train.py, [reward]).
+        # Not a UserError: it stops the run as TrainingStopped, exit 3 (tests/driver/test_train.py, [reward]).
         with pytest.raises(NonFiniteReward) as raised:
             manager([RewardInput("echo#7", "echo", "a", "a", 1)])
     finally:
@@ -675,7 +675,7 @@ def test_a_nan_reward_names_the_function_and_the_sample(tmp_path):
 DIVERGING_RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "placement.gpus_per_node=1", "trainer.test_freq=-1",
                  "data.val_files=[]", "trainer.val_before_train=false", "tracking.backends=[console]",
                  "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
-                 "reward.function=tests/controller/parity_reward.py:compute_score"]
+                 "reward.function=tests/driver/parity_reward.py:compute_score"]
 
 
 @pytest.mark.parametrize("overrides, step, found", [

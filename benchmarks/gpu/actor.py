@@ -85,7 +85,7 @@ def machine_info(device: str) -> dict:
 def start_rank(device: str) -> None:
     """A world of one: the default process group (nccl or gloo) and Megatron's groups at TP=PP=1."""
     from rlmegatron.runtime import ParallelLayout, init_distributed, init_model_parallel
-    from rlmegatron.runtime.launcher import free_port
+    from rlmegatron.runtime.distributed import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     init_distributed(device)
@@ -96,7 +96,7 @@ def build_actor(model_dir: str, dtype: str, device: str):
     """The actor as PolicyRank builds it, from the model directory's config.json, randomly initialised."""
     from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
     from rlmegatron.runtime import ParallelLayout
-    from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
+    from rlmegatron.rank.roles import ActorSettings, ActorWorker, OptimizerSettings
 
     facts = model_facts(read_hf_config(model_dir), tp=1)
     # On a GPU the weights are initialised there: Megatron's CPU initialisation of a billion parameters takes minutes.
@@ -110,7 +110,7 @@ def build_actor(model_dir: str, dtype: str, device: str):
 
 def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
     """Full-length sequences (no padding), advantages and old log-probs as a GRPO step hands them to the actor."""
-    from rlmegatron.workers import RolloutBatch
+    from rlmegatron.rank.roles import RolloutBatch
 
     generator = torch.Generator().manual_seed(seed)
     length = prompt_len + response_len
@@ -125,7 +125,7 @@ def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, s
 
 def matmul_parameters(actor, facts) -> int:
     """N of the FLOPs formula (see the module docstring)."""
-    from rlmegatron.workers.megatron_step import unwrap
+    from rlmegatron.rank.roles.megatron_step import unwrap
 
     model = unwrap(actor.chunks[0])
     inner = sum(p.numel() for name, p in model.named_parameters()
@@ -198,7 +198,7 @@ def mfu_trial(actor, facts, args, micro_batch: int, packed: bool, flops_n: int, 
 
 
 def model_config(actor):
-    from rlmegatron.workers.megatron_step import unwrap
+    from rlmegatron.rank.roles.megatron_step import unwrap
 
     return unwrap(actor.chunks[0]).config
 
@@ -292,7 +292,7 @@ def sync_benchmark(actor, facts, args, peer: Receiver) -> dict:
     from rlmegatron.models.weight_map import WeightMap
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.buckets import Bucketer, travel_rules_for
-    from rlmegatron.rollout.sglang import share_buckets
+    from rlmegatron.rollout.sglang.weight_push import share_buckets
 
     exporter = HFWeightExporter(actor.chunks, WeightMap(facts))
     sizes = {name: tensor.nbytes for name, tensor in exporter.stream()}

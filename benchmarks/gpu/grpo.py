@@ -58,7 +58,7 @@ def main() -> None:
 
     start = time.perf_counter()
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.job import run_training
+    from rlmegatron.driver.job import run_training
 
     spec_overrides = overrides(args.device, args.steps, args.run_dir, args.overrides)
     report = run_training(load_spec(QUICKSTART, spec_overrides), in_process=True)

@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from rlmegatron.rollout.buckets import FlattenedBucket, FlattenedTensorMetadata
-from rlmegatron.rollout.sglang_protocol import SGLANG_METADATA_CLASS, SGLANG_METADATA_MODULE
+from rlmegatron.rollout.sglang.protocol import SGLANG_METADATA_CLASS, SGLANG_METADATA_MODULE
 
 
 def _rebuild_cuda_tensor_by_uuid(*args):

@@ -29,7 +29,7 @@ class CheckpointError(UserError):
 
 
 class CheckpointedRanks(Protocol):
-    """The trainer ranks as a checkpoint needs them (controller.policy_ranks.PolicyRanks): each writes or reads its
+    """The trainer ranks as a checkpoint needs them (driver.trainer_client.TrainerClient): each writes or reads its
     share of the checkpoint directory."""
 
     def save_checkpoint(self, path: str) -> None:

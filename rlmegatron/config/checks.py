@@ -624,11 +624,11 @@ def _check_placement(spec: JobSpec) -> list[SpecProblem]:
         elif placement.mode == "colocate" and value is not None:
             reason = "only applies to placement.mode=disaggregate; remove it or switch the mode"
             problems.append(SpecProblem(f"placement.{name}", value, reason))
-    if placement.launcher == "processes" and not placement.fits_processes:
+    if placement.transport == "processes" and not placement.fits_processes:
         asks = (f"placement.nnodes={placement.nnodes}" if placement.nnodes > 1
                 else "a rollout pool of GPUs of its own (placement.mode=disaggregate)")
-        reason = f"runs the ranks on this machine without Ray, but {asks} needs Ray; use placement.launcher=ray or auto"
-        problems.append(SpecProblem("placement.launcher", placement.launcher, reason))
+        reason = f"runs the ranks on this machine without Ray, but {asks} needs Ray; use placement.transport=ray or auto"
+        problems.append(SpecProblem("placement.transport", placement.transport, reason))
     return problems
 
 

@@ -45,7 +45,7 @@ class SpecError(UserError, ValueError):
         super().__init__("\n".join(str(problem) for problem in self.problems))
 
     def __reduce__(self):
-        # Rebuilt from its problems, not its text, when it crosses a process boundary (Ray, the rank launcher).
+        # Rebuilt from its problems, not its text, when it crosses a process boundary (Ray, the rank processes).
         return (SpecError, (self.problems,))
 
 

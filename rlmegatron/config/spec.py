@@ -530,7 +530,7 @@ class PlacementConfig(Section):
     """Rollout nodes (disaggregate only)."""
     rollout_gpus_per_node: PositiveInt | None = None
     """Rollout GPUs per node (disaggregate only)."""
-    launcher: Literal["auto", "ray", "processes"] = "auto"
+    transport: Literal["auto", "ray", "processes"] = "auto"
     """How `rlm train` starts the trainer ranks. ray: as Ray actors (any number of nodes; joins the cluster in
     RAY_ADDRESS, else starts a local one); processes: as processes of this machine, driven over pipes, without Ray
     (one node; about 5 s less start-up on a small machine); auto: processes when the run fits that (one node, no

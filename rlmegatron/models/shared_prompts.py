@@ -12,7 +12,7 @@ Two things differ from plain THD packing, and this module and `models/layers.SDP
   (`rope_at_token_positions`; Megatron-Core applies a per-token table to THD input when the table has one row per
   token), not restarted per packed sequence;
 - attention follows the groups (`SharedPromptParams.prompt_groups`): a response sees its prompt and itself.
-The builder is `workers/batch.build_shared_prompt_micro_batch`.
+The builder is `rank/roles/batch.build_shared_prompt_micro_batch`.
 """
 from __future__ import annotations
 

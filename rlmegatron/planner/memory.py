@@ -242,7 +242,7 @@ def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
 @dataclass(frozen=True)
 class RolloutBufferMemory:
     """Host memory of the rollouts alive at once in the driver: the one training and, in one_step_off and async, the
-    `trainer.staleness_bound` made ahead (controller.rollout_buffer.Ahead). Counts the batch tensors (token ids and
+    `trainer.staleness_bound` made ahead (driver.rollout_buffer.Ahead). Counts the batch tensors (token ids and
     attention mask as int64, response mask and rollout log-probs as fp32, and with the rollout's routing asked for
     (actor.moe) its int16 expert ids per token, MoE layer and top-k slot; rollout_data.build_batch), not the engines'
     per-token Python lists beside them. The routing ids travel with the batch to every trainer rank each step."""

@@ -29,8 +29,8 @@ from rlmegatron.errors import Divergence
 from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
-from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout, init_custom_process_group, on_the_wire
-from rlmegatron.rollout.sglang_server import RETURN_ROUTED_EXPERTS
+from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout, init_custom_process_group, on_the_wire
+from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS
 
 PROTOCOL_VERSION = "0.5.20"
 """The SGLang version whose protocol this server speaks, as its /server_info reports it: the last without weight-update

@@ -1,4 +1,4 @@
-"""Device and process-group setup (cuda+nccl or cpu+gloo), the rank launcher, and the opt-in CPU layer."""
+"""Device and process-group setup (cuda+nccl or cpu+gloo) and the opt-in CPU layer, for every process that runs torch.distributed."""
 from rlmegatron.runtime.distributed import (
     Device,
     ParallelLayout,
@@ -7,15 +7,12 @@ from rlmegatron.runtime.distributed import (
     init_model_parallel,
     layout_scope,
 )
-from rlmegatron.runtime.launcher import RankFailure, run_ranks
 
 __all__ = [
     "Device",
     "ParallelLayout",
-    "RankFailure",
     "destroy_distributed",
     "init_distributed",
     "init_model_parallel",
     "layout_scope",
-    "run_ranks",
 ]

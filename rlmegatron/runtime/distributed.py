@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import datetime
 import os
+import random
+import socket
 import types
 from dataclasses import dataclass
 from typing import Iterator, Literal, Optional, Sequence
@@ -262,3 +264,39 @@ def all_reduce_shared(tensor: torch.Tensor, group, op=torch.distributed.ReduceOp
     if torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+# Ray's worker processes listen on 10002-19999 by default; ports are picked above them.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's range for outgoing connections' local ports (Linux's default where it cannot
+    be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now; "" probes every interface (a rendezvous other nodes connect to).
+
+    Picked at random below the kernel's ephemeral range, not by binding port 0: a server binds its port a second
+    or more after it is picked, and a port from the ephemeral range can meanwhile become the local end of any
+    outgoing connection on the machine (gloo's, Ray's, an HTTP client's); the parallel test suite saw a colocated
+    SGLang server fail on EADDRINUSE that way. Two pickers may still draw the same port, one time in ~12,000."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()  # not the random module's state: a seeded run would pick the same ports everywhere
+    for _ in range(64) if low - 1 > _LOWEST_PORT else ():
+        port = draw.randint(_LOWEST_PORT, low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no such range here, or all of it taken
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

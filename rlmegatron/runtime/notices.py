@@ -38,7 +38,7 @@ REPEATED = (
 
 def import_notices_off(device: str) -> str:
     """PYTHONWARNINGS for a process that imports Megatron-Core before it can call quiet_library_notices (the fork
-    server, runtime.launcher): the notices printed at import. Their texts are plain (-W takes no regex)."""
+    server, transport.local_ranks): the notices printed at import. Their texts are plain (-W takes no regex)."""
     return ",".join(f"ignore:{message}:{category.__name__}" for category, message in CPU_ONLY if device == "cpu")
 
 

@@ -1,7 +1,7 @@
 """Progress bars for the long phases of a step (rollout samples, update mini-batches), fed from the ranks.
 
 A rank reports through whatever `progress_sink` handed it: in one process a plain callable (the bar's `advance`; a rank
-process gets a stand-in for it that sends each report over its pipe, controller/rank_processes.py), under Ray a tiny
+process gets a stand-in for it that sends each report over its pipe, transport/rank_processes.py), under Ray a tiny
 counter actor that a driver thread polls, so reporting never blocks a rank on the driver.
 """
 from __future__ import annotations

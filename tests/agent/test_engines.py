@@ -15,16 +15,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlmegatron.agent.parsers import PARSERS
-from rlmegatron.controller.rollout_data import build_batch
+from rlmegatron.driver.rollout_data import build_batch
 from rlmegatron.data.tokenizer import build_char_tokenizer
 from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine
-from rlmegatron.rollout.sglang import SGLangEngine
-from rlmegatron.rollout.sglang_server import ServerSpec
-from rlmegatron.runtime.launcher import free_port
-from rlmegatron.workers import batch as micro_batches
-from rlmegatron.workers.batch import build_micro_batch, token_budget_micro_batches
+from rlmegatron.rollout.sglang.engine import SGLangEngine
+from rlmegatron.rollout.sglang.server import ServerSpec
+from rlmegatron.runtime.distributed import free_port
+from rlmegatron.rank.roles import batch as micro_batches
+from rlmegatron.rank.roles.batch import build_micro_batch, token_budget_micro_batches
 from tests.agent.scripted import EveryTurn
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlmegatron.rollout.agent_loop import AgentLoop, AgentSettings, ToolTurns
-from rlmegatron.controller.rollout_data import agent_metrics, batch_metrics, build_batch, reward_inputs, scored, token_level
+from rlmegatron.driver.rollout_data import agent_metrics, batch_metrics, build_batch, reward_inputs, scored, token_level
 from rlmegatron.data import Sample
 from rlmegatron.rewards import RewardResult
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec

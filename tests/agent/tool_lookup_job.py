@@ -4,7 +4,7 @@ import json
 import sys
 
 from rlmegatron.config import load_spec
-from rlmegatron.controller.job import run_training
+from rlmegatron.driver.job import run_training
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":

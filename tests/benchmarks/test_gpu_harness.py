@@ -128,7 +128,7 @@ class _OutOfMemoryFrom:
     """An actor whose update runs out of CUDA memory from micro-batch `limit` on."""
 
     def __init__(self, limit: int):
-        from rlmegatron.workers import ActorSettings
+        from rlmegatron.rank.roles import ActorSettings
 
         self.limit = limit
         self.settings = ActorSettings()

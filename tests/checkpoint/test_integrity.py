@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from rlmegatron.checkpoint.integrity import MANIFEST, manifest_problem, write_manifest
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 
 
 def _training_state(actor) -> list[torch.Tensor]:
     """Every weight, and every Adam moment and step count, of this rank, in a fixed order."""
-    from rlmegatron.workers.megatron_step import unwrap
+    from rlmegatron.rank.roles.megatron_step import unwrap
 
     tensors = [p.detach().clone() for chunk in actor.chunks for p in unwrap(chunk).parameters()]
     for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
@@ -32,9 +32,9 @@ def _differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 def fallback_job(workdir: str) -> dict:
     from rlmegatron.checkpoint.integrity import CheckpointLoadFailed, load_failures_named
-    from rlmegatron.checkpoint.state import load_training_state, save_training_state
+    from rlmegatron.rank.checkpoint_state import load_training_state, save_training_state
     from rlmegatron.runtime import ParallelLayout
-    from tests.workers.jobs import make_actor, rollout_batch
+    from tests.rank.roles.jobs import make_actor, rollout_batch
 
     older, newer = os.path.join(workdir, "step_1"), os.path.join(workdir, "step_2")
     batch = rollout_batch()

@@ -214,7 +214,7 @@ def test_max_to_keep_deletes_only_the_oldest_complete_checkpoints(tmp_path):
 @pytest.fixture
 def rlm_train(monkeypatch):
     from rlmegatron.cli import main
-    from rlmegatron.controller import job
+    from rlmegatron.driver import job
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(job, "start_ray", lambda spec: pytest.fail("a worker was started"))

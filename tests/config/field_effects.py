@@ -7,8 +7,8 @@ handed to a mechanism (a worker, a loss, an engine), the entry names both the te
 test of the mechanism. The long test ids are named once, below.
 """
 
-# Spec -> role settings (tests/controller/test_role_settings.py), pure and in a policy rank built from a spec.
-ROLES = "tests/controller/test_role_settings.py::"
+# Spec -> role settings (tests/driver/test_role_settings.py), pure and in a policy rank built from a spec.
+ROLES = "tests/driver/test_role_settings.py::"
 ACTOR_SETTINGS = ROLES + "test_the_actor_settings_carry_every_actor_field"
 CRITIC_SETTINGS = ROLES + "test_the_critic_settings_carry_every_critic_field_and_the_shared_loss_aggregation"
 LAYOUT = ROLES + "test_the_actor_layout_is_the_spec_layout"
@@ -27,13 +27,13 @@ AGENT_CALLS = "tests/agent/test_tools.py::test_hermes_reads_every_call_of_a_turn
 TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead"
 
 # Trainer ranks restarted within the run (trainer.max_restarts).
-RANK_RESTART = ("tests/controller/test_rank_restart.py::"
+RANK_RESTART = ("tests/driver/test_rank_restart.py::"
                 "test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from_its_checkpoint")
-RANK_RESTART_LIMIT = ("tests/controller/test_rank_restart.py::"
+RANK_RESTART_LIMIT = ("tests/driver/test_rank_restart.py::"
                       "test_a_rank_that_dies_again_past_max_restarts_stops_the_run_with_one_line")
 
-# The fit loop on the pure-Python rig (tests/controller/fit_rig.py).
-FIT = "tests/controller/test_fit_loop_settings.py::"
+# The fit loop on the pure-Python rig (tests/driver/fit_rig.py).
+FIT = "tests/driver/test_fit_loop_settings.py::"
 SAMPLING = FIT + "test_rollout_sampling_settings_reach_every_request_and_the_batch"
 RESPONSE_LENGTH = FIT + "test_max_new_tokens_follows_data_max_response_length"
 VALIDATION = FIT + "test_validation_runs_when_and_how_the_spec_says"
@@ -42,17 +42,17 @@ GAE = FIT + "test_gae_discounts_with_gamma_and_lam"
 GRPO_STD = FIT + "test_grpo_divides_by_the_group_std_only_when_asked"
 KL_IN_REWARD = FIT + "test_kl_in_the_reward_uses_its_estimator_and_controller"
 DYNAMIC_SAMPLING = FIT + "test_dynamic_sampling_generates_up_to_its_round_limit"
-ESTIMATORS = "tests/controller/test_algorithms_fit.py::test_estimator_runs_the_fit_loop"
+ESTIMATORS = "tests/driver/test_algorithms_fit.py::test_estimator_runs_the_fit_loop"
 
 # What `rlm train` hands to the data, reward, checkpoint and tokenizer parts.
-JOB_WIRING = ("tests/controller/test_job_wiring.py::"
+JOB_WIRING = ("tests/driver/test_job_wiring.py::"
               "test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over")
 
-# Whole runs (tests/controller/test_train.py).
-TRAIN = "tests/controller/test_train.py::"
+# Whole runs (tests/driver/test_train.py).
+TRAIN = "tests/driver/test_train.py::"
 IN_PROCESS = TRAIN + "test_the_policy_rank_runs_in_process_without_ray_on_a_model_with_its_own_code"
-PROCESSES_RUN = TRAIN + "test_the_processes_launcher_trains_on_two_rank_processes_without_ray"
-LAUNCHER = "tests/controller/test_job_wiring.py::test_auto_launches_processes_where_the_run_fits_one_machine_without_ray"
+PROCESSES_RUN = TRAIN + "test_the_processes_transport_trains_on_two_rank_processes_without_ray"
+TRANSPORT_AUTO = "tests/driver/test_job_wiring.py::test_auto_launches_processes_where_the_run_fits_one_machine_without_ray"
 RAY_LOOP = TRAIN + "test_the_loop_logs_finite_verl_metrics_on_two_ray_ranks"
 RESUME = TRAIN + "test_resume_gives_the_same_next_step_metrics"
 SIGTERM = TRAIN + "test_sigterm_stops_every_rank_and_engine_server_and_keeps_the_last_checkpoint"
@@ -60,12 +60,12 @@ DAPO_RUN = TRAIN + "test_dapo_runs_in_process"
 PPO_RUN = TRAIN + "test_ppo_with_critic_trains_the_same_with_every_role_offloaded_between_phases"
 NAN_RUN = TRAIN + "test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why"
 ROUTED_RUN = TRAIN + "test_disaggregated_engine_behind_a_router_gets_weights_over_its_group_and_a_restarted_one_rejoins"
-GSM8K = "tests/controller/test_gsm8k_smoke.py::test_three_grpo_steps_on_real_gsm8k"
-QUIET_RUN = ("tests/controller/test_run_dir.py::"
+GSM8K = "tests/driver/test_gsm8k_smoke.py::test_three_grpo_steps_on_real_gsm8k"
+QUIET_RUN = ("tests/driver/test_run_dir.py::"
              "test_a_run_prints_one_line_a_step_and_a_table_every_log_freq_steps_and_no_library_warning")
 
 # Engines and servers.
-ENGINES = "tests/controller/test_rollout_engines.py::"
+ENGINES = "tests/driver/test_engine_fleet.py::"
 COLOCATED_SERVER = ENGINES + "test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts_whole"
 DISAGGREGATED_SERVER = ENGINES + "test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node"
 SERVER_DTYPE = ENGINES + "test_the_server_command_serves_model_dtype"
@@ -84,12 +84,12 @@ IS_BY_HAND = CORRECTION + "test_importance_weights_by_hand"
 RS_BY_HAND = CORRECTION + "test_rejection_by_hand"
 VETO = CORRECTION + "test_the_veto_rejects_a_whole_sequence_for_one_token"
 CORRECTION_FIT = FIT + "test_rollout_correction_weights_and_rejects_what_the_actor_trains_on"
-OFF_POLICY = "tests/controller/test_off_policy_fit.py::"
+OFF_POLICY = "tests/driver/test_off_policy_fit.py::"
 ONE_STEP_OFF = OFF_POLICY + "test_one_step_off_generates_the_next_rollout_while_the_step_trains"
 ASYNC_BOUND = OFF_POLICY + "test_async_runs_ahead_within_max_staleness"
 MODE_ERRORS = OFF_POLICY + "test_combinations_that_cannot_run_are_spec_errors"
-ASYNC_RUN = "tests/controller/test_async_train.py::test_async_trains_within_its_staleness_bound_and_logs_it"
-PAUSED_PUSH = ("tests/controller/test_rollout_engines.py::"
+ASYNC_RUN = "tests/driver/test_async_train.py::test_async_trains_within_its_staleness_bound_and_logs_it"
+PAUSED_PUSH = ("tests/driver/test_engine_fleet.py::"
                "test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them")
 PARTIAL_SGLANG = "tests/rollout/test_sglang.py::test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights"
 PARTIAL_LOCAL = ("tests/rollout/test_local_server.py::"
@@ -98,10 +98,10 @@ KL_LOSS = "tests/algorithms/test_kl.py::test_kl_loss_by_hand"
 KL_ESTIMATORS = "tests/algorithms/test_kl.py::test_estimators_by_hand"
 AGGREGATION = "tests/algorithms/test_aggregation.py::test_modes_by_hand"
 VALUE_CLIP = "tests/algorithms/test_value_loss.py::test_clipped_value_loss_by_hand"
-ACTOR_PARITY = "tests/workers/test_actor.py::test_log_probs_entropy_and_update_match_tp1"
-REFERENCE = "tests/workers/test_actor.py::test_reference_log_probs_equal_the_actors"
-ROUND_TRIP = "tests/workers/test_actor.py::test_offload_round_trip_keeps_training_identical"
-CRITIC_WORKERS = "tests/workers/test_critic_and_moe.py::"
+ACTOR_PARITY = "tests/rank/roles/test_actor.py::test_log_probs_entropy_and_update_match_tp1"
+REFERENCE = "tests/rank/roles/test_actor.py::test_reference_log_probs_equal_the_actors"
+ROUND_TRIP = "tests/rank/roles/test_actor.py::test_offload_round_trip_keeps_training_identical"
+CRITIC_WORKERS = "tests/rank/roles/test_critic_and_moe.py::"
 MOE_EP2 = CRITIC_WORKERS + "test_moe_actor_trains_at_ep2_and_logs_router_aux_loss"
 REWARD_MODEL_CRITIC = CRITIC_WORKERS + "test_critic_from_an_hf_reward_model_at_tp2_gives_its_values"
 ETP_EXPORT = "tests/resharding/test_export.py::test_stream_is_bitwise_the_source_checkpoint_at_every_layout"
@@ -134,7 +134,7 @@ RESUMED_BACKENDS = BACKENDS + "test_a_resumed_run_continues_its_wandb_and_tensor
 MISSING_PACKAGE = BACKENDS + "test_a_backend_whose_package_is_missing_is_one_line_at_validation"
 WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_is_one_line"
 RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
-TRAINER_POOL = "tests/controller/test_placement.py::test_the_trainer_pool_spans_every_node"
+TRAINER_POOL = "tests/transport/test_placement.py::test_the_trainer_pool_spans_every_node"
 
 # Rejections and checks.
 CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"
@@ -143,7 +143,7 @@ ROUNDS_BOUND = "tests/config/test_rejections.py::test_dynamic_sampling_needs_a_b
 HUB_SNAPSHOT = "tests/test_cli.py::test_train_runs_a_hub_model_from_its_downloaded_snapshot"
 
 # Each role's own optimizer schedule and Megatron settings, layouts and batching.
-OPTIMIZER = "tests/workers/test_optimizer.py::"
+OPTIMIZER = "tests/rank/roles/test_optimizer.py::"
 LR_SCHEDULE = OPTIMIZER + "test_actor_lr_follows_the_closed_form_schedule"
 LR_RESUMED = OPTIMIZER + "test_a_resumed_worker_continues_the_schedule_and_the_weights"
 PLAIN_ADAM = OPTIMIZER + "test_plain_and_distributed_optimizer_step_the_same_at_dp2"
@@ -152,7 +152,7 @@ TO_TRANSFORMER_CONFIG = "tests/models/test_hf_config.py::test_spec_recompute_and
 UNEVEN_PIPELINE = "tests/runtime/test_parallel_parity.py::test_dense_tp2_pp2_vpp2_tp2xpp2_and_cp2_on_4_ranks"
 DEEPSEEK_SPLIT = ("tests/test_recipes.py::"
                   "test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_use")
-POLICY_RANK = "tests/controller/test_policy_rank.py::"
+POLICY_RANK = "tests/rank/test_policy_rank.py::"
 OWN_LAYOUTS = POLICY_RANK + "test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run"
 OWN_CHECKPOINTS = POLICY_RANK + "test_each_role_saves_and_restores_its_checkpoint_at_its_layout"
 REF_BATCHING = POLICY_RANK + "test_the_reference_batches_its_forward_by_its_own_settings"
@@ -167,18 +167,18 @@ REMOTE_CODE = ("tests/config/test_checks.py::"
 
 # Algorithms chosen from the spec.
 CHOSEN_LOSS = ROLES + "test_the_actor_gets_the_chosen_loss_and_every_knob"
-LOSSES_FIT = "tests/controller/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
-LOSS_PLUGIN = ("tests/workers/test_actor.py::"
+LOSSES_FIT = "tests/driver/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
+LOSS_PLUGIN = ("tests/rank/roles/test_actor.py::"
                "test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
-LORA_RANK = "tests/controller/test_lora_rank.py::"
+LORA_RANK = "tests/rank/test_lora_rank.py::"
 LORA_SPEC = LORA_RANK + "test_the_spec_puts_adapters_of_its_rank_scale_and_dropout_on_the_chosen_linears"
 LORA_PARITY = "tests/models/test_lora.py::test_lora_trains_and_merges_at_every_layout_as_at_tp1"
 LORA_ONLY = "tests/models/test_lora.py::test_only_the_adapters_get_gradients_and_optimizer_state"
-RM_FIT = ("tests/controller/test_reward_model_fit.py::"
+RM_FIT = ("tests/driver/test_reward_model_fit.py::"
           "test_the_reward_model_scores_alone_and_the_policy_learns_its_preference")
-RM_ROLE = ("tests/controller/test_reward_model_fit.py::"
+RM_ROLE = ("tests/driver/test_reward_model_fit.py::"
            "test_the_reward_model_role_has_the_specs_layout_batching_and_offload")
-RM_PARITY = "tests/workers/test_reward_model.py::test_scores_equal_transformers_at_tp1_and_tp2"
+RM_PARITY = "tests/rank/roles/test_reward_model.py::test_scores_equal_transformers_at_tp1_and_tp2"
 RM_MANAGER = "tests/rewards/test_model_rewards.py::"
 RM_HANDED = RM_MANAGER + "test_the_spec_hands_the_weights_and_the_combiner_to_the_manager"
 RM_CHECKS = "tests/config/test_checks.py::test_a_reward_model_with_two_labels_or_a_layout_that_does_not_fit_is_named"
@@ -186,12 +186,12 @@ CLIP_COV = "tests/algorithms/test_policy_loss.py::test_clip_cov_by_hand"
 KL_COV = "tests/algorithms/test_policy_loss.py::test_kl_cov_by_hand"
 
 # verl's keys that became settings, rewards, traces.
-VERL_RUN = "tests/controller/test_verl_command.py::"
+VERL_RUN = "tests/driver/test_verl_command.py::"
 CRITIC_WARMUP = VERL_RUN + "test_the_actor_waits_for_the_critic_warmup"
 OLD_LOG_PROB_BATCHES = VERL_RUN + "test_the_old_log_prob_pass_cuts_its_own_micro_batches"
 TRACE_MLFLOW = VERL_RUN + "test_each_steps_rollout_samples_are_text_in_mlflow"
 TRACE_CONSOLE = TRACKING + "test_console_prints_rollout_samples_each_prompt_once_then_its_responses"
-TRACE_PROMPTS = "tests/controller/test_rollout_trace.py::test_no_limit_traces_every_group"
+TRACE_PROMPTS = "tests/driver/test_rollout_trace.py::test_no_limit_traces_every_group"
 BATCH_BUDGET = REWARDS + "test_the_batch_budget_ends_a_batch_of_slow_samples"
 ASYNC_REWARDS = REWARDS + "test_an_async_function_runs_concurrently_in_the_driver_as_many_at_once_as_allowed"
 
@@ -206,7 +206,7 @@ REPLAY_CHECKS = ("tests/config/test_checks.py::"
 REPLAY_REQUESTS = FIT + "test_the_rollout_asks_the_engines_for_their_routing_only_when_the_actor_uses_it"
 ON_POLICY_CHECK = (FIT + "test_the_on_policy_check_adds_the_old_log_prob_pass_and_stops_a_step_whose_engine_sampled_"
                    "off_policy")
-COLLECTIVE_TIMEOUT = ("tests/controller/test_moe_fit.py::test_a_rank_that_stops_answering_stops_the_run_within_the_"
+COLLECTIVE_TIMEOUT = ("tests/driver/test_moe_fit.py::test_a_rank_that_stops_answering_stops_the_run_within_the_"
                       "collective_timeout_naming_step_and_call")
 
 EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -235,7 +235,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
     "actor.lora.weight_sync": ("merged weights, or SGLang loads the adapters and samples with them",
                                (LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
-                                "tests/controller/test_lora_fit.py::"
+                                "tests/driver/test_lora_fit.py::"
                                 "test_adapter_sync_loads_each_steps_adapter_and_samples_with_it",
                                 "tests/rollout/test_sglang.py::"
                                 "test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next", CHECKS)),
@@ -363,12 +363,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
     "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
     "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
-    "placement.launcher": ("trainer ranks as local processes without Ray, or as Ray actors",
-                           (PROCESSES_RUN, RAY_LOOP, LAUNCHER, CHECKS)),
     "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
     "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
     "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
+    "placement.transport": ("trainer ranks as local processes without Ray, or as Ray actors",
+                           (PROCESSES_RUN, RAY_LOOP, TRANSPORT_AUTO, CHECKS)),
     "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING,)),
     "ref.log_prob_micro_batch_size_per_gpu": ("sequences per reference micro-batch", (REF_BATCHING,)),
     "ref.log_prob_use_dynamic_bsz": ("reference micro-batches by token budget", (REF_BATCHING,)),

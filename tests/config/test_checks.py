@@ -365,18 +365,18 @@ CASES = [
         id="colocate-rejects-rollout-nodes",
     ),
     pytest.param(
-        {"placement.launcher": "processes", "placement.nnodes": 2},
+        {"placement.transport": "processes", "placement.nnodes": 2},
         "tiny-qwen3",
-        "job.yaml: placement.launcher=processes: runs the ranks on this machine without Ray, but placement.nnodes=2 "
-        "needs Ray; use placement.launcher=ray or auto",
+        "job.yaml: placement.transport=processes: runs the ranks on this machine without Ray, but placement.nnodes=2 "
+        "needs Ray; use placement.transport=ray or auto",
         id="processes-on-one-node",
     ),
     pytest.param(
-        {"placement.launcher": "processes", "placement.device": "cuda", "placement.mode": "disaggregate",
+        {"placement.transport": "processes", "placement.device": "cuda", "placement.mode": "disaggregate",
          "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 8},
         "tiny-qwen3",
-        "job.yaml: placement.launcher=processes: runs the ranks on this machine without Ray, but a rollout pool of "
-        "GPUs of its own (placement.mode=disaggregate) needs Ray; use placement.launcher=ray or auto",
+        "job.yaml: placement.transport=processes: runs the ranks on this machine without Ray, but a rollout pool of "
+        "GPUs of its own (placement.mode=disaggregate) needs Ray; use placement.transport=ray or auto",
         id="processes-place-no-gpu-pool",
     ),
     pytest.param(

@@ -3,7 +3,7 @@ import functools
 import sys
 
 from rlmegatron.cli import main
-from rlmegatron.controller import job
+from rlmegatron.driver import job
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":

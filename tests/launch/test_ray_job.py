@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from rlmegatron import reaper
-from rlmegatron.runtime.launcher import free_port
+from rlmegatron.runtime.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

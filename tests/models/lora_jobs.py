@@ -19,9 +19,9 @@ from rlmegatron.models.lora import (
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.resharding import HFWeightExporter
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
-from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
-from rlmegatron.workers.megatron_step import unwrap
-from tests.workers.jobs import rollout_batch
+from rlmegatron.rank.roles import ActorSettings, ActorWorker, OptimizerSettings
+from rlmegatron.rank.roles.megatron_step import unwrap
+from tests.rank.roles.jobs import rollout_batch
 
 LORA = LoRASettings(rank=4, alpha=8.0)
 RESHARDED = ("TP2-SP", "EP2")  # layouts whose trained adapters are also loaded back at TP=1
@@ -61,7 +61,7 @@ def _save_run_checkpoint(actor, weight_map, base: str, checkpoint: str, lora: Lo
     from pathlib import Path
 
     from rlmegatron.checkpoint.integrity import write_manifest
-    from rlmegatron.checkpoint.state import AdapterMeta, save_training_state
+    from rlmegatron.rank.checkpoint_state import AdapterMeta, save_training_state
     from rlmegatron.models.convert import megatron_logits, verify_tokens
 
     chunks, facts = [unwrap(chunk) for chunk in actor.chunks], weight_map.facts

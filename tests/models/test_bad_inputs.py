@@ -139,7 +139,7 @@ def _run_checkpoint(t, base=None, random_init=False, meta=True, manifest=True, p
     from pathlib import Path
 
     from rlmegatron.checkpoint.integrity import write_manifest
-    from rlmegatron.checkpoint.state import AdapterMeta
+    from rlmegatron.rank.checkpoint_state import AdapterMeta
     from rlmegatron.models.lora import LoRASettings
 
     step = Path(t, "step_2")

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlmegatron.runtime import ParallelLayout, run_ranks
+from rlmegatron.runtime import ParallelLayout
+
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.conversion_jobs import layouts_for, round_trip_job
 from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model, saved_mtp_layers
 

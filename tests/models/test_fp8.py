@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlmegatron.models.fp8 import BlockFP8
-from rlmegatron.runtime import ParallelLayout, run_ranks
+from rlmegatron.runtime import ParallelLayout
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.conversion_jobs import fp8_job
 from tests.models.fp8_checkpoints import BLOCK, dequantise_block_wise, quantise_block_wise, save_fp8_model
 

@@ -117,7 +117,7 @@ def test_every_field_rlmegatron_sets_is_reserved_or_a_user_choice(model_type, mo
 
 def test_spec_recompute_and_extra_reach_the_transformer_config():
     from rlmegatron.config.spec import MegatronConfig
-    from rlmegatron.controller.role_settings import parallel_layout
+    from rlmegatron.driver.role_settings import parallel_layout
     from rlmegatron.models.hf_config import spec_config_options
     from tests.models.recompute_jobs import hf_config
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlmegatron.runtime import ParallelLayout as L
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.lora_jobs import CONVERTED, RESHARDED, lora_job
 from tests.models.tiny_hf import save_tiny_model
 

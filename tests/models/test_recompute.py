@@ -1,7 +1,7 @@
 """Activation recompute from the spec reaches the model: same loss and gradients, fewer saved activations."""
 import pytest
 
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.recompute_jobs import hf_config, recompute_job
 
 SETTINGS = {

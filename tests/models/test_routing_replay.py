@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_hf import FAMILY_CONFIGS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,8 +58,9 @@ def write_model(directory: Path, family: str) -> Path:
 
 def _replay_job(workdir: str, model: str, layouts: dict[str, list[str]]) -> dict:
     from rlmegatron.config import load_spec
-    from rlmegatron.controller.rank.policy_rank import PolicyRank
-    from rlmegatron.controller.rollout_data import build_batch
+    from rlmegatron.rank.policy_rank import PolicyRank
+    from rlmegatron.driver.role_settings import trainer_rank_settings
+    from rlmegatron.driver.rollout_data import build_batch
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 
     os.chdir(REPO_ROOT)
@@ -73,7 +74,7 @@ def _replay_job(workdir: str, model: str, layouts: dict[str, list[str]]) -> dict
         spec = load_spec("configs/quickstart.yaml", [
             f"data.max_response_length={RESPONSE}", f"trainer.run_dir={workdir}/{name}", f"model.path={model}",
             "model.random_init=false", "actor.moe.routing_replay=r3", *overrides])
-        rank = PolicyRank(spec, 3)
+        rank = PolicyRank(trainer_rank_settings(spec, 3))
         actor = rank.models.actor
         results = rank.generate(requests)
         batch = build_batch([list(prompts[r.request_index]) for r in results], results, RESPONSE)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_hf import save_tiny_model
 
 # Qwen3: query/key norms, grouped KV heads, tied embeddings; Llama-3.2's rope scaling, applied by Megatron's table.
@@ -14,7 +14,7 @@ PROMPT_COLUMNS, RESPONSE_COLUMNS = 8, 6
 
 def _grouped_batch(vocab_size: int):
     """Three prompts (3, 5 and 8 tokens) with three responses each (0-6 tokens), rows in a shuffled order."""
-    from rlmegatron.workers.batch import RolloutBatch
+    from rlmegatron.rank.roles.batch import RolloutBatch
 
     generator = torch.Generator().manual_seed(4)
     rows = []
@@ -54,7 +54,7 @@ def shared_prompt_job(workdir: str) -> dict:
     from rlmegatron.models.convert import import_hf
     from rlmegatron.models.shared_prompts import rope_at_token_positions, shared_prompts_supported
     from rlmegatron.runtime import ParallelLayout
-    from rlmegatron.workers.batch import build_shared_prompt_micro_batch
+    from rlmegatron.rank.roles.batch import build_shared_prompt_micro_batch
 
     report = {}
     for name in FAMILIES:

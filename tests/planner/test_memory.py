@@ -224,7 +224,7 @@ def test_async_modes_plan_the_rollout_buffer_and_the_two_pools(mode, rollouts):
 
 
 def test_the_buffer_counts_the_bytes_of_the_batch_a_rollout_builds():
-    from rlmegatron.controller.rollout_data import build_batch
+    from rlmegatron.driver.rollout_data import build_batch
     from rlmegatron.planner.memory import rollout_buffer_memory
     from rlmegatron.rollout.engine import GenerationResult
 
@@ -243,7 +243,7 @@ def test_the_buffer_counts_the_rollouts_routing_ids_when_the_actor_replays_or_me
     slot, as build_batch lays them over the batch's columns."""
     import torch
 
-    from rlmegatron.controller.rollout_data import build_batch
+    from rlmegatron.driver.rollout_data import build_batch
     from rlmegatron.planner.memory import rollout_buffer_memory
     from rlmegatron.rollout.engine import GenerationResult
 

@@ -12,8 +12,8 @@ def _actor_from_hf(hf_dir: str, layout: ParallelLayout):
     from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
     from rlmegatron.models.hf_config import build_gpt_model, model_facts, transformer_config
     from rlmegatron.models.weight_map import WeightMap
-    from rlmegatron.workers import ActorSettings, ActorWorker, OptimizerSettings
-    from rlmegatron.workers.megatron_step import unwrap
+    from rlmegatron.rank.roles import ActorSettings, ActorWorker, OptimizerSettings
+    from rlmegatron.rank.roles.megatron_step import unwrap
 
     init_model_parallel(layout)
     checkpoint = HFCheckpoint(hf_dir)
@@ -31,7 +31,7 @@ def _actor_from_hf(hf_dir: str, layout: ParallelLayout):
 
 def _rollout_batch(prompts: torch.Tensor, results):
     """Prompts and the engine's samples as the actor's batch: left-padded prompt, right-padded response."""
-    from rlmegatron.workers import RolloutBatch
+    from rlmegatron.rank.roles import RolloutBatch
 
     n = len(results)
     input_ids = torch.zeros(n, PROMPT_LEN + RESPONSE_LEN, dtype=torch.long)

@@ -1,6 +1,6 @@
 """The export stream yields, on every rank and at every layout, exactly the HF tensors the model holds (bitwise)."""
 from rlmegatron.runtime import ParallelLayout as L
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_hf import save_tiny_model
 from tests.resharding.export_jobs import export_job
 

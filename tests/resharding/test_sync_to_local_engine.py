@@ -1,6 +1,6 @@
 """Train at TP=2, PP=2 and EP=2, sync into the local engine: bitwise weights, and train/inference log-prob parity."""
 from rlmegatron.runtime import ParallelLayout as L
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_hf import save_tiny_model
 from tests.resharding.sync_jobs import train_sync_generate_job
 

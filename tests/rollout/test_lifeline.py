@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).parents[2]
 # through ServerProcess, prints the server's process group, then waits to be killed.
 LAUNCHER = """
 import sys, time
-from rlmegatron.rollout.sglang_server import ServerProcess
+from rlmegatron.rollout.sglang.server import ServerProcess
 server = ServerProcess([sys.executable, "-c", "import subprocess, sys, time; "
                         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"],
                        sys.argv[1])
@@ -48,7 +48,7 @@ def test_server_group_ends_when_its_launcher_is_killed(tmp_path):
 
 
 def test_stop_ends_the_server_and_reports_its_exit_code(tmp_path):
-    from rlmegatron.rollout.sglang_server import ServerProcess
+    from rlmegatron.rollout.sglang.server import ServerProcess
 
     server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "server.log")
     server.start()
@@ -64,7 +64,7 @@ def test_stop_ends_the_server_and_reports_its_exit_code(tmp_path):
 
 def test_the_server_ends_when_its_lifeline_is_killed(tmp_path):
     """Ray kills a dead worker's direct children with SIGKILL: that child is the lifeline, not the server."""
-    from rlmegatron.rollout.sglang_server import ServerProcess
+    from rlmegatron.rollout.sglang.server import ServerProcess
 
     server = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "server.log")
     server.start()

@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rlmegatron.controller.role_settings import LOCAL_SERVER_MODULE
+from rlmegatron.driver.role_settings import LOCAL_SERVER_MODULE
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.local import checkpoint_named_weights
-from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangEngine
-from rlmegatron.rollout.sglang_server import ServerSpec
-from rlmegatron.runtime.launcher import free_port
+from rlmegatron.rollout.sglang.engine import SGLangEngine
+from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
+from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
+from rlmegatron.rollout.sglang.server import ServerSpec
+from rlmegatron.runtime.distributed import free_port
 
 PROMPT = (5, 17, 42)
 
@@ -153,7 +155,7 @@ def test_a_server_on_the_trainers_own_gpu_takes_cuda_weights_over_gloo(tmp_path)
     (gloo: NCCL refuses two ranks of a group on one device); generation then follows them."""
     import socket
 
-    from rlmegatron.controller.servers import device_id, weight_group_backend
+    from rlmegatron.rollout.sglang.servers import device_id, weight_group_backend
 
     torch.cuda.set_device(0)
     gpu = device_id("cuda")
@@ -183,7 +185,7 @@ def test_the_local_server_returns_each_tokens_experts_in_sglangs_format():
 
     from rlmegatron.rollout.local import LocalEngine
     from rlmegatron.rollout.local_server import LocalServer
-    from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
+    from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
 
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,

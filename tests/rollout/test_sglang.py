@@ -13,27 +13,21 @@ import pytest
 import torch
 
 from rlmegatron.config.spec import RolloutConfig
-from rlmegatron.controller.role_settings import server_spec
+from rlmegatron.driver.role_settings import server_spec
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang import (
-    DistributedGroupSpec,
-    DistributedWeightPush,
-    EngineRestarted,
-    RouterClient,
-    SGLangClient,
-    SGLangEngine,
-    parse_generate_response,
-    sampling_params,
-)
-from rlmegatron.rollout.sglang_server import (
+from rlmegatron.rollout.sglang.client import RouterClient, SGLangClient, parse_generate_response, sampling_params
+from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
+from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
+from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
+from rlmegatron.rollout.sglang.server import (
     ServerProcess,
     ServerSpec,
     ServerStartupError,
     router_command,
     server_command,
 )
-from rlmegatron.runtime.launcher import free_port
+from rlmegatron.runtime.distributed import free_port
 
 FAKE_SGLANG = Path(__file__).parent / "fake_sglang"
 REPO_ROOT = Path(__file__).parents[2]
@@ -150,8 +144,8 @@ def test_the_remax_greedy_pass_asks_the_server_for_greedy_samples():
     """SGLang samples greedily (top_k becomes 1) exactly when 0 <= temperature < 1e-6 (its SamplingParams
     __post_init__): the trainer's greedy pass reaches the server at temperature 0, without a default replacing
     the 0, one sample per prompt, with the samples' token budget and stop tokens."""
-    from rlmegatron.controller.rollout_data import sampling_spec
-    from rlmegatron.controller.trainer import GREEDY
+    from rlmegatron.driver.rollout_data import sampling_spec
+    from rlmegatron.driver.trainer import GREEDY
 
     params = sampling_params(sampling_spec(GREEDY, max_new_tokens=3, stop_token_ids=(7,), seed=5))
     assert 0 <= params["temperature"] < 1e-6
@@ -474,8 +468,8 @@ def test_buckets_align_each_tensor_to_its_dtype_so_every_view_works():
 
 
 def test_an_answer_without_the_experts_it_was_asked_for_names_the_sample():
-    from rlmegatron.rollout.sglang import SGLangRequestError, parse_generate_response
-    from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
+    from rlmegatron.rollout.sglang.client import SGLangRequestError, parse_generate_response
+    from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
 
     answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
                                                "output_token_logprobs": [[-0.5, 7, None]]}}
@@ -491,7 +485,7 @@ def test_a_sample_continued_after_a_pause_keeps_each_tokens_first_routing():
     (with the new weights) and its 2 tokens but the last. Each token keeps the routing of the piece that ran it
     first: rows 0-3 from piece 1, rows 4-5 from piece 2."""
     from rlmegatron.rollout.engine import GenerationResult
-    from rlmegatron.rollout.sglang import joined
+    from rlmegatron.rollout.sglang.client import joined
 
     def piece(tokens, rows, fill):
         return GenerationResult(0, 0, tokens, (-0.1,) * len(tokens), "abort",
@@ -507,7 +501,7 @@ def test_every_router_flag_the_project_emits_parses_with_sglang_routers_own_pars
     of sglang_router 0.3.2 (the test extra installs it), which exits 2 on an unknown flag."""
     from sglang_router.launch_router import parse_router_args
 
-    from rlmegatron.rollout.sglang_server import router_command
+    from rlmegatron.rollout.sglang.server import router_command
 
     for command in (router_command("py", [], port=8000),
                     router_command("py", ["http://a:1", "http://b:2"], port=8000, host="0.0.0.0",

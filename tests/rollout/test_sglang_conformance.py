@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang import DistributedGroupSpec, DistributedWeightPush, SGLangClient, SGLangEngine
-from rlmegatron.rollout.sglang_protocol import RoutedExpertsLayout
-from rlmegatron.rollout.sglang_server import ServerSpec
-from rlmegatron.runtime.launcher import free_port
+from rlmegatron.rollout.sglang.client import SGLangClient
+from rlmegatron.rollout.sglang.engine import SGLangEngine
+from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
+from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
+from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
+from rlmegatron.rollout.sglang.server import ServerSpec
+from rlmegatron.runtime.distributed import free_port
 
 HERE = Path(__file__).parent
 REPO_ROOT = HERE.parents[1]
@@ -207,8 +210,8 @@ def protocol_answers(url: str, progress: str) -> list[tuple[str, str]]:
     generation is paused, and the resume of a memory tag it never released. `progress`: the server's route that
     counts the tokens it generated."""
     from rlmegatron.rollout.buckets import Bucketer
-    from rlmegatron.rollout.sglang import ServerUnavailable, SGLangRequestError, sampling_params
-    from rlmegatron.rollout.sglang_protocol import serialize_flattened_bucket
+    from rlmegatron.rollout.sglang.client import ServerUnavailable, SGLangRequestError, sampling_params
+    from rlmegatron.rollout.sglang.protocol import serialize_flattened_bucket
 
     client = SGLangClient(url, timeout_s=30)
     client.check_version()
@@ -301,8 +304,8 @@ def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args
     dtype, device, load format, several nodes, LoRA, deterministic inference) and the flags verl_keys recommends,
     through SGLang 0.5.23's argparse, which exits 2 on an unknown or ambiguous flag."""
     from rlmegatron.config.spec import RolloutConfig
-    from rlmegatron.controller.role_settings import server_spec
-    from rlmegatron.rollout.sglang_server import server_command
+    from rlmegatron.driver.role_settings import server_spec
+    from rlmegatron.rollout.sglang.server import server_command
 
     rollout = RolloutConfig(tensor_parallel_size=4, expert_parallel_size=2, enable_dp_attention=True,
                             mem_fraction_static=0.6, sglang={"load_format": "dummy", "extra_args": {

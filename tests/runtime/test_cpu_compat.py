@@ -1,5 +1,5 @@
 """The CPU layer's CUDA-literal rewrite: on in a CPU rank, off inside plain_torch (the local engine's generation)."""
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 
 
 def _cuda_literals_in_and_out_of_plain_torch() -> dict:

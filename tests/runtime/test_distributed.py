@@ -4,7 +4,8 @@ import os
 import torch
 
 from rlmegatron.runtime import ParallelLayout as L
-from rlmegatron.runtime import run_ranks
+from rlmegatron.runtime import distributed
+from rlmegatron.transport.local_ranks import run_ranks
 
 
 def _groups_and_threads_per_rebuild(rebuilds: int) -> list[tuple[int, int]]:
@@ -77,3 +78,21 @@ def test_each_layout_keeps_its_own_groups_and_rng_stream_across_switches():
     # TP ranks draw from different model-parallel streams; at TP=1 every rank draws the same.
     assert reports[0]["actor"][0]["draw"] != reports[1]["actor"][0]["draw"]
     assert reports[0]["reference"][0]["draw"] == reports[1]["reference"][0]["draw"]
+
+
+def test_free_ports_are_picked_below_the_range_outgoing_connections_take_theirs_from(monkeypatch):
+    import socket
+
+    low = distributed._ephemeral_low()
+    ports = [distributed.free_port() for _ in range(50)]
+    assert all(distributed._LOWEST_PORT <= port < low for port in ports), ports
+    assert len(set(ports)) > 40  # drawn, not the same few
+    for port in ports[:5]:  # each one is free
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    # Where no such range exists below it (a kernel set to start outgoing ports at 20000), the kernel picks.
+    monkeypatch.setattr(distributed, "_ephemeral_low", lambda: 20000)
+    fallback = distributed.free_port()
+    assert fallback >= low
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", fallback))

@@ -2,7 +2,7 @@
 import pytest
 
 from rlmegatron.runtime import ParallelLayout as L
-from rlmegatron.runtime import run_ranks
+from rlmegatron.transport.local_ranks import run_ranks
 from tests.helpers.megatron_parity import parity_job
 
 TOLERANCE = 1e-5

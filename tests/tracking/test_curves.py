@@ -1,5 +1,5 @@
 """curves.png: `rlm report RUN_DIR` redraws it from the MLflow store of a run still running; the PNG decodes and
-carries what it plots, which is what the store holds. (A finished run's own curves: tests/controller/test_train.py.)"""
+carries what it plots, which is what the store holds. (A finished run's own curves: tests/driver/test_train.py.)"""
 import time
 
 from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main

@@ -244,7 +244,7 @@ class FakeServer:
     def init_weights_update_group(self, body):
         expect(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
                       "group_name": str, "backend": str})
-        from rlmegatron.rollout.sglang_protocol import init_custom_process_group
+        from rlmegatron.rollout.sglang.protocol import init_custom_process_group
 
         self.groups[body["group_name"]] = init_custom_process_group(
             body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],

@@ -1,1 +1,0 @@
-"""The single controller: Ray placement, worker groups, the policy rank and the fit loop."""

@@ -1,0 +1,128 @@
+"""The weight push inside a trainer rank: the actor's weights, streamed from its layout as HF-named full tensors
+(collective: every rank walks the whole stream), to the rollout engines after each update.
+
+Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: trainer rank 0
+broadcasts each bucket to every server over a weight-update group of its own (NCCL; gloo on CPU, or where the
+server shares rank 0's GPU: `servers.weight_group_backend`); the other ranks let the stream pass.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import socket
+from typing import Optional, Sequence
+
+import torch
+
+from rlmegatron.rank.colocated_engine import ColocatedEngine
+from rlmegatron.rank.role_models import RoleModels
+from rlmegatron.rollout.settings import RolloutSettings
+from rlmegatron.rollout.sglang.servers import ServerDevices, weight_group_backend
+from rlmegatron.models.lora import adapters_disabled
+from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
+from rlmegatron.rollout.buckets import travel_rules_for
+from rlmegatron.rollout.engine import INITIAL_VERSION
+from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
+from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
+from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
+from rlmegatron.runtime.distributed import free_port
+
+
+class WeightPush:
+    """This rank's side of every weight sync, colocated or disaggregated."""
+
+    def __init__(self, settings: RolloutSettings, models: RoleModels, engine: Optional[ColocatedEngine]) -> None:
+        self.settings, self.models, self.engine = settings, models, engine
+        self.distributed: Optional[DistributedWeightPush] = None
+        """Disaggregated, on trainer rank 0: the weight-update groups with the servers."""
+        self.exporter: Optional[HFWeightExporter] = None
+        """Made at the first sync: its plan (every rank's names, shapes and stages, an all_gather_object) is the
+        model's, and the weights it streams are read when it streams."""
+        self.server_urls: dict[int, str] = {}
+        self.loaded_adapters: dict[int, str] = {}
+        """Disaggregated adapter sync, on trainer rank 0: each server's URL and the adapter it holds."""
+        self.adapter_path: Optional[str] = None
+
+    def connect(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
+        """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, its TP ranks' devices)
+        server."""
+        if torch.distributed.get_rank() != 0:
+            return
+        if self.distributed is None:
+            self.distributed = DistributedWeightPush(self.settings.bucket_bytes,
+                                                     travel_rules_for(self.settings.model.hf_config()))
+        address = socket.gethostbyname(socket.gethostname())
+        for engine, url, devices in endpoints:
+            self.server_urls[engine] = url
+            port = free_port("")
+            group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
+                                         weight_group_backend(self.settings.device, devices))
+            self.distributed.connect(engine, url, len(devices), group)
+
+    def sync(self, version: str, restarted: Optional[list[int]] = None, left_out: Sequence[int] = ()) -> list[int]:
+        """The trained weights to the engines: all but the `left_out` disaggregated servers (down, or restarted and
+        not yet rejoined), or the `restarted` ones. With adapter sync, the base weights at the start and to restarted
+        servers, and the adapters of every trained version. Returns the disaggregated servers that went down during
+        the push (`DistributedWeightPush.push`): left out, not failed."""
+        lora, chunks = self.settings.lora, self.models.actor.chunks
+        down: list[int] = list(left_out)
+        with self.models.phase("actor"):
+            if lora is None or version == INITIAL_VERSION or restarted is not None:
+                with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
+                    down += self._push(self._weights(), version, restarted, down)
+            if lora is not None and version != INITIAL_VERSION:
+                down += self._push_adapter(version, restarted, down)
+        return [engine for engine in down if engine not in left_out]
+
+    def _weights(self):
+        """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8."""
+        stream = self._exporter().stream()
+        weight_format = self.settings.weight_format
+        return stream if weight_format is None else weight_format.quantised_stream(stream)
+
+    def _exporter(self) -> HFWeightExporter:
+        if self.exporter is None:
+            self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
+        return self.exporter
+
+    def _push(self, stream, version: str, restarted: Optional[list[int]], left_out: list[int]) -> list[int]:
+        if self.distributed is not None:
+            only = restarted if restarted is not None or not left_out else \
+                [engine for engine in self.distributed.servers if engine not in left_out]
+            return self.distributed.push(stream, version, only=only)
+        if self.engine is not None:
+            self.engine.receive_weights(stream, version, restarted)
+        else:
+            collections.deque(stream, maxlen=0)
+        return []
+
+    def _push_adapter(self, version: str, restarted: Optional[list[int]], down: list[int]) -> list[int]:
+        """The adapters as a PEFT adapter named `version`, written once (rank 0) and loaded by every server; the
+        previous version's files go once every server has loaded its successor."""
+        path = os.path.join(self.settings.adapter_dir, version)
+        previous, self.adapter_path = self.adapter_path, path
+        export_peft_adapter(self._exporter(), path, self.settings.lora, self.settings.model.path)
+        went_down = []
+        if self.distributed is not None:
+            for engine, url in self.server_urls.items():
+                if (restarted is not None and engine not in restarted) or engine in down:
+                    continue
+                client = SGLangClient(url)
+                try:
+                    client.load_lora_adapter(version, path)
+                    held = self.loaded_adapters.get(engine) if restarted is None else None
+                    if held is not None and held != version:
+                        client.unload_lora_adapter(held)
+                    client.flush_cache()
+                except ServerUnavailable:
+                    went_down.append(engine)  # as in DistributedWeightPush.push: left out, restarted when next met
+                    continue
+                self.loaded_adapters[engine] = version
+        elif self.engine is not None:
+            self.engine.receive_adapter(version, path, version, restarted)
+        torch.distributed.barrier()
+        if previous is not None and previous != path and torch.distributed.get_rank() == 0:
+            shutil.rmtree(previous, ignore_errors=True)
+        return went_down

@@ -1,0 +1,290 @@
+"""One SGLang server as a rollout engine: launched, supervised, restarted and re-synced by this process."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+from rlmegatron.rollout.buckets import TravelRule
+from rlmegatron.rollout.engine import (
+    INITIAL_VERSION,
+    MEMORY_TAGS,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingSpec,
+    WeightStream,
+    check_memory_tags,
+)
+from rlmegatron.rollout.sglang.client import (
+    RouterClient,
+    SGLangClient,
+    SGLangRequestError,
+    ServerUnavailable,
+    joined,
+    parse_generate_response,
+    sampling_params,
+)
+from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
+from rlmegatron.rollout.sglang.server import ServerSpec, launch_node
+from rlmegatron.rollout.sglang.weight_push import share_buckets
+from rlmegatron.tracking.progress import Progress, report
+
+
+class EngineRestarted(RuntimeError):
+    """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
+
+
+WeightResync = Callable[[], tuple[WeightStream, str]]
+"""Returns a fresh stream of the latest weights and their version (the trainer re-exports them)."""
+
+
+class SGLangEngine(RolloutEngine):
+    """One SGLang server (one TP group) launched and supervised by this engine.
+
+    A server that stops answering is restarted, re-synced through `resync`, and the samples that were in
+    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine. Without
+    `resync` (colocated: only a collective export has the weights) the engine turns `stale` and `generate`
+    raises `EngineRestarted` until the caller has pushed weights; the caller then sends the requests again. Samples
+    the server itself aborted come back with finish reason `abort` for the caller to drop or resubmit.
+    """
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_dir: str,
+        bucket_bytes: int,
+        travel_rules: Sequence[TravelRule] = (),
+        resync: WeightResync | None = None,
+        router_url: str | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        max_restarts: int = 3,
+        ipc_group: torch.distributed.ProcessGroup | None = None,
+        lora_adapters: bool = False,
+        partial_rollout: bool = False,
+        routing: RoutedExpertsLayout | None = None,
+    ) -> None:
+        """`router_url`: the sglang_router in front of several servers; generation goes through it, and this
+        server is one of its workers exactly while it holds trained weights. `ipc_group`: the trainer ranks on this server's GPUs, this one first; each shares its own copy of every
+        bucket (`share_buckets`). Without it this process shares one copy with every server TP rank.
+        `partial_rollout`: a sample aborted by `pause_generation` (new weights on the way) is sent again as the
+        prompt plus the tokens it has, and goes on from there once the server continues (`_generate_one`).
+        `routing`: the model's routed-experts layout, for a server launched to return them
+        (--enable-return-routed-experts): requests that ask for them get them."""
+        self.spec = spec
+        self.process = launch_node(spec, log_dir, start=False)
+        self.ipc_group = ipc_group
+        self.client = SGLangClient(spec.url, request_timeout_s)
+        self.router = RouterClient(router_url, request_timeout_s) if router_url else None
+        self.generation_client = self.router.client if self.router else self.client
+        self.in_router = False
+        self.bucket_bytes = bucket_bytes
+        self.travel_rules = tuple(travel_rules)
+        self.resync = resync
+        self.startup_timeout_s = startup_timeout_s
+        self.max_concurrency = max_concurrency
+        self.max_restarts = max_restarts
+        self.partial_rollout = partial_rollout
+        self.restarts = 0
+        self._epoch = 0
+        self._recovery_lock = threading.Lock()
+        self.weight_version: str | None = None
+        self.lora_adapters = lora_adapters
+        """The trained policy is the base weights plus a LoRA adapter named by its version (actor.lora.weight_sync
+        `adapter`); `adapter` is the one the server holds, None until the first is loaded."""
+        self.adapter: str | None = None
+        self.seeded = bool(spec.extra_args.get("enable-deterministic-inference"))
+        """SGLang samples by the requests' seeds only in deterministic-inference mode (`sampling_params`)."""
+        self.released: set[str] = set()
+        """The memory tags the server has released: SGLang's scheduler dies on a resume of any other."""
+        self.routing = routing
+        try:
+            self.relaunch()
+        except BaseException:
+            self.process.stop()  # a server that never became healthy is not left running
+            raise
+
+    # Generation --------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
+        if self.router is not None and not self.health():
+            # Behind a router this engine's own requests may all be served elsewhere: look at its server itself.
+            self._recover(self._epoch)
+        samples = [(i, s, request) for i, request in enumerate(requests) for s in range(request.sampling.n)]
+
+        def one(sample) -> GenerationResult:
+            result = self.generate_one(*sample)
+            report(progress)
+            return result
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(samples)))) as pool:
+            return list(pool.map(one, samples))
+
+    def generate_one(self, request_index: int, sample_index: int, request: GenerationRequest) -> GenerationResult:
+        """Sample `sample_index` of a request; safe to call from many threads at once (the agent loop does)."""
+        spec = request.sampling
+        if spec.seed is not None:
+            # Distinct but reproducible seeds for the n samples of one request.
+            spec = SamplingSpec(**{**spec.__dict__, "seed": spec.seed * 1_000_003 + sample_index})
+        routing = None
+        if request.return_routed_experts:
+            if self.routing is None:
+                raise ValueError(f"server {self.spec.url} was not launched to return routed experts")
+            routing = self.routing
+        result = self._request(request_index, sample_index, request.prompt_token_ids, spec, routing)
+        if not self.partial_rollout:
+            return result
+        # Partial rollout: an abort is the server making way for new weights. The sample goes on from its tokens
+        # (and keeps their log-probs and versions); the server holds the request until it continues.
+        produced = [result]
+        while result.finish_reason == "abort" and sum(len(r.output_token_ids) for r in produced) < spec.max_new_tokens:
+            tokens = [token for part in produced for token in part.output_token_ids]
+            rest = SamplingSpec(**{**spec.__dict__, "max_new_tokens": spec.max_new_tokens - len(tokens),
+                                   "seed": None if spec.seed is None else spec.seed + len(tokens)})
+            result = self._request(request_index, sample_index, (*request.prompt_token_ids, *tokens), rest, routing)
+            produced.append(result)
+        return joined(produced)
+
+    def _request(self, request_index: int, sample_index: int, input_ids: Sequence[int],
+                 spec: SamplingSpec, routing: RoutedExpertsLayout | None = None) -> GenerationResult:
+        # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
+        # attempt bound stops a server that stays healthy but keeps failing this request.
+        for attempt in range(self.max_restarts + 3):
+            epoch = self._epoch
+            if self.stale:
+                raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
+            try:
+                answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
+                                                         self.adapter, return_routed_experts=routing is not None)
+                result = parse_generate_response(answer, request_index, sample_index, routing)
+                # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
+                # the trained version that produced the tokens.
+                return result if self.adapter is None else dataclasses.replace(result, weight_version=self.adapter)
+            except ServerUnavailable as error:
+                last_error = error
+                self._recover(epoch)
+        raise ServerUnavailable(f"sample {request_index}/{sample_index} failed {attempt + 1} times: {last_error}")
+
+    # Weights -----------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: WeightStream, version: str) -> None:
+        """Colocated: each bucket travels as a shared-memory/IPC handle, one per server TP rank."""
+        self.client.begin_weight_update()
+        share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
+                      post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
+        self.client.end_weight_update()
+        self.client.flush_cache()  # refused only while requests run, which finish on the new weights
+        self.mark_synced(version)
+
+    def load_adapter(self, name: str, path: str, version: str) -> None:
+        """Colocated, adapter sync: the PEFT adapter at `path` in as `name`, the one before it out."""
+        self.client.load_lora_adapter(name, path)
+        if self.adapter is not None and self.adapter != name:
+            self.client.unload_lora_adapter(self.adapter)
+        self.client.flush_cache()  # refused only while requests run, which finish on the new adapter
+        self.mark_synced(version)
+        self.adapter = name
+
+    def mark_synced(self, version: str) -> None:
+        """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
+        router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name."""
+        if self.lora_adapters:
+            self.adapter = None if version == INITIAL_VERSION else version
+        self.weight_version = version
+        self.stale = False
+        if self.router is not None and not self.in_router:
+            self.router.add_worker(self.spec.url)
+            self.in_router = True
+
+    # Memory and control ------------------------------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """A server without the memory saver cannot release anything, so it keeps its memory."""
+        held = [tag for tag in check_memory_tags(tags) if tag not in self.released]
+        if self.spec.enable_memory_saver and held:
+            self.client.release_memory_occupation(held)
+            self.released.update(held)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Only tags the server released: resuming another raises in SGLang's scheduler, which ends the server (a
+        sleeping engine in LoRA mode released no weights; a restarted one released nothing)."""
+        released = [tag for tag in check_memory_tags(tags) if tag in self.released]
+        if self.spec.enable_memory_saver and released:
+            self.client.resume_memory_occupation(released)
+            self.released.difference_update(released)
+
+    def pause_generation(self) -> None:
+        self.client.pause_generation()
+
+    def continue_generation(self) -> None:
+        self.client.continue_generation()
+
+    def health(self) -> bool:
+        """Liveness, which holds while generation is paused (`SGLangClient.alive`)."""
+        return self.process.alive and self.client.alive()
+
+    def relaunch(self) -> None:
+        """After a multi-node restart, once the caller started the other nodes: this node up, the server ready."""
+        if not self.process.alive:
+            self.process.start()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """A fresh server: ready to generate (its `/health`), of a supported version, holding all its memory."""
+        self.process.wait_ready(self.client.health, self.startup_timeout_s)
+        self.client.check_version()
+        self.released = set()
+
+    def shutdown(self) -> None:
+        if self.in_router:
+            with contextlib.suppress(ServerUnavailable, SGLangRequestError):  # the router may be gone already
+                self.router.remove_worker(self.spec.url)
+            self.in_router = False
+        self.process.stop()
+
+    # Failure -----------------------------------------------------------------------------------------
+
+    def _recover(self, failed_epoch: int) -> None:
+        """Restart once per failure, however many samples saw it: those that failed in an older epoch
+        just retry against the restarted server."""
+        with self._recovery_lock:
+            if self._epoch != failed_epoch:
+                return
+            if self.process.alive and self.client.alive():
+                # A transient error on a healthy server: retry without a restart.
+                self._epoch += 1
+                return
+            if self.restarts >= self.max_restarts:
+                raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
+            self.restarts += 1
+            if self.resync is None:
+                # Unusable from here until the caller pushes the trained weights, also while the new server comes
+                # up healthy: a push to every engine beside this recovery (one_step_off, async) must leave it out
+                # (`EngineHost.takes_weights`), as the server is outside the weight-update group it pushes over.
+                self.stale = True
+            if self.in_router:
+                # Until it holds the trained weights again, the router must not send it anything.
+                self.router.remove_worker(self.spec.url)
+                self.in_router = False
+            self.process.stop()
+            if self.spec.nnodes > 1:
+                # The other nodes' processes belong to other hosts: the caller restarts all of them together
+                # (`relaunch` here) before it pushes the weights.
+                self.stale = True
+                self._epoch += 1
+                return
+            self.process.start()
+            self._wait_ready()
+            self.adapter = None  # a restarted server holds none
+            if self.resync is not None:
+                stream, version = self.resync()
+                self.update_weights(stream, version)
+            # Else the weights live in the trainer, whose export is collective: the caller syncs (it is stale).
+            self._epoch += 1
+

@@ -1,0 +1,126 @@
+"""Weight pushes into SGLang servers: colocated, each trainer rank shares its copy of every bucket (shared memory or CUDA
+IPC) with the server rank on its GPU; disaggregated, trainer rank 0 broadcasts each bucket over a weight-update group
+of each server."""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlmegatron.rollout.buckets import Bucketer, TravelRule
+from rlmegatron.rollout.engine import WeightStream
+from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
+from rlmegatron.rollout.sglang.protocol import (
+    DistributedGroupSpec,
+    init_custom_process_group,
+    on_the_wire,
+    serialize_flattened_bucket,
+)
+
+
+def share_buckets(named_tensors: WeightStream, bucket_bytes: int, travel_rules: Sequence[TravelRule], tp_size: int,
+                  group: torch.distributed.ProcessGroup | None, post: Callable[[list[str]], Any] | None) -> None:
+    """Colocated push, run by every rank of `group` on the same stream (the export yields it on every rank).
+
+    Each rank shares its own copy of each bucket, so server TP rank i opens memory of trainer rank i, which sits on
+    its GPU and its node: no cross-device reads, and a server spanning nodes works. The group's first rank, which
+    gets `post`, sends the tp_size handles in one request. Without a group, one copy serves every TP rank.
+    """
+    bucketer = Bucketer(bucket_bytes, travel_rules, reuse_buffer=True, shared_memory=True)
+    for bucket in bucketer.buckets(named_tensors):
+        payload = serialize_flattened_bucket(bucket)
+        if group is None:
+            payloads = [payload] * tp_size
+        else:
+            payloads = [None] * group.size() if post is not None else None
+            torch.distributed.gather_object(payload, payloads, group_dst=0, group=group)
+        if post is not None:
+            post(payloads)  # returns once the server loaded the bucket
+        if group is not None:
+            torch.distributed.barrier(group=group)  # ...so every rank may reuse its buffer
+        if bucket.flattened_tensor.is_cuda:
+            torch.cuda.ipc_collect()
+
+
+class DistributedWeightPush:
+    """Trainer side of disaggregated sync (run on one trainer rank): one process group per server, with this
+    process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
+    does; one bucketed pass over the weight stream, each bucket broadcast to every server in turn."""
+
+    def __init__(self, bucket_bytes: int, travel_rules: Sequence[TravelRule] = (), timeout_s: float = 600.0) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.travel_rules = tuple(travel_rules)
+        self.timeout_s = timeout_s
+        self.servers: dict[int, tuple[SGLangClient, DistributedGroupSpec, torch.distributed.ProcessGroup]] = {}
+
+    def connect(self, key: int, url: str, tp_size: int, group: DistributedGroupSpec) -> None:
+        """Joins a group with server `key`; a restarted server gets a new group (its old members are gone)."""
+        client = SGLangClient(url, self.timeout_s)
+        client.check_version()
+        world_size = 1 + tp_size  # tp_size counts the server's ranks on all its nodes
+        pending = _in_thread(lambda: client.init_weights_update_group(
+            group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
+        ))
+        process_group = init_custom_process_group(
+            group.backend, f"tcp://{group.master_address}:{group.master_port}", world_size, 0, group.group_name
+        )
+        pending.result()
+        self.servers[key] = (client, group, process_group)
+
+    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> list[int]:
+        """Per bucket and server: announce names/dtypes/shapes, then broadcast in exactly that order while the
+        server's request is pending. `only` limits the push to those servers (restarted ones). Returns the servers
+        that went down during the push (ServerUnavailable): the others get every bucket all the same, and the stream
+        is walked whole, as the other trainer ranks export it collectively; a server left out is restarted by the
+        generation that next meets it, and joins a new group."""
+        keys = list(self.servers if only is None else only)
+        down: list[int] = []
+        for key in keys:
+            try:
+                self.servers[key][0].begin_weight_update()
+            except ServerUnavailable:
+                down.append(key)
+        self._broadcast(named_tensors, version, keys, down)
+        for key in keys:
+            if key not in down:
+                try:
+                    self.servers[key][0].end_weight_update()
+                    self.servers[key][0].flush_cache()  # refused only while requests run: they finish on the new weights
+                except ServerUnavailable:
+                    down.append(key)
+        return down
+
+    def _broadcast(self, named_tensors: WeightStream, version: str, keys: list[int], down: list[int]) -> None:
+        for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
+            pairs = bucket.named_tensors()
+            for key in keys:
+                if key in down:
+                    continue
+                client, group, process_group = self.servers[key]
+                announce = _in_thread(lambda: client.update_weights_from_distributed(
+                    names=[name for name, _ in pairs],
+                    dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
+                    shapes=[list(tensor.shape) for _, tensor in pairs],
+                    group_name=group.group_name,
+                    weight_version=version,
+                ))
+                # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
+                # fails the push with its answer instead of leaving this rank in a broadcast for ever.
+                sent = [torch.distributed.broadcast(on_the_wire(tensor, group.backend), group_src=0,
+                                                    group=process_group, async_op=True) for _, tensor in pairs]
+                try:
+                    announce.result()
+                except ServerUnavailable:
+                    down.append(key)  # its broadcasts go with its group, which is never used again
+                    continue
+                for work in sent:
+                    work.wait()
+
+
+def _in_thread(call: Callable[[], Any]) -> Future:
+    """An HTTP call that blocks server-side until this process joins a collective, run alongside it."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    future = executor.submit(call)
+    executor.shutdown(wait=False)
+    return future

@@ -1,0 +1,265 @@
+"""Worker groups: members that each hold one object of a plain class (a trainer rank, a rollout-pool host) and run the
+methods the driver calls on it, in processes of their own as Ray actors or in this process.
+
+Both kinds implement `WorkerGroup`. A caller names the method by reference (`group.call_all(PolicyRank.sync_weights,
+version)`), never by a string; the member runs the method of that name on its object, so a subclass's override
+runs. The typed handles built on a group (driver.trainer_client.TrainerClient, the rollout pool's hosts in
+driver.engine_fleet) are what the rest of the driver calls.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar
+
+import torch
+
+from rlmegatron.transport.placement import ResourcePool
+from rlmegatron.runtime import destroy_distributed, init_distributed
+from rlmegatron.runtime.distributed import CollectiveTimeout, is_collective_timeout
+from rlmegatron.runtime.distributed import free_port
+from rlmegatron.transport.local_ranks import rank_threads
+
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+
+class WorkerGroup(Protocol[T]):
+    """Members holding one object of class T each."""
+
+    def __len__(self) -> int:
+        ...
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """`method` on every member with the same arguments; results in member order."""
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        """`method` on member i with `per_member[i]`, for each i given (in that order where the order matters: in
+        this process, one after another)."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+class Member:
+    """The body of one member: builds the member's object, then runs the methods called on it."""
+
+    def __init__(self) -> None:
+        self.obj: Any = None
+
+    def build(self, cls: Callable[..., Any], *args: Any) -> None:
+        self.obj = cls(*args)
+
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        return getattr(self.obj, method.__name__)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        if self.obj is not None and hasattr(self.obj, "shutdown"):
+            self.obj.shutdown()
+
+
+class RankHost(Member):
+    """A trainer rank's member: joins the process group before its object is built, leaves it after shutdown. A call
+    that waited `collective_timeout_s` in a collective raises CollectiveTimeout, naming the call."""
+
+    def __init__(self, env: dict[str, str], device: str, threads: int = 1,
+                 collective_timeout_s: float = 600.0) -> None:
+        super().__init__()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        init_distributed(device, collective_timeout_s)
+        self.collective_timeout_s = collective_timeout_s
+
+    def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        try:
+            return super().call(method, *args, **kwargs)
+        except RuntimeError as error:
+            if not is_collective_timeout(error):
+                raise
+            raise CollectiveTimeout(
+                f"{method.__name__}: trainer rank {os.environ['RANK']} waited {self.collective_timeout_s:g} s in a "
+                f"collective that other ranks of its group did not join (trainer.collective_timeout_s): one of them "
+                f"is stuck or slower than that, or they ran different collectives") from error
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        destroy_distributed()
+
+
+def rank_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+# --- in this process -------------------------------------------------------------------------------------------------
+
+
+class InProcessGroup(Generic[T]):
+    """Members in this process, called one after another; member i's object is `group[i]`."""
+
+    def __init__(self, members: Sequence[Member]) -> None:
+        self.members = list(members)
+
+    @classmethod
+    def of(cls, size: int, member_class: Callable[..., T], *args: Any) -> InProcessGroup[T]:
+        """`size` objects `member_class(*args)`."""
+        members = [Member() for _ in range(size)]
+        for member in members:
+            member.build(member_class, *args)
+        return cls(members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, index: int) -> T:
+        return self.members[index].obj
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        return [member.call(method, *args, **kwargs) for member in self.members]
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        return {index: self.members[index].call(method, *args) for index, args in per_member.items()}
+
+    def shutdown(self) -> None:
+        for member in self.members:
+            member.shutdown()
+
+
+class LocalWorkerGroup(InProcessGroup[T]):
+    """One trainer rank in this process: no Ray (tests, debugging, torchrun-less machines)."""
+
+    def __init__(self, device: str, rank_class: Callable[..., T], *args: Any) -> None:
+        host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=os.cpu_count() or 1)
+        host.build(rank_class, *args)
+        super().__init__([host])
+
+
+# --- Ray actors ------------------------------------------------------------------------------------------------------
+
+# How long the other members get to report after one failed (they may be stuck in a collective with it).
+PEER_GRACE_S = 5.0
+
+
+def gather(refs: list) -> list:
+    """ray.get of one call on every member. Ray raises the first failure at once and would later print each other
+    member's failure, traceback and all, as an unhandled error: those that come within PEER_GRACE_S are fetched here,
+    so one failure (a user's mistake is then one line) is all that is said: the first, unless a member died, whose
+    death is then why its peers' collectives failed (a reset connection) and what is raised."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError as first:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PEER_GRACE_S)
+        died = None
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                died = died or error
+            except ray.exceptions.RayError:
+                pass
+        if died is not None and not isinstance(first, ray.exceptions.RayActorError):
+            raise died from None
+        raise
+
+
+def master_address() -> tuple[str, int]:
+    return socket.gethostbyname(socket.gethostname()), free_port(host="")
+
+
+class RayActorGroup(Generic[T]):
+    """Ray actors, member i on bundle i of a pool."""
+
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
+
+    @classmethod
+    def on(cls, pool: ResourcePool, size: int, member_class: Callable[..., T], *args: Any,
+           concurrency: int = 1) -> RayActorGroup[T]:
+        """`size` objects `member_class(*args)` on the first `size` bundles of `pool`, each running up to
+        `concurrency` calls at once (on threads of its process)."""
+        actors = [_placed(Member, pool, index, max_concurrency=concurrency).remote() for index in range(size)]
+        gather([actor.build.remote(member_class, *args) for actor in actors])
+        return cls(actors)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call_all(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        import ray
+
+        # One copy in the object store for all members, not one serialization per member (batches are large).
+        shared = [ray.put(arg) for arg in args]
+        return gather([actor.call.remote(method, *shared, **kwargs) for actor in self.actors])
+
+    def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
+        replies = gather([self.actors[index].call.remote(method, *args) for index, args in per_member.items()])
+        return dict(zip(per_member, replies))
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Orderly where the members are idle; a member still busy (an interrupted step) is killed after
+        `timeout_s`, and its engine servers go with it (`lifeline`)."""
+        import ray
+
+        try:
+            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
+            pass
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+
+
+class RayWorkerGroup(RayActorGroup[T]):
+    """The trainer ranks: `pool.world_size` Ray actors, rank i on bundle i of the pool, one process group."""
+
+    def __init__(self, pool: ResourcePool, rank_class: Callable[..., T], *args: Any,
+                 collective_timeout_s: float = 600.0) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world_size = pool.world_size
+        threads = rank_threads(pool.device, world_size)
+        # Rank 0's node hosts the rendezvous: this one's address, or on another node, one from a probe placed like
+        # rank 0 (a worker process of its own, which takes seconds to start: a local cluster does without).
+        if pool.nodes[0] == ray.get_runtime_context().get_node_id():
+            addr, port = master_address()
+        else:
+            probe = ray.remote(master_address).options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
+                num_cpus=0,
+            )
+            addr, port = ray.get(probe.remote())
+        actors = []
+        for rank in range(world_size):
+            # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
+            env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
+            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads, collective_timeout_s))
+        gather([actor.build.remote(rank_class, *args) for actor in actors])
+        super().__init__(actors)
+
+
+def _placed(member_class: type, pool: ResourcePool, index: int, **options: Any):
+    """`member_class` as a Ray actor class pinned to bundle `index` of `pool`, with one GPU (or CPU) of it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
+    strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[index])
+    return ray.remote(member_class).options(scheduling_strategy=strategy, **resources, **options)
+
+
+def group_on(pool: Optional[ResourcePool], size: int, member_class: Callable[..., T], *args: Any,
+             concurrency: int = 1) -> WorkerGroup[T]:
+    """`size` objects `member_class(*args)`: Ray actors on `pool` (each running up to `concurrency` calls at once), or
+    (no pool: a run without Ray) in this process, where the callers' threads run them."""
+    if pool is None:
+        return InProcessGroup.of(size, member_class, *args)
+    return RayActorGroup.on(pool, size, member_class, *args, concurrency=concurrency)

@@ -1,0 +1,111 @@
+"""`run_training` hands each spec setting to the part that uses it: the parts are replaced by recorders (nothing is
+built, no worker starts), and the loop itself is stopped as it is handed over."""
+from pathlib import Path
+
+import pytest
+
+from rlmegatron.config import load_spec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Stop(Exception):
+    """Raised where the fit loop would start."""
+
+
+class Part:
+    """Records how it was made; any method call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
+    import rlmegatron.tracking
+    from rlmegatron.driver import job
+    from rlmegatron.driver.job import run_training
+
+    monkeypatch.chdir(REPO_ROOT)
+    made: dict[str, list] = {}
+
+    def recorder(name, result=None):
+        def make(*args, **kwargs):
+            made.setdefault(name, []).append((args, kwargs))
+            return result if result is not None else Part(*args, **kwargs)
+        return make
+
+    def trainer(*args):
+        made["trainer"] = args
+        raise Stop
+
+    # The pre-launch checks load the tokenizer the run uses (tests/test_user_errors.py checks what they check).
+    monkeypatch.setattr(job, "ready_to_launch",
+                        lambda spec: made.setdefault("tokenizer", []).append(spec.model.tokenizer_path) or "tokenizer")
+    monkeypatch.setattr(job, "build_dataset", recorder("dataset"))
+    monkeypatch.setattr(job, "PromptDataLoader", recorder("loader"))
+    monkeypatch.setattr(job, "build_reward_manager", recorder("reward"))
+    monkeypatch.setattr(job, "CheckpointManager", recorder("checkpoints"))
+    monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
+    monkeypatch.setattr(job, "LocalWorkerGroup", recorder("workers"))
+    monkeypatch.setattr(job, "ColocatedFleet", recorder("engines"))
+    monkeypatch.setattr(job, "Trainer", trainer)
+
+    spec = load_spec("configs/quickstart.yaml", [
+        "model.tokenizer_path=elsewhere/tokenizer", "data.shuffle=false", "data.seed=5", "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
+        "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(Stop):
+        run_training(spec, in_process=True)
+
+    assert made["tokenizer"] == ["elsewhere/tokenizer"]
+    (train_args, _), (val_args, _) = made["dataset"]
+    assert train_args == (spec.data.train_files, "tokenizer", spec.data)
+    assert val_args == (spec.data.val_files, "tokenizer", spec.data)
+    (loader_args, loader_kwargs), = made["loader"]
+    assert loader_args[1:] == (4,) and loader_kwargs == {"shuffle": False, "seed": 5}
+    (reward_args, _), = made["reward"]
+    assert reward_args == (spec.reward, 2) and reward_args[0].num_workers == 3
+    assert made["checkpoints"] == [((str(tmp_path / "run"), 2), {})]
+    # The loop gets exactly these parts.
+    _, workers, engines, tokenizer, loader, val_set, reward, _, checkpoints = made["trainer"]
+    assert (tokenizer, loader.args, val_set.args, checkpoints.args) == (
+        "tokenizer", tuple(loader_args), tuple(val_args), (str(tmp_path / "run"), 2))
+    # The quickstart's engines are local on the CPU: nothing to give back between steps, so no release call.
+    assert reward.args == reward_args and engines.args == (workers, False)
+
+
+@pytest.mark.parametrize("settings, ray_address, launched", [
+    ([], None, "processes"),  # the quickstart: 2 CPU ranks on this machine
+    (["placement.nnodes=2"], None, "ray"),
+    ([], "10.0.0.1:6379", "ray"),  # a cluster named: auto joins it
+    (["placement.device=cuda", "placement.mode=disaggregate", "placement.rollout_nnodes=1",
+      "placement.rollout_gpus_per_node=1", "rollout.engine=sglang"], None, "ray"),  # a GPU pool to place
+    (["placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1"], None,
+     "processes"),  # on CPU the pool's hosts run in the driver
+    (["placement.transport=ray"], None, "ray"),
+])
+def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(settings, ray_address, launched,
+                                                                             monkeypatch):
+    from rlmegatron.driver.job import transport_for
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray_address:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    assert transport_for(load_spec("configs/quickstart.yaml", settings)) == launched
+
+
+def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(monkeypatch):
+    from rlmegatron.config import SpecError
+    from rlmegatron.driver.job import transport_for
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(SpecError) as refused:
+        transport_for(load_spec("configs/quickstart.yaml", ["placement.transport=processes"]))
+    assert str(refused.value) == ("placement.transport=processes: runs the ranks on this machine without Ray, but "
+                                  "RAY_ADDRESS=10.0.0.1:6379 names a Ray cluster; use placement.transport=ray or auto, "
+                                  "or unset RAY_ADDRESS")
