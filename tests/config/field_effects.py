@@ -430,7 +430,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                               "weights",
                               "tests/planner/test_memory.py::test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_"
                               "and_a_scale_per_block",
-                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),
+                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix",
+                              "tests/config/test_checks.py::test_fp8_rollout_names_each_projection_sglang_cannot_hold_"
+                              "in_whole_fp8_blocks")),
     "rollout.seed": ("sampling seeds of rollout and validation (SGLang: with deterministic inference only)",
                      (SAMPLING, VALIDATION, NEVER_TRAINS)),
     "rollout.sglang.enable_memory_saver": ("SGLang memory saver", (LAUNCH, LAUNCH_OFF)),
