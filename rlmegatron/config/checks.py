@@ -501,6 +501,12 @@ def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProbl
         reason = "SGLang loads LoRA factors, not whole modules; use actor.lora.weight_sync=merge"
         problems.append(SpecProblem("actor.lora.modules_to_save", lora.modules_to_save, reason))
     if lora.weight_sync == "adapter":
+        if spec.rollout.quantization == "fp8":
+            # The engines would quantise the base weights alone and add the adapters to them unquantised: not the
+            # policy trained quantised, which is what FP8 rollout's mismatch (and its correction) is about.
+            reason = ("with rollout.quantization=fp8 the base weights would be quantised without the adapters; use "
+                      "actor.lora.weight_sync=merge, whose merged weights are quantised, or rollout.quantization=none")
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
         if spec.rollout.engine != "sglang":
             reason = "only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge or rollout.engine=sglang"
             problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))

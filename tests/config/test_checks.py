@@ -614,6 +614,15 @@ CASES = [
         id="lora-adapter-sync-needs-a-dense-model",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter", "rollout.engine": "sglang",
+         "rollout.quantization": "fp8"},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.weight_sync=adapter: with rollout.quantization=fp8 the base weights would be quantised "
+        "without the adapters; use actor.lora.weight_sync=merge, whose merged weights are quantised, or "
+        "rollout.quantization=none",
+        id="lora-adapter-sync-is-not-quantised-with-its-adapters",
+    ),
+    pytest.param(
         {"actor.lora.rank": 8, "actor.lora.modules_to_save": ["output_layer"]},
         "tiny-qwen3",
         "job.yaml: actor.lora.modules_to_save=[output_layer]: the model ties its output layer to the embedding "
