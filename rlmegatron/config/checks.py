@@ -384,9 +384,10 @@ def _fp8_fusion_problems(arch: ModelArchitecture, tp: int, ep: int) -> list[Spec
     """What SGLang cannot hold in block-wise FP8 at rollout TP `tp`, one line each with the rollout TP sizes that
     fit. No way of quantising the synced weights gets around these: SGLang refuses them when it builds the model."""
     unfit = _sglang_fp8_unfit(arch, tp, ep)
-    fits = [size for size in range(1, arch.num_attention_heads + 1)
-            if arch.num_attention_heads % size == 0 and size % ep == 0 and not _sglang_fp8_unfit(arch, size, ep)]
-    fix = (f"use rollout.tensor_parallel_size={one_of(fits)}, " if fits else "use ") + \
+    # A TP size that fits with an EP that divides it and the current one (so it divides the experts too).
+    fits = [size for size in _divisors(arch.num_attention_heads) if not _sglang_fp8_unfit(arch, size, gcd(ep, size))]
+    with_ep = " (with rollout.expert_parallel_size dividing it)" if any(size % ep for size in fits) else ""
+    fix = (f"use rollout.tensor_parallel_size={one_of(fits)}{with_ep}, " if fits else "use ") + \
         "rollout.quantization=none or rollout.engine=local"
     return [SpecProblem("rollout.quantization", "fp8", f"{what}; {fix}") for what in unfit]
 
