@@ -345,8 +345,8 @@ CASES = [
     pytest.param(
         {"rollout.engine": "sglang", "rollout.quantization": "fp8"},
         "tiny-qwen3-moe",
-        "job.yaml: rollout.quantization=fp8: the experts' gate_proj would have 32 rows per rollout TP rank (32 in all), "
-        "not whole 128-row FP8 scale blocks, and SGLang stacks it with the projections fused with it; use "
+        "job.yaml: rollout.quantization=fp8: the experts' gate_proj would have 32 rows per rollout TP rank "
+        "(32 in all), not whole 128-row FP8 scale blocks, and SGLang stacks it with the projections fused with it; use "
         "rollout.quantization=none or rollout.engine=local",
         id="fp8-rollout-needs-whole-expert-blocks",
     ),
