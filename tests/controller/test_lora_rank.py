@@ -36,7 +36,7 @@ def _lora_rank_job(workdir: str) -> dict:
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
     from rlmegatron.workers.megatron_step import unwrap
-    from tests.controller.test_role_settings import _engine_vs_fp8_actor
+    from tests.helpers.fp8_engine import engine_vs_fp8_actor
     from tests.workers.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
@@ -95,7 +95,7 @@ def _lora_rank_job(workdir: str) -> dict:
     resumed.update_actor(train)
     report["third_step"] = (resumed.compute_log_prob(batch), continued)
     resumed.sync_weights("3")
-    report["fp8_engine"] = _engine_vs_fp8_actor(resumed)
+    report["fp8_engine"] = engine_vs_fp8_actor(resumed)
     with resumed.models.phase("actor"), adapters_disabled(resumed.models.actor.chunks):
         base = {n: t.clone() for n, t in HFWeightExporter(resumed.models.actor.chunks,
                                                           resumed.models.weight_map).stream()}
