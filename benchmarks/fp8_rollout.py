@@ -45,7 +45,7 @@ def sync_bytes(model_dir: Path) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    bf16 = quantised = 0
+    bf16 = quantised = scales = 0
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the sync sends a tied head once, as the embedding
@@ -64,7 +64,11 @@ def sync_bytes(model_dir: Path) -> dict:
         for rows, cols in matrices:
             grid = fp8.scale_shape((rows, cols))
             quantised += rows * cols + grid[0] * grid[1] * 4
-    return {"bf16_gb": round(bf16 / 1e9, 3), "fp8_gb": round(quantised / 1e9, 3), "ratio": round(quantised / bf16, 3)}
+            scales += grid[0] * grid[1] * 4
+    # The scales alone are also what `rlm convert hf-to-mcore` keeps of an FP8 checkpoint of the model
+    # (fp8_scales.safetensors), so that `mcore-to-hf --fp8` gives its bytes back.
+    return {"bf16_gb": round(bf16 / 1e9, 3), "fp8_gb": round(quantised / 1e9, 3), "ratio": round(quantised / bf16, 3),
+            "scales_mb": round(scales / 1e6, 1)}
 
 
 def run_variant(name: str, steps: int, out_dir: Path) -> dict:
@@ -96,7 +100,8 @@ def run_variant(name: str, steps: int, out_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="training variants to run; none (a bare --variants): the sync bytes only")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "runs" / "fp8_rollout")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)

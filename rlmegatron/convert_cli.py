@@ -111,12 +111,17 @@ def _job(direction: str, args: dict):
 # ---- rank bodies -------------------------------------------------------------------------------------------------
 def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
     """Rank body of `rlm convert hf-to-mcore`."""
-    from rlmegatron.models.convert import import_hf, save_mcore
+    import torch
+
+    from rlmegatron.models.convert import HFCheckpoint, import_hf, save_mcore, save_source_scales
     from rlmegatron.models.hf_config import read_hf_config
 
     _, weight_map, chunks = import_hf(hf_path, layout, dtype)
     save_mcore(chunks, weight_map, out, dtype, tokenizer_dir=hf_path,
                quantization_config=read_hf_config(hf_path).get("quantization_config"))
+    if torch.distributed.get_rank() == 0:
+        save_source_scales(HFCheckpoint(hf_path), out)
+    torch.distributed.barrier()
 
 
 def export_format(mcore_path: str, hf_config_dir: str | None, fp8: bool):
@@ -135,11 +140,12 @@ def export_format(mcore_path: str, hf_config_dir: str | None, fp8: bool):
 
 def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout, fp8: bool = False) -> None:
     """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
-    from rlmegatron.models.convert import load_mcore
+    from rlmegatron.models.convert import load_mcore, source_scales
 
     _, weight_map, chunks = load_mcore(mcore_path, layout)
     config, quantization = export_format(mcore_path, hf_config_dir, fp8)
-    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization)
+    original = source_scales(mcore_path, quantization) if quantization is not None else None
+    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization, original)
 
 
 def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None, layout) -> None:
@@ -171,15 +177,15 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
         _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model)
 
 
-def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None) -> None:
-    """The chunks as an HF checkpoint (block-wise FP8 with `fp8`) with `tokenizer_dir`'s tokenizer files;
-    collective, rank 0 writes."""
+def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None, original_scales=None) -> None:
+    """The chunks as an HF checkpoint (block-wise FP8 with `fp8`, reusing `original_scales` where they still hold)
+    with `tokenizer_dir`'s tokenizer files; collective, rank 0 writes."""
     import torch
 
     from rlmegatron.models.convert import copy_tokenizer
     from rlmegatron.resharding import export_hf
 
-    export_hf(chunks, weight_map, out, config, fp8=fp8)
+    export_hf(chunks, weight_map, out, config, fp8=fp8, original_scales=original_scales)
     if torch.distributed.get_rank() == 0:
         copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
@@ -360,10 +366,11 @@ def preflight(args, layout) -> None:
         except WeightMapError as err:
             raise WeightMapError(f"{checkpoint.path}: {err}") from err
     notes = [facts.mtp_off_note]
-    if args.direction == "hf-to-mcore" and checkpoint.fp8 is not None and args.dtype != "fp32":
-        notes.append(f"the FP8 weights are dequantised and rounded to {args.dtype}; --dtype fp32 holds them exactly, "
-                     "so that mcore-to-hf --fp8 writes back the checkpoint's own scales (in bf16 they come back "
-                     "within a rounding of the block's largest value; the FP8 values themselves come back alike)")
+    if args.direction == "hf-to-mcore" and checkpoint.fp8 is not None and args.dtype == "fp16":
+        # bf16 has fp32's exponent range, so FP8 values times a scale never leave it; fp16's is far narrower.
+        notes.append("the FP8 weights are dequantised and rounded to fp16, whose range loses magnitudes below 6e-8 "
+                     "and above 65504; --dtype bf16 or fp32 holds every one, so that mcore-to-hf --fp8 gives back "
+                     "the checkpoint's bytes")
     if os.environ.get("RANK", "0") == "0":
         for note in filter(None, notes):
             print(f"rlm convert {args.direction}: {note}", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from rlmegatron.rollout.sglang.protocol import SGLANG_METADATA_CLASS, SGLANG_MET
 
 
 def _rebuild_cuda_tensor_by_uuid(*args):
-    """torch's rebuild_cuda_tensor with the device given by UUID (see sglang_protocol.cuda_tensor_reduction)."""
+    """torch's rebuild_cuda_tensor with the device given by UUID (see rollout/sglang/protocol.cuda_tensor_reduction)."""
     from torch.multiprocessing import reductions
 
     device = args[6]

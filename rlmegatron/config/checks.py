@@ -381,30 +381,55 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
 
 
 def _fp8_fusion_problems(arch: ModelArchitecture, tp: int, ep: int) -> list[SpecProblem]:
-    """SGLang fuses projections by stacking their rows (q, k, v; gate, up; DeepSeek's q_a_proj, kv_a_proj_with_mqa)
-    and their block-wise FP8 scales alike, one TP rank's share each: the scales land on their blocks only when each
-    projection but the last is whole blocks of rows per rank."""
+    """What SGLang cannot hold in block-wise FP8 at rollout TP `tp`, one line each with the rollout TP sizes that
+    fit. No way of quantising the synced weights gets around these: SGLang refuses them when it builds the model."""
+    unfit = _sglang_fp8_unfit(arch, tp, ep)
+    # A TP size that fits with an EP that divides it and the current one (so it divides the experts too).
+    fits = [size for size in _divisors(arch.num_attention_heads) if not _sglang_fp8_unfit(arch, size, gcd(ep, size))]
+    with_ep = " (with rollout.expert_parallel_size dividing it)" if any(size % ep for size in fits) else ""
+    fix = (f"use rollout.tensor_parallel_size={one_of(fits)}{with_ep}, " if fits else "use ") + \
+        "rollout.quantization=none or rollout.engine=local"
+    return [SpecProblem("rollout.quantization", "fp8", f"{what}; {fix}") for what in unfit]
+
+
+def _sglang_fp8_unfit(arch: ModelArchitecture, tp: int, ep: int) -> list[str]:
+    """The projections whose share per rollout TP rank is not whole 128 x 128 FP8 blocks where SGLang needs it
+    (sglang/srt/layers/quantization/fp8.py): every projection it stacks into one weight (q/k/v, gate/up, the
+    experts' and shared experts' gate/up), since their scales are stacked alike and a partial block would carry
+    rows of the next projection; a projection split over TP ranks, since its scale blocks are split too. Both raise
+    when the server builds the model. DeepSeek's q_a_proj SGLang concatenates with kv_a_proj_with_mqa, scales
+    included, without a check: a partial last block of q_a_proj would give kv_a_proj_with_mqa's rows the wrong
+    scales. What SGLang checks but a listed one implies (v_proj is k_proj's size, up_proj and down_proj's columns
+    gate_proj's, o_proj's columns q_proj's) is not listed twice."""
     from rlmegatron.models.fp8 import DEFAULT_CONFIG  # the format FP8 rollout syncs; its module imports torch
 
-    block = DEFAULT_CONFIG["weight_block_size"][0]
-    stacked = {}  # projection -> (rows, the TP ranks that share them)
+    block = DEFAULT_CONFIG["weight_block_size"][0]  # rows and columns alike
+    stacked, split = "SGLang stacks it with the projections fused with it", "SGLang splits it over TP ranks"
+    sizes = []  # (projection, rows or columns in all, the TP ranks that share them, "rows" or "columns", why)
     if arch.mla is not None:
-        if arch.mla.q_lora_rank:
-            stacked["q_a_proj"] = (arch.mla.q_lora_rank, 1)  # replicated: SGLang does not split it
+        mla, heads = arch.mla, arch.num_attention_heads
+        if mla.q_lora_rank:
+            sizes.append(("q_a_proj", mla.q_lora_rank, 1, "rows",
+                          "SGLang concatenates it and its scales with kv_a_proj_with_mqa's"))  # replicated
+        if tp > 1:  # column- and row-parallel projections SGLang checks only when it splits them
+            query = "q_b_proj" if mla.q_lora_rank else "q_proj"
+            sizes += [(query, heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), tp, "rows", split),
+                      ("kv_b_proj", heads * (mla.qk_nope_head_dim + mla.v_head_dim), tp, "rows", split),
+                      ("o_proj", heads * mla.v_head_dim, tp, "columns", split)]
     else:
-        stacked["q_proj"] = (arch.num_attention_heads * arch.head_dim, tp)
-        stacked["k_proj"] = (max(arch.num_key_value_heads, tp) * arch.head_dim, tp)  # KV heads replicated up to TP
+        sizes += [("q_proj", arch.num_attention_heads * arch.head_dim, tp, "rows", stacked),
+                  # KV heads are replicated up to TP.
+                  ("k_proj", max(arch.num_key_value_heads, tp) * arch.head_dim, tp, "rows", stacked)]
     if arch.intermediate_size and not all(arch.moe_layers or (False,)):
-        stacked["gate_proj"] = (arch.intermediate_size, tp)
+        sizes.append(("gate_proj", arch.intermediate_size, tp, "rows", stacked))
     if arch.is_moe:
-        stacked["experts' gate_proj"] = (arch.moe_intermediate_size, tp // ep)  # SGLang's expert TP is TP / EP
+        # SGLang's expert TP is TP / EP.
+        sizes.append(("the experts' gate_proj", arch.moe_intermediate_size, max(tp // ep, 1), "rows", stacked))
     if arch.shared_expert_intermediate_size:
-        stacked["shared experts' gate_proj"] = (arch.shared_expert_intermediate_size, tp)
-    return [SpecProblem("rollout.quantization", "fp8",
-                        f"SGLang stacks {name} with the next projection into one weight, and its {block}-row FP8 "
-                        f"scale blocks fit only whole blocks: {name} has {rows // ranks} rows per TP rank "
-                        f"({rows} in all); use rollout.quantization=none or rollout.engine=local")
-            for name, (rows, ranks) in stacked.items() if (rows // ranks) % block]
+        sizes.append(("the shared experts' gate_proj", arch.shared_expert_intermediate_size, tp, "rows", stacked))
+    return [f"{name} would have {total // ranks} {unit} per rollout TP rank ({total} in all), not whole "
+            f"{block}-{unit[:-1]} FP8 scale blocks, and {why}"
+            for name, total, ranks, unit, why in sizes if (total // ranks) % block]
 
 
 def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
@@ -477,6 +502,12 @@ def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProbl
         reason = "SGLang loads LoRA factors, not whole modules; use actor.lora.weight_sync=merge"
         problems.append(SpecProblem("actor.lora.modules_to_save", lora.modules_to_save, reason))
     if lora.weight_sync == "adapter":
+        if spec.rollout.quantization == "fp8":
+            # The engines would quantise the base weights alone and add the adapters to them unquantised: not the
+            # policy trained quantised, which is what FP8 rollout's mismatch (and its correction) is about.
+            reason = ("with rollout.quantization=fp8 the base weights would be quantised without the adapters; use "
+                      "actor.lora.weight_sync=merge, whose merged weights are quantised, or rollout.quantization=none")
+            problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))
         if spec.rollout.engine != "sglang":
             reason = "only SGLang loads LoRA adapters; use actor.lora.weight_sync=merge or rollout.engine=sglang"
             problems.append(SpecProblem("actor.lora.weight_sync", "adapter", reason))

@@ -34,6 +34,10 @@ from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, cano
 from rlmegatron.runtime.distributed import ParallelLayout, init_model_parallel
 
 META_FILE = "rlm_convert.json"  # next to the dist checkpoint: HF config and the facts export needs
+# Next to it too, for a block-wise FP8 source: every FP8 weight's scale_inv as the checkpoint had it, which
+# `mcore-to-hf --fp8` gives back to each block the weights still hold exactly (BlockFP8.quantise). A bf16 copy of
+# the weights does not determine them (a scale has 24 significant bits), and they are 1/16384 of the weights' size.
+SCALES_FILE = "fp8_scales.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
 
@@ -302,6 +306,38 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
     torch.distributed.barrier()
 
 
+def save_source_scales(checkpoint: HFCheckpoint, out: str) -> None:
+    """SCALES_FILE in `out`: the scales of `checkpoint`'s FP8 weights under their own names; nothing for an
+    unquantised checkpoint."""
+    from safetensors.torch import save_file
+
+    if checkpoint.scale_keys:
+        scales = {key: checkpoint._slice(key)[:] for key in checkpoint.scale_keys.values()}
+        save_file(scales, os.path.join(out, SCALES_FILE), metadata={"format": "pt"})
+
+
+def source_scales(mcore_path: str, fp8: BlockFP8):
+    """key -> the scale_inv the FP8 source held for HF weight `key` (None if it held none), from the SCALES_FILE of
+    a converter checkpoint; None when there is no such file or the source's blocks are not those `fp8` writes."""
+    from safetensors import safe_open
+
+    path = Path(mcore_path, SCALES_FILE)
+    source = ConvertMeta.load(mcore_path).quantization_config
+    if not path.is_file() or source is None:
+        return None
+    original = BlockFP8.from_hf_config({"quantization_config": source})
+    if (original.block, original.power_of_two_scales) != (fp8.block, fp8.power_of_two_scales):
+        return None
+    handle = safe_open(path, "pt")
+    held = set(handle.keys())
+
+    def scale_of(key: str) -> Optional[torch.Tensor]:
+        name = key + SCALE_SUFFIX
+        return handle.get_tensor(name) if name in held else None
+
+    return scale_of
+
+
 def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = None):
     """(facts, weight map, chunks) of a converter checkpoint loaded at `layout` (any TP/PP/EP)."""
     from megatron.core import dist_checkpointing
@@ -412,5 +448,5 @@ def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str
 
 __all__ = [
     "ConversionError", "HFCheckpoint", "UnsupportedModelError", "copy_tokenizer", "import_hf", "load_mcore",
-    "save_mcore", "megatron_logits", "hf_logits", "compare_logits",
+    "save_mcore", "save_source_scales", "source_scales", "megatron_logits", "hf_logits", "compare_logits",
 ]

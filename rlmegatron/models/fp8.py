@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -132,19 +132,25 @@ class BlockFP8:
         return out
 
     # ---- writing -----------------------------------------------------------------------------------------------
-    def quantise(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float8_e4m3fn weight, float32 scale_inv) of a 2-D weight: each block's scale maps its largest magnitude
-        to the format's largest value (448), a power of two at least that large for ue8m0 scales.
+    def quantise(self, tensor: torch.Tensor, original: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn weight, float32 scale_inv) of a 2-D weight held in `tensor`'s dtype.
 
-        Quantising what `dequantise` gave returns the same bytes when the values were held exactly (float32):
-        the fp8 values come back whenever the scale is within a few float32 ulps of the original, and of the scale
-        and its two neighbours the one that reproduces every value of the block is kept (largest / 448 alone is
-        an ulp off for about 7 % of blocks)."""
+        `original`: the scales the weight was imported with (an FP8 checkpoint's, kept by hf-to-mcore). A block
+        keeps its original scale whenever quantising it with that scale and dequantising gives back exactly the
+        values held (in their dtype): the block was not trained, and its FP8 values come back too, since in bf16 or
+        fp32 distinct FP8 values times one scale stay distinct (4 significant bits against 8 or 24). Every other
+        block gets a fresh scale that maps its largest magnitude to the format's largest value (448), a power of
+        two at least that large for ue8m0 scales; of it and its two float32 neighbours the first that reproduces
+        the block is taken (a quantiser that rounded largest / 448 otherwise leaves about 7 % of the scales an ulp
+        off, and fp32 weights then still come back byte for byte without the original scales)."""
         rows, cols = tensor.shape
         grid = self.scale_shape(tensor.shape)
         padded = tensor.new_zeros(grid[0] * self.block[0], grid[1] * self.block[1], dtype=torch.float32)
         padded[:rows, :cols] = tensor
         blocks = padded.view(grid[0], self.block[0], grid[1], self.block[1])
+        # What the weight holds: padding is zeros, which every scale reproduces.
+        held = blocks.to(tensor.dtype)
         largest = blocks.abs().amax(dim=(1, 3))
         scale = largest / FP8_MAX
         if self.power_of_two_scales:
@@ -154,26 +160,31 @@ class BlockFP8:
         if not self.power_of_two_scales:
             candidates += [torch.nextafter(scale, torch.full_like(scale, math.inf)),
                            torch.nextafter(scale, torch.zeros_like(scale))]
-        chosen = quantised = settled = None
-        for candidate in candidates:  # the first that reproduces its block wins, the plain scale first
+        if original is not None and tuple(original.shape) == grid:
+            candidates.insert(0, original.to(torch.float32))
+        chosen = quantised = None
+        settled = torch.zeros_like(largest, dtype=torch.bool)  # blocks a candidate reproduces
+        for candidate in candidates:  # the first that reproduces its block wins
             q = (blocks / candidate[:, None, :, None]).to(FP8)
-            exact = (q.to(torch.float32) * candidate[:, None, :, None] == blocks).all(dim=3).all(dim=1)
-            if chosen is None:
-                chosen, quantised, settled = candidate, q, exact
-                continue
-            take = exact & ~settled
-            chosen = torch.where(take, candidate, chosen)
-            quantised = torch.where(take[:, None, :, None], q, quantised)
+            again = (q.to(torch.float32) * candidate[:, None, :, None]).to(tensor.dtype)
+            exact = (again == held).all(dim=3).all(dim=1)
+            # The fresh scale also takes every block not reproduced so far: one that none reproduces keeps it,
+            # never an original scale that failed (a trained block).
+            take = ~settled if candidate is scale else exact & ~settled
+            chosen = candidate if chosen is None else torch.where(take, candidate, chosen)
+            quantised = q if quantised is None else torch.where(take[:, None, :, None], q, quantised)
             settled = settled | exact
         return quantised.view(padded.shape)[:rows, :cols].contiguous(), chosen
 
-    def quantised_stream(self, stream: Iterable[tuple[str, torch.Tensor]], others: Optional[torch.dtype] = None
+    def quantised_stream(self, stream: Iterable[tuple[str, torch.Tensor]], others: Optional[torch.dtype] = None,
+                         original_scales: Optional[Callable[[str], Optional[torch.Tensor]]] = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors in this format: each tensor the format quantises as its FP8 weight then its scale, the
-        others as they come, or cast to `others`."""
+        others as they come, or cast to `others`. `original_scales(key)`: the scales `key` was imported with, or
+        None (see `quantise`)."""
         for key, value in stream:
             if self.quantises(key):
-                weight, scale = self.quantise(value)
+                weight, scale = self.quantise(value, original_scales(key) if original_scales else None)
                 yield key, weight
                 yield key + SCALE_SUFFIX, scale
             else:

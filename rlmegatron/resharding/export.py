@@ -276,9 +276,10 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
 
 
 def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30,
-              fp8: Optional[BlockFP8] = None) -> None:
+              fp8: Optional[BlockFP8] = None, original_scales=None) -> None:
     """Write the model, at any layout, as HF safetensors shards, their index and config.json; with `fp8`, in that
-    block-wise FP8 format, each weight quantised as it streams (config.json gets its quantization_config).
+    block-wise FP8 format, each weight quantised as it streams (config.json gets its quantization_config), its
+    blocks keeping the `original_scales` (BlockFP8.quantised_stream) that still reproduce them.
 
     Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
     it is full, so it holds at most one shard beyond its own weights.
@@ -301,7 +302,8 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
 
     stream = HFWeightExporter(chunks, weight_map).stream()
     if fp8 is not None:
-        stream = fp8.quantised_stream(stream, others=torch.bfloat16)  # as DeepSeek-V3 and Qwen3-FP8 hold them
+        # The unquantised tensors in bf16, as DeepSeek-V3 and Qwen3-FP8 hold them.
+        stream = fp8.quantised_stream(stream, others=torch.bfloat16, original_scales=original_scales)
         config = {**config, "quantization_config": fp8.config}
     for key, value in stream:
         if not writer:

@@ -233,7 +233,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                          LORA_RANK + "test_a_checkpoint_holds_the_adapters_and_the_modules_trained_whole_and_resumes_them",
                          CHECKS)),
     "actor.lora.target_modules": ("the linears that get adapters", (LORA_SPEC, NEVER_TRAINS)),
-    "actor.lora.weight_sync": ("merged weights, or SGLang loads the adapters and samples with them",
+    "actor.lora.weight_sync": ("merged weights (quantised merged with rollout.quantization=fp8, which adapter sync "
+                               "refuses), or SGLang loads the adapters and samples with them",
                                (LORA_RANK + "test_the_engine_and_the_hf_export_get_the_merged_weights",
                                 "tests/driver/test_lora_fit.py::"
                                 "test_adapter_sync_loads_each_steps_adapter_and_samples_with_it",
@@ -426,11 +427,14 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                              (ROLES + "test_rollout_quantization_fp8_has_the_engine_sample_with_the_actors_weights_"
                               "quantised_block_wise",
                               "tests/rollout/test_local.py::test_fp8_weight_updates_are_held_quantised_then_dequantised",
+                              LORA_RANK + "test_fp8_rollout_quantises_the_merged_weights",
                               "tests/rollout/test_sglang.py::test_fp8_rollout_launches_servers_that_hold_block_wise_fp8_"
                               "weights",
                               "tests/planner/test_memory.py::test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_"
                               "and_a_scale_per_block",
-                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),
+                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix",
+                              "tests/config/test_checks.py::test_fp8_rollout_names_each_projection_sglang_cannot_hold_"
+                              "in_whole_fp8_blocks")),
     "rollout.seed": ("sampling seeds of rollout and validation (SGLang: with deterministic inference only)",
                      (SAMPLING, VALIDATION, NEVER_TRAINS)),
     "rollout.sglang.enable_memory_saver": ("SGLang memory saver", (LAUNCH, LAUNCH_OFF)),

@@ -337,17 +337,17 @@ CASES = [
     pytest.param(
         {**QWEN25, "rollout.engine": "sglang", "rollout.quantization": "fp8", "rollout.tensor_parallel_size": 2},
         "tiny-qwen3",
-        "job.yaml: rollout.quantization=fp8: SGLang stacks q_proj with the next projection into one weight, and its "
-        "128-row FP8 scale blocks fit only whole blocks: q_proj has 448 rows per TP rank (896 in all); use "
-        "rollout.quantization=none or rollout.engine=local",
+        "job.yaml: rollout.quantization=fp8: q_proj would have 448 rows per rollout TP rank (896 in all), not whole "
+        "128-row FP8 scale blocks, and SGLang stacks it with the projections fused with it; use "
+        "rollout.tensor_parallel_size=1, rollout.quantization=none or rollout.engine=local",
         id="fp8-rollout-needs-whole-blocks-where-sglang-fuses",
     ),
     pytest.param(
         {"rollout.engine": "sglang", "rollout.quantization": "fp8"},
         "tiny-qwen3-moe",
-        "job.yaml: rollout.quantization=fp8: SGLang stacks experts' gate_proj with the next projection into one weight, "
-        "and its 128-row FP8 scale blocks fit only whole blocks: experts' gate_proj has 32 rows per TP rank (32 in all); "
-        "use rollout.quantization=none or rollout.engine=local",
+        "job.yaml: rollout.quantization=fp8: the experts' gate_proj would have 32 rows per rollout TP rank "
+        "(32 in all), not whole 128-row FP8 scale blocks, and SGLang stacks it with the projections fused with it; use "
+        "rollout.quantization=none or rollout.engine=local",
         id="fp8-rollout-needs-whole-expert-blocks",
     ),
     pytest.param(
@@ -614,6 +614,15 @@ CASES = [
         id="lora-adapter-sync-needs-a-dense-model",
     ),
     pytest.param(
+        {"actor.lora.rank": 8, "actor.lora.weight_sync": "adapter", "rollout.engine": "sglang",
+         "rollout.quantization": "fp8"},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.weight_sync=adapter: with rollout.quantization=fp8 the base weights would be quantised "
+        "without the adapters; use actor.lora.weight_sync=merge, whose merged weights are quantised, or "
+        "rollout.quantization=none",
+        id="lora-adapter-sync-is-not-quantised-with-its-adapters",
+    ),
+    pytest.param(
         {"actor.lora.rank": 8, "actor.lora.modules_to_save": ["output_layer"]},
         "tiny-qwen3",
         "job.yaml: actor.lora.modules_to_save=[output_layer]: the model ties its output layer to the embedding "
@@ -748,6 +757,30 @@ def test_kv_heads_must_divide_or_be_divided_by_tp(tmp_path):
         "job.yaml: actor.megatron.tensor_model_parallel_size=2: must divide or be a multiple of the model's "
         "3 key/value heads (Megatron's num_query_groups rule); use 1"
     ]
+
+
+def test_fp8_rollout_names_each_projection_sglang_cannot_hold_in_whole_fp8_blocks(tmp_path):
+    """DeepSeek-V3 at rollout TP 32: SGLang would refuse 576 gate rows and 64 shared-expert rows per rank; TP 16 with
+    EP 16 fits. An MLA model whose q_a_proj has 96 rows: SGLang would concatenate its scales with
+    kv_a_proj_with_mqa's, whose rows would then read the scales of the wrong blocks; no rollout TP changes a
+    replicated projection's rows."""
+    fp8 = {"rollout.engine": "sglang", "rollout.quantization": "fp8"}
+    stacked = "not whole 128-row FP8 scale blocks, and SGLang stacks it with the projections fused with it"
+    fix = "use rollout.quantization=none or rollout.engine=local"
+    smaller = ("use rollout.tensor_parallel_size=1, 2, 4, 8 or 16 (with rollout.expert_parallel_size dividing it), "
+               "rollout.quantization=none or rollout.engine=local")
+    assert problems_with({**DEEPSEEK, **fp8, "rollout.tensor_parallel_size": 32, "rollout.expert_parallel_size": 32,
+                          "placement.nnodes": 4}, "tiny-qwen3") == [
+        f"job.yaml: rollout.quantization=fp8: gate_proj would have 576 rows per rollout TP rank (18432 in all), "
+        f"{stacked}; {smaller}",
+        f"job.yaml: rollout.quantization=fp8: the shared experts' gate_proj would have 64 rows per rollout TP rank "
+        f"(2048 in all), {stacked}; {smaller}"]
+    config = json.loads((MODELS_DIR / "deepseek-v3" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "q_lora_rank": 96}))
+    assert problems_with({**DEEPSEEK, "model.hf_config": str(tmp_path), **fp8, "rollout.tensor_parallel_size": 8,
+                          "rollout.expert_parallel_size": 8}, "tiny-qwen3") == [
+        "job.yaml: rollout.quantization=fp8: q_a_proj would have 96 rows per rollout TP rank (96 in all), not whole "
+        f"128-row FP8 scale blocks, and SGLang concatenates it and its scales with kv_a_proj_with_mqa's; {fix}"]
 
 
 def test_local_model_dir_without_config_json_is_named(tmp_path):

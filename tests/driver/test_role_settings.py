@@ -14,6 +14,7 @@ from rlmegatron.runtime import ParallelLayout
 from rlmegatron.transport.local_ranks import run_ranks
 from rlmegatron.rank.roles import OptimizerSettings
 from tests.config.specs import minimal_spec
+from tests.helpers.fp8_engine import engine_vs_fp8_actor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -246,29 +247,9 @@ def _rank_job(workdir: str) -> dict:
         "placement.gpus_per_node=1", "model.dtype=bf16", "trainer.seed=8", "rollout.quantization=fp8",
         f"trainer.run_dir={workdir}/other"]), 1))
     report["weights_at_seed_8"] = _first_weights(other)
-    report["fp8_engine"] = _engine_vs_fp8_actor(other)
+    report["fp8_engine"] = engine_vs_fp8_actor(other)
     other.shutdown()
     return report
-
-
-def _engine_vs_fp8_actor(rank) -> dict:
-    """The engine's weights against the actor's quantised block-wise then dequantised (the projections) or as they
-    are (the rest)."""
-    import torch
-
-    from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
-    from rlmegatron.resharding import HFWeightExporter
-    from rlmegatron.rollout.local import checkpoint_named_weights
-
-    served = checkpoint_named_weights(rank.engine.leader.model)
-    with rank.models.phase("actor"):
-        actor = {name: tensor.clone() for name, tensor in
-                 HFWeightExporter(rank.models.actor.chunks, rank.models.weight_map).stream()}
-    quantised = [name for name in actor if FP8_ROLLOUT.quantises(name)]
-    expected = {name: FP8_ROLLOUT.dequantise(*FP8_ROLLOUT.quantise(tensor)).to(tensor.dtype) if name in quantised
-                else tensor for name, tensor in actor.items()}
-    return {"quantised": len(quantised), "differ": sorted(n for n in actor if not torch.equal(served[n], expected[n])),
-            "unchanged_by_fp8": sorted(n for n in quantised if torch.equal(served[n], actor[n]))}
 
 
 @pytest.fixture(scope="module")

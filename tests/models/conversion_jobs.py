@@ -143,8 +143,9 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
 
 def fp8_job(cases: dict[str, L], workdir: str) -> dict:
     """Per case (a save_fp8_model directory under `workdir`, and a layout): the Megatron weights read from the FP8
-    checkpoint that differ from those read from its dequantised reference; then `rlm convert hf-to-mcore` (fp32) and
-    `mcore-to-hf --fp8` at that layout, and the HF tensors whose bytes differ from the FP8 checkpoint's."""
+    checkpoint that differ from those read from its dequantised reference; then `rlm convert hf-to-mcore` (at its
+    default, bf16) and `mcore-to-hf --fp8` at that layout, and the HF tensors whose bytes differ from the FP8
+    checkpoint's."""
     from rlmegatron.convert_cli import hf_to_mcore, mcore_to_hf
     from rlmegatron.models.convert import import_hf
 
@@ -158,7 +159,7 @@ def fp8_job(cases: dict[str, L], workdir: str) -> dict:
         entry = {"differ": sorted(n for got, want in zip(read, expected) for n in want if not torch.equal(got[n], want[n])),
                  "weights": sum(len(want) for want in expected)}
         mcore_dir, out = os.path.join(workdir, name, "mcore"), os.path.join(workdir, name, "fp8-again")
-        hf_to_mcore(fp8_dir, mcore_dir, layout, "fp32")
+        hf_to_mcore(fp8_dir, mcore_dir, layout, "bf16")
         mcore_to_hf(mcore_dir, out, None, layout, fp8=True)
         if torch.distributed.get_rank() == 0:
             original, again = _read_safetensors(fp8_dir), _read_safetensors(out)

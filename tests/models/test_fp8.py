@@ -1,8 +1,11 @@
 """Block-wise FP8 checkpoints (DeepSeek-V3's and Qwen3-FP8's format): read as exactly their dequantised values at
-TP=2, EP=2 and PP=2, and written back by `mcore-to-hf --fp8` byte for byte."""
+TP=2, EP=2 and PP=2, and written back by `mcore-to-hf --fp8` byte for byte from a bf16 Megatron checkpoint, a
+trained block with a fresh scale."""
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -117,8 +120,9 @@ def test_the_hf_logits_verify_compares_with_are_those_of_the_dequantised_weights
     assert torch.equal(hf_logits(fp8_dir, tokens), hf_logits(reference_dir, tokens))
 
 
-def test_converting_fp8_weights_to_bf16_says_that_fp32_keeps_them_exactly(tmp_path, capsys):
-    """The FP8 values survive a bf16 Megatron checkpoint, their scales do not quite: said once, before the ranks."""
+def test_converting_fp8_weights_to_fp16_notes_the_range_it_loses(tmp_path, capsys):
+    """bf16 and fp32 hold every FP8 value times its scale (the round trips below), fp16 not the smallest: said
+    once, before the ranks, for fp16 only."""
     from rlmegatron.convert_cli import _layout, build_parser, preflight
 
     fp8_dir, _ = save_fp8_model("llama", str(tmp_path / "llama"))
@@ -129,12 +133,75 @@ def test_converting_fp8_weights_to_bf16_says_that_fp32_keeps_them_exactly(tmp_pa
         preflight(args, _layout(args))
         return capsys.readouterr().err.splitlines()
 
-    assert notes("--dtype", "fp32") == []
-    (note,) = notes()
-    assert note.startswith("rlm convert hf-to-mcore: the FP8 weights are dequantised and rounded to bf16; "
-                           "--dtype fp32 holds them exactly")
-    # What the note says, in numbers: a bf16 copy gives back every FP8 byte, and scales a rounding off.
-    quantised, scale = quantise_block_wise(torch.randn(200, 300, generator=torch.Generator().manual_seed(0)))
-    again, again_scale = BlockFP8(BLOCK).quantise(dequantise_block_wise(quantised, scale).to(torch.bfloat16))
-    assert torch.equal(again.view(torch.uint8), quantised.view(torch.uint8))
-    assert not torch.equal(again_scale, scale) and torch.allclose(again_scale, scale, rtol=2**-8)
+    assert notes("--dtype", "fp32") == notes() == []
+    (note,) = notes("--dtype", "fp16")
+    assert note.startswith("rlm convert hf-to-mcore: the FP8 weights are dequantised and rounded to fp16, whose "
+                           "range loses magnitudes below 6e-8")
+    # What the note says, in numbers: small weights (scales near 1e-9) lose FP8 values in fp16, none in bf16.
+    quantised, scale = quantise_block_wise(torch.randn(80, 96, generator=torch.Generator().manual_seed(1)) * 4e-7)
+    fp8 = BlockFP8(BLOCK)
+    for dtype, lost in ((torch.float16, True), (torch.bfloat16, False)):
+        again, _ = fp8.quantise(fp8.dequantise(quantised, scale).to(dtype), scale)
+        assert (not torch.equal(again.view(torch.uint8), quantised.view(torch.uint8))) == lost, dtype
+
+
+def _bf16_weight(seed: int, shape=(200, 300)):
+    """(bf16 weight, its FP8 values, scales) of an FP8 weight whose quantiser rounded the scales up to 1e-3 above
+    largest / 448, so that no fresh scale is an original one."""
+    generator = torch.Generator().manual_seed(seed)
+    quantised, scale = quantise_block_wise(torch.randn(shape, generator=generator))
+    scale *= 1 + torch.rand(scale.shape, generator=generator) * 1e-3
+    return dequantise_block_wise(quantised, scale).to(torch.bfloat16), quantised, scale
+
+
+def test_a_bf16_copy_gives_back_the_fp8_bytes_with_the_original_scales_and_only_with_them():
+    weight, quantised, scale = _bf16_weight(0)
+    fp8 = BlockFP8(BLOCK)
+    again, again_scale = fp8.quantise(weight, scale)
+    assert torch.equal(again.view(torch.uint8), quantised.view(torch.uint8)) and torch.equal(again_scale, scale)
+    # Without them the FP8 values come back too (a scale 0.3 % off moves none of them), but every scale is a fresh
+    # one, up to 1e-3 and a bf16 rounding off.
+    fresh, fresh_scale = fp8.quantise(weight)
+    assert torch.equal(fresh.view(torch.uint8), quantised.view(torch.uint8))
+    assert (fresh_scale != scale).all() and torch.allclose(fresh_scale, scale, rtol=1e-3 + 2**-8)
+
+
+def test_a_trained_block_gets_a_fresh_scale_and_the_untrained_keep_their_bytes():
+    """A block counts as trained as soon as one weight moved by one bf16 step: its original scale no longer gives
+    back what is held, so it gets the scale of its own largest magnitude."""
+    weight, quantised, scale = _bf16_weight(1)
+    trained = weight.clone()
+    row, col = 1 * BLOCK[0] + 3, 2 * BLOCK[1] + 5  # in block (1, 2): the next bf16 value up
+    trained[row, col] = torch.nextafter(weight[row, col], torch.tensor(math.inf, dtype=torch.bfloat16))
+    trained[4, 7] = weight[:BLOCK[0], :BLOCK[1]].abs().max() * 3  # in block (0, 0): a new largest magnitude
+    fp8 = BlockFP8(BLOCK)
+    again, again_scale = fp8.quantise(trained, scale)
+    fresh = {(1, 2), (0, 0)}
+    for i, j in itertools.product(*map(range, scale.shape)):
+        window = (slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1]))
+        if (i, j) in fresh:
+            assert again_scale[i, j] == trained[window].float().abs().max() / 448.0 != scale[i, j], (i, j)
+        else:
+            assert again_scale[i, j] == scale[i, j], (i, j)
+            assert torch.equal(again[window].view(torch.uint8), quantised[window].view(torch.uint8)), (i, j)
+    assert again_scale[0, 0] > 2.9 * scale[0, 0] and not again.float().isnan().any()  # 448 at most, no overflow
+
+
+def test_rlm_convert_round_trips_an_fp8_checkpoint_byte_for_byte_at_tp2_pp2_through_bf16(tmp_path):
+    """`rlm convert hf-to-mcore` (bf16, the default) then `mcore-to-hf --fp8`, both at TP=2 x PP=2, of DeepSeek-V3
+    (MLA, MoE, shared experts, an MTP layer): every tensor's bytes, FP8 values and scales, as they were."""
+    from rlmegatron.convert_cli import main
+    from rlmegatron.models.convert import SCALES_FILE, ConvertMeta
+    from tests.models.conversion_jobs import _read_safetensors
+
+    fp8_dir, _ = save_fp8_model("deepseek_v3", str(tmp_path / "model"))
+    mcore, again = str(tmp_path / "mcore"), str(tmp_path / "again")
+    layout = ["--tp", "2", "--pp", "2", "--device", "cpu"]
+    assert main(["hf-to-mcore", "--hf-path", fp8_dir, "--out", mcore, *layout]) == 0
+    assert ConvertMeta.load(mcore).dtype == "bf16" and (tmp_path / "mcore" / SCALES_FILE).is_file()
+    assert main(["mcore-to-hf", "--mcore-path", mcore, "--out", again, "--fp8", *layout]) == 0
+    original, written = _read_safetensors(fp8_dir), _read_safetensors(again)
+    assert sorted(written) == sorted(original)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in original.values()) >= 20
+    assert [key for key in original if original[key].dtype != written[key].dtype
+            or not torch.equal(original[key].view(torch.uint8), written[key].view(torch.uint8))] == []

@@ -30,12 +30,14 @@ def _lora_rank_job(workdir: str) -> dict:
     from safetensors.torch import load_file
 
     from rlmegatron.config import load_spec
-    from rlmegatron.rank.policy_rank import PolicyRank
     from rlmegatron.driver.role_settings import trainer_rank_settings
+    from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
     from rlmegatron.models.lora import adapted_modules, adapters_disabled, is_adapter_name
+    from rlmegatron.rank.policy_rank import PolicyRank
+    from rlmegatron.rank.roles.megatron_step import unwrap
     from rlmegatron.resharding import HFWeightExporter
     from rlmegatron.rollout.local import checkpoint_named_weights
-    from rlmegatron.rank.roles.megatron_step import unwrap
+    from tests.helpers.fp8_engine import engine_vs_fp8_actor
     from tests.rank.roles.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
@@ -86,11 +88,22 @@ def _lora_rank_job(workdir: str) -> dict:
     continued = rank.compute_log_prob(batch)
     rank.shutdown()  # a new rank rebuilds the parallel groups, which leaves this one unusable
 
-    resumed = PolicyRank(trainer_rank_settings(spec, 1))
+    # The resumed rank rolls out in FP8, which changes only what its engine holds.
+    resumed = PolicyRank(trainer_rank_settings(load_spec("configs/quickstart.yaml", [
+        *LORA_SPEC, "rollout.quantization=fp8", f"trainer.run_dir={workdir}/run"]), 1))
     resumed.load_checkpoint(checkpoint)
     report["resumed_log_probs"] = resumed.compute_log_prob(batch)
     resumed.update_actor(train)
     report["third_step"] = (resumed.compute_log_prob(batch), continued)
+    resumed.sync_weights("3")
+    report["fp8_engine"] = engine_vs_fp8_actor(resumed)
+    with resumed.models.phase("actor"), adapters_disabled(resumed.models.actor.chunks):
+        base = {n: t.clone() for n, t in HFWeightExporter(resumed.models.actor.chunks,
+                                                          resumed.models.weight_map).stream()}
+    served = checkpoint_named_weights(resumed.engine.leader.model)
+    report["fp8_projections_served_as_the_base_quantised"] = [
+        n for n in base if FP8_ROLLOUT.quantises(n)
+        and torch.equal(served[n], FP8_ROLLOUT.dequantise(*FP8_ROLLOUT.quantise(base[n])).to(base[n].dtype))]
     report["saved_whole"] = [k for k in report["checkpoint_keys"]
                              if not k.startswith("optimizer") and not is_adapter_name(k)]
     resumed.shutdown()
@@ -137,6 +150,16 @@ def test_the_engine_and_the_hf_export_get_the_merged_weights(report):
     assert torch.equal(merged["model.embed_tokens.weight"], report["embedding_after"][:vocab])
     assert all(torch.equal(report["served"][n], merged[n]) for n in merged)
     assert all(torch.equal(report["exported"][n], merged[n]) for n in merged)
+
+
+def test_fp8_rollout_quantises_the_merged_weights(report):
+    """With rollout.quantization=fp8 the engine holds the merged weights quantised block-wise then dequantised, and
+    none of the adapted projections (q/k/v and down_proj of each layer: 4 per layer) as the base alone quantised."""
+    fp8 = report["fp8_engine"]
+    assert fp8["quantised"] == 14 and fp8["differ"] == [] and fp8["unchanged_by_fp8"] == [], fp8
+    as_base = report["fp8_projections_served_as_the_base_quantised"]
+    assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "down_proj.weight")) for n in as_base)
+    assert len(as_base) == 14 - 4 * 2, as_base  # o_proj, gate_proj and up_proj carry no adapter
 
 
 def test_a_checkpoint_holds_the_adapters_and_the_modules_trained_whole_and_resumes_them(report):
