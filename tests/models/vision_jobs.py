@@ -1,0 +1,81 @@
+"""Rank-side bodies of the vision-language tests: a tiny Qwen2.5-VL converted at each layout, its log-probs on
+image+text prompts, its round trip back to HF."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from rlmegatron.runtime import ParallelLayout as L
+from tests.models.conversion_jobs import _differences
+from tests.models.tiny_vl import image_prompts, next_token_log_probs
+
+LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
+
+
+def hf_vl_log_probs(hf_dir: str) -> torch.Tensor:
+    """transformers' own log-probs of the prompts (its own M-RoPE positions: mm_token_type_ids marks the images)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.models.tiny_vl import IMAGE_TOKEN
+
+    tokens, pixels, grids = image_prompts()
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids),
+                       mm_token_type_ids=(tokens == IMAGE_TOKEN).int()).logits
+    return next_token_log_probs(logits, tokens)
+
+
+def megatron_vl_log_probs(chunks, facts):
+    from rlmegatron.models.convert import megatron_logits
+    from rlmegatron.models.mrope import mrope_position_ids
+
+    tokens, pixels, grids = image_prompts()
+    vision = facts.arch.vision
+    positions = mrope_position_ids(tokens, torch.cat(grids), vision.image_token_id, vision.spatial_merge_size)
+    logits = megatron_logits(chunks, facts, tokens, positions,
+                             [dict(pixel_values=p, image_grid_thw=g) for p, g in zip(pixels, grids)])
+    return None if logits is None else next_token_log_probs(logits, tokens)
+
+
+def _max_diff(reference, log_probs):
+    return None if log_probs is None else float((reference - log_probs).abs().max())
+
+
+def round_trip_job(workdir: str) -> dict:
+    """Per layout: HF -> Megatron log-probs vs transformers', Megatron -> HF bitwise (config.json too), and the
+    dist checkpoint reloaded at TP=PP=1 giving the same log-probs. Every rank returns its view."""
+    from rlmegatron.models.convert import import_hf, load_mcore, save_mcore
+    from rlmegatron.resharding import export_hf
+
+    hf_dir = os.path.join(workdir, "hf")
+    original = _read(hf_dir)
+    reference = hf_vl_log_probs(hf_dir)
+    report = {"vision_weights": sum(k.startswith("visual.") for k in original)}
+    for layout in LAYOUTS:
+        facts, weight_map, chunks = import_hf(hf_dir, layout)
+        entry = {"log_probs_vs_hf": _max_diff(reference, megatron_vl_log_probs(chunks, facts)),
+                 "vision_tower_here": any(hasattr(c, "vision") and c.vision is not None for c in chunks)}
+        mcore_dir, out = os.path.join(workdir, f"{layout}-mcore"), os.path.join(workdir, f"{layout}-hf")
+        save_mcore(chunks, weight_map, mcore_dir, "fp32")
+        export_hf(chunks, weight_map, out, facts.hf)
+        facts, weight_map, chunks = load_mcore(mcore_dir, L())
+        entry["reloaded_tp1_log_probs_vs_hf"] = _max_diff(reference, megatron_vl_log_probs(chunks, facts))
+        if torch.distributed.get_rank() == 0:
+            entry["exported"] = _differences(original, out)
+            entry["config_equal"] = _config(out) == _config(hf_dir)
+            entry["from_pretrained_log_probs_vs_hf"] = _max_diff(reference, hf_vl_log_probs(out))
+        report[str(layout)] = entry
+    return report
+
+
+def _read(directory: str) -> dict:
+    from tests.models.conversion_jobs import _read_safetensors
+
+    return _read_safetensors(directory)
+
+
+def _config(directory: str) -> dict:
+    return json.loads(open(os.path.join(directory, "config.json")).read())
