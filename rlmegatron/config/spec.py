@@ -264,6 +264,14 @@ class MoEConfig(Section):
     whose top-k the actor's router chooses as the rollout did (r3 logs it anyway)."""
 
 
+class VisionConfig(Section):
+    """The image encoder of a vision-language actor (rlmegatron/models/vision.py)."""
+
+    freeze: bool = True
+    """Keep the vision tower at its initial weights (peers' default: RL signal is sparse, and the tower was trained
+    on far more images than a run sees); false trains it with the language model, and the critic's too."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -283,6 +291,7 @@ class ActorConfig(PPOUpdateConfig):
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
 
     @property
     def wants_rollout_routing(self) -> bool:

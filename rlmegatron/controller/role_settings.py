@@ -124,6 +124,8 @@ class TrainerRankSettings:
     colocated: bool
     """The engines live in the trainer ranks; otherwise on their own pool."""
     rollout: RolloutSettings
+    freeze_vision: bool = True
+    """A vision-language model's image encoder keeps its weights (`actor.vision.freeze`)."""
 
 
 def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSettings:
@@ -148,6 +150,7 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
+        freeze_vision=spec.actor.vision.freeze,
     )
 
 

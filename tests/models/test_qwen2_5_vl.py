@@ -67,3 +67,25 @@ def test_log_probs_on_images_equal_transformers_and_the_round_trip_is_bitwise(re
         assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
         assert entries[0]["config_equal"], layout
         assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
+
+
+def test_actor_vision_freeze_reaches_the_trainer_ranks():
+    from rlmegatron.config import spec_from_raw
+    from rlmegatron.controller.role_settings import trainer_rank_settings
+    from tests.config.specs import minimal_spec
+
+    assert trainer_rank_settings(spec_from_raw(minimal_spec("tiny-qwen3"), []), 1).freeze_vision is True
+    unfrozen = spec_from_raw(minimal_spec("tiny-qwen3"), ["actor.vision.freeze=false"])
+    assert trainer_rank_settings(unfrozen, 1).freeze_vision is False
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_moves(tmp_path):
+    from tests.models.vision_jobs import train_step_job
+
+    hf_dir = save_tiny_vl(str(tmp_path / "hf"))
+    (frozen,) = run_ranks(train_step_job, 1, hf_dir, True, timeout_s=240)
+    (trained,) = run_ranks(train_step_job, 1, hf_dir, False, timeout_s=240)
+    assert frozen["vision_weights"] == trained["vision_weights"] == 30
+    assert frozen["vision_moved"] == 0 and frozen["language_moved"] > 0
+    assert trained["vision_moved"] == 30 and trained["language_moved"] == frozen["language_moved"]

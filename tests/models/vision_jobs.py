@@ -79,3 +79,50 @@ def _read(directory: str) -> dict:
 
 def _config(directory: str) -> dict:
     return json.loads(open(os.path.join(directory, "config.json")).read())
+
+
+def train_step_job(hf_dir: str, freeze: bool) -> dict:
+    """One Adam step of the tiny Qwen2.5-VL on the image prompts, the tower frozen or not as the actor builds it
+    (freeze_vision_tower before Megatron's DDP); which weights moved."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rlmegatron.models.convert import HFCheckpoint, build_chunks, load_hf_weights
+    from rlmegatron.models.mrope import mrope_position_ids
+    from rlmegatron.models.vision import freeze_vision_tower
+    from rlmegatron.models.weight_map import WeightMap
+    from rlmegatron.runtime import init_model_parallel
+    from rlmegatron.workers.megatron_step import build_model_chunks
+
+    checkpoint = HFCheckpoint(hf_dir)
+    facts = checkpoint.facts(1)
+    init_model_parallel(L())
+
+    def provide(pre, post, vp):
+        (model,) = build_chunks(facts, L(), "fp32")
+        load_hf_weights([model], WeightMap(facts), checkpoint)
+        freeze_vision_tower([model], freeze)
+        return model
+
+    chunks = build_model_chunks(provide, wrap_ddp=True, use_distributed_optimizer=False)
+    before = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), chunks)
+    tokens, pixels, grids = image_prompts()
+    positions = mrope_position_ids(tokens, torch.cat(grids), facts.arch.vision.image_token_id, 2)
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        loss = model(tokens, positions, None, labels=tokens, pixel_values=torch.cat(pixels),
+                     image_grid_thw=torch.cat(grids))
+        return loss, lambda output: (output.float().mean(), {})
+
+    optimizer.zero_grad()
+    chunks[0].zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=chunks[0],
+                                num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=2, forward_only=False)
+    optimizer.step()
+    after = dict(chunks[0].module.named_parameters())
+    moved = {n for n, p in after.items() if not torch.equal(p.detach(), before[n])}
+    return {"vision_moved": sum(n.startswith("vision.") for n in moved),
+            "language_moved": sum(not n.startswith("vision.") for n in moved),
+            "vision_weights": sum(n.startswith("vision.") for n in after)}
