@@ -144,6 +144,12 @@ class DataConfig(Section):
     """Custom dataset as path/to/file.py:ClassName; null uses the built-in parquet/jsonl dataset."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length instead of rejecting the dataset."""
+    image_key: Text = "images"
+    """The column of a row's images (verl's multimodal rows: bytes, paths, or {bytes, path} records), each placed
+    where the prompt says `<image>`; a vision-language model (Qwen2.5-VL) reads them through its image processor."""
+    max_image_pixels: PositiveInt = 4096 * 4096
+    """An image with more pixels is refused, read from its header before decoding: the processor would shrink it to
+    its own max_pixels anyway, so a larger one is a mistake (or a decompression bomb)."""
 
 
 class OptimConfig(Section):

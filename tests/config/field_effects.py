@@ -20,6 +20,7 @@ RANK_MODEL = ROLES + "test_a_rank_built_from_the_spec_has_its_dtype_seed_and_cri
 
 # Vision-language models (rlmegatron/models/vision.py).
 VISION = "tests/models/test_qwen2_5_vl.py::"
+IMAGES = "tests/data/test_images.py::"
 
 # Multi-turn rollouts (rlmegatron/agent).
 AGENT_SETTINGS = ROLES + "test_the_multi_turn_section_reaches_the_engines_agent_loop"
@@ -351,6 +352,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "data.answer_key": ("where each row's ground truth is read", (ANSWER_KEY,)),
     "data.dataset_class": ("custom dataset plug-in", (CUSTOM_DATASET,)),
     "data.filter_overlong_prompts": ("drop, not reject, overlong prompts", (OVERLONG_DROPPED, OVERLONG_REJECTED)),
+    "data.image_key": ("the column of a row's images, read through a vision-language model's image processor",
+                       (IMAGES + "test_data_image_key_names_the_images_column",
+                        IMAGES + "test_images_as_paths_and_records_become_one_placeholder_token_per_merged_patch")),
+    "data.max_image_pixels": ("larger images refused, one line naming the row",
+                              (IMAGES + "test_a_bad_image_is_one_line_naming_the_row_and_the_fix",)),
     "data.max_prompt_length": ("longest prompt kept", (OVERLONG_DROPPED,)),
     "data.max_response_length": ("default generation length; DAPO's L_max", (RESPONSE_LENGTH, JOB_WIRING)),
     "data.prompt_format": ("chat messages templated, or a plain text as it is", (PLAIN_PROMPTS,)),
