@@ -82,3 +82,5 @@ def test_the_vl_recipes_plan_counts_the_frozen_vision_tower_and_its_image_tokens
     assert "8.29B parameters" in out
     # 448 x 448 pixels are 16 x 16 merged 28-pixel patches.
     assert "vision tower: 0.68B parameters, whole on each first-stage rank, frozen" in out and "is 256 prompt tokens" in out
+    # The sync moves the 7.62B language model in bf16 (15.2 GB), not the frozen tower; the engines hold all 8.29B.
+    assert "weight sync: 15.2 GB in all" in out and "weights 8.3 GB" in out

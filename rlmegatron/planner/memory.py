@@ -324,8 +324,9 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
 
 
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
-    # The image encoder travels too, frozen or not: the sync does not yet skip weights that cannot have changed.
-    total = rollout_weight_bytes(spec, params)
+    # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
+    frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
+    total = rollout_weight_bytes(spec, params) - frozen_vision
     per_gpu = total / spec.rollout.tensor_parallel_size
     return WeightSync(
         total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9)

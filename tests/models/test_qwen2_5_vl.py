@@ -89,3 +89,20 @@ def test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_mo
     assert frozen["vision_weights"] == trained["vision_weights"] == 30
     assert frozen["vision_moved"] == 0 and frozen["language_moved"] > 0
     assert trained["vision_moved"] == 30 and trained["language_moved"] == frozen["language_moved"]
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_towers_weights_are_not_resent_after_the_first_sync(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.models.vision_jobs import sync_bytes_job
+
+    hf_dir = save_tiny_vl(str(tmp_path / "hf"))
+    tensors = load_file(f"{hf_dir}/model.safetensors")
+    language = sum(t.numel() * t.element_size() for k, t in tensors.items() if not k.startswith("visual."))
+    everything = sum(t.numel() * t.element_size() for t in tensors.values())
+    frozen = run_ranks(sync_bytes_job, 2, hf_dir, True, timeout_s=240)[0]
+    trained = run_ranks(sync_bytes_job, 2, hf_dir, False, timeout_s=240)[0]
+    assert frozen["later_sync"] == language < everything == frozen["full"]
+    assert trained["later_sync"] == trained["full"] == everything
+    assert frozen["later_names"] == ["lm_head", "model"]

@@ -126,3 +126,21 @@ def train_step_job(hf_dir: str, freeze: bool) -> dict:
     return {"vision_moved": sum(n.startswith("vision.") for n in moved),
             "language_moved": sum(not n.startswith("vision.") for n in moved),
             "vision_weights": sum(n.startswith("vision.") for n in after)}
+
+
+def sync_bytes_job(hf_dir: str, freeze: bool) -> dict:
+    """Bytes the weight sync's exporter streams at TP=2 after the first push (frozen tower skipped), and in full."""
+    from rlmegatron.models.convert import import_hf
+    from rlmegatron.models.vision import freeze_vision_tower
+    from rlmegatron.resharding.export import HFWeightExporter
+
+    facts, weight_map, chunks = import_hf(hf_dir, L(tp=2))
+    freeze_vision_tower(chunks, freeze)
+    exporter = HFWeightExporter(chunks, weight_map)
+
+    def nbytes(stream):
+        return sum(t.numel() * t.element_size() for _, t in stream)
+
+    later = list(exporter.stream(skip_frozen_vision=True))
+    return {"later_sync": nbytes(later), "full": nbytes(exporter.stream()),
+            "later_names": sorted({name.split(".")[0] for name, _ in later})}
