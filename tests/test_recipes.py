@@ -16,6 +16,7 @@ RECIPES = {
     "dapo_qwen3_1p7b.yaml": 80,
     "qwen3_30b_a3b_grpo.yaml": 80,
     "deepseek_v3_671b_grpo.yaml": 80,
+    "geo3k_qwen2p5_vl_7b_grpo.yaml": 80,
 }
 
 
@@ -72,3 +73,14 @@ def test_the_quickstarts_header_states_the_time_the_readme_measured():
     measured = float(re.search(r"([\d.]+) s for the whole command", readme)[1])
     stated = int(re.search(r"# about (\d+) s on 2 idle CPU cores", (CONFIGS / "quickstart.yaml").read_text())[1])
     assert stated == round(measured)
+
+
+def test_the_vl_recipes_plan_counts_the_frozen_vision_tower_and_its_image_tokens(capsys, monkeypatch):
+    monkeypatch.chdir(CONFIGS.parent)
+    assert main(["plan", str(CONFIGS / "geo3k_qwen2p5_vl_7b_grpo.yaml"), "--gpu-mem-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "8.29B parameters" in out
+    # 448 x 448 pixels are 16 x 16 merged 28-pixel patches.
+    assert "vision tower: 0.68B parameters, whole on each first-stage rank, frozen" in out and "is 256 prompt tokens" in out
+    # The sync moves the 7.62B language model in bf16 (15.2 GB), not the frozen tower; the engines hold all 8.29B.
+    assert "weight sync: 15.2 GB in all" in out and "weights 8.3 GB" in out

@@ -144,6 +144,12 @@ class DataConfig(Section):
     """Custom dataset as path/to/file.py:ClassName; null uses the built-in parquet/jsonl dataset."""
     filter_overlong_prompts: bool = False
     """Drop prompts longer than max_prompt_length instead of rejecting the dataset."""
+    image_key: Text = "images"
+    """The column of a row's images (verl's multimodal rows: bytes, paths, or {bytes, path} records), each placed
+    where the prompt says `<image>`; a vision-language model (Qwen2.5-VL) reads them through its image processor."""
+    max_image_pixels: PositiveInt = 4096 * 4096
+    """An image with more pixels is refused, read from its header before decoding: the processor would shrink it to
+    its own max_pixels anyway, so a larger one is a mistake (or a decompression bomb)."""
 
 
 class OptimConfig(Section):
@@ -264,6 +270,14 @@ class MoEConfig(Section):
     whose top-k the actor's router chooses as the rollout did (r3 logs it anyway)."""
 
 
+class VisionConfig(Section):
+    """The image encoder of a vision-language actor (rlmegatron/models/vision.py)."""
+
+    freeze: bool = True
+    """Keep the vision tower at its initial weights (peers' default: RL signal is sparse, and the tower was trained
+    on far more images than a run sees); false trains it with the language model, and the critic's too."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -283,6 +297,7 @@ class ActorConfig(PPOUpdateConfig):
     """KL estimator of the KL loss (use_kl_loss), registered in rlmegatron.algorithms (k1, low_var_kl, ...)."""
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    vision: VisionConfig = Field(default_factory=VisionConfig)
 
     @property
     def wants_rollout_routing(self) -> bool:

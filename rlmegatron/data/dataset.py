@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlmegatron.data.images import IMAGE_MARK, ImageError, ImagePrompts
 from rlmegatron.data.records import Sample, sample_from_row
 from rlmegatron.errors import UserError
 from rlmegatron.plugins import load_plugin
@@ -34,21 +35,33 @@ class RLDataset:
     """Prompts of one or more data files, read as data.prompt_format and data.answer_key say; a custom
     `data.dataset_class` takes the same arguments."""
 
-    def __init__(self, files: Sequence[str], tokenizer: Any, config: DataConfig) -> None:
+    def __init__(self, files: Sequence[str], tokenizer: Any, config: DataConfig,
+                 processor_path: str | None = None) -> None:
+        """`processor_path`: a vision-language model's directory (its image processor), which rows with images
+        need."""
         self.files = list(files)
         self.max_prompt_length = config.max_prompt_length
         self.samples: list[Sample] = []
         overlong: list[str] = []
         read = RowReader(config)
         encode = PromptEncoder(tokenizer, chat=config.prompt_format == "chat")
-        for location, row in iter_rows(self.files):
-            prompt = read.prompt(row, location)
-            prompt_ids = encode(prompt, location)
-            if len(prompt_ids) > self.max_prompt_length:
-                overlong.append(f"{location} ({len(prompt_ids)} tokens)")
-                continue
-            self.samples.append(sample_from_row(row, len(self.samples), prompt, prompt_ids,
-                                                read.answer(row, location)))
+        image_prompts = None
+        for file in self.files:
+            for location, row in iter_rows([file]):
+                prompt, images = read.prompt(row, location), None
+                if row.get(config.image_key) or IMAGE_MARK in str(prompt):
+                    if image_prompts is None:
+                        image_prompts = _image_prompts(processor_path, tokenizer, config, location)
+                    shown, _ = image_prompts.mark_images(prompt, row, location)
+                    images = image_prompts.read(row, Path(file).parent, location)
+                    prompt_ids = image_prompts.expand(encode(shown, location), images, location)
+                else:
+                    prompt_ids = encode(prompt, location)
+                if len(prompt_ids) > self.max_prompt_length:
+                    overlong.append(f"{location} ({len(prompt_ids)} tokens)")
+                    continue
+                self.samples.append(sample_from_row(row, len(self.samples), prompt, prompt_ids,
+                                                    read.answer(row, location), images))
         self.num_filtered_overlong = len(overlong)
         if overlong and not config.filter_overlong_prompts:
             raise DatasetError(
@@ -70,10 +83,21 @@ class RLDataset:
         return self.samples[index]
 
 
-def build_dataset(files: Sequence[str], tokenizer: Any, config: DataConfig) -> PromptDataset:
-    """The dataset `config.dataset_class` names, or the built-in RLDataset."""
-    dataset_class = RLDataset if config.dataset_class is None else load_plugin(config.dataset_class)
-    return dataset_class(files, tokenizer, config)
+def build_dataset(files: Sequence[str], tokenizer: Any, config: DataConfig,
+                  processor_path: str | None = None) -> PromptDataset:
+    """The dataset `config.dataset_class` names, or the built-in RLDataset (which reads rows with images through
+    the image processor in `processor_path`, a vision-language model's directory)."""
+    if config.dataset_class is not None:
+        return load_plugin(config.dataset_class)(files, tokenizer, config)
+    return RLDataset(files, tokenizer, config, processor_path)
+
+
+def _image_prompts(processor_path: str | None, tokenizer: Any, config: DataConfig, location: str) -> ImagePrompts:
+    if processor_path is None or not Path(processor_path, "preprocessor_config.json").is_file():
+        raise ImageError(f"{location}: the row has images ('{config.image_key}' or an {IMAGE_MARK} mark) but the "
+                         "model has no image processor (preprocessor_config.json); train a vision-language model "
+                         "such as Qwen2.5-VL, or drop the images")
+    return ImagePrompts(processor_path, tokenizer, config.image_key, config.max_image_pixels)
 
 
 class PromptEncoder:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
+
+from rlmegatron.data.images import PromptImages
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,8 @@ class Sample:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
+    images: Optional[PromptImages] = None
+    """A vision-language row's images (data.image_key), whose placeholder tokens prompt_ids holds."""
 
     @property
     def sample_id(self) -> str:
@@ -26,7 +30,8 @@ class Sample:
 
 
 def sample_from_row(
-    row: dict[str, Any], index: int, prompt: list[dict[str, str]] | str, prompt_ids: list[int], ground_truth: Any
+    row: dict[str, Any], index: int, prompt: list[dict[str, str]] | str, prompt_ids: list[int], ground_truth: Any,
+    images: Optional[PromptImages] = None,
 ) -> Sample:
     """A Sample from a row's prompt and ground truth (read where the data config says) and its optional verl
     columns data_source and extra_info."""
@@ -37,4 +42,5 @@ def sample_from_row(
         data_source=str(row.get("data_source", "")),
         ground_truth=ground_truth,
         extra_info=dict(row.get("extra_info") or {}),
+        images=images,
     )

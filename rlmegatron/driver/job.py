@@ -125,8 +125,9 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
 
 def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
-    val_set = build_dataset(spec.data.val_files, tokenizer, spec.data) if spec.data.val_files else None
+    processor = spec.model.tokenizer_path or spec.model.path  # a vision-language model's image processor
+    train_set = build_dataset(spec.data.train_files, tokenizer, spec.data, processor)
+    val_set = build_dataset(spec.data.val_files, tokenizer, spec.data, processor) if spec.data.val_files else None
     loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
     total_steps = run_total_steps(spec, loader)

@@ -59,6 +59,7 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
+        freeze_vision=spec.actor.vision.freeze,
     )
 
 

@@ -367,22 +367,28 @@ def verify_tokens(vocab_size: int, batch: int = 2, seq_len: int = 16) -> torch.T
     return torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
 
 
-def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-    """[batch, seq, vocab] logits (TP-gathered, vocab padding stripped) on last-stage ranks, else None."""
+def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                    row_inputs: Optional[list[dict]] = None) -> Optional[torch.Tensor]:
+    """[batch, seq, vocab] logits (TP-gathered, vocab padding stripped) on last-stage ranks, else None.
+    `position_ids`: [batch, seq], or [3, batch, seq] M-RoPE positions (default: 0..seq-1); `row_inputs`: per row,
+    further forward arguments (a vision-language model's pixel_values and image_grid_thw)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     seq_len = tokens.shape[1]
     # One sequence per micro-batch: the interleaved (VPP) schedule needs at least PP micro-batches.
-    micro_batches = tokens.split(1)
+    if position_ids is None:
+        position_ids = torch.arange(seq_len).expand_as(tokens)
+    micro_batches = [(tokens[i:i + 1], position_ids[..., i:i + 1, :], (row_inputs or [{}] * len(tokens))[i])
+                     for i in range(len(tokens))]
 
     def keep_logits(output):
         return torch.zeros(()), {"logits": output}
 
     def forward_step(data_iterator, model):
-        sequence = next(data_iterator)
-        return model(sequence, torch.arange(seq_len).expand_as(sequence), None), keep_logits
+        sequence, positions, inputs = next(data_iterator)
+        return model(sequence, positions, None, **inputs), keep_logits
 
     for chunk in chunks:
         chunk.eval()

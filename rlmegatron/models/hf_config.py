@@ -55,6 +55,10 @@ class ModelFacts:
     def num_layers(self) -> int:
         return self.arch.num_hidden_layers
 
+    def vision_tower_factory(self, dtype):
+        """What builds the image encoder (a vision-language model's, on the first pipeline stage) in `dtype`."""
+        return lambda: self.family.build_vision_tower(self.hf, dtype)
+
     @property
     def mtp_off_note(self) -> Optional[str]:
         """What to tell the user when config.json declares MTP layers the checkpoint does not hold."""
@@ -193,6 +197,13 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
     from rlmegatron.models.spec import decoder_block_spec, mtp_block_spec
 
     model_class = GPTModelWithMTP if config.mtp_num_layers else GPTModel
+    vision = {}
+    if facts.arch.vision is not None:
+        from rlmegatron.models.vision import VisionLanguageModel
+
+        model_class = VisionLanguageModel
+        vision = dict(vision_tower=facts.vision_tower_factory(config.params_dtype),
+                      image_token_id=facts.arch.vision.image_token_id)
     model = model_class(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
@@ -202,10 +213,11 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         share_embeddings_and_output_weights=facts.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=facts.family.position_embedding_type,
         rotary_percent=facts.rotary_percent,
         rotary_base=int(facts.rotary_base),
         vp_stage=vp_stage,
+        **vision,
     )
     if facts.llama3_rope_scaling:
         _scale_llama3_rope(model.rotary_pos_emb, facts.llama3_rope_scaling)

@@ -153,6 +153,8 @@ class WeightMap:
             # Tied: the last pipeline stage still holds a copy of the embedding as output_layer.
             self.add("output_layer.weight", [lm_head], VOCAB, exported=not facts.tie_word_embeddings,
                      copies=head_copies)
+        if facts.arch.vision is not None:
+            facts.family.vision_rules(self, facts.arch.vision)
         moe_layers = facts.arch.moe_layers
         for layer in range(facts.num_layers):
             self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=moe_layers[layer])

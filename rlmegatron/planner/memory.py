@@ -141,6 +141,10 @@ def training_memory(
             # A tied output layer still needs its own copy of the embedding on a separate last stage.
             dense += params.final_norm + (params.output_layer or (params.embedding if pp > 1 else 0))
         dense //= tp
+        # The image encoder is not split by TP: each rank of the first stage holds it whole; frozen, it has no
+        # gradients or Adam state.
+        vision = params.vision if index == 0 else 0
+        dense += vision
         experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
         dense_adapters = sum(lora[i].dense_per_gpu(tp) for i in layers) if lora else 0
         expert_adapters = sum(lora[i].experts_per_gpu(ep, etp) for i in layers) if lora else 0
@@ -151,6 +155,8 @@ def training_memory(
             saved += params.embedding if "embedding" in modules_to_save and tied_copy else 0
         # What trains: every weight, or with LoRA only the factors (frozen weights get no gradient or Adam state).
         trained_dense, trained_experts = (dense_adapters + saved // tp, expert_adapters) if lora else (dense, experts)
+        if spec.actor.vision.freeze and not lora:
+            trained_dense -= vision
         in_flight = pp - index if pp > 1 else 1
         stored, recompute_working_set = _stage_activations(arch, megatron, batch, len(layers), cp)
         activations = in_flight * stored + recompute_working_set
@@ -318,7 +324,9 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
 
 
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
-    total = rollout_weight_bytes(spec, params)
+    # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
+    frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
+    total = rollout_weight_bytes(spec, params) - frozen_vision
     per_gpu = total / spec.rollout.tensor_parallel_size
     return WeightSync(
         total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9)

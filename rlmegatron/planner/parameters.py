@@ -40,15 +40,18 @@ class ParameterCount:
     output_layer: int  # 0 when tied to the embedding
     final_norm: int
     layers: tuple[LayerParameters, ...]
+    vision: int = 0  # a vision-language model's image encoder: whole on every rank of the first pipeline stage
 
     @property
     def total(self) -> int:
-        return self.embedding + self.output_layer + self.final_norm + sum(layer.total for layer in self.layers)
+        return self.embedding + self.output_layer + self.final_norm + self.vision + \
+            sum(layer.total for layer in self.layers)
 
     @property
     def active(self) -> int:
         """Parameters one token uses: the published 'activated' count of MoE models."""
-        return self.embedding + self.output_layer + self.final_norm + sum(layer.active for layer in self.layers)
+        return self.embedding + self.output_layer + self.final_norm + self.vision + \
+            sum(layer.active for layer in self.layers)
 
     @property
     def routed_experts(self) -> int:
@@ -88,6 +91,7 @@ def count_parameters(arch: ModelArchitecture) -> ParameterCount:
         output_layer=0 if arch.tie_word_embeddings else embedding,
         final_norm=h,
         layers=tuple(layers),
+        vision=arch.vision.num_parameters if arch.vision is not None else 0,
     )
 
 

@@ -59,6 +59,8 @@ class Plan:
     model_type: str
     total_parameters: int
     active_parameters: int
+    vision_parameters: int  # the image encoder's, within total_parameters; 0 for a text-only model
+    image_tokens: int  # decoder tokens of one image at data.max_image_pixels; 0 for a text-only model
     gpu_bytes: float
     actor: TrainingMemory
     critic: TrainingMemory | None
@@ -139,6 +141,8 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         model_type=arch.model_type,
         total_parameters=params.total,
         active_parameters=params.active,
+        vision_parameters=params.vision,
+        image_tokens=_largest_image_tokens(arch, spec.data.max_image_pixels),
         gpu_bytes=gpu_bytes,
         actor=actor,
         critic=critic,
@@ -223,6 +227,22 @@ def _gb(size: float) -> str:
     return f"{size / GB:.1f} GB"
 
 
+def _largest_image_tokens(arch: ModelArchitecture, max_pixels: int) -> int:
+    """Decoder tokens of the largest square image data.max_image_pixels lets in (each counts toward
+    data.max_prompt_length)."""
+    if arch.vision is None:
+        return 0
+    side = int(max_pixels ** 0.5)
+    return arch.vision.image_tokens(side, side)
+
+
+def _vision_line(spec: JobSpec, plan: Plan) -> str:
+    trained = "frozen" if spec.actor.vision.freeze else "trained"
+    return (f"vision tower: {plan.vision_parameters / 1e9:.2f}B parameters, whole on each first-stage rank, {trained} "
+            f"(actor.vision.freeze); an image of data.max_image_pixels={spec.data.max_image_pixels} is "
+            f"{plan.image_tokens} prompt tokens of data.max_prompt_length={spec.data.max_prompt_length}")
+
+
 def render_plan(spec: JobSpec, plan: Plan) -> str:
     """The plan as a short human-readable report."""
     actor, engine, sync = plan.actor, plan.engine, plan.sync
@@ -230,6 +250,7 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     lines = [
         f"model: {plan.model_type}, {plan.total_parameters / 1e9:.2f}B parameters "
         f"({plan.active_parameters / 1e9:.2f}B active per token)",
+        *([_vision_line(spec, plan)] if plan.vision_parameters else []),
         f"trainer: {spec.placement.nnodes} node(s) x {spec.placement.gpus_per_node} GPUs, "
         f"GPU memory {_gb(plan.gpu_bytes)}, placement {spec.placement.mode}",
         f"actor layout: {', '.join(f'{k}={v}' for k, v in _layout(m).items())}, "

@@ -20,6 +20,7 @@ from rlmegatron.rank.settings import TrainerRankSettings
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
 from rlmegatron.models.lora import add_adapters, remember_base_weights
+from rlmegatron.models.vision import freeze_vision_tower
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.rank.roles import ActorWorker, CriticWorker, ReferenceWorker
@@ -72,6 +73,7 @@ class RoleModels:
 
             def provide(pre, post, vp):
                 model = build_gpt_model(facts, config, vp_stage=vp)
+                freeze_vision_tower([model], self.settings.freeze_vision)  # before DDP, which skips frozen weights
                 return add_adapters(model, lora, self.settings.seed) if role == "actor" and lora else model
 
             worker = WORKERS[role](worker_settings, provide, layout)

@@ -46,3 +46,5 @@ class TrainerRankSettings:
     colocated: bool
     """The engines live in the trainer ranks; otherwise on their own pool."""
     rollout: RolloutSettings
+    freeze_vision: bool = True
+    """A vision-language model's image encoder keeps its weights (`actor.vision.freeze`)."""

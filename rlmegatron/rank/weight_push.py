@@ -71,14 +71,17 @@ class WeightPush:
         with self.models.phase("actor"):
             if lora is None or version == INITIAL_VERSION or restarted is not None:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    down += self._push(self._weights(), version, restarted, down)
+                    # A frozen vision tower goes with the first push and to restarted engines only.
+                    full = version == INITIAL_VERSION or restarted is not None
+                    down += self._push(self._weights(full), version, restarted, down)
             if lora is not None and version != INITIAL_VERSION:
                 down += self._push_adapter(version, restarted, down)
         return [engine for engine in down if engine not in left_out]
 
-    def _weights(self):
-        """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8."""
-        stream = self._exporter().stream()
+    def _weights(self, full: bool = True):
+        """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8;
+        all of them, or (not `full`) all that training can have changed."""
+        stream = self._exporter().stream(skip_frozen_vision=not full)
         weight_format = self.settings.weight_format
         return stream if weight_format is None else weight_format.quantised_stream(stream)
 

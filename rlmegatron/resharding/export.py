@@ -45,6 +45,7 @@ class _Entry:
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     partition_dim: Optional[int]  # TP-sharded dim, None if replicated
+    frozen_vision: bool = False  # a frozen image encoder's weight: it cannot differ from what the engines hold
 
 
 def _partition_dim(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> Optional[int]:
@@ -98,7 +99,9 @@ class HFWeightExporter:
         self._adapted = {name: module for name, _, tensor, _, module in local
                          if tensor is getattr(module, "weight", None) and hasattr(module, "merged_weight")}
         stage = ps.get_pipeline_model_parallel_rank()
-        mine = [_Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim) for name, local_name, t, dim, _ in local]
+        mine = [_Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim,
+                       frozen_vision=name.startswith("vision.") and not t.requires_grad)
+                for name, local_name, t, dim, _ in local]
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
         entries: dict[str, _Entry] = {}
@@ -115,10 +118,14 @@ class HFWeightExporter:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.stream()
 
-    def stream(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) for every exported weight, identically on every rank."""
+    def stream(self, dtype: Optional[torch.dtype] = None, skip_frozen_vision: bool = False
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for every exported weight, identically on every rank; `skip_frozen_vision`
+        leaves out a frozen image encoder (a sync after engines already hold it)."""
         local_experts = self.num_experts // self.ep_size if self.num_experts else 0
         for entry in self._plan:
+            if skip_frozen_vision and entry.frozen_vision:
+                continue
             expert = _EXPERT.search(entry.name)
             if expert and self.ep_size > 1:
                 if int(expert.group(1)) >= local_experts:

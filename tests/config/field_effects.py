@@ -18,6 +18,10 @@ RANK_OPTIMIZER = ROLES + "test_a_rank_built_from_the_spec_steps_with_its_optimiz
 RANK_BATCHING = ROLES + "test_a_rank_built_from_the_spec_batches_its_updates_as_the_spec_says"
 RANK_MODEL = ROLES + "test_a_rank_built_from_the_spec_has_its_dtype_seed_and_critic_init"
 
+# Vision-language models (rlmegatron/models/vision.py).
+VISION = "tests/models/test_qwen2_5_vl.py::"
+IMAGES = "tests/data/test_images.py::"
+
 # Multi-turn rollouts (rlmegatron/agent).
 AGENT_SETTINGS = ROLES + "test_the_multi_turn_section_reaches_the_engines_agent_loop"
 AGENT_TOKENS = ("tests/agent/test_trajectories.py::"
@@ -286,6 +290,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.ppo_mini_batch_size": ("prompts per actor optimizer step", (ACTOR_SETTINGS, RANK_BATCHING)),
     "actor.use_dynamic_bsz": ("actor micro-batches by token budget", (ACTOR_SETTINGS, ACTOR_PARITY)),
     "actor.use_kl_loss": ("KL loss term and the reference model", (ACTOR_SETTINGS, DAPO_RUN)),
+    "actor.vision.freeze": ("a vision-language actor's (and critic's) image encoder keeps its weights, or trains",
+                            (VISION + "test_actor_vision_freeze_reaches_the_trainer_ranks",
+                             VISION + "test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_moves")),
     "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
     "algorithm.dynamic_sampling.enable": ("drop all-equal groups and generate more", (DYNAMIC_SAMPLING, DAPO_RUN)),
     "algorithm.dynamic_sampling.max_num_gen_batches": ("rounds per step; 0 rejected", (DYNAMIC_SAMPLING, ROUNDS_BOUND)),
@@ -346,6 +353,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "data.answer_key": ("where each row's ground truth is read", (ANSWER_KEY,)),
     "data.dataset_class": ("custom dataset plug-in", (CUSTOM_DATASET,)),
     "data.filter_overlong_prompts": ("drop, not reject, overlong prompts", (OVERLONG_DROPPED, OVERLONG_REJECTED)),
+    "data.image_key": ("the column of a row's images, read through a vision-language model's image processor",
+                       (IMAGES + "test_data_image_key_names_the_images_column",
+                        IMAGES + "test_images_as_paths_and_records_become_one_placeholder_token_per_merged_patch")),
+    "data.max_image_pixels": ("larger images refused, one line naming the row",
+                              (IMAGES + "test_a_bad_image_is_one_line_naming_the_row_and_the_fix",)),
     "data.max_prompt_length": ("longest prompt kept", (OVERLONG_DROPPED,)),
     "data.max_response_length": ("default generation length; DAPO's L_max", (RESPONSE_LENGTH, JOB_WIRING)),
     "data.prompt_format": ("chat messages templated, or a plain text as it is", (PLAIN_PROMPTS,)),

@@ -51,3 +51,10 @@ def test_tiny_moe_count_by_hand():
     attention = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16
     layer = attention + 8 * 64 + 2 * 64 + 8 * 3 * 64 * 32
     assert params.total == 4 * layer + 2 * 256 * 64 + 64
+
+
+def test_qwen2p5_vl_7b_counts_its_published_8p29b_with_the_vision_tower():
+    # Qwen2.5-VL-7B-Instruct's hub page: 8.29B parameters; its ViT (32 blocks of 1280, merger to 3584) is 0.68B.
+    params = count_parameters(read_architecture(MODELS_DIR / "qwen2.5-vl-7b"))
+    assert params.total == pytest.approx(8.29e9, rel=0.005)
+    assert params.vision == pytest.approx(0.676e9, rel=0.01)

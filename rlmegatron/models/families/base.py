@@ -8,6 +8,7 @@ models.spec, models.weight_map).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -38,6 +39,55 @@ class MultiLatentAttention:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A vision-language model's image encoder as its config.json's vision_config states it (Qwen2.5-VL's ViT:
+    patches embedded by a 3-D convolution, pre-norm blocks with biased linears, a merger that folds each
+    spatial_merge_size x spatial_merge_size square of patches into one language-model token)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the language model's hidden size: one merged token is one decoder input
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    image_token_id: int  # the placeholder token each merged image token replaces in the decoder input
+    vision_start_token_id: int
+
+    @property
+    def merged_hidden_size(self) -> int:
+        return self.hidden_size * self.spatial_merge_size ** 2
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight of the tower, named as transformers names them under the tower's module, with its shape
+        (the weight map and the planner read the tower from this, without building it)."""
+        h, i, m = self.hidden_size, self.intermediate_size, self.merged_hidden_size
+        shapes = {"patch_embed.proj.weight": (h, self.in_channels, self.temporal_patch_size, self.patch_size,
+                                              self.patch_size)}
+        for block in range(self.depth):
+            b = f"blocks.{block}."
+            shapes.update({b + "norm1.weight": (h,), b + "norm2.weight": (h,),
+                           b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+                           b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,)})
+            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                shapes.update({f"{b}mlp.{name}.weight": shape, f"{b}mlp.{name}.bias": shape[:1]})
+        shapes.update({"merger.ln_q.weight": (h,), "merger.mlp.0.weight": (m, m), "merger.mlp.0.bias": (m,),
+                       "merger.mlp.2.weight": (self.out_hidden_size, m), "merger.mlp.2.bias": (self.out_hidden_size,)})
+        return shapes
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(math.prod(shape) for shape in self.parameter_shapes().values())
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Decoder tokens of one image of height x width pixels (already resized to whole merged patches)."""
+        unit = self.patch_size * self.spatial_merge_size
+        return (height // unit) * (width // unit)
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """Shape of a decoder-only transformer as its HF config.json states it, read by its family."""
 
@@ -63,6 +113,7 @@ class ModelArchitecture:
     router_bias: bool = False  # DeepSeek-V3's and GLM-4.5's e_score_correction_bias
     mla: MultiLatentAttention | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers config.json declares, stored after the decoder layers
+    vision: VisionTower | None = None  # a vision-language model's image encoder; None for a text-only model
 
     @property
     def is_moe(self) -> bool:
@@ -113,6 +164,7 @@ class Family:
     aliases: Mapping[str, str] = {}
     expert_count_key: Optional[str] = None  # the key holding the routed-expert count; None: a dense family
     rope_types: tuple[str, ...] = ("default", "llama3")
+    position_embedding_type = "rope"  # GPTModel's; a vision-language family's is "mrope" (multimodal rotary)
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
@@ -177,6 +229,7 @@ class Family:
             router_bias=bool(num_experts) and self.router_bias(cfg),
             mla=self.mla(cfg),
             num_mtp_layers=self.num_mtp_layers(cfg),
+            vision=self.vision(cfg, source),
         )
 
     def num_experts(self, cfg: Mapping[str, Any]) -> int:
@@ -214,6 +267,10 @@ class Family:
 
     def num_mtp_layers(self, cfg: Mapping[str, Any]) -> int:
         return 0
+
+    def vision(self, cfg: Mapping[str, Any], source: Path) -> VisionTower | None:
+        """The image encoder of a vision-language family's model; None for a text-only family."""
+        return None
 
     def rope(self, cfg: Mapping[str, Any]) -> Rope:
         params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
@@ -283,6 +340,13 @@ class Family:
         rules.experts(m + "experts.", block + "experts.", self.expert_projections)
         if arch.shared_expert_intermediate_size:
             rules.glu_mlp(m + "shared_experts.", f"{h}{self.shared_experts_module}.")
+
+    def vision_rules(self, rules, vision: VisionTower) -> None:
+        """Rules of the image encoder (a vision-language family's)."""
+
+    def build_vision_tower(self, hf: Mapping[str, Any], dtype):
+        """The image encoder as a torch module, for the first pipeline stage of a vision-language family's model."""
+        raise NotImplementedError(f"{self.display_name} has no vision tower")
 
     # ---- export --------------------------------------------------------------------------------------------------
     def same_bucket(self, cfg: Mapping[str, Any]) -> tuple[SameBucket, ...]:

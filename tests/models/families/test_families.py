@@ -13,7 +13,10 @@ from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS
 
 def _transformers_default(config, key: str):
     """A transformers config's value for `key`; transformers 5 keeps rope_theta and partial_rotary_factor in
-    rope_parameters."""
+    rope_parameters, and a vision-language config the language model's keys in its text_config."""
+    text = getattr(config, "text_config", None)
+    if text is not None and not hasattr(config, key):
+        config = text
     if key in ("rope_theta", "partial_rotary_factor"):
         return config.rope_parameters[key]
     return getattr(config, key)
@@ -111,4 +114,4 @@ def test_deepseeks_fused_query_and_kv_down_projections_travel_together_and_nothi
     assert rule.group_of("model.layers.3.self_attn.kv_a_proj_with_mqa.weight")[1] == "kv_a_proj_with_mqa"
     assert rule.group_of("model.layers.3.self_attn.q_b_proj.weight") is None
     assert travel_rules_for(_config("deepseek_v3", q_lora_rank=None)) == ()  # DeepSeek-V2-Lite's direct query
-    assert all(travel_rules_for(_config(t)) == () for t in FAMILIES if t != "deepseek_v3")
+    assert all(travel_rules_for(_config(t)) == () for t in FAMILY_CONFIGS if t != "deepseek_v3")
