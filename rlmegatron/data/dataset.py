@@ -62,6 +62,8 @@ class RLDataset:
                     continue
                 self.samples.append(sample_from_row(row, len(self.samples), prompt, prompt_ids,
                                                     read.answer(row, location), images))
+        self.image_prompts = image_prompts
+        """The image processor, when a row has images: the driver makes the actor's pixel values with it."""
         self.num_filtered_overlong = len(overlong)
         if overlong and not config.filter_overlong_prompts:
             raise DatasetError(

@@ -11,7 +11,9 @@ import torch
 from rlmegatron.data import Sample
 from rlmegatron.rewards import RewardInput, RewardResult
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
+from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.rank.roles import RolloutBatch
+from rlmegatron.rank.roles.batch import BatchImages
 
 
 @dataclass
@@ -123,6 +125,30 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
                         routed_experts=routed)
 
 
+def with_images(batch: RolloutBatch, prompts: Sequence[Sample], image_prompts: Any) -> RolloutBatch:
+    """`batch` (row i answering `prompts[i]`) with its prompts' images as the actor takes them: pixel values from the
+    image processor (`image_prompts`, data.images.ImagePrompts) and every token's M-RoPE positions over the whole
+    row, prompt and response; `batch` itself when no prompt has images."""
+    if all(p.images is None or not p.images.data for p in prompts):
+        return batch
+    if image_prompts is None:
+        raise ValueError("prompts with images need the model's image processor; a data.dataset_class that yields "
+                         "images must be read with the model's processor (RLDataset's image_prompts)")
+    pixels, grids, per_row = [], [], []
+    for prompt in prompts:
+        count = 0 if prompt.images is None else len(prompt.images.data)
+        if count:
+            pixel_values, grid_thw = image_prompts.pixel_values(prompt.images)
+            pixels.append(pixel_values)
+            grids.append(grid_thw)
+        per_row.append(count)
+    grid_thw = torch.cat(grids).long()
+    positions = mrope_position_ids(batch.input_ids, grid_thw, image_prompts.pad_id, image_prompts.merge,
+                                   batch.attention_mask)
+    return dataclasses.replace(batch, images=BatchImages(torch.cat(pixels), grid_thw, torch.tensor(per_row)),
+                               mrope_positions=positions.permute(1, 2, 0).contiguous())
+
+
 def _routing_shape(results: list[GenerationResult]) -> tuple[int, int]:
     return next(tuple(r.routed_experts.shape[1:]) for r in results if r.routed_experts is not None)
 
@@ -138,12 +164,18 @@ def concat_batches(batches: list[RolloutBatch]) -> RolloutBatch:
         return torch.nn.functional.pad(t, (0, 0, 0, 0, width - t.shape[1], 0), value=-1)
 
     routed = [b.routed_experts for b in batches]
+    images = [b.images for b in batches]
+    if any(part is None for part in images) and not all(part is None for part in images):
+        raise ValueError("cannot concatenate batches with and without images")
     return RolloutBatch(
         input_ids=torch.cat([left_pad(b.input_ids) for b in batches]),
         attention_mask=torch.cat([left_pad(b.attention_mask) for b in batches]),
         response_mask=torch.cat([b.response_mask for b in batches]),
         rollout_log_probs=torch.cat([b.rollout_log_probs for b in batches]),
         routed_experts=None if routed[0] is None else torch.cat([left_pad_routing(t) for t in routed]),
+        images=None if images[0] is None else BatchImages.concat(images),
+        mrope_positions=None if images[0] is None else torch.cat(
+            [torch.nn.functional.pad(b.mrope_positions, (0, 0, width - b.input_ids.shape[1], 0)) for b in batches]),
     )
 
 

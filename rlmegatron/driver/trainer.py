@@ -37,6 +37,7 @@ from rlmegatron.driver.rollout_data import (
     Rollout,
     batch_metrics,
     build_batch,
+    with_images,
     merge_results,
     reward_inputs,
     sampling_spec,
@@ -125,6 +126,8 @@ class Trainer:
                  reward_manager, tracker, checkpoints):
         self.spec, self.ranks, self.engines, self.tokenizer = spec, ranks, engines, tokenizer
         self.train_loader, self.val_dataset = train_loader, val_dataset
+        # A vision-language dataset's image processor: the actor's batches carry their prompts' pixels.
+        self.image_prompts = getattr(train_loader.dataset, "image_prompts", None)
         self.reward_manager, self.tracker, self.checkpoints = reward_manager, tracker, checkpoints
         kl = spec.algorithm.kl_ctrl
         self.kl_ctrl = (FixedKLController(kl.kl_coef) if kl.type == "fixed"
@@ -282,7 +285,7 @@ class Trainer:
         requests = [
             GenerationRequest(tuple(p.prompt_ids), sampling_spec(
                 params, self.spec.rollout.max_new_tokens, self.spec.rollout.stop_token_ids, seed + i), p.extra_info,
-                return_routed_experts=routing)
+                return_routed_experts=routing, images=p.images)
             for i, p in enumerate(prompts)
         ]
         shares = shard_requests(requests, self.engines.count)
@@ -304,7 +307,8 @@ class Trainer:
         """The scored rollout, and the reward manager's metrics of its responses."""
         rows = [prompts[r.request_index] for r in results]
         uids = [first_uid + r.request_index for r in results]
-        batch = build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens)
+        batch = with_images(build_batch([p.prompt_ids for p in rows], results, self.spec.rollout.max_new_tokens),
+                            rows, self.image_prompts)
         reward = self.rewards(rows, results)
         return scored(rows, uids, results, batch, reward), reward.metrics
 

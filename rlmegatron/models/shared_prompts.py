@@ -40,8 +40,8 @@ class SharedPromptParams(PackedSeqParams):
 
 
 def shared_prompts_supported(chunks: list) -> bool:
-    """Whether these model chunks can run shared-prompt micro-batches: rotary position embeddings from the GPTModel
-    (not MLA's, whose attention applies its own), no multi-token prediction (its shifted labels would cross from one
+    """Whether these model chunks can run shared-prompt micro-batches: rotary position embeddings from the GPTModel,
+    plain or multimodal (not MLA's, whose attention applies its own), no multi-token prediction (its shifted labels would cross from one
     response into the next), no context parallelism (whose chunks split sequences), and every core attention this
     package's SDPACoreAttention, which reads the groups (Transformer Engine's would attend across responses)."""
     return all(_supported(chunk.module if hasattr(chunk, "module") else chunk) for chunk in chunks)
@@ -55,7 +55,7 @@ def _supported(model) -> bool:
         config = model.config
         attention = [module for name, module in model.named_modules() if name.endswith("core_attention")]
         _SUPPORT[model] = bool(
-            getattr(model, "position_embedding_type", None) == "rope" and not config.multi_latent_attention
+            getattr(model, "position_embedding_type", None) in ("rope", "mrope") and not config.multi_latent_attention
             and not config.mtp_num_layers and config.context_parallel_size == 1
             and attention and all(isinstance(module, SDPACoreAttention) for module in attention))
     return _SUPPORT[model]

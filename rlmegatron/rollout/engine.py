@@ -7,6 +7,7 @@ from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
+from rlmegatron.data.images import PromptImages
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.tracking.progress import Progress
 
@@ -50,6 +51,9 @@ class GenerationRequest:
     """Multi-turn: the prompt row's extra_info, which its tools see (`agent.tools.ToolContext`)."""
     return_routed_experts: bool = False
     """MoE: the results carry each token's experts (`GenerationResult.routed_experts`)."""
+    images: Optional[PromptImages] = field(default=None, hash=False, compare=False)
+    """A vision-language prompt's images (encoded bytes and patch grids), whose placeholder tokens the prompt holds:
+    the local engine runs them through its image processor, SGLang gets them as `image_data`."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -11,18 +11,23 @@ COLOURS = {"r": (220, 30, 30), "g": (30, 200, 40), "b": (30, 40, 220), "y": (230
 
 def make_vl_model_dir(directory: Path):
     """The tokenizer and image processor of a tiny Qwen2.5-VL in `directory`; returns the tokenizer."""
-    from transformers import Qwen2VLImageProcessorPil
-
     from rlmegatron.data import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
     tokenizer.save_pretrained(str(directory))
-    # 8x8-pixel images: 2x2 patches of 4 pixels, one merged token each.
+    save_image_processor(directory)
+    return tokenizer
+
+
+def save_image_processor(directory) -> None:
+    """Qwen2-VL's image processor at 4-pixel patches (tests/models/tiny_vl's tower): an 8x8-pixel image is 2x2
+    patches, one merged token."""
+    from transformers import Qwen2VLImageProcessorPil
+
     Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
                              size={"shortest_edge": 64, "longest_edge": 64 * 64}).save_pretrained(str(directory))
-    return tokenizer
 
 
 def png(colour: str, size: tuple[int, int] = (8, 8)) -> bytes:

@@ -144,3 +144,117 @@ def sync_bytes_job(hf_dir: str, freeze: bool) -> dict:
     later = list(exporter.stream(skip_frozen_vision=True))
     return {"later_sync": nbytes(later), "full": nbytes(exporter.stream()),
             "later_names": sorted({name.split(".")[0] for name, _ in later})}
+
+
+# (image sizes in pixels, samples) per prompt: one 8x8 image (1 merged token), a 16x8 and an 8x16 one (2 tokens, the
+# grid transposed), two images in one prompt, and a text-only prompt; the first two share their text and their
+# images' sizes, so only their pixels tell them apart (shared-prompt groups must not merge them).
+ROLLOUT_PROMPTS = (([(8, 8)], 3, "r"), ([(8, 8)], 2, "b"), ([(16, 8)], 2, "g"), ([(8, 16), (8, 8)], 2, "y"),
+                   ([], 2, None))
+ACTOR_LAYOUTS = {  # settings of each micro-batching the parity test runs
+    "padded": dict(use_packing=False, share_prompts=False, micro_batch_size=3),
+    "packed": dict(use_packing=True, share_prompts=False, micro_batch_size=4),
+    "token_budget": dict(use_packing=True, share_prompts=False, max_token_len=40),
+    "shared_prompts": dict(share_prompts=True, micro_batch_size=4),
+}
+
+
+def vision_rollout(hf_dir: str):
+    """(Samples, GenerationResults, the actor's RolloutBatch) of ROLLOUT_PROMPTS, the images read through the
+    image processor in `hf_dir` as the driver reads them (rollout_data.build_batch, with_images)."""
+    from rlmegatron.data import Sample
+    from rlmegatron.data.images import ImagePrompts, PromptImages
+    from rlmegatron.driver.rollout_data import build_batch, with_images
+    from rlmegatron.rollout.engine import GenerationResult
+    from tests.data.vision_assets import png
+    from tests.models.tiny_vl import IMAGE_TOKEN, VISION_END, VISION_START
+
+    gen = torch.Generator().manual_seed(5)
+    images = ImagePrompts(hf_dir, _TokenIds(IMAGE_TOKEN), "images", 64 * 64)
+    samples, results = [], []
+    for index, (sizes, n, colour) in enumerate(ROLLOUT_PROMPTS):
+        data = tuple(png(colour, size) for size in sizes)
+        prompt_images = PromptImages(data, tuple(images.grids([_decode(d) for d in data]))) if data else None
+        ids = [7, 8]
+        for grid in (prompt_images.grids if prompt_images else ()):
+            ids += [VISION_START] + [IMAGE_TOKEN] * (grid[0] * grid[1] * grid[2] // 4) + [VISION_END]
+        ids += [9, 10]
+        sample = Sample(index, "", ids, "vision", None, images=prompt_images)
+        for k in range(n):
+            length = 2 + (index + 2 * k) % 4
+            tokens = torch.randint(0, IMAGE_TOKEN, (length,), generator=gen).tolist()
+            results.append(GenerationResult(len(samples), k, tuple(tokens), (0.0,) * length, "stop"))
+            samples.append(sample)
+    batch = build_batch([s.prompt_ids for s in samples], results, 6)
+    return samples, results, with_images(batch, samples, images)
+
+
+class _TokenIds:
+    """The one tokenizer method ImagePrompts asks: the tiny checkpoint's image pad id (its vocabulary has no text)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.pad_id
+
+
+def _decode(data: bytes):
+    from rlmegatron.data.images import decode_image
+
+    return decode_image(data, "test", 0, 64 * 64)
+
+
+def hf_rollout_log_probs(hf_dir: str, samples, results) -> list[list[float]]:
+    """transformers' log-probs of each response token, one sequence at a time, its images through transformers'
+    own processor path (pixel values of the same processor)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from tests.models.tiny_vl import IMAGE_TOKEN
+
+    processor = AutoImageProcessor.from_pretrained(hf_dir)
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out = []
+    for sample, result in zip(samples, results):
+        tokens = torch.tensor([sample.prompt_ids + list(result.output_token_ids)])
+        extra = {}
+        if sample.images is not None:
+            pixels = processor(images=[_decode(d) for d in sample.images.data], return_tensors="pt")
+            extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        with torch.no_grad():
+            logits = model(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE_TOKEN).int(), **extra).logits
+        log_probs = next_token_log_probs(logits, tokens)[0]
+        out.append(log_probs[len(sample.prompt_ids) - 1:].tolist())
+    return out
+
+
+def actor_log_probs_job(hf_dir: str, tp: int) -> dict:
+    """The actor worker's log-probs of `vision_rollout` at TP=`tp`, under each micro-batching of ACTOR_LAYOUTS, and
+    the micro-batches' shapes (to show each layout ran as named)."""
+    from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+    from rlmegatron.models.hf_config import build_gpt_model, transformer_config
+    from rlmegatron.models.weight_map import WeightMap
+    from rlmegatron.rank.roles import ActorSettings, ActorWorker
+    from rlmegatron.rank.roles.megatron_step import unwrap
+    from rlmegatron.runtime import ParallelLayout, init_model_parallel
+
+    layout = ParallelLayout(tp=tp)
+    init_model_parallel(layout)
+    checkpoint = HFCheckpoint(hf_dir)
+    facts = checkpoint.facts(layout.tp)
+    config = transformer_config(facts, layout)
+    _, _, batch = vision_rollout(hf_dir)
+    report = {}
+    for name, fields in ACTOR_LAYOUTS.items():
+        actor = ActorWorker(ActorSettings(vocab_size=facts.vocab_size, **fields),
+                            lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
+        actor.init(parallel_state_ready=True)
+        load_hf_weights([unwrap(chunk) for chunk in actor.chunks], WeightMap(facts), checkpoint)
+        micro = actor._micro_batches(batch)
+        log_probs, _ = actor.compute_log_prob(batch, with_entropy=False)
+        report[name] = {"log_probs": log_probs, "micro_batches": len(micro),
+                        "packed": [m.packed_seq_params is not None for m in micro],
+                        "shared": [type(m.packed_seq_params).__name__ == "SharedPromptParams" for m in micro],
+                        "images": [0 if m.image_grid_thw is None else len(m.image_grid_thw) for m in micro]}
+    checkpoint.close()
+    return report

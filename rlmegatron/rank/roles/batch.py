@@ -3,11 +3,55 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from rlmegatron.models.context_parallel import chunk_positions, gather_tokens
+
+
+@dataclass
+class BatchImages:
+    """A vision-language batch's images, every row's in row order, as the vision tower takes them: the image
+    processor's flattened patches and each image's (t, h, w) grid in patches. Row i's images are its prompt's, in the
+    order its placeholder runs appear (models.vision.VisionLanguageModel.embed_with_images relies on it)."""
+
+    pixel_values: torch.Tensor  # [patches, channels x temporal patch x patch x patch]
+    grid_thw: torch.Tensor  # [images, 3]
+    per_row: torch.Tensor  # [B]: how many images each row holds
+
+    def of_rows(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, grid_thw) of `rows`' images, rows in the order given."""
+        counts = self.per_row.tolist()
+        image_start = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        patches = self.grid_thw.prod(dim=-1).tolist()
+        patch_start = [0, *torch.tensor(patches, dtype=torch.long).cumsum(0).tolist()]
+        images = [i for row in rows for i in range(image_start[row], image_start[row + 1])]
+        pixels = [self.pixel_values[patch_start[i]:patch_start[i + 1]] for i in images]
+        return (torch.cat(pixels) if pixels else self.pixel_values[:0]), self.grid_thw[images]
+
+    def row_keys(self) -> torch.Tensor:
+        """[B] int64 keys, equal for rows with equal images (a hash of their grids and pixels): same-sized images
+        have the same placeholder tokens, so a prompt's tokens alone do not tell two rows' images apart."""
+        image_start = [0, *self.per_row.cumsum(0).tolist()]
+        patch_start = [0, *self.grid_thw.prod(dim=-1).cumsum(0).tolist()]
+        keys = []
+        for first, end in zip(image_start[:-1], image_start[1:]):
+            pixels = self.pixel_values[patch_start[first]:patch_start[end]]
+            keys.append(hash((self.grid_thw[first:end].numpy().tobytes(), pixels.numpy().tobytes())))
+        return torch.tensor(keys, dtype=torch.long)
+
+    def select(self, rows: Sequence[int]) -> "BatchImages":
+        pixel_values, grid_thw = self.of_rows(rows)
+        return BatchImages(pixel_values, grid_thw, self.per_row[torch.as_tensor(rows, dtype=torch.long)])
+
+    def to(self, device) -> "BatchImages":
+        return BatchImages(self.pixel_values.to(device), self.grid_thw.to(device), self.per_row.to(device))
+
+    @staticmethod
+    def concat(parts: Sequence["BatchImages"]) -> "BatchImages":
+        return BatchImages(*(torch.cat([getattr(p, name) for p in parts]) for name in
+                             ("pixel_values", "grid_thw", "per_row")))
 
 
 @dataclass
@@ -33,6 +77,12 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    images: Optional[BatchImages] = None
+    """A vision-language batch's images (None: text only)."""
+    mrope_positions: Optional[torch.Tensor] = None
+    """[B, L, 3] multimodal rotary positions (models.mrope) of every token column, 0 on padding; the micro-batches
+    take each input position's from its batch cell, so padding, packing and shared prompts all keep the positions
+    the whole sequence has. None: a text-only batch (a multimodal model then gives text its plain positions)."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -44,10 +94,9 @@ class RolloutBatch:
     def select(self, indices: torch.Tensor | list[int]) -> "RolloutBatch":
         """The rows `indices`, every field sliced alike."""
         index = torch.as_tensor(indices, dtype=torch.long)
-        return RolloutBatch(
-            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-               for f in dataclasses.fields(self)}
-        )
+        fields = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                  for f in dataclasses.fields(self) if f.name != "images"}
+        return RolloutBatch(**fields, images=None if self.images is None else self.images.select(index.tolist()))
 
     def sequence_lengths(self) -> torch.Tensor:
         return self.attention_mask.sum(dim=-1)
@@ -156,11 +205,14 @@ class MicroBatch:
     routed_experts: Optional[torch.Tensor] = None  # [n, T, MoE layers, k]: the record's experts per input position
     context_order: Optional[torch.Tensor] = None  # [T]: the sequence position of each gathered column (CP>1)
     context_group: object = None  # the CP process group (CP>1)
+    # A vision-language micro-batch's images, in the order their placeholder runs appear in input_ids.
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
 
     def to(self, device) -> "MicroBatch":
         """Every tensor on `device`, moved once per micro-batch so the loss's index and field reads stay there."""
         tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "target_labels",
-                   "token_cells", "routed_experts", "context_order")
+                   "token_cells", "routed_experts", "context_order", "pixel_values", "image_grid_thw")
         moved = {name: getattr(self, name).to(device) for name in tensors if getattr(self, name) is not None}
         return dataclasses.replace(self, response_fields=self.response_fields.to(device), **moved)
 
@@ -186,6 +238,21 @@ def routing_at(batch: RolloutBatch, token_cells: torch.Tensor) -> Optional[torch
     record = batch.routed_experts.reshape(-1, *batch.routed_experts.shape[2:])
     at = record[token_cells.clamp(min=0)]
     return at.masked_fill_((token_cells < 0)[..., None, None], -1)
+
+
+def images_at(batch: RolloutBatch, token_cells: torch.Tensor, image_rows: Sequence[int]) -> dict:
+    """A micro-batch's vision fields: its M-RoPE positions [3, n, T] from each input position's batch cell (0 where
+    it has none) and the images of `image_rows`, the rows whose prompts it lays out, in that order. Nothing for a
+    text-only batch."""
+    fields = {}
+    if batch.mrope_positions is not None:
+        at = batch.mrope_positions.reshape(-1, 3)[token_cells.clamp(min=0)]
+        fields["position_ids"] = at.masked_fill((token_cells < 0)[..., None], 0).permute(2, 0, 1).contiguous()
+    if batch.images is not None:
+        pixel_values, grid_thw = batch.images.of_rows(image_rows)
+        if len(grid_thw):  # rows without images run as text
+            fields["pixel_values"], fields["image_grid_thw"] = pixel_values, grid_thw
+    return fields
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -261,15 +328,20 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     if cp > 1:
         from megatron.core import parallel_state
 
+        if batch.images is not None:  # config.checks refuses the layout first; this guards other callers
+            raise ValueError("context parallelism splits a sequence over ranks, and an image's embeddings replace "
+                             "placeholders of the whole sequence: a vision-language batch runs at CP=1")
+
         # Column positions each CP rank keeps, in its local order: its two chunks of every block (sequence).
         local = [torch.cat([start + chunk_positions(span, cp, r) for start, span in blocks]) for r in range(cp)]
         input_ids, position_ids, labels, token_cells = (t[:, local[cp_rank]]
                                                         for t in (input_ids, position_ids, labels, token_cells))
         context = dict(context_order=torch.cat(local), context_group=parallel_state.get_context_parallel_group())
+    vision = images_at(batch, token_cells, rows)
     return MicroBatch(
         rows=list(rows),
         input_ids=input_ids,
-        position_ids=position_ids,
+        position_ids=vision.pop("position_ids", position_ids),
         labels=labels,
         packed_seq_params=packed_seq_params,
         source_index=source_index,
@@ -281,6 +353,7 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
         token_cells=token_cells,
         routed_experts=routing_at(batch, token_cells),
         **context,
+        **vision,
     )
 
 
@@ -296,14 +369,18 @@ def filler_micro_batch(batch: RolloutBatch, row: int, tp: int = 1, cp: int = 1, 
                                token_cells=torch.full_like(real.token_cells, -1), routed_experts=None)
 
 
-def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+                  images: Optional[BatchImages] = None):
     """(group [B], prompt length [B], response length [B]) of rows laid out as RolloutBatch's: rows whose prompts
-    (their real tokens before the last `response_length` columns) are the same token for token share a group, numbered
-    from 0."""
+    (their real tokens before the last `response_length` columns, and their `images`) are the same token for token
+    share a group, numbered from 0."""
     prompt_columns = input_ids.shape[1] - response_length
     mask = attention_mask.bool()
     in_prompt = mask[:, :prompt_columns]
-    _, group_of = torch.unique(torch.where(in_prompt, input_ids[:, :prompt_columns], -1), dim=0, return_inverse=True)
+    keys = torch.where(in_prompt, input_ids[:, :prompt_columns], -1)
+    if images is not None:
+        keys = torch.cat([keys, images.row_keys()[:, None]], dim=1)
+    _, group_of = torch.unique(keys, dim=0, return_inverse=True)
     return group_of, in_prompt.sum(dim=1), mask[:, prompt_columns:].sum(dim=1)
 
 
@@ -311,7 +388,7 @@ def share_prompt_routing(batch: RolloutBatch, record: torch.Tensor) -> torch.Ten
     """`record` ([B, L, MoE layers, k]) with each prompt's routing on every row of its group: a shared-prompt
     micro-batch runs a prompt once, so a pass records it on one row only; rows with the same prompt have it in the
     same columns."""
-    group_of, _, _ = prompt_groups(batch.input_ids, batch.attention_mask, batch.response_length)
+    group_of, _, _ = prompt_groups(batch.input_ids, batch.attention_mask, batch.response_length, batch.images)
     prompt = record[:, : record.shape[1] - batch.response_length]
     known = torch.full((int(group_of.max()) + 1, *prompt.shape[1:]), -1, dtype=record.dtype)
     known.index_reduce_(0, group_of, prompt, "amax")
@@ -336,7 +413,8 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
     ids, mask = batch.input_ids[index], batch.attention_mask[index].bool()
     in_prompt, in_response = mask[:, :prompt_columns], mask[:, prompt_columns:]
     if groups is None:
-        group_of, row_prompt_lengths, response_lengths = prompt_groups(ids, mask, response_columns)
+        group_of, row_prompt_lengths, response_lengths = prompt_groups(
+            ids, mask, response_columns, None if batch.images is None else batch.images.select(rows))
     else:  # the batch's group numbers, renumbered 0.. over these rows
         batch_groups, row_prompt_lengths, response_lengths = (values[index] for values in groups)
         group_of = torch.unique(batch_groups, return_inverse=True)[1]
@@ -386,10 +464,12 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
     groups = tuple((start, length, tuple(members))
                    for start, length, members in zip(group_starts.tolist(), prompt_lengths.tolist(), responses))
     longest = int((prompt_lengths[group_of] + response_lengths).max())
+    # Each group's prompt, with its images, is laid out once: its first row's.
+    vision = images_at(batch, token_cells, [rows[i] for i in first_rows.tolist()])
     return MicroBatch(
         rows=list(rows),
         input_ids=input_ids,
-        position_ids=position_ids,
+        position_ids=vision.pop("position_ids", position_ids),
         labels=None,
         packed_seq_params=_thd_params([0, total], longest, SharedPromptParams, prompt_groups=groups),
         source_index=sources[predicted],
@@ -400,6 +480,7 @@ def build_shared_prompt_micro_batch(batch: RolloutBatch, rows: list[int], tp: in
         response_fields=batch.select(rows),
         token_cells=token_cells,
         routed_experts=routing_at(batch, token_cells),
+        **vision,
     )
 
 

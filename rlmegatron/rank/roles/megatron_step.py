@@ -78,6 +78,13 @@ def unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") else chunk
 
 
+def innermost(chunk):
+    """The GPTModel inside every wrapper (DDP, Float16Module)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def is_last_stage() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -129,7 +136,7 @@ def shard_micro_batches(batch: RolloutBatch, pack: Optional[bool], micro_batch_s
     dp, dp_rank = dp_size(), ps.get_data_parallel_rank()
     # Every row's prompt group, worked out once: the units and every micro-batch's layout read it.
     prompts = None if share_prompts is False else prompt_groups(batch.input_ids, batch.attention_mask,
-                                                                batch.response_length)
+                                                                batch.response_length, batch.images)
     units = None if prompts is None else prompt_units(prompts, micro_batch_size, max_token_len, dp,
                                                       share_prompts is None)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -243,10 +250,20 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
     def forward_step(data_iterator: Iterator[MicroBatch], model):
         micro_batch = next(data_iterator).to("cuda" if torch.cuda.is_available() else "cpu")
         params = micro_batch.packed_seq_params
-        with (rope_at_token_positions(unwrap(model), micro_batch.position_ids, params.max_seqlen_q)
-              if isinstance(params, SharedPromptParams) else contextlib.nullcontext()), \
+        gpt = innermost(model)
+        position_ids, images = micro_batch.position_ids, {}
+        if gpt.position_embedding_type == "mrope":
+            if position_ids.dim() == 2:  # a text-only batch: its text positions, the same on the three axes
+                position_ids = position_ids.expand(3, *position_ids.shape)
+            if micro_batch.pixel_values is not None:
+                images = dict(pixel_values=micro_batch.pixel_values, image_grid_thw=micro_batch.image_grid_thw)
+        # M-RoPE's table already holds one row per token (Megatron applies it to THD input as it is); plain rotary
+        # embeddings are looked up at each token's position in a shared-prompt micro-batch.
+        per_token_rope = isinstance(params, SharedPromptParams) and gpt.position_embedding_type == "rope"
+        with (rope_at_token_positions(gpt, micro_batch.position_ids, params.max_seqlen_q)
+              if per_token_rope else contextlib.nullcontext()), \
                 (contextlib.nullcontext() if routing is None else routing.forward(model, micro_batch)):
-            output = model(micro_batch.input_ids, micro_batch.position_ids, None, packed_seq_params=params)
+            output = model(micro_batch.input_ids, position_ids, None, packed_seq_params=params, **images)
         if not micro_batch.rows:  # a filler: its backward runs (and pairs its collectives) with zero gradients
             return output, lambda output_tensor: (output_tensor.sum() * 0.0, {})
         return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
