@@ -190,6 +190,14 @@ def check_layout_fits_model(
     pipeline_problem = _pipeline_split_problem(prefix, m, arch.num_hidden_layers, world)
     if pipeline_problem:
         problems.append(pipeline_problem)
+    if arch.vision is not None:
+        # The images' embeddings replace placeholder tokens of the whole sequence on the first stage
+        # (models/vision.py); CP and SP hand each rank a slice of it.
+        why = "a vision-language model's image embeddings replace placeholders of whole sequences; use "
+        if m.context_parallel_size > 1:
+            problems.append(SpecProblem(f"{prefix}.context_parallel_size", m.context_parallel_size, why + "1"))
+        if m.sequence_parallel:
+            problems.append(SpecProblem(f"{prefix}.sequence_parallel", True, why + "false"))
 
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size
     if not arch.is_moe:

@@ -32,6 +32,15 @@ class PromptImages:
 
     data: tuple[bytes, ...]
     grids: tuple[tuple[int, int, int], ...]
+    placeholder_id: int = -1
+    """The image pad token, repeated once per merged patch of each image in the prompt's ids."""
+
+    def collapsed(self, prompt_ids: Sequence[int]) -> list[int]:
+        """`prompt_ids` with each image's run of placeholders as one: what SGLang takes with `image_data` (its
+        processor expands each to the image's grid itself). Two images' runs never touch (vision_end, vision_start
+        lie between them)."""
+        return [token for i, token in enumerate(prompt_ids)
+                if token != self.placeholder_id or i == 0 or prompt_ids[i - 1] != self.placeholder_id]
 
 
 def read_image_bytes(entry: Any, base_dir: Path, location: str, number: int) -> bytes:
@@ -71,6 +80,14 @@ def decode_image(data: bytes, location: str, number: int, max_pixels: int):
                          f"{' '.join(str(err).split())}); replace it with a PNG or JPEG, or drop the row") from None
 
 
+def pixel_values(image_processor, images: PromptImages, max_pixels: int):
+    """(pixel_values, image_grid_thw) of `images` through `image_processor`: what the actor's batches and the local
+    engine's prompts feed the vision tower."""
+    decoded = [decode_image(d, "prompt", i, max_pixels) for i, d in enumerate(images.data)]
+    out = image_processor(images=decoded, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"].long()
+
+
 class ImagePrompts:
     """Puts a row's images into its prompt: the marks become the vision placeholder, the images' grids come from
     the model's image processor (preprocessor_config.json beside config.json)."""
@@ -99,7 +116,7 @@ class ImagePrompts:
         data = [read_image_bytes(entry, base_dir, location, i) for i, entry in enumerate(row.get(self.image_key) or [])]
         images = [decode_image(d, location, i, self.max_pixels) for i, d in enumerate(data)]
         grids = self.grids(images) if images else []
-        return PromptImages(tuple(data), tuple(grids))
+        return PromptImages(tuple(data), tuple(grids), self.pad_id)
 
     def grids(self, images: Sequence) -> list[tuple[int, int, int]]:
         out = self.image_processor(images=list(images), return_tensors="pt")
@@ -107,9 +124,7 @@ class ImagePrompts:
 
     def pixel_values(self, images: PromptImages):
         """(pixel_values, image_grid_thw) tensors of a prompt's images, as the vision tower takes them."""
-        decoded = [decode_image(d, "prompt", i, self.max_pixels) for i, d in enumerate(images.data)]
-        out = self.image_processor(images=decoded, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        return pixel_values(self.image_processor, images, self.max_pixels)
 
     def expand(self, prompt_ids: list[int], images: PromptImages, location: str) -> list[int]:
         """`prompt_ids` with each image's single pad token repeated once per merged patch of its grid."""

@@ -19,7 +19,7 @@ from rlmegatron.models.hf_config import DTYPES
 from rlmegatron.rollout.agent_loop import AgentLoop
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import MEMORY_TAGS, GenerationRequest, GenerationResult, RolloutEngine, WeightStream
-from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.local import LocalEngine, causal_lm_from_config, image_processor_at
 from rlmegatron.rollout.sglang.weight_push import share_buckets
 from rlmegatron.rollout.sglang.server import ServerProcess, launch_node
 from rlmegatron.runtime.cpu_compat import plain_torch
@@ -147,17 +147,17 @@ class ColocatedEngine:
 
 
 def _local_engine(settings: RolloutSettings, hf_config) -> LocalEngine:
-    from transformers import AutoModelForCausalLM
-
     device = "cuda" if settings.device == "cuda" else "cpu"
     # The engine samples from the weights the trainer holds, in the trainer's dtype. No engine seed: every request
     # the trainer sends carries its own (Trainer.sampling_seed).
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[settings.model.dtype],
-                                             trust_remote_code=settings.model.trust_remote_code).to(device)
+    model = causal_lm_from_config(hf_config, DTYPES[settings.model.dtype],
+                                  settings.model.trust_remote_code).to(device)
     eos = hf_config.eos_token_id
     return LocalEngine(
         model,
         pad_token_id=hf_config.pad_token_id or 0,
         eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
         weight_format=settings.weight_format,
+        # The image processor the data was read with (job: model.tokenizer_path or model.path).
+        image_processor=image_processor_at(settings.model.tokenizer_path or settings.model.path),
     )

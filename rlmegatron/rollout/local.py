@@ -12,7 +12,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from rlmegatron.data.images import PromptImages, pixel_values
 from rlmegatron.errors import Divergence
+from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
@@ -35,7 +37,31 @@ class _Sample:
     prompt: tuple[int, ...]
     sampling: SamplingSpec
     generator: torch.Generator | None
+    images: PromptImages | None = None
 
+
+def causal_lm_from_config(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The generating model of `config`: transformers' image-text-to-text class for a vision-language model (its
+    causal-LM class has none), else its causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def image_processor_at(path: str):
+    """The image processor in `path` (preprocessor_config.json), None for a text-only model."""
+    from pathlib import Path
+
+    if not Path(path, "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path)
+
+
+# The data's reader checked every image against data.max_image_pixels; the engine takes them as they come.
+_ANY_SIZE = 1 << 62
 
 # A seeded sample's noise comes ahead for as many tokens as fit in this many numbers (see _Noise): one call's overhead
 # on the CPU (1.4 us) costs as much as drawing 300 numbers (4.4 ns each), so drawing further ahead saves nothing.
@@ -107,6 +133,9 @@ def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> N
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+# transformers 5 nests a vision-language model's parts (Qwen2.5-VL's model.language_model, model.visual); its
+# checkpoints, and so the export stream, keep Qwen's flat names.
+_NESTED_PARTS = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -118,6 +147,9 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     named = {}
     for name, tensor in model.state_dict().items():
+        for nested, flat in _NESTED_PARTS:
+            if name.startswith(nested):
+                name = flat + name[len(nested):]
         match = _STACKED_EXPERTS.match(name)
         if match is None:
             named[name] = tensor
@@ -187,12 +219,15 @@ class LocalEngine(RolloutEngine):
         max_batch_size: int = 64,
         seed: int = 0,
         weight_format: BlockFP8 | None = None,
+        image_processor=None,
     ) -> None:
         """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang.
+        `image_processor`: a vision-language model's (image_processor_at), which requests with images need.
         `weight_format`: the block-wise FP8 format weight updates come in (rollout.quantization fp8), each quantised
         weight with its scale; the engine samples with them dequantised, the values SGLang's FP8 weights hold."""
         self.model = model.eval()
         self.weight_format = weight_format
+        self.image_processor = image_processor
         self.pad_token_id = pad_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -240,6 +275,7 @@ class LocalEngine(RolloutEngine):
                 if request.sampling.seed is None
                 else torch.Generator(device).manual_seed(
                     (request.sampling.seed * 1_000_003 + sample_index) % 2**63),
+                request.images if request.images is not None and request.images.data else None,
             )
             for request_index, request in enumerate(requests)
             for sample_index in range(request.sampling.n)
@@ -266,16 +302,21 @@ class LocalEngine(RolloutEngine):
         batch = len(samples)
         # The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
         # distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute.
-        distinct: dict[tuple[int, ...], int] = {}
-        prompt_of = torch.tensor([distinct.setdefault(s.prompt, len(distinct)) for s in samples], device=device)
-        prompt_width = max(len(prompt) for prompt in distinct)
+        # A prompt is its tokens and its images: same-sized images have the same placeholder tokens.
+        distinct: dict[tuple, int] = {}
+        prompt_of = torch.tensor([distinct.setdefault((s.prompt, s.images), len(distinct)) for s in samples],
+                                 device=device)
+        prompts = [prompt for prompt, _ in distinct]
+        prompt_width = max(len(prompt) for prompt in prompts)
         # Left-padded, each tensor made whole from Python lists: 30 us for 8 prompts of TRL's echo task, where a
         # tensor per prompt copied into place took 75.
-        padding = [prompt_width - len(prompt) for prompt in distinct]
-        input_ids = torch.tensor([(self.pad_token_id,) * pad + prompt for pad, prompt in zip(padding, distinct)],
+        padding = [prompt_width - len(prompt) for prompt in prompts]
+        input_ids = torch.tensor([(self.pad_token_id,) * pad + prompt for pad, prompt in zip(padding, prompts)],
                                  device=device)
         attention_mask = torch.tensor([[0] * pad + [1] * (prompt_width - pad) for pad in padding], device=device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        images = self._prefill_images([prompt_images for _, prompt_images in distinct], input_ids, attention_mask)
+        position_ids = images.pop("position_ids", position_ids)
 
         temperatures = torch.tensor([s.sampling.temperature for s in samples], device=device)
         greedy = temperatures == 0
@@ -299,11 +340,14 @@ class LocalEngine(RolloutEngine):
                 use_cache=True,
                 **{self._cache: cache},
                 **self._last_logits_only,
+                **images,
             )
+            images = {}  # the prefill put the images' embeddings in the KV cache
             cache, logits = getattr(out, self._cache), out.logits[:, -1, :]
             if position == 0 and len(distinct) < batch:  # from one row per prompt to one per sample
                 cache.reorder_cache(prompt_of)
-                logits, attention_mask, position_ids = (t[prompt_of] for t in (logits, attention_mask, position_ids))
+                logits, attention_mask = logits[prompt_of], attention_mask[prompt_of]
+                position_ids = position_ids.index_select(-2, prompt_of)  # [rows, L] or M-RoPE's [3, rows, L]
             _raise_if_not_finite(logits, position, finish)
             scaled = logits.float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
@@ -331,7 +375,9 @@ class LocalEngine(RolloutEngine):
                 break
             input_ids = next_tokens.unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            # A prompt ends with text, whose M-RoPE position is the largest so far on all three axes: a generated
+            # token's is one past it, as transformers' rope deltas give.
+            position_ids = position_ids[..., -1:] + 1
         routed = [None] * batch if recorder is None else recorder.per_sample(prompt_of.tolist(), padding,
                                                                              [len(o) for o in outputs])
         return [
@@ -346,6 +392,23 @@ class LocalEngine(RolloutEngine):
             )
             for row, sample in enumerate(samples)
         ]
+
+    def _prefill_images(self, prompt_images: list, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        """The prefill's vision inputs: every prompt's images through the image processor, in prompt order, and
+        the prompts' M-RoPE positions [3, prompts, L] (models.mrope, which the actor's batches use too); nothing when
+        no prompt has images."""
+        if all(images is None for images in prompt_images):
+            return {}
+        if self.image_processor is None:
+            raise ValueError("a request has images and the rollout model has no image processor "
+                             "(preprocessor_config.json beside its config.json)")
+        pixels, grids = zip(*(pixel_values(self.image_processor, images, _ANY_SIZE)
+                              for images in prompt_images if images is not None))
+        grid_thw = torch.cat(grids).to(input_ids.device)
+        config = self.model.config
+        positions = mrope_position_ids(input_ids, grid_thw, config.image_token_id,
+                                       config.vision_config.spatial_merge_size, attention_mask)
+        return dict(pixel_values=torch.cat(pixels).to(self.device), image_grid_thw=grid_thw, position_ids=positions)
 
     @staticmethod
     def _sample(scaled: torch.Tensor, samples: list[_Sample], uniform: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from rlmegatron.errors import Divergence
 from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
-from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.local import LocalEngine, causal_lm_from_config, image_processor_at
 from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout, init_custom_process_group, on_the_wire
 from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS
 
@@ -216,15 +216,15 @@ class Server(ThreadingHTTPServer):
 def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool, quantization: str | None = None
                  ) -> LocalEngine:
     """`quantization` fp8 (SGLang's --quantization, rollout.quantization): weight updates come block-wise FP8."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES.get(dtype, torch.float32),
-                                             trust_remote_code=trust_remote_code).to(device)
+    model = causal_lm_from_config(config, DTYPES.get(dtype, torch.float32), trust_remote_code).to(device)
     eos = config.eos_token_id
     return LocalEngine(model, pad_token_id=config.pad_token_id or 0,
                        eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
-                       weight_format=FP8_ROLLOUT if quantization == "fp8" else None)
+                       weight_format=FP8_ROLLOUT if quantization == "fp8" else None,
+                       image_processor=image_processor_at(model_path))
 
 
 def main() -> None:

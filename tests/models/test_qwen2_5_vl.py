@@ -142,3 +142,15 @@ def test_the_actors_log_probs_on_image_rollouts_equal_transformers(vision_rollou
     assert report["token_budget"]["micro_batches"] > report["packed"]["micro_batches"]
     shared = report["shared_prompts"]
     assert all(shared["shared"]) and sum(shared["images"]) == 5, shared
+
+
+def test_context_and_sequence_parallelism_are_refused_before_any_rank_starts():
+    from tests.config.specs import problems_with
+
+    why = "a vision-language model's image embeddings replace placeholders of whole sequences; use"
+    cp = problems_with({"actor.megatron.context_parallel_size": 2}, "qwen2.5-vl-7b")
+    assert any(p.endswith(f"actor.megatron.context_parallel_size=2: {why} 1") for p in cp), cp
+    sp = problems_with({"actor.megatron.tensor_model_parallel_size": 2, "actor.megatron.sequence_parallel": True},
+                       "qwen2.5-vl-7b")
+    assert any(p.endswith(f"actor.megatron.sequence_parallel=true: {why} false") for p in sp), sp
+    assert problems_with({"actor.megatron.tensor_model_parallel_size": 2}, "qwen2.5-vl-7b") == []
