@@ -183,6 +183,12 @@ async def _guarded(call: Awaitable[Any], tool: Any, timeout_s: float, doing: str
         return None, ToolOutcome(f"Error: {raised}{type(err).__name__}: {err}", error=True)
 
 
+def _is_image(answer: Any) -> bool:
+    """An image a tool may answer with: encoded bytes, a PIL image, or verl's multimodal answer ({"image": ...})."""
+    return (isinstance(answer, (bytes, bytearray)) or hasattr(answer, "getpixel")
+            or (isinstance(answer, Mapping) and ("image" in answer or "images" in answer)))
+
+
 async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, timeout_s: float) -> ToolOutcome:
     """The tool's answer, or an error message the model sees."""
     answer, failed = await _guarded(tool.execute(dict(args), context), tool, timeout_s, "answer")
@@ -190,6 +196,14 @@ async def call_tool(tool: Any, args: Mapping[str, Any], context: ToolContext, ti
         return failed
     try:
         text, reward, metrics = answer
+    except (TypeError, ValueError):
+        text = reward = metrics = None
+    if _is_image(text):
+        # A trajectory is token ids; a tool's image would need its pixels carried into the next turn's request and
+        # the actor's batch, which the agent loop does not do.
+        raise ToolError(f"the tool {tool_name(tool)} answered with an image ({type(text).__name__}); multi-turn "
+                        "tools answer with text: images from tools are not carried into a trajectory")
+    try:
         return ToolOutcome(str(text), float(reward), dict(metrics or {}))
     except (TypeError, ValueError):
         return ToolOutcome(f"Error: the tool {tool_name(tool)} returned {type(answer).__name__}, not "

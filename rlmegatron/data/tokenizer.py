@@ -38,3 +38,22 @@ def build_char_tokenizer(out_dir: str | Path | None = None) -> Any:
     if out_dir is not None:
         tokenizer.save_pretrained(str(out_dir))
     return tokenizer
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # Qwen2.5-VL's, around each image
+
+
+def save_tiny_vision_processor(out_dir: str | Path) -> Any:
+    """A hub-free tokenizer and image processor of a tiny Qwen2.5-VL in `out_dir` (the vision quickstart's, and the
+    tests'): the char tokenizer with Qwen2.5-VL's vision tokens and a bare chat template (the prompt's text alone),
+    and Qwen2-VL's image processor at 4-pixel patches, so an 8x8-pixel image is 2x2 patches, one merged token.
+    Returns the tokenizer."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", *VISION_TOKENS]})
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(str(out_dir))
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                             size={"shortest_edge": 64, "longest_edge": 64 * 64}).save_pretrained(str(out_dir))
+    return tokenizer

@@ -85,6 +85,7 @@ class Trajectory:
     def __init__(self, loop: AgentLoop, request_index: int, sample_index: int, request: GenerationRequest) -> None:
         self.loop, self.request_index, self.sample_index = loop, request_index, sample_index
         self.prompt, self.sampling = request.prompt_token_ids, request.sampling
+        self.images = request.images  # the prompt's, sent with every turn (tools answer with text only)
         self.return_routed_experts = request.return_routed_experts
         self.routed: list[torch.Tensor] = []
         """Routing replay: each token's experts as the engine first ran it, in order: the prompt's and each model
@@ -134,7 +135,7 @@ class Trajectory:
             seed = ((seed * 1_000_003 + self.sample_index) * 1_009 + self.turns) % (2 ** 31)
         sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=self.budget, seed=seed)
         return GenerationRequest(self.prompt + tuple(self.tokens), sampling,
-                                 return_routed_experts=self.return_routed_experts)
+                                 return_routed_experts=self.return_routed_experts, images=self.images)
 
     def add_model_turn(self, result: GenerationResult) -> None:
         if self.return_routed_experts:

@@ -166,3 +166,19 @@ def test_the_prompts_declare_the_tools_through_the_chat_template():
     assert declaring_tools(tokenizer, []) is tokenizer and "python" not in plain
     assert with_tools.startswith('<|im_start|>system\n{"type": "function", "function": {"name": "python"')
     assert with_tools.endswith(plain) and len(declared) == len(tokenizer)
+
+
+@pytest.mark.parametrize("answer", [b"\x89PNG...", {"image": [b"..."], "text": "a crop"}], ids=["bytes", "verl"])
+def test_a_tool_answering_with_an_image_is_refused_in_one_line(answer):
+    """A trajectory carries token ids only: a tool's image (a crop tool's) is refused, not stringified."""
+    from rlmegatron.agent.tools import ToolError
+
+    class Crop:
+        schema = {"type": "function", "function": {"name": "crop", "parameters": {}}}
+
+        async def execute(self, args, context):
+            return answer, 0.0, {}
+
+    with pytest.raises(ToolError, match=r"^the tool crop answered with an image \(\w+\); multi-turn tools answer "
+                                        "with text: images from tools are not carried into a trajectory$"):
+        asyncio.run(call_tool(Crop(), {}, CONTEXT, timeout_s=5))

@@ -1,6 +1,7 @@
 """SGLangEngine against a fake SGLang server on loopback: schemas, bucket round trips, call order, restarts."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -16,7 +17,8 @@ from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.driver.role_settings import server_spec
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang.client import RouterClient, SGLangClient, parse_generate_response, sampling_params
+from rlmegatron.rollout.sglang.client import (RouterClient, SGLangClient, SGLangRequestError, parse_generate_response,
+                                              sampling_params)
 from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
@@ -525,3 +527,28 @@ def test_fp8_rollout_launches_servers_that_hold_block_wise_fp8_weights():
     assert override == {"quantization_config": DEFAULT_CONFIG}
     plain = server_command(server_spec(RolloutConfig(), "/ckpt/hf", port=30000))
     assert "--quantization" not in plain and "--json-model-override-args" not in plain
+
+
+def test_a_prompts_images_reach_the_server_as_sglang_takes_them(tmp_path):
+    """image_data: one base64 image per placeholder, the prompt's placeholder runs collapsed to one token each (the
+    server expands them to the grids); the fake refuses an expanded run or an image that does not decode, as
+    SGLang's processor would fail on them."""
+    from rlmegatron.data.images import PromptImages
+    from tests.data.vision_assets import png
+
+    pad = 151655
+    images = PromptImages((png("r"), png("b", (16, 8))), ((1, 2, 2), (1, 2, 4)), pad)
+    prompt = (1, 2, 151652, pad, 151653, 3, 151652, pad, pad, 151653, 4)
+    engine = make_engine(tmp_path)
+    try:
+        (result,) = engine.generate([GenerationRequest(prompt, SamplingSpec(max_new_tokens=2), images=images)])
+        sent = calls(tmp_path)[-1]
+        assert sent["images"] == 2 and sent["input_ids"] == [1, 2, 151652, pad, 151653, 3, 151652, pad, 151653, 4]
+        assert len(result.output_token_ids) == 2
+        with pytest.raises(SGLangRequestError, match="3 image placeholder tokens in input_ids for 2 images"):
+            engine.generation_client.generate(list(prompt), {"max_new_tokens": 1}, image_data=[
+                base64.b64encode(data).decode() for data in images.data])
+        with pytest.raises(SGLangRequestError, match="does not decode"):
+            engine.generation_client.generate([1, pad, 2], {"max_new_tokens": 1}, image_data=["bm90IGFuIGltYWdl"])
+    finally:
+        engine.shutdown()

@@ -98,10 +98,14 @@ class SGLangClient:
         return answer
 
     def generate(self, input_ids: list[int], params: dict[str, Any], lora_name: str | None = None,
-                 return_routed_experts: bool = False) -> dict:
+                 return_routed_experts: bool = False, image_data: list[str] | None = None) -> dict:
         """`lora_name`: the loaded LoRA adapter to sample with (SGLang's `lora_path` names it); None: the base.
-        `return_routed_experts`: the answer carries each token's experts (a server launched to record them)."""
+        `return_routed_experts`: the answer carries each token's experts (a server launched to record them).
+        `image_data`: the prompt's images, base64-encoded, one per image placeholder of `input_ids` (SGLang's
+        processor expands each placeholder to its image's grid)."""
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        if image_data:
+            body["image_data"] = image_data
         if lora_name is not None:
             body["lora_path"] = lora_name
         if return_routed_experts:

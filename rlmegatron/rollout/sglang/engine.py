@@ -1,6 +1,8 @@
 """One SGLang server as a rollout engine: launched, supervised, restarted and re-synced by this process."""
 from __future__ import annotations
 
+import base64
+
 import contextlib
 import dataclasses
 import threading
@@ -137,7 +139,13 @@ class SGLangEngine(RolloutEngine):
             if self.routing is None:
                 raise ValueError(f"server {self.spec.url} was not launched to return routed experts")
             routing = self.routing
-        result = self._request(request_index, sample_index, request.prompt_token_ids, spec, routing)
+        prompt, image_data = request.prompt_token_ids, None
+        if request.images is not None and request.images.data:
+            # SGLang takes a prompt's images with one placeholder each and expands them itself, as transformers'
+            # processor did for the prompt's ids; the images travel base64-encoded (its load_image decodes them).
+            prompt = tuple(request.images.collapsed(prompt))
+            image_data = [base64.b64encode(data).decode("ascii") for data in request.images.data]
+        result = self._request(request_index, sample_index, prompt, spec, routing, image_data)
         if not self.partial_rollout:
             return result
         # Partial rollout: an abort is the server making way for new weights. The sample goes on from its tokens
@@ -147,12 +155,13 @@ class SGLangEngine(RolloutEngine):
             tokens = [token for part in produced for token in part.output_token_ids]
             rest = SamplingSpec(**{**spec.__dict__, "max_new_tokens": spec.max_new_tokens - len(tokens),
                                    "seed": None if spec.seed is None else spec.seed + len(tokens)})
-            result = self._request(request_index, sample_index, (*request.prompt_token_ids, *tokens), rest, routing)
+            result = self._request(request_index, sample_index, (*prompt, *tokens), rest, routing, image_data)
             produced.append(result)
         return joined(produced)
 
     def _request(self, request_index: int, sample_index: int, input_ids: Sequence[int],
-                 spec: SamplingSpec, routing: RoutedExpertsLayout | None = None) -> GenerationResult:
+                 spec: SamplingSpec, routing: RoutedExpertsLayout | None = None,
+                 image_data: list[str] | None = None) -> GenerationResult:
         # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
@@ -161,7 +170,8 @@ class SGLangEngine(RolloutEngine):
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
-                                                         self.adapter, return_routed_experts=routing is not None)
+                                                         self.adapter, return_routed_experts=routing is not None,
+                                                         image_data=image_data)
                 result = parse_generate_response(answer, request_index, sample_index, routing)
                 # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
                 # the trained version that produced the tokens.

@@ -97,6 +97,9 @@ class FakeServer:
         config = os.path.join(args.model_path, "config.json")
         # Token ids stay inside a real model's vocabulary, so a trainer can consume the samples.
         self.vocab = json.load(open(config))["vocab_size"] if os.path.exists(config) else 1000
+        # A vision-language model's image placeholder (Qwen2.5-VL's unless config.json says otherwise).
+        self.image_token = json.load(open(config)).get("image_token_id", 151655) if os.path.exists(config) \
+            else 151655
 
     def first_to_die(self):
         """Only one server of a run dies: the one that creates the marker (atomically: servers race for it)."""
@@ -114,7 +117,11 @@ class FakeServer:
         lora = body.pop("lora_path", None)
         if lora is not None and lora not in self.adapters:
             raise BadRequest(f"no LoRA adapter {lora!r} is loaded")
+        images = body.pop("image_data", None)
         expect(body, {"input_ids": list, "sampling_params": dict, "return_logprob": bool})
+        if images is not None:
+            self.check_images(images, body["input_ids"])
+        body["images"] = len(images or [])  # for the record
         params = body["sampling_params"]
         unknown = set(params) - set(SAMPLING_KEYS)
         if unknown or not all(isinstance(params[k], SAMPLING_KEYS[k]) for k in params):
@@ -151,11 +158,32 @@ class FakeServer:
         logprobs = [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]
         # in_flight: the requests this server held at once when this one arrived (the agent loop sends many).
         self.record("/generate", input_ids=body["input_ids"], output_ids=output_ids, in_flight=in_flight,
-                    lora_path=lora)
+                    lora_path=lora, images=body["images"])
         return {"output_ids": output_ids, "meta_info": {
             "id": f"{os.getpid()}-{count}", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(output_ids), "output_token_logprobs": logprobs,
             "weight_version": version}}
+
+    def check_images(self, images, input_ids):
+        """As SGLang: image_data is a list of images (here base64 strings, what its load_image decodes without a
+        file or URL), and its processor expands each image placeholder of input_ids into the image's grid, so there
+        is exactly one placeholder per image: an expanded run would be read as one image per token."""
+        import base64
+        import binascii
+        import io
+
+        from PIL import Image
+
+        if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
+            raise BadRequest(f"image_data must be a list of base64 strings, got {type(images).__name__}")
+        for image in images:
+            try:
+                Image.open(io.BytesIO(base64.b64decode(image, validate=True))).load()
+            except (binascii.Error, OSError) as err:
+                raise BadRequest(f"image_data holds an image that does not decode: {err}")
+        placeholders = sum(token == self.image_token for token in input_ids)
+        if placeholders != len(images):
+            raise BadRequest(f"{placeholders} image placeholder tokens in input_ids for {len(images)} images")
 
     def tokens(self, body, params, checksum):
         output_ids, finish = [], {"type": "length", "length": params["max_new_tokens"]}
