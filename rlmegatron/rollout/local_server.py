@@ -105,6 +105,11 @@ class LocalServer:
                                 max_new_tokens=params["max_new_tokens"],
                                 stop_token_ids=tuple(params.get("stop_token_ids", ())),
                                 seed=params.get("sampling_seed"))
+        if body.get("image_data"):
+            # Its prompts come with one placeholder per image, which SGLang's processor expands; this server has no
+            # such step, and generating from the unexpanded ids would silently drop the images.
+            raise ValueError("the local server does not take image_data yet; run a vision-language model's local "
+                             "engine colocated (placement.mode=colocate) or on SGLang")
         routed = bool(body.get("return_routed_experts"))
         if routed and self.routing is None:
             raise ValueError("return_routed_experts needs a server launched with --enable-return-routed-experts")

@@ -210,3 +210,14 @@ def test_the_local_server_returns_each_tokens_experts_in_sglangs_format():
     raw = np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype=np.int32).reshape(-1, 3, 2)
     assert (raw[:, 0] == 0).all()  # the dense layer
     server.scheduler.hold("end")
+
+
+def test_image_data_is_refused_rather_than_dropped(served):
+    """The local server has no multimodal processor: a request with images fails in one line, never samples from
+    the prompt's ids without them."""
+    from rlmegatron.rollout.sglang.client import SGLangRequestError
+
+    _, engine, _ = served
+    with pytest.raises((SGLangRequestError, RuntimeError), match="the local server does not take image_data yet"):
+        engine.generation_client.generate(list(PROMPT), {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0,
+                                                         "top_k": -1}, image_data=["aGk="])
