@@ -24,7 +24,8 @@ from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
 from rlmegatron.rank.policy_rank import PolicyRank
 from rlmegatron.driver.role_settings import rollout_settings, trainer_rank_settings
-from rlmegatron.driver.engine_fleet import ColocatedFleet, DisaggregatedFleet
+from rlmegatron.rollout.engine import INITIAL_VERSION
+from rlmegatron.driver.engine_fleet import EngineFleet, InTrainerRanks, OnRolloutPool
 from rlmegatron.driver.router import start_router
 from rlmegatron.driver.trainer import RankLost, Trainer, run_total_steps
 from rlmegatron.transport.worker_group import LocalWorkerGroup, RayWorkerGroup
@@ -160,9 +161,10 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
                 scoring = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
             if spec.placement.mode == "colocate":
                 sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
-                engines = ColocatedFleet(ranks, sleeps)
+                # The ranks pushed the initial weights into their engines as they built them.
+                engines = EngineFleet(InTrainerRanks(ranks, sleeps), held=INITIAL_VERSION)
             else:
-                engines = DisaggregatedFleet(rollout_settings(spec), ranks, pools.rollout if pools else None)
+                engines = EngineFleet(OnRolloutPool(rollout_settings(spec), ranks, pools.rollout if pools else None))
             trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, scoring, opening.result(),
                               checkpoints)
             try:
