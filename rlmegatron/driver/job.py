@@ -97,7 +97,7 @@ def start_ray(spec: JobSpec) -> None:
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
     # They get it by inheritance (the local cluster's processes, and their workers, start with this environment), not
     # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, which
-    # then wait 0.8-1.2 s for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
+    # then wait for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
@@ -112,7 +112,7 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
     launch = None if in_process else transport_for(spec)
     refuse_if_busy(spec.trainer.run_dir)  # at once, when another run holds the run directory
     if launch == "processes":
-        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start now in
+        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: seconds of CPU) start now in
         # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.
         fork_server([PolicyRank.__module__], spec.placement.device)
     # Model, tokenizer, data files, plug-ins and the run directory are checked before anything starts; a problem is a
