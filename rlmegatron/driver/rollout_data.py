@@ -144,7 +144,7 @@ def with_images(batch: RolloutBatch, prompts: Sequence[Sample], image_prompts: A
         per_row.append(count)
     grid_thw = torch.cat(grids).long()
     positions = mrope_position_ids(batch.input_ids, grid_thw, image_prompts.pad_id, image_prompts.merge,
-                                   batch.attention_mask)
+                                   batch.attention_mask, batch.input_ids.shape[1] - batch.response_length)
     return dataclasses.replace(batch, images=BatchImages(torch.cat(pixels), grid_thw, torch.tensor(per_row)),
                                mrope_positions=positions.permute(1, 2, 0).contiguous())
 

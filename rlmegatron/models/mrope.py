@@ -12,22 +12,30 @@ import torch
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], image_token_id: int,
-                       spatial_merge_size: int, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       spatial_merge_size: int, attention_mask: Optional[torch.Tensor] = None,
+                       prompt_columns: Optional[int] = None) -> torch.Tensor:
     """[3, batch, seq] positions of `input_ids` [batch, seq], whose image placeholder runs take the grids of
     `image_grid_thw` [images, 3] (in patches) in order, row by row. Text continues one past the largest position so
     far; an image's tokens are its merged grid offset by where it starts, and the text after it continues from the
-    start plus the grid's larger side. Padding (attention_mask 0) gets position 0 and is skipped."""
+    start plus the grid's larger side. Padding (attention_mask 0) gets position 0 and is skipped.
+
+    `prompt_columns`: only the first columns hold prompts (RolloutBatch's layout: the responses after them). A policy
+    can sample the image placeholder token itself (a random one does, one token in the vocabulary's size); in a
+    response it is text, as the engine that sampled it embedded it, never an image."""
     batch, seq = input_ids.shape
     positions = torch.zeros(3, batch, seq, dtype=torch.long, device=input_ids.device)
     grids = iter([] if image_grid_thw is None else image_grid_thw.tolist())
     for row in range(batch):
         keep = attention_mask[row].bool() if attention_mask is not None else torch.ones(seq, dtype=torch.bool)
-        tokens = input_ids[row][keep].tolist()
+        placeholder = input_ids[row] == image_token_id
+        if prompt_columns is not None:
+            placeholder[prompt_columns:] = False
+        tokens = placeholder[keep].tolist()
         pieces, start, i = [], 0, 0
         while i < len(tokens):
-            if tokens[i] != image_token_id:
+            if not tokens[i]:
                 j = i
-                while j < len(tokens) and tokens[j] != image_token_id:
+                while j < len(tokens) and not tokens[j]:
                     j += 1
                 pieces.append(torch.arange(start, start + j - i).expand(3, -1))
                 start, i = start + j - i, j

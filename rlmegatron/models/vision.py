@@ -18,8 +18,10 @@ from megatron.core.models.gpt import GPTModel
 
 class VisionLanguageModel(GPTModel):
     """GPTModel whose forward also takes the micro-batch's images: `pixel_values` (the processor's flattened
-    patches, every image of the micro-batch in row order) and `image_grid_thw` [images, 3]. Position ids are
-    [3, batch, seq] M-RoPE positions (models.mrope)."""
+    patches, every image of the micro-batch in row order), `image_grid_thw` [images, 3] and optionally
+    `prompt_mask` [batch, seq], the positions whose placeholder tokens are images (default: all; a response's
+    placeholder token, sampled by the policy, is text). Position ids are [3, batch, seq] M-RoPE positions
+    (models.mrope)."""
 
     def __init__(self, *args, vision_tower: Callable[[], torch.nn.Module], image_token_id: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -31,9 +33,10 @@ class VisionLanguageModel(GPTModel):
         self.vision = vision_tower() if self.pre_process else None
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *args,
-                pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None, **kwargs):
+                pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None,
+                prompt_mask: Optional[torch.Tensor] = None, **kwargs):
         if self.pre_process and decoder_input is None and pixel_values is not None:
-            decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed_with_images(input_ids, pixel_values, image_grid_thw, prompt_mask)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels, *args, **kwargs)
 
     def image_embeddings(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -43,13 +46,15 @@ class VisionLanguageModel(GPTModel):
             dtype = next(self.vision.parameters()).dtype
             return self.vision(pixel_values.to(dtype), grid_thw=image_grid_thw).pooler_output
 
-    def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                          image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """The decoder input [seq, batch, hidden]: token embeddings, the image placeholders' replaced by the
-        images' embeddings in batch-major order (the order the prompts hold their images in)."""
+    def embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                          prompt_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decoder input [seq, batch, hidden]: token embeddings, the image placeholders' (within `prompt_mask`)
+        replaced by the images' embeddings in batch-major order (the order the prompts hold their images in)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         images = self.image_embeddings(pixel_values, image_grid_thw)
         placeholders = input_ids == self.image_token_id
+        if prompt_mask is not None:
+            placeholders = placeholders & prompt_mask.to(placeholders.device)
         if int(placeholders.sum()) != images.shape[0]:
             raise ValueError(f"the micro-batch has {int(placeholders.sum())} image placeholder tokens but its "
                              f"images make {images.shape[0]} embeddings")

@@ -208,11 +208,14 @@ class MicroBatch:
     # A vision-language micro-batch's images, in the order their placeholder runs appear in input_ids.
     pixel_values: Optional[torch.Tensor] = None
     image_grid_thw: Optional[torch.Tensor] = None
+    # [n, T]: the positions that lie in a prompt; only there is an image placeholder token an image (a response may
+    # hold the token as text: the policy sampled it).
+    in_prompt: Optional[torch.Tensor] = None
 
     def to(self, device) -> "MicroBatch":
         """Every tensor on `device`, moved once per micro-batch so the loss's index and field reads stay there."""
         tensors = ("input_ids", "position_ids", "labels", "source_index", "target_index", "target_labels",
-                   "token_cells", "routed_experts", "context_order", "pixel_values", "image_grid_thw")
+                   "token_cells", "routed_experts", "context_order", "pixel_values", "image_grid_thw", "in_prompt")
         moved = {name: getattr(self, name).to(device) for name in tensors if getattr(self, name) is not None}
         return dataclasses.replace(self, response_fields=self.response_fields.to(device), **moved)
 
@@ -242,8 +245,8 @@ def routing_at(batch: RolloutBatch, token_cells: torch.Tensor) -> Optional[torch
 
 def images_at(batch: RolloutBatch, token_cells: torch.Tensor, image_rows: Sequence[int]) -> dict:
     """A micro-batch's vision fields: its M-RoPE positions [3, n, T] from each input position's batch cell (0 where
-    it has none) and the images of `image_rows`, the rows whose prompts it lays out, in that order. Nothing for a
-    text-only batch."""
+    it has none), the images of `image_rows`, the rows whose prompts it lays out, in that order, and which positions
+    are prompt cells (where placeholders are images). Nothing for a text-only batch."""
     fields = {}
     if batch.mrope_positions is not None:
         at = batch.mrope_positions.reshape(-1, 3)[token_cells.clamp(min=0)]
@@ -252,6 +255,8 @@ def images_at(batch: RolloutBatch, token_cells: torch.Tensor, image_rows: Sequen
         pixel_values, grid_thw = batch.images.of_rows(image_rows)
         if len(grid_thw):  # rows without images run as text
             fields["pixel_values"], fields["image_grid_thw"] = pixel_values, grid_thw
+            columns = batch.input_ids.shape[1]
+            fields["in_prompt"] = (token_cells >= 0) & (token_cells % columns < columns - batch.response_length)
     return fields
 
 

@@ -255,7 +255,8 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
             if position_ids.dim() == 2:  # a text-only batch: its text positions, the same on the three axes
                 position_ids = position_ids.expand(3, *position_ids.shape)
             if micro_batch.pixel_values is not None:
-                images = dict(pixel_values=micro_batch.pixel_values, image_grid_thw=micro_batch.image_grid_thw)
+                images = dict(pixel_values=micro_batch.pixel_values, image_grid_thw=micro_batch.image_grid_thw,
+                              prompt_mask=micro_batch.in_prompt)
         # M-RoPE's table already holds one row per token (Megatron applies it to THD input as it is); plain rotary
         # embeddings are looked up at each token's position in a shared-prompt micro-batch.
         per_token_rope = isinstance(params, SharedPromptParams) and gpt.position_embedding_type == "rope"
