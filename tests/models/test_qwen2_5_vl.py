@@ -43,6 +43,23 @@ def test_mrope_positions_are_transformers_get_rope_index():
     assert ours[:, 0, -1].tolist() == [11, 11, 11] and ours[:, 1, -3:].abs().sum() == 0
 
 
+def test_a_placeholder_token_after_the_prompt_columns_is_text():
+    """A policy may sample the image placeholder token (a random one does); in the response columns it is text,
+    one position past the previous token, and asks no image of the grids."""
+    from rlmegatron.models.mrope import mrope_position_ids
+
+    tokens, _, grids = image_prompts(seed=3)
+    response = torch.tensor([[5, IMAGE_TOKEN], [IMAGE_TOKEN, IMAGE_TOKEN]])
+    rows = torch.cat([tokens, response], dim=1)
+    ours = mrope_position_ids(rows, torch.cat(grids), IMAGE_TOKEN, 2, prompt_columns=tokens.shape[1])
+    prompt_only = mrope_position_ids(tokens, torch.cat(grids), IMAGE_TOKEN, 2)
+    assert torch.equal(ours[..., :tokens.shape[1]], prompt_only)
+    last = prompt_only[:, :, -1:]
+    assert torch.equal(ours[..., tokens.shape[1]:], torch.cat([last + 1, last + 2], dim=-1))
+    with pytest.raises((ValueError, RuntimeError)):  # without prompt_columns the response's token asks an image
+        mrope_position_ids(rows, torch.cat(grids), IMAGE_TOKEN, 2)
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     from tests.models.vision_jobs import round_trip_job

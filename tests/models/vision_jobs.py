@@ -159,6 +159,10 @@ ACTOR_LAYOUTS = {  # settings of each micro-batching the parity test runs
 }
 
 
+# (prompt, sample) whose response holds the image placeholder token: one in a prompt with images, one text-only.
+SAMPLED_PLACEHOLDER = {(0, 1), (4, 0)}
+
+
 def vision_rollout(hf_dir: str):
     """(Samples, GenerationResults, the actor's RolloutBatch) of ROLLOUT_PROMPTS, the images read through the
     image processor in `hf_dir` as the driver reads them (rollout_data.build_batch, with_images)."""
@@ -183,6 +187,8 @@ def vision_rollout(hf_dir: str):
         for k in range(n):
             length = 2 + (index + 2 * k) % 4
             tokens = torch.randint(0, IMAGE_TOKEN, (length,), generator=gen).tolist()
+            if (index, k) in SAMPLED_PLACEHOLDER:
+                tokens[1] = IMAGE_TOKEN  # a policy can sample the placeholder token: it is text there, no image
             results.append(GenerationResult(len(samples), k, tuple(tokens), (0.0,) * length, "stop"))
             samples.append(sample)
     batch = build_batch([s.prompt_ids for s in samples], results, 6)
@@ -207,7 +213,8 @@ def _decode(data: bytes):
 
 def hf_rollout_log_probs(hf_dir: str, samples, results) -> list[list[float]]:
     """transformers' log-probs of each response token, one sequence at a time, its images through transformers'
-    own processor path (pixel values of the same processor)."""
+    own processor path (pixel values of the same processor): the prompt with its images, then the response as a
+    continuation through the KV cache, as an engine generated it (a placeholder token the policy sampled is text)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from tests.models.tiny_vl import IMAGE_TOKEN
@@ -216,15 +223,17 @@ def hf_rollout_log_probs(hf_dir: str, samples, results) -> list[list[float]]:
     model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     out = []
     for sample, result in zip(samples, results):
-        tokens = torch.tensor([sample.prompt_ids + list(result.output_token_ids)])
+        prompt = torch.tensor([sample.prompt_ids])
         extra = {}
         if sample.images is not None:
             pixels = processor(images=[_decode(d) for d in sample.images.data], return_tensors="pt")
             extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+        response = torch.tensor([list(result.output_token_ids)])
         with torch.no_grad():
-            logits = model(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE_TOKEN).int(), **extra).logits
-        log_probs = next_token_log_probs(logits, tokens)[0]
-        out.append(log_probs[len(sample.prompt_ids) - 1:].tolist())
+            first = model(input_ids=prompt, mm_token_type_ids=(prompt == IMAGE_TOKEN).int(), use_cache=True, **extra)
+            rest = model(input_ids=response, past_key_values=first.past_key_values, use_cache=True).logits
+        logits = torch.cat([first.logits[:, -1:], rest[:, :-1]], dim=1)
+        out.append(torch.log_softmax(logits[0].double(), -1).gather(-1, response[0, :, None])[:, 0].tolist())
     return out
 
 
