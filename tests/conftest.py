@@ -24,6 +24,7 @@ FIRST = (
     "tests/runtime/test_parallel_parity.py",
     "tests/launch/test_ray_job.py",  # Ray
     "tests/rank/roles/test_actor.py",
+    "tests/driver/test_vision_quickstart.py",  # rank processes
 )
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
