@@ -277,7 +277,7 @@ def _update_batch_problems(
     if dp is None:
         return problems  # the layout check already reports the misfit
     n, micro = spec.rollout.n, update.ppo_micro_batch_size_per_gpu
-    sequences = mini * n
+    sequences = spec.mini_batch_sequences(role)
     if sequences % dp:
         reason = (
             f"makes {sequences} sequences (× rollout.n={n}), which do not split evenly over {dp} "
