@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from rlmegatron.checkpoint import CheckpointManager
-from rlmegatron.config import JobSpec, spec_from_raw
+from rlmegatron.config import JobSpec
+from rlmegatron.spec_pipeline import spec_from_raw
 from rlmegatron.driver.trainer import FitResult, Trainer
 from rlmegatron.data import PromptDataLoader, Sample
 from rlmegatron.rewards import RewardInput, RewardResult
