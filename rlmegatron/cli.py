@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
             # SUPPRESS: absent here, the top-level --debug (or its default) stands.
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if takes_spec:
-            # Both optional to argparse, so that a missing spec is one line of ours (_load_spec), not a usage block
+            # Both optional to argparse, so that a missing spec is one line of ours (_spec_source), not a usage block
             # that calls the overrides required.
             subparser.add_argument("config", metavar="CONFIG", nargs="?", help="job spec YAML file")
             subparser.add_argument(

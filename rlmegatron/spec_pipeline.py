@@ -108,15 +108,15 @@ def check_job(source: SpecSource, stages: Sequence[str] = TRAIN_STAGES,
     return job
 
 
-def load_spec(path: str, overrides: Sequence[str] = ()) -> JobSpec:
+def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> JobSpec:
     """The spec at `path` with `overrides`, through the stages of the spec alone (SPEC_STAGES), for code and tests
     that build a job themselves."""
-    return check_job(SpecSource(path, tuple(overrides)), SPEC_STAGES).spec
+    return check_job(SpecSource(str(path), tuple(overrides)), SPEC_STAGES).spec
 
 
-def spec_from_raw(raw: Mapping[str, Any], overrides: Sequence[str] = (), file: str = "<spec>") -> JobSpec:
+def spec_from_raw(raw: Mapping[str, Any], overrides: Sequence[str] = (), file: str | os.PathLike = "<spec>") -> JobSpec:
     """As load_spec, for a spec already parsed from YAML; problems are attributed to `file`."""
-    return check_job(SpecSource(file, tuple(overrides), raw=raw), SPEC_STAGES).spec
+    return check_job(SpecSource(str(file), tuple(overrides), raw=raw), SPEC_STAGES).spec
 
 
 def transport_for(spec: JobSpec, environ: Mapping[str, str] = os.environ) -> str:
