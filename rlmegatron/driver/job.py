@@ -23,7 +23,8 @@ from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
 from rlmegatron.rank.policy_rank import PolicyRank
 from rlmegatron.driver.role_settings import rollout_settings, trainer_rank_settings
-from rlmegatron.driver.engine_fleet import ColocatedFleet, DisaggregatedFleet
+from rlmegatron.rollout.engine import INITIAL_VERSION
+from rlmegatron.driver.engine_fleet import EngineFleet, InTrainerRanks, OnRolloutPool
 from rlmegatron.driver.router import start_router
 from rlmegatron.driver.trainer import RankLost, Trainer
 from rlmegatron.transport.worker_group import LocalWorkerGroup, RayWorkerGroup
@@ -82,7 +83,7 @@ def start_ray(spec: JobSpec) -> None:
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
     # They get it by inheritance (the local cluster's processes, and their workers, start with this environment), not
     # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, which
-    # then wait 0.8-1.2 s for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
+    # then wait for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
@@ -98,7 +99,7 @@ def check_training(source: SpecSource, in_process: bool = False) -> CheckedJob:
 
     def get_ready(job: CheckedJob) -> None:
         # Once the spec itself is right, before preflight reads its files: a busy run directory is found at once, and
-        # the ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start in the
+        # the ranks' imports (torch, Megatron-Core, transformers, the rank's modules: seconds of CPU) start in the
         # fork server beside preflight and the data; it runs nothing of the job, and no rank starts before they pass.
         refuse_if_busy(job.spec.trainer.run_dir)
         if not in_process and job.transport == "processes":
@@ -149,9 +150,10 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
                 scoring = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
             if spec.placement.mode == "colocate":
                 sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
-                engines = ColocatedFleet(ranks, sleeps)
+                # The ranks pushed the initial weights into their engines as they built them.
+                engines = EngineFleet(InTrainerRanks(ranks, sleeps), held=INITIAL_VERSION)
             else:
-                engines = DisaggregatedFleet(rollout_settings(spec), ranks, pools.rollout if pools else None)
+                engines = EngineFleet(OnRolloutPool(rollout_settings(spec), ranks, pools.rollout if pools else None))
             trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, scoring, opening.result(),
                               checkpoints)
             try:
