@@ -548,7 +548,7 @@ class PlacementConfig(Section):
     transport: Literal["auto", "ray", "processes"] = "auto"
     """How `rlm train` starts the trainer ranks. ray: as Ray actors (any number of nodes; joins the cluster in
     RAY_ADDRESS, else starts a local one); processes: as processes of this machine, driven over pipes, without Ray
-    (one node; about 5 s less start-up on a small machine); auto: processes when the run fits that (one node, no
+    (one node; Ray's own start-up is saved, benchmarks/RESULTS.md "Start-up"); auto: processes when the run fits that (one node, no
     RAY_ADDRESS, and on GPU no rollout pool of its own), else ray."""
 
     @property

@@ -1,55 +1,143 @@
-"""Where rollouts are generated, as the driver sees it: the engines behind one interface (`EngineFleet`).
+"""Where rollouts are generated, as the driver sees it: one `EngineFleet` the rest of the driver calls `generate` and
+`sync` on, and which alone knows how engines fail and come back.
 
-Colocated (`ColocatedFleet`): the trainer ranks host the engines, an in-process one per rank
-(`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led by the group's first rank
-(rank.colocated_engine); weights move through shared memory or CUDA IPC. Disaggregated
-(`DisaggregatedFleet`): SGLang servers on their own pool, each supervised by an `EngineHost` there
-(pool.engine_host); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or to a server on
-rank 0's own GPU).
+The engines live in one of two places (`EngineBackend`). In the trainer ranks (`InTrainerRanks`, colocated): an
+in-process engine per rank (`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led
+by the group's first rank (rank.colocated_engine); weights move through shared memory or CUDA IPC. On a rollout pool
+of their own (`OnRolloutPool`, disaggregated): SGLang servers each supervised by an `EngineHost` there
+(pool.engine_host); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or to a server on rank 0's
+own GPU).
+
+Recovery, all of it here: an engine whose server failed restarts itself inside its next generation and answers None
+(it holds no weights); the fleet relaunches it where that takes more (the other nodes of its server, its place in
+trainer rank 0's weight-update groups), pushes it the fleet's weights whole, and sends its share again. A server that
+is down when weights are pushed, or goes down during the push, is left out of it (the push is collective over the
+trainer ranks and must not fail on one server); the generation that next meets it recovers it the same way.
 """
 from __future__ import annotations
 
 from typing import Optional, Protocol
 
-from rlmegatron.transport.placement import ResourcePool
+from rlmegatron.driver.rollout_data import merge_results, shard_requests
 from rlmegatron.driver.trainer_client import TrainerClient
-from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.pool.engine_host import EngineHost
-from rlmegatron.rollout.sglang.servers import ServerDevices, server_nodes
-from rlmegatron.transport.worker_group import group_on
-from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
+from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.client import ServerUnavailable
+from rlmegatron.rollout.sglang.servers import ServerDevices, server_nodes
 from rlmegatron.tracking.progress import Progress
-
+from rlmegatron.transport.placement import ResourcePool
+from rlmegatron.transport.worker_group import group_on
 
 HOST_CONCURRENCY = 4
 """Calls a rollout-pool host runs at once."""
 
+Answers = dict[int, Optional[list[GenerationResult]]]
 
-class EngineFleet(Protocol):
-    """The engines the fit loop generates with, numbered 0 .. count-1."""
+
+class EngineBackend(Protocol):
+    """Where the engines, numbered 0 .. count-1, live and how each step of a push or a recovery reaches them."""
+
+    ranks: TrainerClient
 
     @property
     def count(self) -> int:
         ...
 
-    def generate(self, shares: dict[int, list[GenerationRequest]],
-                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
-        """Engine -> its samples for its share of the requests; None: the engine restarted and lost the weights:
-        `sync` them to it (`restarted`), then send its share again."""
+    def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
+        """Engine -> its samples for its share; None: it restarted and holds no weights."""
 
     def release_memory(self) -> None:
         """Generation is over for this step: engines that share GPUs with the trainer give their memory back."""
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        """The trained weights to every engine, or to the `restarted` ones."""
+    def relaunch(self, engines: list[int]) -> None:
+        """What a restarted engine needs beyond its own restart before it can take weights."""
+
+    def pause(self, engines: list[int]) -> list[int]:
+        """Before a push: the engines that can take it now (the others are down)."""
+
+    def resume(self, engines: list[int]) -> None:
+        """After a push: `engines` (those `pause` was asked for) go on generating."""
+
+    def pushed(self, version: str, engines: list[int]) -> None:
+        """`engines` hold `version` now."""
 
     def shutdown(self) -> None:
         ...
 
 
-class ColocatedFleet:
-    """The engines inside the trainer ranks: generation goes to the ranks that lead one."""
+class EngineFleet:
+    """The rollout engines behind `generate` and `sync`, and the weight version each one holds."""
+
+    def __init__(self, backend: EngineBackend, held: Optional[str] = None) -> None:
+        """`held`: the version every engine starts with (colocated: the ranks pushed the initial weights as they built
+        their engines); None: they start empty and get the initial weights now."""
+        self.backend = backend
+        self.version = INITIAL_VERSION
+        """The weights the engines should hold: the last pushed."""
+        self.versions: dict[int, Optional[str]] = dict.fromkeys(range(backend.count), held)
+        """Each engine's weights; None: none (started or restarted, not yet pushed to)."""
+        if held is None:
+            self.sync(INITIAL_VERSION)
+
+    @property
+    def count(self) -> int:
+        return self.backend.count
+
+    def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
+        """Every request's samples, the requests spread evenly over the engines, in request order."""
+        shares = shard_requests(requests, self.count)
+        answers = self.backend.generate(dict(enumerate(shares)), progress)
+        # Each engine bounds its own restarts, so this loop ends.
+        while restarted := [engine for engine, answer in answers.items() if answer is None]:
+            self._recover(restarted)
+            answers.update(self.backend.generate({engine: shares[engine] for engine in restarted}, progress))
+        return merge_results(shares, [answers[engine] for engine in range(len(shares))])
+
+    def release_memory(self) -> None:
+        self.backend.release_memory()
+
+    def sync(self, version: str) -> None:
+        """`version` of the trained weights to every engine that can take it now; whole to one that holds none."""
+        with self.backend.ranks.owner:  # collective over the trainer ranks (TrainerClient.owner)
+            asked = list(range(self.count))
+            ready = self.backend.pause(asked)
+            try:
+                fresh = [engine for engine in ready if self.versions[engine] is None]
+                held = [engine for engine in ready if engine not in fresh]
+                down = self._push(version, held, fresh=False) + self._push(version, fresh, fresh=True)
+            finally:
+                self.backend.resume(asked)
+            self.version = version
+            self._pushed(version, [engine for engine in ready if engine not in down])
+
+    def _recover(self, engines: list[int]) -> None:
+        # Made ahead of the loop (rollout_buffer.Ahead), this waits for the owner lock until the loop waits for it.
+        with self.backend.ranks.owner:
+            for engine in engines:
+                self.versions[engine] = None
+            self.backend.relaunch(engines)
+            if down := self._push(self.version, engines, fresh=True):
+                # A restart is bounded (SGLangEngine.max_restarts), a re-sync must be too: no second chance here.
+                raise ServerUnavailable(f"rollout engines {down} went down again while they got the weights after "
+                                        "a restart")
+            self._pushed(self.version, engines)
+
+    def _push(self, version: str, engines: list[int], fresh: bool) -> list[int]:
+        """The engines of `engines` that went down during the push."""
+        return self.backend.ranks.sync_weights(version, engines, fresh) if engines else []
+
+    def _pushed(self, version: str, engines: list[int]) -> None:
+        for engine in engines:
+            self.versions[engine] = version
+        self.backend.pushed(version, engines)
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class InTrainerRanks:
+    """Colocated: the engines inside the trainer ranks; generation goes to the ranks that lead one."""
 
     def __init__(self, ranks: TrainerClient, sleeps: bool = True) -> None:
         """`sleeps`: the engines give memory back while the trainer runs. A local engine on the CPU has none to
@@ -63,8 +151,7 @@ class ColocatedFleet:
     def count(self) -> int:
         return len(self.leaders)
 
-    def generate(self, shares: dict[int, list[GenerationRequest]],
-                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+    def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
         replies = self.ranks.generate({self.leaders[engine]: share for engine, share in shares.items()}, progress)
         return {engine: replies[self.leaders[engine]] for engine in shares}
 
@@ -72,16 +159,26 @@ class ColocatedFleet:
         if self.sleeps:
             self.ranks.release_rollout_memory()
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        self.ranks.sync_weights(version, restarted)
+    def relaunch(self, engines: list[int]) -> None:
+        self.ranks.relaunch_engines(engines)
+
+    def pause(self, engines: list[int]) -> list[int]:
+        """A colocated engine never runs beside a push: the trainer ranks that host it do one or the other."""
+        return engines
+
+    def resume(self, engines: list[int]) -> None:
+        """Nothing was paused."""
+
+    def pushed(self, version: str, engines: list[int]) -> None:
+        """Each engine recorded the version as it took the weights."""
 
     def shutdown(self) -> None:
         """The ranks stop their engines when the ranks shut down."""
 
 
-class DisaggregatedFleet:
-    """The servers of the rollout pool. Their hosts are Ray actors on `pool`, or (no pool: a run without Ray) live in
-    this process."""
+class OnRolloutPool:
+    """Disaggregated: the servers of the rollout pool. Their hosts are Ray actors on `pool`, or (no pool: a run
+    without Ray) live in this process."""
 
     def __init__(self, settings: RolloutSettings, ranks: TrainerClient, pool: Optional[ResourcePool] = None) -> None:
         self.ranks = ranks
@@ -103,19 +200,17 @@ class DisaggregatedFleet:
                     for nodes in layout for node in nodes[1:] + nodes[:1]}
         urls = self.hosts.call_each(EngineHost.launch, launches)
         self.urls = [urls[leader] for leader in self.leaders]
-        self.connect(list(range(self.count)))
-        self.sync("init")
+        self._connect(list(range(self.count)))
 
     @property
     def count(self) -> int:
         return len(self.leaders)
 
-    def connect(self, engines: list[int]) -> None:
+    def _connect(self, engines: list[int]) -> None:
         """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
         self.ranks.connect_engines([(e, self.urls[e], self.devices[e]) for e in engines])
 
-    def generate(self, shares: dict[int, list[GenerationRequest]],
-                 progress: Progress = None) -> dict[int, Optional[list[GenerationResult]]]:
+    def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
         replies = self.hosts.call_each(EngineHost.generate,
                                        {self.leaders[e]: (share, progress) for e, share in shares.items()})
         return {e: replies[self.leaders[e]] for e in shares}
@@ -123,31 +218,26 @@ class DisaggregatedFleet:
     def release_memory(self) -> None:
         """Disaggregated servers keep their memory: nothing else runs on their GPUs."""
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None) -> None:
-        """A push to every engine leaves out the servers that are down or restarted (`EngineHost.takes_weights`),
-        or that go down during it (`DistributedWeightPush.push`): the push is collective over the trainer ranks and
-        must not fail on one server. The generation that meets such a server restarts it and syncs it as
-        `restarted`, then sends its share again."""
-        if restarted is not None:
-            self.hosts.call_each(EngineHost.relaunch, {host: () for e in restarted for host in self.node_hosts[e]})
-            self.connect(restarted)  # a restarted server left its old group
-        targets = list(range(self.count)) if restarted is None else restarted
-        leaders = {self.leaders[e]: () for e in targets}
+    def relaunch(self, engines: list[int]) -> None:
+        """The server's other nodes start again, node 0 waits for them, and it joins a new weight-update group (a
+        restarted server left its old one)."""
+        self.hosts.call_each(EngineHost.relaunch, {host: () for e in engines for host in self.node_hosts[e]})
+        self._connect(engines)
+
+    def pause(self, engines: list[int]) -> list[int]:
+        """With partial rollout the servers pause their generation for the push. A server that is down, or restarted
+        and so outside trainer rank 0's weight-update group (`EngineHost.takes_weights`), is left out."""
+        leaders = {self.leaders[e]: () for e in engines}
         paused = self.hosts.call_each(EngineHost.pause_generation, leaders) if self.partial_rollout else {}
-        left_out = []
-        if restarted is None:
-            ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
-            left_out = [e for e in targets if not (ready[self.leaders[e]] and paused.get(self.leaders[e], True))]
-            targets = [e for e in targets if e not in left_out]
-        down = self.ranks.sync_weights(version, restarted, left_out)
+        ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
+        return [e for e in engines if ready[self.leaders[e]] and paused.get(self.leaders[e], True)]
+
+    def resume(self, engines: list[int]) -> None:
         if self.partial_rollout:
-            self.hosts.call_each(EngineHost.continue_generation, {leader: () for leader in paused})
-        if restarted is not None and down:
-            # A restart is bounded (SGLangEngine.max_restarts), a re-sync must be too: no second chance here.
-            raise ServerUnavailable(f"rollout engines {down} went down again while they got the weights after a "
-                                    "restart")
-        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in targets
-                                                         if e not in down})
+            self.hosts.call_each(EngineHost.continue_generation, {self.leaders[e]: () for e in engines})
+
+    def pushed(self, version: str, engines: list[int]) -> None:
+        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in engines})
 
     def shutdown(self) -> None:
         self.hosts.shutdown()

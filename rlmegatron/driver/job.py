@@ -24,7 +24,8 @@ from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
 from rlmegatron.rank.policy_rank import PolicyRank
 from rlmegatron.driver.role_settings import rollout_settings, trainer_rank_settings
-from rlmegatron.driver.engine_fleet import ColocatedFleet, DisaggregatedFleet
+from rlmegatron.rollout.engine import INITIAL_VERSION
+from rlmegatron.driver.engine_fleet import EngineFleet, InTrainerRanks, OnRolloutPool
 from rlmegatron.driver.router import start_router
 from rlmegatron.driver.trainer import RankLost, Trainer, run_total_steps
 from rlmegatron.transport.worker_group import LocalWorkerGroup, RayWorkerGroup
@@ -96,7 +97,7 @@ def start_ray(spec: JobSpec) -> None:
     # The ranks import what the driver can: this directory (plug-ins named by relative path) and its PYTHONPATH.
     # They get it by inheritance (the local cluster's processes, and their workers, start with this environment), not
     # as a job runtime_env: with one, Ray leaves the workers it prestarts idle and starts new ones for the ranks, which
-    # then wait 0.8-1.2 s for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
+    # then wait for them and share the cores with their start (benchmarks/RESULTS.md, "Start-up").
     python_path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     # This session ends with this process, even one killed outright: Ray's agents would outlive it by minutes.
     mark = reaper.mark_started_processes()
@@ -111,7 +112,7 @@ def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
     launch = None if in_process else transport_for(spec)
     refuse_if_busy(spec.trainer.run_dir)  # at once, when another run holds the run directory
     if launch == "processes":
-        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: about 4 s of CPU) start now in
+        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: seconds of CPU) start now in
         # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.
         fork_server([PolicyRank.__module__], spec.placement.device)
     # Model, tokenizer, data files, plug-ins and the run directory are checked before anything starts; a problem is a
@@ -160,9 +161,10 @@ def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
                 scoring = model_reward_manager(spec.reward, reward_manager, ranks.score_sequences, tokenizer)
             if spec.placement.mode == "colocate":
                 sleeps = not (spec.rollout.engine == "local" and spec.placement.device == "cpu")
-                engines = ColocatedFleet(ranks, sleeps)
+                # The ranks pushed the initial weights into their engines as they built them.
+                engines = EngineFleet(InTrainerRanks(ranks, sleeps), held=INITIAL_VERSION)
             else:
-                engines = DisaggregatedFleet(rollout_settings(spec), ranks, pools.rollout if pools else None)
+                engines = EngineFleet(OnRolloutPool(rollout_settings(spec), ranks, pools.rollout if pools else None))
             trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, scoring, opening.result(),
                               checkpoints)
             try:

@@ -89,7 +89,7 @@ def build_batch(prompt_ids: list[list[int]], results: list[GenerationResult], re
     """Left-padded prompts then right-padded responses; rollout log-probs aligned with response_mask, which is 0 on
     a multi-turn response's tool answers (`GenerationResult.response_mask`)."""
     # One tensor built from flat lists and scattered in place, not a few small tensors per row: per-row slicing
-    # cost 7 ms for TRL's echo task's 128 responses, the reward phase's largest part.
+    # was the reward phase's largest part (benchmarks/RESULTS.md, "Measured reasons in the code").
     prompt_width = max(len(p) for p in prompt_ids)
     rows = len(results)
     input_ids = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)

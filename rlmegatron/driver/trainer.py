@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -37,11 +36,9 @@ from rlmegatron.driver.rollout_data import (
     Rollout,
     batch_metrics,
     build_batch,
-    merge_results,
     reward_inputs,
     sampling_spec,
     scored,
-    shard_requests,
     token_level,
     traced_samples,
 )
@@ -135,9 +132,6 @@ class Trainer:
         correction = RolloutCorrectionConfig(**spec.algorithm.rollout_correction.model_dump())
         self.rollout_correction = correction if correction.enabled else None
         self.step = 0
-        self.ranks_owner = threading.RLock()
-        """Held by the thread that uses the trainer ranks: the loop's, or a rollout's made ahead of it."""
-        self.weight_version = "init"
         self.last_checkpoint: Optional[str] = None
         self.resumed_from = 0
 
@@ -148,7 +142,7 @@ class Trainer:
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
         rollouts = rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
-                                  trainer.staleness_bound, self.ranks_owner)
+                                  trainer.staleness_bound, self.ranks.owner)
         while self.step < self.total_steps():
             self.step += 1
             timer, metrics = Timer(), {}
@@ -184,8 +178,7 @@ class Trainer:
                     with timer("update_actor"):
                         metrics.update(self.update("actor", batch))
                 with timer("update_weights"):
-                    self.weight_version = f"step_{self.step}"
-                    self.engines.sync(self.weight_version)
+                    self.engines.sync(f"step_{self.step}")
                     rollouts.weights_updated(self.step)
             metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
@@ -285,17 +278,9 @@ class Trainer:
                 return_routed_experts=routing)
             for i, p in enumerate(prompts)
         ]
-        shares = shard_requests(requests, self.engines.count)
         # Validation's generation too: a Divergence there stops the run as one in the step does.
         with progress_sink(ProgressBar(label, len(requests) * params.n)) as progress, self.stop_on_failed_step():
-            answers = self.engines.generate(dict(enumerate(shares)), progress)
-            while restarted := [engine for engine, answer in answers.items() if answer is None]:
-                # A restarted engine has no trained weights: push them (collective), then resend its share.
-                # Each engine bounds its own restarts, so this loop ends.
-                with self.ranks_owner:  # made ahead: once the loop waits for a rollout (rollout_buffer.Ahead)
-                    self.engines.sync(self.weight_version, restarted)
-                answers.update(self.engines.generate({engine: shares[engine] for engine in restarted}, progress))
-        results = merge_results(shares, [answers[engine] for engine in range(len(shares))])
+            results = self.engines.generate(requests, progress)
         if len(results) != len(requests) * params.n:
             raise RuntimeError(f"the engines returned {len(results)} samples for {len(requests)} prompts x n={params.n}")
         return results
@@ -408,8 +393,7 @@ class Trainer:
         if found is not None:
             path, state = found
             self.step = self.resumed_from = int(state["step"])
-            self.weight_version = f"step_{self.step}"
-            self.engines.sync(self.weight_version)
+            self.engines.sync(f"step_{self.step}")
             self.train_loader.load_state_dict(state["dataloader"])
             self.kl_ctrl.value = float(state["kl_coef"])
             self.last_checkpoint = str(path)

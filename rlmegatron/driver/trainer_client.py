@@ -1,7 +1,8 @@
 """The trainer ranks as the driver calls them: one typed method per PolicyRank method the driver uses."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import threading
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,9 @@ class TrainerClient:
 
     def __init__(self, group: WorkerGroup[PolicyRank]) -> None:
         self.group = group
+        self.owner = threading.RLock()
+        """Held by the thread that uses the ranks: the fit loop's, or, for a weight push to an engine that
+        restarted, the thread that makes rollouts ahead of it (driver.rollout_buffer.Ahead)."""
 
     @property
     def world_size(self) -> int:
@@ -67,12 +71,12 @@ class TrainerClient:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None,
-                     left_out: Sequence[int] = ()) -> list[int]:
-        """The disaggregated servers that went down during the push (rank 0 pushes to them)."""
-        return self.group.call_all(PolicyRank.sync_weights, version, restarted, list(left_out))[0]
+    def relaunch_engines(self, engines: list[int]) -> None:
+        self.group.call_all(PolicyRank.relaunch_engines, engines)
 
-    # --- checkpoints and export ---
+    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
+        """The disaggregated servers that went down during the push (rank 0 pushes to them)."""
+        return self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)[0]
 
     def save_checkpoint(self, path: str) -> None:
         self.group.call_all(PolicyRank.save_checkpoint, path)

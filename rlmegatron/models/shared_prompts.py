@@ -4,8 +4,7 @@ A group is laid out THD-style as its prompt's tokens, then each response's token
 hidden states independent of every response, so computing them once and letting each response attend to them (and to
 its own earlier tokens only) gives each sequence exactly the outputs it has alone, and the prompt's gradient is the
 sum of the n sequences' gradients, as in separate sequences. What changes is the work: the prompt goes through the
-linear layers once, not n times (TRL's echo task: 264 tokens per rank instead of 832, the update's forward and
-backward 24.6 -> 13.7 ms).
+linear layers once, not n times (benchmarks/RESULTS.md, "Third round: shared-prompt micro-batches").
 
 Two things differ from plain THD packing, and this module and `models/layers.SDPACoreAttention` provide them:
 - each response's tokens continue the prompt's positions, so rotary embeddings are taken per token

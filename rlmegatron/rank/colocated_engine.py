@@ -117,29 +117,33 @@ class ColocatedEngine:
             self.part.release_memory(self.sleeping_tags)
             self.asleep = True
 
-    def receive_weights(self, stream: WeightStream, version: str, restarted: Optional[list[int]] = None) -> None:
-        """The actor's weights stream (collective: every rank walks it whole) into this rank's part of its engine:
-        every engine's, or only the `restarted` ones', which are relaunched first."""
-        if self.part is None or (restarted is not None and self.index not in restarted):
+    def receive_weights(self, stream: WeightStream, version: str, engines: Optional[list[int]] = None) -> None:
+        """The actor's weights stream (collective: every rank walks it whole) into this rank's part of its engine, if
+        it is one of `engines` (None: every engine)."""
+        if self.part is None or (engines is not None and self.index not in engines):
             collections.deque(stream, maxlen=0)
             return
-        if restarted is not None:
-            self.part.relaunch()
         if self.asleep:
             self.part.wake_up_with_weights(stream, version)
             self.asleep = False
         else:
             self.part.update_weights(stream, version)
 
-    def receive_adapter(self, name: str, path: str, version: str, restarted: Optional[list[int]] = None) -> None:
-        """Adapter sync: this rank's engine (the leader's part; every engine, or the `restarted` ones) loads the
-        PEFT adapter at `path` as `name` and samples with it."""
-        if self.leader is None or (restarted is not None and self.index not in restarted):
+    def receive_adapter(self, name: str, path: str, version: str, engines: Optional[list[int]] = None) -> None:
+        """Adapter sync: this rank's engine (the leader's part), if it is one of `engines` (None: every engine),
+        loads the PEFT adapter at `path` as `name` and samples with it."""
+        if self.leader is None or (engines is not None and self.index not in engines):
             return
         if self.asleep:
             self.leader.resume_memory(self.sleeping_tags)
             self.asleep = False
         self.leader.load_adapter(name, path, version)
+
+    def relaunch(self, engines: list[int]) -> None:
+        """This rank's engine restarted (it is one of `engines`): its part starts again (a member's node process) or
+        waits for the whole server (the leader)."""
+        if self.part is not None and self.index in engines:
+            self.part.relaunch()
 
     def shutdown(self) -> None:
         if self.part is not None:

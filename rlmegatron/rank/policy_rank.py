@@ -3,7 +3,7 @@ the rank's parts: its Megatron roles (role_models), its share of a colocated rol
 weight push to the engines (weight_push), and checkpoints and export (checkpoints)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -13,7 +13,7 @@ from rlmegatron.rank.role_models import RoleModels
 from rlmegatron.rank.weight_push import WeightPush
 from rlmegatron.rank.settings import TrainerRankSettings
 from rlmegatron.rollout.sglang.servers import ServerDevices
-from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
 from rlmegatron.tracking.progress import Progress
 from rlmegatron.rank.roles import RolloutBatch
 
@@ -33,7 +33,7 @@ class PolicyRank:
         self.engine = ColocatedEngine(settings.rollout, settings.model.hf_config()) if settings.colocated else None
         self.weights = WeightPush(settings.rollout, self.models, self.engine)
         if self.engine is not None:
-            self.sync_weights("init")
+            self.sync_weights(INITIAL_VERSION, fresh=True)
 
     # --- the step's phases, in the order the trainer calls them ---
 
@@ -81,11 +81,15 @@ class PolicyRank:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.weights.connect(endpoints)
 
-    def sync_weights(self, version: str, restarted: Optional[list[int]] = None,
-                     left_out: Sequence[int] = ()) -> list[int]:
-        """Trained weights -> the engines (all but the `left_out` disaggregated servers, or the `restarted` ones),
-        as HF-named full tensors; returns the disaggregated servers that went down during the push."""
-        return self.weights.sync(version, restarted, left_out)
+    def relaunch_engines(self, engines: list[int]) -> None:
+        """Colocated: the `engines` restarted; this rank's part of one of them starts again."""
+        if self.engine is not None:
+            self.engine.relaunch(engines)
+
+    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
+        """Trained weights -> `engines` (None: every engine), as HF-named full tensors, whole when they are `fresh`
+        (they hold none); returns the disaggregated servers that went down during the push."""
+        return self.weights.sync(version, engines, fresh)
 
     def shutdown(self) -> None:
         if self.engine is not None:

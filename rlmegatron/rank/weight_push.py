@@ -12,7 +12,7 @@ import contextlib
 import os
 import shutil
 import socket
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -61,22 +61,20 @@ class WeightPush:
                                          weight_group_backend(self.settings.device, devices))
             self.distributed.connect(engine, url, len(devices), group)
 
-    def sync(self, version: str, restarted: Optional[list[int]] = None, left_out: Sequence[int] = ()) -> list[int]:
-        """The trained weights to the engines: all but the `left_out` disaggregated servers (down, or restarted and
-        not yet rejoined), or the `restarted` ones. With adapter sync, the base weights at the start and to restarted
-        servers, and the adapters of every trained version. Returns the disaggregated servers that went down during
-        the push (`DistributedWeightPush.push`): left out, not failed."""
+    def sync(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
+        """The trained weights to `engines` (None: every engine). `fresh`: they hold no weights (just built or
+        restarted), so they get the whole model: with adapter sync the base weights too, and a frozen vision tower;
+        otherwise what training can have changed. Returns the disaggregated servers that went down during the push
+        (`DistributedWeightPush.push`): left out, not failed."""
         lora, chunks = self.settings.lora, self.models.actor.chunks
-        down: list[int] = list(left_out)
+        down: list[int] = []
         with self.models.phase("actor"):
-            if lora is None or version == INITIAL_VERSION or restarted is not None:
+            if lora is None or fresh:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    # A frozen vision tower goes with the first push and to restarted engines only.
-                    full = version == INITIAL_VERSION or restarted is not None
-                    down += self._push(self._weights(full), version, restarted, down)
+                    down += self._push(self._weights(full=fresh), version, engines)
             if lora is not None and version != INITIAL_VERSION:
-                down += self._push_adapter(version, restarted, down)
-        return [engine for engine in down if engine not in left_out]
+                down += self._push_adapter(version, engines, fresh, down)
+        return down
 
     def _weights(self, full: bool = True):
         """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8;
@@ -90,18 +88,16 @@ class WeightPush:
             self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
         return self.exporter
 
-    def _push(self, stream, version: str, restarted: Optional[list[int]], left_out: list[int]) -> list[int]:
+    def _push(self, stream, version: str, engines: Optional[list[int]]) -> list[int]:
         if self.distributed is not None:
-            only = restarted if restarted is not None or not left_out else \
-                [engine for engine in self.distributed.servers if engine not in left_out]
-            return self.distributed.push(stream, version, only=only)
+            return self.distributed.push(stream, version, only=engines)
         if self.engine is not None:
-            self.engine.receive_weights(stream, version, restarted)
+            self.engine.receive_weights(stream, version, engines)
         else:
             collections.deque(stream, maxlen=0)
         return []
 
-    def _push_adapter(self, version: str, restarted: Optional[list[int]], down: list[int]) -> list[int]:
+    def _push_adapter(self, version: str, engines: Optional[list[int]], fresh: bool, down: list[int]) -> list[int]:
         """The adapters as a PEFT adapter named `version`, written once (rank 0) and loaded by every server; the
         previous version's files go once every server has loaded its successor."""
         path = os.path.join(self.settings.adapter_dir, version)
@@ -110,12 +106,12 @@ class WeightPush:
         went_down = []
         if self.distributed is not None:
             for engine, url in self.server_urls.items():
-                if (restarted is not None and engine not in restarted) or engine in down:
+                if (engines is not None and engine not in engines) or engine in down:
                     continue
                 client = SGLangClient(url)
                 try:
                     client.load_lora_adapter(version, path)
-                    held = self.loaded_adapters.get(engine) if restarted is None else None
+                    held = None if fresh else self.loaded_adapters.get(engine)  # a fresh server holds none
                     if held is not None and held != version:
                         client.unload_lora_adapter(held)
                     client.flush_cache()
@@ -124,7 +120,7 @@ class WeightPush:
                     continue
                 self.loaded_adapters[engine] = version
         elif self.engine is not None:
-            self.engine.receive_adapter(version, path, version, restarted)
+            self.engine.receive_adapter(version, path, version, engines)
         torch.distributed.barrier()
         if previous is not None and previous != path and torch.distributed.get_rank() == 0:
             shutil.rmtree(previous, ignore_errors=True)

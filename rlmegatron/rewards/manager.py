@@ -462,7 +462,7 @@ def _alarm_handler() -> Iterator[None]:
 @contextmanager
 def _stuck_watchdog() -> Iterator[Callable[[float], None]]:
     """`watch(seconds)` before each sample makes sure faulthandler ends the process if that sample is still running
-    `_STUCK_GRACE_S` after its `seconds`. Re-armed only when needed (arming starts a thread: ~50 us), so a batch of
+    `_STUCK_GRACE_S` after its `seconds`. Re-armed only when needed (arming starts a thread), so a batch of
     cheap samples arms it once."""
     armed_until = -math.inf
 

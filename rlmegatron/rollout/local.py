@@ -38,7 +38,7 @@ class _Sample:
 
 
 # A seeded sample's noise comes ahead for as many tokens as fit in this many numbers (see _Noise): one call's overhead
-# on the CPU (1.4 us) costs as much as drawing 300 numbers (4.4 ns each), so drawing further ahead saves nothing.
+# on the CPU costs as much as drawing a few hundred numbers, so drawing further ahead saves nothing (benchmarks/RESULTS.md, "Measured reasons in the code").
 _NOISE_AHEAD = 512
 
 
@@ -50,8 +50,8 @@ class _Noise:
         self.samples, self.vocabulary, self.generator = samples, vocabulary, generator
         longest = max(s.sampling.max_new_tokens for s in samples)
         # The CPU generator is a serial Mersenne twister: one draw of [tokens, vocabulary] is the same numbers as one
-        # draw per token, so a seeded sample's noise for several tokens comes from one call (64 samples of TRL's echo
-        # task, 4 tokens: 164 us, where a call per sample and token took 388, of a 7 ms batch). A GPU's Philox
+        # draw per token, so a seeded sample's noise for several tokens comes from one call, less than half the time
+        # of a call per sample and token (benchmarks/RESULTS.md, "Measured reasons in the code"). A GPU's Philox
         # generator numbers its draws by call: one token per call there keeps the stream.
         self.ahead = min(longest, max(1, _NOISE_AHEAD // vocabulary)) if generator.device.type == "cpu" else 1
         self.block: torch.Tensor | None = None
@@ -223,8 +223,8 @@ class LocalEngine(RolloutEngine):
         """`interrupted`, asked between tokens: once it says true, every unfinished sample returns what it has so
         far with finish reason `abort` (SGLang's abort on pause_generation, which partial rollout continues)."""
         self._check_usable()
-        # Asked once: `self.device` walks the model's modules (6 us), and asking it per sample was 0.38 ms of the 8 ms
-        # that a batch of 64 samples of TRL's echo model takes (benchmarks/local_generation.py).
+        # Asked once: `self.device` walks the model's modules, and asking it per sample was a twentieth of a batch's
+        # time (benchmarks/RESULTS.md, "Measured reasons in the code").
         device = self.device
         if self.generator.device != device:  # the model moved after construction: its stream goes with it
             seed = int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
@@ -257,8 +257,8 @@ class LocalEngine(RolloutEngine):
             report(progress, len(batch))
         return results
 
-    # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, 7 % of
-    # a decode step of TRL's echo model (3 steps of 64 rows: 4.92 -> 4.58 ms); nothing made here reaches autograd.
+    # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, a
+    # measurable part of a decode step (benchmarks/RESULTS.md, "Measured reasons in the code"); nothing made here reaches autograd.
     @torch.inference_mode()
     def _generate_batch(self, samples: list[_Sample], interrupted: Callable[[], bool] | None = None,
                         recorder: "_RouterRecorder | None" = None) -> list[GenerationResult]:
@@ -269,8 +269,8 @@ class LocalEngine(RolloutEngine):
         distinct: dict[tuple[int, ...], int] = {}
         prompt_of = torch.tensor([distinct.setdefault(s.prompt, len(distinct)) for s in samples], device=device)
         prompt_width = max(len(prompt) for prompt in distinct)
-        # Left-padded, each tensor made whole from Python lists: 30 us for 8 prompts of TRL's echo task, where a
-        # tensor per prompt copied into place took 75.
+        # Left-padded, each tensor made whole from Python lists: faster than a tensor per prompt copied into place
+        # (benchmarks/RESULTS.md, "Measured reasons in the code").
         padding = [prompt_width - len(prompt) for prompt in distinct]
         input_ids = torch.tensor([(self.pad_token_id,) * pad + prompt for pad, prompt in zip(padding, distinct)],
                                  device=device)
@@ -357,7 +357,7 @@ class LocalEngine(RolloutEngine):
             rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
             if len(rows) == len(samples):
                 # One setting for the batch, as a rollout has: no copy and scatter of the rows, and none of the logits
-                # at all without top-k/top-p (30 us per token at 64 rows).
+                # at all without top-k/top-p (benchmarks/RESULTS.md, "Measured reasons in the code").
                 filtered = filter_top_k_top_p(scaled, top_k, top_p)
             else:
                 filtered = scaled.clone() if filtered is scaled else filtered
@@ -388,8 +388,8 @@ class LocalEngine(RolloutEngine):
                     raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, the model has {tuple(target.shape)}")
                 destinations.append(target)
                 sources.append(tensor)
-            # A bucket's tensors in one multi-tensor copy: one copy_ per tensor cost about 20 us each on an H100,
-            # 6x the bytes' own time for a 512 MB bucket of a 0.5 B model.
+            # A bucket's tensors in one multi-tensor copy: one copy_ per tensor costs a launch each, several times
+            # the bytes' own time on a GPU (benchmarks/RESULTS.md, "Measured reasons in the code").
             if destinations:
                 torch._foreach_copy_(destinations, sources)
         if halves:

@@ -198,7 +198,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, others: Sequen
             context_parallel_size=key.cp,
             expert_model_parallel_size=key.ep,
             expert_tensor_parallel_size=key.etp,
-            # Megatron's groups otherwise wait 30 minutes, whatever the default group's timeout is.
+            # Megatron's groups otherwise wait its own default (half an hour), whatever the default group's timeout is.
             distributed_timeout_minutes=_timeout.total_seconds() / 60,
         )
         _megatron_groups.extend(group for group in _world.pg_map if group not in existing)
@@ -259,8 +259,8 @@ def destroy_distributed() -> None:
 
 def all_reduce_shared(tensor: torch.Tensor, group, op=torch.distributed.ReduceOp.SUM) -> torch.Tensor:
     """all_reduce over `group` when it has more than one rank. A group of one (TP=1, PP=1, one DP rank) leaves the
-    tensor as it is, but a gloo all_reduce over it still costs a round through the backend (~50 us each; a step of
-    TRL's echo task made a dozen)."""
+    tensor as it is, but a gloo all_reduce over it still costs a round through the backend, and a step makes a
+    dozen (benchmarks/RESULTS.md, "Measured reasons in the code")."""
     if torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(tensor, op=op, group=group)
     return tensor

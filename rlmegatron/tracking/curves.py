@@ -45,7 +45,7 @@ def plotted_metrics(history: History) -> list[tuple[str, dict[str, list[tuple[in
 def draw_curves(history: History, path: Path, title: str) -> dict[str, list[list[float]]]:
     """Write the panels to `path` (a PNG) and return what was drawn: each line's label -> [steps, values], read from
     the figure's own lines."""
-    # Its note that it builds its font cache, on a machine's first drawing that takes over 5 s, would be the only line
+    # Its note that it builds its font cache, on a machine's first drawing (seconds), would be the only line
     # on a run's stderr; the fonts it needs ship with it.
     logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     # lazy: matplotlib takes a second to import, and only the end of a run and `rlm report` draw. The figure is

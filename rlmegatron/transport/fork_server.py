@@ -18,7 +18,7 @@ _PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.transport.loca
 
 def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
     """multiprocessing's forkserver context, its server started now if it is not running: it imports torch,
-    Megatron-Core, transformers and `preload` (about 4 s of CPU) in the background, while the caller goes on, and
+    Megatron-Core, transformers and `preload` (seconds of CPU) in the background, while the caller goes on, and
     ranks forked from it start with all of that imported. `preload` counts only for the call that starts the server.
 
     Forked from a server that imported them and ran nothing: forking a process that already ran torch (or has

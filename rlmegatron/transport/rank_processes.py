@@ -1,7 +1,7 @@
 """The trainer ranks as plain processes on this machine, driven over pipes: a `WorkerGroup` without Ray
 (placement.transport=processes).
 
-Ray costs a one-node run about 5.5 s of start-up (its import and `ray.init`) and 1-2 ms per actor call
+Ray costs a one-node run seconds of start-up (its import and `ray.init`) and milliseconds per actor call
 (benchmarks/RESULTS.md, "Start-up"); a pipe to a forked process costs neither. Each rank is forked from the fork server
 (transport.fork_server), which imported torch, Megatron-Core, transformers and the rank's class once, while the
 driver was still checking the job; a rank then joins the process group (`RankHost`), builds its object and runs the
@@ -206,9 +206,8 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 
 def _tensor_as_array(tensor: torch.Tensor):
-    """A CPU tensor travels as its numpy array: torch's own pickling writes each storage through torch.save, 0.56 ms
-    to pickle a step's batch and 0.32 ms to load it, against 0.03 and 0.02 ms this way (and a view sends its own
-    elements, not the storage it views). Anything numpy cannot hold takes torch's way."""
+    """A CPU tensor travels as its numpy array: torch's own pickling writes each storage through torch.save, over ten
+    times slower for a step's batch (benchmarks/RESULTS.md, "Measured reasons in the code") (and a view sends its own elements, not the storage it views). Anything numpy cannot hold takes torch's way."""
     if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.dtype not in _NUMPY_DTYPES or tensor.is_sparse
             or tensor.is_neg()):
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)

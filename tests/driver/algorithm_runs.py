@@ -134,7 +134,8 @@ def main(out: str, cases: list[dict]) -> None:
     from rlmegatron.driver.trainer_client import TrainerClient
     from rlmegatron.rank.policy_rank import PolicyRank
     from rlmegatron.driver.role_settings import trainer_rank_settings
-    from rlmegatron.driver.engine_fleet import ColocatedFleet
+    from rlmegatron.driver.engine_fleet import EngineFleet, InTrainerRanks
+    from rlmegatron.rollout.engine import INITIAL_VERSION
     from rlmegatron.transport.worker_group import LocalWorkerGroup
     from rlmegatron.data import build_dataset
     from rlmegatron.rewards import build_reward_manager
@@ -147,7 +148,7 @@ def main(out: str, cases: list[dict]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path)
     train_set = build_dataset(spec.data.train_files, tokenizer, spec.data)
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    engines = ColocatedFleet(ranks)
+    engines = EngineFleet(InTrainerRanks(ranks), held=INITIAL_VERSION)
     results = {}
     try:
         for case in cases:

@@ -10,18 +10,19 @@ checkpoint. A run of a few steps takes milliseconds, so a test can run the loop 
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
-import torch
 
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec, spec_from_raw
+from rlmegatron.driver.engine_fleet import EngineFleet
 from rlmegatron.driver.trainer import FitResult, Trainer
 from rlmegatron.data import PromptDataLoader, Sample
 from rlmegatron.rewards import RewardInput, RewardResult
-from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
+from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
 from rlmegatron.tracking import Tracker, TrackingSetup
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -81,12 +82,16 @@ class FakeRewardManager:
 
 @dataclass
 class FakeEngines:
-    """Sample s of a request is token s then 9s, `response_length` tokens, log-prob -0.5 each."""
+    """Engines behind the real EngineFleet (driver.engine_fleet.EngineBackend): sample s of a request is token s then
+    9s, `response_length` tokens, log-prob -0.5 each; the versions pushed to them are in `synced`, the engines
+    relaunched in `relaunched`."""
 
     count: int = 1
     label: str = ""
     calls: list[tuple[str, list[GenerationRequest]]] = field(default_factory=list)
     synced: list[str] = field(default_factory=list)
+    relaunched: list[list[int]] = field(default_factory=list)
+    ranks: Optional["FakeRanks"] = None
 
     def generate(self, shares: dict[int, list[GenerationRequest]], progress=None) -> dict[int, list[GenerationResult]]:
         self.calls.append((self.label, [request for share in shares.values() for request in share]))
@@ -101,10 +106,22 @@ class FakeEngines:
                                                             self.synced[-1] if self.synced else None))
         return answers
 
-    def sync(self, version: str, restarted=None) -> None:
+    def release_memory(self) -> None:
+        pass
+
+    def relaunch(self, engines: list[int]) -> None:
+        self.relaunched.append(list(engines))
+
+    def pause(self, engines: list[int]) -> list[int]:
+        return engines
+
+    def resume(self, engines: list[int]) -> None:
+        pass
+
+    def pushed(self, version: str, engines: list[int]) -> None:
         self.synced.append(version)
 
-    def release_memory(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 
@@ -120,6 +137,12 @@ class FakeRanks:
     world_size: int = 1
     calls: list[str] = field(default_factory=list)
     updates: dict[str, list] = field(default_factory=lambda: {"actor": [], "critic": []})
+    owner: threading.RLock = field(default_factory=threading.RLock)
+    pushes: list[tuple[str, list[int], bool]] = field(default_factory=list)
+
+    def sync_weights(self, version: str, engines=None, fresh: bool = False) -> list[int]:
+        self.pushes.append((version, list(engines), fresh))
+        return []  # no engine went down during the push
 
     def compute_log_prob(self, batch):
         self.calls.append("compute_log_prob")
@@ -174,7 +197,7 @@ class RigTrainer(Trainer):
     """The fit loop unchanged; each generation call is labelled for the engines' record."""
 
     def generate(self, prompts, params, seed, label="rollout"):
-        self.engines.label = label
+        self.engines.backend.label = label
         return super().generate(prompts, params, seed, label)
 
 
@@ -207,13 +230,14 @@ def run_rig(run_dir: Path, *overrides: str, reward=first_token_is_even, train_pr
     spec = rig_spec(f"trainer.run_dir={run_dir}", *overrides)
     ranks = ranks or FakeRanks()
     engines, reward_manager = engines or FakeEngines(), reward_manager or FakeRewardManager(reward)
+    engines.ranks = ranks
     loader = PromptDataLoader(prompts(train_prompts), spec.data.train_batch_size, shuffle=spec.data.shuffle,
                               seed=spec.data.seed)
     val_set = prompts(val_prompts, "val") if spec.data.val_files else None
     tracker = Tracker(TrackingSetup([], Path(run_dir), spec.tracking.project_name, spec.trainer.experiment_name))
     checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
     checkpoints.plan_resume(spec.trainer.resume)  # as run_training does before the loop starts
-    trainer = RigTrainer(spec, ranks, engines, FakeTokenizer(), loader, val_set, reward_manager, tracker,
-                         checkpoints)
+    trainer = RigTrainer(spec, ranks, EngineFleet(engines, held=INITIAL_VERSION), FakeTokenizer(), loader, val_set,
+                         reward_manager, tracker, checkpoints)
     result = trainer.fit()
     return Rig(spec, trainer, ranks, engines, reward_manager, tracker, result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,23 +141,24 @@ def test_a_colocated_server_spans_two_nodes_gets_each_ranks_buckets_and_restarts
 
 
 class RecordingTrainer:
-    """The trainer ranks as DisaggregatedFleet addresses them (driver.trainer_client.TrainerClient); the weight
+    """The trainer ranks as the engine fleet on a rollout pool addresses them (driver.trainer_client.TrainerClient); the weight
     groups themselves are tested with DistributedWeightPush in tests/rollout/test_sglang.py."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.owner = threading.RLock()
 
     def connect_engines(self, endpoints) -> None:
         self.calls.append(("connect_engines", endpoints))
 
-    def sync_weights(self, version, restarted=None, left_out=()) -> list[int]:
-        self.calls.append(("sync_weights", version, restarted, list(left_out)))
+    def sync_weights(self, version, engines=None, fresh=False) -> list[int]:
+        self.calls.append(("sync_weights", version, engines, fresh))
         return []  # no server went down during the push
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.driver.engine_fleet import DisaggregatedFleet
+    from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
@@ -171,23 +173,27 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
         "rollout.sglang.startup_timeout_s=60", f"rollout.sglang.extra_args.fake-record={calls}",
         f"trainer.run_dir={tmp_path}"])
     trainer = RecordingTrainer()
-    pool = DisaggregatedFleet(rollout_settings(spec), trainer)
+    fleet = EngineFleet(OnRolloutPool(rollout_settings(spec), trainer))
+    pool = fleet.backend
     try:
         assert pool.count == 1 and len(pool.hosts) == 2 and pool.hosts[1].node_process.alive
         # Rank 0 learns where the server's two TP ranks sit (node, device): its group's backend follows from it.
         server = (("node0", "cpu"), ("node1", "cpu"))
-        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], server)]), ("sync_weights", "init", None, [])]
-        requests = {0: [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))]}
+        fleet.sync("v1")
+        assert trainer.calls == [("connect_engines", [(0, pool.urls[0], server)]), ("sync_weights", "init", [0], True),
+                                 ("sync_weights", "v1", [0], False)]
         pool.hosts[1].node_process.stop()
         deadline = time.monotonic() + 30
         while pool.hosts[pool.leaders[0]].engine.process.alive and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert pool.generate(requests) == {0: None}  # restarted: it waits for every node and the weights
-        pool.sync("v1", restarted=[0])
-        assert trainer.calls[2:] == [("connect_engines", [(0, pool.urls[0], server)]), ("sync_weights", "v1", [0], [])]
-        assert [len(r.output_token_ids) for r in pool.generate(requests)[0]] == [2]
+        # The server restarts inside the generation and holds no weights: the fleet restarts its other node, has rank
+        # 0 join a new group with it, pushes it the latest weights whole, and sends the request again.
+        [result] = fleet.generate([GenerationRequest((1, 2), SamplingSpec(max_new_tokens=2))])
+        assert len(result.output_token_ids) == 2 and fleet.versions == {0: "v1"}
+        assert trainer.calls[3:] == [("connect_engines", [(0, pool.urls[0], server)]),
+                                     ("sync_weights", "v1", [0], True)]
     finally:
-        pool.shutdown()
+        fleet.shutdown()
     records = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [r["path"] for r in records] == ["/fake/nodes_joined", "/fake/nodes_joined", "/generate"]
 
@@ -311,7 +317,7 @@ def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_t
     from types import SimpleNamespace
 
     from rlmegatron.config import load_spec
-    from rlmegatron.driver.engine_fleet import DisaggregatedFleet
+    from rlmegatron.driver.engine_fleet import OnRolloutPool
 
     monkeypatch.setattr(servers, "device_id", lambda device: "3")  # this process's GPU, as CUDA_VISIBLE_DEVICES says
     launched = []
@@ -325,7 +331,7 @@ def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_t
         "placement.device=cuda", "placement.gpus_per_node=1", "placement.mode=disaggregate",
         "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", f"trainer.run_dir={tmp_path}"])
     trainer = RecordingTrainer()
-    DisaggregatedFleet(rollout_settings(spec), trainer)
+    OnRolloutPool(rollout_settings(spec), trainer)
     (server,) = launched
     assert server.env == {"CUDA_VISIBLE_DEVICES": "3"} and server.module == "rlmegatron.rollout.local_server"
     (endpoint,) = trainer.calls[0][1]
@@ -335,15 +341,15 @@ def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_t
 
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
     from rlmegatron.config import load_spec
-    from rlmegatron.driver.engine_fleet import DisaggregatedFleet
+    from rlmegatron.driver.engine_fleet import OnRolloutPool
 
     monkeypatch.setattr(engine_fleet, "EngineHost", ServerlessHost)
     disaggregated = [f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",
                      "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=2",
                      "rollout.engine=sglang", f"trainer.run_dir={tmp_path}"]
     for overrides, count in (([], 2), (["rollout.num_gpus=1"], 1)):
-        pool = DisaggregatedFleet(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
-                                                               disaggregated + overrides)), RecordingTrainer())
+        pool = OnRolloutPool(rollout_settings(load_spec(str(REPO_ROOT / "configs/quickstart.yaml"),
+                                                        disaggregated + overrides)), RecordingTrainer())
         assert (len(pool.hosts), pool.count, pool.urls) == (count, count, [f"http://server-{e}" for e in range(count)])
 
 
@@ -354,12 +360,14 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     The push to every engine must leave such a server out (a collective push to a dead peer fails or hangs); every
     server paused is continued, and only those pushed to are marked as holding the version."""
     from rlmegatron.config import load_spec
-    from rlmegatron.driver.engine_fleet import DisaggregatedFleet
+    from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
+    from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 
-    events = []
+    events, restarts = [], []
 
     class Host(ServerlessHost):
-        """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale)."""
+        """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale); a generation
+        on engine 2 restarts it once per entry of `restarts`."""
 
         def pause_generation(self):
             events.append(("pause", self.index))
@@ -374,6 +382,12 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
         def relaunch(self):
             events.append(("relaunch", self.index))
 
+        def generate(self, requests, progress=None):
+            if self.index == 2 and restarts:
+                restarts.pop()
+                return None
+            return [GenerationResult(i, 0, (7,), (-0.5,), "length", None) for i in range(len(requests))]
+
     monkeypatch.setattr(engine_fleet, "EngineHost", Host)
     monkeypatch.setattr(Host, "events", events)
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
@@ -382,28 +396,31 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
         "rollout.engine=sglang", f"trainer.run_dir={tmp_path}", "trainer.mode=async",
         f"trainer.partial_rollout={str(partial).lower()}"])
     trainer = RecordingTrainer()
-    pool = DisaggregatedFleet(rollout_settings(spec), trainer)
+    fleet = EngineFleet(OnRolloutPool(rollout_settings(spec), trainer))
     events.clear()
-    pool.sync("step_1")
-    assert trainer.calls[-1] == ("sync_weights", "step_1", None, [1, 2])  # to engine 0 alone
+    fleet.sync("step_1")
+    assert trainer.calls[-1] == ("sync_weights", "step_1", [0], False)  # to engine 0 alone
     pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)] if partial else []
     assert events == pauses + [("pushed", 0, "step_1")]
-    # The generation that met the failure syncs a server as restarted: to it alone, whatever else is down.
+    assert fleet.versions == {0: "step_1", 1: None, 2: None}
+    # The generation that meets the restarted server relaunches it and pushes it the latest weights, to it alone and
+    # whole, whatever else is down; then its share goes again.
     events.clear()
-    pool.sync("step_1", restarted=[2])
+    restarts.append(1)
+    requests = [GenerationRequest((1,), SamplingSpec(max_new_tokens=1)) for _ in range(3)]
+    assert len(fleet.generate(requests)) == 3
     assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", (("n0", "cpu"),))]),
-                                  ("sync_weights", "step_1", [2], [])]
-    assert events[0] == ("relaunch", 2) and events[-1] == ("pushed", 2, "step_1")
+                                  ("sync_weights", "step_1", [2], True)]
+    assert events == [("relaunch", 2), ("pushed", 2, "step_1")] and fleet.versions[2] == "step_1"
     # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
     # restart, that ends the run: a re-sync is not retried without bound.
-    # Every server it pushed to went down.
-    trainer.sync_weights = lambda version, restarted=None, left_out=(): (
-        list(restarted) if restarted is not None else [e for e in range(3) if e not in left_out])
+    trainer.sync_weights = lambda version, engines=None, fresh=False: list(engines)  # all it pushed to went down
     events.clear()
-    pool.sync("step_2")
-    assert [event for event in events if event[0] == "pushed"] == []
+    fleet.sync("step_2")
+    assert [event for event in events if event[0] == "pushed"] == [] and fleet.versions[0] == "step_1"
+    restarts.append(1)
     with pytest.raises(ServerUnavailable, match=r"rollout engines \[2\] went down again"):
-        pool.sync("step_2", restarted=[2])
+        fleet.generate(requests)
 
 
 @pytest.mark.parametrize("partial", [True, False])
@@ -411,13 +428,13 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
     """trainer.partial_rollout: the servers stop generating (aborting what is in flight, which the engines send
     again) while the weights change, and go on after; without it a push leaves generation alone."""
     from rlmegatron.config import load_spec
-    from rlmegatron.driver.engine_fleet import DisaggregatedFleet
+    from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))
     calls = tmp_path / "calls.jsonl"
 
     class Trainer(RecordingTrainer):
-        def sync_weights(self, version, restarted=None, left_out=()) -> list[int]:
+        def sync_weights(self, version, engines=None, fresh=False) -> list[int]:
             seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
             self.calls.append(("sync_weights", version, seen))
             return []
@@ -429,12 +446,12 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
         f"rollout.sglang.extra_args.fake-record={calls}", f"trainer.run_dir={tmp_path}", "trainer.mode=one_step_off",
         f"trainer.partial_rollout={str(partial).lower()}"])
     trainer = Trainer()
-    pool = DisaggregatedFleet(rollout_settings(spec), trainer)
+    fleet = EngineFleet(OnRolloutPool(rollout_settings(spec), trainer))
     try:
-        assert pool.hosts[0].engine.partial_rollout is partial
-        pool.sync("step_1")
+        assert fleet.backend.hosts[0].engine.partial_rollout is partial
+        fleet.sync("step_1")
     finally:
-        pool.shutdown()
+        fleet.shutdown()
     paths = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
     if partial:
         # Paused before each push (the initial one too), continued after it.
@@ -459,6 +476,6 @@ class _CountingRanks:
 def test_engines_with_no_device_memory_to_give_back_are_not_called_to_release_it():
     sleeping, local_on_cpu = _CountingRanks(), _CountingRanks()
     for _ in range(3):
-        engine_fleet.ColocatedFleet(sleeping).release_memory()
-        engine_fleet.ColocatedFleet(local_on_cpu, sleeps=False).release_memory()
+        engine_fleet.InTrainerRanks(sleeping).release_memory()
+        engine_fleet.InTrainerRanks(local_on_cpu, sleeps=False).release_memory()
     assert (sleeping.released, local_on_cpu.released) == (3, 0)

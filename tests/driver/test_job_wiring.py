@@ -50,7 +50,8 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
     monkeypatch.setattr(job, "CheckpointManager", recorder("checkpoints"))
     monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
     monkeypatch.setattr(job, "LocalWorkerGroup", recorder("workers"))
-    monkeypatch.setattr(job, "ColocatedFleet", recorder("engines"))
+    monkeypatch.setattr(job, "InTrainerRanks", recorder("engines"))
+    monkeypatch.setattr(job, "EngineFleet", recorder("fleet"))
     monkeypatch.setattr(job, "Trainer", trainer)
 
     spec = load_spec("configs/quickstart.yaml", [
@@ -62,19 +63,21 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
 
     assert made["tokenizer"] == ["elsewhere/tokenizer"]
     (train_args, _), (val_args, _) = made["dataset"]
-    assert train_args == (spec.data.train_files, "tokenizer", spec.data)
-    assert val_args == (spec.data.val_files, "tokenizer", spec.data)
+    assert train_args == (spec.data.train_files, "tokenizer", spec.data, "elsewhere/tokenizer")  # its processor
+    assert val_args == (spec.data.val_files, "tokenizer", spec.data, "elsewhere/tokenizer")
     (loader_args, loader_kwargs), = made["loader"]
     assert loader_args[1:] == (4,) and loader_kwargs == {"shuffle": False, "seed": 5}
     (reward_args, _), = made["reward"]
     assert reward_args == (spec.reward, 2) and reward_args[0].num_workers == 3
     assert made["checkpoints"] == [((str(tmp_path / "run"), 2), {})]
     # The loop gets exactly these parts.
-    _, workers, engines, tokenizer, loader, val_set, reward, _, checkpoints = made["trainer"]
+    _, workers, fleet, tokenizer, loader, val_set, reward, _, checkpoints = made["trainer"]
+    engines = fleet.args[0]
     assert (tokenizer, loader.args, val_set.args, checkpoints.args) == (
         "tokenizer", tuple(loader_args), tuple(val_args), (str(tmp_path / "run"), 2))
     # The quickstart's engines are local on the CPU: nothing to give back between steps, so no release call.
     assert reward.args == reward_args and engines.args == (workers, False)
+    assert fleet.kwargs == {"held": "init"}  # the colocated ranks pushed the initial weights as they built them
 
 
 @pytest.mark.parametrize("settings, ray_address, launched", [

@@ -160,16 +160,17 @@ def test_an_engine_restarted_ahead_gets_its_weights_only_while_the_loop_waits(tm
                 return {engine: None for engine in shares}
             return super().generate(shares, progress)
 
-        def sync(self, version, restarted=None):
-            super().sync(version, restarted)
-            if restarted is not None:
-                self.pushed_while_updating.append(self.ranks.updating)
+        def relaunch(self, engines):
+            super().relaunch(engines)  # the fleet's recovery, which then pushes the weights whole
+            self.pushed_while_updating.append(self.ranks.updating)
 
     ranks = WatchingRanks()
     engines = RestartingEngines(ranks)
     rig = run_rig(tmp_path, "trainer.mode=one_step_off", "trainer.total_steps=4", *DISAGGREGATED, ranks=ranks,
                   engines=engines)
     assert engines.pushed_while_updating == [False]
+    # Whole (fresh), and the latest weights: step 2 had pushed its own by the time the loop waited.
+    assert [push for push in ranks.pushes if push[2]] == [("step_2", [0], True)]
     assert len(rig.ranks.updates["actor"]) == 4 and all(len(b) == 8 for b in rig.ranks.updates["actor"])
 
 

@@ -201,8 +201,7 @@ def build_micro_batch(batch: RolloutBatch, rows: list[int], pack: bool, tp: int 
     load-balanced chunks, and the length or total to 2×CP×TP; rank `cp_rank` keeps its chunks of each.
     """
     columns = batch.input_ids.shape[1]
-    # Whole-tensor indexing, not a loop over rows: per-row slicing cost 8 ms per step for 64 short sequences (TRL's
-    # echo task), a tenth of the update.
+    # Whole-tensor indexing, not a loop over rows: per-row slicing was a tenth of the update (benchmarks/RESULTS.md, "Measured reasons in the code").
     index = torch.as_tensor(rows, dtype=torch.long)
     mask = batch.attention_mask[index].bool()
     lengths_t = mask.sum(dim=1)

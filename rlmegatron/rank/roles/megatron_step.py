@@ -94,8 +94,7 @@ def dp_size() -> int:
 # Right padding costs compute on the pads; THD packing costs none, but each packed sequence pays for its own RoPE
 # call (Megatron's THD RoPE loops over the sequences) and attention groups them by length. A micro-batch is packed
 # when padding would add more than this fraction of its tokens: short sequences of similar lengths run as one batched
-# call (TRL's echo task, 128 sequences of 10-13 tokens on one CPU rank: the update 71 ms padded against 87-93 ms
-# packed, fastest of 40 steps), long and varied ones packed.
+# call, faster than packed (benchmarks/RESULTS.md, "Measured reasons in the code"); long and varied ones packed.
 PACK_ABOVE_PADDING = 0.25
 
 

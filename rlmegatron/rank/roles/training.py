@@ -210,7 +210,7 @@ def weights_finite(chunks: list) -> bool:
     a temporary the size of the tensor (finite weights so large that their sum overflows count as diverged too).
     Collective over the ranks whose weights differ: the model-parallel group (TP x PP). Data-parallel replicas hold
     the same weights after the step (the optimizer's all-gather), so a replica's answer is its peers'; a collective
-    over them was a sync point per step (1 ms at DP=2 on TRL's echo task). Sharded experts differ across the data-
+    over them was a sync point per step (benchmarks/RESULTS.md, "Measured reasons in the code"). Sharded experts differ across the data-
     parallel ranks too: with MoE every rank is asked."""
     from megatron.core import parallel_state as ps
 
@@ -256,7 +256,7 @@ def _names_from_last_stage(names: list[str]) -> list[str]:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        return names  # every rank is the last stage (a broadcast of pickled names cost 1.6 ms per step)
+        return names  # every rank is the last stage: no broadcast of pickled names, a cost every step
     holder = [names]
     group = ps.get_pipeline_model_parallel_group()
     torch.distributed.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
