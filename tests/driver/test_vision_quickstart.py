@@ -14,11 +14,11 @@ VAL = "val/colour/score/mean"
 # The run in its own process, as `rlm train` runs it, writing its metric history where the test reads it.
 SCRIPT = """
 import json, sys
-from rlmegatron.config import load_spec
-from rlmegatron.driver.job import run_training
+from rlmegatron.driver.job import check_training, run_training
+from rlmegatron.spec_pipeline import SpecSource
 if __name__ == "__main__":
     out, *overrides = sys.argv[1:]
-    report = run_training(load_spec("configs/vision_quickstart.yaml", overrides))
+    report = run_training(check_training(SpecSource("configs/vision_quickstart.yaml", overrides)))
     with open(out, "w") as handle:
         json.dump({"history": report.history, "steps": report.steps, "seconds": report.seconds}, handle)
 """
