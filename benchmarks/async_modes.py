@@ -33,11 +33,11 @@ DISAGGREGATED = ["placement.gpus_per_node=1", "placement.mode=disaggregate", "pl
 
 
 def child(out: str, ray: bool, overrides: list[str]) -> None:
-    from rlmegatron.config import load_spec
-    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.job import check_training, run_training
+    from rlmegatron.spec_pipeline import SpecSource
 
-    spec = load_spec("configs/quickstart.yaml", [*overrides, "placement.transport=ray"] if ray else overrides)
-    report = run_training(spec, in_process=not ray)
+    source = SpecSource("configs/quickstart.yaml", [*overrides, "placement.transport=ray"] if ray else overrides)
+    report = run_training(check_training(source, in_process=not ray))
     Path(out).write_text(json.dumps({"seconds": report.seconds, "history": report.history}))
 
 

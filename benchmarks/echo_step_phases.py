@@ -1,5 +1,5 @@
 """Where one step of TRL's echo task goes, inside one process: the fit loop with one trainer rank in the driver
-(`run_training(spec, in_process=True)`, no launcher), medians of every timing_s/* phase and of the functions below
+(`check_training(source, in_process=True)`, no launcher), medians of every timing_s/* phase and of the functions below
 it that the issue-14 work measured, over the steps after the first five.
 
     python benchmarks/echo_step_phases.py --steps 60 [--threads 1] [KEY=VALUE ...]
@@ -56,9 +56,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    from rlmegatron.config import load_spec
+    from rlmegatron.spec_pipeline import SpecSource
     from rlmegatron.transport import worker_group
-    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.job import check_training, run_training
     from rlmegatron.tracking import Tracker
 
     samples: dict[str, list[float]] = defaultdict(list)
@@ -77,9 +77,9 @@ def main() -> None:
     Tracker.log_metrics = logged
     run_dir = tempfile.mkdtemp(prefix="echo_phases_")
     try:
-        spec = load_spec(SPEC, [f"trainer.total_steps={args.steps}", f"trainer.run_dir={run_dir}",
-                                "placement.gpus_per_node=1", *args.overrides])
-        run_training(spec, in_process=True)
+        source = SpecSource(SPEC, [f"trainer.total_steps={args.steps}", f"trainer.run_dir={run_dir}",
+                                   "placement.gpus_per_node=1", *args.overrides])
+        run_training(check_training(source, in_process=True))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     kept = steps[5:]

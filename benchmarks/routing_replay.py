@@ -51,14 +51,14 @@ def write_model(directory: Path, family: str) -> Path:
 
 def train(run_dir: Path, model: Path, steps: int, *overrides: str) -> dict:
     """One `rlm train` of the quickstart in this process's job code (the ranks are processes); its metric history."""
-    from rlmegatron.config import load_spec
-    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.job import check_training, run_training
+    from rlmegatron.spec_pipeline import SpecSource
 
-    spec = load_spec(str(REPO_ROOT / "configs" / "quickstart.yaml"), [
+    source = SpecSource(str(REPO_ROOT / "configs" / "quickstart.yaml"), [
         f"model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_freq=-1",
         "tracking.backends=[console]", "actor.ppo_mini_batch_size=8", *overrides])
     with contextlib.redirect_stdout(sys.stderr):  # the run's own report; stdout keeps the tables
-        return run_training(spec).history
+        return run_training(check_training(source)).history
 
 
 def mean_of(history: dict, name: str) -> float | None:

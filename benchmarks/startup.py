@@ -27,13 +27,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/quickstart.yaml"
-PHASES = ("ready_to_launch", "build_dataset", "fork_server", "start_ray", "create_pools", "ranks")
+PHASES = ("preflight", "build_dataset", "fork_server", "start_ray", "create_pools", "ranks")
 
 
 def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
     """`rlm train CONFIG OVERRIDES` into `run_dir` in this process, writing each phase's (start, end) to `out` at
     step 1."""
     marks: dict[str, list[float]] = {"imports": [started, 0.0]}
+    from rlmegatron import data, spec_pipeline
     from rlmegatron.cli import main
     from rlmegatron.driver import job
     from rlmegatron.tracking import Tracker
@@ -49,8 +50,10 @@ def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
                 marks.setdefault(name, [begin, 0.0])[1] = time.time()  # build_dataset runs twice: both
         return run
 
+    # The spec pipeline's preflight and data stages, then the job's parts.
     for name in PHASES[:-1]:
-        setattr(job, name, timed(name, getattr(job, name)))
+        owner = {"preflight": spec_pipeline, "build_dataset": data}.get(name, job)
+        setattr(owner, name, timed(name, getattr(owner, name)))
 
     class TimedRanks(job.RayWorkerGroup):
         __init__ = timed("ranks", job.RayWorkerGroup.__init__)

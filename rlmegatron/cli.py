@@ -15,7 +15,7 @@ from rlmegatron.tracking.curves import report as report_curves
 from rlmegatron.tracking.progress import ProgressBar
 
 if TYPE_CHECKING:
-    from rlmegatron.config import JobSpec
+    from rlmegatron.spec_pipeline import SpecSource
 
 # Exit codes: a user's mistake (a rejected spec, a bad data file, a broken plug-in: any UserError) is theirs to fix.
 EXIT_OK = 0
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
             # SUPPRESS: absent here, the top-level --debug (or its default) stands.
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if takes_spec:
-            # Both optional to argparse, so that a missing spec is one line of ours (_load_spec), not a usage block
+            # Both optional to argparse, so that a missing spec is one line of ours (_spec_source), not a usage block
             # that calls the overrides required.
             subparser.add_argument("config", metavar="CONFIG", nargs="?", help="job spec YAML file")
             subparser.add_argument(
@@ -111,45 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Each command runs the spec pipeline (rlmegatron/spec_pipeline.py) once, with its stages: validate every stage but
+# data (what is not there yet is only noted), plan the stages of the spec alone, train all of them (in run_training).
 def validate(args: argparse.Namespace) -> int:
-    from rlmegatron.config import SpecError, dump_spec
-    from rlmegatron.preflight import preflight
+    from rlmegatron.config import dump_spec
+    from rlmegatron.spec_pipeline import VALIDATE_STAGES, check_job
 
-    spec = _load_spec(args)
-    # What the spec points at: model, tokenizer, data files, plug-ins (what is not there yet is only noted).
-    checked = preflight(spec, launching=False)
-    for note in checked.notes:
-        print(note, file=sys.stderr)
-    if checked.problems:
-        raise SpecError(checked.problems)
-    sys.stdout.write(dump_spec(spec))
+    sys.stdout.write(dump_spec(check_job(_spec_source(args), VALIDATE_STAGES).spec))
     return EXIT_OK
 
 
 def train(args: argparse.Namespace) -> int:
-    # The spec is checked before anything heavy, and run_training checks what it points at before Ray or a worker.
-    spec = _load_spec(args)
-    from rlmegatron.config import SpecError
-    from rlmegatron.driver.job import run_training
+    source = _spec_source(args)  # before the job runner's imports (torch, ...): a command-line mistake is found at once
+    from rlmegatron.driver.job import check_training, run_training
     from rlmegatron.driver.trainer import TrainingStopped
 
+    # Every stage of the spec pipeline, before Ray or any worker starts.
+    job = check_training(source)
     if args.verbose:
-        spec.trainer.log_freq = 1
+        job.spec.trainer.log_freq = 1
         ProgressBar.log_lines = True
     # A user's mistake found on the way (a SpecError, a CheckpointError, a reward plug-in that does not load, a full
     # disk, another run in the run directory, ...) is a UserError, which `main` reports in one line with exit 2.
     try:
-        run_training(spec)
-    except SpecError as err:  # a rule only training has, checked as the run starts, before any worker
-        for problem in err.problems:
-            print(problem, file=sys.stderr)
-        return EXIT_BAD_SPEC
+        run_training(job)
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
-        latest = CheckpointManager(spec.trainer.run_dir).latest()
+        latest = CheckpointManager(job.spec.trainer.run_dir).latest()
         print(f"interrupted; workers and engines stopped; last complete checkpoint: {latest or 'none'}",
               file=sys.stderr, flush=True)
         return code
@@ -158,8 +149,10 @@ def train(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     from rlmegatron.planner.command import run_plan
+    from rlmegatron.spec_pipeline import SPEC_STAGES, check_job
 
-    return run_plan(_load_spec(args), args)
+    # The spec's own stages: a plan reads the spec and the model's config.json, never the data or the plug-ins.
+    return run_plan(check_job(_spec_source(args), SPEC_STAGES).spec, args)
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -177,10 +170,10 @@ def convert(args: argparse.Namespace) -> int:
     return convert_main(args.convert_args)
 
 
-def _load_spec(args: argparse.Namespace) -> JobSpec:
-    """The checked spec (a SpecError names every problem). With --verl, the notes on verl keys that were accepted
-    as what rlmegatron does anyway go to stderr; verl's command line needs no base spec there (verl has none)."""
-    from rlmegatron.config import load_spec
+def _spec_source(args: argparse.Namespace) -> SpecSource:
+    """The spec file and overrides the command was given. With --verl the overrides are verl's keys, and verl's
+    command line needs no base spec (verl has none)."""
+    from rlmegatron.spec_pipeline import SpecSource
 
     command = f"rlm {args.command.__name__}"
     config, overrides = args.config, list(args.overrides)
@@ -192,14 +185,7 @@ def _load_spec(args: argparse.Namespace) -> JobSpec:
     elif config is None and not args.verl:
         raise UserError(f"{command}: which job? Give its spec: {command} CONFIG [KEY=VALUE ...], e.g. {command} "
                         "configs/quickstart.yaml")
-    if not args.verl:
-        return load_spec(config, overrides)
-    from rlmegatron.config.verl_keys import load_verl_spec
-
-    spec, notes = load_verl_spec(config, overrides)
-    for note in notes:
-        print(note, file=sys.stderr)
-    return spec
+    return SpecSource(config, tuple(overrides), verl=args.verl)
 
 
 def _is_override(argument: str) -> bool:

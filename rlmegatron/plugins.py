@@ -58,6 +58,12 @@ def load_plugin(reference: str) -> Any:
     return getattr(module, name)
 
 
+def is_async_function(function: Any) -> bool:
+    """Whether calling the plug-in returns a coroutine (`async def`, or an object whose __call__ is one): the reward
+    manager awaits those, and the spec's relevance rules ask it whether reward.async_concurrency means anything."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
 def call_problem(function: Any, positional: Sequence[str], keywords: Iterable[str] = ()) -> str | None:
     """Why `function(*positional, **{k: ... for k in keywords})` would fail on its signature alone; None if it fits.
 

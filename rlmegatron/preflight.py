@@ -1,6 +1,6 @@
 """Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files, the reward and
-dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses.
-`rlm validate` runs them after the spec checks; `rlm train` runs them before Ray or any worker.
+dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses: the
+preflight stage of rlmegatron/spec_pipeline.py, which `rlm validate` and `rlm train` (before Ray or any worker) run.
 
 The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
 (transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.
@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlmegatron.agent.tools import tool_problem
-from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.models.families import read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
@@ -67,20 +66,6 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     checks.run_dir()
     checks.trackers()
     return checks.result
-
-
-def ready_to_launch(spec: JobSpec) -> Any:
-    """The run's tokenizer once everything checks (notes go to stderr); a SpecError naming each problem otherwise."""
-    result = preflight(spec, launching=True)
-    for note in result.notes:
-        print(note, file=sys.stderr, flush=True)
-    if result.problems:
-        raise SpecError(result.problems)
-    # The workers read local files only: a hub id becomes the snapshot fetched for it.
-    model = spec.model
-    model.path = str(result.snapshots.get(model.path, model.path))
-    model.tokenizer_path = str(result.snapshots.get(model.tokenizer_path, model.tokenizer_path))
-    return result.tokenizer
 
 
 def _first_line(err: BaseException) -> str:

@@ -197,12 +197,12 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
 
 
 def test_ctrl_c_before_training_starts_is_one_line_and_exit_130(monkeypatch, capsys):
-    """Ctrl-C while the spec loads (it imports torch: seconds) is reported as an interrupt, not a traceback."""
+    """Ctrl-C while the command line is read or the spec is checked (seconds) is reported as an interrupt, not a traceback."""
     import rlmegatron.cli as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_load_spec", interrupted)
+    monkeypatch.setattr(cli, "_spec_source", interrupted)
     assert main(["train", "configs/quickstart.yaml"]) == cli.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted\n"

@@ -253,3 +253,9 @@ def test_imports_go_from_the_driver_to_the_transport_to_the_ranks_and_pool_never
                              + (" (in a function)" if found.lazy else ""))
     if backwards:
         pytest.fail("\n".join(backwards))
+
+
+def test_the_driver_does_not_import_megatron_core():
+    """The driver builds no Megatron model: importing Megatron-Core there would cost seconds of every `rlm train`'s
+    start-up and print its notices on a run's stderr, where a user's mistake must be one line."""
+    assert "megatron" not in heavy("rlmegatron.driver.job")

@@ -44,7 +44,8 @@ def test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from rlmegatron.config import load_spec, read_architecture
+    from rlmegatron.config import read_architecture
+    from rlmegatron.spec_pipeline import load_spec
     from rlmegatron.driver.role_settings import parallel_layout
     from rlmegatron.models.pipeline import pipeline_stage_layers
     from rlmegatron.models.hf_config import model_facts, read_hf_config, spec_config_options, transformer_config

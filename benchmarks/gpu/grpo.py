@@ -1,5 +1,5 @@
 """The GRPO part of the GPU harness: the quickstart job for a few steps on one rank of `--device`, colocated local
-engine, in-process (`run_training(spec, in_process=True)`: no Ray), console tracking only (no MLflow), no checkpoints.
+engine, in-process (`check_training(source, in_process=True)`: no Ray), console tracking only (no MLflow), no checkpoints.
 
     python -m benchmarks.gpu.grpo --device cuda --steps 20 --run-dir DIR --result FILE [KEY=VALUE ...]
 
@@ -57,11 +57,11 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    from rlmegatron.config import load_spec
-    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.job import check_training, run_training
+    from rlmegatron.spec_pipeline import SpecSource
 
     spec_overrides = overrides(args.device, args.steps, args.run_dir, args.overrides)
-    report = run_training(load_spec(QUICKSTART, spec_overrides), in_process=True)
+    report = run_training(check_training(SpecSource(QUICKSTART, spec_overrides), in_process=True))
     result = {"spec": QUICKSTART, "overrides": spec_overrides, **summary(report, time.perf_counter() - start)}
     result["forbidden_modules_imported"] = sorted(
         {name.split(".")[0] for name in sys.modules} & {"ray", "mlflow", "sglang", "transformer_engine"})

@@ -1,7 +1,8 @@
-"""The job spec: pydantic sections, YAML loading, dotted overrides and cross-field checks (no torch here)."""
+"""The job spec: pydantic sections, YAML loading, dotted overrides and the checks of the spec alone (no torch here);
+rlmegatron/spec_pipeline.py runs them as stages and is the one place a spec is rejected."""
 from rlmegatron.config.checks import check_spec
 from rlmegatron.config.errors import SpecError, SpecProblem
-from rlmegatron.config.loader import dump_spec, load_spec, spec_from_raw
+from rlmegatron.config.loader import dump_spec
 from rlmegatron.config.spec import JobSpec
 # The model's architecture, as its family reads config.json: the spec checks read it so.
 from rlmegatron.models.families import ArchitectureError, ModelArchitecture, read_architecture
@@ -14,7 +15,5 @@ __all__ = [
     "SpecProblem",
     "check_spec",
     "dump_spec",
-    "load_spec",
     "read_architecture",
-    "spec_from_raw",
 ]

@@ -277,7 +277,7 @@ def _update_batch_problems(
     if dp is None:
         return problems  # the layout check already reports the misfit
     n, micro = spec.rollout.n, update.ppo_micro_batch_size_per_gpu
-    sequences = mini * n
+    sequences = spec.mini_batch_sequences(role)
     if sequences % dp:
         reason = (
             f"makes {sequences} sequences (× rollout.n={n}), which do not split evenly over {dp} "
@@ -671,14 +671,12 @@ def _trained_optimizers(spec: JobSpec) -> list[tuple[str, OptimConfig]]:
 
 
 def _check_optimizers(spec: JobSpec) -> list[SpecProblem]:
-    problems = [
+    # Against the run's length: schedule_problems, the pipeline's schedule stage (the length may come from the data).
+    return [
         SpecProblem(f"{role}.optim.min_lr", optim.min_lr, f"exceeds {role}.optim.lr={render_value(optim.lr)}")
         for role, optim in _trained_optimizers(spec)
         if optim.min_lr > optim.lr
     ]
-    if spec.trainer.total_steps is not None:
-        problems += schedule_problems(spec, spec.trainer.total_steps, "trainer.total_steps")
-    return problems
 
 
 def schedule_problems(spec: JobSpec, total_steps: int, source: str) -> list[SpecProblem]:

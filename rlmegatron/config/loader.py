@@ -1,19 +1,18 @@
-"""Turns a YAML file plus command-line overrides into a checked JobSpec, or a SpecError naming every problem."""
+"""The schema stage's reading of a spec: a YAML file plus command-line overrides become a JobSpec, or the problems that
+keep it from being one (rlmegatron/spec_pipeline.py runs the stages and raises)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from rlmegatron.config.checks import check_spec
-from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem
+from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.config.fieldpaths import unknown_key_reason
 from rlmegatron.config.overrides import REMOVE, Override, apply_overrides
-from rlmegatron.config.relevance import unused_settings
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.config.yamlio import dump_yaml, parse_yaml
 
@@ -23,27 +22,38 @@ COMMAND_LINE = "command line"
 _SECTION_TYPE_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
-    """Read the YAML at `path`, apply `overrides` (`a.b=value`), validate, and run every cross-field check."""
-    file = str(path)
-    return spec_from_raw(read_spec_file(file), overrides, file)
+@dataclass(frozen=True)
+class ParsedSpec:
+    """A spec as the schema read it: the JobSpec (None when the schema rejects it), what the YAML and the overrides
+    wrote (`merged`, which the relevance rules read), and the schema's problems, each naming where it was written."""
+
+    spec: JobSpec | None
+    merged: dict[str, Any]
+    applied: tuple[Override, ...]
+    file: str
+    problems: list[SpecProblem]
+
+    @property
+    def command_line(self) -> set[str]:
+        """The fields the overrides set (rather than removed)."""
+        return {override.path for override in self.applied if override.value is not REMOVE}
+
+    def attributed(self, problems: Iterable[SpecProblem]) -> list[SpecProblem]:
+        """`problems` of later checks, each naming the command line (and the key that set the field) or the file."""
+        return _attributed(problems, self.file, self.applied)
 
 
-def spec_from_raw(
-    raw: dict[str, Any], overrides: Sequence[str | Override] = (), file: str = "<spec>"
-) -> JobSpec:
-    """As load_spec, for a spec already parsed from YAML; problems are attributed to `file`."""
+def parse_spec(raw: dict[str, Any], overrides: Sequence[str | Override] = (), file: str = "<spec>") -> ParsedSpec:
+    """The schema: `overrides` (`a.b=value`, `~a.b`) applied to the YAML's `raw`, then pydantic's types, ranges and
+    unknown keys. Problems are attributed to `file` or the command line; nothing is raised (spec_pipeline decides)."""
     merged, applied, override_problems = apply_overrides(raw, overrides, JobSpec)
     problems = [replace(problem, file=COMMAND_LINE) for problem in override_problems]
     try:
         spec = JobSpec.model_validate(merged)
     except ValidationError as err:
-        raise SpecError(problems + _attributed(_problems_from_pydantic(err), file, applied)) from None
-    command_line = {override.path for override in applied if override.value is not REMOVE}
-    problems += _attributed(check_spec(spec) + unused_settings(spec, merged, command_line), file, applied)
-    if problems:
-        raise SpecError(problems)
-    return spec
+        return ParsedSpec(None, merged, tuple(applied), file,
+                          problems + _attributed(_problems_from_pydantic(err), file, applied))
+    return ParsedSpec(spec, merged, tuple(applied), file, problems)
 
 
 def dump_spec(spec: JobSpec) -> str:
@@ -51,22 +61,23 @@ def dump_spec(spec: JobSpec) -> str:
     return dump_yaml(spec.model_dump(mode="json"))
 
 
-def read_spec_file(file: str) -> dict[str, Any]:
-    def fail(reason: str) -> SpecError:
-        return SpecError([SpecProblem("", NO_VALUE, reason, file=file)])
+def read_spec_file(file: str) -> dict[str, Any] | SpecProblem:
+    """The YAML mapping at `file`, or why it cannot be one."""
+    def fail(reason: str) -> SpecProblem:
+        return SpecProblem("", NO_VALUE, reason, file=file)
 
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise fail(f"cannot read the spec: {getattr(err, 'strerror', None) or err}") from None
+        return fail(f"cannot read the spec: {getattr(err, 'strerror', None) or err}")
     try:
         raw = parse_yaml(text)
     except yaml.YAMLError as err:
-        raise fail(f"not valid YAML: {_describe_yaml_error(err)}") from None
+        return fail(f"not valid YAML: {_describe_yaml_error(err)}")
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise fail("must be a YAML mapping of sections (model:, data:, actor:, ...)")
+        return fail("must be a YAML mapping of sections (model:, data:, actor:, ...)")
     return raw
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.config.spec import JobSpec
-from rlmegatron.plugins import load_plugin
-from rlmegatron.rewards.manager import is_async_function
+from rlmegatron.plugins import is_async_function, load_plugin
 
 
 def explicit_paths(raw: Mapping[str, Any], prefix: str = "") -> set[str]:

@@ -680,18 +680,34 @@ class JobSpec(Section):
         """Whether any KL term needs the frozen reference policy's log-probs."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    def mini_batch_sequences(self, role: Literal["actor", "critic"]) -> int:
+        """Sequences per optimizer step of `role`'s update: its ppo_mini_batch_size counts prompts, each with its
+        rollout.n responses."""
+        return getattr(self, role).ppo_mini_batch_size * self.rollout.n
+
+    def optimizer_steps_per_update(self, role: Literal["actor", "critic"], sequences: int | None = None) -> int:
+        """Optimizer steps of one update of `role` over `sequences` (default: a step's data.train_batch_size prompts
+        × rollout.n)."""
+        if sequences is None:
+            sequences = self.data.train_batch_size * self.rollout.n
+        return optimizer_steps(sequences, self.mini_batch_sequences(role), getattr(self, role).ppo_epochs)
+
+    def total_steps(self, batches_per_epoch: int) -> int:
+        """The run's trainer steps: trainer.total_steps, else trainer.total_epochs passes over `batches_per_epoch`
+        batches of data.train_files. The learning-rate schedules span them."""
+        return self.trainer.total_steps or self.trainer.total_epochs * batches_per_epoch
+
     @property
     def needs_old_log_prob_pass(self) -> bool:
         """Whether the step needs the actor's log-probs before its update as a pass of their own. Not when the update
-        is exactly on-policy (synchronous training, one epoch, one mini-batch: its only forward runs on the weights
-        that sampled, so the old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them),
+        is exactly on-policy (synchronous training, one optimizer step: its only forward runs on the weights that
+        sampled, so the old log-probs are that forward's own, detached, as TRL and verl's bypass mode take them),
         unless something reads them before the update: the reward's KL penalty, rollout correction, or the on-policy
         check (trainer.on_policy_check)."""
-        mini_batches = -(-self.data.train_batch_size // self.actor.ppo_mini_batch_size)
         correction = self.algorithm.rollout_correction
         corrected = correction.rollout_is is not None or correction.rollout_rs is not None \
             or correction.rollout_token_veto_threshold is not None
-        return (self.trainer.mode != "sync" or self.actor.ppo_epochs > 1 or mini_batches > 1
+        return (self.trainer.mode != "sync" or self.optimizer_steps_per_update("actor") > 1
                 or self.algorithm.use_kl_in_reward or corrected or self.trainer.on_policy_check is not None)
 
     @property
@@ -722,6 +738,18 @@ class JobSpec(Section):
         if self.trainer.run_dir is None:
             self.trainer.run_dir = f"runs/{self.trainer.experiment_name}"
         return self
+
+
+def optimizer_steps(sequences: int, mini_batch_sequences: int, epochs: int) -> int:
+    """A PPO update's optimizer steps: one per mini-batch (the last may be short) in each epoch. The driver's progress
+    bar, the on-policy rule (JobSpec.needs_old_log_prob_pass) and the actor's own guard all count with this."""
+    return epochs * -(-sequences // mini_batch_sequences)
+
+
+def micro_batch_tokens(per_gpu: int, megatron: MegatronConfig) -> int:
+    """A token-budget micro-batch's tokens from a per-GPU budget (ppo_max_token_len_per_gpu, ...): each of the
+    role's context-parallel ranks holds 1/CP of them."""
+    return per_gpu * megatron.context_parallel_size
 
 
 def _with_unset_from(own: MegatronConfig, parent: MegatronConfig) -> MegatronConfig:

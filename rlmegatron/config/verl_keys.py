@@ -1,4 +1,5 @@
-"""verl's command-line keys onto the job spec: one table (VERL_KEYS), and what `rlm train|validate|plan --verl` runs.
+"""verl's command-line keys onto the job spec: one table (VERL_KEYS), which the schema stage of `rlm train|validate|plan
+--verl` translates with (rlmegatron/spec_pipeline.py).
 
 Every verl key is one of:
 - Maps: it sets spec fields of the same meaning, its value converted where verl spells it differently;
@@ -17,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlmegatron.config.errors import NO_VALUE, SpecError, SpecProblem, render_value
+from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.fieldpaths import path_problem
-from rlmegatron.config.loader import COMMAND_LINE, read_spec_file, spec_from_raw
+from rlmegatron.config.loader import COMMAND_LINE
 from rlmegatron.config.overrides import Override, parse_override
 from rlmegatron.config.spec import JobSpec
 
@@ -208,6 +209,15 @@ def _sglang_load_format(value: Any, _: Context) -> Any:
     return "dummy" if isinstance(value, str) and value.startswith("dummy") else value
 
 
+def _quantization(value: Any, _: Context) -> Any:
+    if value in (None, False, "none"):
+        return "none"
+    if value == "fp8":
+        return Noted("fp8", "block-wise FP8 weights in the engines, the trainer's bf16 quantised at each sync")
+    raise Rejected("engines serve model.dtype weights or block-wise fp8 (rlmegatron's rollout.quantization); "
+                   "use fp8 or null")
+
+
 def _trace_backend(value: Any, _: Context) -> Any:
     if value == "weave":
         raise Rejected("weave is not supported; use mlflow (a table and a text file per step), wandb (a table), "
@@ -248,6 +258,49 @@ def _plugin(owner: str, default_name: str | None) -> Convert:
     return convert
 
 
+# verl names the HF modules that get LoRA adapters; Megatron-Core fuses q/k/v into one linear and gate/up into another.
+_LORA_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "qkv_proj": "linear_qkv",
+                 "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                 "gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+_FUSED = {"linear_qkv": {"q_proj", "k_proj", "v_proj"}, "linear_fc1": {"gate_proj", "up_proj"}}
+
+
+def _lora_targets(value: Any, _: Context) -> Any:
+    """verl's target_modules (all-linear, or HF module names) -> actor.lora.target_modules (Megatron's linears)."""
+    if value == "all-linear":
+        return list(dict.fromkeys(_LORA_TARGETS.values()))
+    names = [value] if isinstance(value, str) else value
+    unknown = [name for name in names if name not in _LORA_TARGETS] if isinstance(names, list) else [names]
+    if unknown:
+        raise Rejected(f"adapters go on all-linear or on {', '.join(_LORA_TARGETS)}; not on "
+                       f"{', '.join(map(str, unknown))}")
+    targets = list(dict.fromkeys(_LORA_TARGETS[name] for name in names))
+    widened = [linear for linear in targets if linear in _FUSED and not _FUSED[linear] <= set(names)]
+    if widened:
+        return Noted(targets, f"Megatron-Core fuses {', '.join(' and '.join(sorted(_FUSED[l])) for l in widened)} "
+                              f"into one linear each, so the adapters cover all of them (actor.lora.target_modules="
+                              f"{render_value(targets)})")
+    return targets
+
+
+def _reward_model_enable(value: Any, ctx: Context) -> Any:
+    """verl's switch; rlmegatron's is whether reward.model.path is set (from reward_model.model.path)."""
+    reward = ctx.raw.get("reward")
+    in_yaml = isinstance(reward, dict) and isinstance(reward.get("model"), dict) and reward["model"].get("path")
+    path = ctx.given.get("reward_model.model.path", in_yaml)
+    if value is True and not path:
+        raise Rejected("needs reward_model.model.path (rlmegatron's reward.model.path), the model that scores")
+    if value is False and path:
+        raise Rejected("but a reward model's path is set (reward.model.path); drop one of them")
+    raise Unchanged("a reward model scores when reward.model.path is set; its score alone is the reward, as in verl "
+                    "(reward.model.weight=1, rule_weight=0)" if value else "rewards come from reward functions")
+
+
+def _same_tokenizer_or_not(value: Any, _: Context) -> Any:
+    raise Unchanged("the reward model re-encodes prompt + response with its own tokenizer where it differs from the "
+                    "policy's")
+
+
 def _critic_init(value: Any, ctx: Context) -> Any:
     if value == ctx.model_path():
         return Noted("actor", "the critic starts from the policy's weights (critic.init_from=actor)")
@@ -258,16 +311,16 @@ def _critic_init(value: Any, ctx: Context) -> Any:
 
 _FSDP_ONLY = ("an FSDP setting; rlmegatron shards with Megatron-Core, so set the role's megatron section "
               "(e.g. actor.megatron.tensor_model_parallel_size) instead")
-_PACKING = Always((True,), "sequences are always packed (THD), so padding costs no compute",
-                  "there is no padded path: sequences are always packed; drop the key")
-_NO_LORA = "LoRA is not supported: rlmegatron trains every weight"
+# Each micro-batch is laid out as it pays (rank/roles/megatron_step.shard_micro_batches): no switch to set.
+_PACKING = Always((True, False), "each micro-batch is THD-packed or right-padded, whichever costs less compute")
+_CRITIC_LORA = "LoRA adapters are the actor's (actor.lora); the critic trains every weight"
 _CHECKPOINTS = ("checkpoints always hold the model, the optimizer and the trainer state; "
                 "trainer.save_freq and trainer.max_ckpt_to_keep set when and how many")
 _PROFILER = "profiling is not built in; run under nsys or torch.profiler yourself"
 _SINGLE_TURN = ("verl's multi-turn and agent-loop keys do not translate one to one: list the tools (plug-in classes) in "
                 "rollout.multi_turn.tools and set rollout.multi_turn.max_turns and max_tool_response_length")
-_NO_REWARD_MODEL = ("model-based rewards are not supported: score with a reward function "
-                    "(custom_reward_function.path, rlmegatron's reward.function)")
+_REWARD_MODEL = ("a reward-model setting without an rlmegatron key; reward.model holds the reward model's: path, "
+                 "micro_batch_size_per_gpu, tensor_model_parallel_size, sequence_parallel, offload.params")
 
 
 def _optim(verl: str, ours: str) -> dict[str, Entry]:
@@ -363,8 +416,24 @@ def _common_role(verl: str) -> dict[str, Entry]:
     }
 
 
-def _model(verl: str) -> dict[str, Entry]:
+def _model(verl: str, lora: bool) -> dict[str, Entry]:
+    """A model section of verl's; `lora`: its LoRA keys are the actor's adapters (else refused: only the actor has
+    them)."""
+    lora_entries: dict[str, Entry] = {
+        f"{verl}.lora_rank": _to("actor.lora.rank"),
+        f"{verl}.lora_alpha": _to("actor.lora.alpha"),
+        f"{verl}.target_modules": _to("actor.lora.target_modules", convert=_lora_targets),
+        f"{verl}.exclude_modules": Always((None,), "no module is excluded",
+                                          "narrow actor_rollout_ref.model.target_modules (rlmegatron's "
+                                          "actor.lora.target_modules) instead"),
+    } if lora else {
+        f"{verl}.lora_rank": Always((0,), "every weight is trained", _CRITIC_LORA),
+        f"{verl}.lora_alpha": NoMeaning(_CRITIC_LORA),
+        f"{verl}.target_modules": NoMeaning(_CRITIC_LORA),
+        f"{verl}.exclude_modules": NoMeaning(_CRITIC_LORA),
+    }
     return {
+        **lora_entries,
         f"{verl}.use_remove_padding": _PACKING,
         f"{verl}.external_lib": Always((None,), "no external library",
                                        "import your code through a plug-in (reward.function, data.dataset_class)"),
@@ -376,10 +445,6 @@ def _model(verl: str) -> dict[str, Entry]:
         f"{verl}.enable_activation_offload": Always(
             (False,), "activations stay on the GPU",
             "activation offload is not supported; actor.megatron.recompute_granularity=full saves that memory"),
-        f"{verl}.lora_rank": Always((0,), "every weight is trained", _NO_LORA),
-        f"{verl}.lora_alpha": NoMeaning(_NO_LORA),
-        f"{verl}.target_modules": NoMeaning(_NO_LORA),
-        f"{verl}.exclude_modules": NoMeaning(_NO_LORA),
         f"{verl}.use_liger": Always((False,), "no Liger kernels", "Liger kernels are for HF models; rlmegatron's "
                                     "are Megatron-Core models"),
         f"{verl}.use_fused_kernels": Always(
@@ -420,9 +485,10 @@ VERL_KEYS: dict[str, Entry] = {
                                               "the tokenizer's chat template is applied without extra arguments"),
     "data.sampler": NoMeaning("batches come from rlmegatron's resumable sampler (data.shuffle, data.seed)"),
     "data.datagen": NoMeaning("the training set is data.train_files; there is no generator"),
-    "data.image_key": NoMeaning("multimodal data is not supported"),
-    "data.video_key": NoMeaning("multimodal data is not supported"),
-    "data.return_multi_modal_inputs": NoMeaning("multimodal data is not supported"),
+    "data.image_key": _to("data.image_key"),
+    "data.video_key": NoMeaning("videos are not read; a row's images are (data.image_key)"),
+    "data.return_multi_modal_inputs": Always((True,), "a row's images reach the model through its image processor",
+                                             "a row's images always reach the model through its image processor"),
 
     # --- actor_rollout_ref: the policy model ---
     "actor_rollout_ref.model.path": _to("model.path"),
@@ -432,7 +498,7 @@ VERL_KEYS: dict[str, Entry] = {
     "actor_rollout_ref.model.custom_chat_template": Always(
         (None,), "the tokenizer's chat template is applied",
         "the tokenizer's own chat template is applied; put yours in the tokenizer directory (model.tokenizer_path)"),
-    **_model("actor_rollout_ref.model"),
+    **_model("actor_rollout_ref.model", lora=True),
     "actor_rollout_ref.hybrid_engine": _to(
         "placement.mode", convert=_colocate, note="the engines share the trainer GPUs (placement.mode=colocate)"),
     "actor_rollout_ref.nccl_timeout": NoMeaning("collectives use the process group's default timeout"),
@@ -550,8 +616,7 @@ VERL_KEYS: dict[str, Entry] = {
                                                          "every request is awaited; there is no over-sampling"),
     "actor_rollout_ref.rollout.skip_rollout": Always((False,), "every step generates",
                                                      "rollouts are never skipped or replayed from disk"),
-    "actor_rollout_ref.rollout.quantization": Always((False,), "engines serve model.dtype weights",
-                                                     "set rollout.quantization=fp8 for block-wise FP8 rollout"),
+    "actor_rollout_ref.rollout.quantization": _to("rollout.quantization", convert=_quantization),
     "actor_rollout_ref.rollout.layered_summon": NoMeaning("weights stream to the engines bucket by bucket "
                                                           "(rollout.update_weights_bucket_mb)"),
     "actor_rollout_ref.rollout.disable_log_stats": NoMeaning("engine statistics stay in the engines' own logs"),
@@ -590,7 +655,7 @@ VERL_KEYS: dict[str, Entry] = {
     "critic.model.trust_remote_code": Follows("model.trust_remote_code"),
     "critic.model.enable_gradient_checkpointing": _to(
         "critic.megatron.recompute_granularity", convert=_recompute, weak=True),
-    **_model("critic.model"),
+    **_model("critic.model", lora=False),
     **_optim("critic.optim", "critic.optim"),
     **_fsdp("critic.model.fsdp_config", "critic", ("params", "grads", "optimizer")),
     **_megatron("critic.megatron", "critic", ("params", "grads", "optimizer")),
@@ -599,8 +664,20 @@ VERL_KEYS: dict[str, Entry] = {
     "custom_reward_function.path": _to("reward.function", convert=_plugin("custom_reward_function.path",
                                                                           "compute_score")),
     "custom_reward_function.name": PartOf("custom_reward_function.path"),
-    "reward_model": NoMeaning(_NO_REWARD_MODEL),
-    "reward_model.enable": Always((False,), "rewards come from reward functions", _NO_REWARD_MODEL),
+    "reward_model": NoMeaning(_REWARD_MODEL),
+    "reward_model.enable": _to("reward.model.path", convert=_reward_model_enable),
+    "reward_model.model.path": _to("reward.model.path"),
+    "reward_model.model.input_tokenizer": _to("reward.model.path", convert=_same_tokenizer_or_not),
+    "reward_model.model.trust_remote_code": Follows("model.trust_remote_code"),
+    "reward_model.model.use_remove_padding": _PACKING,
+    "reward_model.model.fsdp_config.param_offload": _to("reward.model.offload.params", convert=_offload),
+    "reward_model.micro_batch_size_per_gpu": _to("reward.model.micro_batch_size_per_gpu"),
+    "reward_model.micro_batch_size": NoMeaning(
+        "verl's global micro-batch size; set reward_model.micro_batch_size_per_gpu (rlmegatron's "
+        "reward.model.micro_batch_size_per_gpu)"),
+    "reward_model.megatron.tensor_model_parallel_size": _to("reward.model.tensor_model_parallel_size"),
+    "reward_model.megatron.sequence_parallel": _to("reward.model.sequence_parallel"),
+    "reward_model.megatron.param_offload": _to("reward.model.offload.params", convert=_offload),
     "reward_model.reward_manager": _to("reward.manager"),
     "reward_model.launch_reward_fn_async": Always(
         (False,), "responses are scored once generation ends, in the driver or in reward.num_workers processes",
@@ -841,18 +918,10 @@ def _resolved(spec: JobSpec, path: str) -> Any:
     return value
 
 
-def load_verl_spec(path: str | None, args: Sequence[str]) -> tuple[JobSpec, list[str]]:
-    """The YAML at `path` (None: no base spec, as verl's own command line has none) with verl's `args` translated on
-    top, checked; and the notes to print. Raises SpecError with every problem: untranslatable keys and those of the
-    resulting spec."""
-    raw = read_spec_file(path) if path is not None else {}
-    translation = translate(args, raw)
-    try:
-        spec = spec_from_raw(raw, translation.overrides, path if path is not None else COMMAND_LINE)
-    except SpecError as err:
-        raise SpecError(translation.problems + list(err.problems)) from None
-    problems = list(translation.problems)
-    notes = list(translation.notes)
+def follows_checked(translation: Translation, spec: JobSpec) -> tuple[list[SpecProblem], list[str]]:
+    """The Follows keys against the resolved `spec`: a note where verl's value is what the spec has, else a problem
+    naming the field to set. Part of the schema stage (spec_pipeline), once the spec has parsed."""
+    problems, notes = [], []
     for key, value, ours in translation.follows:
         actual = _resolved(spec, ours)
         if _same(value, actual):
@@ -860,6 +929,4 @@ def load_verl_spec(path: str | None, args: Sequence[str]) -> tuple[JobSpec, list
         else:
             problems.append(_problem(key, value, f"rlmegatron uses {ours} for this, which is "
                                      f"{render_value(actual)}; set that instead"))
-    if problems:
-        raise SpecError(problems)
-    return spec, notes
+    return problems, notes

@@ -17,8 +17,7 @@ from typing import Optional
 from rlmegatron import reaper
 from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
-from rlmegatron.config import JobSpec, SpecError, SpecProblem
-from rlmegatron.config.checks import schedule_problems
+from rlmegatron.config import JobSpec
 from rlmegatron.transport.placement import create_pools, remove_pools
 from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
@@ -27,14 +26,13 @@ from rlmegatron.driver.role_settings import rollout_settings, trainer_rank_setti
 from rlmegatron.rollout.engine import INITIAL_VERSION
 from rlmegatron.driver.engine_fleet import EngineFleet, InTrainerRanks, OnRolloutPool
 from rlmegatron.driver.router import start_router
-from rlmegatron.driver.trainer import RankLost, Trainer, run_total_steps
+from rlmegatron.driver.trainer import RankLost, Trainer
 from rlmegatron.transport.worker_group import LocalWorkerGroup, RayWorkerGroup
-from rlmegatron.data import PromptDataLoader, build_dataset
 from rlmegatron.errors import DiskFull, disk_full_in
-from rlmegatron.preflight import ready_to_launch
 from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
 from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
+from rlmegatron.spec_pipeline import TRAIN_STAGES, CheckedJob, SpecSource, check_job
 from rlmegatron.transport.fork_server import environment, fork_server
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.curves import CURVES_FILE, draw_curves
@@ -68,18 +66,6 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def transport_for(spec: JobSpec) -> str:
-    """placement.transport as it applies to this run: "ray" or "processes" (see the field)."""
-    placement, cluster = spec.placement, os.environ.get("RAY_ADDRESS")
-    if placement.transport == "processes" and cluster:
-        raise SpecError([SpecProblem("placement.transport", "processes", f"runs the ranks on this machine without Ray, "
-                                     f"but RAY_ADDRESS={cluster} names a Ray cluster; use placement.transport=ray or "
-                                     f"auto, or unset RAY_ADDRESS")])
-    if placement.transport == "auto":
-        return "processes" if placement.fits_processes and not cluster else "ray"
-    return placement.transport
-
-
 def start_ray(spec: JobSpec) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local one just big enough for the placement."""
     import ray
@@ -106,36 +92,39 @@ def start_ray(spec: JobSpec) -> None:
     reaper.start(mark, context.address_info["session_dir"])
 
 
-def run_training(spec: JobSpec, in_process: bool = False) -> JobReport:
-    """The job, its ranks started as placement.transport says, or (`in_process`: tests, the GPU harness) one rank in
-    this process."""
-    launch = None if in_process else transport_for(spec)
-    refuse_if_busy(spec.trainer.run_dir)  # at once, when another run holds the run directory
-    if launch == "processes":
-        # The ranks' imports (torch, Megatron-Core, transformers, the rank's modules: seconds of CPU) start now in
-        # the fork server, beside the checks below; it runs nothing of the job, and no rank starts before they pass.
-        fork_server([PolicyRank.__module__], spec.placement.device)
-    # Model, tokenizer, data files, plug-ins and the run directory are checked before anything starts; a problem is a
-    # SpecError.
-    tokenizer = declaring_tools(ready_to_launch(spec), [(t.plugin, t.config) for t in spec.rollout.multi_turn.tools])
+def check_training(source: SpecSource, in_process: bool = False) -> CheckedJob:
+    """The job `source` names, through every stage of the spec pipeline (`rlm train`'s one call of it). Its ranks
+    start as placement.transport says, or (`in_process`: tests, the GPU harness; the job's transport is None) as one
+    rank in this process."""
+
+    def get_ready(job: CheckedJob) -> None:
+        # Once the spec itself is right, before preflight reads its files: a busy run directory is found at once, and
+        # the ranks' imports (torch, Megatron-Core, transformers, the rank's modules: seconds of CPU) start in the
+        # fork server beside preflight and the data; it runs nothing of the job, and no rank starts before they pass.
+        refuse_if_busy(job.spec.trainer.run_dir)
+        if not in_process and job.transport == "processes":
+            fork_server([PolicyRank.__module__], job.spec.placement.device)
+
+    job = check_job(source, TRAIN_STAGES, before_preflight=get_ready)
+    if in_process:
+        job.transport = None
+    return job
+
+
+def run_training(job: CheckedJob) -> JobReport:
+    """The checked job (check_training): start its parts, run the fit loop, stop every part however it ends."""
+    spec = job.spec
+    tokenizer = declaring_tools(job.tokenizer, [(t.plugin, t.config) for t in spec.rollout.multi_turn.tools])
     # Before anything in run_dir is read or written: a second run there would resume from this one's checkpoints and
     # take over its MLflow run.
     with run_dir_lock(spec.trainer.run_dir), disk_full_stops_the_run(spec.trainer.run_dir):
-        return _run_locked(spec, launch, tokenizer)
+        return _run_locked(job, job.transport, tokenizer)
 
 
-def _run_locked(spec: JobSpec, launch: Optional[str], tokenizer) -> JobReport:
+def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
+    spec, loader, val_set, total_steps = job.spec, job.loader, job.val_set, job.total_steps
     reward_manager = build_reward_manager(spec.reward, spec.data.max_response_length)
-    processor = spec.model.tokenizer_path or spec.model.path  # a vision-language model's image processor
-    train_set = build_dataset(spec.data.train_files, tokenizer, spec.data, processor)
-    val_set = build_dataset(spec.data.val_files, tokenizer, spec.data, processor) if spec.data.val_files else None
-    loader = PromptDataLoader(train_set, spec.data.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed)
     checkpoints = CheckpointManager(spec.trainer.run_dir, spec.trainer.max_ckpt_to_keep)
-    total_steps = run_total_steps(spec, loader)
-    if spec.trainer.total_steps is None:  # else check_spec has checked the schedules against it
-        source = f"trainer.total_epochs={spec.trainer.total_epochs} x {len(loader)} batches of data.train_files"
-        if problems := schedule_problems(spec, total_steps, source):
-            raise SpecError(problems)
     newest = checkpoints.plan_resume(spec.trainer.resume)  # before anything starts: it may refuse the run
     if newest is not None and newest.step >= total_steps:
         return _already_complete(newest, total_steps)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from rlmegatron.algorithms import PolicyLossConfig
 from rlmegatron.config import JobSpec
-from rlmegatron.config.spec import RolloutConfig
+from rlmegatron.config.spec import RolloutConfig, micro_batch_tokens
 from rlmegatron.config.transformer_config import FIRST_STAGE, LAST_STAGE
 from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.models.hf_config import spec_config_options
@@ -87,7 +87,7 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
     the learning-rate schedule spans the run's `total_steps` trainer steps."""
     actor = spec.actor
     return ActorSettings(
-        **_training_fields(actor, spec, total_steps),
+        **_training_fields("actor", spec, total_steps),
         temperature=spec.rollout.temperature or 1.0,
         policy_loss=actor.policy_loss.loss_mode,
         policy_loss_config=PolicyLossConfig(**{name: value for name, (_, value) in
@@ -123,30 +123,26 @@ def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
     return dataclasses.replace(
         actor,
         micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,
-        max_token_len=_micro_batch_tokens(ref.log_prob_max_token_len_per_gpu, ref.megatron)
+        max_token_len=micro_batch_tokens(ref.log_prob_max_token_len_per_gpu, ref.megatron)
         if ref.log_prob_use_dynamic_bsz else None,
         routing_replay="off",  # the reference routes freely
         routing_agreement=False,
     )
 
 
-def _micro_batch_tokens(per_gpu: int, megatron) -> int:
-    """A micro-batch's token budget from the spec's per-GPU one: each of the CP ranks holds 1/CP of its tokens."""
-    return per_gpu * megatron.context_parallel_size
-
-
 def critic_settings(spec: JobSpec, total_steps: int) -> CriticSettings:
-    return CriticSettings(**_training_fields(spec.critic, spec, total_steps),
+    return CriticSettings(**_training_fields("critic", spec, total_steps),
                           cliprange_value=spec.critic.cliprange_value)
 
 
-def _training_fields(role, spec: JobSpec, total_steps: int) -> dict:
-    """Batching and optimizer settings of a trained role (actor or critic) from its spec section."""
+def _training_fields(name: str, spec: JobSpec, total_steps: int) -> dict:
+    """Batching and optimizer settings of a trained role (`name`: actor or critic) from its spec section."""
+    role = getattr(spec, name)
     return dict(
-        ppo_mini_batch_size=role.ppo_mini_batch_size * spec.rollout.n,
+        ppo_mini_batch_size=spec.mini_batch_sequences(name),
         ppo_epochs=role.ppo_epochs,
         micro_batch_size=role.ppo_micro_batch_size_per_gpu,
-        max_token_len=(_micro_batch_tokens(role.ppo_max_token_len_per_gpu, role.megatron)
+        max_token_len=(micro_batch_tokens(role.ppo_max_token_len_per_gpu, role.megatron)
                        if role.use_dynamic_bsz else None),
         loss_agg_mode=spec.actor.loss_agg_mode,
         optimizer=_optimizer_settings(role.optim, total_steps),

@@ -194,9 +194,7 @@ class Trainer:
 
     def update(self, role: str, batch) -> dict[str, float]:
         """One PPO update of the actor or critic, with a bar over its optimizer steps."""
-        settings = getattr(self.spec, role)
-        mini_batch = settings.ppo_mini_batch_size * self.spec.rollout.n
-        steps = settings.ppo_epochs * -(-len(batch) // mini_batch)
+        steps = self.spec.optimizer_steps_per_update(role, len(batch))
         update = self.ranks.update_actor if role == "actor" else self.ranks.update_critic
         with progress_sink(ProgressBar(f"update_{role}", steps)) as progress:
             return update(batch, progress)
@@ -374,7 +372,7 @@ class Trainer:
         }
 
     def total_steps(self) -> int:
-        return run_total_steps(self.spec, self.train_loader)
+        return self.spec.total_steps(len(self.train_loader))
 
     def sampling_seed(self, step: int, round_: int) -> int:
         # A function of (seed, step, round) only, so a resumed run samples exactly what the original would have.
@@ -421,11 +419,6 @@ def _rank_raised(error: BaseException) -> bool:
     ray_exceptions = sys.modules.get("ray.exceptions")
     return isinstance(error.__cause__, RankFailure) or (ray_exceptions is not None
                                                         and isinstance(error, ray_exceptions.RayTaskError))
-
-
-def run_total_steps(spec, train_loader) -> int:
-    """The run's trainer steps: trainer.total_steps, else trainer.total_epochs passes over the training data."""
-    return spec.trainer.total_steps or spec.trainer.total_epochs * len(train_loader)
 
 
 def _every(freq: int, step: int) -> bool:

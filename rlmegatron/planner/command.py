@@ -49,7 +49,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
 
 def _run_search(spec: JobSpec, args: argparse.Namespace, settings: PlanSettings) -> int:
     located = spec.model.architecture_source()
-    assert located is not None, "load_spec rejects a spec without a readable architecture"
+    assert located is not None, "the cross-field stage rejects a spec without a readable architecture"
     started = time.perf_counter()
     result = search(read_spec_file(args.config), list(args.overrides), spec, read_architecture(located[1]),
                     settings, args.config, top=args.top)
@@ -81,7 +81,7 @@ def _run_search(spec: JobSpec, args: argparse.Namespace, settings: PlanSettings)
 
 def run_plan(spec: JobSpec, args: argparse.Namespace) -> int:
     located = spec.model.architecture_source()
-    assert located is not None, "load_spec rejects a spec without a readable architecture"
+    assert located is not None, "the cross-field stage rejects a spec without a readable architecture"
     settings = PlanSettings(gpu_mem_gb=args.gpu_mem_gb, link_gbps=args.link_gbps, gpu_tflops=args.gpu_tflops,
                             hbm_gb_per_s=args.hbm_gb_per_s, prompt_tokens=args.prompt_tokens,
                             response_tokens=args.response_tokens)

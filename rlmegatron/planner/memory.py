@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig
+from rlmegatron.config.spec import JobSpec, MegatronConfig, OffloadConfig, micro_batch_tokens
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, pipeline_stage_layers
 from rlmegatron.planner.parameters import LoRALayerParameters, ParameterCount
 
@@ -103,7 +103,7 @@ def stage_layers(num_layers: int, megatron: MegatronConfig) -> list[list[int]]:
 def micro_batch(spec: JobSpec, update_sequences: int, use_dynamic_bsz: bool, max_tokens: int,
                 megatron: MegatronConfig) -> MicroBatch:
     if use_dynamic_bsz:  # packed: one row of up to max_tokens tokens per GPU, split over the CP ranks
-        return MicroBatch(1, max_tokens * megatron.context_parallel_size)
+        return MicroBatch(1, micro_batch_tokens(max_tokens, megatron))
     return MicroBatch(update_sequences, spec.data.max_prompt_length + spec.data.max_response_length)
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from rlmegatron.config.errors import SpecError
-from rlmegatron.config.loader import spec_from_raw
 from rlmegatron.config.spec import JobSpec, OffloadConfig
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.models.pipeline import PipelineSplitError
@@ -28,6 +27,7 @@ from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_we
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
 from rlmegatron.planner.step_time import StepTime, generation_seconds, training_phases, workload_of
+from rlmegatron.spec_pipeline import SPEC_STAGES, SpecSource, check_job
 
 KEEP_TRAINER_LAYOUTS = 6
 KEEP_ENGINE_LAYOUTS = 3
@@ -225,7 +225,7 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
                       if item.split("=", 1)[0].lstrip("~") not in fixed]
             checked += 1
             try:
-                candidate_spec = spec_from_raw(raw, [*overrides, *chosen], file)
+                candidate_spec = check_job(SpecSource(file, (*overrides, *chosen), raw=raw), SPEC_STAGES).spec
             except SpecError:
                 rejected += 1
                 continue

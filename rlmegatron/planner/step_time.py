@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil, log2
 
-from rlmegatron.config.spec import JobSpec, MegatronConfig
+from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.planner.memory import EngineMemory, TrainingMemory, rollout_weight_bytes, stage_layers
 from rlmegatron.planner.parameters import ParameterCount
@@ -157,7 +157,7 @@ def training_phases(spec: JobSpec, arch: ModelArchitecture, params: ParameterCou
     the actor laid out by `megatron`, the reference by `ref_megatron`."""
     actor = spec.actor
     # A token budget packs rows up to it; fixed micro-batches hold rows of the mean length.
-    micro_tokens = actor.ppo_max_token_len_per_gpu * megatron.context_parallel_size if actor.use_dynamic_bsz \
+    micro_tokens = micro_batch_tokens(actor.ppo_max_token_len_per_gpu, megatron) if actor.use_dynamic_bsz \
         else actor.ppo_micro_batch_size_per_gpu * work.sequence
     phases = {}
     if spec.needs_old_log_prob_pass:

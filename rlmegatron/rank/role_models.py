@@ -20,7 +20,6 @@ from rlmegatron.rank.settings import TrainerRankSettings
 from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
 from rlmegatron.models.lora import add_adapters, remember_base_weights
-from rlmegatron.models.vision import freeze_vision_tower
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.rank.roles import ActorWorker, CriticWorker, ReferenceWorker
@@ -70,6 +69,10 @@ class RoleModels:
             seed_everything(self.settings.seed)
             config = transformer_config(facts, layout, dtype=self.settings.model.dtype,
                                         options=self.settings.roles[role].config_options)
+
+            # lazy: models.vision subclasses GPTModel, so it imports Megatron-Core, which the driver (importing
+            # this module for PolicyRank's method references) must not pay for or print the notices of.
+            from rlmegatron.models.vision import freeze_vision_tower
 
             def provide(pre, post, vp):
                 model = build_gpt_model(facts, config, vp_stage=vp)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlmegatron.errors import UserError
-from rlmegatron.plugins import PluginError, call_problem, load_plugin
+from rlmegatron.plugins import PluginError, call_problem, is_async_function, load_plugin
 from rlmegatron.rewards.dispatch import default_compute_score
 
 if TYPE_CHECKING:
@@ -151,10 +151,6 @@ def load_reward_function(function_ref: str | None) -> Callable[..., Any]:
     if problem is not None:
         raise RewardFunctionError(f"reward.function={function_ref}: {problem}")
     return function
-
-
-def is_async_function(function: Any) -> bool:
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
 
 
 def _raise_timeout(signum: int, frame: Any) -> None:

@@ -3,12 +3,12 @@ history as JSON."""
 import json
 import sys
 
-from rlmegatron.config import load_spec
-from rlmegatron.driver.job import run_training
+from rlmegatron.driver.job import check_training, run_training
+from rlmegatron.spec_pipeline import SpecSource
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
     out, *overrides = sys.argv[1:]
-    report = run_training(load_spec("configs/tool_lookup_cpu.yaml", overrides))
+    report = run_training(check_training(SpecSource("configs/tool_lookup_cpu.yaml", overrides)))
     with open(out, "w") as handle:
         json.dump({"history": report.history, "seconds": report.seconds}, handle)

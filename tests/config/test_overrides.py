@@ -1,7 +1,8 @@
 """Dotted overrides: YAML-typed values, paths checked against the spec, and pass-through dicts."""
 import pytest
 
-from rlmegatron.config import JobSpec, spec_from_raw
+from rlmegatron.config import JobSpec
+from rlmegatron.spec_pipeline import spec_from_raw
 from rlmegatron.config.overrides import Override, apply_overrides, parse_override
 from tests.config.specs import minimal_spec, problems_of
 

@@ -1,7 +1,8 @@
 """Rejection format: file, dotted field, value and reason for YAML typos, type errors and unreadable files."""
 import pytest
 
-from rlmegatron.config import SpecError, load_spec
+from rlmegatron.config import SpecError
+from rlmegatron.spec_pipeline import load_spec
 from tests.config.specs import minimal_spec, problems_of
 
 

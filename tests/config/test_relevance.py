@@ -1,7 +1,8 @@
 """Settings the rest of the spec makes meaningless are rejected when the user sets them, never when defaulted."""
 import pytest
 
-from rlmegatron.config import dump_spec, spec_from_raw
+from rlmegatron.config import dump_spec
+from rlmegatron.spec_pipeline import spec_from_raw
 from rlmegatron.config.yamlio import parse_yaml
 from tests.config.specs import REPO_ROOT, minimal_spec, problems_with
 

@@ -1,4 +1,6 @@
 """`--verl`: verl's command-line keys mapped onto the spec, accepted with a note, or rejected with our equivalent."""
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -7,9 +9,18 @@ import yaml
 from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main
 from rlmegatron.config.fieldpaths import path_problem
 from rlmegatron.config.spec import ActorConfig, JobSpec
-from rlmegatron.config.verl_keys import VERL_KEYS, Follows, Maps, load_verl_spec, translate
+from rlmegatron.config import verl_keys
+from rlmegatron.config.verl_keys import VERL_KEYS, Follows, Maps, translate
+from rlmegatron.spec_pipeline import SPEC_STAGES, SpecSource, check_job
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def verl_spec(path, args):
+    """The spec verl's `args` make on top of the YAML at `path` (None: none), through the spec's stages, and the
+    notes the translation printed."""
+    job = check_job(SpecSource(path, tuple(args), verl=True), SPEC_STAGES)
+    return job.spec, job.notes
 
 # verl's GSM8K GRPO example (docs: GRPO, "Qwen2.5-0.5B" on one GPU), as a shell hands it over.
 GSM8K_GRPO = """
@@ -114,8 +125,8 @@ def test_gsm8k_grpo_command_maps_every_key_onto_the_spec(base, capsys):
     notes = err.splitlines()
     for key in ALWAYS:
         assert sum(note.startswith(f"note: {key}=") for note in notes) == 1, key  # said once
-    assert "note: actor_rollout_ref.model.use_remove_padding=true: sequences are always packed (THD), so padding " \
-           "costs no compute" in notes
+    assert "note: actor_rollout_ref.model.use_remove_padding=true: each micro-batch is THD-packed or right-padded, " \
+           "whichever costs less compute" in notes
     assert any(note.startswith("note: actor_rollout_ref.rollout.name=vllm: vLLM is not used here") for note in notes)
 
 
@@ -128,8 +139,7 @@ def test_every_key_of_the_command_becomes_an_override_or_a_note():
 
 def test_a_key_without_meaning_and_an_unknown_key_exit_2_naming_the_key_and_our_equivalent(base, capsys):
     args = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.actor.optim.lrr=1e-6",
-            "actor_rollout_ref.model.use_remove_padding=False", "actor_rollout_ref.model.lora_rank=32",
-            "actor_rollout_ref.rollout.trace.backend=weave"]
+            "critic.model.lora_rank=32", "actor_rollout_ref.rollout.trace.backend=weave"]
     assert main(["validate", "--verl", base, *GSM8K_GRPO, *args]) == EXIT_BAD_SPEC
     out, err = capsys.readouterr()
     assert out == ""
@@ -138,9 +148,8 @@ def test_a_key_without_meaning_and_an_unknown_key_exit_2_naming_the_key_and_our_
         "megatron.context_parallel_size: Megatron-Core's context parallelism splits each sequence over ranks",
         "command line: actor_rollout_ref.actor.optim.lrr=1.0e-06: unknown verl key; did you mean "
         "actor_rollout_ref.actor.optim.lr (rlmegatron's actor.optim.lr)?",
-        "command line: actor_rollout_ref.model.use_remove_padding=false: there is no padded path: sequences are "
-        "always packed; drop the key",
-        "command line: actor_rollout_ref.model.lora_rank=32: LoRA is not supported: rlmegatron trains every weight",
+        "command line: critic.model.lora_rank=32: LoRA adapters are the actor's (actor.lora); the critic trains every "
+        "weight",
         "command line: actor_rollout_ref.rollout.trace.backend=weave: weave is not supported; use mlflow (a table "
         "and a text file per step), wandb (a table), tensorboard (a text summary) or console",
     ]
@@ -168,7 +177,7 @@ def test_sub_keys_rejected_with_their_parent_and_hydra_syntax(base):
 
 def test_translations_that_combine_yield_or_conflict(base, tmp_path):
     def spec_with(*args):
-        return load_verl_spec(base, [*GSM8K_GRPO, *args])
+        return verl_spec(base, [*GSM8K_GRPO, *args])
 
     # Hydra's + prefix, rlmegatron's own keys beside verl's, and a path + name pair joined into one plug-in.
     reward, dataset = tmp_path / "r.py", tmp_path / "d.py"
@@ -204,7 +213,7 @@ def test_translations_that_combine_yield_or_conflict(base, tmp_path):
     # With dynamic batching the command's micro-batch size would change nothing, which the spec rejects.
     dynamic = [arg for arg in GSM8K_GRPO if not arg.startswith(("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                                                                   "actor_rollout_ref.rollout.log_prob_micro"))]
-    _, notes = load_verl_spec(base, [*dynamic, "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    _, notes = verl_spec(base, [*dynamic, "actor_rollout_ref.actor.use_dynamic_bsz=True",
                                      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
                                      "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True"])
     assert ("note: actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true: rlmegatron uses actor.use_dynamic_bsz "
@@ -260,7 +269,82 @@ def test_conversions_that_read_other_keys():
 def test_verls_own_command_line_needs_no_base_spec():
     """verl's command line is the whole job there: `rlm train --verl KEY=VALUE ...` reads it the same way, on the
     spec's defaults, with what verl has no key for (here a hub model's config.json) among its keys."""
-    spec, _ = load_verl_spec(None, [*GSM8K_GRPO, f"model.hf_config={MODELS_DIR / 'qwen2.5-0.5b'}"])
+    spec, _ = verl_spec(None, [*GSM8K_GRPO, f"model.hf_config={MODELS_DIR / 'qwen2.5-0.5b'}"])
     assert (spec.model.path, spec.data.train_files, spec.trainer.total_epochs, spec.trainer.total_steps,
             spec.trainer.run_dir) == ("Qwen/Qwen2.5-0.5B-Instruct", ["data/gsm8k/train.parquet"], 5, None,
                                       "/data/gsmk8/checkpoints")
+
+
+def test_lora_reward_model_images_and_padding_translate_onto_the_fields_the_spec_has():
+    def translated(*args):
+        translation = translate(args, BASE)
+        return {o.path: o.value for o in translation.overrides}, [str(p) for p in translation.problems], \
+            translation.notes
+
+    overrides, problems, _ = translated("actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=64",
+                                        "actor_rollout_ref.model.target_modules=all-linear")
+    assert problems == [] and overrides == {"actor.lora.rank": 32, "actor.lora.alpha": 64, "actor.lora.target_modules": [
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
+    overrides, problems, notes = translated("actor_rollout_ref.model.target_modules=[q_proj,v_proj,down_proj]")
+    assert overrides == {"actor.lora.target_modules": ["linear_qkv", "linear_fc2"]} and problems == []
+    assert "Megatron-Core fuses k_proj and q_proj and v_proj into one linear" in notes[0]
+    assert translated("actor_rollout_ref.model.target_modules=[lm_head]")[1] == [
+        "command line: actor_rollout_ref.model.target_modules=[lm_head]: adapters go on all-linear or on q_proj, "
+        "k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj; not on lm_head"]
+    # A reward model: verl's switch and its path become reward.model.path; its batching and layout, reward.model's.
+    overrides, problems, _ = translated("reward_model.enable=True", "reward_model.model.path=/rm",
+                                        "reward_model.micro_batch_size_per_gpu=8",
+                                        "reward_model.megatron.tensor_model_parallel_size=2")
+    assert problems == [] and overrides == {"reward.model.path": "/rm", "reward.model.micro_batch_size_per_gpu": 8,
+                                            "reward.model.tensor_model_parallel_size": 2}
+    assert translated("reward_model.enable=True")[1] == [
+        "command line: reward_model.enable=true: needs reward_model.model.path (rlmegatron's reward.model.path), the "
+        "model that scores"]
+    assert translated("data.image_key=pictures")[0] == {"data.image_key": "pictures"}
+    assert translated("actor_rollout_ref.rollout.quantization=fp8")[0] == {"rollout.quantization": "fp8"}
+    # The padded path is there: each micro-batch is laid out as it pays, so either value is accepted with a note.
+    for value in ("True", "False"):
+        overrides, problems, notes = translated(f"actor_rollout_ref.model.use_remove_padding={value}")
+        assert (overrides, problems) == ({}, []) and "right-padded" in notes[0]
+
+
+# Features of the spec, by the words a message would name them with, and the field that holds each. A message that
+# calls one of them unsupported has drifted from the spec (issue 26).
+FEATURES = {"lora": "actor.lora.rank", "adapter": "actor.lora.rank", "reward model": "reward.model.path",
+            "model-based reward": "reward.model.path", "multimodal": "data.image_key", "image": "data.image_key",
+            "fp8": "rollout.quantization", "quantiz": "rollout.quantization", "multi-turn": "rollout.multi_turn.tools",
+            "tool": "rollout.multi_turn.tools", "context parallel": "actor.megatron.context_parallel_size",
+            "router": "rollout.sglang.router", "asynchronous": "trainer.mode", "padded": None}
+UNSUPPORTED = re.compile(r"not supported|unsupported|there is no\b|is not built|are not read")
+FIELD_PATH = re.compile(r"\b[a-z_]+(?:\.[a-z_0-9]+)+\b")
+
+
+def _messages() -> list[str]:
+    """Every text verl_keys.py can show: its string constants, f-strings with their fields left out."""
+    texts = []
+    for node in ast.walk(ast.parse(Path(verl_keys.__file__).read_text())):
+        if isinstance(node, ast.JoinedStr):
+            texts.append("".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts.append(node.value)
+    return texts
+
+
+def test_a_not_supported_message_names_nothing_the_spec_has():
+    for field in filter(None, FEATURES.values()):
+        assert path_problem(JobSpec, tuple(field.split("."))) is None, f"FEATURES names {field}, not a spec field"
+    drifted = []
+    for text in _messages():
+        # The clause that says what is missing; the rest names the alternative (which the spec has).
+        for clause in re.split(r"[;:]", text):
+            if not UNSUPPORTED.search(clause):
+                continue
+            words = [word for word in FEATURES if word in clause.lower() and FEATURES[word]]
+            fields = [path for path in FIELD_PATH.findall(clause) if path_problem(JobSpec, tuple(path.split("."))) is None]
+            if words or fields:
+                drifted.append(f"{clause.strip()!r} names {', '.join(words + fields)}, which the spec has")
+    assert not drifted, "\n".join(drifted)
+    # The test sees the messages it guards: one the table has, and a stale one it would catch.
+    assert any("weave is not supported" in text for text in _messages())
+    clause = "LoRA is not supported"
+    assert UNSUPPORTED.search(clause) and any(word in clause.lower() for word in FEATURES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlmegatron.config import load_spec
+from rlmegatron.spec_pipeline import load_spec
 from rlmegatron.driver.trainer import Trainer
 
 QUICKSTART = "configs/quickstart.yaml"

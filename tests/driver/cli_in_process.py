@@ -8,5 +8,5 @@ from rlmegatron.driver import job
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
-    job.run_training = functools.partial(job.run_training, in_process=True)  # cli.train imports it when it runs
+    job.check_training = functools.partial(job.check_training, in_process=True)  # cli.train imports it when it runs
     sys.exit(cli.main(["train", *sys.argv[1:]]))

@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 
 
 from rlmegatron.checkpoint import CheckpointManager
-from rlmegatron.config import JobSpec, spec_from_raw
+from rlmegatron.config import JobSpec
+from rlmegatron.spec_pipeline import spec_from_raw
 from rlmegatron.driver.engine_fleet import EngineFleet
 from rlmegatron.driver.trainer import FitResult, Trainer
 from rlmegatron.data import PromptDataLoader, Sample

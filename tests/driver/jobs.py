@@ -2,8 +2,8 @@
 import json
 import sys
 
-from rlmegatron.config import load_spec
-from rlmegatron.driver.job import run_training
+from rlmegatron.driver.job import check_training, run_training
+from rlmegatron.spec_pipeline import SpecSource
 from rlmegatron.tracking.progress import ProgressBar
 
 # The tests read the progress bars' lines in the log, as `rlm train --verbose` prints them.
@@ -12,7 +12,7 @@ ProgressBar.log_lines = True
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
     out, where, *overrides = sys.argv[1:]  # where: launched (as placement.transport says) or local (in this process)
-    report = run_training(load_spec("configs/quickstart.yaml", overrides), in_process=where == "local")
+    report = run_training(check_training(SpecSource("configs/quickstart.yaml", overrides), in_process=where == "local"))
     with open(out, "w") as handle:
         json.dump({"history": report.history, "checkpoint": report.checkpoint, "exported_hf": report.exported_hf,
                    "seconds": report.seconds, "steps": report.steps,

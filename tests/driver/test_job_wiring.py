@@ -1,10 +1,10 @@
-"""`run_training` hands each spec setting to the part that uses it: the parts are replaced by recorders (nothing is
+"""`check_training` and `run_training` hand each spec setting to the part that uses it: the parts are replaced by recorders (nothing is
 built, no worker starts), and the loop itself is stopped as it is handed over."""
 from pathlib import Path
 
 import pytest
 
-from rlmegatron.config import load_spec
+from rlmegatron.spec_pipeline import SpecSource, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,12 @@ class Part:
 
 
 def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
+    import rlmegatron.data
     import rlmegatron.tracking
+    from rlmegatron import spec_pipeline
     from rlmegatron.driver import job
-    from rlmegatron.driver.job import run_training
+    from rlmegatron.driver.job import check_training, run_training
+    from rlmegatron.preflight import Preflight
 
     monkeypatch.chdir(REPO_ROOT)
     made: dict[str, list] = {}
@@ -41,11 +44,12 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
         made["trainer"] = args
         raise Stop
 
-    # The pre-launch checks load the tokenizer the run uses (tests/test_user_errors.py checks what they check).
-    monkeypatch.setattr(job, "ready_to_launch",
-                        lambda spec: made.setdefault("tokenizer", []).append(spec.model.tokenizer_path) or "tokenizer")
-    monkeypatch.setattr(job, "build_dataset", recorder("dataset"))
-    monkeypatch.setattr(job, "PromptDataLoader", recorder("loader"))
+    # The pipeline's preflight stage loads the tokenizer the run uses (tests/test_user_errors.py checks what it
+    # checks), its data stage builds the datasets.
+    monkeypatch.setattr(spec_pipeline, "preflight", lambda spec, launching: made.setdefault("tokenizer", []).append(
+        spec.model.tokenizer_path) or Preflight(tokenizer="tokenizer"))
+    monkeypatch.setattr(rlmegatron.data, "build_dataset", recorder("dataset"))
+    monkeypatch.setattr(rlmegatron.data, "PromptDataLoader", recorder("loader"))
     monkeypatch.setattr(job, "build_reward_manager", recorder("reward"))
     monkeypatch.setattr(job, "CheckpointManager", recorder("checkpoints"))
     monkeypatch.setattr(rlmegatron.tracking.Tracker, "from_spec", recorder("tracker"))
@@ -54,12 +58,14 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
     monkeypatch.setattr(job, "EngineFleet", recorder("fleet"))
     monkeypatch.setattr(job, "Trainer", trainer)
 
-    spec = load_spec("configs/quickstart.yaml", [
+    checked = check_training(SpecSource("configs/quickstart.yaml", [
         "model.tokenizer_path=elsewhere/tokenizer", "data.shuffle=false", "data.seed=5", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8", "data.max_response_length=2",
-        "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", f"trainer.run_dir={tmp_path / 'run'}"])
+        "reward.num_workers=3", "trainer.max_ckpt_to_keep=2", "trainer.total_steps=3",
+        f"trainer.run_dir={tmp_path / 'run'}"]), in_process=True)
+    spec = checked.spec
     with pytest.raises(Stop):
-        run_training(spec, in_process=True)
+        run_training(checked)
 
     assert made["tokenizer"] == ["elsewhere/tokenizer"]
     (train_args, _), (val_args, _) = made["dataset"]
@@ -92,7 +98,7 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
 ])
 def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(settings, ray_address, launched,
                                                                              monkeypatch):
-    from rlmegatron.driver.job import transport_for
+    from rlmegatron.spec_pipeline import transport_for
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -103,12 +109,12 @@ def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(sett
 
 def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(monkeypatch):
     from rlmegatron.config import SpecError
-    from rlmegatron.driver.job import transport_for
+    from rlmegatron.spec_pipeline import VALIDATE_STAGES, check_job
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     with pytest.raises(SpecError) as refused:
-        transport_for(load_spec("configs/quickstart.yaml", ["placement.transport=processes"]))
-    assert str(refused.value) == ("placement.transport=processes: runs the ranks on this machine without Ray, but "
-                                  "RAY_ADDRESS=10.0.0.1:6379 names a Ray cluster; use placement.transport=ray or auto, "
-                                  "or unset RAY_ADDRESS")
+        check_job(SpecSource("configs/quickstart.yaml", ["placement.transport=processes"]), VALIDATE_STAGES)
+    assert str(refused.value) == ("command line: placement.transport=processes: runs the ranks on this machine without "
+                                  "Ray, but RAY_ADDRESS=10.0.0.1:6379 names a Ray cluster; use placement.transport=ray "
+                                  "or auto, or unset RAY_ADDRESS")

@@ -67,7 +67,7 @@ def test_only_a_ray_session_of_its_own_is_handed_to_the_reaper(monkeypatch):
     import ray
 
     from rlmegatron import reaper
-    from rlmegatron.config import load_spec
+    from rlmegatron.spec_pipeline import load_spec
     from rlmegatron.driver.job import start_ray
 
     inits, reapers = [], []

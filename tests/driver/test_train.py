@@ -81,7 +81,7 @@ def test_bad_config_is_rejected_before_ray_starts(monkeypatch, capsys):
     monkeypatch.chdir(REPO_ROOT)
     started = []
     monkeypatch.setattr(job, "start_ray", lambda spec: started.append(spec))
-    monkeypatch.setattr(job, "run_training", lambda spec, in_process=False: started.append(spec))
+    monkeypatch.setattr(job, "run_training", lambda checked: started.append(checked))
     assert main(["train", QUICKSTART, "rollout.n=0"]) == EXIT_BAD_SPEC
     assert "rollout.n=0" in capsys.readouterr().err
     assert started == []
@@ -96,7 +96,7 @@ def test_a_warmup_longer_than_the_epochs_is_rejected_before_any_worker_starts(mo
     monkeypatch.setattr(job, "RankProcesses", lambda *args: pytest.fail("rank processes started"))
     assert main(["train", QUICKSTART, "trainer.total_steps=null", "actor.optim.lr_warmup_steps=100000"]) == EXIT_BAD_SPEC
     err = capsys.readouterr().err.strip()
-    assert re.fullmatch(r"actor\.optim\.lr_warmup_steps=100000: must be below the run's (\d+) steps "
+    assert re.fullmatch(r"command line: actor\.optim\.lr_warmup_steps=100000: must be below the run's (\d+) steps "
                         r"\(trainer\.total_epochs=1 x \1 batches of data\.train_files\); lower it", err), err
 
 

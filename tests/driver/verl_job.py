@@ -4,14 +4,14 @@ into micro-batches (sequences, micro-batch size) in the order the workers made t
 import json
 import sys
 
-from rlmegatron.config.verl_keys import load_verl_spec
-from rlmegatron.driver.job import run_training
+from rlmegatron.driver.job import check_training, run_training
+from rlmegatron.spec_pipeline import SpecSource
 from rlmegatron.rank.roles import megatron_step
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.
 if __name__ == "__main__":
     out, *verl_args = sys.argv[1:]
-    spec, notes = load_verl_spec("configs/quickstart.yaml", verl_args)
+    job = check_training(SpecSource("configs/quickstart.yaml", verl_args, verl=True), in_process=True)
     cuts = []
     shard = megatron_step.shard_micro_batches
 
@@ -20,6 +20,7 @@ if __name__ == "__main__":
         return shard(batch, pack, micro_batch_size, max_token_len, share_prompts)
 
     megatron_step.shard_micro_batches = recording_shard
-    report = run_training(spec, in_process=True)
+    report = run_training(job)
     with open(out, "w") as handle:
-        json.dump({"history": report.history, "notes": notes, "cuts": cuts, "run_dir": spec.trainer.run_dir}, handle)
+        json.dump({"history": report.history, "notes": job.notes, "cuts": cuts, "run_dir": job.spec.trainer.run_dir},
+                  handle)

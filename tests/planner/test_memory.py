@@ -1,7 +1,8 @@
 """Planner estimates against published memory figures and Megatron's documented formulas (within 25%)."""
 import pytest
 
-from rlmegatron.config import read_architecture, spec_from_raw
+from rlmegatron.config import read_architecture
+from rlmegatron.spec_pipeline import spec_from_raw
 from rlmegatron.planner.parameters import count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan, render_plan
 from tests.config.specs import MODELS_DIR

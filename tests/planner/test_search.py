@@ -6,7 +6,8 @@ import time
 import pytest
 
 from rlmegatron.cli import main
-from rlmegatron.config import load_spec, read_architecture
+from rlmegatron.config import read_architecture
+from rlmegatron.spec_pipeline import load_spec
 from rlmegatron.planner.plan import PlanSettings, build_plan
 
 RECIPE = "configs/qwen3_30b_a3b_grpo.yaml"

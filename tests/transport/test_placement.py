@@ -2,7 +2,7 @@
 calls are recorded, not made)."""
 from pathlib import Path
 
-from rlmegatron.config import load_spec
+from rlmegatron.spec_pipeline import load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
+from rlmegatron.config.spec import optimizer_steps
 from rlmegatron.models.routing_replay import RoutingTaps
 from rlmegatron.rank.roles import megatron_step
 from rlmegatron.rank.roles.batch import MicroBatch, RolloutBatch, share_prompt_routing
@@ -108,7 +109,7 @@ class ActorWorker(TrainingWorker):
         s = self.settings
         if batch.advantages is None:
             raise ValueError("update needs advantages")
-        if batch.old_log_probs is None and (s.ppo_epochs > 1 or len(batch) > s.ppo_mini_batch_size):
+        if batch.old_log_probs is None and optimizer_steps(len(batch), s.ppo_mini_batch_size, s.ppo_epochs) > 1:
             raise ValueError("without old_log_probs the update must be on-policy: one epoch of one mini-batch")
         if s.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
