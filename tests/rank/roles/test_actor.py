@@ -10,7 +10,7 @@ from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.rank.roles.jobs import make_actor, on_policy_job, parity_job, plugin_loss_job, rollout_batch
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 TOLERANCE = 1e-5
 
