@@ -16,6 +16,7 @@ CORE = [
     "safetensors>=0.4",
     "psutil>=5.9",  # megatron.core.dist_checkpointing needs it
     "pyarrow>=14",  # parquet datasets
+    "pillow>=9",  # the images of vision-language datasets (data/images.py); matplotlib already requires it
     "packaging>=23",  # the SGLang server's version, checked against SGLANG_RANGE
 ]
 
