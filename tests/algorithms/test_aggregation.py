@@ -6,8 +6,6 @@ The single-batch values mirror verl.trainer.ppo.core_algos.agg_loss for every mo
 trained with gradients num_sequences times smaller; the expected values below changed with it.)
 """
 
-import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -22,6 +20,8 @@ from rlmegatron.algorithms import (
     global_denominator,
     local_denominator,
 )
+
+from rlmegatron.transport.local_ranks import run_ranks
 
 from .batches import random_mask
 
@@ -176,47 +176,29 @@ def test_naive_per_micro_batch_normalisation_is_not_exact():
         assert not torch.allclose(naive / len(micro_batches), full)
 
 
-def _dp_rank(rank, port, features, mask, shard, queue):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results = {}
-        for mode in MODES:
-            denominator = global_denominator([mask[mb] for mb in shard], mode)
-            weight = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
-            rank_loss = sum(
-                aggregate_loss(_per_token_loss(weight, features[mb]), mask[mb], LossAggregation(mode, denominator))
-                for mb in shard
-            )
-            rank_loss.backward()
-            reduced = torch.stack([rank_loss.detach(), weight.grad])
-            dist.all_reduce(reduced)  # what the gradient all-reduce does, as a sum
-            results[mode] = (denominator.item(), reduced.tolist())
-        queue.put((rank, results))
-    finally:
-        dist.destroy_process_group()
+def _dp_rank(features, mask, shards):
+    # The process group is run_ranks'; each rank takes its own shard, as a DP rank would.
+    shard = shards[dist.get_rank()]
+    results = {}
+    for mode in MODES:
+        denominator = global_denominator([mask[mb] for mb in shard], mode)
+        weight = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        rank_loss = sum(
+            aggregate_loss(_per_token_loss(weight, features[mb]), mask[mb], LossAggregation(mode, denominator))
+            for mb in shard
+        )
+        rank_loss.backward()
+        reduced = torch.stack([rank_loss.detach(), weight.grad])
+        dist.all_reduce(reduced)  # what the gradient all-reduce does, as a sum
+        results[mode] = (denominator.item(), reduced.tolist())
+    return results
 
 
-@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
 def test_global_denominator_all_reduces_over_a_real_process_group():
+    # Ranks come from run_ranks' fork server, not a fork of this process: a fork of a process that has run
+    # autograd and OpenMP can hang in the child (it did, once, on CI).
     features, mask, shards = _sharded_batch()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    ranks = [
-        context.Process(target=_dp_rank, args=(rank, port, features, mask, shards[rank], queue)) for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        results = dict(queue.get(timeout=30) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-    assert [process.exitcode for process in ranks] == [0, 0]
+    results = run_ranks(_dp_rank, 2, features, mask, shards, timeout_s=120)
 
     for mode in MODES:
         weight = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
