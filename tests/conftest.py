@@ -146,6 +146,12 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         os.environ[name] = os.path.join(scratch, name.lower())
     _guard_popen()
+    # Every fork server of this session also imports what a driver imports, so that the commands warm_runs forks from
+    # it start with those imported (the preload counts for the call that starts the server, whichever comes first).
+    from rlmegatron.transport import fork_server
+    from tests.helpers.warm_runs import DRIVER_MODULES
+
+    fork_server._PRELOAD.extend(DRIVER_MODULES)
     if missing := [path for path in (*FIRST, *E2E) if not (REPO_ROOT / path).is_file()]:
         raise pytest.UsageError(f"tests/conftest.py: FIRST or E2E names files that do not exist: {', '.join(missing)}")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -228,18 +234,32 @@ def _training_command(args) -> str | None:
     return None
 
 
+def _refuse_in_a_unit_test(args) -> None:
+    if _UNIT and (what := _training_command(args)):
+        raise RuntimeError(f"{_UNIT[-1]} starts {what}: an end-to-end test, which tests/conftest.py's E2E must "
+                           "name (then `pytest -m 'not e2e'` leaves it out)")
+
+
 def _guard_popen() -> None:
+    """Both ways the tests start a command: subprocess, and warm_runs' fork (the same commands, forked warm)."""
     import subprocess
+
+    from tests.helpers import warm_runs
 
     original = subprocess.Popen.__init__
 
     def __init__(self, args, *rest, **kwargs):
-        if _UNIT and (what := _training_command(args)):
-            raise RuntimeError(f"{_UNIT[-1]} starts {what}: an end-to-end test, which tests/conftest.py's E2E must "
-                               "name (then `pytest -m 'not e2e'` leaves it out)")
+        _refuse_in_a_unit_test(args)
         original(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = __init__
+    warm_popen = warm_runs.popen
+
+    def popen(cmd, **kwargs):
+        _refuse_in_a_unit_test(cmd)
+        return warm_popen(cmd, **kwargs)
+
+    warm_runs.popen = popen
 
 
 def _ray_started_by(nodeid: str, was_up: bool) -> None:

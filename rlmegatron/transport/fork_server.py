@@ -13,7 +13,11 @@ from rlmegatron.runtime.distributed import Device
 from rlmegatron.runtime.notices import import_notices_off
 
 
-_PRELOAD = ["torch", "megatron.core", "transformers", "rlmegatron.transport.local_ranks"]
+# Also what every trainer rank imports on its first build and save (HF's model classes for the local engine and the
+# converter, dist_checkpointing's torch strategy): imported here once, not once per rank.
+_PRELOAD = ["torch", "megatron.core", "transformers", "transformers.modeling_utils",
+            "transformers.models.auto.modeling_auto", "megatron.core.dist_checkpointing.strategies.torch",
+            "rlmegatron.transport.local_ranks"]
 
 
 def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:

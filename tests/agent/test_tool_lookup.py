@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ def test_tool_lookup_learns_to_call_the_tool_and_answer_with_its_result(tmp_path
     out = tmp_path / "report.json"
     # The MLflow store is the run directory's own (no MLFLOW_TRACKING_URI).
     env = {name: value for name, value in os.environ.items() if name != "MLFLOW_TRACKING_URI"}
-    run = subprocess.run([sys.executable, "-m", "tests.agent.tool_lookup_job", str(out),
+    run = warm_runs.run([sys.executable, "-m", "tests.agent.tool_lookup_job", str(out),
                           f"trainer.run_dir={tmp_path / 'run'}"],
                          cwd=REPO_ROOT, timeout=900, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]

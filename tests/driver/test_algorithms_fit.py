@@ -6,7 +6,6 @@ The cases come from the registries when the tests are collected, so an estimator
 on one in-process rank in one process (tests/driver/algorithm_runs.py), two steps each."""
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from rlmegatron.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from tests.driver.graded_reward import compute_score, scores_nothing
+from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GAMMA = 0.9  # algorithm.gamma in tests/driver/algorithm_runs.py
@@ -31,7 +31,7 @@ CASES.append({"name": "remax-dynamic-sampling", "estimator": "remax",
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("algorithms") / "runs.pt"
-    run = subprocess.run([sys.executable, "-m", "tests.driver.algorithm_runs", str(out), json.dumps(CASES)],
+    run = warm_runs.run([sys.executable, "-m", "tests.driver.algorithm_runs", str(out), json.dumps(CASES)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return torch.load(out, weights_only=False)

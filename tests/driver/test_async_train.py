@@ -13,6 +13,7 @@ import pytest
 
 from tests.driver.test_train import QUICKSTART, REPO_ROOT, SMALL, processes_of_run, train, with_fake_sglang
 from tests.helpers.checkpoints import wait_for_checkpoint
+from tests.helpers import warm_runs
 
 ASYNC = ["trainer.total_steps=4", "placement.gpus_per_node=1", "placement.mode=disaggregate",
          "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", "trainer.save_freq=-1",
@@ -44,7 +45,7 @@ def test_an_engine_that_dies_while_generating_ahead_is_restarted_and_synced_and_
     settings = [a for a in ASYNC if not a.startswith(("trainer.mode", "trainer.total_steps", "trainer.save_freq"))]
     run_dir = tmp_path / "run"
     with open(tmp_path / "stderr", "w") as stderr:
-        run = subprocess.Popen([sys.executable, "-m", "tests.driver.cli_in_process", QUICKSTART, *SMALL, *settings,
+        run = warm_runs.popen([sys.executable, "-m", "tests.driver.cli_in_process", QUICKSTART, *SMALL, *settings,
                                 f"trainer.mode={mode}", "trainer.total_steps=20", "trainer.save_freq=1",
                                 "rollout.sglang.extra_args.fake-token-delay=0.01", f"trainer.run_dir={run_dir}",
                                 *sglang], cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.driver.test_train import QUICKSTART, REPO_ROOT, RLM
+from tests.helpers import warm_runs
 
 STEPS = 20
 # Validation before training and after the last step; no checkpoints: the subject is the loop.
@@ -25,7 +26,7 @@ MOE_MODEL = REPO_ROOT / "configs" / "quickstart" / "moe_model"
 
 
 def train(tmp: Path, name: str, *overrides: str, timeout_s: float = 240):
-    return subprocess.run([RLM, "train", QUICKSTART, f"model.path={MOE_MODEL}", f"trainer.run_dir={tmp / name}",
+    return warm_runs.run([RLM, "train", QUICKSTART, f"model.path={MOE_MODEL}", f"trainer.run_dir={tmp / name}",
                            *overrides], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -76,7 +77,7 @@ def test_multi_turn_rollouts_replay_their_model_turns_routing_and_stay_on_policy
                                          "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
                                          "norm_topk_prob", "output_router_logits", "router_aux_loss_coef")}
     (model / "config.json").write_text(json.dumps({**dense, **experts}))
-    run = subprocess.run([RLM, "train", "configs/tool_lookup_cpu.yaml", f"model.path={model}",
+    run = warm_runs.run([RLM, "train", "configs/tool_lookup_cpu.yaml", f"model.path={model}",
                           f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.save_freq=-1",
                           "trainer.test_freq=-1", "trainer.val_before_train=false", "data.val_files=[]",
                           "tracking.backends=[console]", "trainer.log_freq=1",
@@ -101,8 +102,7 @@ def test_a_rank_that_stops_answering_stops_the_run_within_the_collective_timeout
                "trainer.save_freq=1", "trainer.collective_timeout_s=3", "actor.megatron.expert_model_parallel_size=2",
                "tracking.backends=[console]", "trainer.log_freq=1",
                "actor.policy_loss.loss_mode=tests/driver/slow_rank_loss.py:compute_policy_loss"]
-    with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as run:
+    with warm_runs.popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as run:
         step_one = None
         for line in run.stdout:  # the metric table of step 1 is printed once step 1 is done
             if line.startswith("── step 1 "):

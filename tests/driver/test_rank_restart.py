@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.driver.test_train import QUICKSTART, REPO_ROOT, RLM
+from tests.helpers import warm_runs
 
 LOSS = "actor.policy_loss.loss_mode=tests/driver/dying_rank_loss.py:compute_policy_loss"
 RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
@@ -26,7 +27,7 @@ def rlm_train(run_dir: Path, *overrides: str, marker: Path, die_after: Path, tim
     env = {**os.environ, "RLM_DIE_MARKER": str(marker), "RLM_DIE_ONCE_EXISTS": str(die_after),
            "RLM_DIE_TIMES": str(times), "RLM_DIE_HOW": how}
     env.pop("MLFLOW_TRACKING_URI", None)  # the run directory's own store
-    return subprocess.run([RLM, "train", QUICKSTART, *RUN, f"trainer.run_dir={run_dir}", *overrides], cwd=REPO_ROOT,
+    return warm_runs.run([RLM, "train", QUICKSTART, *RUN, f"trainer.run_dir={run_dir}", *overrides], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=420)
 
 

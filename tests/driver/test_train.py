@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlmegatron.cli import EXIT_BAD_SPEC, main
+from tests.helpers import warm_runs
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model
 from tests.helpers.tracking_readers import (plotted, tensorboard_events, tensorboard_history, wandb_history,
@@ -35,7 +35,7 @@ RLM = str(Path(sys.executable).parent / "rlm")
 def train(tmp: Path, name: str, where: str, *overrides: str, env: dict | None = None) -> dict:
     """`where`: launched (as placement.transport says) or local (the one rank in the job's process)."""
     out = tmp / f"{name}.json"
-    run = subprocess.run([sys.executable, "-m", "tests.driver.jobs", str(out), where, *SMALL, *overrides],
+    run = warm_runs.run([sys.executable, "-m", "tests.driver.jobs", str(out), where, *SMALL, *overrides],
                          cwd=REPO_ROOT, timeout=300, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return {**json.loads(out.read_text()), "stdout": run.stdout, "stderr": run.stderr}
@@ -119,10 +119,10 @@ def ray_run(tmp_path_factory):
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
         # --verbose: the progress bars' lines, checked below, show in the log.
-        killed = subprocess.Popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
+        killed = warm_runs.popen([RLM, "train", "--verbose", QUICKSTART, *SMALL, "trainer.total_steps=10", *sglang,
                                    "placement.transport=ray",
                                    f"trainer.run_dir={tmp / 'killed'}", "trainer.resume=disable", EVERY_TRACKER],
-                                  cwd=REPO_ROOT, env=env, stderr=stderr, text=True)
+                                  cwd=REPO_ROOT, env=env, stderr=stderr)
         wait_for_checkpoint(killed, tmp / "killed", 4, timeout_s=600)  # a bound on a hang, not a speed test
         killed.send_signal(signal.SIGTERM)
         killed.wait(timeout=120)
@@ -419,7 +419,7 @@ def test_a_nan_stops_the_step_keeps_the_last_checkpoint_and_says_why(tmp_path, p
                                                                      expected):
     (tmp_path / "calls").mkdir()
     env = {**os.environ, "RLM_NAN_REWARD_DIR": str(tmp_path / "calls"), "RLM_NAN_AFTER": str(calls_before_nan)}
-    run = subprocess.run([sys.executable, "-m", "tests.driver.jobs", str(tmp_path / "out.json"), "local", *SMALL,
+    run = warm_runs.run([sys.executable, "-m", "tests.driver.jobs", str(tmp_path / "out.json"), "local", *SMALL,
                           "trainer.total_steps=3", "placement.gpus_per_node=1", f"trainer.run_dir={tmp_path / 'run'}",
                           "trainer.save_freq=1", "trainer.test_freq=-1", "data.val_files=[]",
                           "tracking.backends=[console]", plugin],

@@ -2,11 +2,11 @@
 micro-batch size, and rollout samples traced to MLflow as text."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -29,7 +29,7 @@ def verl_run(tmp_path_factory):
         "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=2",
     ]
     env = {key: value for key, value in os.environ.items() if key != "MLFLOW_TRACKING_URI"}
-    run = subprocess.run([sys.executable, "-m", "tests.driver.verl_job", str(out), *verl_args], cwd=REPO_ROOT,
+    run = warm_runs.run([sys.executable, "-m", "tests.driver.verl_job", str(out), *verl_args], cwd=REPO_ROOT,
                          env=env, timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return json.loads(out.read_text())

@@ -3,11 +3,12 @@ the same bare image placeholder, starts near or below chance on validation and n
 held-out images by the end, on CPU with the two gloo ranks the config asks for. End to end (a few minutes on two
 cores), so it is in tests/conftest.py's FIRST."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VAL = "val/colour/score/mean"
@@ -27,7 +28,7 @@ if __name__ == "__main__":
 @pytest.mark.timeout(900)
 def test_the_vision_quickstart_learns_the_colours_from_the_images_alone(tmp_path):
     out = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(out), f"trainer.run_dir={tmp_path / 'run'}"],
+    run = warm_runs.run([sys.executable, "-c", SCRIPT, str(out), f"trainer.run_dir={tmp_path / 'run'}"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
