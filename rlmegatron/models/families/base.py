@@ -176,6 +176,7 @@ class Family:
     # Where the checkpoint keeps the language model's tensors (embed_tokens, layers, norm): transformers 5 saves
     # Qwen3-VL's nested under model.language_model., every other family's under model.
     hf_language_prefix = "model."
+    hf_vision_prefix = "visual."  # and the vision tower's (a vision-language family's): Qwen2.5-VL's visual.
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.

@@ -32,7 +32,6 @@ class QwenVisionLanguage:
     position_embedding_type = "mrope"
     vision_defaults: Mapping[str, Any] = {}
     default_mrope_section: tuple[int, ...] = ()
-    hf_vision_prefix = "visual."  # where the checkpoint (and SGLang's loader) names the tower's tensors
     vision_tower_class = VisionTower
 
     def config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,7 +84,7 @@ class QwenVisionLanguage:
 
     def vision_rules(self, rules, vision: VisionTower) -> None:
         # The tower is transformers' module as it is (models.vision): its weights keep their names under
-        # Megatron's `vision.` and the checkpoint's (and SGLang's) hf_vision_prefix, unsharded.
+        # Megatron's `vision.` and the checkpoint's (and SGLang's) under hf_vision_prefix, unsharded.
         for name in vision.parameter_shapes():
             rules.add(f"vision.{name}", [f"{self.hf_vision_prefix}{name}"])
 
