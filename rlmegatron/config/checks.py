@@ -211,6 +211,10 @@ def check_layout_fits_model(
                 field, value = (f"extra.{FIRST_STAGE}", m.extra[FIRST_STAGE]) if FIRST_STAGE in m.extra \
                     else ("pipeline_model_parallel_size", m.pipeline_model_parallel_size)
                 problems.append(SpecProblem(f"{prefix}.{field}", value, reason))
+        if deepstack and m.recompute_granularity == "full":
+            reason = ("reruns decoder layers in the backward, without the DeepStack image features hooks add to the "
+                      "first ones (models/vision.py); use selective or none")
+            problems.append(SpecProblem(f"{prefix}.recompute_granularity", "full", reason))
 
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size
     if not arch.is_moe:

@@ -49,9 +49,14 @@ class VisionLanguageModel(GPTModel):
             if held[:deepstack_layers] != list(range(deepstack_layers)):
                 raise ValueError(
                     f"DeepStack adds image features after decoder layers 0..{deepstack_layers - 1}, which must be on "
-                    f"the first pipeline stage with the vision tower, but it holds {len(held)}; set "
+                    f"the first pipeline stage with the vision tower, but that stage holds {len(held)}; set "
                     f"megatron.extra.num_layers_in_first_pipeline_stage >= {deepstack_layers} or lower the "
                     "(virtual) pipeline size")
+            if self.config.recompute_granularity == "full":
+                # The hooks read the features of the forward that runs; a full recompute reruns the layers in the
+                # backward, when they are gone, and would differ from the forward it stands for.
+                raise ValueError("DeepStack's features are added by hooks a full activation recompute would rerun "
+                                 "without them; use recompute_granularity selective or none")
             for index in range(deepstack_layers):
                 self.decoder.layers[index].register_forward_hook(self._deepstack_hook(index))
 

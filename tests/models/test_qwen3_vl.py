@@ -116,6 +116,16 @@ def test_a_pipeline_split_that_takes_deepstack_layers_off_the_first_stage_is_ref
     assert problems_with({"actor.megatron.pipeline_model_parallel_size": 2}, "qwen3-vl-8b") == []
 
 
+def test_a_full_recompute_which_would_rerun_deepstack_layers_without_their_features_is_refused():
+    from tests.config.specs import problems_with
+
+    (full,) = problems_with({"actor.megatron.recompute_granularity": "full"}, "qwen3-vl-8b")
+    assert "actor.megatron.recompute_granularity=full: reruns decoder layers" in full and full.endswith(
+        "use selective or none")
+    assert problems_with({"actor.megatron.recompute_granularity": "selective"}, "qwen3-vl-8b") == []
+    assert problems_with({"actor.megatron.recompute_granularity": "full"}, "qwen2.5-vl-7b") == []  # no DeepStack
+
+
 @pytest.mark.timeout(300)
 def test_a_frozen_towers_weights_are_not_resent_after_the_first_sync(tmp_path):
     from safetensors.torch import load_file
