@@ -83,7 +83,7 @@ def test_log_probs_on_images_equal_transformers_and_the_export_generates_as_the_
 
     # patch embedding (2) and position grid, 3 blocks of 12, the merger and 2 DeepStack mergers of 6 each
     assert report[0]["vision_weights"] == 3 + 3 * 12 + 3 * 6
-    generated = report[0]["generated"]
+    generated, logits = report[0]["generated"]
     assert [len(row) for row in generated] == [GENERATED_TOKENS] * 2
     for layout in map(str, LAYOUTS):
         entries = [rank[layout] for rank in report]
@@ -94,7 +94,7 @@ def test_log_probs_on_images_equal_transformers_and_the_export_generates_as_the_
         assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
         assert entries[0]["config_equal"], layout
         assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
-        assert entries[0]["generated"] == generated, layout
+        assert entries[0]["generated"][0] == generated and torch.equal(entries[0]["generated"][1], logits), layout
     # DeepStack's layers 0 and 1 must be on the tower's stage: with one layer there, the first stage refuses.
     refusals = [rank["one_layer_first_stage"] for rank in report]
     assert sum(r is not None for r in refusals) == 2, refusals  # the first stage's ranks, at TP=1 x DP=2

@@ -31,9 +31,10 @@ def hf_vl_log_probs(hf_dir: str) -> torch.Tensor:
 GENERATED_TOKENS = 8
 
 
-def hf_vl_generate(hf_dir: str) -> list[list[int]]:
+def hf_vl_generate(hf_dir: str) -> tuple[list[list[int]], torch.Tensor]:
     """The tokens transformers' model in `hf_dir` generates greedily after each image prompt (KV cache, M-RoPE
-    positions continued from its rope deltas)."""
+    positions continued from its rope deltas), and the logits [steps, prompts, vocab] each was picked from (a tiny
+    random model may repeat one token; its logits still tell two models apart)."""
     from transformers import AutoModelForImageTextToText
 
     from tests.models.tiny_vl import IMAGE_TOKEN
@@ -43,8 +44,9 @@ def hf_vl_generate(hf_dir: str) -> list[list[int]]:
     with torch.no_grad():
         out = model.generate(input_ids=tokens, pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids),
                              mm_token_type_ids=(tokens == IMAGE_TOKEN).int(), max_new_tokens=GENERATED_TOKENS,
-                             min_new_tokens=GENERATED_TOKENS, do_sample=False)
-    return out[:, tokens.shape[1]:].tolist()
+                             min_new_tokens=GENERATED_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, tokens.shape[1]:].tolist(), torch.stack(out.logits)
 
 
 def megatron_vl_log_probs(chunks, facts):
