@@ -198,6 +198,23 @@ def check_layout_fits_model(
             problems.append(SpecProblem(f"{prefix}.context_parallel_size", m.context_parallel_size, why + "1"))
         if m.sequence_parallel:
             problems.append(SpecProblem(f"{prefix}.sequence_parallel", True, why + "false"))
+        deepstack = arch.vision.deepstack_layers
+        if deepstack and not pipeline_problem:
+            first_chunk = pipeline_stage_layers(arch.num_hidden_layers, m.pipeline_model_parallel_size,
+                                                m.virtual_pipeline_model_parallel_size, m.extra.get(FIRST_STAGE),
+                                                m.extra.get(LAST_STAGE))[0][0]
+            if len(first_chunk) < deepstack:
+                # DeepStack's features come from the tower, which runs on the first stage only (models/vision.py).
+                reason = (f"puts {len(first_chunk)} decoder layers on the first (virtual) pipeline stage, but DeepStack "
+                          f"adds image features after layers 0..{deepstack - 1} there; set "
+                          f"{prefix}.extra.{FIRST_STAGE} >= {deepstack}, or lower the (virtual) pipeline size")
+                field, value = (f"extra.{FIRST_STAGE}", m.extra[FIRST_STAGE]) if FIRST_STAGE in m.extra \
+                    else ("pipeline_model_parallel_size", m.pipeline_model_parallel_size)
+                problems.append(SpecProblem(f"{prefix}.{field}", value, reason))
+        if deepstack and m.recompute_granularity == "full":
+            reason = ("reruns decoder layers in the backward, without the DeepStack image features hooks add to the "
+                      "first ones (models/vision.py); use selective or none")
+            problems.append(SpecProblem(f"{prefix}.recompute_granularity", "full", reason))
 
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size
     if not arch.is_moe:

@@ -203,7 +203,9 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
 
         model_class = VisionLanguageModel
         vision = dict(vision_tower=facts.vision_tower_factory(config.params_dtype),
-                      image_token_id=facts.arch.vision.image_token_id)
+                      image_token_id=facts.arch.vision.image_token_id,
+                      deepstack_layers=facts.arch.vision.deepstack_layers,
+                      mrope_interleaved=facts.family.mrope_interleaved)
     model = model_class(
         config=config,
         transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),

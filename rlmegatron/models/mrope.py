@@ -1,5 +1,6 @@
-"""Multimodal rotary positions (M-RoPE) of Qwen2.5-VL's decoder input: a (temporal, height, width) position per
-token, the same three for text, a grid for each image's merged patches.
+"""Multimodal rotary positions (M-RoPE) of Qwen2.5-VL's and Qwen3-VL's decoder input: a (temporal, height, width)
+position per token, the same three for text, a grid for each image's merged patches; and which of the three each
+rotary frequency takes in Qwen3-VL's interleaved layout.
 
 Pure tensor code, computed wherever token ids meet image grids (the actor's batches, the local engine's prompts)
 and checked against transformers' get_rope_index in tests/models/test_qwen2_5_vl.py.
@@ -51,3 +52,13 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: Optional[torch.T
         if pieces:
             positions[:, row, keep.to(positions.device)] = torch.cat(pieces, dim=1).to(positions.device)
     return positions
+
+
+def interleaved_mrope_axes(mrope_section, frequencies: int) -> torch.Tensor:
+    """[frequencies] axis (0 time, 1 height, 2 width) of each rotary frequency in Qwen3-VL's interleaved M-RoPE
+    (transformers' Qwen3VLTextRotaryEmbedding): frequency j is height's when j % 3 == 1 and j < 3 * section[1],
+    width's when j % 3 == 2 and j < 3 * section[2], else time's."""
+    axes = torch.zeros(frequencies, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis:3 * mrope_section[axis]:3] = axis
+    return axes

@@ -138,14 +138,15 @@ class WeightMap:
 
     def _build(self) -> None:
         facts = self.facts
-        mtp_prefixes = [f"model.layers.{facts.num_layers + k}." for k in range(facts.num_mtp_layers)]
+        lm = facts.family.hf_language_prefix
+        mtp_prefixes = [f"{lm}layers.{facts.num_layers + k}." for k in range(facts.num_mtp_layers)]
         embedding_copies = [h + "embed_tokens.weight" for h in mtp_prefixes]
         head_copies = [h + "shared_head.head.weight" for h in mtp_prefixes]
         if facts.tie_word_embeddings:  # the embedding rule is the one that exports the head
             embedding_copies, head_copies = embedding_copies + head_copies, []
-        self.add("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], VOCAB, copies=embedding_copies)
-        self.add("decoder.final_layernorm.weight", ["model.norm.weight"])
-        lm_head = "model.embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
+        self.add("embedding.word_embeddings.weight", [f"{lm}embed_tokens.weight"], VOCAB, copies=embedding_copies)
+        self.add("decoder.final_layernorm.weight", [f"{lm}norm.weight"])
+        lm_head = f"{lm}embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
         if self.value_head:
             for key in self.value_head:
                 self.add(f"output_layer.{key.rpartition('.')[2]}", [key])
@@ -157,7 +158,7 @@ class WeightMap:
             facts.family.vision_rules(self, facts.arch.vision)
         moe_layers = facts.arch.moe_layers
         for layer in range(facts.num_layers):
-            self._layer(f"decoder.layers.{layer}.", f"model.layers.{layer}.", moe=moe_layers[layer])
+            self._layer(f"decoder.layers.{layer}.", f"{lm}layers.{layer}.", moe=moe_layers[layer])
         for k, h in enumerate(mtp_prefixes):
             m = f"mtp.layers.{k}."
             self.add(m + "enorm.weight", [h + "enorm.weight"])
@@ -215,7 +216,8 @@ class WeightMap:
         """Raise listing HF keys no rule maps (undeclared MTP layers named separately) and keys the rules need but lack."""
         unmapped = sorted(k for k in keys - self.hf_keys() if not self.ignorable_hf_key(k))
         declared = self.facts.num_layers + self.facts.num_mtp_layers
-        undeclared = [k for k in unmapped if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= declared]
+        layers = re.escape(self.facts.family.hf_language_prefix) + r"layers\.(\d+)\."
+        undeclared = [k for k in unmapped if (m := re.match(layers, k)) and int(m.group(1)) >= declared]
         if undeclared:
             raise WeightMapError(
                 f"the checkpoint has layers past num_hidden_layers + num_nextn_predict_layers = {declared}, "

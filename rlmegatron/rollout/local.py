@@ -14,6 +14,7 @@ from torch import nn
 
 from rlmegatron.data.images import PromptImages, pixel_values
 from rlmegatron.errors import Divergence
+from rlmegatron.models.families import family_for
 from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.buckets import FlattenedBucket
@@ -133,9 +134,6 @@ def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> N
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
-# transformers 5 nests a vision-language model's parts (Qwen2.5-VL's model.language_model, model.visual); its
-# checkpoints, and so the export stream, keep Qwen's flat names.
-_NESTED_PARTS = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,11 +143,16 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     `experts.down_proj` [E, H, I]) while checkpoints, and so the export stream, name them per
     expert; those names map to views into the stacked tensors.
     """
+    # transformers 5 nests a vision-language model's parts in memory (model.language_model., model.visual.); its
+    # checkpoints, and so the export stream, name them as the family's weight map does (Qwen2.5-VL flat as Qwen
+    # ships it, Qwen3-VL nested as well).
+    family = family_for(getattr(getattr(model, "config", None), "model_type", None))
+    nested_parts = (("model.language_model.", family.hf_language_prefix), ("model.visual.", family.hf_vision_prefix))
     named = {}
     for name, tensor in model.state_dict().items():
-        for nested, flat in _NESTED_PARTS:
+        for nested, checkpoint in nested_parts:
             if name.startswith(nested):
-                name = flat + name[len(nested):]
+                name = checkpoint + name[len(nested):]
         match = _STACKED_EXPERTS.match(name)
         if match is None:
             named[name] = tensor

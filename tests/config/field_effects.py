@@ -20,6 +20,9 @@ RANK_MODEL = ROLES + "test_a_rank_built_from_the_spec_has_its_dtype_seed_and_cri
 
 # Vision-language models (rlmegatron/models/vision.py).
 VISION = "tests/models/test_qwen2_5_vl.py::"
+QWEN3_VL = "tests/models/test_qwen3_vl.py::"
+DEEPSTACK_SPLIT = (QWEN3_VL + "test_a_pipeline_split_that_takes_deepstack_layers_off_the_first_stage_is_refused_"
+                   "before_any_rank_starts")
 IMAGES = "tests/data/test_images.py::"
 
 # Multi-turn rollouts (rlmegatron/agent).
@@ -249,9 +252,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                              (CP_ROLES, ACTOR_PARITY, UNEVEN_PIPELINE, SP_PARITY)),
     "actor.megatron.expert_model_parallel_size": ("actor's expert parallelism", (LAYOUT, MOE_EP2)),
     "actor.megatron.expert_tensor_parallel_size": ("actor's expert tensor parallelism", (LAYOUT, ETP_EXPORT)),
-    "actor.megatron.extra": ("TransformerConfig fields; uneven pipeline split",
-                             (TO_TRANSFORMER_CONFIG, UNEVEN_PIPELINE, DEEPSEEK_SPLIT)),
-    "actor.megatron.pipeline_model_parallel_size": ("actor's pipeline stages", (LAYOUT, ACTOR_PARITY)),
+    "actor.megatron.extra": ("TransformerConfig fields; uneven pipeline split (DeepStack's layers on the first stage)",
+                             (TO_TRANSFORMER_CONFIG, UNEVEN_PIPELINE, DEEPSEEK_SPLIT, DEEPSTACK_SPLIT)),
+    "actor.megatron.pipeline_model_parallel_size": ("actor's pipeline stages", (LAYOUT, ACTOR_PARITY, DEEPSTACK_SPLIT)),
     "actor.megatron.recompute_granularity": ("activation recompute, selective or full",
                                              (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
     "actor.megatron.recompute_method": ("which layers full recompute takes", (RECOMPUTE, TO_TRANSFORMER_CONFIG)),
@@ -292,7 +295,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.use_kl_loss": ("KL loss term and the reference model", (ACTOR_SETTINGS, DAPO_RUN)),
     "actor.vision.freeze": ("a vision-language actor's (and critic's) image encoder keeps its weights, or trains",
                             (VISION + "test_actor_vision_freeze_reaches_the_trainer_ranks",
-                             VISION + "test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_moves")),
+                             VISION + "test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_moves",
+                             QWEN3_VL + "test_a_frozen_towers_weights_are_not_resent_after_the_first_sync")),
     "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
     "algorithm.dynamic_sampling.enable": ("drop all-equal groups and generate more", (DYNAMIC_SAMPLING, DAPO_RUN)),
     "algorithm.dynamic_sampling.max_num_gen_batches": ("rounds per step; 0 rejected", (DYNAMIC_SAMPLING, ROUNDS_BOUND)),

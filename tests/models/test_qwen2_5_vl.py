@@ -71,9 +71,11 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(500)
 def test_log_probs_on_images_equal_transformers_and_the_round_trip_is_bitwise(report):
-    from tests.models.vision_jobs import LAYOUTS
+    from tests.models.vision_jobs import GENERATED_TOKENS, LAYOUTS
 
     assert report[0]["vision_weights"] == 1 + 2 * 12 + 5  # patch embedding, 2 blocks, merger
+    generated, logits = report[0]["generated"]
+    assert [len(row) for row in generated] == [GENERATED_TOKENS] * 2
     for layout in map(str, LAYOUTS):
         entries = [rank[layout] for rank in report]
         diffs = [e["log_probs_vs_hf"] for e in entries if e["log_probs_vs_hf"] is not None]
@@ -84,6 +86,10 @@ def test_log_probs_on_images_equal_transformers_and_the_round_trip_is_bitwise(re
         assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
         assert entries[0]["config_equal"], layout
         assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
+        # transformers loads the export (export_hf's, as a run's end writes it) and generates as from the original.
+        assert entries[0]["generated"][0] == generated and torch.equal(entries[0]["generated"][1], logits), layout
+    # No DeepStack: any pipeline split builds.
+    assert all(rank["one_layer_first_stage"] is None for rank in report)
 
 
 def test_actor_vision_freeze_reaches_the_trainer_ranks():

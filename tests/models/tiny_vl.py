@@ -1,6 +1,6 @@
-"""A tiny random-weight Qwen2.5-VL checkpoint saved with transformers' own save_pretrained, and image+text inputs
-for it: prompts with a vision_start token, an image's placeholder run and text around it, as the processor lays
-them out."""
+"""A tiny random-weight Qwen2.5-VL or Qwen3-VL checkpoint saved with transformers' own save_pretrained, and
+image+text inputs for it: prompts with a vision_start token, an image's placeholder run and text around it, as the
+processor lays them out."""
 from __future__ import annotations
 
 import torch
@@ -16,19 +16,29 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hi
 TOP = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
            vision_end_token_id=VISION_END, tie_word_embeddings=False)
 PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch: one row of pixel_values
+# Qwen3-VL: the same sizes with Qwen3's explicit head size (its default is 128), interleaved M-RoPE; a 4 x 4 learned
+# position grid (interpolated to each image's), and DeepStack mergers on tower blocks 0 and 2, whose features are
+# added after decoder layers 0 and 1 (both on the first stage at PP=2).
+QWEN3_TEXT = dict(TEXT, head_dim=16, rope_parameters={**TEXT["rope_parameters"], "mrope_interleaved": True})
+QWEN3_VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 2])
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
-def vl_config(**text_changes):
-    from transformers import Qwen2_5_VLConfig
+def vl_config(model_type: str = "qwen2_5_vl", **text_changes):
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
+    if model_type == "qwen3_vl":
+        return Qwen3VLConfig(text_config={**QWEN3_TEXT, **text_changes}, vision_config=QWEN3_VISION, **TOP)
     return Qwen2_5_VLConfig(text_config={**TEXT, **text_changes}, vision_config=VISION, **TOP)
 
 
-def save_tiny_vl(directory: str, seed: int = 0, **text_changes) -> str:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def save_tiny_vl(directory: str, seed: int = 0, model_type: str = "qwen2_5_vl", **text_changes) -> str:
+    from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(vl_config(**text_changes)).float()
+    model = AutoModelForImageTextToText.from_config(vl_config(model_type, **text_changes)).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Random norms and biases: ones and zeros would hide a swapped mapping.

@@ -1,5 +1,5 @@
-"""Rank-side bodies of the vision-language tests: a tiny Qwen2.5-VL converted at each layout, its log-probs on
-image+text prompts, its round trip back to HF."""
+"""Rank-side bodies of the vision-language tests: a tiny Qwen2.5-VL or Qwen3-VL converted at each layout, its
+log-probs on image+text prompts, its round trip back to HF and what transformers generates from the export."""
 from __future__ import annotations
 
 import json
@@ -28,6 +28,27 @@ def hf_vl_log_probs(hf_dir: str) -> torch.Tensor:
     return next_token_log_probs(logits, tokens)
 
 
+GENERATED_TOKENS = 8
+
+
+def hf_vl_generate(hf_dir: str) -> tuple[list[list[int]], torch.Tensor]:
+    """The tokens transformers' model in `hf_dir` generates greedily after each image prompt (KV cache, M-RoPE
+    positions continued from its rope deltas), and the logits [steps, prompts, vocab] each was picked from (a tiny
+    random model may repeat one token; its logits still tell two models apart)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.models.tiny_vl import IMAGE_TOKEN
+
+    tokens, pixels, grids = image_prompts()
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=tokens, pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids),
+                             mm_token_type_ids=(tokens == IMAGE_TOKEN).int(), max_new_tokens=GENERATED_TOKENS,
+                             min_new_tokens=GENERATED_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, tokens.shape[1]:].tolist(), torch.stack(out.logits)
+
+
 def megatron_vl_log_probs(chunks, facts):
     from rlmegatron.models.convert import megatron_logits
     from rlmegatron.models.mrope import mrope_position_ids
@@ -47,13 +68,17 @@ def _max_diff(reference, log_probs):
 def round_trip_job(workdir: str) -> dict:
     """Per layout: HF -> Megatron log-probs vs transformers', Megatron -> HF bitwise (config.json too), and the
     dist checkpoint reloaded at TP=PP=1 giving the same log-probs. Every rank returns its view."""
-    from rlmegatron.models.convert import import_hf, load_mcore, save_mcore
+    from rlmegatron.models.convert import build_chunks, import_hf, load_mcore, save_mcore
+    from rlmegatron.models.families import FAMILIES
     from rlmegatron.resharding import export_hf
+    from rlmegatron.runtime import init_model_parallel
 
     hf_dir = os.path.join(workdir, "hf")
     original = _read(hf_dir)
     reference = hf_vl_log_probs(hf_dir)
-    report = {"vision_weights": sum(k.startswith("visual.") for k in original)}
+    family = FAMILIES[_config(hf_dir)["model_type"]]
+    report = {"vision_weights": sum(k.startswith(family.hf_vision_prefix) for k in original),
+              "generated": hf_vl_generate(hf_dir) if torch.distributed.get_rank() == 0 else None}
     for layout in LAYOUTS:
         facts, weight_map, chunks = import_hf(hf_dir, layout)
         entry = {"log_probs_vs_hf": _max_diff(reference, megatron_vl_log_probs(chunks, facts)),
@@ -67,7 +92,16 @@ def round_trip_job(workdir: str) -> dict:
             entry["exported"] = _differences(original, out)
             entry["config_equal"] = _config(out) == _config(hf_dir)
             entry["from_pretrained_log_probs_vs_hf"] = _max_diff(reference, hf_vl_log_probs(out))
+            entry["generated"] = hf_vl_generate(out)
         report[str(layout)] = entry
+    # One decoder layer on the first stage: a model with DeepStack layers past it refuses to be built there.
+    layout = L(pp=2, first_stage_layers=1)
+    init_model_parallel(layout)
+    try:
+        build_chunks(facts, layout, "fp32")
+        report["one_layer_first_stage"] = None
+    except ValueError as err:
+        report["one_layer_first_stage"] = str(err)
     return report
 
 

@@ -1,5 +1,6 @@
 """Parameter counts from the shipped config.json files against the totals the model publishers state."""
 import pytest
+import torch
 
 from rlmegatron.config import read_architecture
 from rlmegatron.planner.parameters import count_parameters
@@ -58,3 +59,16 @@ def test_qwen2p5_vl_7b_counts_its_published_8p29b_with_the_vision_tower():
     params = count_parameters(read_architecture(MODELS_DIR / "qwen2.5-vl-7b"))
     assert params.total == pytest.approx(8.29e9, rel=0.005)
     assert params.vision == pytest.approx(0.676e9, rel=0.01)
+
+
+def test_qwen3_vl_8b_counts_the_tower_transformers_builds_with_its_deepstack_mergers():
+    # Qwen3-VL-8B-Instruct: 8.77B parameters; its tower (27 blocks of 1152, a learned position grid, the merger and
+    # 3 DeepStack mergers to 4096) is the one transformers builds from its vision_config, to the parameter.
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    params = count_parameters(read_architecture(MODELS_DIR / "qwen3-vl-8b"))
+    with torch.device("meta"):
+        tower = Qwen3VLVisionModel._from_config(AutoConfig.from_pretrained(MODELS_DIR / "qwen3-vl-8b").vision_config)
+    assert params.vision == sum(p.numel() for p in tower.parameters()) == 576_388_336
+    assert params.total == pytest.approx(8.77e9, rel=0.005)

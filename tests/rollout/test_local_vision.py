@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.tiny_vl import VL_FAMILIES
 
-@pytest.fixture(scope="module")
-def vision_engine(tmp_path_factory):
+
+@pytest.fixture(scope="module", params=VL_FAMILIES)
+def vision_engine(tmp_path_factory, request):
     from rlmegatron.rollout.local import LocalEngine, causal_lm_from_config, image_processor_at
     from tests.data.vision_assets import save_image_processor
     from tests.models.tiny_vl import save_tiny_vl
@@ -16,7 +18,7 @@ def vision_engine(tmp_path_factory):
     from transformers import AutoConfig
 
     directory = str(tmp_path_factory.mktemp("vl_engine") / "hf")
-    save_tiny_vl(directory, seed=1)
+    save_tiny_vl(directory, seed=1, model_type=request.param)
     save_image_processor(directory)
     model = causal_lm_from_config(AutoConfig.from_pretrained(directory), torch.float32, False)
     engine = LocalEngine(model, image_processor=image_processor_at(directory))
@@ -48,7 +50,8 @@ def test_greedy_generation_with_images_is_transformers_generate(vision_engine):
         if prompt.images is not None:
             pixels = processor(images=[_decode(d) for d in prompt.images.data], return_tensors="pt")
             extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
-        expected = reference.generate(input_ids=tokens, max_new_tokens=5, do_sample=False, **extra)[0, tokens.shape[1]:]
+        expected = reference.generate(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE_TOKEN).int(),
+                                      max_new_tokens=5, do_sample=False, **extra)[0, tokens.shape[1]:]
         assert list(result.output_token_ids) == expected.tolist(), prompt.index
         whole = torch.cat([tokens[0], expected])[None]
         with torch.no_grad():

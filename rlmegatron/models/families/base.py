@@ -81,6 +81,12 @@ class VisionTower:
     def num_parameters(self) -> int:
         return sum(math.prod(shape) for shape in self.parameter_shapes().values())
 
+    @property
+    def deepstack_layers(self) -> int:
+        """Decoder layers (the first ones) after which the tower's DeepStack features are added to the image
+        tokens' hidden states (Qwen3-VL's); 0: the merged embeddings enter the decoder input only."""
+        return 0
+
     def image_tokens(self, height: int, width: int) -> int:
         """Decoder tokens of one image of height x width pixels (already resized to whole merged patches)."""
         unit = self.patch_size * self.spatial_merge_size
@@ -165,6 +171,12 @@ class Family:
     expert_count_key: Optional[str] = None  # the key holding the routed-expert count; None: a dense family
     rope_types: tuple[str, ...] = ("default", "llama3")
     position_embedding_type = "rope"  # GPTModel's; a vision-language family's is "mrope" (multimodal rotary)
+    # M-RoPE's frequencies interleave time, height and width (Qwen3-VL) instead of a contiguous section each
+    mrope_interleaved = False
+    # Where the checkpoint keeps the language model's tensors (embed_tokens, layers, norm): transformers 5 saves
+    # Qwen3-VL's nested under model.language_model., every other family's under model.
+    hf_language_prefix = "model."
+    hf_vision_prefix = "visual."  # and the vision tower's (a vision-language family's): Qwen2.5-VL's visual.
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
