@@ -14,6 +14,9 @@ What still differs from a new interpreter, and why it does not matter to the tes
   command's (os.environ), which is what the driver and the ranks read (run_ranks' ranks take the caller's environment
   as it is when they start); PYTHONPATH's directories are put on sys.path as the interpreter would.
 - The process is a child of the fork server, not of the test: the test waits on it through the fork server.
+- /proc/PID/environ of the process and of its ranks shows the fork server's environment, not the command's: a mark
+  put in the command's environment (test_train.processes_of_run) finds only what they start as new processes (Ray's
+  daemons and actors, SGLang servers).
 Tests whose subject is the process itself (a SIGKILLed driver, Ctrl-C during imports, what outlives a run, exit
 without a traceback from a fresh import) keep subprocess.
 """
