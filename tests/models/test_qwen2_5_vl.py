@@ -131,42 +131,6 @@ def test_a_frozen_towers_weights_are_not_resent_after_the_first_sync(tmp_path):
     assert frozen["later_names"] == ["lm_head", "model"]
 
 
-@pytest.fixture(scope="module")
-def vision_rollout_dir(tmp_path_factory):
-    from tests.data.vision_assets import save_image_processor
-
-    directory = str(tmp_path_factory.mktemp("vl_rollout") / "hf")
-    save_tiny_vl(directory)
-    save_image_processor(directory)
-    return directory
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_actors_log_probs_on_image_rollouts_equal_transformers(vision_rollout_dir, tp):
-    """The driver's batch (images through the processor, M-RoPE positions) through the actor worker, padded, packed,
-    in token-budget micro-batches and in shared-prompt ones, equals transformers run one sequence at a time."""
-    from tests.models.vision_jobs import ACTOR_LAYOUTS, actor_log_probs_job, hf_rollout_log_probs, vision_rollout
-
-    samples, results, batch = vision_rollout(vision_rollout_dir)
-    assert batch.images.per_row.tolist() == [1, 1, 1, 1, 1, 1, 1, 2, 2, 0, 0]
-    expected = hf_rollout_log_probs(vision_rollout_dir, samples, results)
-    report = run_ranks(actor_log_probs_job, tp, vision_rollout_dir, tp, timeout_s=360)[0]
-    for name in ACTOR_LAYOUTS:
-        got = report[name]["log_probs"]
-        diff = max(abs(got[row, k].item() - value) for row, values in enumerate(expected)
-                   for k, value in enumerate(values))
-        assert diff < LOG_PROB_TOLERANCE, (name, diff)
-    # Each row's images (11) in the row-wise layouts; in shared-prompt ones each prompt's once (5), the red and the
-    # blue prompt apart although their tokens are the same.
-    for name in ("padded", "packed", "token_budget"):
-        assert sum(report[name]["images"]) == 11, (name, report[name])
-    assert not any(report["padded"]["packed"]) and all(report["packed"]["packed"])
-    assert report["token_budget"]["micro_batches"] > report["packed"]["micro_batches"]
-    shared = report["shared_prompts"]
-    assert all(shared["shared"]) and sum(shared["images"]) == 5, shared
-
-
 def test_context_and_sequence_parallelism_are_refused_before_any_rank_starts():
     from tests.config.specs import problems_with
 
