@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import IO, Any, Sequence

@@ -10,7 +10,6 @@ from rlmegatron.models.families import architecture_of
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_vl import IMAGE_TOKEN, image_prompts, save_tiny_vl, vl_config
 
-LOG_PROB_TOLERANCE = 1e-5
 
 
 def test_the_tower_the_family_describes_is_the_one_transformers_builds():
@@ -71,23 +70,10 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(500)
 def test_log_probs_on_images_equal_transformers_and_the_round_trip_is_bitwise(report):
-    from tests.models.vision_jobs import GENERATED_TOKENS, LAYOUTS
+    from tests.models.vision_jobs import check_round_trip_report
 
     assert report[0]["vision_weights"] == 1 + 2 * 12 + 5  # patch embedding, 2 blocks, merger
-    generated, logits = report[0]["generated"]
-    assert [len(row) for row in generated] == [GENERATED_TOKENS] * 2
-    for layout in map(str, LAYOUTS):
-        entries = [rank[layout] for rank in report]
-        diffs = [e["log_probs_vs_hf"] for e in entries if e["log_probs_vs_hf"] is not None]
-        assert diffs and max(diffs) < LOG_PROB_TOLERANCE, (layout, diffs)
-        assert max(e["reloaded_tp1_log_probs_vs_hf"] for e in entries) < LOG_PROB_TOLERANCE, layout
-        # The tower is on the first pipeline stage only.
-        assert sum(e["vision_tower_here"] for e in entries) == (2 if "PP2" in layout else 4), layout
-        assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
-        assert entries[0]["config_equal"], layout
-        assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
-        # transformers loads the export (export_hf's, as a run's end writes it) and generates as from the original.
-        assert entries[0]["generated"][0] == generated and torch.equal(entries[0]["generated"][1], logits), layout
+    check_round_trip_report(report)
     # No DeepStack: any pipeline split builds.
     assert all(rank["one_layer_first_stage"] is None for rank in report)
 

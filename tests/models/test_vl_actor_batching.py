@@ -8,8 +8,7 @@ import pytest
 
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_vl import VL_FAMILIES, save_tiny_vl
-
-LOG_PROB_TOLERANCE = 1e-5
+from tests.models.vision_jobs import LOG_PROB_TOLERANCE
 
 
 @pytest.fixture(scope="module", params=VL_FAMILIES)

@@ -14,6 +14,27 @@ from tests.models.tiny_vl import image_prompts, next_token_log_probs
 LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
 
 
+LOG_PROB_TOLERANCE = 1e-5
+
+
+def check_round_trip_report(report: list[dict]) -> None:
+    """What round_trip_job's ranks report must show for any family, at every layout: log-probs equal transformers',
+    also reloaded at TP=1 and from the export; the tower on the first pipeline stage only; the export bitwise, its
+    config.json equal; transformers generates from the export as from the original."""
+    generated, logits = report[0]["generated"]
+    assert [len(row) for row in generated] == [GENERATED_TOKENS] * 2
+    for layout in map(str, LAYOUTS):
+        entries = [rank[layout] for rank in report]
+        diffs = [e["log_probs_vs_hf"] for e in entries if e["log_probs_vs_hf"] is not None]
+        assert diffs and max(diffs) < LOG_PROB_TOLERANCE, (layout, diffs)
+        assert max(e["reloaded_tp1_log_probs_vs_hf"] for e in entries) < LOG_PROB_TOLERANCE, layout
+        assert sum(e["vision_tower_here"] for e in entries) == (2 if "PP2" in layout else 4), layout
+        assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
+        assert entries[0]["config_equal"], layout
+        assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
+        assert entries[0]["generated"][0] == generated and torch.equal(entries[0]["generated"][1], logits), layout
+
+
 def hf_vl_log_probs(hf_dir: str) -> torch.Tensor:
     """transformers' own log-probs of the prompts (its own M-RoPE positions: mm_token_type_ids marks the images)."""
     from transformers import AutoModelForImageTextToText
