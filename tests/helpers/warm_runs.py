@@ -23,6 +23,7 @@ without a traceback from a fresh import) keep subprocess.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import operator
 import os
 import runpy
@@ -44,26 +45,24 @@ DRIVER_MODULES = ("rlmegatron.cli", "rlmegatron.driver.job", "rlmegatron.rank.po
 
 
 def run(cmd: Sequence[str], *, cwd: str | Path, env: dict[str, str] | None = None, timeout: float | None = None,
-        capture_output: bool = False, text: bool = False, check: bool = False) -> subprocess.CompletedProcess:
+        capture_output: bool = False, text: bool = False) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, ...) for a command of this repository, forked warm (see the module's docstring)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = popen(cmd, cwd=cwd, env=env, stdout=out if capture_output else None,
-                        stderr=err if capture_output else None)
+    with contextlib.ExitStack() as files:
+        out, err = ([files.enter_context(tempfile.TemporaryFile()) for _ in range(2)] if capture_output
+                    else [None, None])
+        process = popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err)
         try:
             returncode = process.wait(timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
             raise
-        captured = []
-        for stream in (out, err):
-            stream.seek(0)
-            data = stream.read() if capture_output else None
-            captured.append(data.decode() if text and data is not None else data)
-    result = subprocess.CompletedProcess(list(cmd), returncode, *captured)
-    if check:
-        result.check_returncode()
-    return result
+        captured: list[bytes | str | None] = [None, None]
+        if capture_output:
+            for index, stream in enumerate((out, err)):
+                stream.seek(0)
+                captured[index] = stream.read().decode() if text else stream.read()
+    return subprocess.CompletedProcess(list(cmd), returncode, *captured)
 
 
 class WarmProcess:
@@ -108,7 +107,7 @@ class WarmProcess:
 
 
 def popen(cmd: Sequence[str], *, cwd: str | Path, env: dict[str, str] | None = None,
-          stdout: IO | int | None = None, stderr: IO | int | None = None, text: bool = True) -> WarmProcess:
+          stdout: IO | int | None = None, stderr: IO | int | None = None) -> WarmProcess:
     """subprocess.Popen(cmd, ...) for a command of this repository, forked warm. stdout and stderr: None (this
     process's), subprocess.DEVNULL, subprocess.PIPE (read as text), or an open file."""
     context = fork_server()
@@ -123,7 +122,7 @@ def popen(cmd: Sequence[str], *, cwd: str | Path, env: dict[str, str] | None = N
         for pipe in pipes:
             if pipe is not None:
                 os.close(pipe[1])  # the child has its own copy: reading ends at its exit
-    readers = [None if pipe is None else open(pipe[0], "r" if text else "rb") for pipe in pipes]
+    readers = [None if pipe is None else open(pipe[0]) for pipe in pipes]
     return WarmProcess(cmd, process, *readers)
 
 
