@@ -32,6 +32,7 @@ from rlmegatron.models.hf_config import (
 from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import Source, WeightMap, WeightMapError, canonical_name, global_layers
 from rlmegatron.runtime.distributed import ParallelLayout, init_model_parallel
+from rlmegatron.runtime.sharded_save import save_sharded
 
 META_FILE = "rlm_convert.json"  # next to the dist checkpoint: HF config and the facts export needs
 # Next to it too, for a block-wise FP8 source: every FP8 weight's scale_inv as the checkpoint had it, which
@@ -291,11 +292,7 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
                quantization_config: Optional[dict] = None) -> None:
     """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them; an FP8 source's
     `quantization_config` is kept in it."""
-    from megatron.core import dist_checkpointing
-
-    os.makedirs(out, exist_ok=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), out)
+    save_sharded(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
         facts = weight_map.facts
         meta = ConvertMeta(facts.hf, facts.padded_vocab_size, dtype, weight_map.stacked_experts, facts.num_mtp_layers,

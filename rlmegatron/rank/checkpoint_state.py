@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from rlmegatron.models.lora import LoRASettings, has_adapters, is_adapter_name
 from rlmegatron.runtime.distributed import rng_tracker_states, set_rng_tracker_states
+from rlmegatron.runtime.sharded_save import save_sharded
 from rlmegatron.rank.roles.megatron_step import unwrap
 
 
@@ -38,13 +38,9 @@ def _optimizer_state(worker, model: dict, is_loading: bool) -> dict:
 def save_training_state(worker, path: str) -> None:
     """A trained worker's weights, optimizer (Adam moments, step) and learning-rate schedule position as one
     distributed checkpoint; the schedule is the same on every rank, so it is saved once, as common state."""
-    from megatron.core import dist_checkpointing
-
-    os.makedirs(path, exist_ok=True)
     model = _model_sharded_state_dict(worker.chunks)
-    torch.distributed.barrier()
-    dist_checkpointing.save({"model": model, "optimizer": _optimizer_state(worker, model, is_loading=False),
-                             "lr_scheduler": worker.scheduler.state_dict()}, path)
+    save_sharded({"model": model, "optimizer": _optimizer_state(worker, model, is_loading=False),
+                  "lr_scheduler": worker.scheduler.state_dict()}, path)
 
 
 def _load_model_state(chunks: list, state: dict) -> None:

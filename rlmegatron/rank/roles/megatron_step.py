@@ -8,6 +8,7 @@ import torch
 
 from rlmegatron.models.routing_replay import RoutingTaps
 from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
+from rlmegatron.runtime.sharded_save import save_sharded
 from rlmegatron.rank.roles.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
 from rlmegatron.rank.roles.batch import build_shared_prompt_micro_batch, filler_micro_batch, fixed_micro_batches
 from rlmegatron.rank.roles.batch import prompt_groups, split_largest, split_to_multiple, token_budget_micro_batches
@@ -327,13 +328,7 @@ def _sharded_state_dict(chunks) -> dict:
 
 def save_weights(chunks: list, path: str) -> None:
     """Model weights as a Megatron distributed checkpoint, loadable at any other layout."""
-    import os
-
-    from megatron.core import dist_checkpointing
-
-    os.makedirs(path, exist_ok=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), path)
+    save_sharded(_sharded_state_dict(chunks), path)
 
 
 def load_weights(chunks: list, path: str, skip_prefixes: tuple[str, ...] = ()) -> None:
