@@ -16,6 +16,7 @@ import torch
 from rlmegatron.models.context_parallel import chunk_positions
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.runtime.distributed import transformer_config_overrides
+from rlmegatron.runtime.sharded_save import save_sharded
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
@@ -177,11 +178,7 @@ def _sharded_state_dict(chunks):
 
 
 def _save(chunks, path):
-    from megatron.core import dist_checkpointing
-
-    os.makedirs(path, exist_ok=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), path)
+    save_sharded(_sharded_state_dict(chunks), path)
 
 
 def _load(chunks, path):
