@@ -43,31 +43,35 @@ def mlflow_runs(db: Path) -> list[tuple[str, str]]:
         return store.execute("SELECT run_uuid, lifecycle_stage FROM runs").fetchall()
 
 
-@pytest.mark.parametrize("launcher", ["processes", "ray"])
-def test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from_its_checkpoint(tmp_path, launcher):
-    run = tmp_path / "restarted"
-    restarted = rlm_train(run, f"placement.transport={launcher}", "trainer.max_restarts=1", marker=tmp_path / "died",
-                          die_after=run / "checkpoints" / "step_1", times=1)
-    assert restarted.returncode == 0, restarted.stdout[-2000:] + restarted.stderr[-4000:]
-    assert len((tmp_path / "died").read_text().splitlines()) == 1  # rank 1 died once, in step 2's update
-    assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {run / 'checkpoints' / 'step_1'}" \
-        in restarted.stderr
-    assert "trained steps 2-3 (2 steps, resumed from step 1)" in restarted.stdout
-    # One MLflow run, active: the restart continued it.
-    assert [stage for _, stage in mlflow_runs(run / "mlflow.db")] == ["active"]
+def test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from_its_checkpoint(tmp_path):
+    finished = {}
+    for launcher in ("processes", "ray"):
+        run = tmp_path / launcher
+        restarted = rlm_train(run, f"placement.transport={launcher}", "trainer.max_restarts=1",
+                              marker=tmp_path / f"{launcher}.died", die_after=run / "checkpoints" / "step_1", times=1)
+        assert restarted.returncode == 0, (launcher, restarted.stdout[-2000:] + restarted.stderr[-4000:])
+        assert len((tmp_path / f"{launcher}.died").read_text().splitlines()) == 1  # rank 1 died once, in step 2
+        assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {run / 'checkpoints' / 'step_1'}" \
+            in restarted.stderr, launcher
+        assert "trained steps 2-3 (2 steps, resumed from step 1)" in restarted.stdout, launcher
+        # One MLflow run, active: the restart continued it.
+        assert [stage for _, stage in mlflow_runs(run / "mlflow.db")] == ["active"], launcher
+        finished[launcher] = exported_weights(run)
 
-    # The same checkpoint, resumed by hand without any death (by the process launcher, the quicker to start: the
-    # ranks compute the same whichever launcher starts them): the same final weights, bit for bit.
+    # The step-1 checkpoint resumed by hand without any death, once for both launchers (the ranks compute the same
+    # whichever launcher starts them; a launcher whose step 1 differed would fail the comparison): the same final
+    # weights, bit for bit.
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
+    shutil.copytree(tmp_path / "processes" / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
     by_hand = rlm_train(resumed, "placement.transport=processes", "trainer.resume=auto",
                         marker=tmp_path / "never", die_after=tmp_path / "never", times=0)
     assert by_hand.returncode == 0, by_hand.stdout[-2000:] + by_hand.stderr[-4000:]
-    ours, theirs = exported_weights(run), exported_weights(resumed)
-    assert ours.keys() == theirs.keys() and len(ours) > 0
-    for name in ours:
-        assert torch.equal(ours[name], theirs[name]), name
+    theirs = exported_weights(resumed)
+    for launcher, ours in finished.items():
+        assert ours.keys() == theirs.keys() and len(ours) > 0, launcher
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), (launcher, name)
 
 
 @pytest.mark.parametrize("how", ["kill", "raise"])
