@@ -13,7 +13,7 @@ def save_sharded(sharded_state_dict: dict, path: str) -> None:
 
     Megatron-Core's file writer hands its write results back through a queue from `multiprocessing.Manager()` under
     the spawn context, made on the first save in each process: a fresh interpreter per rank that imports torch to
-    unpickle its start-up data, about 9 CPU-s each (benchmarks/RESULTS.md, "dist_checkpointing's writer queue"). That
+    unpickle its start-up data, seconds of CPU each (benchmarks/RESULTS.md, "dist_checkpointing's writer queue"). That
     queue is there for an asynchronous save, whose writer runs in another process; rlmegatron's saves are synchronous,
     so the write and the read of its result happen in this process, and a plain in-process queue carries them."""
     from megatron.core import dist_checkpointing

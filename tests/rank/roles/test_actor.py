@@ -26,8 +26,8 @@ def parity_reports(tmp_path_factory):
                         ("TP2xPP1xCP2xSP-padded", L(tp=2, cp=2, sequence_parallel=True), {"use_packing": False})]
     # Shared prompts under sequence parallelism: the layout rounds up to a multiple of TP.
     layout_variants.append(("TP2xSP", L(tp=2, sequence_parallel=True), {}))
-    # A bound on a hang, not a speed test (beside another 4-rank matrix on 2 cores this took over 300 s in CI), and
-    # under pytest.ini's per-test timeout, so that the ranks are named if it is reached.
+    # A bound on a hang, not a speed test (beside another 4-rank matrix on a slow CI machine it once ran out of a
+    # tighter one), and under pytest.ini's per-test timeout, so that the ranks are named if it is reached.
     return run_ranks(parity_job, 4, layout_variants, str(tmp_path_factory.mktemp("parity")), timeout_s=780)
 
 
