@@ -19,7 +19,8 @@ def save_sharded(sharded_state_dict: dict, path: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:
+    # A Megatron-Core without this module global keeps its own queue, whatever it is.
+    if hasattr(filesystem_async, "_results_queue") and filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
     os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()

@@ -16,7 +16,7 @@ import torch
 from rlmegatron.models.context_parallel import chunk_positions
 from rlmegatron.runtime import ParallelLayout, init_model_parallel
 from rlmegatron.runtime.distributed import transformer_config_overrides
-from rlmegatron.runtime.sharded_save import save_sharded
+from rlmegatron.rank.roles.megatron_step import load_weights, save_weights
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
@@ -171,27 +171,6 @@ def train_step(chunks, batches) -> float | None:
     return float(loss)
 
 
-def _sharded_state_dict(chunks):
-    if len(chunks) == 1:
-        return chunks[0].module.sharded_state_dict()
-    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
-def _save(chunks, path):
-    save_sharded(_sharded_state_dict(chunks), path)
-
-
-def _load(chunks, path):
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), path)
-    if len(chunks) == 1:
-        chunks[0].module.load_state_dict(state)
-    else:
-        for i, chunk in enumerate(chunks):
-            chunk.module.load_state_dict(state[f"model{i}"])
-
-
 def _save_grads(chunks, path):
     """Save main grads in place of the weights, so dist_checkpointing reshards them like parameters."""
     saved = []
@@ -200,7 +179,7 @@ def _save_grads(chunks, path):
             for param in chunk.module.parameters():
                 saved.append(param.detach().clone())
                 param.copy_(param.main_grad)
-    _save(chunks, path)
+    save_weights(chunks, path)
     with torch.no_grad():
         params = [p for chunk in chunks for p in chunk.module.parameters()]
         for param, value in zip(params, saved):
@@ -219,7 +198,7 @@ def parity_job(kind: str, layouts: list[tuple[ParallelLayout, str]], num_microba
     torch.manual_seed(1234)
     ref_chunks = build_model(kind, reference)
     # Saved before the step: finalize_model_grads updates the MoE router's expert bias in place.
-    _save(ref_chunks, os.path.join(workdir, "weights"))
+    save_weights(ref_chunks, os.path.join(workdir, "weights"))
     ref_loss = train_step(ref_chunks, batches)
     ref_grads = {name: p.main_grad.clone() for name, p in ref_chunks[0].module.named_parameters()}
 
@@ -228,14 +207,14 @@ def parity_job(kind: str, layouts: list[tuple[ParallelLayout, str]], num_microba
         label = f"{layout}-{dispatcher}" if kind != "dense" else str(layout)
         init_model_parallel(layout)
         chunks = build_model(kind, layout, dispatcher)
-        _load(chunks, os.path.join(workdir, "weights"))
+        load_weights(chunks, os.path.join(workdir, "weights"))
         loss = train_step(chunks, batches)
         grads_dir = os.path.join(workdir, f"grads-{label}")
         _save_grads(chunks, grads_dir)
 
         init_model_parallel(reference)
         full = build_model(kind, reference)
-        _load(full, grads_dir)
+        load_weights(full, grads_dir)
         grads = _full_tensors(full)
         report["layouts"][label] = {
             "decoder_layers": sum(len(chunk.module.decoder.layers) for chunk in chunks),  # on this rank
@@ -254,10 +233,10 @@ def optimizer_job(layout: ParallelLayout, use_distributed_optimizer: bool, workd
     torch.manual_seed(1234)
     weights = os.path.join(workdir, "weights")
     if not os.path.exists(os.path.join(weights, "metadata.json")):
-        _save(build_model("dense", ParallelLayout()), weights)
+        save_weights(build_model("dense", ParallelLayout()), weights)
     init_model_parallel(layout)
     chunks = build_model("dense", layout, use_distributed_optimizer=use_distributed_optimizer)
-    _load(chunks, weights)
+    load_weights(chunks, weights)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=use_distributed_optimizer
@@ -271,8 +250,8 @@ def optimizer_job(layout: ParallelLayout, use_distributed_optimizer: bool, workd
         _, grad_norm, _ = optimizer.step()
         grad_norms.append(grad_norm)
     out = os.path.join(workdir, f"after-{layout}-{use_distributed_optimizer}")
-    _save(chunks, out)
+    save_weights(chunks, out)
     init_model_parallel(ParallelLayout())
     full = build_model("dense", ParallelLayout())
-    _load(full, out)
+    load_weights(full, out)
     return {"params": _full_tensors(full), "grad_norms": grad_norms}

@@ -36,8 +36,7 @@ def save_twice_job(workdir: str) -> dict:
 def test_a_save_starts_no_spawned_process_and_reloads_bitwise(tmp_path):
     """Megatron-Core's writer would start a multiprocessing Manager (a spawned interpreter importing torch, seconds of
     CPU per rank) on each rank's first save; the writer's own forked file writers, which end with the save, stay."""
-    reports = run_ranks(save_twice_job, 1, str(tmp_path), timeout_s=300)
-    for report in reports:
-        assert report["tensors"] > 0 and report["bitwise"]
-        assert report["started"] and "SpawnProcess" not in report["started"], report["started"]
-        assert report["left"] == [], report["left"]
+    (report,) = run_ranks(save_twice_job, 1, str(tmp_path), timeout_s=300)
+    assert report["tensors"] > 0 and report["bitwise"]
+    assert report["started"] and "SpawnProcess" not in report["started"], report["started"]
+    assert report["left"] == [], report["left"]
