@@ -2,13 +2,18 @@
 continued when the run resumes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+import sqlite3
 import sys
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlmegatron.tracking.samples import format_samples, sample_table
@@ -145,7 +150,57 @@ def mlflow_client(tracking_uri: str):
         # MLflow 3 refuses to open its file store (file:/dir or a plain directory) unless this is set; the user
         # named that store, so it is allowed for this process (and the processes it starts), and for no other store.
         os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    new_sqlite = sqlite_path(tracking_uri)
+    if new_sqlite is not None and not new_sqlite.exists():
+        _copy_empty_store(new_sqlite)
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI, else None."""
+    prefix = "sqlite:///"
+    return Path(tracking_uri[len(prefix):]) if tracking_uri.startswith(prefix) else None
+
+
+def empty_store_template() -> Path:
+    """Where this machine keeps an empty sqlite store of the installed MLflow (its cache directory)."""
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlmegatron"
+    return cache / f"mlflow-{mlflow.__version__}-empty-store.db"
+
+
+def _copy_empty_store(path: Path) -> None:
+    """Start a new sqlite store as a copy of an empty one whose tables MLflow already created and migrated.
+
+    Why: MLflow builds a new store by running every one of its schema migrations (alembic), about 3 CPU-seconds per
+    run directory. The copy has the schema at MLflow's head revision and no experiment: MLflow opens it as a store it
+    made itself and adds its Default experiment, with this store's artifact root and time. The template is made once
+    per MLflow version (by MLflow, in a scratch directory); a machine where it cannot be written or copied gets the
+    store the usual way."""
+    template = empty_store_template()
+    try:
+        if not template.exists():
+            _make_empty_store(template)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        shutil.copyfile(template, partial)
+        os.replace(partial, path)
+    except (OSError, sqlite3.Error):
+        return
+
+
+def _make_empty_store(template: Path) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    template.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=template.parent) as scratch:
+        db = Path(scratch) / "mlflow.db"
+        store = SqlAlchemyStore(f"sqlite:///{db}", (Path(scratch) / "artifacts").as_uri())
+        store.engine.dispose()
+        with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+            connection.execute("DELETE FROM experiments")  # only the Default one: MLflow adds it again on opening
+        os.replace(db, template)
 
 
 def resolve_tracking_uri(setup: TrackingSetup) -> str:

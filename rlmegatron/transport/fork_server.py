@@ -14,8 +14,9 @@ from rlmegatron.runtime.notices import import_notices_off
 
 
 # Also what every trainer rank imports on its first build and save (HF's model classes for the local engine and the
-# converter, dist_checkpointing's torch strategy): imported here once, not once per rank.
-_PRELOAD = ["torch", "megatron.core", "transformers", "transformers.modeling_utils",
+# converter, dist_checkpointing's torch strategy): imported here once, not once per rank. rlmegatron before Megatron-Core,
+# so that its import hook (megatron_fusers.py) sees Megatron's first import.
+_PRELOAD = ["rlmegatron", "torch", "megatron.core", "transformers", "transformers.modeling_utils",
             "transformers.models.auto.modeling_auto", "megatron.core.dist_checkpointing.strategies.torch",
             "rlmegatron.transport.local_ranks"]
 

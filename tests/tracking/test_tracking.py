@@ -117,6 +117,49 @@ def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp
     assert resolve_tracking_uri(explicit) == "file:///x"
 
 
+def test_a_new_sqlite_store_is_a_copy_of_an_empty_migrated_one_and_equals_what_mlflow_makes(tmp_path, monkeypatch):
+    """The second new store of a machine runs none of MLflow's migrations, and MLflow's own reader finds in it what a
+    store MLflow made itself holds: the same schema, a Default experiment at its own artifact root, the same ids."""
+    import sqlite3
+
+    import mlflow.store.db.utils
+    from mlflow.tracking import MlflowClient
+
+    from rlmegatron.tracking.mlflow_run import empty_store_template, mlflow_client
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    mlflow_client(f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}")._tracking_client.store  # makes the template
+    assert empty_store_template().is_file() and empty_store_template().parent == tmp_path / "cache" / "rlmegatron"
+
+    def stores_and_ids(client):
+        experiment = client.create_experiment("proj", artifact_location=(tmp_path / "artifacts").as_uri())
+        run = client.create_run(experiment)
+        client.log_metric(run.info.run_id, "critic/score/mean", 0.5, step=1)
+        default = client.get_experiment("0")
+        return (experiment, default.name, default.artifact_location, default.lifecycle_stage,
+                [m.value for m in client.get_metric_history(run.info.run_id, "critic/score/mean")])
+
+    made_by_mlflow = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    expected = stores_and_ids(made_by_mlflow)
+    # No migration runs for the copy: MLflow's table creation would fail.
+    monkeypatch.setattr(mlflow.store.db.utils, "_initialize_tables", lambda engine: pytest.fail("migrated again"))
+    copied = mlflow_client(f"sqlite:///{tmp_path / 'ours' / 'mlflow.db'}")
+    got = stores_and_ids(copied)
+    assert got == expected
+    assert expected[2] == str(tmp_path / "mlruns" / "0")  # MLflow's default root, of the opening process's directory
+
+    def schema(db):
+        """Each table's and index's definition, its clauses in any order: MLflow's own migrations order a table's
+        CHECK constraints differently from one process to the next."""
+        with sqlite3.connect(db) as connection:
+            rows = connection.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+        return sorted((kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+                      for kind, name, sql in rows)
+
+    assert schema(tmp_path / "ours" / "mlflow.db") == schema(tmp_path / "mlflow" / "mlflow.db")
+
+
 @pytest.mark.parametrize("uri", ["file:{}", "{}"], ids=["file_uri", "plain_directory"])
 def test_an_mlflow_file_store_takes_the_runs_metrics(tmp_path, monkeypatch, uri):
     """MLflow 3 refuses its file store unless MLFLOW_ALLOW_FILE_STORE=true; a spec naming one gets it anyway."""
