@@ -114,7 +114,9 @@ def mlflow_history(db: Path) -> dict[str, list[tuple[int, float]]]:
 def ray_run(tmp_path_factory):
     """`rlm train` on 2 Ray ranks, each leading a (loopback) SGLang engine, one of which dies in step 1; SIGTERM
     once step 4's checkpoint is in. Then step 4's shards are damaged in place (their sizes intact), and the run is
-    resumed in the same run_dir (trainer.resume=auto) to step 5 behind a router: it falls back to step 2."""
+    resumed in the same run_dir (trainer.resume=auto) to step 5 behind a router: it falls back to step 2. The resumed
+    run's ranks are rank processes (placement.transport=processes): what Ray ranks saved, they load and continue
+    exactly, and the suite starts one Ray cluster fewer (each costs tens of CPU-seconds)."""
     tmp = tmp_path_factory.mktemp("ray")
     sglang, env = with_fake_sglang(tmp, "killed", die_after_generates=3)
     with open(tmp / "killed.stderr", "w") as stderr:  # a file, not a pipe nobody reads while it runs
@@ -132,7 +134,7 @@ def ray_run(tmp_path_factory):
     sglang, env = with_fake_sglang(tmp, "resumed")
     # Behind a router, which may send any request to either server: the samples must not change.
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp / 'resumed.router'}"]
-    resumed = train(tmp, "resumed", "launched", "placement.transport=ray", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
+    resumed = train(tmp, "resumed", "launched", "placement.transport=processes", "trainer.total_steps=5", f"trainer.run_dir={tmp / 'killed'}",
                     "trainer.resume=auto", *sglang, *router, EVERY_TRACKER, env=env)
     return tmp, first, resumed, killed.returncode
 
@@ -177,7 +179,7 @@ def test_resume_gives_the_same_next_step_metrics(ray_run):
 
 
 def test_a_checkpoint_that_does_not_load_is_named_and_the_ranks_fall_back_to_the_one_before(ray_run):
-    """Step 4's manifest is intact, so its load is tried; it fails in both Ray ranks midway, and the step-3 metrics
+    """Step 4's manifest is intact, so its load is tried; it fails in both ranks midway, and the step-3 metrics
     (test above) equal the uninterrupted run's: the ranks reloaded step 2 whole."""
     tmp, _, resumed, _ = ray_run
     checkpoints = tmp / "killed" / "checkpoints"
