@@ -14,7 +14,6 @@ Megatron-Core is left exactly as it ships.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import sys
 from typing import Any
 
@@ -43,8 +42,14 @@ class _FusersOffOnCpuBuild(importlib.abc.MetaPathFinder):
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not cpu_only_torch():
+        # The finders after this one, as the import system would have asked them (not sys.modules).
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not cpu_only_torch():
             return spec
         spec.loader = _ThenFusersOff(spec.loader)
         return spec

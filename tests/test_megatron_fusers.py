@@ -22,17 +22,24 @@ def test_importing_megatron_after_rlmegatron_on_a_cpu_torch_leaves_dynamo_and_in
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"dynamo": False, "inductor": False, "fuser_off": True}
 
 
+def jit_spec():
+    """The spec the hook gives for Megatron-Core's jit module, found afresh (it is imported in this process)."""
+    import megatron.core
+
+    return _FusersOffOnCpuBuild().find_spec(JIT_MODULE, megatron.core.__path__)
+
+
 def test_a_gpu_build_gets_megatrons_jit_module_as_it_ships(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    spec = _FusersOffOnCpuBuild().find_spec(JIT_MODULE)
+    spec = jit_spec()
     assert spec is not None and not isinstance(spec.loader, _ThenFusersOff)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.jit_fuser is torch.compile
 
 
-def test_a_cpu_build_gets_it_with_the_fuser_off_and_the_hook_acts_once(monkeypatch):
-    spec = _FusersOffOnCpuBuild().find_spec(JIT_MODULE)
+def test_a_cpu_build_gets_it_with_the_fuser_off_and_the_hook_acts_once():
+    spec = jit_spec()
     assert isinstance(spec.loader, _ThenFusersOff)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
