@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_TRAINING_STOPPED, main
+from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "configs/quickstart.yaml"
@@ -686,9 +687,10 @@ DIVERGING_RUN = ["trainer.total_steps=3", "trainer.save_freq=1", "placement.gpus
 def test_a_divergence_stops_the_run_with_exit_3_naming_the_step_and_the_metric(tmp_path, overrides, step, found):
     run_dir = tmp_path / "run"
     env = {key: value for key, value in os.environ.items() if key != "RLM_DEBUG"}
-    result = subprocess.run([sys.executable, "-m", "tests.helpers.cli_without_ray", "train", QUICKSTART,
-                             *DIVERGING_RUN, f"trainer.run_dir={run_dir}", *overrides],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    # Forked warm (tests/helpers/warm_runs.py): its exit code and last line are the subject, not its imports.
+    result = warm_runs.run([sys.executable, "-m", "tests.helpers.cli_without_ray", "train", QUICKSTART,
+                            *DIVERGING_RUN, f"trainer.run_dir={run_dir}", *overrides],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == EXIT_TRAINING_STOPPED, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     last_complete = run_dir / "checkpoints" / f"step_{step - 1}"
