@@ -165,6 +165,33 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        _more_ranks_than_cores_one_job_at_a_time()
+
+
+def _more_ranks_than_cores_one_job_at_a_time() -> None:
+    """run_ranks jobs with more ranks than the machine has cores (the 4-rank matrices on 2 cores) run one at a time
+    across the workers of this run: two at once put 8 gloo ranks on 2 cores, where a 4-rank matrix took 420 s instead of
+    112 s and the other ran past its time limit (`.ci/run` at d87d96f, benchmarks/RESULTS.md). A job waits for the
+    lock before its ranks start, so its own time limit counts from its start. Wrapped here, in each worker, before any
+    test module binds the name."""
+    import fcntl
+    import functools
+
+    from rlmegatron.transport import local_ranks
+
+    run_ranks = local_ranks.run_ranks
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getppid()))  # the same in every worker of this run
+    lock_path = Path(tempfile.gettempdir()) / f"rlm-tests-rank-jobs-{run_id}.lock"
+
+    @functools.wraps(run_ranks)
+    def one_at_a_time(fn, nprocs, *args, **kwargs):
+        if nprocs <= (os.cpu_count() or 1):
+            return run_ranks(fn, nprocs, *args, **kwargs)
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return run_ranks(fn, nprocs, *args, **kwargs)
+
+    local_ranks.run_ranks = one_at_a_time
 
 
 def _relative(item: pytest.Item) -> str:
