@@ -179,15 +179,18 @@ def _copy_empty_store(path: Path) -> None:
     per MLflow version (by MLflow, in a scratch directory); a machine where it cannot be written or copied gets the
     store the usual way."""
     template = empty_store_template()
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         if not template.exists():
             _make_empty_store(template)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
         shutil.copyfile(template, partial)
-        os.replace(partial, path)
+        # Linked, not renamed, into place: a store another run made there meanwhile (a shared tracking_uri) is kept.
+        os.link(partial, path)
     except (OSError, sqlite3.Error):
-        return
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _make_empty_store(template: Path) -> None:

@@ -125,7 +125,7 @@ def test_a_new_sqlite_store_is_a_copy_of_an_empty_migrated_one_and_equals_what_m
     import mlflow.store.db.utils
     from mlflow.tracking import MlflowClient
 
-    from rlmegatron.tracking.mlflow_run import empty_store_template, mlflow_client
+    from rlmegatron.tracking.mlflow_run import _copy_empty_store, empty_store_template, mlflow_client
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -158,6 +158,12 @@ def test_a_new_sqlite_store_is_a_copy_of_an_empty_migrated_one_and_equals_what_m
                       for kind, name, sql in rows)
 
     assert schema(tmp_path / "ours" / "mlflow.db") == schema(tmp_path / "mlflow" / "mlflow.db")
+
+    # A store that appeared meanwhile (another run naming the same tracking_uri) is kept as it is, nothing left beside.
+    before = (tmp_path / "ours" / "mlflow.db").read_bytes()
+    _copy_empty_store(tmp_path / "ours" / "mlflow.db")
+    assert (tmp_path / "ours" / "mlflow.db").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["mlflow.db"]
 
 
 @pytest.mark.parametrize("uri", ["file:{}", "{}"], ids=["file_uri", "plain_directory"])
