@@ -4,7 +4,8 @@
 micro-batches, and context parallelism),
 `SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism) and
 `DuplicatedLinear` (MLA's replicated down projections, as TE's 'duplicated' mode);
-`enable_local_mla` lets Megatron's MLA take DuplicatedLinear for those projections.
+`enable_local_mla` lets Megatron's MLA take DuplicatedLinear for those projections;
+`enable_packed_rope` applies unfused RoPE to a packed micro-batch in one gather instead of a loop over its sequences.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from rlmegatron.models.context_parallel import chunk_positions, gathered_positio
 from rlmegatron.runtime.cpu_compat import plain_torch
 
 _LOCAL_MLA = False
+_PACKED_ROPE = False
 
 
 def enable_local_mla() -> None:
@@ -38,6 +40,50 @@ def enable_local_mla() -> None:
     # ColumnParallelLinear fallback loses the TP sum of the rope-key gradient at TP>1.
     multi_latent_attention.TELinear = DuplicatedLinear
     _LOCAL_MLA = True
+
+
+def enable_packed_rope() -> None:
+    """Megatron-Core's unfused RoPE for packed (THD) input, without its loop over the sequences (idempotent).
+
+    Without Transformer Engine's fused kernel, Megatron splits the pack into its sequences, slices the rotary table
+    for each (a `.item()` per sequence in one of its two cases: a device sync on GPU) and concatenates the slices:
+    four or more small ops per sequence, per layer, for queries and keys, and their backward. Most of a quickstart
+    micro-batch's forward on CPU was that loop (benchmarks/RESULTS.md, "RoPE in one gather"). Here each token's
+    row of the table is gathered at once and the rotation is Megatron's own `_apply_rotary_pos_emb_bshd`: the same
+    rows in the same order, so the same values bit for bit. Only the case without context parallelism is
+    replaced; at CP > 1 Megatron's per-sequence chunking stays."""
+    global _PACKED_ROPE
+    if _PACKED_ROPE:
+        return
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatrons = rope_utils._apply_rotary_pos_emb_thd
+
+    @functools.wraps(megatrons)
+    def in_one_gather(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+                      cp_group=None, **later_options):
+        if later_options or cp_group is None or cp_group.size() != 1:
+            return megatrons(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group,
+                             **later_options)
+        tokens = t.shape[0]
+        if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
+            # A table with a row per token of the pack (shared prompts, M-RoPE): Megatron takes each sequence's rows
+            # at its offset, which, the sequences lying back to back, are the rows from the first offset on.
+            rows = freqs[cu_seqlens[0] : cu_seqlens[0] + tokens]
+        else:
+            # A table by position: each token's position in its own sequence.
+            starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+            positions = torch.arange(tokens, device=t.device) - torch.repeat_interleave(
+                starts.to(t.device), lengths.to(t.device), output_size=tokens)
+            rows = freqs[positions.to(freqs.device)]
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    # apply_rotary_pos_emb looks the THD function up in its module when it runs.
+    rope_utils._apply_rotary_pos_emb_thd = in_one_gather
+    _PACKED_ROPE = True
 
 
 class SDPACoreAttention(torch.nn.Module):

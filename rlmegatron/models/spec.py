@@ -9,7 +9,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from rlmegatron.models.layers import DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm, enable_local_mla
+from rlmegatron.models.layers import (DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm, enable_local_mla,
+                                      enable_packed_rope)
 
 # Local-spec modules that cannot run our layouts, and their replacements:
 # DotProductAttention rejects MLA's separate k/v head dims and packed sequences;
@@ -53,6 +54,7 @@ def _local(spec, config):
     """The local spec with the modules that run our layouts, and Megatron's MLA ready to take them."""
     if config.multi_latent_attention:
         enable_local_mla()
+    enable_packed_rope()
     return _substitute(spec)
 
 
