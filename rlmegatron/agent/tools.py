@@ -15,10 +15,10 @@ answer each prompt differently. A call that raises or runs past its timeout does
 error message as the tool's answer, and the trajectory's metrics count it. Nor does a `create` that raises or
 times out: every call of that trajectory to the tool answers with that error (`release` runs only for the tools
 created); a `release` that fails is counted in the trajectory's metrics (agent/tool_setup_errors).
-Each call (`execute`, `create`, `release`) runs on an event loop of its own in a thread of its own, so a tool that
-blocks (`time.sleep`, a slow C call inside `async def execute`) is cut at the timeout like one that awaits, and the
-other trajectories go on meanwhile. A call that awaits is cancelled at the timeout; one that blocks cannot be, and its
-thread ends when the call returns. So asyncio objects a tool keeps between calls (a lock, a queue) must not be bound
+Each call (`execute`, `create`, `release`) runs on an event loop of its own in a thread of its own (reused by later
+calls once it has ended), so a tool that blocks (`time.sleep`, a slow C call inside `async def execute`) is cut at the
+timeout like one that awaits, and the other trajectories go on meanwhile. A call that awaits is cancelled at the
+timeout; one that blocks cannot be, and keeps its thread until the call returns. So asyncio objects a tool keeps between calls (a lock, a queue) must not be bound
 to one event loop.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Mapping, Sequence
@@ -127,46 +128,84 @@ def build_tools(entries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, A
     return tools
 
 
+class _ToolLoops:
+    """Event loops, each in a daemon thread of its own, that run one tool call at a time. A loop goes back to the idle
+    ones only once its call has ended, so a call that blocks keeps its thread and later calls get others; reusing
+    them spares each call a new thread and a new event loop (about a millisecond of CPU: most of a multi-turn
+    step's generation on CPU, benchmarks/RESULTS.md, "Tool calls on reused event loops")."""
+
+    def __init__(self) -> None:
+        self._idle: list[asyncio.AbstractEventLoop] = []
+        self._lock = threading.Lock()
+        # A forked child has none of these threads: their loops would take calls and never run them.
+        os.register_at_fork(after_in_child=self._idle.clear)
+
+    def take(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            while self._idle:
+                loop = self._idle.pop()
+                if loop.is_running():  # its thread is alive
+                    return loop
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="rlm-tool-call", daemon=True).start()
+        return loop
+
+    def give_back(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._idle.append(loop)
+
+
+_LOOPS = _ToolLoops()
+
+
+async def _outcome(call: Awaitable[Any]) -> tuple[Any, BaseException | None]:
+    # Every exception but cancellation comes back as a value: one that escaped the task (SystemExit) would stop the
+    # loop, and with it the thread later calls are given.
+    try:
+        return await call, None
+    except asyncio.CancelledError:
+        raise
+    except BaseException as error:  # noqa: BLE001 - handed to the caller's loop
+        return None, error
+
+
 async def _apart(call: Awaitable[Any]) -> Any:
     """What `call` returns, awaited on an event loop of its own in a daemon thread of its own: a call that blocks
     its loop stalls only that thread, and the caller's timeout still fires. Cancelled (the caller's timeout), it
-    cancels the call where the call awaits; a blocked call's thread is left to end when the call returns (a daemon,
-    so it never holds up the process's exit)."""
+    cancels the call where the call awaits; a blocked call keeps its thread until the call returns."""
     caller = asyncio.get_running_loop()
     answer = caller.create_future()
-    running: dict[str, Any] = {}
+    loop = _LOOPS.take()
+    running: dict[str, asyncio.Task] = {}
     cancelled = threading.Event()
-
-    async def own() -> Any:
-        # The caller sets `cancelled` before it looks for `running`, and this sets `running` before it looks at
-        # `cancelled`: a timeout that came before this thread got here is seen on one side or the other.
-        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
-        if cancelled.is_set():
-            if inspect.iscoroutine(call):
-                call.close()
-            raise asyncio.CancelledError
-        return await call
 
     def settle(value: Any, error: BaseException | None) -> None:
         if not answer.done():
             answer.set_result(value) if error is None else answer.set_exception(error)
 
-    def run() -> None:
-        try:
-            outcome: tuple[Any, BaseException | None] = (asyncio.run(own()), None)
-        except BaseException as error:  # noqa: BLE001 - handed to the caller's loop
-            outcome = (None, error)
+    def ended(task: asyncio.Task) -> None:  # in the call's thread, once the call has really ended
+        if inspect.iscoroutine(call):
+            call.close()  # never awaited if cancelled before it started; a no-op once it has run
+        _LOOPS.give_back(loop)
+        outcome = (None, asyncio.CancelledError()) if task.cancelled() else task.result()
         with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody waits for this answer
             caller.call_soon_threadsafe(settle, *outcome)
 
-    threading.Thread(target=run, name="rlm-tool-call", daemon=True).start()
+    def start() -> None:  # in the call's thread
+        # The caller sets `cancelled` before it looks for the task, and this sets the task before it looks at
+        # `cancelled`: a timeout that came before the call started is seen on one side or the other.
+        running["task"] = task = loop.create_task(_outcome(call))
+        task.add_done_callback(ended)
+        if cancelled.is_set():
+            task.cancel()
+
+    loop.call_soon_threadsafe(start)
     try:
         return await answer
     except asyncio.CancelledError:
         cancelled.set()
-        if running:
-            with contextlib.suppress(RuntimeError):  # its loop has just finished
-                running["loop"].call_soon_threadsafe(running["task"].cancel)
+        if "task" in running:
+            loop.call_soon_threadsafe(running["task"].cancel)
         raise
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -81,6 +82,94 @@ def test_a_tool_that_blocks_its_event_loop_is_cut_at_the_timeout_while_the_other
     assert time.perf_counter() - start < 1.5  # not the 3 s the blocked call sleeps
     assert blocked.text == "Error: the tool blocking did not answer within 0.3 s" and blocked.timed_out
     assert (fine.text, fine.error) == ("ok fine", False)
+
+
+class WhichThread:
+    """Answers with the thread its call ran in."""
+
+    schema = {"type": "function", "function": {"name": "which_thread", "parameters": {}}}
+
+    async def execute(self, args, context):
+        await asyncio.sleep(args.get("seconds", 0))
+        return str(threading.get_ident()), 0.0, {}
+
+
+def test_a_calls_thread_is_reused_once_the_call_has_ended_and_never_while_a_blocked_one_runs():
+    async def calls():
+        first = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
+        again = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
+        # Blocked past its timeout, on the thread the two calls above had: the next call must not queue behind it.
+        blocked = call_tool(Blocking(), {"seconds": 1.5}, CONTEXT, timeout_s=0.1)
+        outcome = await blocked
+        start = time.perf_counter()
+        meanwhile = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
+        return first, again, outcome, meanwhile, time.perf_counter() - start
+
+    first, again, blocked, meanwhile, waited_s = asyncio.run(calls())
+    assert first.text == again.text  # one thread, reused: no thread and event loop of its own per call
+    assert blocked.timed_out
+    assert meanwhile.text != first.text and waited_s < 1  # another thread, at once, while the blocked call sleeps
+    time.sleep(1.6)  # the blocked call has returned: its thread is free again
+    assert asyncio.run(call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)).text in (first.text, meanwhile.text)
+
+
+def tool_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "rlm-tool-call"]
+
+
+def test_a_timed_out_call_gives_its_thread_back_once_cancelled():
+    async def calls(n, seconds, timeout_s):
+        return await asyncio.gather(*(call_tool(WhichThread(), {"seconds": seconds}, CONTEXT, timeout_s=timeout_s)
+                                      for _ in range(n)))
+
+    assert all(outcome.timed_out for outcome in asyncio.run(calls(20, 5, 0.05)))  # cancelled where they await
+    time.sleep(0.2)
+    taken = len(tool_threads())
+    assert taken >= 20
+    # As many calls at once as there are tool threads: a thread a cancelled call kept would make one of them start a
+    # new thread.
+    assert not any(outcome.error for outcome in asyncio.run(calls(taken, 0, 5)))
+    assert len(tool_threads()) == taken
+
+
+def test_a_call_cut_before_its_thread_started_it_is_closed_never_awaited_and_frees_the_thread(monkeypatch):
+    """The call's thread is held up (a busy machine) past the call's timeout: when it gets to the call, the call is
+    cancelled unstarted, closed without a 'never awaited' warning, and the thread is given back."""
+    import gc
+    import warnings
+
+    from rlmegatron.agent import tools
+
+    loop, gate = asyncio.new_event_loop(), threading.Event()
+    threading.Thread(target=loop.run_forever, name="rlm-tool-call", daemon=True).start()
+    loop.call_soon_threadsafe(gate.wait)  # the loop runs nothing else until the gate opens
+    given_back = []
+    monkeypatch.setattr(tools._LOOPS, "take", lambda: loop)
+    monkeypatch.setattr(tools._LOOPS, "give_back", given_back.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert asyncio.run(call_tool(WhichThread(), {}, CONTEXT, timeout_s=0.05)).timed_out
+        gate.set()
+        deadline = time.monotonic() + 5
+        while not given_back and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gc.collect()
+    assert given_back == [loop]
+    assert not [str(warning.message) for warning in caught if "never awaited" in str(warning.message)]
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_forked_child_calls_tools_on_threads_of_its_own():
+    asyncio.run(call_tool(WhichThread(), {}, CONTEXT, timeout_s=5))  # the parent has an idle tool thread
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's tool threads do not exist here
+        try:
+            outcome = asyncio.run(asyncio.wait_for(call_tool(WhichThread(), {}, CONTEXT, timeout_s=5), 10))
+            os._exit(0 if not outcome.error else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def run_python(tool: PythonTool, *snippets: str) -> list[tuple[str, float, dict]]:
