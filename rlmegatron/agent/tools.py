@@ -131,8 +131,8 @@ def build_tools(entries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, A
 class _ToolLoops:
     """Event loops, each in a daemon thread of its own, that run one tool call at a time. A loop goes back to the idle
     ones only once its call has ended, so a call that blocks keeps its thread and later calls get others; reusing
-    them spares each call a new thread and a new event loop (about a millisecond of CPU: most of a multi-turn
-    step's generation on CPU, benchmarks/RESULTS.md, "Tool calls on reused event loops")."""
+    them spares each call a new thread and a new event loop, which were much of a multi-turn step's generation on CPU
+    (benchmarks/RESULTS.md, "Tool calls on reused event loops")."""
 
     def __init__(self) -> None:
         self._idle: list[asyncio.AbstractEventLoop] = []

@@ -47,11 +47,10 @@ def enable_packed_rope() -> None:
 
     Without Transformer Engine's fused kernel, Megatron splits the pack into its sequences, slices the rotary table
     for each (a `.item()` per sequence in one of its two cases: a device sync on GPU) and concatenates the slices:
-    four or more small ops per sequence, per layer, for queries and keys, and their backward. Most of a quickstart
-    micro-batch's forward on CPU was that loop (benchmarks/RESULTS.md, "RoPE in one gather"). Here each token's
-    row of the table is gathered at once and the rotation is Megatron's own `_apply_rotary_pos_emb_bshd`: the same
-    rows in the same order, so the same values bit for bit. Only the case without context parallelism is
-    replaced; at CP > 1 Megatron's per-sequence chunking stays."""
+    several small ops per sequence, per layer, for queries and keys, and their backward (benchmarks/RESULTS.md, "RoPE
+    in one gather"). Here each token's row of the table is gathered at once and the rotation is Megatron's own
+    `_apply_rotary_pos_emb_bshd`: the same rows in the same order, so the same values bit for bit. Only the case
+    without context parallelism is replaced; at CP > 1 Megatron's per-sequence chunking stays."""
     global _PACKED_ROPE
     if _PACKED_ROPE:
         return

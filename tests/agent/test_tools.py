@@ -94,42 +94,46 @@ class WhichThread:
         return str(threading.get_ident()), 0.0, {}
 
 
-def test_a_calls_thread_is_reused_once_the_call_has_ended_and_never_while_a_blocked_one_runs():
+@pytest.fixture
+def tool_loops(monkeypatch):
+    """A pool of tool-call threads of the test's own: none of another test's calls (a blocked one still sleeping)
+    takes from it or gives back to it."""
+    from rlmegatron.agent import tools
+
+    pool = tools._ToolLoops()
+    monkeypatch.setattr(tools, "_LOOPS", pool)
+    return pool
+
+
+def test_a_calls_thread_is_reused_once_the_call_has_ended_and_never_while_a_blocked_one_runs(tool_loops):
     async def calls():
         first = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
         again = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
         # Blocked past its timeout, on the thread the two calls above had: the next call must not queue behind it.
-        blocked = call_tool(Blocking(), {"seconds": 1.5}, CONTEXT, timeout_s=0.1)
-        outcome = await blocked
+        blocked = await call_tool(Blocking(), {"seconds": 1.5}, CONTEXT, timeout_s=0.1)
         start = time.perf_counter()
         meanwhile = await call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)
-        return first, again, outcome, meanwhile, time.perf_counter() - start
+        return first, again, blocked, meanwhile, time.perf_counter() - start
 
     first, again, blocked, meanwhile, waited_s = asyncio.run(calls())
     assert first.text == again.text  # one thread, reused: no thread and event loop of its own per call
     assert blocked.timed_out
     assert meanwhile.text != first.text and waited_s < 1  # another thread, at once, while the blocked call sleeps
     time.sleep(1.6)  # the blocked call has returned: its thread is free again
-    assert asyncio.run(call_tool(WhichThread(), {}, CONTEXT, timeout_s=5)).text in (first.text, meanwhile.text)
+    assert len(tool_loops._idle) == 2
 
 
-def tool_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == "rlm-tool-call"]
-
-
-def test_a_timed_out_call_gives_its_thread_back_once_cancelled():
+def test_a_timed_out_call_gives_its_thread_back_once_cancelled(tool_loops):
     async def calls(n, seconds, timeout_s):
         return await asyncio.gather(*(call_tool(WhichThread(), {"seconds": seconds}, CONTEXT, timeout_s=timeout_s)
                                       for _ in range(n)))
 
     assert all(outcome.timed_out for outcome in asyncio.run(calls(20, 5, 0.05)))  # cancelled where they await
     time.sleep(0.2)
-    taken = len(tool_threads())
-    assert taken >= 20
-    # As many calls at once as there are tool threads: a thread a cancelled call kept would make one of them start a
-    # new thread.
-    assert not any(outcome.error for outcome in asyncio.run(calls(taken, 0, 5)))
-    assert len(tool_threads()) == taken
+    loops = set(tool_loops._idle)
+    assert len(loops) == 20  # each back, its call cancelled
+    assert not any(outcome.error for outcome in asyncio.run(calls(20, 0, 5)))
+    assert set(tool_loops._idle) == loops  # the next 20 calls at once ran on them, no new one
 
 
 def test_a_call_cut_before_its_thread_started_it_is_closed_never_awaited_and_frees_the_thread(monkeypatch):
