@@ -100,11 +100,14 @@ def make_reward_model_critic(layout: ParallelLayout, path: str) -> CriticWorker:
     return critic
 
 
-def full_parameters(path: str, kind: str = "dense") -> dict[str, torch.Tensor]:
-    """Weights saved at any layout, loaded at TP=PP=1 as full tensors."""
+def full_parameters(*paths: str, kind: str = "dense") -> list[dict[str, torch.Tensor]]:
+    """Weights saved at any layout, each loaded at TP=PP=1 as full tensors, into one actor built once."""
     actor = make_actor(ParallelLayout(), kind)
-    actor.load_weights(path)
-    return {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
+    loaded = []
+    for path in paths:
+        actor.load_weights(path)
+        loaded.append({n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()})
+    return loaded
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -167,13 +170,14 @@ def parity_job(layout_variants: list[tuple[str, ParallelLayout, dict]], workdir:
             "pg_loss_diff": abs(variant_metrics["actor/pg_loss"] - metrics["actor/pg_loss"]),
         }
 
-    expected = full_parameters(os.path.join(workdir, "updated-baseline"))
-    report["update_size"] = _max_diff(expected, full_parameters(weights))
+    names = ["updated-baseline", "weights", *(f"updated-{label}" for label, _, _ in variants), "twice-offloaded",
+             "twice-baseline"]
+    full = dict(zip(names, full_parameters(*(os.path.join(workdir, name) for name in names))))
+    expected = full["updated-baseline"]
+    report["update_size"] = _max_diff(expected, full["weights"])
     for label, _, _ in variants:
-        updated = full_parameters(os.path.join(workdir, f"updated-{label}"))
-        report["variants"][label]["param_diff"] = _max_diff(updated, expected)
-    twice_offloaded = full_parameters(os.path.join(workdir, "twice-offloaded"))
-    report["offload_param_diff"] = _max_diff(twice_offloaded, full_parameters(os.path.join(workdir, "twice-baseline")))
+        report["variants"][label]["param_diff"] = _max_diff(full[f"updated-{label}"], expected)
+    report["offload_param_diff"] = _max_diff(full["twice-offloaded"], full["twice-baseline"])
     return report
 
 
