@@ -175,7 +175,8 @@ async def _apart(call: Awaitable[Any]) -> Any:
     cancels the call where the call awaits; a blocked call keeps its thread until the call returns."""
     caller = asyncio.get_running_loop()
     answer = caller.create_future()
-    loop = _LOOPS.take()
+    pool = _LOOPS  # the loop goes back where it came from
+    loop = pool.take()
     running: dict[str, asyncio.Task] = {}
     cancelled = threading.Event()
 
@@ -186,7 +187,7 @@ async def _apart(call: Awaitable[Any]) -> Any:
     def ended(task: asyncio.Task) -> None:  # in the call's thread, once the call has really ended
         if inspect.iscoroutine(call):
             call.close()  # never awaited if cancelled before it started; a no-op once it has run
-        _LOOPS.give_back(loop)
+        pool.give_back(loop)
         outcome = (None, asyncio.CancelledError()) if task.cancelled() else task.result()
         with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody waits for this answer
             caller.call_soon_threadsafe(settle, *outcome)

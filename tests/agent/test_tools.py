@@ -136,20 +136,19 @@ def test_a_timed_out_call_gives_its_thread_back_once_cancelled(tool_loops):
     assert set(tool_loops._idle) == loops  # the next 20 calls at once ran on them, no new one
 
 
-def test_a_call_cut_before_its_thread_started_it_is_closed_never_awaited_and_frees_the_thread(monkeypatch):
+def test_a_call_cut_before_its_thread_started_it_is_closed_never_awaited_and_frees_the_thread(tool_loops,
+                                                                                               monkeypatch):
     """The call's thread is held up (a busy machine) past the call's timeout: when it gets to the call, the call is
     cancelled unstarted, closed without a 'never awaited' warning, and the thread is given back."""
     import gc
     import warnings
 
-    from rlmegatron.agent import tools
-
     loop, gate = asyncio.new_event_loop(), threading.Event()
     threading.Thread(target=loop.run_forever, name="rlm-tool-call", daemon=True).start()
     loop.call_soon_threadsafe(gate.wait)  # the loop runs nothing else until the gate opens
     given_back = []
-    monkeypatch.setattr(tools._LOOPS, "take", lambda: loop)
-    monkeypatch.setattr(tools._LOOPS, "give_back", given_back.append)
+    monkeypatch.setattr(tool_loops, "take", lambda: loop)
+    monkeypatch.setattr(tool_loops, "give_back", given_back.append)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert asyncio.run(call_tool(WhichThread(), {}, CONTEXT, timeout_s=0.05)).timed_out
