@@ -26,6 +26,8 @@ from rlmegatron.runtime.cpu_compat import plain_torch
 
 _LOCAL_MLA = False
 _PACKED_ROPE = False
+# The keyword arguments Megatron-Core 0.16's apply_rotary_pos_emb gives its THD function.
+_THD_OPTIONS = {"rotary_interleaved", "multi_latent_attention", "mscale", "cp_group"}
 
 
 def enable_local_mla() -> None:
@@ -49,8 +51,9 @@ def enable_packed_rope() -> None:
     for each (a `.item()` per sequence in one of its two cases: a device sync on GPU) and concatenates the slices:
     several small ops per sequence, per layer, for queries and keys, and their backward (benchmarks/RESULTS.md, "RoPE
     in one gather"). Here each token's row of the table is gathered at once and the rotation is Megatron's own
-    `_apply_rotary_pos_emb_bshd`: the same rows in the same order, so the same values bit for bit. Only the case
-    without context parallelism is replaced; at CP > 1 Megatron's per-sequence chunking stays."""
+    `_apply_rotary_pos_emb_bshd`: the same rows in the same order, so the same values bit for bit. Only calls
+    without context parallelism and with Megatron-Core 0.16's arguments are replaced; at CP > 1, or from a later
+    Megatron-Core that passes other arguments (its own THD function may no longer loop), Megatron's function runs."""
     global _PACKED_ROPE
     if _PACKED_ROPE:
         return
@@ -59,12 +62,12 @@ def enable_packed_rope() -> None:
     megatrons = rope_utils._apply_rotary_pos_emb_thd
 
     @functools.wraps(megatrons)
-    def in_one_gather(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
-                      cp_group=None, **later_options):
-        if later_options or cp_group is None or cp_group.size() != 1:
-            return megatrons(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group,
-                             **later_options)
+    def in_one_gather(t, cu_seqlens, freqs, *args, **options):
+        # Only the arguments Megatron-Core 0.16 passes are understood here; anything else (a later Megatron's
+        # options, context parallelism) goes to Megatron's own function exactly as it came.
+        cp_group = options.get("cp_group")
+        if args or not options.keys() <= _THD_OPTIONS or cp_group is None or cp_group.size() != 1:
+            return megatrons(t, cu_seqlens, freqs, *args, **options)
         tokens = t.shape[0]
         if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
             # A table with a row per token of the pack (shared prompts, M-RoPE): Megatron takes each sequence's rows
@@ -76,9 +79,8 @@ def enable_packed_rope() -> None:
             positions = torch.arange(tokens, device=t.device) - torch.repeat_interleave(
                 starts.to(t.device), lengths.to(t.device), output_size=tokens)
             rows = freqs[positions.to(freqs.device)]
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), rows, rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+        rotation = {name: value for name, value in options.items() if name != "cp_group"}
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, **rotation).squeeze(1)
 
     # apply_rotary_pos_emb looks the THD function up in its module when it runs.
     rope_utils._apply_rotary_pos_emb_thd = in_one_gather

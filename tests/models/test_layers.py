@@ -46,3 +46,35 @@ def test_packed_rope_in_one_gather_is_megatrons_loop_bit_for_bit(per_token, opti
     # Not trivially equal: a shuffled table gives other values.
     shuffled, _ = rotated(ours, t, cu_seqlens, freqs.flip(0), **options)
     assert not torch.equal(shuffled, expected)
+
+
+class TwoRankGroup(OneRankGroup):
+    def size(self):
+        return 2
+
+
+def test_packed_rope_leaves_context_parallelism_and_other_arguments_to_megatron(monkeypatch):
+    from rlmegatron.models import layers
+
+    current = rope_utils._apply_rotary_pos_emb_thd
+    megatrons = getattr(current, "__wrapped__", current)
+    calls = []
+
+    def spy(*args, **options):  # stands for Megatron's function: what reaches it, and its answer
+        calls.append(options)
+        return megatrons(*args, **options)
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", spy)  # both restored after the test
+    monkeypatch.setattr(layers, "_PACKED_ROPE", False)
+    enable_packed_rope()  # wraps the spy
+    wrapped = rope_utils._apply_rotary_pos_emb_thd
+    t, cu_seqlens, freqs = torch.randn(8, 2, 4), torch.tensor([0, 4, 8], dtype=torch.int32), torch.randn(8, 1, 1, 4)
+    wrapped(t, cu_seqlens, freqs, cp_group=OneRankGroup(), mscale=0.5)
+    assert calls == []  # handled in one gather
+    two = TwoRankGroup()
+    wrapped(t[:4], cu_seqlens, freqs, cp_group=two, mscale=0.5)  # this CP rank's half of each sequence
+    assert calls == [{"cp_group": two, "mscale": 0.5}]
+    one = OneRankGroup()
+    with pytest.raises(TypeError, match="inverse"):  # 0.16's function has no such argument: it got it as given
+        wrapped(t, cu_seqlens, freqs, cp_group=one, inverse=True)
+    assert calls[-1] == {"cp_group": one, "inverse": True}
