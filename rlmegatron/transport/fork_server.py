@@ -31,7 +31,8 @@ def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_PRELOAD, *preload])
+    # fork_server_exit last: the server leaves without Python's teardown once its driver is gone.
+    ctx.set_forkserver_preload([*_PRELOAD, *preload, "rlmegatron.transport.fork_server_exit"])
     # Its imports come before any rank quiets the library notices they print: it starts with them off.
     with environment(PYTHONWARNINGS=",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
                                                            import_notices_off(device)]))), _ctrl_c_ignored():
