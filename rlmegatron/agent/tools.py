@@ -18,8 +18,8 @@ created); a `release` that fails is counted in the trajectory's metrics (agent/t
 Each call (`execute`, `create`, `release`) runs on an event loop of its own in a thread of its own (reused by later
 calls once it has ended), so a tool that blocks (`time.sleep`, a slow C call inside `async def execute`) is cut at the
 timeout like one that awaits, and the other trajectories go on meanwhile. A call that awaits is cancelled at the
-timeout; one that blocks cannot be, and keeps its thread until the call returns. So asyncio objects a tool keeps between calls (a lock, a queue) must not be bound
-to one event loop.
+timeout; one that blocks cannot be, and keeps its thread until the call returns. So asyncio objects a tool keeps
+between calls (a lock, a queue) must not be bound to one event loop.
 """
 from __future__ import annotations
 

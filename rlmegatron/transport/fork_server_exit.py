@@ -10,7 +10,12 @@ import os
 import sys
 
 
+_SERVER = os.getpid()
+
+
 def _leave_now() -> None:
+    if os.getpid() != _SERVER:  # a process forked from the server that exits the ordinary way keeps its exit code
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -20,5 +25,5 @@ def _leave_now() -> None:
 
 
 # Registered after every other preload's handler, so it runs first (atexit runs last-in first-out). The ranks this
-# server forks leave by os._exit (multiprocessing's children do), so they never run it.
+# server forks leave by os._exit (multiprocessing's children do); a child that ran it anyway is let be (above).
 atexit.register(_leave_now)
