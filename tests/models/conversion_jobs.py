@@ -11,7 +11,7 @@ from rlmegatron.runtime import ParallelLayout as L
 from tests.models.tiny_hf import MOE_FAMILIES, VARIANTS, family_of
 
 # Every family at every layout the converter promises (TP/PP, and EP for MoE). TP=PP=1 is not among them as a
-# conversion of its own: every layout's checkpoint is reloaded at TP=PP=EP=1 (round_trip_job), where its logits are
+# conversion of its own: every layout's checkpoint is reloaded at TP=PP=EP=1 (reload_job), where its logits are
 # checked against transformers and its export bitwise, and TP=1 slicing is PP=2's (and EP=2's) per stage.
 LAYOUTS = (L(tp=2), L(pp=2), L(tp=2, pp=2))
 MOE_LAYOUTS = (L(ep=2),)
@@ -103,10 +103,30 @@ def megatron_mtp_logits(model, facts, tokens: torch.Tensor) -> torch.Tensor:
     return logits.transpose(0, 1)[..., : facts.vocab_size]
 
 
-def round_trip_job(families: list[str], workdir: str) -> dict:
-    """Per family and layout: HF->Megatron logits vs HF, Megatron->HF bitwise, and the checkpoint reloaded
-    at TP=PP=EP=1 (a different layout) giving the same logits and HF tensors. Every rank returns its view."""
-    from rlmegatron.models.convert import hf_logits, import_hf, load_mcore, megatron_logits, save_mcore, verify_tokens
+def convert_job(families: list[str], workdir: str) -> dict:
+    """Per family and layout, on every rank of the layout: HF -> Megatron, the sharded model's logits (on the last
+    stage's ranks, else None), its dist_checkpointing save and its HF export straight from the shards. Everything
+    that is not sharded is checked once, in reload_job."""
+    from rlmegatron.models.convert import import_hf, megatron_logits, save_mcore, verify_tokens
+    from rlmegatron.resharding import export_hf
+
+    report = {}
+    for family in families:
+        for layout in layouts_for(family):
+            facts, weight_map, chunks = import_hf(os.path.join(workdir, family, "hf"), layout)
+            report[f"{family}/{layout}"] = {"logits": megatron_logits(chunks, facts, verify_tokens(facts.vocab_size)),
+                                            "mtp_layers": facts.num_mtp_layers}
+            save_mcore(chunks, weight_map, os.path.join(workdir, family, str(layout)), "fp32")
+            export_hf(chunks, weight_map, os.path.join(workdir, family, f"{layout}-hf"), facts.hf)
+    return report
+
+
+def reload_job(families: list[str], workdir: str) -> dict:
+    """On one rank, after convert_job: per family, transformers' logits (the reference); per layout, the export
+    against the original tensors and through from_pretrained, and the checkpoint reloaded at TP=PP=EP=1 (a layout
+    other than the one it was saved at): its logits (its MTP layer's too) and its export. One rank, because four
+    ranks at TP=PP=EP=1 would each load and check the same whole model."""
+    from rlmegatron.models.convert import hf_logits, load_mcore, megatron_logits, verify_tokens
     from rlmegatron.resharding import export_hf
 
     report = {}
@@ -115,21 +135,13 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
         original = _read_safetensors(hf_dir)
         reference = mtp_reference = None
         for layout in layouts_for(family):
-            label = f"{family}/{layout}"
-            facts, weight_map, chunks = import_hf(hf_dir, layout)
+            out = os.path.join(workdir, family, f"{layout}-hf")
+            facts, weight_map, chunks = load_mcore(os.path.join(workdir, family, str(layout)), L())
             tokens = verify_tokens(facts.vocab_size)
             reference = hf_logits(hf_dir, tokens) if reference is None else reference
-            entry = {"logits_vs_hf": _max_diff(reference, megatron_logits(chunks, facts, tokens)),
-                     "mtp_layers": facts.num_mtp_layers}
-            mcore_dir = os.path.join(workdir, family, str(layout))
-            save_mcore(chunks, weight_map, mcore_dir, "fp32")
-            out = os.path.join(workdir, family, f"{layout}-hf")
-            export_hf(chunks, weight_map, out, facts.hf)  # straight from the sharded layout
-            if torch.distributed.get_rank() == 0:
-                entry["exported"] = _differences(original, out)
-                entry["from_pretrained_logits_vs_hf"] = float((hf_logits(out, tokens) - reference).abs().max())
-            facts, weight_map, chunks = load_mcore(mcore_dir, L())
-            entry["reloaded_tp1_logits_vs_hf"] = _max_diff(reference, megatron_logits(chunks, facts, tokens))
+            entry = {"reference": reference, "exported": _differences(original, out),
+                     "from_pretrained_logits_vs_hf": float((hf_logits(out, tokens) - reference).abs().max()),
+                     "reloaded_tp1_logits_vs_hf": _max_diff(reference, megatron_logits(chunks, facts, tokens))}
             if facts.num_mtp_layers:
                 # The last position's next token is past the end: Megatron and the reference pad it differently.
                 mtp_reference = hf_mtp_logits(hf_dir, tokens) if mtp_reference is None else mtp_reference
@@ -137,9 +149,8 @@ def round_trip_job(families: list[str], workdir: str) -> dict:
                     mtp_reference[:, :-1], megatron_mtp_logits(chunks[0], facts, tokens)[:, :-1])
             reloaded_out = os.path.join(workdir, family, f"{layout}-reloaded-hf")
             export_hf(chunks, weight_map, reloaded_out, facts.hf)
-            if torch.distributed.get_rank() == 0:
-                entry["reloaded_exported"] = _differences(original, reloaded_out)
-            report[label] = entry
+            entry["reloaded_exported"] = _differences(original, reloaded_out)
+            report[f"{family}/{layout}"] = entry
     return report
 
 

@@ -6,7 +6,7 @@ import pytest
 from rlmegatron.runtime import ParallelLayout
 
 from rlmegatron.transport.local_ranks import run_ranks
-from tests.models.conversion_jobs import layouts_for, round_trip_job
+from tests.models.conversion_jobs import convert_job, layouts_for, reload_job
 from tests.models.tiny_hf import FAMILIES, VARIANTS, save_tiny_model, saved_mtp_layers
 
 LOGIT_TOLERANCE = 1e-4
@@ -16,34 +16,39 @@ CHECKPOINTS = FAMILIES + tuple(VARIANTS)
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
+    """Every rank's report of the conversions (convert_job), and the one rank's of the checks after them."""
     workdir = str(tmp_path_factory.mktemp("convert"))
     for name in CHECKPOINTS:
         save_tiny_model(name, f"{workdir}/{name}/hf")
-    # One process group for everything: each spawned rank pays megatron's import once.
-    return run_ranks(round_trip_job, 4, list(CHECKPOINTS), workdir, timeout_s=MATRIX_TIMEOUT_S)
+    # One process group for every conversion: each forked rank builds Megatron's state once.
+    converted = run_ranks(convert_job, 4, list(CHECKPOINTS), workdir, timeout_s=MATRIX_TIMEOUT_S)
+    return converted, run_ranks(reload_job, 1, list(CHECKPOINTS), workdir, timeout_s=MATRIX_TIMEOUT_S)[0]
 
 
 # The fixture runs inside the first test, so that test carries the matrix's time limit too.
-@pytest.mark.timeout(MATRIX_TIMEOUT_S + 60)
+@pytest.mark.timeout(2 * MATRIX_TIMEOUT_S + 60)
 @pytest.mark.parametrize("family", CHECKPOINTS)
 def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
+    converted, checked = reports
     for layout in layouts_for(family):
         label = f"{family}/{layout}"
-        entries = [report[label] for report in reports]
-        logit_diffs = [e["logits_vs_hf"] for e in entries if e["logits_vs_hf"] is not None]
-        assert logit_diffs and max(logit_diffs) < LOGIT_TOLERANCE, (label, logit_diffs)
+        entries, entry = [report[label] for report in converted], checked[label]
+        # The sharded model's logits on each of its last stage's ranks (TP-gathered there).
+        logit_diffs = [float((e["logits"] - entry["reference"]).abs().max()) for e in entries if e["logits"] is not None]
+        assert len(logit_diffs) == 4 // layout.pp and max(logit_diffs) < LOGIT_TOLERANCE, (label, logit_diffs)
         # A DeepSeek-V3 saved by transformers has no MTP tensors: converted without MTP layers, not refused.
-        assert entries[0]["mtp_layers"] == saved_mtp_layers(family), label
-        assert max(e["reloaded_tp1_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
+        assert {e["mtp_layers"] for e in entries} == {saved_mtp_layers(family)}, label
+        assert entry["reloaded_tp1_logits_vs_hf"] < LOGIT_TOLERANCE, label
         # An MTP layer (DeepSeek's, GLM's), which transformers ignores, against DeepSeek-V3's definition of it.
-        if "reloaded_tp1_mtp_logits_vs_hf" in entries[0]:
-            assert max(e["reloaded_tp1_mtp_logits_vs_hf"] for e in entries) < LOGIT_TOLERANCE, label
+        assert ("reloaded_tp1_mtp_logits_vs_hf" in entry) == bool(saved_mtp_layers(family)), label
+        if "reloaded_tp1_mtp_logits_vs_hf" in entry:
+            assert entry["reloaded_tp1_mtp_logits_vs_hf"] < LOGIT_TOLERANCE, label
         # Exported from the sharded layout, and from the checkpoint reloaded at TP=PP=EP=1; DeepSeek's MTP
         # layers included, with their copies of the embedding and head.
         for export in ("exported", "reloaded_exported"):
-            assert entries[0][export] == {"key_mismatch": [], "not_bitwise": []}, (label, export, entries[0][export])
+            assert entry[export] == {"key_mismatch": [], "not_bitwise": []}, (label, export, entry[export])
         # The exported directory loads with transformers' from_pretrained and gives the original logits.
-        assert entries[0]["from_pretrained_logits_vs_hf"] < LOGIT_TOLERANCE, label
+        assert entry["from_pretrained_logits_vs_hf"] < LOGIT_TOLERANCE, label
 
 
 def test_cli_vpp_etp_and_uneven_pipeline_flags_reach_the_layout_and_the_rank_count():
