@@ -17,22 +17,23 @@ LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
 LOG_PROB_TOLERANCE = 1e-5
 
 
-def check_round_trip_report(report: list[dict]) -> None:
-    """What round_trip_job's ranks report must show for any family, at every layout: log-probs equal transformers',
-    also reloaded at TP=1 and from the export; the tower on the first pipeline stage only; the export bitwise, its
-    config.json equal; transformers generates from the export as from the original."""
-    generated, logits = report[0]["generated"]
+def check_round_trip_report(report: tuple[list[dict], dict]) -> None:
+    """What round_trip's reports must show for any family, at every layout: log-probs equal transformers' on each
+    rank that has them, also reloaded at TP=1 and from the export; the tower on the first pipeline stage only; the
+    export bitwise, its config.json equal; transformers generates from the export as from the original."""
+    ranks, checked = report
+    generated, logits = checked["generated"]
     assert [len(row) for row in generated] == [GENERATED_TOKENS] * 2
     for layout in map(str, LAYOUTS):
-        entries = [rank[layout] for rank in report]
-        diffs = [e["log_probs_vs_hf"] for e in entries if e["log_probs_vs_hf"] is not None]
-        assert diffs and max(diffs) < LOG_PROB_TOLERANCE, (layout, diffs)
-        assert max(e["reloaded_tp1_log_probs_vs_hf"] for e in entries) < LOG_PROB_TOLERANCE, layout
+        entries, entry = [rank[layout] for rank in ranks], checked[layout]
+        diffs = [_max_diff(checked["reference"], e["log_probs"]) for e in entries if e["log_probs"] is not None]
+        assert len(diffs) == (2 if "PP2" in layout else 4) and max(diffs) < LOG_PROB_TOLERANCE, (layout, diffs)
+        assert entry["reloaded_tp1_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
         assert sum(e["vision_tower_here"] for e in entries) == (2 if "PP2" in layout else 4), layout
-        assert entries[0]["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entries[0]["exported"])
-        assert entries[0]["config_equal"], layout
-        assert entries[0]["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
-        assert entries[0]["generated"][0] == generated and torch.equal(entries[0]["generated"][1], logits), layout
+        assert entry["exported"] == {"key_mismatch": [], "not_bitwise": []}, (layout, entry["exported"])
+        assert entry["config_equal"], layout
+        assert entry["from_pretrained_log_probs_vs_hf"] < LOG_PROB_TOLERANCE, layout
+        assert entry["generated"][0] == generated and torch.equal(entry["generated"][1], logits), layout
 
 
 def hf_vl_log_probs(hf_dir: str) -> torch.Tensor:
@@ -86,35 +87,29 @@ def _max_diff(reference, log_probs):
     return None if log_probs is None else float((reference - log_probs).abs().max())
 
 
-def round_trip_job(workdir: str) -> dict:
-    """Per layout: HF -> Megatron log-probs vs transformers', Megatron -> HF bitwise (config.json too), and the
-    dist checkpoint reloaded at TP=PP=1 giving the same log-probs. Every rank returns its view."""
-    from rlmegatron.models.convert import build_chunks, import_hf, load_mcore, save_mcore
-    from rlmegatron.models.families import FAMILIES
+def round_trip(workdir: str) -> tuple[list[dict], dict]:
+    """The VL checkpoint in `workdir`/hf converted at every layout on 4 ranks (convert_job), then checked on one
+    (check_job): what round_trip's two reports are, check_round_trip_report says."""
+    from rlmegatron.transport.local_ranks import run_ranks
+
+    return run_ranks(convert_job, 4, workdir, timeout_s=400), run_ranks(check_job, 1, workdir, timeout_s=400)[0]
+
+
+def convert_job(workdir: str) -> dict:
+    """Per layout, on every rank: HF -> Megatron, the sharded model's log-probs (None off the last stage), whether
+    the tower is here, the dist checkpoint and the HF export straight from the shards."""
+    from rlmegatron.models.convert import build_chunks, import_hf, save_mcore
     from rlmegatron.resharding import export_hf
     from rlmegatron.runtime import init_model_parallel
 
     hf_dir = os.path.join(workdir, "hf")
-    original = _read(hf_dir)
-    reference = hf_vl_log_probs(hf_dir)
-    family = FAMILIES[_config(hf_dir)["model_type"]]
-    report = {"vision_weights": sum(k.startswith(family.hf_vision_prefix) for k in original),
-              "generated": hf_vl_generate(hf_dir) if torch.distributed.get_rank() == 0 else None}
+    report = {}
     for layout in LAYOUTS:
         facts, weight_map, chunks = import_hf(hf_dir, layout)
-        entry = {"log_probs_vs_hf": _max_diff(reference, megatron_vl_log_probs(chunks, facts)),
-                 "vision_tower_here": any(hasattr(c, "vision") and c.vision is not None for c in chunks)}
-        mcore_dir, out = os.path.join(workdir, f"{layout}-mcore"), os.path.join(workdir, f"{layout}-hf")
-        save_mcore(chunks, weight_map, mcore_dir, "fp32")
-        export_hf(chunks, weight_map, out, facts.hf)
-        facts, weight_map, chunks = load_mcore(mcore_dir, L())
-        entry["reloaded_tp1_log_probs_vs_hf"] = _max_diff(reference, megatron_vl_log_probs(chunks, facts))
-        if torch.distributed.get_rank() == 0:
-            entry["exported"] = _differences(original, out)
-            entry["config_equal"] = _config(out) == _config(hf_dir)
-            entry["from_pretrained_log_probs_vs_hf"] = _max_diff(reference, hf_vl_log_probs(out))
-            entry["generated"] = hf_vl_generate(out)
-        report[str(layout)] = entry
+        report[str(layout)] = {"log_probs": megatron_vl_log_probs(chunks, facts),
+                               "vision_tower_here": any(hasattr(c, "vision") and c.vision is not None for c in chunks)}
+        save_mcore(chunks, weight_map, os.path.join(workdir, f"{layout}-mcore"), "fp32")
+        export_hf(chunks, weight_map, os.path.join(workdir, f"{layout}-hf"), facts.hf)
     # One decoder layer on the first stage: a model with DeepStack layers past it refuses to be built there.
     layout = L(pp=2, first_stage_layers=1)
     init_model_parallel(layout)
@@ -123,6 +118,29 @@ def round_trip_job(workdir: str) -> dict:
         report["one_layer_first_stage"] = None
     except ValueError as err:
         report["one_layer_first_stage"] = str(err)
+    return report
+
+
+def check_job(workdir: str) -> dict:
+    """On one rank, after convert_job: transformers' log-probs and generation (the reference); per layout, the
+    checkpoint reloaded at TP=PP=1, the export's bytes and config.json, and transformers on the export. One rank:
+    four at TP=PP=1 would each load and check the same whole model."""
+    from rlmegatron.models.convert import load_mcore
+    from rlmegatron.models.families import FAMILIES
+
+    hf_dir = os.path.join(workdir, "hf")
+    original = _read(hf_dir)
+    reference = hf_vl_log_probs(hf_dir)
+    family = FAMILIES[_config(hf_dir)["model_type"]]
+    report = {"reference": reference, "generated": hf_vl_generate(hf_dir),
+              "vision_weights": sum(k.startswith(family.hf_vision_prefix) for k in original)}
+    for layout in LAYOUTS:
+        out = os.path.join(workdir, f"{layout}-hf")
+        facts, _, chunks = load_mcore(os.path.join(workdir, f"{layout}-mcore"), L())
+        report[str(layout)] = {"reloaded_tp1_log_probs_vs_hf": _max_diff(reference, megatron_vl_log_probs(chunks, facts)),
+                               "exported": _differences(original, out), "config_equal": _config(out) == _config(hf_dir),
+                               "from_pretrained_log_probs_vs_hf": _max_diff(reference, hf_vl_log_probs(out)),
+                               "generated": hf_vl_generate(out)}
     return report
 
 
