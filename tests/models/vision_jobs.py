@@ -8,7 +8,7 @@ import os
 import torch
 
 from rlmegatron.runtime import ParallelLayout as L
-from tests.models.conversion_jobs import _differences
+from tests.models.conversion_jobs import _differences, _max_diff, _read_safetensors
 from tests.models.tiny_vl import image_prompts, next_token_log_probs
 
 LAYOUTS = (L(), L(tp=2), L(pp=2), L(tp=2, pp=2))
@@ -83,10 +83,6 @@ def megatron_vl_log_probs(chunks, facts):
     return None if logits is None else next_token_log_probs(logits, tokens)
 
 
-def _max_diff(reference, log_probs):
-    return None if log_probs is None else float((reference - log_probs).abs().max())
-
-
 def round_trip(workdir: str) -> tuple[list[dict], dict]:
     """The VL checkpoint in `workdir`/hf converted at every layout on 4 ranks (convert_job), then checked on one
     (check_job): what round_trip's two reports are, check_round_trip_report says."""
@@ -129,7 +125,7 @@ def check_job(workdir: str) -> dict:
     from rlmegatron.models.families import FAMILIES
 
     hf_dir = os.path.join(workdir, "hf")
-    original = _read(hf_dir)
+    original = _read_safetensors(hf_dir)
     reference = hf_vl_log_probs(hf_dir)
     family = FAMILIES[_config(hf_dir)["model_type"]]
     report = {"reference": reference, "generated": hf_vl_generate(hf_dir),
@@ -142,12 +138,6 @@ def check_job(workdir: str) -> dict:
                                "from_pretrained_log_probs_vs_hf": _max_diff(reference, hf_vl_log_probs(out)),
                                "generated": hf_vl_generate(out)}
     return report
-
-
-def _read(directory: str) -> dict:
-    from tests.models.conversion_jobs import _read_safetensors
-
-    return _read_safetensors(directory)
 
 
 def _config(directory: str) -> dict:
