@@ -63,6 +63,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         out = _out_dir()
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{_state['worker']}.json").write_text(json.dumps(_state["tests"], indent=0))
+        # Back to the root group, and the worker's group removed; it stays only while a process the suite left
+        # behind is still in it.
+        (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            _state["group"].rmdir()
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:
