@@ -53,18 +53,20 @@ def expect(body, schema):
 
 
 _PATCHING = threading.Lock()
+_accepting_device_uuids = False
 
 
 def accept_device_uuids():
     """As SGLang does before it unpickles weights: CUDA handles name their device by UUID. Once per server, on its
     first weight update (torch is imported only then: see `update_weights_from_tensor`)."""
+    global _accepting_device_uuids
     import torch
     from torch.multiprocessing import reductions
 
     with _PATCHING:
-        original = reductions.rebuild_cuda_tensor
-        if getattr(original, "accepts_device_uuids", False):
+        if _accepting_device_uuids:
             return
+        original = reductions.rebuild_cuda_tensor
 
         def rebuild_cuda_tensor(*args):
             uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
@@ -72,8 +74,8 @@ def accept_device_uuids():
                 raise BadRequest(f"CUDA tensor device {args[6]!r} is not the UUID of one of this server's GPUs")
             return original(*args[:6], uuids.index(args[6]), *args[7:])
 
-        rebuild_cuda_tensor.accepts_device_uuids = True
         reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
+        _accepting_device_uuids = True
 
 
 def tensor_digest(tensor):
@@ -226,8 +228,8 @@ class FakeServer:
             raise BadRequest("expected one flattened bucket per TP rank")
         if "weights" in self.released:
             raise BadRequest("weights are released; resume them before pushing weights")
-        # torch on first use, not at start: its import is most of a fake server's start-up CPU (1.7 of 1.85 s on
-        # the 2-core box), and the suite starts about seventy servers, many of which never receive a weight.
+        # torch on first use, not at start: its import is most of a stand-in server's start-up CPU, and many of the
+        # servers the suite starts never receive a weight (benchmarks/RESULTS.md, "The suite on a faster instance").
         import torch
 
         accept_device_uuids()
