@@ -288,6 +288,33 @@ def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
         engine.shutdown()
 
 
+def test_a_sample_sent_while_another_restarts_the_server_is_not_taken_from_the_unsynced_server(tmp_path):
+    """The race a loaded machine plays: a sample passes the engine's check, another sample finds the server dead and
+    restarts it, and only then does the first one reach the port, where the new server, without the trained
+    weights, answers it. That answer is not the trained policy's: the engine asks again, and meets the stale engine."""
+    engine = make_engine(tmp_path)  # no resync: a restarted server waits for the caller's push
+    try:
+        engine.update_weights(iter(weights()), "v7")
+        request = GenerationRequest((1, 2), SamplingSpec(max_new_tokens=3))
+        send = engine.generation_client.generate
+
+        def restarted_on_the_way(*args, **kwargs):
+            engine.generation_client.generate = send
+            engine.process.stop()
+            with pytest.raises(EngineRestarted):  # the other sample: it found the server dead and restarted it
+                engine.generate_one(0, 1, request)
+            return send(*args, **kwargs)  # answered by the new server
+
+        engine.generation_client.generate = restarted_on_the_way
+        with pytest.raises(EngineRestarted):
+            engine.generate_one(0, 0, request)
+        assert engine.restarts == 1 and engine.stale
+        servers = list(dict.fromkeys(c["pid"] for c in calls(tmp_path)))
+        assert len(servers) == 2 and [c["path"] for c in calls(tmp_path) if c["pid"] == servers[1]] == ["/generate"]
+    finally:
+        engine.shutdown()
+
+
 def test_server_that_never_becomes_healthy_reports_its_log_tail(tmp_path):
     with pytest.raises(ServerStartupError, match="CUDA out of memory while capturing graphs"):
         make_engine(tmp_path, **{"fake-fail-start": "CUDA out of memory while capturing graphs"})

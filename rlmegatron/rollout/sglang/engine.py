@@ -165,20 +165,27 @@ class SGLangEngine(RolloutEngine):
         # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
-            epoch = self._epoch
+            epoch, restarts = self._epoch, self.restarts
             if self.stale:
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
                                                          self.adapter, return_routed_experts=routing is not None,
                                                          image_data=image_data)
-                result = parse_generate_response(answer, request_index, sample_index, routing)
-                # With adapter sync the server's own version stays its base weights'; the adapter sampled with is
-                # the trained version that produced the tokens.
-                return result if self.adapter is None else dataclasses.replace(result, weight_version=self.adapter)
             except ServerUnavailable as error:
                 last_error = error
                 self._recover(epoch)
+                continue
+            if self.restarts != restarts:
+                # Another sample restarted the server while this one was on its way: the new server may have
+                # answered it before it held the trained weights. Asked again, it meets the restart's outcome
+                # (resynced, or stale).
+                last_error = ServerUnavailable(f"server {self.spec.url} was restarted while the sample was sent")
+                continue
+            result = parse_generate_response(answer, request_index, sample_index, routing)
+            # With adapter sync the server's own version stays its base weights'; the adapter sampled with is the
+            # trained version that produced the tokens.
+            return result if self.adapter is None else dataclasses.replace(result, weight_version=self.adapter)
         raise ServerUnavailable(f"sample {request_index}/{sample_index} failed {attempt + 1} times: {last_error}")
 
     # Weights -----------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
+import torch
 from fake_http import JSONHandler
 
 SAMPLING_KEYS = {"n": int, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
@@ -52,35 +53,22 @@ def expect(body, schema):
             raise BadRequest(f"{key} has type {type(body[key]).__name__}")
 
 
-_PATCHING = threading.Lock()
-_accepting_device_uuids = False
-
-
 def accept_device_uuids():
-    """As SGLang does before it unpickles weights: CUDA handles name their device by UUID. Once per server, on its
-    first weight update (torch is imported only then: see `update_weights_from_tensor`)."""
-    global _accepting_device_uuids
-    import torch
+    """As SGLang does before it unpickles weights: CUDA handles name their device by UUID."""
     from torch.multiprocessing import reductions
 
-    with _PATCHING:
-        if _accepting_device_uuids:
-            return
-        original = reductions.rebuild_cuda_tensor
+    original = reductions.rebuild_cuda_tensor
 
-        def rebuild_cuda_tensor(*args):
-            uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-            if not isinstance(args[6], str) or args[6] not in uuids:
-                raise BadRequest(f"CUDA tensor device {args[6]!r} is not the UUID of one of this server's GPUs")
-            return original(*args[:6], uuids.index(args[6]), *args[7:])
+    def rebuild_cuda_tensor(*args):
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        if not isinstance(args[6], str) or args[6] not in uuids:
+            raise BadRequest(f"CUDA tensor device {args[6]!r} is not the UUID of one of this server's GPUs")
+        return original(*args[:6], uuids.index(args[6]), *args[7:])
 
-        reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
-        _accepting_device_uuids = True
+    reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
 
 
 def tensor_digest(tensor):
-    import torch
-
     return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
             hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
 
@@ -228,11 +216,6 @@ class FakeServer:
             raise BadRequest("expected one flattened bucket per TP rank")
         if "weights" in self.released:
             raise BadRequest("weights are released; resume them before pushing weights")
-        # torch on first use, not at start: its import is most of a stand-in server's start-up CPU, and many of the
-        # servers the suite starts never receive a weight (benchmarks/RESULTS.md, "The suite on a faster instance").
-        import torch
-
-        accept_device_uuids()
         received = []
         for payload in body["serialized_named_tensors"]:  # what TP rank i would open (on its own node)
             bucket = pickle.loads(base64.b64decode(payload))
@@ -305,8 +288,6 @@ class FakeServer:
         self.pushes += 1
         if self.pushes == self.args.fake_die_on_push and self.first_to_die():
             os._exit(3)  # announced, before the broadcast: the trainer's side of it is left waiting
-        import torch
-
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             torch.distributed.broadcast(tensor, group_src=0, group=group)
@@ -456,6 +437,7 @@ def main():
     time.sleep(args.fake_slow_start)
     if args.node_rank > 0:
         follow_node_zero(args)
+    accept_device_uuids()
     server = FakeServer(args)
     if args.nnodes > 1:
         threading.Thread(target=gather_nodes, args=(args, server), daemon=True).start()
