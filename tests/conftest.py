@@ -2,8 +2,9 @@
 pytest.ini's --dist loadfile, so a module's shared fixture, such as one trained run checked by several tests, is built
 once).
 
-- Each worker's own torch gets its share of the cores: two workers at torch's default of one thread per core would
-  run four compute threads on two cores, and OpenMP threads that lose their core spin instead of working.
+- Each worker gets its share of the cores, for its own torch and every process it starts (OMP_NUM_THREADS): two
+  workers at torch's default of one thread per core would run four compute threads on two cores, and OpenMP threads
+  that lose their core spin instead of working.
 - The workers take files in collection order, a worker taking the next once at most two tests of its own are left.
   The files of a minute or more (FIRST) go first, longest first, so that none is left for last to run alone while
   the other worker idles; in FIRST, those that start a Ray cluster alternate with those that do not, so the two
@@ -164,7 +165,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers > 1:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        # The worker's share, for its own torch and, through OMP_NUM_THREADS, for every process it starts: ranks
+        # (transport.local_ranks.rank_threads), servers, commands.
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
         _more_ranks_than_cores_one_job_at_a_time()
 
 

@@ -33,8 +33,15 @@ class RankUserError(RankFailure, UserError):
 
 def rank_threads(device: str, world_size: int) -> int:
     """Torch threads per rank. CPU ranks share the machine's cores (a local CPU cluster): each takes its share, as
-    more threads only fight over the same cores and fewer leave some idle (one rank on two cores)."""
-    return max(1, (os.cpu_count() or 1) // world_size) if device == "cpu" else 1
+    more threads only fight over the same cores and fewer leave some idle (one rank on two cores). OMP_NUM_THREADS,
+    where it is set, is the share its caller gives each process (torchrun sets it to 1, as torch's own default reads
+    it), and wins: on a machine that runs other work too, the cores are not all the job's."""
+    if device != "cpu":
+        return 1
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _serialize(obj: Any) -> bytes:

@@ -135,7 +135,9 @@ class LocalWorkerGroup(InProcessGroup[T]):
     """One trainer rank in this process: no Ray (tests, debugging, torchrun-less machines)."""
 
     def __init__(self, device: str, rank_class: Callable[..., T], *args: Any) -> None:
-        host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=os.cpu_count() or 1)
+        # The one rank: on CPU its share as any rank's, all the cores unless OMP_NUM_THREADS says otherwise.
+        threads = rank_threads(device, 1) if device == "cpu" else os.cpu_count() or 1
+        host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=threads)
         host.build(rank_class, *args)
         super().__init__([host])
 

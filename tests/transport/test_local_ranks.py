@@ -42,6 +42,22 @@ def _rank1_crashes():
     time.sleep(600)
 
 
+def _threads():
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("given, expected", [(None, None), ("3", 3), ("0", None), ("two", None)])
+def test_cpu_ranks_take_their_share_of_the_cores_or_what_omp_num_threads_gives(monkeypatch, given, expected):
+    """Each of 2 ranks: half the cores, or OMP_NUM_THREADS threads where it is a positive count (a caller that runs
+    other work beside the job gives each process its share so)."""
+    if given is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", given)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert run_ranks(_threads, 2, timeout_s=60) == [expected or share] * 2
+
+
 def test_each_rank_returns_its_value_through_a_real_gloo_group():
     results = run_ranks(_all_reduce_rank, 3, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1, 2]

@@ -74,7 +74,8 @@ class Member:
 
 
 @pytest.fixture
-def ranks():
+def ranks(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's share for its workers (tests/conftest.py)
     group = RankProcesses("cpu", 2, Member, 10)
     yield group
     group.shutdown()

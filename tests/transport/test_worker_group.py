@@ -30,11 +30,13 @@ def ray():
     ray.shutdown()
 
 
-def test_cpu_ranks_take_an_equal_share_of_the_cores(ray):
+def test_cpu_ranks_take_an_equal_share_of_the_cores(ray, monkeypatch):
     """Also: the ranks' process group forms whether the driver takes rank 0's address itself (rank 0's bundle on its
     node) or a probe placed like rank 0 reports it (another node's, here pretended). Each rank is a Ray worker that
     imports torch from cold, so each case is one of its own: all the cores for one rank, half each for two."""
     import dataclasses
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's share for its workers (tests/conftest.py)
 
     from ray.util.placement_group import remove_placement_group
 
