@@ -135,7 +135,8 @@ class LocalWorkerGroup(InProcessGroup[T]):
     """One trainer rank in this process: no Ray (tests, debugging, torchrun-less machines)."""
 
     def __init__(self, device: str, rank_class: Callable[..., T], *args: Any) -> None:
-        # The one rank: on CPU its share as any rank's, all the cores unless OMP_NUM_THREADS says otherwise.
+        # On CPU the one rank takes what any CPU rank takes (every core, unless OMP_NUM_THREADS says otherwise). On a
+        # GPU it keeps every core for its host-side work, as it did when the GPU harness's figures were measured.
         threads = rank_threads(device, 1) if device == "cpu" else os.cpu_count() or 1
         host = RankHost(rank_env(0, 1, 0, "127.0.0.1", free_port()), device, threads=threads)
         host.build(rank_class, *args)
