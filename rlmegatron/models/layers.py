@@ -68,6 +68,10 @@ def enable_packed_rope() -> None:
         cp_group = options.get("cp_group")
         if args or not options.keys() <= _THD_OPTIONS or cp_group is None or cp_group.size() != 1:
             return megatrons(t, cu_seqlens, freqs, *args, **options)
+        with plain_torch():  # index arithmetic and Megatron's rotation, naming no device
+            return _rotated_in_one_gather(t, cu_seqlens, freqs, options)
+
+    def _rotated_in_one_gather(t, cu_seqlens, freqs, options):
         tokens = t.shape[0]
         if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
             # A table with a row per token of the pack (shared prompts, M-RoPE): Megatron takes each sequence's rows
@@ -133,6 +137,12 @@ class SDPACoreAttention(torch.nn.Module):
         cp, rank = (1, 0) if self.cp_group is None else (self.cp_group.size(), self.cp_group.rank())
         if cp > 1:  # backward reduce-scatters the K and V gradients back to the ranks that hold those tokens
             key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
+        # Below, this module's own torch code, which names no device: it runs without the CPU layer's rewrite of
+        # every torch call (benchmarks/RESULTS.md, "The CPU layer's rewrite in the training step").
+        with plain_torch():
+            return self._attend(query, key, value, attention_mask, packed_seq_params, cp, rank)
+
+    def _attend(self, query, key, value, attention_mask, packed_seq_params, cp: int, rank: int):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params, cp, rank)
         # Megatron layout [s, b, heads, dim] -> SDPA layout [b, heads, s, dim].
@@ -158,11 +168,10 @@ class SDPACoreAttention(torch.nn.Module):
         """THD [tokens, heads, dim] attention, each sequence on its own (see `_packed_plan`), or each prompt and
         response of a shared-prompt micro-batch (`_shared_prompt_plan`)."""
         groups = getattr(params, "prompt_groups", None)
-        with plain_torch():  # index arithmetic naming no device: the CPU layer's rewrite tripled its cost
-            if groups is not None:
-                plan = _shared_prompt_plan(groups, query.size(0), query.device)
-            else:
-                plan = _packed_plan(tuple(params.cu_seqlens_q.tolist()), query.size(0), cp, rank, query.device)
+        if groups is not None:
+            plan = _shared_prompt_plan(groups, query.size(0), query.device)
+        else:
+            plan = _packed_plan(tuple(params.cu_seqlens_q.tolist()), query.size(0), cp, rank, query.device)
         outputs = []
         for bucket in plan.buckets:
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]

@@ -123,11 +123,12 @@ class ColocatedEngine:
         if self.part is None or (engines is not None and self.index not in engines):
             collections.deque(stream, maxlen=0)
             return
-        if self.asleep:
-            self.part.wake_up_with_weights(stream, version)
-            self.asleep = False
-        else:
-            self.part.update_weights(stream, version)
+        with plain_torch():  # the export and the engine's copy are this project's torch code, naming no device
+            if self.asleep:
+                self.part.wake_up_with_weights(stream, version)
+                self.asleep = False
+            else:
+                self.part.update_weights(stream, version)
 
     def receive_adapter(self, name: str, path: str, version: str, engines: Optional[list[int]] = None) -> None:
         """Adapter sync: this rank's engine (the leader's part), if it is one of `engines` (None: every engine),

@@ -49,7 +49,9 @@ class _CudaLiteralsToCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def plain_torch():
     """Torch calls without the CUDA-literal rewrite, for code that names no CUDA device (transformers' generation in
-    the local engine): the rewrite runs Python for every torch call, which cost generation 41% (measured). A no-op
+    the local engine, this project's attention, RoPE, losses and weight export, torch's Adam): the rewrite runs Python
+    for every torch call (benchmarks/RESULTS.md, "The CPU layer's rewrite in the training step"). Megatron-Core's
+    own modules keep it: its MoE dispatch and context-parallel RoPE pin memory, its schedules name CUDA. A no-op
     where the layer is not enabled. Patching the factories themselves instead (torch.zeros = wrapper) is not an
     option: transformers' loading, which materialises buffers such as RoPE's inv_freq through them, then left
     those buffers uninitialised."""

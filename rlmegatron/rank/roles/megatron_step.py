@@ -7,6 +7,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from rlmegatron.models.routing_replay import RoutingTaps
+from rlmegatron.runtime.cpu_compat import plain_torch
 from rlmegatron.runtime.distributed import all_reduce_shared, transformer_config_overrides
 from rlmegatron.runtime.sharded_save import save_sharded
 from rlmegatron.rank.roles.batch import MicroBatch, RolloutBatch, balanced_partition, build_micro_batch
@@ -267,7 +268,11 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
             output = model(micro_batch.input_ids, position_ids, None, packed_seq_params=params, **images)
         if not micro_batch.rows:  # a filler: its backward runs (and pairs its collectives) with zero gradients
             return output, lambda output_tensor: (output_tensor.sum() * 0.0, {})
-        return output, lambda output_tensor: loss_func_for(micro_batch, output_tensor)
+        def loss(output_tensor):
+            with plain_torch():  # the loss is this project's torch code, which names no device
+                return loss_func_for(micro_batch, output_tensor)
+
+        return output, loss
 
     from megatron.core import parallel_state as ps
 

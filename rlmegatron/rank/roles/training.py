@@ -110,6 +110,10 @@ class TrainingWorker:
             ),
             self.chunks,
         )
+        # Adam's update is torch's own code, which names no device: on CPU it runs without the CPU layer's rewrite of
+        # every call (Megatron's step around it names CUDA and keeps it).
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            part.optimizer.step = plain_torch()(part.optimizer.step)
         # The spec, not a checkpoint, says what the schedule is (override): a resume restores only its position.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=opt.lr_warmup_steps,
@@ -232,6 +236,7 @@ def raise_if_not_finite_tokens(tensors: dict[str, Optional[torch.Tensor]], respo
                                    for name, count in bad.items() if count))
 
 
+@plain_torch()  # this project's torch code, naming no device
 def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
     """The loss functions' metric dicts (last stage only) -> one dict every rank agrees on.
 
