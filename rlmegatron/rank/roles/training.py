@@ -113,7 +113,8 @@ class TrainingWorker:
         # Adam's update is torch's own code, which names no device: on CPU it runs without the CPU layer's rewrite of
         # every call (Megatron's step around it names CUDA and keeps it).
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            part.optimizer.step = plain_torch()(part.optimizer.step)
+            if part.optimizer is not None:  # None: a rank whose parameters here are all frozen (Megatron's stub)
+                part.optimizer.step = plain_torch()(part.optimizer.step)
         # The spec, not a checkpoint, says what the schedule is (override): a resume restores only its position.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=opt.lr_warmup_steps,
