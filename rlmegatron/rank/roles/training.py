@@ -60,7 +60,7 @@ def micro_batches(settings, batch: RolloutBatch, chunks: list) -> list[MicroBatc
     from rlmegatron.models.shared_prompts import shared_prompts_supported  # lazy: megatron stays out of this module
 
     share = settings.share_prompts if shared_prompts_supported(chunks) else False
-    with plain_torch():  # index arithmetic naming no device: the CPU layer's rewrite tripled its cost
+    with plain_torch():  # index arithmetic naming no device (benchmarks/RESULTS.md on the CPU layer's rewrite)
         return megatron_step.shard_micro_batches(batch, settings.use_packing, settings.micro_batch_size,
                                                  settings.max_token_len, share)
 
