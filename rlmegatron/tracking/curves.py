@@ -57,7 +57,8 @@ def draw_curves(history: History, path: Path, title: str) -> dict[str, list[list
     figure = Figure(figsize=(15, 8))
     FigureCanvasAgg(figure)
     figure.suptitle(title)
-    # Fixed margins: matplotlib's constrained layout measures every tick label and that measuring was most of the drawing time.
+    # Fixed margins: matplotlib's constrained layout measures every tick label, and that measuring was most of the
+    # drawing time.
     axes = list(figure.subplots(2, 3, gridspec_kw={"left": 0.05, "right": 0.98, "bottom": 0.07, "top": 0.9,
                                                    "wspace": 0.2, "hspace": 0.3}).flat)
     for ax, (panel, series) in zip(axes, plotted_metrics(history)):
