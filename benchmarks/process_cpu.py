@@ -99,9 +99,10 @@ def main(argv: list[str]) -> int:
     before: dict = {}
     sample(before, set())
     seen: dict = {}
+    running_before = set(before)
     process = subprocess.Popen(command)
     while process.poll() is None:
-        sample(seen, set(before))
+        sample(seen, running_before)
         time.sleep(INTERVAL_S)
     if args.out:
         args.out.write_text(json.dumps(seen, indent=1))

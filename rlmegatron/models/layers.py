@@ -69,22 +69,19 @@ def enable_packed_rope() -> None:
         if args or not options.keys() <= _THD_OPTIONS or cp_group is None or cp_group.size() != 1:
             return megatrons(t, cu_seqlens, freqs, *args, **options)
         with plain_torch():  # index arithmetic and Megatron's rotation, naming no device
-            return _rotated_in_one_gather(t, cu_seqlens, freqs, options)
-
-    def _rotated_in_one_gather(t, cu_seqlens, freqs, options):
-        tokens = t.shape[0]
-        if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
-            # A table with a row per token of the pack (shared prompts, M-RoPE): Megatron takes each sequence's rows
-            # at its offset, which, the sequences lying back to back, are the rows from the first offset on.
-            rows = freqs[cu_seqlens[0] : cu_seqlens[0] + tokens]
-        else:
-            # A table by position: each token's position in its own sequence.
-            starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-            positions = torch.arange(tokens, device=t.device) - torch.repeat_interleave(
-                starts.to(t.device), lengths.to(t.device), output_size=tokens)
-            rows = freqs[positions.to(freqs.device)]
-        rotation = {name: value for name, value in options.items() if name != "cp_group"}
-        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, **rotation).squeeze(1)
+            tokens = t.shape[0]
+            if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
+                # A table with a row per token of the pack (shared prompts, M-RoPE): Megatron takes each sequence's rows
+                # at its offset, which, the sequences lying back to back, are the rows from the first offset on.
+                rows = freqs[cu_seqlens[0] : cu_seqlens[0] + tokens]
+            else:
+                # A table by position: each token's position in its own sequence.
+                starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+                positions = torch.arange(tokens, device=t.device) - torch.repeat_interleave(
+                    starts.to(t.device), lengths.to(t.device), output_size=tokens)
+                rows = freqs[positions.to(freqs.device)]
+            rotation = {name: value for name, value in options.items() if name != "cp_group"}
+            return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), rows, **rotation).squeeze(1)
 
     # apply_rotary_pos_emb looks the THD function up in its module when it runs.
     rope_utils._apply_rotary_pos_emb_thd = in_one_gather
