@@ -18,7 +18,8 @@ from rlmegatron import reaper
 from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec
-from rlmegatron.transport.placement import create_pools, remove_pools
+from rlmegatron.transport.placement import create_pools, device_resource, remove_pools, replace_lost_nodes
+from rlmegatron.transport.shared_files import SharedFiles
 from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
 from rlmegatron.rank.policy_rank import PolicyRank
@@ -136,12 +137,14 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
     status = "FAILED"
     exit_on_sigterm()
     try:
-        if spec.rollout.sglang.router and not spec.rollout.sglang.router_url:
-            spec, router = start_router(spec)
         if launch == "ray":
             start_ray(spec)
             exit_on_sigterm()
-            pools = create_pools(spec.placement)
+            # Ray's nodes may run in other directories, on other machines: the members move into the driver's files.
+            pools = create_pools(spec.placement, SharedFiles.write(spec.trainer.run_dir))
+        # After Ray: the router listens on the driver's node address, which Ray knows.
+        if spec.rollout.sglang.router and not spec.rollout.sglang.router_url:
+            spec, router = start_router(spec)
         restarts = 0
         while True:
             ranks = _start_ranks(spec, launch, pools, total_steps)
@@ -170,6 +173,8 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
                 # Ray's pools and the data stay. The run resumes as trainer.resume=auto would.
                 _stop_each([engines.shutdown, ranks.shutdown])
                 engines = ranks = None
+                if pools is not None:  # a node that left: its bundles placed again, on a spare node or itself back
+                    pools = replace_lost_nodes(pools)
                 newest = checkpoints.plan_resume("auto")
                 print(f"{lost}. Restarting the trainer ranks ({restarts} of trainer.max_restarts="
                       f"{spec.trainer.max_restarts}) from {newest.path if newest else 'the start (no checkpoint yet)'}",
@@ -203,8 +208,12 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
 def _start_ranks(spec: JobSpec, launch: Optional[str], pools, total_steps: int) -> TrainerClient:
     settings = trainer_rank_settings(spec, total_steps)
     if launch == "ray":
-        return TrainerClient(RayWorkerGroup(pools.trainer, PolicyRank, settings,
-                                          collective_timeout_s=spec.trainer.collective_timeout_s))
+        group = RayWorkerGroup(pools.trainer, PolicyRank, settings,
+                               collective_timeout_s=spec.trainer.collective_timeout_s)
+        rollout = "" if pools.colocated else \
+            f"; rollout pool: {pools.rollout.describe(device_resource(spec.placement.device))}"
+        print(f"trainer: {pools.trainer.describe()}; rendezvous {group.rendezvous}{rollout}", flush=True)
+        return TrainerClient(group)
     if launch == "processes":
         # Returns once the fork server (started by run_training) has forked them: they build while the driver goes
         # on, up to its first call to them.

@@ -1,7 +1,6 @@
 """`rollout.sglang.router`: an sglang_router on the driver's node, in front of every engine's server."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from rlmegatron.config import JobSpec
@@ -9,13 +8,14 @@ from rlmegatron.driver.role_settings import rollout_settings
 from rlmegatron.rollout.sglang.client import SGLangClient
 from rlmegatron.rollout.sglang.server import ServerProcess, router_command
 from rlmegatron.runtime.distributed import free_port
+from rlmegatron.runtime.node import node_address
 
 
 def start_router(spec: JobSpec) -> tuple[JobSpec, ServerProcess]:
     """The router, healthy, with no workers yet; the servers join it once they hold trained weights. Returns the
     spec naming it in rollout.sglang.router_url, and its process."""
     settings = rollout_settings(spec)
-    host = socket.gethostbyname(socket.gethostname())
+    host = node_address()  # the driver's node (its Ray node's IP: Ray starts first), which every engine reaches
     port = free_port(host)
     process = ServerProcess(router_command(settings.server.python, [], port, host, settings.router_args),
                             Path(settings.log_dir) / "sglang_router.log")

@@ -3,7 +3,6 @@ class the driver runs as a Ray actor on the pool's bundle, or in its own process
 from __future__ import annotations
 
 import contextlib
-import socket
 from typing import Optional
 
 from rlmegatron.rollout.settings import RolloutSettings
@@ -14,6 +13,7 @@ from rlmegatron.rollout.sglang.client import ServerUnavailable
 from rlmegatron.rollout.sglang.engine import SGLangEngine
 from rlmegatron.rollout.sglang.server import ServerProcess, launch_node
 from rlmegatron.tracking.progress import Progress
+from rlmegatron.runtime.node import node_address
 
 
 class EngineHost:
@@ -31,7 +31,7 @@ class EngineHost:
 
     def launch(self, devices: list[str], node: ServerNode) -> Optional[str]:
         """Returns the server's URL on node 0's host; None on the other nodes' hosts."""
-        server = launch_spec(self.settings, devices, socket.gethostbyname(socket.gethostname()), node)
+        server = launch_spec(self.settings, devices, node_address(), node)
         if node.node_rank:
             self.node_process = launch_node(server, self.settings.log_dir)
             return None

@@ -11,7 +11,6 @@ import collections
 import contextlib
 import os
 import shutil
-import socket
 from typing import Optional
 
 import torch
@@ -28,6 +27,7 @@ from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.runtime.distributed import free_port
+from rlmegatron.runtime.node import node_address
 
 
 class WeightPush:
@@ -53,7 +53,7 @@ class WeightPush:
         if self.distributed is None:
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes,
                                                      travel_rules_for(self.settings.model.hf_config()))
-        address = socket.gethostbyname(socket.gethostname())
+        address = node_address()  # trainer rank 0's node, which every server's node reaches
         for engine, url, devices in endpoints:
             self.server_urls[engine] = url
             port = free_port("")

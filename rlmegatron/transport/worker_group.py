@@ -9,7 +9,6 @@ driver.engine_fleet) are what the rest of the driver calls.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Callable, Concatenate, Generic, Mapping, Optional, ParamSpec, Protocol, Sequence, TypeVar
 
 import torch
@@ -18,6 +17,8 @@ from rlmegatron.transport.placement import ResourcePool
 from rlmegatron.runtime import destroy_distributed, init_distributed
 from rlmegatron.runtime.distributed import CollectiveTimeout, is_collective_timeout
 from rlmegatron.runtime.distributed import free_port
+from rlmegatron.runtime.node import gloo_interface, node_address
+from rlmegatron.transport.shared_files import SharedFiles
 from rlmegatron.transport.local_ranks import rank_threads
 
 T = TypeVar("T")
@@ -43,10 +44,13 @@ class WorkerGroup(Protocol[T]):
 
 
 class Member:
-    """The body of one member: builds the member's object, then runs the methods called on it."""
+    """The body of one member: builds the member's object, then runs the methods called on it. A Ray member first
+    moves into the driver's files (`shared`), wherever its node is."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Optional[SharedFiles] = None) -> None:
         self.obj: Any = None
+        if shared is not None:
+            shared.enter(node_address())
 
     def build(self, cls: Callable[..., Any], *args: Any) -> None:
         self.obj = cls(*args)
@@ -64,9 +68,10 @@ class RankHost(Member):
     that waited `collective_timeout_s` in a collective raises CollectiveTimeout, naming the call."""
 
     def __init__(self, env: dict[str, str], device: str, threads: int = 1,
-                 collective_timeout_s: float = 600.0) -> None:
-        super().__init__()
+                 collective_timeout_s: float = 600.0, shared: Optional[SharedFiles] = None) -> None:
+        super().__init__(shared)
         os.environ.update(env)
+        os.environ.update(gloo_interface(node_address()))
         torch.set_num_threads(threads)
         init_distributed(device, collective_timeout_s)
         self.collective_timeout_s = collective_timeout_s
@@ -85,6 +90,11 @@ class RankHost(Member):
     def shutdown(self) -> None:
         super().shutdown()
         destroy_distributed()
+
+    def __repr__(self) -> str:
+        # What Ray's state API shows of the actor (`repr_name`): which rank it is and whom it met.
+        return (f"RankHost(rank={os.environ['RANK']}, world_size={os.environ['WORLD_SIZE']}, "
+                f"rendezvous={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']})")
 
 
 def rank_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -174,7 +184,8 @@ def gather(refs: list) -> list:
 
 
 def master_address() -> tuple[str, int]:
-    return socket.gethostbyname(socket.gethostname()), free_port(host="")
+    """The rendezvous of a process group whose rank 0 runs where this is called: its node's address, a free port."""
+    return node_address(), free_port(host="")
 
 
 class RayActorGroup(Generic[T]):
@@ -188,7 +199,8 @@ class RayActorGroup(Generic[T]):
            concurrency: int = 1) -> RayActorGroup[T]:
         """`size` objects `member_class(*args)` on the first `size` bundles of `pool`, each running up to
         `concurrency` calls at once (on threads of its process)."""
-        actors = [_placed(Member, pool, index, max_concurrency=concurrency).remote() for index in range(size)]
+        actors = [_placed(Member, pool, index, max_concurrency=concurrency).remote(pool.shared)
+                  for index in range(size)]
         gather([actor.build.remote(member_class, *args) for actor in actors])
         return cls(actors)
 
@@ -236,26 +248,28 @@ class RayWorkerGroup(RayActorGroup[T]):
             addr, port = master_address()
         else:
             probe = ray.remote(master_address).options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[0]),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_of(0)),
                 num_cpus=0,
             )
             addr, port = ray.get(probe.remote())
+        self.rendezvous = f"{addr}:{port}"
         actors = []
         for rank in range(world_size):
-            # On GPU Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU, so each rank sees its device as 0.
-            env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank, addr, port)
-            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads, collective_timeout_s))
+            # On GPU Ray sets CUDA_VISIBLE_DEVICES to the rank's GPU of its node's bundle, so it sees its device as 0.
+            env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank % pool.per_node, addr, port)
+            actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads, collective_timeout_s,
+                                                               pool.shared))
         gather([actor.build.remote(rank_class, *args) for actor in actors])
         super().__init__(actors)
 
 
 def _placed(member_class: type, pool: ResourcePool, index: int, **options: Any):
-    """`member_class` as a Ray actor class pinned to bundle `index` of `pool`, with one GPU (or CPU) of it."""
+    """`member_class` as a Ray actor class for rank `index` of `pool`: one GPU (or CPU) of its node's bundle."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources = {"num_gpus": 1, "num_cpus": 1} if pool.device == "cuda" else {"num_cpus": 1}
-    strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_order[index])
+    strategy = PlacementGroupSchedulingStrategy(pool.placement_group, pool.bundle_of(index))
     return ray.remote(member_class).options(scheduling_strategy=strategy, **resources, **options)
 
 

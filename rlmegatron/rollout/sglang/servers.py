@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -22,6 +21,7 @@ from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
 from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
 from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, ServerSpec
 from rlmegatron.runtime.distributed import free_port
+from rlmegatron.runtime.node import node_address, node_id
 from rlmegatron.tracking.progress import Progress
 
 
@@ -30,6 +30,7 @@ class Place:
     """One slot that can hold a server TP rank: a trainer rank (colocated) or a rollout-pool GPU (disaggregated)."""
 
     node: str
+    """Its node's identity (runtime.node.node_id): a Ray node id, or without Ray the hostname."""
     device: str
     address: str
     rendezvous_port: int
@@ -37,7 +38,7 @@ class Place:
 
 
 def this_place(device: str) -> Place:
-    return Place(socket.gethostname(), device_id(device), socket.gethostbyname(socket.gethostname()), free_port(""))
+    return Place(node_id(), device_id(device), node_address(), free_port(""))
 
 
 def device_id(device: str) -> str:
@@ -61,7 +62,7 @@ def weight_group_backend(device: str, server: ServerDevices) -> str:
     GPU detected"), while gloo stages CUDA tensors through host memory."""
     if device != "cuda":
         return "gloo"
-    return "gloo" if (socket.gethostname(), device_id(device)) in server else "nccl"
+    return "gloo" if (node_id(), device_id(device)) in server else "nccl"
 
 
 @dataclass(frozen=True)
