@@ -251,10 +251,32 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
     `reraise` (the run itself went well), else dropped."""
     steps = [part.shutdown for part in (engines, ranks) if part is not None]
     steps += [router.stop] if router is not None else []
-    steps += [lambda: remove_pools(pools)] if pools is not None else []
+    steps += [lambda: _within(POOL_REMOVAL_S, lambda: remove_pools(pools))] if pools is not None else []
     steps += [reward_manager.close, lambda: _finish_tracking(opening, status)]
     failures = _stop_each(steps)
     if failures and reraise:
+        raise failures[0]
+
+
+POOL_REMOVAL_S = 10.0
+
+
+def _within(seconds: float, step) -> None:
+    """`step` on a daemon thread, waited for `seconds` at most. For the placement groups' removal: a cancelled Slurm
+    job stops its Ray nodes as it stops this driver, and a call to a GCS that is gone waits a minute for it, past the
+    moment Slurm kills what is left (KillWait). Ray removes a job's groups itself when its driver exits."""
+    done, failures = threading.Event(), []
+
+    def run() -> None:
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - raised in the caller's thread
+            failures.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="remove-pools").start()
+    if done.wait(seconds) and failures:
         raise failures[0]
 
 

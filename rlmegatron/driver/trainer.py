@@ -31,7 +31,7 @@ from rlmegatron.driver.rollout_buffer import (
     staleness_metrics,
     waited,
 )
-from rlmegatron.transport.rank_processes import RankDied
+from rlmegatron.transport.local_ranks import RankDied, RankFailure
 from rlmegatron.driver.rollout_data import (
     Rollout,
     batch_metrics,
@@ -47,7 +47,6 @@ from rlmegatron.errors import Divergence, OffPolicy, UserError, user_error_in
 from rlmegatron.rewards import NonFiniteReward, RewardResult, UnusableRewards, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.runtime.distributed import CollectiveTimeout
-from rlmegatron.transport.local_ranks import RankFailure
 from rlmegatron.tracking.progress import ProgressBar, progress_sink
 
 if TYPE_CHECKING:

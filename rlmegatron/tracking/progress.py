@@ -93,7 +93,10 @@ def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
 
     def poll() -> None:
         while not stop.wait(poll_s):
-            bar.advance(ray.get(counter.take.remote()))
+            try:
+                bar.advance(ray.get(counter.take.remote()))
+            except ray.exceptions.RayError:  # the cluster is going (a job cancelled): the run's own error says why
+                return
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -111,7 +114,12 @@ _counters: dict[Any, Any] = {}
 def _run_counter(ray) -> Any:
     """One counter actor per Ray job, reused by every bar: starting an actor costs about a second, per phase
     and step that doubled the quickstart's step time."""
-    job = ray.get_runtime_context().get_job_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    context = ray.get_runtime_context()
+    job = context.get_job_id()
     if job not in _counters:
-        _counters[job] = ray.remote(num_cpus=0)(ProgressCounter).remote()
+        # On the driver's node, whose loss ends the run anyway: not on a node that may leave while the run goes on.
+        here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
+        _counters[job] = ray.remote(num_cpus=0)(ProgressCounter).options(scheduling_strategy=here).remote()
     return _counters[job]

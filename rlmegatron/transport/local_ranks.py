@@ -26,6 +26,11 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or did not finish in time."""
 
 
+class RankDied(RankFailure):
+    """A rank's process (a local one, or a Ray actor: its node too may have gone) ended while the driver waited for
+    it."""
+
+
 class RankUserError(RankFailure, UserError):
     """The first rank to fail did so on a user's mistake (its peers then fail in their collectives): the message
     is the mistake's, said once however many ranks made it; every rank's traceback is its cause (RLM_DEBUG=1)."""

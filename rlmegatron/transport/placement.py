@@ -45,7 +45,7 @@ class ResourcePool:
     device: str
     nodes: tuple[str, ...]
     """The Ray node id of each rank, in rank order."""
-    addresses: tuple[str, ...] = ()
+    addresses: tuple[str, ...]
     """The IP of each rank's node, in rank order."""
     shared: Optional[SharedFiles] = None
     """The driver's files its members move into (on a cluster Ray was started on apart from the run)."""

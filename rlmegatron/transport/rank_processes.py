@@ -35,7 +35,7 @@ from rlmegatron.transport.worker_group import PEER_GRACE_S, RankHost, rank_env
 from rlmegatron.errors import user_error_in
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.transport.fork_server import fork_server
-from rlmegatron.transport.local_ranks import RankFailure, RankUserError, rank_threads, stop_processes
+from rlmegatron.transport.local_ranks import RankDied, RankFailure, RankUserError, rank_threads, stop_processes
 from rlmegatron.tracking.progress import ProgressBar
 
 T = TypeVar("T")
@@ -44,10 +44,6 @@ P = ParamSpec("P")
 
 _PROGRESS = "progress"
 """The persistent id a driver-side progress callback travels as: the rank gets a stand-in that reports back."""
-
-
-class RankDied(RankFailure):
-    """A rank process ended while the driver waited for it."""
 
 
 class RankProcesses(Generic[T]):

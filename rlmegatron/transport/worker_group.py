@@ -19,7 +19,7 @@ from rlmegatron.runtime.distributed import CollectiveTimeout, is_collective_time
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.runtime.node import gloo_interface, node_address
 from rlmegatron.transport.shared_files import SharedFiles
-from rlmegatron.transport.local_ranks import rank_threads
+from rlmegatron.transport.local_ranks import RankDied, rank_threads
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -201,8 +201,12 @@ class RayActorGroup(Generic[T]):
         `concurrency` calls at once (on threads of its process)."""
         actors = [_placed(Member, pool, index, max_concurrency=concurrency).remote(pool.shared)
                   for index in range(size)]
-        gather([actor.build.remote(member_class, *args) for actor in actors])
-        return cls(actors)
+        group = cls(actors)
+        group._gather([actor.build.remote(member_class, *args) for actor in actors])
+        return group
+
+    def _gather(self, refs: list) -> list:
+        return gather(refs)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -212,10 +216,10 @@ class RayActorGroup(Generic[T]):
 
         # One copy in the object store for all members, not one serialization per member (batches are large).
         shared = [ray.put(arg) for arg in args]
-        return gather([actor.call.remote(method, *shared, **kwargs) for actor in self.actors])
+        return self._gather([actor.call.remote(method, *shared, **kwargs) for actor in self.actors])
 
     def call_each(self, method: Callable[..., R], per_member: Mapping[int, tuple]) -> dict[int, R]:
-        replies = gather([self.actors[index].call.remote(method, *args) for index, args in per_member.items()])
+        replies = self._gather([self.actors[index].call.remote(method, *args) for index, args in per_member.items()])
         return dict(zip(per_member, replies))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
@@ -259,8 +263,20 @@ class RayWorkerGroup(RayActorGroup[T]):
             env = rank_env(rank, world_size, 0 if pool.device == "cuda" else rank % pool.per_node, addr, port)
             actors.append(_placed(RankHost, pool, rank).remote(env, pool.device, threads, collective_timeout_s,
                                                                pool.shared))
-        gather([actor.build.remote(rank_class, *args) for actor in actors])
         super().__init__(actors)
+        self.where = {actor._actor_id.hex(): f"trainer rank {rank} on node {pool.addresses[rank]}"
+                      for rank, actor in enumerate(actors)}
+        self._gather([actor.build.remote(rank_class, *args) for actor in actors])
+
+    def _gather(self, refs: list) -> list:
+        """A rank that is gone is named with its node: a process that died, or a node that left the cluster."""
+        import ray
+
+        try:
+            return gather(refs)
+        except ray.exceptions.RayActorError as error:
+            who = self.where.get(error.actor_id or "", "a trainer rank")
+            raise RankDied(f"{who} is gone: its process or its node ended (Ray: {type(error).__name__})") from error
 
 
 def _placed(member_class: type, pool: ResourcePool, index: int, **options: Any):

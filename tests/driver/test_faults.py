@@ -5,7 +5,7 @@ import errno
 import pytest
 
 from rlmegatron.driver import job
-from rlmegatron.transport.rank_processes import RankDied
+from rlmegatron.transport.local_ranks import RankDied
 from rlmegatron.driver.trainer import StoppedByMistake, TrainingStopped
 from rlmegatron.errors import disk_full_in, user_error_in
 from rlmegatron.rewards import NaiveRewardManager

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from rlmegatron.transport.rank_processes import RankDied, RankProcesses
+from rlmegatron.transport.local_ranks import RankDied
+from rlmegatron.transport.rank_processes import RankProcesses
 from rlmegatron.data import DatasetError
 from rlmegatron.errors import UserError
 from rlmegatron.transport.local_ranks import RankFailure
