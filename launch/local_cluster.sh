@@ -12,7 +12,7 @@
 #
 # Node 0 is Ray's head (GCS and dashboard) and Slurm's controller; every node, the head included, is a Ray node and a
 # Slurm node with C CPUs. A placement with device cpu takes CPUs as its devices, so gpus_per_node <= C.
-# Environment: RLM_CLUSTER_DIR (state, default /tmp/rlm-local-cluster), RLM_CLUSTER_PORT (first of its ports,
+# Environment: RLM_CLUSTER_DIR (state, default /tmp/rlm-cluster), RLM_CLUSTER_PORT (first of its ports,
 # default 26300; it uses about 100 from there, and a Slurm job's Ray 100 more from +1700), RLM_CLUSTER_WORKER_PORT
 # (Ray's worker ports, 200 per node, default 17000; a Slurm job's Ray takes its nodes' from +1000),
 # RLM_VENV (the environment whose ray and python it runs, default this repository's .venv).
@@ -20,7 +20,7 @@ set -euo pipefail
 
 LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(dirname "$LAUNCH_DIR")"
-STATE="${RLM_CLUSTER_DIR:-/tmp/rlm-local-cluster}"
+STATE="${RLM_CLUSTER_DIR:-/tmp/rlm-cluster}"
 BASE="${RLM_CLUSTER_PORT:-26300}"
 # Ray's worker ports below 20000, as Ray's own defaults are: rlmegatron draws the ports its servers and rendezvous
 # take at random from 20000 up (runtime.distributed.free_port), and one drawn from a raylet's range could be taken
@@ -49,21 +49,15 @@ ray_alive() {  # node I's `ray start --block` still runs
   kill -0 "$pid" 2>/dev/null
 }
 
-wait_for_ray_nodes() {  # until N nodes are alive in the GCS, or 120 s
-  local want="$1" deadline=$((SECONDS + 120)) alive
-  while :; do
-    alive="$(env RAY_ADDRESS="$(gcs_address)" $(ray_auth) "$PYTHON" - <<'PY' 2>/dev/null || echo 0
-import ray
-ray.init(logging_level="ERROR", log_to_driver=False)
-print(sum(node["Alive"] for node in ray.nodes()))
-PY
-)"
-    [[ "$alive" == "$want" ]] && return 0
-    if (( SECONDS > deadline )); then
-      say "Ray: $alive of $want nodes alive after 120 s; logs in $STATE/ray/"
+wait_for_ray_node() {  # I: until node I's `ray start` says it runs (the node registered with the GCS)
+  local i="$1" deadline=$((SECONDS + 90))
+  until grep -q "Ray runtime started" "$STATE/ray/node$i.log" 2>/dev/null; do
+    if ! ray_alive "$i" || (( SECONDS > deadline )); then
+      say "Ray node $i ($(node_ip "$i")) did not start; the end of its log:"
+      tail -5 "$STATE/ray/node$i.log" >&2
       return 1
     fi
-    sleep 1
+    sleep 0.3
   done
 }
 
@@ -84,12 +78,13 @@ start_ray_node() {  # I CPUS
     role=(--head --port="$BASE" --dashboard-host="$ip" --dashboard-port=$((BASE + 1))
           --ray-client-server-port=$((BASE + 2)))
   fi
-  # Its own session (setsid): a Ctrl-C in the shell that ran `up` does not reach it. PATH leads with the venv, so a
+  # Its own files (--temp-dir): nodes that share one directory also share the working directories Ray unpacks
+  # for a job, and one node's clean-up removes another's. Its own session (setsid): a Ctrl-C in the shell that ran `up` does not reach it. PATH leads with the venv, so a
   # Ray job's entrypoint (`rlm train`, launch/submit.sh --backend ray) finds the project's commands.
   env RLM_SESSION_MARK="$(node_mark "$i")" PATH="$VENV/bin:$PATH" RAY_USAGE_STATS_ENABLED=0 $(ray_auth) \
     RAY_health_check_period_ms=1000 RAY_health_check_timeout_ms=1000 RAY_health_check_failure_threshold=3 \
     setsid "$RAY" start "${role[@]}" --node-ip-address="$ip" --num-cpus="$cpus" --num-gpus=0 \
-      --temp-dir="$STATE/ray/tmp" --object-store-memory=$((256 * 1024 * 1024)) --disable-usage-stats \
+      --temp-dir="$STATE/ray/n$i" --object-store-memory=$((256 * 1024 * 1024)) --disable-usage-stats \
       --include-log-monitor=false "${ports[@]}" --block </dev/null >"$STATE/ray/node$i.log" 2>&1 &
   echo $! >"$STATE/ray/node$i.pid"
 }
@@ -122,9 +117,13 @@ ensure_slurm_packages() {  # prints why not, in one line, when it cannot
     return 1
   fi
   say "installing Slurm and MariaDB from Debian (${SLURM_PACKAGES[*]})"
-  # policy-rc.d-style: the packages' own services are not started; this script runs its own daemons.
-  if ! RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${SLURM_PACKAGES[@]}" \
-      >"$STATE/apt.log" 2>&1; then
+  # The packages' own services may start (where the machine lets them): they use Slurm's default ports and
+  # /etc/slurm, not this cluster's; this script runs daemons of its own.
+  local install=(apt-get install -y -q --no-install-recommends "${SLURM_PACKAGES[@]}")
+  # A machine whose package lists are stale or missing gets them first, once the install says so.
+  if ! DEBIAN_FRONTEND=noninteractive "${install[@]}" >"$STATE/apt.log" 2>&1 &&
+     ! { apt-get update -q >>"$STATE/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive "${install[@]}" \
+         >>"$STATE/apt.log" 2>&1; }; then
     echo "apt-get install ${SLURM_PACKAGES[*]} failed (see $STATE/apt.log)"
     return 1
   fi
@@ -166,7 +165,10 @@ ReturnToService=2
 # Every node has C CPUs whatever this machine has; the slurmds' own view of the hardware is the machine's.
 SlurmdParameters=config_overrides
 DebugFlags=NO_CONF_HASH
-KillWait=20
+KillWait=10
+# Job ids go on from one cluster to the next (its state starts empty each time): a job's output file,
+# runs/slurm/<name>-<id>.out, is never an earlier cluster's job's.
+FirstJobId=$(( $(date +%s) % 60000000 + 1 ))
 CONF
   for (( i = 0; i < nodes; i++ )); do
     echo "NodeName=rlm-node$i NodeHostname=rlm-node$i NodeAddr=$(node_ip "$i") Port=$(slurm_port $((10 + i)))" \
@@ -274,11 +276,17 @@ cmd_up() {
   echo "$nodes" >"$STATE/nodes"
   echo "$cpus" >"$STATE/cpus"
   local i
+  # One after another: a node starting beside another on a loaded machine can miss Ray's 30 s for its raylet to
+  # register, and a worker needs the head's GCS up. A node that did not start gets a second try.
   for (( i = 0; i < nodes; i++ )); do
     start_ray_node "$i" "$cpus"
-    (( i == 0 )) && sleep 3  # the workers dial the head's GCS as they start
+    if ! wait_for_ray_node "$i"; then
+      say "starting node $i again"
+      stop_ray_node "$i"
+      start_ray_node "$i" "$cpus"
+      wait_for_ray_node "$i" || { cmd_down; exit 3; }
+    fi
   done
-  if ! wait_for_ray_nodes "$nodes"; then cmd_down; exit 3; fi
   if (( slurm )); then
     local why
     if why="$(ensure_slurm_packages)"; then
@@ -303,7 +311,7 @@ cmd_env() {
     # own, apart from this cluster's Ray, and a port each for nodes that share this machine.
     echo "export RAY_PORT=$((BASE + 1700)) RAY_DASHBOARD_PORT=$((BASE + 1701)) RLM_RAY_NODE_PORTS=$((BASE + 1710))"
     echo "export RLM_RAY_WORKER_PORTS=$((WORKER_BASE + 1000))"
-    echo "export RAY_TMPDIR=$STATE/slurm/ray"
+    echo "export RAY_TMPDIR=$STATE/sray"
   fi
   echo "export PATH=$VENV/bin:\$PATH"
 }
@@ -344,6 +352,7 @@ cmd_start_node() {
     fail "start-node: give a worker node index (1..$(( $(nodes_configured) - 1 )))"
   ray_alive "$i" && fail "start-node: node $i is up"
   start_ray_node "$i" "$(cpus_configured)"
+  wait_for_ray_node "$i" || exit 3
   say "node $i ($(node_ip "$i")) started"
 }
 

@@ -138,7 +138,8 @@ DEVICES_PER_NODE={per_node}
 RAY_PORT="${{RAY_PORT:-6379}}"
 RAY_DASHBOARD_PORT="${{RAY_DASHBOARD_PORT:-8265}}"
 RAY_JOIN_TIMEOUT_S="${{RAY_JOIN_TIMEOUT_S:-600}}"
-# Ray's files (sockets, logs) go here; a job-private token authenticates its nodes and driver.
+# Ray's files (sockets, logs, the jobs' unpacked working directories) go under here, a directory per node; a
+# job-private token authenticates its nodes and driver.
 export RAY_TMPDIR="${{RAY_TMPDIR:-/tmp/ray}}"
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$PWD/runs/slurm/$SLURM_JOB_ID.ray_token"
 (umask 077 && python -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH")
@@ -183,7 +184,7 @@ HEAD_IP="$(node_ip "$HEAD_NODE")"
 export RAY_ADDRESS="$HEAD_IP:$RAY_PORT"
 
 # Ray runs in job steps of its own (`ray start --block`): stopping a step stops that node's Ray and what it started.
-# Never `ray stop`, which ends every Ray on the node, another job's too.
+# Never Ray's stop command, which ends every Ray on the node, another job's too.
 RAY_PIDS=()
 cleanup() {{
   trap - EXIT INT TERM
@@ -199,18 +200,21 @@ RAY_OUTPUT="runs/slurm/%x-%j-ray-%N.out"
 srun --overlap --nodes=1 --ntasks=1 -w "$HEAD_NODE" --output="$RAY_OUTPUT" \\
   bash -c "$GLOO_IFNAME_SETUP; exec ray start --head \\
   --node-ip-address=$HEAD_IP --port=$RAY_PORT --dashboard-host=$HEAD_IP --dashboard-port=$RAY_DASHBOARD_PORT \\
-  --temp-dir=\\$RAY_TMPDIR {ray_devices} --disable-usage-stats \\$(ray_node_ports) --block" &
+  --temp-dir=\\$RAY_TMPDIR/\\$SLURMD_NODENAME {ray_devices} --disable-usage-stats \\$(ray_node_ports) --block" &
 RAY_PIDS+=($!)
 if (( NNODES > 1 )); then
   # Workers that dial in before the head's GCS listens give up.
   deadline=$((SECONDS + RAY_JOIN_TIMEOUT_S))
   until (exec 3<>"/dev/tcp/$HEAD_IP/$RAY_PORT") 2>/dev/null; do
-    (( SECONDS < deadline )) || { echo "Ray's head did not listen on $RAY_ADDRESS within $RAY_JOIN_TIMEOUT_S s" >&2; exit 1; }
+    if (( SECONDS > deadline )); then
+      echo "Ray's head did not listen on $RAY_ADDRESS within $RAY_JOIN_TIMEOUT_S s" >&2
+      exit 1
+    fi
     sleep 1
   done
   srun --overlap --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) --ntasks-per-node=1 --exclude="$HEAD_NODE" \\
     --output="$RAY_OUTPUT" bash -c "$GLOO_IFNAME_SETUP; exec ray start --address=$RAY_ADDRESS \\
-      --node-ip-address=\\$(node_ip \\$SLURMD_NODENAME) --temp-dir=\\$RAY_TMPDIR {ray_devices} \\
+      --node-ip-address=\\$(node_ip \\$SLURMD_NODENAME) --temp-dir=\\$RAY_TMPDIR/\\$SLURMD_NODENAME {ray_devices} \\
       --disable-usage-stats \\$(ray_node_ports) --block" &
   RAY_PIDS+=($!)
 fi

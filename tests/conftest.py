@@ -31,7 +31,7 @@ FIRST = (  # longest first (benchmarks/RESULTS.md, "The suite's time"); Ray-star
     "tests/benchmarks/test_gpu_harness.py",
     "tests/driver/test_rank_restart.py",  # Ray, in its second run
     "tests/driver/test_moe_fit.py",
-    "tests/launch/test_ray_job.py",  # Ray
+    "tests/launch/test_local_cluster.py",  # Ray (a cluster of three nodes) and Slurm
     "tests/models/test_conversion.py",
     "tests/transport/test_worker_group.py",  # Ray
     "tests/driver/test_async_train.py",
@@ -80,7 +80,7 @@ E2E: dict[str, tuple[str, ...] | None] = {
     "tests/driver/test_train_from_hf.py": None,
     "tests/driver/test_verl_command.py": None,
     "tests/driver/test_vision_quickstart.py": None,
-    "tests/launch/test_ray_job.py": None,
+    "tests/launch/test_local_cluster.py": None,
     "tests/launch/test_submit.py": ("test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command",
                                     "test_ray_dry_run_prints_the_job_submit_command"),
     "tests/models/test_fp8.py": ("test_fp8_checkpoint_reads_as_its_dequantised_values_and_writes_back_bitwise",

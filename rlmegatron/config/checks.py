@@ -99,6 +99,31 @@ def _check_parallel_layouts(spec: JobSpec, arch: ModelArchitecture | None) -> li
     return problems
 
 
+def _groups_within_nodes(prefix: str, m: MegatronConfig, spec: JobSpec) -> list[SpecProblem]:
+    """On several nodes, a TP group (Megatron's innermost, so a run of consecutive ranks, and a node's ranks are
+    consecutive: transport.placement) must lie within one node, where its all-reduces run over NVLink, not the
+    network; so must an EP group (ETP x EP consecutive ranks) that fits in one."""
+    placement = spec.placement
+    per_node = placement.gpus_per_node
+    if placement.nnodes == 1:
+        return []
+    unit = "CPU ranks" if placement.device == "cpu" else "GPUs"
+    fix = f"use {one_of(_divisors(per_node))}, or a node with more {unit}"
+    problems = []
+    for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size"):
+        size = getattr(m, name)
+        if per_node % size and (name == "tensor_model_parallel_size" or size != m.tensor_model_parallel_size):
+            problems.append(SpecProblem(f"{prefix}.{name}", size, f"does not divide a node's {per_node} {unit} "
+                                        f"(placement.gpus_per_node): its groups would span nodes; {fix}"))
+    expert_group = m.expert_tensor_parallel_size * m.expert_model_parallel_size
+    if not problems and expert_group <= per_node and per_node % expert_group:
+        problems.append(SpecProblem(
+            f"{prefix}.expert_model_parallel_size", m.expert_model_parallel_size,
+            f"its groups of {expert_group} ranks (expert_tensor_parallel_size x expert_model_parallel_size) fit in a "
+            f"node's {per_node} {unit} but would straddle two nodes; make the product divide {per_node}"))
+    return problems
+
+
 def _check_layout_fits_world(prefix: str, m: MegatronConfig, spec: JobSpec) -> list[SpecProblem]:
     world = spec.placement.trainer_world_size
     sizes = {
@@ -121,6 +146,9 @@ def _check_layout_fits_world(prefix: str, m: MegatronConfig, spec: JobSpec) -> l
         for name, size in own_sizes.items()
         if world % size
     ]
+    if problems:
+        return problems
+    problems = _groups_within_nodes(prefix, m, spec)
     if problems:
         return problems
     # Megatron builds the dense grid from TP×PP×CP and the expert grid from ETP×EP×PP.

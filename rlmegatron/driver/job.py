@@ -258,7 +258,7 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
         raise failures[0]
 
 
-POOL_REMOVAL_S = 10.0
+POOL_REMOVAL_S = 5.0
 
 
 def _within(seconds: float, step) -> None:

@@ -77,6 +77,9 @@ class ProgressCounter:
         return pending
 
 
+POLL_TIMEOUT_S = 2.0
+
+
 @contextmanager
 def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
     """What to hand the ranks so that their reports advance `bar`."""
@@ -94,7 +97,9 @@ def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
     def poll() -> None:
         while not stop.wait(poll_s):
             try:
-                bar.advance(ray.get(counter.take.remote()))
+                bar.advance(ray.get(counter.take.remote(), timeout=POLL_TIMEOUT_S))
+            except ray.exceptions.GetTimeoutError:  # a loaded machine, or the stop's below: look again or stop
+                continue
             except ray.exceptions.RayError:  # the cluster is going (a job cancelled): the run's own error says why
                 return
 
@@ -104,7 +109,9 @@ def progress_sink(bar: ProgressBar, poll_s: float = 0.5) -> Iterator[Progress]:
         yield counter
     finally:
         stop.set()
-        poller.join()
+        # Not past a take that hangs (its node going away): the poller is a daemon, and the bar's last reports are
+        # fire-and-forget anyway.
+        poller.join(POLL_TIMEOUT_S)
     bar.complete()  # reports are fire-and-forget: the last ones may still be on their way
 
 

@@ -136,7 +136,8 @@ def missing(nodes: Sequence[Node], device: str, ask: Ask) -> Optional[str]:
     if can_hold(nodes, device, [ask]):
         return None
     resource = device_resource(device)
-    have = ", ".join(f"{node.address} ({node.resources.get(resource, 0):g} {resource})" for node in nodes) or "none"
+    have = ", ".join(f"{node.address} ({node.resources.get(resource, 0):g} {resource})"
+                     for node in sorted(nodes, key=lambda node: node.address)) or "none"
     big = sum(_fits(node, device, ask.per_node) for node in nodes)
     return (f"the {ask.name} needs {ask.nnodes} node{'s' * (ask.nnodes > 1)} with {ask.per_node} {resource} each "
             f"({ask.fields}), and the Ray cluster has {big} such node{'s' * (big != 1)} (alive nodes: {have})")

@@ -193,6 +193,8 @@ class RayActorGroup(Generic[T]):
 
     def __init__(self, actors: list) -> None:
         self.actors = actors
+        self.unanswered: list = []
+        """The calls of a gather the driver gave up on (Ctrl-C, SIGTERM): their members are still busy with them."""
 
     @classmethod
     def on(cls, pool: ResourcePool, size: int, member_class: Callable[..., T], *args: Any,
@@ -206,7 +208,16 @@ class RayActorGroup(Generic[T]):
         return group
 
     def _gather(self, refs: list) -> list:
-        return gather(refs)
+        import ray
+
+        self.unanswered = refs
+        try:
+            replies = gather(refs)
+        except ray.exceptions.RayError:  # every member answered, or is gone
+            self.unanswered = []
+            raise
+        self.unanswered = []
+        return replies
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -223,12 +234,16 @@ class RayActorGroup(Generic[T]):
         return dict(zip(per_member, replies))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Orderly where the members are idle; a member still busy (an interrupted step) is killed after
-        `timeout_s`, and its engine servers go with it (`lifeline`)."""
+        """Orderly where the members are idle; members still busy with a call the driver gave up on (an interrupted
+        step: a SIGTERM, as scancel sends, may also be stopping their nodes) are killed at once, as are all after
+        `timeout_s`; their engine servers go with them (`lifeline`)."""
         import ray
 
         try:
-            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
+            busy = self.unanswered and len(ray.wait(self.unanswered, num_returns=len(self.unanswered),
+                                                    timeout=0)[0]) < len(self.unanswered)
+            if not busy:
+                ray.get([actor.shutdown.remote() for actor in self.actors], timeout=timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError):
             pass
         finally:
@@ -273,7 +288,7 @@ class RayWorkerGroup(RayActorGroup[T]):
         import ray
 
         try:
-            return gather(refs)
+            return super()._gather(refs)
         except ray.exceptions.RayActorError as error:
             who = self.where.get(error.actor_id or "", "a trainer rank")
             raise RankDied(f"{who} is gone: its process or its node ended (Ray: {type(error).__name__})") from error

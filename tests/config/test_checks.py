@@ -658,6 +658,22 @@ CASES = [
         id="val-before-train-needs-val-files",
     ),
     pytest.param(
+        {"placement.nnodes": 2, "placement.gpus_per_node": 4, "actor.megatron.tensor_model_parallel_size": 8},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.tensor_model_parallel_size=8: does not divide a node's 4 CPU ranks "
+        "(placement.gpus_per_node): its groups would span nodes; use 1, 2 or 4, or a node with more CPU ranks",
+        id="tp-groups-stay-within-a-node",
+    ),
+    pytest.param(
+        {"placement.nnodes": 2, "placement.gpus_per_node": 6, "actor.megatron.expert_model_parallel_size": 4,
+         "data.train_batch_size": 12, "actor.ppo_mini_batch_size": 12},
+        "tiny-qwen3-moe",
+        "job.yaml: actor.megatron.expert_model_parallel_size=4: its groups of 4 ranks (expert_tensor_parallel_size x "
+        "expert_model_parallel_size) fit in a node's 6 CPU ranks but would straddle two nodes; make the product "
+        "divide 6",
+        id="ep-groups-that-fit-a-node-stay-within-it",
+    ),
+    pytest.param(
         {"data.val_files": [], "trainer.val_before_train": False, "trainer.test_freq": 5},
         "tiny-qwen3",
         "job.yaml: trainer.test_freq=5: needs data.val_files; add some or set it to -1",

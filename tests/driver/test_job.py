@@ -21,7 +21,7 @@ def test_a_fresh_run_and_a_single_step():
     assert format_report(report(80, 0)).startswith("trained steps 1-80 (80 steps) in 1.2 s; critic/score/mean "
                                                    "0.010 (step 1) -> 0.800 (step 80)")
     assert format_report(report(3, 2)).startswith("trained step 3 (1 step, resumed from step 2) in ")
-    # tests/launch/test_ray_job.py reads the quickstart's learning from this line.
+    # tests/launch/test_local_cluster.py reads the quickstart's learning from this line.
     assert re.search(r"trained steps 1-150 \(150 steps\) in [\d.]+ s; critic/score/mean ([\d.]+) \(step 1\) "
                      r"-> ([\d.]+) \(step 150\)", format_report(report(150, 0)))
 
@@ -31,7 +31,7 @@ def test_the_report_gives_the_validation_score_before_and_after_training():
     run.history["val/next_digit/score/mean"] = [(0, 0.0), (25, 0.625), (150, 1.0)]
     run.history["val/other/score/mean"] = [(25, 0.5)]
     lines = format_report(run).splitlines()
-    # tests/launch/test_ray_job.py reads the quickstart's validation from this line.
+    # tests/launch/test_local_cluster.py reads the quickstart's validation from this line.
     assert re.fullmatch(r"validation: val/next_digit/score/mean ([\d.]+) \(step 0, before training\) -> "
                         r"([\d.]+) \(step 150\)", lines[1])
     assert lines[1:3] == ["validation: val/next_digit/score/mean 0.000 (step 0, before training) -> 1.000 (step 150)",

@@ -25,10 +25,12 @@ def submit(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", params=[1, 2, 16])
 def slurm_dry_run(request):
-    """(nodes, result) of a Slurm dry run, shared by the tests that read it: each submit runs `rlm validate`."""
+    """(nodes, result) of a Slurm dry run of a GPU job, shared by the tests that read it: each submit runs
+    `rlm validate`."""
     nodes = request.param
     return nodes, submit("--backend", "slurm", "--config", CONFIG, "--nodes", str(nodes), "--gpus-per-node", "8",
-                         "--dry-run", "--", "rollout.n=4", "data.train_files=[a b.parquet]", *FITS_ANY_SIZE)
+                         "--dry-run", "--", "rollout.n=4", "data.train_files=[a b.parquet]", *FITS_ANY_SIZE,
+                         "placement.device=cuda")
 
 
 def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(slurm_dry_run):
@@ -38,12 +40,16 @@ def test_slurm_dry_run_prints_the_whole_script_and_the_sbatch_command(slurm_dry_
     script = out.split("# --- command ---")[0]
     assert f"#SBATCH --nodes={nodes}\n" in script and "#SBATCH --gpus-per-node=8\n" in script
     assert "set -euo pipefail" in script and "trap cleanup EXIT INT TERM" in script
-    assert "ray start --head" in script and "ray stop" in script and "pkill" not in script
+    # Ray in job steps of its own, stopped by stopping them: `ray stop` would end every Ray on the node.
+    assert "ray start --head" in script and "ray stop" not in script and "pkill" not in script
     assert ("--exclude=\"$HEAD_NODE\"" in script) and "(( NNODES > 1 ))" in script
     assert 'NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-' in script and "GLOO_SOCKET_IFNAME" in script
-    assert "EXPECTED_GPUS=$((NNODES * GPUS_PER_NODE))" in script and "RAY_JOIN_TIMEOUT_S" in script
+    assert "EXPECTED=GPU\n" in script and "EXPECTED_DEVICES=$((NNODES * DEVICES_PER_NODE))" in script
+    assert "--num-gpus=8" in script and "RAY_JOIN_TIMEOUT_S" in script
+    # Each node's address is Slurm's NodeAddr, not what its hostname resolves to.
+    assert "scontrol show node" in script and "hostname --ip-address" not in script
     train = shlex.join(["rlm", "train", CONFIG, "rollout.n=4", "data.train_files=[a b.parquet]", *FITS_ANY_SIZE,
-                        f"placement.nnodes={nodes}", "placement.gpus_per_node=8"])
+                        "placement.device=cuda", f"placement.nnodes={nodes}", "placement.gpus_per_node=8"])
     assert train in script
     command = out.split("# --- command ---\n")[1].strip()
     assert command.startswith("sbatch runs/slurm/rlm-quickstart-") and command.endswith(".sbatch")
@@ -70,7 +76,8 @@ def test_ray_dry_run_prints_the_job_submit_command(nodes):
     assert runtime_env["working_dir"] == "."
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     placement = [f"placement.nnodes={nodes}", "placement.gpus_per_node=8"] if nodes else []
-    assert argv[argv.index("--") + 1 :] == ["rlm", "train", CONFIG, "rollout.n=4", *FITS_ANY_SIZE, *placement]
+    assert argv[argv.index("--") + 1 :] == ["rlm", "train", CONFIG, "rollout.n=4", *FITS_ANY_SIZE,
+                                            f"trainer.run_dir={REPO / 'runs' / 'quickstart'}", *placement]
 
 
 @pytest.mark.parametrize(
@@ -93,8 +100,30 @@ def test_bad_arguments_fail_with_a_clear_message(args, message):
     assert message in result.stderr and "--help" in result.stderr
 
 
-def test_real_slurm_submit_without_sbatch_says_so():
-    if shutil.which("sbatch"):
-        pytest.skip("sbatch exists here; a real submit would queue a job")
-    result = submit("--backend", "slurm", "--config", CONFIG)
+def test_a_cpu_job_asks_slurm_for_cpus_and_ray_for_cpu_devices():
+    result = submit("--backend", "slurm", "--config", CONFIG, "--nodes", "2", "--gpus-per-node", "1", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    script = result.stdout.split("# --- command ---")[0]
+    assert "#SBATCH --cpus-per-task=1\n" in script and "--gpus-per-node" not in script
+    assert "--num-cpus=1 --num-gpus=0" in script and "EXPECTED=CPU\n" in script
+
+
+def test_a_ray_job_keeps_its_run_directory_outside_the_copy_ray_unpacks(tmp_path):
+    """A relative trainer.run_dir is made absolute against the repository: the job runs in a copy of it that goes
+    when the job ends. One given on the command line stays as given."""
+    relative = submit("--backend", "ray", "--config", CONFIG, "--dry-run", RAY_ADDRESS="http://head:8265")
+    assert relative.returncode == 0, relative.stderr
+    assert shlex.split(relative.stdout)[-1] == f"trainer.run_dir={REPO / 'runs' / 'quickstart'}"
+    given = submit("--backend", "ray", "--config", CONFIG, "--dry-run", "--", f"trainer.run_dir={tmp_path}",
+                   RAY_ADDRESS="http://head:8265")
+    assert shlex.split(given.stdout)[-1] == f"trainer.run_dir={tmp_path}"
+
+
+def test_real_slurm_submit_without_sbatch_says_so(tmp_path):
+    # A PATH with what submit.sh needs and no sbatch, whatever this machine has installed.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "basename", "date", "mkdir"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    result = submit("--backend", "slurm", "--config", CONFIG, PATH=str(bin_dir))
     assert result.returncode == 2 and "sbatch is not on PATH" in result.stderr

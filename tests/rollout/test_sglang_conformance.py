@@ -22,6 +22,7 @@ from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
 from rlmegatron.rollout.sglang.server import ServerSpec
 from rlmegatron.runtime.distributed import free_port
+from tests.helpers.sglang_args import parse_with_sglang
 
 HERE = Path(__file__).parent
 REPO_ROOT = HERE.parents[1]
@@ -285,20 +286,6 @@ def test_a_dead_server_restarts_and_resyncs(engine):
     assert model_state(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
 
 
-PARSE_WITH_SGLANG = """
-import json, sys
-import gpu_stubs
-gpu_stubs.install()
-from sglang.srt.server_args import prepare_server_args
-for argv in json.loads(sys.stdin.read()):
-    try:
-        prepare_server_args(argv)
-        print(json.dumps([argv, "ok"]))
-    except SystemExit as error:
-        print(json.dumps([argv, f"exit {error.code}"]))
-"""
-
-
 def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args():
     """server_command for every option the spec reaches (TP/EP, dp-attention, memory saver, tokenizer, remote code,
     dtype, device, load format, several nodes, LoRA, deterministic inference) and the flags verl_keys recommends,
@@ -318,12 +305,6 @@ def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args
     plain = server_spec(RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False}),
                         str(MODEL), port=30000)
     commands = [server_command(spec.for_node(1))[3:], server_command(plain)[3:]]
-    import subprocess
-
-    answer = subprocess.run([sys.executable, "-c", PARSE_WITH_SGLANG], input=json.dumps(commands), text=True,
-                            capture_output=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"),
-                                                                              str(REPO_ROOT)])})
-    results = [json.loads(line) for line in answer.stdout.splitlines() if line.startswith("[")]
-    assert results == [[command, "ok"] for command in commands], answer.stderr[-2000:]
+    results, stderr = parse_with_sglang(commands)
+    assert results == [[command, "ok"] for command in commands], stderr[-2000:]
     assert "--cuda-graph-bs-decode" in commands[0] and "--enable-lora" in commands[0] and "--nnodes" in commands[0]

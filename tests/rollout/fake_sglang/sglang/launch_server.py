@@ -15,7 +15,11 @@ a release of memory while any request is in flight ends the server, and a resume
 released ends the server, as the KeyError in SGLang's scheduler does.
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
-once every other node joined; other nodes serve no HTTP; losing any node ends the whole server.
+once every other node joined; other nodes serve no HTTP; losing any node ends the whole server; and every node takes
+part in a weight update (node 0 hands each call on to the others, as SGLang's tokenizer manager does to the
+schedulers of every node): each node's ranks join the weight-update group, at rank_offset plus the node's first TP
+rank, and receive every broadcast, which each node records with its node rank and the digests of what it received.
+One process stands for a node, so a server spanning nodes has one TP rank per node (--tp-size = --nnodes).
 """
 import argparse
 import base64
@@ -24,6 +28,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -87,6 +92,7 @@ class FakeServer:
         self.session = False
         self.has_sessions = tuple(map(int, args.fake_version.split("."))) >= (0, 5, 21)
         self.nodes_joined = threading.Event()
+        self.peers = []  # node 0 of a server spanning nodes: a socket to each other node
         self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
         self.unpaused.set()
         self.aborting = False  # ... and aborts those in flight
@@ -269,16 +275,27 @@ class FakeServer:
             with self.settled:
                 self.waiting_health -= 1
 
+    def relay(self, path, body):
+        """Node 0: the call to every other node, which takes its part in it meanwhile (follow_node_zero)."""
+        for peer in self.peers:
+            peer.sendall((json.dumps({"path": path, "body": body}) + "\n").encode())
+
     def init_weights_update_group(self, body):
         expect(body, {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
                       "group_name": str, "backend": str})
+        self.relay("/init_weights_update_group", body)
+        self.join_group(body)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def join_group(self, body):
+        """This node's TP rank joins: rank_offset plus the node's first TP rank."""
         from rlmegatron.rollout.sglang.protocol import init_custom_process_group
 
+        rank = body["rank_offset"] + self.args.node_rank * (self.args.tp_size // self.args.nnodes)
         self.groups[body["group_name"]] = init_custom_process_group(
             body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
-            body["rank_offset"], body["group_name"])
-        self.record("/init_weights_update_group", **body)
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
+            rank, body["group_name"])
+        self.record("/init_weights_update_group", **body, node_rank=self.args.node_rank)
 
     def update_weights_from_distributed(self, body):
         expect(body, {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
@@ -288,14 +305,20 @@ class FakeServer:
         self.pushes += 1
         if self.pushes == self.args.fake_die_on_push and self.first_to_die():
             os._exit(3)  # announced, before the broadcast: the trainer's side of it is left waiting
+        self.relay("/update_weights_from_distributed", body)
+        self.receive_bucket(body)
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def receive_bucket(self, body):
+        group = self.groups[body["group_name"]]
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             torch.distributed.broadcast(tensor, group_src=0, group=group)
             self.weights[name] = tensor
         if body["weight_version"] is not None:
             self.weight_version = body["weight_version"]
-        self.record("/update_weights_from_distributed", names=body["names"])
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        self.record("/update_weights_from_distributed", names=body["names"], node_rank=self.args.node_rank,
+                    version=self.weight_version, digests={n: tensor_digest(self.weights[n])[2] for n in body["names"]})
 
     def load_lora_adapter(self, body):
         expect(body, {"lora_name": str, "lora_path": str})
@@ -431,14 +454,18 @@ def main():
     parser.add_argument("--fake-version", default="0.5.23")
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
+    print(f"fake sglang server argv {json.dumps(sys.argv[1:])}", flush=True)  # the command line, as launched
+    if args.nnodes > 1 and args.tp_size != args.nnodes:
+        print("the fake server spans nodes with one TP rank per node: --tp-size must equal --nnodes", flush=True)
+        raise SystemExit(1)
     if args.fake_fail_start:
         print(args.fake_fail_start, flush=True)
         raise SystemExit(1)
     time.sleep(args.fake_slow_start)
-    if args.node_rank > 0:
-        follow_node_zero(args)
     accept_device_uuids()
     server = FakeServer(args)
+    if args.node_rank > 0:
+        follow_node_zero(args, server)
     if args.nnodes > 1:
         threading.Thread(target=gather_nodes, args=(args, server), daemon=True).start()
     else:
@@ -452,23 +479,32 @@ def gather_nodes(args, server):
     host, port = args.dist_init_addr.rsplit(":", 1)
     listener = socket.create_server(("", int(port)))
     peers = [listener.accept()[0] for _ in range(args.nnodes - 1)]
+    server.peers = peers
     server.record("/fake/nodes_joined", nnodes=args.nnodes)
     server.nodes_joined.set()
     for peer in peers:
         threading.Thread(target=end_with, args=(peer,), daemon=True).start()
 
 
-def follow_node_zero(args):
-    """A later node: joins node 0, then lives exactly as long as node 0 does."""
+def follow_node_zero(args, server):
+    """A later node: joins node 0, takes its part in each weight update node 0 hands on, and lives exactly as long
+    as node 0 does."""
     host, port = args.dist_init_addr.rsplit(":", 1)
     deadline = time.monotonic() + 60
     while True:
         try:
-            end_with(socket.create_connection((host, int(port))))
+            node_zero = socket.create_connection((host, int(port)))
+            break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+    server.record("/fake/joined_node_zero", node_rank=args.node_rank, host=args.host)
+    parts = {"/init_weights_update_group": server.join_group, "/update_weights_from_distributed": server.receive_bucket}
+    for line in node_zero.makefile("r"):
+        call = json.loads(line)
+        parts[call["path"]](call["body"])
+    os._exit(5)  # node 0 is gone
 
 
 def end_with(peer):
