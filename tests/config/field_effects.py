@@ -141,7 +141,9 @@ RESUMED_BACKENDS = BACKENDS + "test_a_resumed_run_continues_its_wandb_and_tensor
 MISSING_PACKAGE = BACKENDS + "test_a_backend_whose_package_is_missing_is_one_line_at_validation"
 WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_is_one_line"
 RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
-TRAINER_POOL = "tests/transport/test_placement.py::test_the_trainer_pool_spans_every_node"
+TRAINER_POOL = "tests/transport/test_placement.py::test_each_node_gets_one_bundle_of_its_ranks_and_no_two_share_a_node"
+MULTI_NODE = "tests/launch/test_local_cluster.py::test_the_quickstart_learns_with_its_ranks_on_two_nodes"
+OWN_NODES = "tests/launch/test_local_cluster.py::test_the_rollout_pool_gets_a_node_of_its_own_and_the_weights_at_every_step"
 
 # Rejections and checks.
 CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"
@@ -379,11 +381,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.tokenizer_path": ("tokenizer of prompts and rewards", (GSM8K, JOB_WIRING)),
     "model.trust_remote_code": ("the model's and tokenizer's own code allowed", REMOTE_CODE),
     "placement.device": ("cuda/nccl or cpu/gloo", (IN_PROCESS,)),
-    "placement.gpus_per_node": ("trainer ranks per node", (TRAINER_POOL, RESUME)),
+    "placement.gpus_per_node": ("trainer ranks per node, each node's exactly", (TRAINER_POOL, MULTI_NODE, RESUME)),
     "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
-    "placement.nnodes": ("trainer nodes", (TRAINER_POOL,)),
+    "placement.nnodes": ("trainer nodes, distinct ones", (TRAINER_POOL, MULTI_NODE)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
-    "placement.rollout_nnodes": ("rollout pool nodes", (DISAGGREGATED_SERVER, ENGINE_POOL)),
+    "placement.rollout_nnodes": ("rollout pool nodes, of its own where the cluster has them",
+                                 (DISAGGREGATED_SERVER, ENGINE_POOL, OWN_NODES)),
     "placement.transport": ("trainer ranks as local processes without Ray, or as Ray actors",
                            (PROCESSES_RUN, RAY_LOOP, TRANSPORT_AUTO, CHECKS)),
     "ref.log_prob_max_token_len_per_gpu": ("reference micro-batch token budget", (REF_BATCHING,)),
