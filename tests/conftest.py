@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 FIRST = (  # longest first (benchmarks/RESULTS.md, "The suite's time"); Ray-starting files marked
-    "tests/driver/test_train.py",  # Ray
+    "tests/launch/test_local_cluster.py",  # Ray (a cluster of three nodes) and Slurm: about 4 minutes
     "tests/benchmarks/test_gpu_harness.py",
-    "tests/driver/test_rank_restart.py",  # Ray, in its second run
+    "tests/driver/test_train.py",  # Ray
     "tests/driver/test_moe_fit.py",
-    "tests/launch/test_local_cluster.py",  # Ray (a cluster of three nodes) and Slurm
+    "tests/driver/test_rank_restart.py",  # Ray, in its second run
     "tests/models/test_conversion.py",
     "tests/transport/test_worker_group.py",  # Ray
     "tests/driver/test_async_train.py",

@@ -499,7 +499,6 @@ def follow_node_zero(args, server):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    server.record("/fake/joined_node_zero", node_rank=args.node_rank, host=args.host)
     parts = {"/init_weights_update_group": server.join_group, "/update_weights_from_distributed": server.receive_bucket}
     for line in node_zero.makefile("r"):
         call = json.loads(line)
