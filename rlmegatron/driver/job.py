@@ -18,7 +18,8 @@ from rlmegatron import reaper
 from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec
-from rlmegatron.transport.placement import create_pools, device_resource, remove_pools, replace_lost_nodes
+from rlmegatron.transport.placement import (PlacementUnsatisfiable, create_pools, device_resource, remove_pools,
+                                            replace_lost_nodes)
 from rlmegatron.transport.shared_files import SharedFiles
 from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.transport.rank_processes import RankProcesses
@@ -174,7 +175,10 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
                 _stop_each([engines.shutdown, ranks.shutdown])
                 engines = ranks = None
                 if pools is not None:  # a node that left: its bundles placed again, on a spare node or itself back
-                    pools = replace_lost_nodes(pools)
+                    try:
+                        pools = replace_lost_nodes(pools, lambda line: print(line, file=sys.stderr, flush=True))
+                    except PlacementUnsatisfiable as unplaced:  # a fault of the cluster's, not the user's mistake
+                        raise RankLost(f"{lost}; the ranks cannot start again: {unplaced}") from None
                 newest = checkpoints.plan_resume("auto")
                 print(f"{lost}. Restarting the trainer ranks ({restarts} of trainer.max_restarts="
                       f"{spec.trainer.max_restarts}) from {newest.path if newest else 'the start (no checkpoint yet)'}",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from rlmegatron.errors import UserError
 from rlmegatron.transport.shared_files import SharedFiles
@@ -223,15 +223,20 @@ def _placed_pools(asks: Sequence[Ask], device: str, wait_s: float, nodes: Sequen
     return pools
 
 
-def replace_lost(pool: ResourcePool, wait_s: float = PLACEMENT_WAIT_S) -> ResourcePool:
+def replace_lost(pool: ResourcePool, wait_s: float = PLACEMENT_WAIT_S,
+                 say: Callable[[str], None] = lambda line: None) -> ResourcePool:
     """`pool` once Ray has placed again the bundles of a node that died (on a spare node, or the node restarted), for
-    the ranks' restart; PlacementUnsatisfiable naming the lost node when that did not happen within `wait_s`."""
+    the ranks' restart (`say`s that it waits, when it must); PlacementUnsatisfiable naming the lost node when that
+    did not happen within `wait_s`."""
     import time
 
     from ray.util.placement_group import placement_group_table
 
     alive = {node.id: node.address for node in alive_nodes()}
     lost = sorted({address for node, address in zip(pool.nodes, pool.addresses) if node not in alive})
+    if lost:
+        say(f"the {pool.name}'s node{'s' * (len(lost) > 1)} {', '.join(lost)} left the Ray cluster; waiting up to "
+            f"{wait_s:.0f} s for Ray to place {'their' if len(lost) > 1 else 'its'} ranks on another node")
     deadline = time.monotonic() + wait_s
     while True:
         table = placement_group_table(pool.placement_group)
@@ -248,10 +253,10 @@ def replace_lost(pool: ResourcePool, wait_s: float = PLACEMENT_WAIT_S) -> Resour
         time.sleep(0.5)
 
 
-def replace_lost_nodes(pools: Pools, wait_s: float = PLACEMENT_WAIT_S) -> Pools:
+def replace_lost_nodes(pools: Pools, say: Callable[[str], None], wait_s: float = PLACEMENT_WAIT_S) -> Pools:
     """`pools` with every node that left the cluster replaced (`replace_lost`), for the ranks' restart."""
-    trainer = replace_lost(pools.trainer, wait_s)
-    return Pools(trainer, trainer if pools.colocated else replace_lost(pools.rollout, wait_s))
+    trainer = replace_lost(pools.trainer, wait_s, say)
+    return Pools(trainer, trainer if pools.colocated else replace_lost(pools.rollout, wait_s, say))
 
 
 def _remove(group) -> None:

@@ -142,3 +142,35 @@ def test_a_local_cluster_is_sized_for_the_placement(monkeypatch):
 def test_a_pool_describes_where_its_ranks_are():
     pool = ResourcePool("trainer", None, 0, 1, "cpu", ("a", "b"), ("10.0.0.1", "10.0.0.2"))
     assert pool.describe() == "2 ranks on 2 nodes: 10.0.0.1 (rank 0), 10.0.0.2 (rank 1)"
+
+
+def test_a_lost_nodes_ranks_wait_for_ray_to_place_them_again_within_a_bound(recorded_ray, monkeypatch):
+    import importlib
+
+    from rlmegatron.transport.placement import replace_lost
+
+    placement_groups = importlib.import_module("ray.util.placement_group")
+    recorded_ray["nodes"] = _nodes(2, 2, 2)
+    pool = create_pools(_placement("placement.nnodes=2", "placement.gpus_per_node=1")).trainer
+    assert pool.addresses == ("127.0.0.2", "127.0.0.3")
+    said = []
+    # Node 1 left; Ray placed its bundle on node 2, the spare.
+    recorded_ray["nodes"] = [recorded_ray["nodes"][0], recorded_ray["nodes"][2]]
+    monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
+        "state": "CREATED", "bundles_to_node_id": {0: "node0", 1: "node2"}})
+    again = replace_lost(pool, 0, said.append)
+    assert again.addresses == ("127.0.0.2", "127.0.0.4") and again.nodes == ("node0", "node2")
+    assert said == ["the trainer's node 127.0.0.3 left the Ray cluster; waiting up to 0 s for Ray to place its ranks "
+                    "on another node"]
+    # No spare: the bundle stays unplaced, and the wait ends in one line naming the node.
+    monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
+        "state": "RESCHEDULING", "bundles_to_node_id": {0: "node0"}})
+    with pytest.raises(PlacementUnsatisfiable, match=r"^the trainer's node 127.0.0.3 left the Ray cluster and no node "
+                                                     r"took its place within 0 s \(no spare node with 1 CPU\)$"):
+        replace_lost(pool, 0)
+    # Every node alive and the group placed (a rank's process died, not its node): at once, nothing said.
+    recorded_ray["nodes"] = _nodes(2, 2, 2)
+    monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
+        "state": "CREATED", "bundles_to_node_id": {0: "node0", 1: "node1"}})
+    said.clear()
+    assert replace_lost(pool, 0, said.append) == pool and said == []
