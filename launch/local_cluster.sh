@@ -271,6 +271,11 @@ cmd_up() {
   if [[ -f "$STATE/nodes" ]]; then
     fail "a cluster is already up in $STATE (launch/local_cluster.sh status); take it down first"
   fi
+  local port busy=()
+  for port in "$BASE" $((BASE + 1)) $((BASE + 2)) $((BASE + 100)) $((BASE + 101)) $((BASE + 102)); do
+    (exec 3<>"/dev/tcp/$(node_ip 0)/$port") 2>/dev/null && busy+=("$port")
+  done
+  (( ${#busy[@]} == 0 )) || fail "port(s) ${busy[*]} on $(node_ip 0) are taken (another cluster?); set RLM_CLUSTER_PORT"
   mkdir -p "$STATE/ray"
   (umask 077 && "$PYTHON" -c "import secrets; print(secrets.token_hex(32))" >"$STATE/ray/auth_token")
   echo "$nodes" >"$STATE/nodes"

@@ -18,7 +18,7 @@ from rlmegatron.runtime import destroy_distributed, init_distributed
 from rlmegatron.runtime.distributed import CollectiveTimeout, is_collective_timeout
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.runtime.node import gloo_interface, node_address
-from rlmegatron.transport.shared_files import SharedFiles
+from rlmegatron.transport.shared_files import NotShared, SharedFiles
 from rlmegatron.transport.local_ranks import RankDied, rank_threads
 
 T = TypeVar("T")
@@ -49,10 +49,18 @@ class Member:
 
     def __init__(self, shared: Optional[SharedFiles] = None) -> None:
         self.obj: Any = None
+        self.refused: Optional[NotShared] = None
+        """Said by `build`, the first call: Ray keeps only the text of what an actor's constructor raises, and a
+        user's mistake must reach the driver as itself (its one line)."""
         if shared is not None:
-            shared.enter(node_address())
+            try:
+                shared.enter(node_address())
+            except NotShared as refused:
+                self.refused = refused
 
     def build(self, cls: Callable[..., Any], *args: Any) -> None:
+        if self.refused is not None:
+            raise self.refused
         self.obj = cls(*args)
 
     def call(self, method: Callable[..., R], *args: Any, **kwargs: Any) -> R:
@@ -71,6 +79,8 @@ class RankHost(Member):
                  collective_timeout_s: float = 600.0, shared: Optional[SharedFiles] = None) -> None:
         super().__init__(shared)
         os.environ.update(env)
+        if self.refused is not None:  # build says why; this rank never joins its group, whose peers are then ended
+            return
         os.environ.update(gloo_interface(node_address()))
         torch.set_num_threads(threads)
         init_distributed(device, collective_timeout_s)
@@ -281,7 +291,13 @@ class RayWorkerGroup(RayActorGroup[T]):
         super().__init__(actors)
         self.where = {actor._actor_id.hex(): f"trainer rank {rank} on node {pool.addresses[rank]}"
                       for rank, actor in enumerate(actors)}
-        self._gather([actor.build.remote(rank_class, *args) for actor in actors])
+        try:
+            self._gather([actor.build.remote(rank_class, *args) for actor in actors])
+        except BaseException:
+            # Its peers may wait in the process group's rendezvous for a rank that will never join.
+            for actor in actors:
+                ray.kill(actor)
+            raise
 
     def _gather(self, refs: list) -> list:
         """A rank that is gone is named with its node: a process that died, or a node that left the cluster."""

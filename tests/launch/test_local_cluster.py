@@ -27,10 +27,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.processes import command
+from tests.helpers.processes import command, descendants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = REPO_ROOT / "launch" / "local_cluster.sh"
+STATE = Path(f"/tmp/rlmc-{os.getpid()}")  # short: Ray's socket paths must fit in 107 characters
 NODES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # node i at 127.0.0.(i + 2); node 0 is Ray's head
 LEARNED = re.compile(r"validation: val/next_digit/score/mean ([\d.]+) \(step 0, before training\) -> ([\d.]+) "
                      r"\(step 150\)")
@@ -85,8 +86,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster():
-    state = Path(f"/tmp/rlmc-{os.getpid()}")  # short: Ray's socket paths must fit in 107 characters
-    cluster = Cluster(state)
+    cluster = Cluster(STATE)
     started = time.monotonic()
     up = cluster.run("up", "--nodes", str(len(NODES)), "--cpus-per-node", "2")
     try:
@@ -96,7 +96,7 @@ def cluster():
     finally:
         down = cluster.run("down")
         assert down.returncode == 0, down.stderr
-        assert not state.exists()
+        assert not STATE.exists()
 
 
 @pytest.fixture
@@ -156,15 +156,31 @@ def _placed(output: str) -> tuple[list[str], str, int, list[str]]:
     return [by_rank[r] for r in sorted(by_rank)], found.group(2), int(found.group(3)), rollout
 
 
-def _nothing_left_of_runs() -> list[str]:
-    """Processes of a run still alive on any node (all of them this machine): rank actors, pool hosts, servers."""
-    left = []
+def _cluster_processes() -> list[int]:
+    """Every live process of this file's cluster, on any of its nodes (all of them this machine, beside the other test
+    worker's processes): those carrying one of its nodes' marks (local_cluster.sh gives each node's Ray and Slurm
+    daemons one, and Ray's workers inherit their raylet's), and everything below them (a Slurm job's steps)."""
+    marked = f"RLM_SESSION_MARK=local-cluster-{STATE.name}-node".encode()
+    roots = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            line = command(int(entry.name))
-            if line.startswith(("ray::RankHost", "ray::Member")) or "rlmegatron.rollout.local_server" in line:
-                left.append(line)
-    return left
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(variable.startswith(marked) for variable in environ):
+                roots.append(int(entry.name))
+    found = set(roots)
+    for pid in roots:
+        found.update(descendants(pid))
+    return sorted(found)
+
+
+def _nothing_left_of_runs() -> list[str]:
+    """Processes of a run still alive on the cluster's nodes: rank actors, pool hosts, servers."""
+    lines = [command(pid) for pid in _cluster_processes()]
+    return [line for line in lines if line.startswith(("ray::RankHost", "ray::Member"))
+            or "rlmegatron.rollout.local_server" in line or "sglang.launch_server" in line]
 
 
 def test_the_quickstart_learns_with_its_ranks_on_two_nodes(cluster, tmp_path):

@@ -67,3 +67,29 @@ def test_the_first_failure_is_raised_and_the_others_are_not_printed_as_unhandled
     gc.collect()
     time.sleep(2)  # Ray reports an error nobody fetched when its last reference goes
     assert "Unhandled error" not in capfd.readouterr().err
+
+
+def test_a_rank_on_a_node_without_the_run_directory_stops_the_group_in_one_line(ray, tmp_path):
+    """Ray keeps only the text of what an actor's constructor raises: the rank says the node's mistake at its first
+    call instead, so it reaches the driver as itself; its peer, waiting in the rendezvous for it, is ended."""
+    import dataclasses
+
+    from ray.util.placement_group import remove_placement_group
+
+    from rlmegatron.errors import user_error_in
+    from rlmegatron.transport.placement import create_pool
+    from rlmegatron.transport.shared_files import SharedFiles
+    from rlmegatron.transport.worker_group import RayWorkerGroup
+
+    written = SharedFiles.write(str(tmp_path / "run"))
+    (tmp_path / "run" / ".shared_by_every_node").write_text("another run's token")  # as a node's own disk would
+    pool = dataclasses.replace(create_pool("trainer", 1, 2, "cpu"), shared=written)
+    try:
+        with pytest.raises(Exception) as raised:
+            RayWorkerGroup(pool, Threads, collective_timeout_s=60)
+        mistake = user_error_in(raised.value)
+        node = ray.util.get_node_ip_address()  # the address Ray gave this one-node cluster
+        assert mistake is not None and str(mistake).startswith(
+            f"node {node} does not see trainer.run_dir={tmp_path / 'run'} as the driver does")
+    finally:
+        remove_placement_group(pool.placement_group)
