@@ -96,7 +96,7 @@ def cluster():
     finally:
         down = cluster.run("down")
         assert down.returncode == 0, down.stderr
-        assert not STATE.exists()
+        assert not STATE.exists() and _cluster_processes() == []  # nothing of it left, on any node
 
 
 @pytest.fixture
