@@ -414,6 +414,13 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         # SGLang shards experts inside each engine's tensor-parallel group (moe_tp = tp / ep).
         reason = f"must divide rollout.tensor_parallel_size={tp}; use {one_of(_divisors(tp))}"
         problems.append(SpecProblem("rollout.expert_parallel_size", ep, reason))
+    if rollout.quantization == "fp8" and rollout.engine == "sglang" and placement.mode == "disaggregate" \
+            and placement.device == "cpu":
+        # SGLang receives each tensor of a push into one it allocates in the announced dtype, and gloo, the only
+        # backend between CPU processes, cannot carry float8 ("Invalid scalar type"): no push would ever land.
+        problems.append(SpecProblem("rollout.quantization", "fp8", "SGLang receives a disaggregated push over gloo "
+                                    "on CPU, which cannot carry FP8 weights; use rollout.quantization=none, or "
+                                    "placement.device=cuda (NCCL carries them)"))
     if arch is None:
         return problems
     if arch.num_attention_heads % tp:

@@ -62,6 +62,9 @@ class EngineBackend(Protocol):
     def pushed(self, version: str, engines: list[int]) -> None:
         """`engines` hold `version` now."""
 
+    def alive(self, engines: list[int]) -> list[int]:
+        """Those of `engines`, left out of a push, that still answer: it was refused, not lost."""
+
     def shutdown(self) -> None:
         ...
 
@@ -110,6 +113,11 @@ class EngineFleet:
                 self.backend.resume(asked)
             self.version = version
             self._pushed(version, [engine for engine in ready if engine not in down])
+            # A server that refused part of the push (a bucket, or the flush of the cache the old weights made) but
+            # lives is outside its group's stream: a new group and the weights whole, now. One that is down is
+            # restarted by the generation that next meets it.
+            if down and (refused := self.backend.alive(down)):
+                self._recover(refused)
 
     def _recover(self, engines: list[int]) -> None:
         # Made ahead of the loop (rollout_buffer.Ahead), this waits for the owner lock until the loop waits for it.
@@ -172,6 +180,10 @@ class InTrainerRanks:
     def pushed(self, version: str, engines: list[int]) -> None:
         """Each engine recorded the version as it took the weights."""
 
+    def alive(self, engines: list[int]) -> list[int]:
+        """A push into the trainer ranks' own engines leaves none out."""
+        return []
+
     def shutdown(self) -> None:
         """The ranks stop their engines when the ranks shut down."""
 
@@ -182,7 +194,6 @@ class OnRolloutPool:
 
     def __init__(self, settings: RolloutSettings, ranks: TrainerClient, pool: Optional[ResourcePool] = None) -> None:
         self.ranks = ranks
-        self.partial_rollout = settings.partial_rollout
         size = settings.pool_size
         # A host serves its engine's generation and, meanwhile (trainer.mode one_step_off, async), the weight push.
         self.hosts = group_on(pool, size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
@@ -225,16 +236,21 @@ class OnRolloutPool:
         self._connect(engines)
 
     def pause(self, engines: list[int]) -> list[int]:
-        """With partial rollout the servers pause their generation for the push. A server that is down, or restarted
-        and so outside trainer rank 0's weight-update group (`EngineHost.takes_weights`), is left out."""
+        """Each server holds its generation for the push, which takes an update call per bucket: no request runs
+        on half-updated weights (`SGLangEngine.pause_generation`). A server that is down, or restarted and so
+        outside trainer rank 0's weight-update group (`EngineHost.takes_weights`), is left out."""
         leaders = {self.leaders[e]: () for e in engines}
-        paused = self.hosts.call_each(EngineHost.pause_generation, leaders) if self.partial_rollout else {}
+        paused = self.hosts.call_each(EngineHost.pause_generation, leaders)
         ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
-        return [e for e in engines if ready[self.leaders[e]] and paused.get(self.leaders[e], True)]
+        return [e for e in engines if ready[self.leaders[e]] and paused[self.leaders[e]]]
 
     def resume(self, engines: list[int]) -> None:
-        if self.partial_rollout:
-            self.hosts.call_each(EngineHost.continue_generation, {self.leaders[e]: () for e in engines})
+        self.hosts.call_each(EngineHost.continue_generation, {self.leaders[e]: () for e in engines})
+
+    def alive(self, engines: list[int]) -> list[int]:
+        """Those of `engines` whose server answers: a push failed on them though they live (it was refused)."""
+        replies = self.hosts.call_each(EngineHost.takes_weights, {self.leaders[e]: () for e in engines})
+        return [e for e in engines if replies[self.leaders[e]]]
 
     def pushed(self, version: str, engines: list[int]) -> None:
         self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in engines})

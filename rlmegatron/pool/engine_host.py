@@ -52,8 +52,8 @@ class EngineHost:
         return generate_or_none(self.engine, requests, progress, self.agent)
 
     def pause_generation(self) -> bool:
-        """Partial rollout, before a push: the server aborts what it generates; the engine sends it again. False:
-        the server is down (`takes_weights`)."""
+        """Before a push: the server holds its generation (`SGLangEngine.pause_generation`). False: the server is
+        down (`takes_weights`)."""
         try:
             self.engine.pause_generation()
         except ServerUnavailable:

@@ -28,6 +28,11 @@ from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.runtime.node import node_address
+from rlmegatron.errors import UserError
+
+
+class FP8OverGloo(UserError):
+    """rollout.quantization=fp8 where a push to SGLang would travel over gloo."""
 
 
 class WeightPush:
@@ -57,8 +62,15 @@ class WeightPush:
         for engine, url, devices in endpoints:
             self.server_urls[engine] = url
             port = free_port("")
-            group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}",
-                                         weight_group_backend(self.settings.device, devices))
+            backend = weight_group_backend(self.settings.device, devices)
+            if backend == "gloo" and self.settings.weight_format is not None and self.settings.engine == "sglang":
+                # On a GPU that trainer rank 0 shares with the server (a run without Ray); on CPU checks.py refuses it
+                # before anything starts.
+                raise FP8OverGloo(f"rollout engine {engine} shares trainer rank 0's GPU, so its weights travel over "
+                                  "gloo, which cannot carry the FP8 weights SGLang receives (rollout.quantization="
+                                  "fp8); give the rollout pool GPUs of its own (placement.transport=ray), or use "
+                                  "rollout.quantization=none")
+            group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}", backend)
             self.distributed.connect(engine, url, len(devices), group)
 
     def sync(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:

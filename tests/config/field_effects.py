@@ -97,7 +97,7 @@ ASYNC_BOUND = OFF_POLICY + "test_async_runs_ahead_within_max_staleness"
 MODE_ERRORS = OFF_POLICY + "test_combinations_that_cannot_run_are_spec_errors"
 ASYNC_RUN = "tests/driver/test_async_train.py::test_async_trains_within_its_staleness_bound_and_logs_it"
 PAUSED_PUSH = ("tests/driver/test_engine_fleet.py::"
-               "test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them")
+               "test_a_push_pauses_the_servers_and_continues_them")
 PARTIAL_SGLANG = "tests/rollout/test_sglang.py::test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights"
 PARTIAL_LOCAL = ("tests/rollout/test_local_server.py::"
                  "test_partial_rollout_continues_under_the_new_weights_with_exact_log_probs")

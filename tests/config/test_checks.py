@@ -658,6 +658,14 @@ CASES = [
         id="val-before-train-needs-val-files",
     ),
     pytest.param(
+        {"rollout.engine": "sglang", "rollout.quantization": "fp8", "placement.mode": "disaggregate",
+         "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 1},
+        "tiny-qwen3",
+        "job.yaml: rollout.quantization=fp8: SGLang receives a disaggregated push over gloo on CPU, which cannot carry "
+        "FP8 weights; use rollout.quantization=none, or placement.device=cuda (NCCL carries them)",
+        id="fp8-to-sglang-never-over-gloo",
+    ),
+    pytest.param(
         {"placement.nnodes": 2, "placement.gpus_per_node": 4, "actor.megatron.tensor_model_parallel_size": 8},
         "tiny-qwen3",
         "job.yaml: actor.megatron.tensor_model_parallel_size=8: does not divide a node's 4 CPU ranks "

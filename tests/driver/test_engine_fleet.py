@@ -195,7 +195,10 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
     finally:
         fleet.shutdown()
     records = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [r["path"] for r in records] == ["/fake/nodes_joined", "/fake/nodes_joined", "/generate"]
+    # Each push held the server's generation (the stand-in trainer pushes nothing): the initial one and v1, then the
+    # server's second life.
+    assert [r["path"] for r in records] == ["/fake/nodes_joined", *["/pause_generation", "/continue_generation"] * 2,
+                                            "/fake/nodes_joined", "/generate"]
 
 
 def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeypatch):
@@ -363,11 +366,11 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
     from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 
-    events, restarts = [], []
+    events, restarts, gone = [], [], set()
 
     class Host(ServerlessHost):
-        """Engine 0 serves; engine 1 is down (its pause fails), engine 2 restarted (up, but stale); a generation
-        on engine 2 restarts it once per entry of `restarts`."""
+        """Engine 0 serves (until it is `gone`); engine 1 is down (its pause fails), engine 2 restarted (up, but
+        stale); a generation on engine 2 restarts it once per entry of `restarts`."""
 
         def pause_generation(self):
             events.append(("pause", self.index))
@@ -377,7 +380,7 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
             events.append(("continue", self.index))
 
         def takes_weights(self):
-            return self.index == 0
+            return self.index == 0 and self.index not in gone
 
         def relaunch(self):
             events.append(("relaunch", self.index))
@@ -400,7 +403,7 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     events.clear()
     fleet.sync("step_1")
     assert trainer.calls[-1] == ("sync_weights", "step_1", [0], False)  # to engine 0 alone
-    pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)] if partial else []
+    pauses = [("pause", e) for e in range(3)] + [("continue", e) for e in range(3)]
     assert events == pauses + [("pushed", 0, "step_1")]
     assert fleet.versions == {0: "step_1", 1: None, 2: None}
     # The generation that meets the restarted server relaunches it and pushes it the latest weights, to it alone and
@@ -412,21 +415,33 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     assert trainer.calls[-2:] == [("connect_engines", [(2, "http://server-2", (("n0", "cpu"),))]),
                                   ("sync_weights", "step_1", [2], True)]
     assert events == [("relaunch", 2), ("pushed", 2, "step_1")] and fleet.versions[2] == "step_1"
-    # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
-    # restart, that ends the run: a re-sync is not retried without bound.
-    trainer.sync_weights = lambda version, engines=None, fresh=False: list(engines)  # all it pushed to went down
+    # A server that refused part of the push (rank 0 leaves it out) but lives gets a new group and the weights whole
+    # at once: its group's stream is out of step.
+    refused = iter([[0]])
+    trainer.sync_weights = lambda version, engines=None, fresh=False: (
+        trainer.calls.append(("sync_weights", version, engines, fresh)) or next(refused, []))
     events.clear()
     fleet.sync("step_2")
-    assert [event for event in events if event[0] == "pushed"] == [] and fleet.versions[0] == "step_1"
+    assert trainer.calls[-3:] == [("sync_weights", "step_2", [0], False),
+                                  ("connect_engines", [(0, "http://server-0", (("n0", "cpu"),))]),
+                                  ("sync_weights", "step_2", [0], True)]
+    assert ("relaunch", 0) in events and events[-1] == ("pushed", 0, "step_2") and fleet.versions[0] == "step_2"
+    # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
+    # restart, that ends the run: a re-sync is not retried without bound.
+    trainer.sync_weights = lambda version, engines=None, fresh=False: gone.update(engines) or list(engines)
+    events.clear()
+    fleet.sync("step_3")
+    assert [event for event in events if event[0] == "pushed"] == [] and fleet.versions[0] == "step_2"
     restarts.append(1)
     with pytest.raises(ServerUnavailable, match=r"rollout engines \[2\] went down again"):
         fleet.generate(requests)
 
 
 @pytest.mark.parametrize("partial", [True, False])
-def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_path, monkeypatch, partial):
-    """trainer.partial_rollout: the servers stop generating (aborting what is in flight, which the engines send
-    again) while the weights change, and go on after; without it a push leaves generation alone."""
+def test_a_push_pauses_the_servers_and_continues_them(tmp_path, monkeypatch, partial):
+    """The servers hold their generation while the weights change, bucket after bucket, and go on after: with
+    trainer.partial_rollout they abort what is in flight (the engines send it again), without it the engines first
+    let theirs finish (tests/rollout/test_sglang.py shows both)."""
     from rlmegatron.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
 
@@ -453,13 +468,10 @@ def test_with_partial_rollout_a_push_pauses_the_servers_and_continues_them(tmp_p
     finally:
         fleet.shutdown()
     paths = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
-    if partial:
-        # Paused before each push (the initial one too), continued after it.
-        assert [call[2] for call in trainer.calls[1:]] == [
-            ["/pause_generation"], ["/pause_generation", "/continue_generation", "/pause_generation"]]
-        assert paths == ["/pause_generation", "/continue_generation"] * 2
-    else:
-        assert paths == [] and [call[2] for call in trainer.calls[1:]] == [[], []]
+    # Paused before each push (the initial one too), continued after it.
+    assert [call[2] for call in trainer.calls[1:]] == [
+        ["/pause_generation"], ["/pause_generation", "/continue_generation", "/pause_generation"]]
+    assert paths == ["/pause_generation", "/continue_generation"] * 2
 
 
 class _CountingRanks:

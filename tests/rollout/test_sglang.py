@@ -252,19 +252,32 @@ def test_partial_rollout_goes_on_from_the_paused_tokens_with_the_new_weights(tmp
     assert [c["input_ids"] for c in generates] == [list(prompt), [*prompt, *head]]
 
 
-def test_without_partial_rollout_an_aborted_sample_comes_back_as_it_is(tmp_path):
+def test_without_partial_rollout_a_push_waits_for_the_samples_in_flight_and_holds_new_ones(tmp_path):
+    """The engine's samples in flight when a push begins finish whole on the old weights; one asked for during the
+    push starts only once it ended, whole on the new weights."""
     engine = make_engine(tmp_path, **{"fake-token-delay": 0.05})
+    request = [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=30))]
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(engine.generate, [GenerationRequest((1, 2), SamplingSpec(max_new_tokens=30))])
+        engine.update_weights(iter(weights()), "v1")
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            in_flight = pool.submit(engine.generate, request)
             wait_for_tokens(engine, 3)
-            engine.pause_generation()
-            (result,) = pending.result(timeout=30)
+            engine.pause_generation()  # returns once the sample in flight is done
+            assert in_flight.done()
+            tokens = SGLangClient(engine.spec.url)._call("GET", "/fake/progress")["tokens"]
+            during = pool.submit(engine.generate, request)
+            time.sleep(0.5)
+            assert not during.done() and SGLangClient(engine.spec.url)._call("GET", "/fake/progress")["tokens"] == \
+                tokens
+            engine.update_weights(iter([(name, tensor * 2) for name, tensor in weights()]), "v2")
             engine.continue_generation()
+            (after,) = during.result(timeout=30)
+        (before,) = in_flight.result()
     finally:
         engine.shutdown()
-    assert result.finish_reason == "abort" and 0 < len(result.output_token_ids) < 30
-    assert result.token_weight_versions == ()
+    assert (before.finish_reason, len(before.output_token_ids), before.weight_version) == ("length", 30, "v1")
+    assert (after.finish_reason, len(after.output_token_ids), after.weight_version) == ("length", 30, "v2")
+    assert before.token_weight_versions == after.token_weight_versions == ()
 
 
 def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
@@ -497,16 +510,27 @@ def test_buckets_align_each_tensor_to_its_dtype_so_every_view_works():
 
 
 def test_an_answer_without_the_experts_it_was_asked_for_names_the_sample():
+    """A request that ran and carries no experts: the server does not record them (its launch flag). One aborted in
+    SGLang's waiting queue (a pause) carries none either, nor its prompt_tokens: it never started, and comes back
+    empty for the engine to send again."""
     from rlmegatron.rollout.sglang.client import SGLangRequestError, parse_generate_response
     from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
 
+    layout = RoutedExpertsLayout(2, (1,), 2)
     answer = {"output_ids": [7], "meta_info": {"finish_reason": {"type": "length"},
                                                "output_token_logprobs": [[-0.5, 7, None]]}}
-    with pytest.raises(SGLangRequestError, match=r"^the answer to sample 3/1 carries no routed_experts though they "
-                                                 r"were asked for; launch the server with "
+    with pytest.raises(SGLangRequestError, match=r"^the answer to sample 3/1 \(1 tokens, finish reason length\) "
+                                                 r"carries no routed_experts though they were asked for: the server "
+                                                 r"does not record them; launch it with "
                                                  r"--enable-return-routed-experts$"):
-        parse_generate_response(answer, 3, 1, RoutedExpertsLayout(2, (1,), 2))
+        parse_generate_response(answer, 3, 1, layout)
     assert parse_generate_response(answer, 3, 1).routed_experts is None
+    # What SGLang 0.5.23's tokenizer manager answers for a request aborted before it started (_handle_abort_req).
+    waiting = {"text": "", "output_ids": [], "meta_info": {
+        "id": "r", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": "v3",
+        "e2e_latency": 0.1, "input_token_logprobs": [], "output_token_logprobs": [], "completion_tokens": 0}}
+    result = parse_generate_response(waiting, 3, 1, layout)
+    assert (result.finish_reason, result.output_token_ids, result.routed_experts) == ("abort", (), None)
 
 
 def test_a_sample_continued_after_a_pause_keeps_each_tokens_first_routing():

@@ -28,6 +28,7 @@ HERE = Path(__file__).parent
 REPO_ROOT = HERE.parents[1]
 MODEL = REPO_ROOT / "configs" / "quickstart" / "model"
 TOKEN_DELAY_S = 0.05
+HEALTH_CHECK_TIMEOUT_S = 4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,7 +74,9 @@ def engine(tmp_path_factory):
         extra_args={"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all",
                     "enable-return-routed-experts": True},
         env={"PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"), str(REPO_ROOT)]),
-             "RLM_SGLANG_CPU_TOKEN_DELAY": str(TOKEN_DELAY_S)},
+             "RLM_SGLANG_CPU_TOKEN_DELAY": str(TOKEN_DELAY_S), "RLM_SGLANG_CPU_MAX_RUNNING": "2",
+             # SGLang's own knob: a /health that hears nothing from the scheduler this long marks it unhealthy.
+             "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_CHECK_TIMEOUT_S)},
     )
     engine = SGLangEngine(spec, str(log_dir), bucket_bytes=256, resync=lambda: (iter(weights()), "v1"),
                           startup_timeout_s=300, request_timeout_s=60, partial_rollout=True, routing=ROUTING)
@@ -141,6 +144,109 @@ def test_disaggregated_push_over_gloo_hands_the_model_every_tensor_bit_for_bit(e
     assert state["weights"] == {name: digest(tensor) for name, tensor in weights(2.0)}
     assert state["version"] == "v2"
     engine.update_weights(iter(weights()), "v1")  # back to what the other tests expect
+
+
+def _connected_push(engine: SGLangEngine, bucket_bytes: int = 256) -> DistributedWeightPush:
+    push = DistributedWeightPush(bucket_bytes=bucket_bytes)
+    push.connect(0, engine.spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), f"g{free_port()}", "gloo"))
+    return push
+
+
+def test_a_request_that_arrives_between_two_buckets_runs_whole_on_the_new_weights(engine):
+    """SGLang takes its writer lock per update call: between two buckets a request would run on a mix of old and
+    new weights, labelled with the new version. The push holds the server's generation from its first bucket to its
+    flush, so the request waits, then runs on the new weights alone, and says so."""
+    push = _connected_push(engine)
+    client = push.servers[0][0]
+    announce, fired = client.update_weights_from_distributed, []
+    prompt, new = (3, 4), weights(4.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def after_the_first_bucket(**bucket):
+            answer = announce(**bucket)
+            if not fired:  # bucket 1 is in the model: a request now, before bucket 2
+                fired.append(pool.submit(engine.generate, [GenerationRequest(prompt, SamplingSpec(max_new_tokens=4))]))
+                time.sleep(0.5)  # it reaches the server
+            return answer
+
+        client.update_weights_from_distributed = after_the_first_bucket
+        assert push.push(iter(new), "v4") == []
+        (result,) = fired[0].result(timeout=60)
+    assert len({name for name, _ in new}) > 1 and model_state(engine)["version"] == "v4"
+    assert list(result.output_token_ids) == tokens(prompt, 4, checksum(new)) and result.weight_version == "v4"
+    engine.update_weights(iter(weights()), "v1")
+
+
+def test_a_push_while_requests_run_flushes_the_cache_the_old_weights_made(engine):
+    """SGLang refuses /flush_cache while a request runs, and the prefix cache would keep what the old weights
+    computed. Paused for the push, the server is idle at its end: the flush runs, every time."""
+    push = _connected_push(engine)
+    flushes = model_state(engine)["flushes"]
+    start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(engine.generate, [GenerationRequest((5, 6), SamplingSpec(max_new_tokens=30))])
+        wait_for_generation(engine, start + 3)
+        assert push.push(iter(weights(5.0)), "v5") == []
+        (result,) = running.result(timeout=60)
+    assert model_state(engine)["flushes"] == flushes + 1
+    assert set(result.token_weight_versions) == {"v1", "v5"}  # partial rollout: it went on with the new weights
+    engine.update_weights(iter(weights()), "v1")
+
+
+def test_a_push_refused_half_way_ends_its_session_and_the_next_push_succeeds(engine):
+    """A bucket SGLang refuses (an FP8 tensor over gloo, which cannot carry float8: SGLang allocates one to receive
+    into) leaves the server out of the push; the session is ended all the same, so after a new group the next push
+    goes through."""
+    push = _connected_push(engine, bucket_bytes=1 << 20)
+    refused = [*weights(6.0), ("model.layers.0.mlp.up_proj.weight", torch.zeros(4, 4).to(torch.float8_e4m3fn))]
+    assert push.push(iter(refused), "v6") == [0]
+    push.connect(0, engine.spec.url, 1, DistributedGroupSpec("127.0.0.1", free_port(), "after_refusal", "gloo"))
+    assert push.push(iter(weights(7.0)), "v7") == []
+    state = model_state(engine)
+    assert state["version"] == "v7" and {n: d for n, d in state["weights"].items() if n in dict(weights())} == {
+        name: digest(tensor) for name, tensor in weights(7.0)}
+    engine.update_weights(iter(weights()), "v1")
+
+
+def test_samples_waiting_in_sglangs_queue_at_a_pause_are_sent_again_with_their_experts(engine):
+    """Routing replay with partial rollout: SGLang answers a request aborted in its waiting queue with no tokens and
+    none of a started request's fields (routed experts, prompt tokens). It never started: the engine sends it again
+    after the push, and every sample comes back whole, every token with its experts."""
+    prompts = [(7, i) for i in range(4)]  # two run at once (RLM_SGLANG_CPU_MAX_RUNNING), two wait
+    start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(engine.generate, [GenerationRequest(p, SamplingSpec(max_new_tokens=12),
+                                                                  return_routed_experts=True) for p in prompts])
+        wait_for_generation(engine, start + 3)
+        engine.pause_generation()
+        engine.update_weights(iter(weights(8.0)), "v8")
+        engine.continue_generation()
+        results = pending.result(timeout=60)
+    for prompt, result in zip(prompts, results):
+        assert len(result.output_token_ids) == 12
+        assert result.routed_experts.shape[0] == len(prompt) + 12 - 1
+    # Those that only waited ran whole on the new weights.
+    assert any(set(result.token_weight_versions or [result.weight_version]) == {"v8"} for result in results)
+    engine.update_weights(iter(weights()), "v1")
+
+
+def test_a_paused_server_that_a_health_check_marked_unhealthy_is_not_restarted(engine):
+    """A router's /health waits while the server is paused; past SGLang's timeout it marks the server unhealthy and
+    /ping answers 503 until a /health succeeds again. The engine asks the scheduler itself (/server_info) and keeps
+    the server, paused and after."""
+    client = SGLangClient(engine.spec.url)
+    restarts = engine.restarts
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        engine.pause_generation()
+        probe = pool.submit(client.health, HEALTH_CHECK_TIMEOUT_S + 10)  # the router's health check
+        time.sleep(HEALTH_CHECK_TIMEOUT_S + 1.5)
+        assert not client.alive(timeout_s=2)  # SGLang's /ping: 503 now
+        assert engine.health()
+        engine.continue_generation()
+        assert not probe.result(timeout=30)
+        assert engine.health()
+    assert engine.generate([GenerationRequest((9,), SamplingSpec(max_new_tokens=2))])[0].weight_version == "v1"
+    assert engine.restarts == restarts
+    assert client.health(timeout_s=30) and client.alive()  # the router's next /health: healthy again, /ping too
 
 
 def wait_for_generation(engine: SGLangEngine, count: int) -> None:

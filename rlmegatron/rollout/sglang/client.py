@@ -188,16 +188,23 @@ class SGLangClient:
     def continue_generation(self) -> None:
         self._call("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> bool:
-        """Drops the prefix cache the old weights computed. False: SGLang refused (HTTP 400) because requests are
-        running or queued; it flushes nothing then, and those requests finish on the new weights."""
+    def flush_cache(self, timeout_s: float = 0.0) -> bool:
+        """Drops the prefix cache the old weights computed. SGLang refuses (HTTP 400: False here) while requests run
+        or wait; with `timeout_s` it waits up to that long for them to end first (0.5.23's `/flush_cache?timeout=`;
+        an older server flushes at once, or refuses)."""
+        query = f"?timeout={timeout_s:g}" if timeout_s else ""
         try:
-            self._call("POST", "/flush_cache", {})
+            self._call("POST", "/flush_cache" + query, {}, timeout_s=timeout_s + 30 if timeout_s else None)
         except SGLangRequestError as error:
             if "HTTP 400" not in str(error):
                 raise
             return False
         return True
+
+    def server_info(self, timeout_s: float = 10.0) -> dict:
+        """`/server_info`: the launch configuration and the scheduler's live state, which the scheduler answers
+        (a control request: it runs while generation is paused)."""
+        return self._call("GET", "/server_info", timeout_s=timeout_s)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         """Readiness: `/health` runs a one-token generation through the scheduler (503 while the server starts).
@@ -267,10 +274,16 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int,
     """`routing`: the model's layout of the routed experts the answer must carry (none asked for: None)."""
     meta = answer["meta_info"]
     output_ids = [int(token) for token in answer["output_ids"]]
+    reason = meta["finish_reason"]["type"]
+    if reason == "abort" and not output_ids:
+        # Aborted before it started (SGLang's waiting-queue abort, as a pause aborts what it holds): no tokens, and
+        # none of what a started request reports (routed experts, prompt tokens). The caller sends it again.
+        return GenerationResult(request_index=request_index, sample_index=sample_index, output_token_ids=(),
+                                output_token_logprobs=(), finish_reason="abort",
+                                weight_version=meta.get("weight_version"), routed_experts=None)
     triples = meta["output_token_logprobs"]  # [logprob, token_id, text-or-None] per output token
     if [int(token) for _, token, *_ in triples] != output_ids:
         raise SGLangRequestError("output_token_logprobs does not follow output_ids")
-    reason = meta["finish_reason"]["type"]
     if reason not in ("stop", "length", "abort"):
         raise SGLangRequestError(f"unknown finish reason {reason!r}")
     # The server samples from NaN or inf logits without complaint; their log-probs show it (NaN, or null where
@@ -284,8 +297,10 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int,
     routed = None
     if routing is not None:
         if not meta.get("routed_experts"):
-            raise SGLangRequestError(f"the answer to sample {request_index}/{sample_index} carries no routed_experts "
-                                     "though they were asked for; launch the server with --enable-return-routed-experts")
+            # A request that ran and still carries none: the server does not record them.
+            raise SGLangRequestError(f"the answer to sample {request_index}/{sample_index} ({len(output_ids)} tokens, "
+                                     f"finish reason {reason}) carries no routed_experts though they were asked for: "
+                                     "the server does not record them; launch it with --enable-return-routed-experts")
         routed = routing.decode(meta["routed_experts"])
     return GenerationResult(
         request_index=request_index,
@@ -299,9 +314,12 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int,
 
 
 def joined(parts: Sequence[GenerationResult]) -> GenerationResult:
-    """One sample from the pieces partial rollout generated it in, each piece's tokens tagged with its weights."""
+    """One sample from the pieces partial rollout generated it in, each piece's tokens tagged with its weights. A piece
+    aborted before it started adds nothing."""
+    last = parts[-1]
+    parts = [part for part in parts[:-1] if part.output_token_ids] + [last]
     if len(parts) == 1:
-        return parts[0]
+        return last
     routed = None
     if parts[0].routed_experts is not None:
         # Each piece's record covers its whole input (the prompt and the tokens before it, prefilled again) and its

@@ -37,6 +37,39 @@ from rlmegatron.rollout.sglang.weight_push import share_buckets
 from rlmegatron.tracking.progress import Progress, report
 
 
+class Gate:
+    """Requests pass while it is open; `close` waits (up to its timeout) until none is in flight and lets no new one
+    through until `open`."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.in_flight = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.closed)
+            self.in_flight += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.cond:
+            self.in_flight -= 1
+            self.cond.notify_all()
+
+    def close(self, timeout_s: float) -> None:
+        with self.cond:
+            self.closed = True
+            if not self.cond.wait_for(lambda: self.in_flight == 0, timeout_s):
+                self.closed = False
+                self.cond.notify_all()
+                raise ServerUnavailable(f"{self.in_flight} requests still in flight after {timeout_s:.0f} s")
+
+    def open(self) -> None:
+        with self.cond:
+            self.closed = False
+            self.cond.notify_all()
+
+
 class EngineRestarted(RuntimeError):
     """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
 
@@ -93,6 +126,9 @@ class SGLangEngine(RolloutEngine):
         self.max_concurrency = max_concurrency
         self.max_restarts = max_restarts
         self.partial_rollout = partial_rollout
+        self.request_timeout_s = request_timeout_s
+        self.gate = Gate()
+        """Holds this engine's new requests while a push waits for those in flight (`pause_generation`)."""
         self.restarts = 0
         self._epoch = 0
         self._recovery_lock = threading.Lock()
@@ -147,6 +183,10 @@ class SGLangEngine(RolloutEngine):
             image_data = [base64.b64encode(data).decode("ascii") for data in request.images.data]
         result = self._request(request_index, sample_index, prompt, spec, routing, image_data)
         if not self.partial_rollout:
+            # The push waited for this engine's samples (`pause_generation`): an abort here is one the server
+            # held before it started (its waiting queue), sent again whole.
+            while result.finish_reason == "abort" and not result.output_token_ids:
+                result = self._request(request_index, sample_index, prompt, spec, routing, image_data)
             return result
         # Partial rollout: an abort is the server making way for new weights. The sample goes on from its tokens
         # (and keeps their log-probs and versions); the server holds the request until it continues.
@@ -169,9 +209,10 @@ class SGLangEngine(RolloutEngine):
             if self.stale:
                 raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
-                answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
-                                                         self.adapter, return_routed_experts=routing is not None,
-                                                         image_data=image_data)
+                with self.gate:
+                    answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
+                                                             self.adapter, return_routed_experts=routing is not None,
+                                                             image_data=image_data)
             except ServerUnavailable as error:
                 last_error = error
                 self._recover(epoch)
@@ -193,10 +234,12 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
         """Colocated: each bucket travels as a shared-memory/IPC handle, one per server TP rank."""
         self.client.begin_weight_update()
-        share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
-                      post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
-        self.client.end_weight_update()
-        self.client.flush_cache()  # refused only while requests run, which finish on the new weights
+        try:
+            share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
+                          post=lambda payloads: self.client.update_weights_from_tensor(payloads, weight_version=version))
+        finally:
+            self.client.end_weight_update()  # whatever failed: a session left open refuses the next
+        self.client.flush_cache()  # none runs here: generation and the push take turns in the trainer ranks
         self.mark_synced(version)
 
     def load_adapter(self, name: str, path: str, version: str) -> None:
@@ -237,14 +280,36 @@ class SGLangEngine(RolloutEngine):
             self.released.difference_update(released)
 
     def pause_generation(self) -> None:
+        """Before a disaggregated push (trainer rank 0 broadcasts its buckets, one update call each): the server
+        holds every request that arrives until `continue_generation`, so none runs on half-updated weights (SGLang
+        takes its writer lock per call, and would label such a request with the new version). With partial rollout
+        the samples in flight are aborted and go on from their tokens once it continues; without, this engine first
+        lets its own samples in flight finish on the old weights and sends no new one until then."""
+        if not self.partial_rollout:
+            self.gate.close(self.request_timeout_s)
         self.client.pause_generation()
 
     def continue_generation(self) -> None:
-        self.client.continue_generation()
+        try:
+            self.client.continue_generation()
+        finally:
+            self.gate.open()
 
     def health(self) -> bool:
-        """Liveness, which holds while generation is paused (`SGLangClient.alive`)."""
-        return self.process.alive and self.client.alive()
+        """Liveness: `/ping`, which answers from the HTTP process, also while generation is paused. But a `/health`
+        (a router's: a one-token generation) that waits out SGLang's timeout during a pause marks the server
+        unhealthy, and `/ping` says 503 from then until a `/health` succeeds, for a server that is fine. So a 503
+        is checked with the scheduler itself: its answer to a control request (`/server_info`), which it runs
+        while paused too."""
+        if not self.process.alive:
+            return False
+        if self.client.alive():
+            return True
+        try:
+            self.client.server_info()
+        except (ServerUnavailable, SGLangRequestError):
+            return False
+        return True
 
     def relaunch(self) -> None:
         """After a multi-node restart, once the caller started the other nodes: this node up, the server ready."""
@@ -273,7 +338,7 @@ class SGLangEngine(RolloutEngine):
         with self._recovery_lock:
             if self._epoch != failed_epoch:
                 return
-            if self.process.alive and self.client.alive():
+            if self.health():
                 # A transient error on a healthy server: retry without a restart.
                 self._epoch += 1
                 return

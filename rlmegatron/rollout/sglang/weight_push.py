@@ -3,6 +3,7 @@ IPC) with the server rank on its GPU; disaggregated, trainer rank 0 broadcasts e
 of each server."""
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -10,7 +11,7 @@ import torch
 
 from rlmegatron.rollout.buckets import Bucketer, TravelRule
 from rlmegatron.rollout.engine import WeightStream
-from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
+from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import (
     DistributedGroupSpec,
     init_custom_process_group,
@@ -43,6 +44,11 @@ def share_buckets(named_tensors: WeightStream, bucket_bytes: int, travel_rules: 
             torch.cuda.ipc_collect()
 
 
+FLUSH_TIMEOUT_S = 30.0
+"""How long a flush at the end of a push waits for the server to be idle: it is paused, so only what it ran when the
+pause came (a router's health check) can keep it busy."""
+
+
 class DistributedWeightPush:
     """Trainer side of disaggregated sync (run on one trainer rank): one process group per server, with this
     process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
@@ -70,25 +76,55 @@ class DistributedWeightPush:
 
     def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> list[int]:
         """Per bucket and server: announce names/dtypes/shapes, then broadcast in exactly that order while the
-        server's request is pending. `only` limits the push to those servers (restarted ones). Returns the servers
-        that went down during the push (ServerUnavailable): the others get every bucket all the same, and the stream
-        is walked whole, as the other trainer ranks export it collectively; a server left out is restarted by the
-        generation that next meets it, and joins a new group."""
+        server's request is pending. `only` limits the push to those servers (restarted ones).
+
+        Atomic for generation: each server is paused for the whole push, so a request that arrives between two
+        buckets waits and then runs whole on the new weights (SGLang takes its writer lock per update call, and
+        would run it on a mix, labelled with the new version). The caller decides what happens to the samples in
+        flight first (`SGLangEngine.pause_generation`). The push ends with a flush of the prefix cache the old
+        weights computed, while the server is still paused.
+
+        Returns the servers left out: gone (ServerUnavailable), or that refused a bucket or the flush
+        (SGLangRequestError); the others get every bucket all the same, and the stream is walked whole, as the
+        other trainer ranks export it collectively. A server left out joins a new group before it takes weights
+        again (the fleet recovers it: at once if it lives, else when generation next meets it). Every session begun
+        is ended and every server paused is continued, whatever failed: a session left open refuses the next."""
         keys = list(self.servers if only is None else only)
         down: list[int] = []
-        for key in keys:
-            try:
-                self.servers[key][0].begin_weight_update()
-            except ServerUnavailable:
-                down.append(key)
-        self._broadcast(named_tensors, version, keys, down)
-        for key in keys:
-            if key not in down:
+        paused: list[int] = []
+        begun: list[int] = []
+        try:
+            for key in keys:
+                client = self.servers[key][0]
                 try:
-                    self.servers[key][0].end_weight_update()
-                    self.servers[key][0].flush_cache()  # refused only while requests run: they finish on the new weights
-                except ServerUnavailable:
+                    client.pause_generation()
+                    paused.append(key)
+                    client.begin_weight_update()
+                    begun.append(key)
+                except (ServerUnavailable, SGLangRequestError):
                     down.append(key)
+            try:
+                self._broadcast(named_tensors, version, keys, down)
+            finally:
+                for key in begun:
+                    try:
+                        self.servers[key][0].end_weight_update()
+                    except (ServerUnavailable, SGLangRequestError):
+                        if key not in down:
+                            down.append(key)
+            for key in keys:
+                if key in down:
+                    continue
+                try:
+                    flushed = self.servers[key][0].flush_cache(FLUSH_TIMEOUT_S)
+                except ServerUnavailable:
+                    flushed = False
+                if not flushed:  # its cache still holds what the old weights computed: not to be generated from
+                    down.append(key)
+        finally:
+            for key in paused:
+                with contextlib.suppress(ServerUnavailable, SGLangRequestError):  # gone: the fleet recovers it
+                    self.servers[key][0].continue_generation()
         return down
 
     def _broadcast(self, named_tensors: WeightStream, version: str, keys: list[int], down: list[int]) -> None:
@@ -111,7 +147,7 @@ class DistributedWeightPush:
                                                     group=process_group, async_op=True) for _, tensor in pairs]
                 try:
                     announce.result()
-                except ServerUnavailable:
+                except (ServerUnavailable, SGLangRequestError):
                     down.append(key)  # its broadcasts go with its group, which is never used again
                     continue
                 for work in sent:

@@ -13,9 +13,12 @@ those weights, `tokens`), the memory saver (it records which tags are released),
 requests (one thread for control requests, like SGLang's event loop, so a control request that raises ends the
 server as a scheduler exception does) and holds the queue whose emptiness decides whether a flush may run.
 
-Stand-in knobs, as environment variables: RLM_SGLANG_CPU_TOKEN_DELAY (seconds per generated token).
-Test-only routes: GET /standin/model (digests of the tensors the model was handed, memory tags released, adapters),
-GET /standin/progress (tokens generated so far).
+Stand-in knobs, as environment variables: RLM_SGLANG_CPU_TOKEN_DELAY (seconds per generated token),
+RLM_SGLANG_CPU_MAX_RUNNING (requests that run at once; the others wait in the scheduler's waiting queue, and an
+abort answers them as SGLang's tokenizer manager answers a waiting-queue abort: no tokens, no routed experts, no
+prompt_tokens).
+Test-only routes: GET /standin/model (digests of the tensors the model was handed, memory tags released, adapters,
+how many flushes of the cache ran), GET /standin/progress (tokens generated so far).
 """
 from __future__ import annotations
 
@@ -112,6 +115,8 @@ class StandInScheduler:
             req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend)
         worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
         self.engine_paused = False
+        self.flushes = 0
+        self.waiting: list[str] = []  # rids in the waiting queue, in arrival order
         self.updates = SchedulerWeightUpdaterManager(
             tp_worker=worker, draft_worker=None, memory_saver_adapter=self.memory_saver,
             flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, scheduler=self,
@@ -127,7 +132,10 @@ class StandInScheduler:
         return not self.running
 
     def flush_cache(self, empty_cache: bool = True) -> bool:
-        return self.is_fully_idle()
+        if not self.is_fully_idle():
+            return False
+        self.flushes += 1
+        return True
 
     def record_weight_version_change(self, new_version) -> None:
         if new_version is not None:
@@ -184,6 +192,17 @@ class StandInScheduler:
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> dict:
         state = self.running.setdefault(rid, {"aborted": False})
         try:
+            limit = int(os.environ.get("RLM_SGLANG_CPU_MAX_RUNNING", "0"))
+            self.waiting.append(rid)
+            while limit and self.waiting.index(rid) >= limit and not state["aborted"]:
+                await asyncio.sleep(0.01)
+            if state["aborted"]:
+                # What SGLang's tokenizer manager answers for a request the scheduler aborted in its waiting queue
+                # (TokenizerManager._handle_abort_req): no tokens, none of a started request's fields.
+                return {"text": "", "output_ids": [], "meta_info": {
+                    "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": self.weight_version, "e2e_latency": 0.0, "input_token_logprobs": [],
+                    "output_token_logprobs": [], "completion_tokens": 0}, "waiting_queue_abort": True}
             delay = float(os.environ.get("RLM_SGLANG_CPU_TOKEN_DELAY", "0"))
             checksum, version = self.model.checksum(), self.weight_version
             output_ids, finish = [], {"type": "length", "length": params.max_new_tokens}
@@ -204,6 +223,8 @@ class StandInScheduler:
                 "output_token_logprobs": [[-0.01 * (i + 1), token, None] for i, token in enumerate(output_ids)]}}
         finally:
             self.running.pop(rid, None)
+            if rid in self.waiting:
+                self.waiting.remove(rid)
 
     def abort_all(self) -> None:
         for state in self.running.values():
@@ -274,7 +295,8 @@ class StandInTokenizerManager(type("Borrowed", (), _borrowed(
             if obj.return_routed_experts and not self.server_args.enable_return_routed_experts:
                 raise ValueError("return_routed_experts needs --enable-return-routed-experts")
             answer = await self.scheduler.generate(rid, list(obj.input_ids), params)
-            if obj.return_routed_experts:
+            queued = answer.pop("waiting_queue_abort", False)
+            if obj.return_routed_experts and not queued:
                 # What SGLang's capturer hands the detokenizer: [prompt + output - 1 tokens, layers, top-k] int32,
                 # encoded by SGLang's own detokenizer code.
                 seen = [*obj.input_ids, *answer["output_ids"]][:-1]
@@ -309,7 +331,7 @@ def main(argv: list[str]) -> None:
     async def model_state():
         return {"weights": {name: digest(t) for name, t in scheduler.model.received.items()},
                 "version": scheduler.weight_version, "released": sorted(scheduler.updates.offload_tags),
-                "adapters": scheduler.adapters}
+                "adapters": scheduler.adapters, "flushes": scheduler.flushes}
 
     @app.get("/standin/progress")
     async def progress():

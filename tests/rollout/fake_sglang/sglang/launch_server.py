@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import ThreadingHTTPServer
 
 import torch
@@ -256,9 +257,10 @@ class FakeServer:
         self.record(path)
         return {"success": True, "message": "Success"}
 
-    def flush_cache(self):
+    def flush_cache(self, timeout_s=0.0):
+        """As SGLang's: refused while a request is in flight; with `?timeout=` it first waits that long for none."""
         with self.settled:
-            if self.in_flight:
+            if not self.settled.wait_for(lambda: not self.in_flight, timeout_s):
                 raise BadRequest("Cache not flushed because there are pending requests")
         self.record("/flush_cache")
 
@@ -398,22 +400,23 @@ def make_handler(server):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            path, _, query = self.path.partition("?")
             try:
-                if self.path in control:
-                    if self.path == "/flush_cache":
-                        server.flush_cache()
+                if path in control:
+                    if path == "/flush_cache":
+                        server.flush_cache(float(urllib.parse.parse_qs(query).get("timeout", ["0"])[0]))
                     else:
-                        server.record(self.path)
-                    if self.path == "/pause_generation":
+                        server.record(path)
+                    if path == "/pause_generation":
                         server.pause()
-                    elif self.path == "/continue_generation":
+                    elif path == "/continue_generation":
                         server.aborting = False
                         server.unpaused.set()
                     self.reply(200)
-                elif self.path in posts:
-                    self.reply(200, posts[self.path](body))
+                elif path in posts:
+                    self.reply(200, posts[path](body))
                 else:
-                    self.reply(404, {"error": self.path})
+                    self.reply(404, {"error": path})
             except BadRequest as error:
                 self.reply(400, {"success": False, "message": str(error)})
             except NotFound as error:
