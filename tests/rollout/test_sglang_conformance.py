@@ -3,6 +3,7 @@ tokenizer-manager control methods, scheduler-side weight-update manager and mode
 the model, the memory saver and the scheduler loop stood in. One server for the module (it starts in ~15-40 s)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -398,7 +399,7 @@ def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args
     through SGLang 0.5.23's argparse, which exits 2 on an unknown or ambiguous flag."""
     from rlmegatron.config.spec import RolloutConfig
     from rlmegatron.driver.role_settings import server_spec
-    from rlmegatron.rollout.sglang.server import server_command
+    from rlmegatron.rollout.sglang.server import installed_sglang, server_command
 
     rollout = RolloutConfig(tensor_parallel_size=4, expert_parallel_size=2, enable_dp_attention=True,
                             mem_fraction_static=0.6, sglang={"load_format": "dummy", "extra_args": {
@@ -410,7 +411,21 @@ def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args
                        device="cpu", nnodes=2, dist_init_addr="10.0.0.1:5000")
     plain = server_spec(RolloutConfig(sglang={"enable_memory_saver": False, "skip_tokenizer_init": False}),
                         str(MODEL), port=30000)
-    commands = [server_command(spec.for_node(1))[3:], server_command(plain)[3:]]
+    # verl's engine_kwargs.sglang.cuda_graph_bs, passed through: a prefix of two 0.5.23 flags, which argparse refuses.
+    verl = dataclasses.replace(spec, extra_args={**spec.extra_args, "cuda-graph-bs": [1, 2, 4]})
+    installed = installed_sglang(sys.executable)
+    assert installed == "0.5.23"
+    commands = [server_command(dataclasses.replace(spec, sglang_version=installed).for_node(1))[3:],
+                server_command(dataclasses.replace(verl, sglang_version=installed))[3:],
+                server_command(plain)[3:]]
     results, stderr = parse_with_sglang(commands)
     assert results == [[command, "ok"] for command in commands], stderr[-2000:]
+    # Spelled as 0.5.23 spells them: none of its deprecated flags, and SGLang says nothing of deprecation.
+    assert "Deprecated" not in stderr and "deprecated" not in stderr, stderr[-2000:]
+    assert "--attn-dp-size" in commands[0] and "--enable-dp-attention" not in commands[0]
+    assert "--disable-cuda-graph" not in commands[0] and "--cuda-graph-backend-decode" in commands[0]
+    assert "--cuda-graph-bs-decode" in commands[1] and "--cuda-graph-bs" not in commands[1]
+    # An older SGLang (or one not known) keeps the spellings it had.
+    older = server_command(dataclasses.replace(verl, sglang_version="0.5.20"))
+    assert "--enable-dp-attention" in older and "--cuda-graph-bs" in older and "--disable-cuda-graph" in older
     assert "--cuda-graph-bs-decode" in commands[0] and "--enable-lora" in commands[0] and "--nnodes" in commands[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -67,6 +68,8 @@ class ServerSpec:
     """HOST:PORT of node 0's rendezvous, required when nnodes > 1."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to this process's environment (CUDA_VISIBLE_DEVICES, PYTHONPATH, ...)."""
+    sglang_version: str | None = None
+    """The SGLang the interpreter runs (`installed_sglang`), which decides flag spellings; None: unknown, the older."""
 
     @property
     def url(self) -> str:
@@ -74,6 +77,36 @@ class ServerSpec:
 
     def for_node(self, node_rank: int) -> "ServerSpec":
         return dataclasses.replace(self, node_rank=node_rank)
+
+
+RENAMED_IN = "0.5.23"
+"""From this SGLang on, the spellings of RENAMED_FLAGS and of dp-attention: the old ones are deprecated (to go after
+2026-12-31), and `--cuda-graph-bs` is ambiguous (argparse exits 2: it is a prefix of two flags)."""
+RENAMED_FLAGS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "disable-cuda-graph": lambda value: {"cuda-graph-backend-decode": "disabled",
+                                         "cuda-graph-backend-prefill": "disabled"} if value is True else {},
+    "cuda-graph-bs": lambda value: {"cuda-graph-bs-decode": value},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def installed_sglang(python: str) -> str | None:
+    """The SGLang version `python` has installed (its package metadata: no import), None where it has none."""
+    probe = "import importlib.metadata as m\ntry:\n print(m.version('sglang'))\nexcept m.PackageNotFoundError:\n pass"
+    try:
+        answer = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return answer.stdout.strip() or None
+
+
+def _renamed(spec: ServerSpec) -> bool:
+    from packaging.version import InvalidVersion, Version  # lazy: a dependency of the launch alone
+
+    try:
+        return spec.sglang_version is not None and Version(spec.sglang_version) >= Version(RENAMED_IN)
+    except InvalidVersion:
+        return False
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -90,9 +123,11 @@ def server_command(spec: ServerSpec) -> list[str]:
     ]
     if spec.device != "cuda":
         command += ["--device", spec.device]
+    renamed = _renamed(spec)
     if spec.enable_dp_attention:
         # dp-attention splits attention across the TP ranks of this one server; its dp_size is the TP size.
-        command += ["--enable-dp-attention", "--dp-size", str(spec.tp_size)]
+        command += ["--attn-dp-size", str(spec.tp_size)] if renamed else \
+            ["--enable-dp-attention", "--dp-size", str(spec.tp_size)]
     if spec.enable_memory_saver:
         command.append("--enable-memory-saver")
     if spec.skip_tokenizer_init:
@@ -104,7 +139,12 @@ def server_command(spec: ServerSpec) -> list[str]:
             raise ValueError("a multi-node server needs dist_init_addr (node 0's HOST:PORT)")
         command += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
                     "--dist-init-addr", spec.dist_init_addr]
-    return command + extra_flags(spec.extra_args)
+    extra = spec.extra_args
+    if renamed:  # a verl spelling passed through (engine_kwargs.sglang.*) becomes the one this SGLang takes
+        extra = {}
+        for key, value in spec.extra_args.items():
+            extra.update(RENAMED_FLAGS[key](value) if key in RENAMED_FLAGS else {key: value})
+    return command + extra_flags(extra)
 
 
 def router_command(

@@ -19,7 +19,7 @@ from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, RolloutEngine
 from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
 from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
-from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, ServerSpec
+from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, ServerSpec, installed_sglang
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.runtime.node import node_address, node_id
 from rlmegatron.tracking.progress import Progress
@@ -107,8 +107,10 @@ def launch_spec(settings: RolloutSettings, devices: Sequence[str], host: str, no
     else:
         # CPU buckets reach the unrelated server process through named shared memory, not fd passing.
         torch.multiprocessing.set_sharing_strategy("file_system")
+    # The flags are spelled for the SGLang the interpreter on this node has (server.RENAMED_IN).
+    version = installed_sglang(settings.server.python) if settings.engine == "sglang" else None
     return dataclasses.replace(settings.server, port=free_port(host), host=host, env=env, nnodes=node.nnodes,
-                               node_rank=node.node_rank, dist_init_addr=node.dist_init_addr)
+                               node_rank=node.node_rank, dist_init_addr=node.dist_init_addr, sglang_version=version)
 
 
 def sglang_engine(settings: RolloutSettings, server: ServerSpec, hf_config, ipc_group=None) -> SGLangEngine:
