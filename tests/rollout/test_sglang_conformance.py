@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -355,6 +356,7 @@ def protocol_answers(url: str, progress: str) -> list[tuple[str, str]]:
     # The paused /health left a one-token generation queued, and SGLang asserts an idle scheduler before it
     # releases memory (it dies otherwise): a health check of our own returns once that one is done too.
     answers.append(("health after continuing", "answers" if client.health(timeout_s=30) else "waits"))
+    answers += _strict_about_pushes(client, progress, payload)
     attempt("release kv_cache", lambda: client.release_memory_occupation(["kv_cache"]))
     attempt("resume weights, never released", lambda: client.resume_memory_occupation(["weights"]))
     deadline = time.monotonic() + 10
@@ -364,13 +366,66 @@ def protocol_answers(url: str, progress: str) -> list[tuple[str, str]]:
     return answers
 
 
-def test_the_fake_server_answers_as_sglang_0_5_23_where_it_is_strict(engine, tmp_path):
+def _strict_about_pushes(client: SGLangClient, progress: str, payload) -> list[tuple[str, str]]:
+    """Where a push meets generation (issue 42): an update outside a pause waits for the requests in flight (the
+    model-update lock), a flush with a timeout waits for them too, a request aborted in the waiting queue comes back
+    bare, and a /health that timed out while paused makes /ping say 503 until one succeeds. Both servers run 2
+    requests at once."""
+    from rlmegatron.rollout.sglang.client import sampling_params
+
+    answers = []
+
+    def tokens_now() -> int:
+        return client._call("GET", progress)["tokens"]
+
+    def request(length: int = 40):
+        return client.generate([1, 2], sampling_params(SamplingSpec(max_new_tokens=length)))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        start = tokens_now()
+        running = pool.submit(request)
+        while tokens_now() < start + 2:
+            time.sleep(0.02)
+        client.begin_weight_update()
+        client.update_weights_from_tensor(payload, "v1")
+        # The server's own count says whether the request had generated all its tokens when the update returned.
+        answers.append(("update outside a pause, a request running",
+                        "after it" if tokens_now() == start + 40 else "beside it"))
+        client.end_weight_update()
+        running.result(timeout=30)
+        start = tokens_now()
+        running = pool.submit(request)
+        while tokens_now() < start + 2:
+            time.sleep(0.02)
+        flushed = client.flush_cache(timeout_s=30)
+        answers.append(("flush with a timeout, a request running", f"{flushed}, after it: {tokens_now() == start + 40}"))
+        running.result(timeout=30)
+        start = tokens_now()
+        queued = [pool.submit(request) for _ in range(3)]  # two run, one waits
+        while tokens_now() < start + 2:
+            time.sleep(0.02)
+        client.pause_generation()
+        waited = [future.result(timeout=30) for future in queued if not future.result(timeout=30)["output_ids"]]
+        answers.append(("aborted in the waiting queue", "bare" if len(waited) == 1 and not {
+            "routed_experts", "prompt_tokens"} & set(waited[0]["meta_info"]) else f"{waited}"))
+        probe = pool.submit(client.health, HEALTH_CHECK_TIMEOUT_S + 10)  # a router's, while paused
+        time.sleep(HEALTH_CHECK_TIMEOUT_S + 1.5)
+        answers.append(("ping after a paused health check timed out", "answers" if client.alive() else "503"))
+        client.continue_generation()
+        probe.result(timeout=30)
+        client.health(timeout_s=30)
+        answers.append(("ping after a health check succeeded", "answers" if client.alive() else "503"))
+    return answers
+
+
+def test_the_fake_server_answers_as_sglang_0_5_23_where_it_is_strict(engine, tmp_path, monkeypatch):
     """The same calls against SGLang's own code and against tests/rollout/fake_sglang, which the rest of the suite
     uses because it starts in a second: the same answers, so the fake is no more lenient. Ends the real server,
     which the next test restarts."""
     from tests.rollout.test_sglang import make_engine
 
-    fake = make_engine(tmp_path, **{"fake-token-delay": TOKEN_DELAY_S})
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", str(HEALTH_CHECK_TIMEOUT_S))  # as the real server has it
+    fake = make_engine(tmp_path, **{"fake-token-delay": TOKEN_DELAY_S, "fake-max-running": 2})
     try:
         expected = protocol_answers(fake.spec.url, "/fake/progress")
     finally:
@@ -378,9 +433,39 @@ def test_the_fake_server_answers_as_sglang_0_5_23_where_it_is_strict(engine, tmp
     assert expected == [
         ("update outside a session", "refused: 400"), ("begin a session", "ok"), ("update inside it", "ok"),
         ("end it", "ok"), ("flush while a request runs", "refused"), ("health while paused", "waits"),
-        ("ping while paused", "answers"), ("health after continuing", "answers"), ("release kv_cache", "ok"),
-        ("resume weights, never released", "unavailable"), ("alive after that", "False")]
+        ("ping while paused", "answers"), ("health after continuing", "answers"),
+        ("update outside a pause, a request running", "after it"),
+        ("flush with a timeout, a request running", "True, after it: True"),
+        ("aborted in the waiting queue", "bare"), ("ping after a paused health check timed out", "503"),
+        ("ping after a health check succeeded", "answers"), ("release kv_cache", "ok"), ("resume weights, never released", "unavailable"), ("alive after that", "False")]
     assert protocol_answers(engine.spec.url, "/standin/progress") == expected
+
+
+UNPICKLING_ALLOWLIST = """
+import json
+import gpu_stubs
+gpu_stubs.install()
+from sglang.srt.utils.common import SafeUnpickler
+print(json.dumps(sorted(SafeUnpickler.ALLOWED_GLOBALS)))
+"""
+
+
+def test_the_fake_unpickles_a_bucket_with_no_more_than_sglang_allows():
+    """SGLang 0.5.23 unpickles a weight bucket through its SafeUnpickler's allowlist (a global outside it ends the
+    scheduler, and so the server); the stand-in's list is a part of SGLang's own, and it ends too on one outside."""
+    import importlib.util
+    import subprocess
+
+    allowed = subprocess.run([sys.executable, "-c", UNPICKLING_ALLOWLIST], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(HERE / "sglang_cpu"), str(REPO_ROOT)])})
+    sglang_allows = {tuple(pair) for pair in json.loads(allowed.stdout.splitlines()[-1])}
+    spec = importlib.util.spec_from_file_location("safe_unpickling", HERE / "fake_sglang" / "safe_unpickling.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    assert fake.ALLOWED_GLOBALS <= sglang_allows, fake.ALLOWED_GLOBALS - sglang_allows
+    with pytest.raises(pickle.UnpicklingError, match="posix.system is not allowed"):
+        fake.SafeUnpickler(__import__("io").BytesIO(pickle.dumps({"metadata": [os.system]}))).load()
 
 
 def test_a_dead_server_restarts_and_resyncs(engine):

@@ -121,8 +121,9 @@ class StandInScheduler:
             tp_worker=worker, draft_worker=None, memory_saver_adapter=self.memory_saver,
             flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle, scheduler=self,
         )
+        self.flush_answers: list = []  # a deferred flush's answer, once SGLang's wrapper sends it
         self.flush = SchedulerFlushWrapper(flush_cache=self.flush_cache, is_fully_idle=self.is_fully_idle,
-                                           send_output=lambda output, request: None)
+                                           send_output=lambda output, request: self.flush_answers.append(output))
         self.weight_version = "default"
         self.disaggregation_mode = None
         self._engine_paused = False
@@ -143,7 +144,15 @@ class StandInScheduler:
 
     # The loop.
     async def call(self, request):
-        return await asyncio.get_running_loop().run_in_executor(self.thread, self.handle, request)
+        loop = asyncio.get_running_loop()
+        answer = await loop.run_in_executor(self.thread, self.handle, request)
+        if isinstance(request, io_struct.FlushCacheReqInput) and answer is None:
+            # A flush with a timeout, deferred while requests run: SGLang's scheduler loop checks it each turn.
+            while not self.flush_answers:
+                await asyncio.sleep(0.01)
+                await loop.run_in_executor(self.thread, self.flush.check_pending)
+            answer = self.flush_answers.pop(0)
+        return answer
 
     def handle(self, request):
         try:

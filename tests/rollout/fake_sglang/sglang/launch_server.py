@@ -9,10 +9,16 @@ Nth request, `--fake-die-after-generates`, or its Nth weight bucket, `--fake-die
 
 It is no more lenient than SGLang 0.5.23 (tests/rollout/test_sglang_conformance.py runs the same scenario against
 both): weight updates outside a /begin_weight_update../end_weight_update session are refused (400; not before
-`--fake-version` 0.5.21), /flush_cache is refused (400) while a request runs, /health generates (so it waits while
-generation is paused, 503 after SGLang's 20 s, and counts as a request in flight meanwhile), /ping answers at once,
-a release of memory while any request is in flight ends the server, and a resume of a memory tag that was not
-released ends the server, as the KeyError in SGLang's scheduler does.
+`--fake-version` 0.5.21), and one while generation is not paused waits for the requests in flight (SGLang's writer
+lock, which a request holds as a reader); a bucket unpickles only through SGLang's SafeUnpickler allowlist
+(safe_unpickling.py); /flush_cache is refused (400) while a request runs, unless `?timeout=` lets it wait for them;
+/health generates (so it waits while generation is paused, 503 after SGLANG_HEALTH_CHECK_TIMEOUT, 20 s, and counts as
+a request in flight meanwhile), and a /health that timed out marks the server unhealthy, which /ping then says (503)
+until a /health succeeds; /ping answers at once otherwise; a release of memory while any request is in flight ends
+the server, and a resume of a memory tag that was not released ends the server, as the KeyError in SGLang's
+scheduler does. `--fake-max-running N` runs N requests at once, the others wait in a queue, and a pause answers those
+as SGLang answers a waiting-queue abort: no tokens, no prompt_tokens, no routed experts. With
+--enable-return-routed-experts, a request that asks gets each token's experts in SGLang's encoding.
 
 Spanning nodes (`--nnodes`), it behaves as SGLang does: node 0 listens on `--dist-init-addr` and is healthy only
 once every other node joined; other nodes serve no HTTP; losing any node ends the whole server; and every node takes
@@ -23,7 +29,9 @@ One process stands for a node, so a server spanning nodes has one TP rank per no
 """
 import argparse
 import base64
+import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -36,6 +44,9 @@ from http.server import ThreadingHTTPServer
 
 import torch
 from fake_http import JSONHandler
+from safe_unpickling import SafeUnpickler
+
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # SGLang's own knob
 
 SAMPLING_KEYS = {"n": int, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
                  "top_k": int, "stop_token_ids": list, "sampling_seed": int}
@@ -93,6 +104,9 @@ class FakeServer:
         self.session = False
         self.has_sessions = tuple(map(int, args.fake_version.split("."))) >= (0, 5, 21)
         self.nodes_joined = threading.Event()
+        self.unhealthy = False  # a /health timed out: /ping says 503 until one succeeds, as SGLang's server_status
+        self.updating = False  # a weight update holds the model-update lock as its writer
+        self.queued = []  # the requests in arrival order: the first --fake-max-running run, the others wait
         self.peers = []  # node 0 of a server spanning nodes: a socket to each other node
         self.unpaused = threading.Event()  # /pause_generation holds new requests until /continue_generation
         self.unpaused.set()
@@ -107,6 +121,27 @@ class FakeServer:
         # A vision-language model's image placeholder (Qwen2.5-VL's unless config.json says otherwise).
         self.image_token = json.load(open(config)).get("image_token_id", 151655) if os.path.exists(config) \
             else 151655
+        shape = json.load(open(config)) if os.path.exists(config) else {}
+        self.routing = (shape.get("num_hidden_layers", 2), shape.get("num_experts_per_tok", 2),
+                        shape.get("num_experts", 8))
+        """Layers, top-k and experts of the routing a request that asks gets back."""
+
+    @contextlib.contextmanager
+    def model_update(self):
+        """SGLang's model-update lock: an update waits for the requests in flight and holds new ones, unless
+        generation is paused, when it takes no lock (whoever paused holds it)."""
+        if not self.unpaused.is_set():
+            yield
+            return
+        with self.settled:
+            self.settled.wait_for(lambda: not self.in_flight and not self.updating)
+            self.updating = True
+        try:
+            yield
+        finally:
+            with self.settled:
+                self.updating = False
+                self.settled.notify_all()
 
     def first_to_die(self):
         """Only one server of a run dies: the one that creates the marker (atomically: servers race for it)."""
@@ -125,6 +160,9 @@ class FakeServer:
         if lora is not None and lora not in self.adapters:
             raise BadRequest(f"no LoRA adapter {lora!r} is loaded")
         images = body.pop("image_data", None)
+        routed = body.pop("return_routed_experts", False)
+        if routed and not self.args.enable_return_routed_experts:
+            raise BadRequest("return_routed_experts needs --enable-return-routed-experts")
         expect(body, {"input_ids": list, "sampling_params": dict, "return_logprob": bool})
         if images is not None:
             self.check_images(images, body["input_ids"])
@@ -137,17 +175,42 @@ class FakeServer:
             raise BadRequest("memory is released")
         self.unpaused.wait()
         with self.settled:  # one count of the requests in flight: what /pause_generation waits on
+            self.settled.wait_for(lambda: not self.updating)  # SGLang's model-update lock: a reader per request
             self.generates += 1
             count = self.generates
             self.in_flight += 1
             in_flight = self.in_flight
+            self.queued.append(count)
             self.settled.notify_all()  # a count the requests held for the fatal one wait on (_generate)
         try:
-            return self._generate(body, params, count, in_flight, lora)
+            limit = self.args.fake_max_running
+            with self.settled:
+                self.settled.wait_for(lambda: not limit or self.queued.index(count) < limit or self.aborting)
+                started = not limit or not self.aborting  # a pause came first: still in the queue
+            if not started:  # aborted in the waiting queue, as SGLang's tokenizer manager answers it
+                return {"text": "", "output_ids": [], "meta_info": {
+                    "id": f"{os.getpid()}-{count}", "finish_reason": {"type": "abort",
+                                                                       "message": "Abort in waiting queue"},
+                    "weight_version": self.weight_version, "e2e_latency": 0.0, "input_token_logprobs": [],
+                    "output_token_logprobs": [], "completion_tokens": 0}}
+            answer = self._generate(body, params, count, in_flight, lora)
+            if routed:
+                answer["meta_info"]["routed_experts"] = self.routed_experts(body["input_ids"], answer["output_ids"])
+            return answer
         finally:
             with self.settled:
                 self.in_flight -= 1
+                self.queued.remove(count)
                 self.settled.notify_all()
+
+    def routed_experts(self, input_ids, output_ids):
+        """SGLang's encoding: base64 of int32 [prompt + output - 1 tokens, layers, top-k], an expert per slot that
+        follows from the token, the layer and the slot."""
+        seen = [*input_ids, *output_ids][:-1]
+        layers, topk, experts = self.routing
+        table = torch.tensor([[[(token * 7 + layer * 3 + slot) % experts for slot in range(topk)]
+                               for layer in range(layers)] for token in seen], dtype=torch.int32)
+        return base64.b64encode(table.numpy().tobytes()).decode("ascii")
 
     def _generate(self, body, params, count, in_flight, lora):
         dies_at = self.args.fake_die_after_generates
@@ -216,6 +279,10 @@ class FakeServer:
             self.settled.wait_for(lambda: self.in_flight == 0)
 
     def update_weights_from_tensor(self, body):
+        with self.model_update():
+            return self._update_weights_from_tensor(body)
+
+    def _update_weights_from_tensor(self, body):
         expect(body, {"serialized_named_tensors": list, "load_format": str, "flush_cache": bool,
                       "weight_version": (str, type(None))})
         self.require_session("update_weights_from_tensor")
@@ -225,7 +292,11 @@ class FakeServer:
             raise BadRequest("weights are released; resume them before pushing weights")
         received = []
         for payload in body["serialized_named_tensors"]:  # what TP rank i would open (on its own node)
-            bucket = pickle.loads(base64.b64decode(payload))
+            try:
+                bucket = SafeUnpickler(io.BytesIO(base64.b64decode(payload))).load()
+            except pickle.UnpicklingError as error:
+                print(f"scheduler: {error}", flush=True)
+                os._exit(1)  # as SGLang's scheduler, which the error ends, and the server with it
             flat = bucket["flattened_tensor"]
             if flat.dim() != 1 or flat.dtype != torch.uint8:
                 raise BadRequest("flattened_tensor must be 1-D uint8")
@@ -272,7 +343,9 @@ class FakeServer:
         with self.settled:
             self.waiting_health += 1
         try:
-            return 200 if self.unpaused.wait(timeout=20) else 503
+            healthy = self.unpaused.wait(timeout=HEALTH_CHECK_TIMEOUT_S)
+            self.unhealthy = not healthy
+            return 200 if healthy else 503
         finally:
             with self.settled:
                 self.waiting_health -= 1
@@ -308,7 +381,8 @@ class FakeServer:
         if self.pushes == self.args.fake_die_on_push and self.first_to_die():
             os._exit(3)  # announced, before the broadcast: the trainer's side of it is left waiting
         self.relay("/update_weights_from_distributed", body)
-        self.receive_bucket(body)
+        with self.model_update():
+            self.receive_bucket(body)
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def receive_bucket(self, body):
@@ -387,7 +461,7 @@ def make_handler(server):
             if self.path in ("/health", "/health_generate"):
                 self.reply(server.health_generate())
             elif self.path == "/ping":
-                self.reply(200 if server.nodes_joined.is_set() else 503)
+                self.reply(200 if server.nodes_joined.is_set() and not server.unhealthy else 503)
             elif self.path == "/server_info":
                 self.reply(200, {"version": server.args.fake_version})
             elif self.path == "/fake/progress":
@@ -455,6 +529,8 @@ def main():
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
     parser.add_argument("--fake-token-delay", type=float, default=0.0)
     parser.add_argument("--fake-version", default="0.5.23")
+    parser.add_argument("--fake-max-running", type=int, default=0)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
     args = parser.parse_args()
     print(f"fake sglang server pid {os.getpid()} args {vars(args)}", flush=True)
     print(f"fake sglang server argv {json.dumps(sys.argv[1:])}", flush=True)  # the command line, as launched
