@@ -185,7 +185,8 @@ def test_a_push_while_requests_run_flushes_the_cache_the_old_weights_made(engine
     flushes = model_state(engine)["flushes"]
     start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        running = pool.submit(engine.generate, [GenerationRequest((5, 6), SamplingSpec(max_new_tokens=30))])
+        # Long enough to be running still when the push ends, paused or not (120 tokens: 6 s).
+        running = pool.submit(engine.generate, [GenerationRequest((5, 6), SamplingSpec(max_new_tokens=120))])
         wait_for_generation(engine, start + 3)
         assert push.push(iter(weights(5.0)), "v5") == []
         (result,) = running.result(timeout=60)
