@@ -178,20 +178,26 @@ def test_a_request_that_arrives_between_two_buckets_runs_whole_on_the_new_weight
     engine.update_weights(iter(weights()), "v1")
 
 
-def test_a_push_while_requests_run_flushes_the_cache_the_old_weights_made(engine):
-    """SGLang refuses /flush_cache while a request runs, and the prefix cache would keep what the old weights
-    computed. Paused for the push, the server is idle at its end: the flush runs, every time."""
+def test_the_push_flushes_the_cache_the_old_weights_made_before_any_request_runs(engine):
+    """SGLang refuses /flush_cache while a request runs or waits: a request that came after the last bucket would
+    keep the flush from happening, and prefixes computed by the old weights would stay in the cache for the new. Held
+    until the push ends, it waits for the flush, which runs every time."""
     push = _connected_push(engine)
+    client = push.servers[0][0]
+    end, fired = client.end_weight_update, []
+    prompt, new = (5, 6), weights(5.0)
     flushes = model_state(engine)["flushes"]
-    start = SGLangClient(engine.spec.url)._call("GET", "/standin/progress")["tokens"]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        # Long enough to be running still when the push ends, paused or not (120 tokens: 6 s).
-        running = pool.submit(engine.generate, [GenerationRequest((5, 6), SamplingSpec(max_new_tokens=120))])
-        wait_for_generation(engine, start + 3)
-        assert push.push(iter(weights(5.0)), "v5") == []
-        (result,) = running.result(timeout=60)
+        def then_a_request():
+            end()
+            fired.append(pool.submit(engine.generate, [GenerationRequest(prompt, SamplingSpec(max_new_tokens=40))]))
+            time.sleep(0.5)  # it reaches the server before the flush
+
+        client.end_weight_update = then_a_request
+        assert push.push(iter(new), "v5") == []
+        (result,) = fired[0].result(timeout=60)
     assert model_state(engine)["flushes"] == flushes + 1
-    assert set(result.token_weight_versions) == {"v1", "v5"}  # partial rollout: it went on with the new weights
+    assert list(result.output_token_ids) == tokens(prompt, 40, checksum(new)) and result.weight_version == "v5"
     engine.update_weights(iter(weights()), "v1")
 
 
