@@ -137,14 +137,29 @@ def train(args: argparse.Namespace) -> int:
         run_training(job)
     except TrainingStopped as stopped:
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
+        _quiet_ray_finalizers()
         return EXIT_TRAINING_STOPPED
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
         latest = CheckpointManager(job.spec.trainer.run_dir).latest()
         print(f"interrupted; workers and engines stopped; last complete checkpoint: {latest or 'none'}",
               file=sys.stderr, flush=True)
+        _quiet_ray_finalizers()
         return code
     return EXIT_OK
+
+
+def _quiet_ray_finalizers() -> None:
+    """Once a stopped run's line is said: Ray's handles finalised as this process exits, with their cluster gone
+    (a cancelled Slurm job stops its Ray beside this driver), print tracebacks that only say it again."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not type(unraisable.object).__module__.startswith("ray") and not getattr(
+                unraisable.object, "__module__", "").startswith("ray"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def plan(args: argparse.Namespace) -> int:

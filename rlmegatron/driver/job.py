@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -252,10 +253,21 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
           reraise: bool = False) -> None:
     """Every part of the run stops, each whatever the others do: the ranks and servers above all, whose processes
     would otherwise outlive the driver or keep it from exiting. The first failure is raised after all of them if
-    `reraise` (the run itself went well), else dropped."""
-    steps = [part.shutdown for part in (engines, ranks) if part is not None]
-    steps += [router.stop] if router is not None else []
-    steps += [lambda: _within(POOL_REMOVAL_S, lambda: remove_pools(pools))] if pools is not None else []
+    `reraise` (the run itself went well), else dropped.
+
+    A run that failed or was stopped (SIGTERM, Ctrl-C) gives the parts that talk to the ranks, the servers and Ray
+    INTERRUPTED_STOP_S in all: a cancelled Slurm job stops its nodes' Ray as it stops this driver, whose calls to
+    them can then wait a minute each, past the moment Slurm kills what is left (KillWait, 30 s by default), and its
+    last line would never be said. What has not stopped by then ends with this process (the rank processes'
+    lifelines, Ray's actors with their driver)."""
+    deadline = time.monotonic() + INTERRUPTED_STOP_S
+
+    def bounded(step):
+        return step if reraise else lambda: _within(max(0.1, deadline - time.monotonic()), step)
+
+    steps = [bounded(part.shutdown) for part in (engines, ranks) if part is not None]
+    steps += [bounded(router.stop)] if router is not None else []
+    steps += [bounded(lambda: _within(POOL_REMOVAL_S, lambda: remove_pools(pools)))] if pools is not None else []
     steps += [reward_manager.close, lambda: _finish_tracking(opening, status)]
     failures = _stop_each(steps)
     if failures and reraise:
@@ -263,12 +275,13 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
 
 
 POOL_REMOVAL_S = 5.0
+"""The placement groups' removal, however the run ended: a GCS that is gone makes the call wait a minute, and Ray
+removes a job's groups itself when its driver exits."""
+INTERRUPTED_STOP_S = 6.0
 
 
 def _within(seconds: float, step) -> None:
-    """`step` on a daemon thread, waited for `seconds` at most. For the placement groups' removal: a cancelled Slurm
-    job stops its Ray nodes as it stops this driver, and a call to a GCS that is gone waits a minute for it, past the
-    moment Slurm kills what is left (KillWait). Ray removes a job's groups itself when its driver exits."""
+    """`step` on a daemon thread, waited for `seconds` at most (what is still running then goes with the process)."""
     done, failures = threading.Event(), []
 
     def run() -> None:
