@@ -257,7 +257,7 @@ def _stop(engines, ranks, router, pools, reward_manager, opening: Future, status
 
     A run that failed or was stopped (SIGTERM, Ctrl-C) gives the parts that talk to the ranks, the servers and Ray
     INTERRUPTED_STOP_S in all: a cancelled Slurm job stops its nodes' Ray as it stops this driver, whose calls to
-    them can then wait a minute each, past the moment Slurm kills what is left (KillWait, 30 s by default), and its
+    them can then wait a minute each, past the moment Slurm kills what is left (Slurm's KillWait), and its
     last line would never be said. What has not stopped by then ends with this process (the rank processes'
     lifelines, Ray's actors with their driver)."""
     deadline = time.monotonic() + INTERRUPTED_STOP_S

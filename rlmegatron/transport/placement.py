@@ -143,11 +143,32 @@ def missing(nodes: Sequence[Node], device: str, ask: Ask) -> Optional[str]:
             f"({ask.fields}), and the Ray cluster has {big} such node{'s' * (big != 1)} (alive nodes: {have})")
 
 
-def alive_nodes() -> list[Node]:
+def alive_nodes(reachable_only: bool = False) -> list[Node]:
+    """The nodes Ray's GCS counts alive; with `reachable_only`, less those whose raylet no longer takes a connection.
+
+    The GCS declares a node dead only once it has missed its heartbeats for several seconds, while a rank on it is
+    known gone at once: a restart in between would place the new ranks on the dead node again (its bundles are still
+    there), and they would die with it. A raylet's port that refuses a connection (its process is gone) or does not
+    answer within RAYLET_PROBE_S (its machine is gone) is what tells that sooner."""
     import ray
 
     return [Node(node["NodeID"], node["NodeManagerAddress"], dict(node["Resources"]))
-            for node in ray.nodes() if node["Alive"]]
+            for node in ray.nodes()
+            if node["Alive"] and (not reachable_only or _takes_connections(node["NodeManagerAddress"],
+                                                                               node["NodeManagerPort"]))]
+
+
+RAYLET_PROBE_S = 2.0
+
+
+def _takes_connections(address: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((address, port), timeout=RAYLET_PROBE_S).close()
+        return True
+    except OSError:
+        return False
 
 
 def asks_of(placement: PlacementConfig) -> list[Ask]:
@@ -232,7 +253,7 @@ def replace_lost(pool: ResourcePool, wait_s: float = PLACEMENT_WAIT_S,
 
     from ray.util.placement_group import placement_group_table
 
-    alive = {node.id: node.address for node in alive_nodes()}
+    alive = {node.id: node.address for node in alive_nodes(reachable_only=True)}
     lost = sorted({address for node, address in zip(pool.nodes, pool.addresses) if node not in alive})
     if lost:
         say(f"the {pool.name}'s node{'s' * (len(lost) > 1)} {', '.join(lost)} left the Ray cluster; waiting up to "
@@ -241,7 +262,7 @@ def replace_lost(pool: ResourcePool, wait_s: float = PLACEMENT_WAIT_S,
     while True:
         table = placement_group_table(pool.placement_group)
         node_of = table["bundles_to_node_id"]
-        alive = {node.id: node.address for node in alive_nodes()}
+        alive = {node.id: node.address for node in alive_nodes(reachable_only=True)}
         ranks = [node_of.get(pool.bundle_of(rank)) for rank in range(pool.world_size)]
         if table["state"] == "CREATED" and all(node in alive for node in ranks):
             return dataclasses.replace(pool, nodes=tuple(ranks), addresses=tuple(alive[node] for node in ranks))

@@ -266,6 +266,8 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_run_resumes_from_its_check
     try:
         assert code == 0, output[-3000:]
         assert re.search(rf"trainer rank \d on node {re.escape(victim)} is gone", output), output[-3000:]
+        # Said whether or not Ray's GCS has noticed yet: a raylet that takes no connection is a lost node.
+        assert f"the trainer's node {victim} left the Ray cluster; waiting up to" in output, output[-3000:]
         assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {tmp_path / 'run'}/checkpoints/" \
                "step_20" in output
         placements = [_placed(match.group(0))[0] for match in PLACED.finditer(output)]

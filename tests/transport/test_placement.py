@@ -1,6 +1,7 @@
 """The placement section sizes what Ray is asked for: the local cluster, and one bundle per node spread over distinct
 nodes (Ray's own calls are recorded, not made, here; tests/launch/test_local_cluster.py places on a real cluster)."""
 import importlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -57,14 +58,26 @@ def recorded_ray(monkeypatch):
         asked["groups"].append((name, bundles, strategy))
         return Group(bundles)
 
+    # Each node's raylet is a real listening socket on the node's address (replace_lost connects to it).
+    raylets = asked["raylets"] = {}
+
+    def raylet_port(address: str) -> int:
+        if address not in raylets:
+            listener = socket.create_server((address, 0))
+            raylets[address] = (listener, listener.getsockname()[1])
+        return raylets[address][1]
+
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n.id, "NodeManagerAddress": n.address, "Alive": True,
-                                                "Resources": n.resources} for n in asked["nodes"]])
+                                                "NodeManagerPort": raylet_port(n.address), "Resources": n.resources}
+                                               for n in asked["nodes"]])
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0})
     monkeypatch.setattr(placement_groups, "placement_group", placement_group)
     monkeypatch.setattr(placement_groups, "remove_placement_group", lambda group: asked.setdefault("removed", group))
     monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
         "bundles_to_node_id": {index: asked["nodes"][index].id for index in range(len(group.bundles))}})
-    return asked
+    yield asked
+    for listener, _ in raylets.values():
+        listener.close()
 
 
 def _placement(*overrides: str):
@@ -174,3 +187,25 @@ def test_a_lost_nodes_ranks_wait_for_ray_to_place_them_again_within_a_bound(reco
         "state": "CREATED", "bundles_to_node_id": {0: "node0", 1: "node1"}})
     said.clear()
     assert replace_lost(pool, 0, said.append) == pool and said == []
+
+
+def test_a_node_whose_raylet_is_gone_counts_as_lost_before_the_gcs_says_so(recorded_ray, monkeypatch):
+    from rlmegatron.transport.placement import replace_lost
+
+    placement_groups = importlib.import_module("ray.util.placement_group")
+    recorded_ray["nodes"] = _nodes(2, 2, 2)
+    pool = create_pools(_placement("placement.nnodes=2", "placement.gpus_per_node=1")).trainer
+    # Node 1's raylet was killed: the GCS still counts it alive and its bundle is still placed there.
+    recorded_ray["raylets"]["127.0.0.3"][0].close()
+    monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
+        "state": "CREATED", "bundles_to_node_id": {0: "node0", 1: "node1"}})
+    said = []
+    with pytest.raises(PlacementUnsatisfiable, match=r"^the trainer's node 127.0.0.3 left the Ray cluster and no node "
+                                                     r"took its place"):
+        replace_lost(pool, 0, said.append)
+    assert said == ["the trainer's node 127.0.0.3 left the Ray cluster; waiting up to 0 s for Ray to place its ranks "
+                    "on another node"]
+    # Once the GCS has moved the bundle to the spare, the ranks go there.
+    monkeypatch.setattr(placement_groups, "placement_group_table", lambda group: {
+        "state": "CREATED", "bundles_to_node_id": {0: "node0", 1: "node2"}})
+    assert replace_lost(pool, 0).addresses == ("127.0.0.2", "127.0.0.4")
