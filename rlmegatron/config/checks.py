@@ -421,6 +421,7 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         problems.append(SpecProblem("rollout.quantization", "fp8", "SGLang receives a disaggregated push over gloo "
                                     "on CPU, which cannot carry FP8 weights; use rollout.quantization=none, or "
                                     "placement.device=cuda (NCCL carries them)"))
+    problems += _weight_sync_problems(spec)
     if arch is None:
         return problems
     if arch.num_attention_heads % tp:
@@ -437,6 +438,26 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         problems.append(SpecProblem("rollout.expert_parallel_size", ep, reason))
     if rollout.quantization == "fp8" and rollout.engine == "sglang":
         problems += _fp8_fusion_problems(arch, tp, ep)
+    return problems
+
+
+def _weight_sync_problems(spec: JobSpec) -> list[SpecProblem]:
+    rollout, placement = spec.rollout, spec.placement
+    problems = []
+    if rollout.weight_sync == "delta":
+        if rollout.engine == "sglang" and placement.mode == "colocate":
+            problems.append(SpecProblem("rollout.weight_sync", "delta", "colocated SGLang takes each bucket by IPC from "
+                                        "the trainer rank on its GPU, which sends no bytes a delta could save; use "
+                                        "rollout.weight_sync=full, or placement.mode=disaggregate"))
+        if spec.actor.lora.rank and spec.actor.lora.weight_sync == "adapter":
+            problems.append(SpecProblem("rollout.weight_sync", "delta", "with actor.lora.weight_sync=adapter the engines "
+                                        "load each step's adapter, not weights; use actor.lora.weight_sync=merge for "
+                                        "delta sync of the merged weights, or rollout.weight_sync=full"))
+    if spec.trainer.check_sync_every and rollout.engine == "sglang":
+        # SGLang holds its weights fused and sharded, and answers for them only by its own names, truncated.
+        problems.append(SpecProblem("trainer.check_sync_every", spec.trainer.check_sync_every, "compares the local "
+                                    "engine's weights by HF name; SGLang's are fused and sharded under names of its "
+                                    "own; use rollout.engine=local for the check, or 0"))
     return problems
 
 

@@ -189,6 +189,9 @@ RULES: tuple[Rule, ...] = (
          lambda s: s.rollout.engine == "sglang", _sglang_only,
          # The router fields have their own check (config/checks.py), which names the engine to use.
          exempt=("rollout.sglang.router", "rollout.sglang.router_url")),
+    Rule(("rollout.full_sync_every",), lambda s: s.rollout.weight_sync == "delta",
+         lambda s: "only delta weight sync has full pushes to space out (rollout.weight_sync is full); remove it or "
+                   "set rollout.weight_sync=delta"),
     Rule(("rollout.multi_turn.",), lambda s: bool(s.rollout.multi_turn.tools),
          lambda s: "only multi-turn rollouts use it, and rollout.multi_turn.tools is empty; add the tools or remove it",
          exempt=("rollout.multi_turn.tools",)),

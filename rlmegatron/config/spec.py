@@ -428,6 +428,15 @@ class RolloutConfig(SamplingParams):
     engines sample with those weights (SGLang serves them in FP8, the local engine dequantised), so the rollout's
     log-probs move further from the trainer's, which algorithm.rollout_correction can correct. Training keeps
     model.dtype."""
+    weight_sync: Literal["full", "delta"] = "full"
+    """full: every weight sync sends every weight; delta: after a full push, each sync sends per tensor only the
+    elements whose bits in the engine's dtype changed (positions or a bitmask, and their values: rollout/delta.py);
+    both ends keep the last weights sent, in the engine's dtype on the CPU, and the engine rebuilds and loads only what
+    changed, exactly. Full pushes still happen at the first sync, to a restarted engine and every full_sync_every
+    steps. Disaggregated, the records travel over HTTP to the server's custom weight loader; colocated SGLang shares
+    its buckets by IPC, which a delta would not make cheaper, and is refused."""
+    full_sync_every: int = Field(0, ge=0)
+    """weight_sync=delta: a full push every this many syncs, a guard against drift; 0: only where one is needed."""
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
     """Sequences per forward pass on each data-parallel rank when the actor recomputes the rollout's log-probs (the
     old log-probs; ignored with actor.use_dynamic_bsz); null follows actor.ppo_micro_batch_size_per_gpu."""
@@ -620,6 +629,10 @@ class TrainerConfig(Section):
     a rank that raises what is not the user's mistake, such as a CUDA or NCCL error) within this `rlm train`: the others are stopped, the ranks and engines start again, and the run resumes from the
     last complete checkpoint (its data position, RNG and tracker run: a resume as trainer.resume=auto makes) and goes
     on. Past that many restarts the run stops with one line (exit 3). 0: the first death stops it."""
+    check_sync_every: int = Field(0, ge=0)
+    """Every this many weight syncs, each engine's weights are compared, per tensor, with what a full push gives
+    (a checksum of each tensor's bits, rollout.engine=local); a mismatch stops the run naming the tensor and the
+    engine (exit 3). 0 checks nothing."""
     partial_rollout: bool = False
     """one_step_off and async: new weights reach the engines mid-generation: in-flight samples are paused, the
     weights swapped, and each goes on from the tokens it has with the new policy (keeping every token's rollout

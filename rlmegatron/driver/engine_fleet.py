@@ -21,6 +21,7 @@ from typing import Optional, Protocol
 from rlmegatron.driver.rollout_data import merge_results, shard_requests
 from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.pool.engine_host import EngineHost
+from rlmegatron.rollout.delta import SyncBytes
 from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
 from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.client import ServerUnavailable
@@ -76,6 +77,8 @@ class EngineFleet:
         """`held`: the version every engine starts with (colocated: the ranks pushed the initial weights as they built
         their engines); None: they start empty and get the initial weights now."""
         self.backend = backend
+        self.carried, self.full_pushes = SyncBytes(), 0
+        """What the pushes since the last `sync_metrics` carried."""
         self.version = INITIAL_VERSION
         """The weights the engines should hold: the last pushed."""
         self.versions: dict[int, Optional[str]] = dict.fromkeys(range(backend.count), held)
@@ -133,7 +136,24 @@ class EngineFleet:
 
     def _push(self, version: str, engines: list[int], fresh: bool) -> list[int]:
         """The engines of `engines` that went down during the push."""
-        return self.backend.ranks.sync_weights(version, engines, fresh) if engines else []
+        if not engines:
+            return []
+        report = self.backend.ranks.sync_weights(version, engines, fresh)
+        self.carried.add(report.bytes)
+        self.full_pushes += report.full
+        return report.down
+
+    def sync_metrics(self) -> dict[str, float]:
+        """What the syncs since the last call carried (weight_sync/*): bytes sent, the bytes full pushes of the same
+        tensors would have sent, their ratio, tensors that changed, and how many pushes were full."""
+        carried, full_pushes = self.carried, self.full_pushes
+        self.carried, self.full_pushes = SyncBytes(), 0
+        if not carried.full:
+            return {}
+        return {"weight_sync/bytes_sent": float(carried.sent), "weight_sync/bytes_full": float(carried.full),
+                "weight_sync/sent_ratio": carried.sent / carried.full,
+                "weight_sync/tensors_changed": float(carried.tensors_changed),
+                "weight_sync/full_pushes": float(full_pushes)}
 
     def _pushed(self, version: str, engines: list[int]) -> None:
         for engine in engines:

@@ -27,6 +27,7 @@ from rlmegatron.rank.roles.offload import PARTS
 from rlmegatron.rank.roles.reward_model import RewardModelSettings
 from rlmegatron.rank.settings import RoleSettings, TrainerRankSettings
 from rlmegatron.rollout.agent_loop import AgentSettings
+from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
 from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, SGLANG_DTYPES, ServerSpec
 from rlmegatron.runtime import ParallelLayout
@@ -195,6 +196,9 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         lora=lora_settings(spec.actor.lora) if spec.actor.lora.weight_sync == "adapter" else None,
         adapter_dir=str(Path(spec.trainer.run_dir) / "lora_adapters"),
         partial_rollout=spec.trainer.partial_rollout,
+        weight_sync=rollout.weight_sync,
+        full_sync_every=rollout.full_sync_every,
+        check_sync_every=spec.trainer.check_sync_every,
     )
 
 
@@ -226,6 +230,8 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
         flags.update({"enable-lora": True, "max-lora-rank": lora_rank, "lora-target-modules": "all"})
     if return_routed_experts:
         flags[RETURN_ROUTED_EXPERTS] = True
+    if rollout.weight_sync == "delta":
+        flags["custom-weight-loader"] = DELTA_LOADER  # where a delta push lands in the server (rollout/delta.py)
     if rollout.quantization == "fp8":
         flags.update({"quantization": "fp8",
                       "json-model-override-args": json.dumps({"quantization_config": FP8_ROLLOUT.config})})

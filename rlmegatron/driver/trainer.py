@@ -182,6 +182,7 @@ class Trainer:
                 with timer("update_weights"):
                     self.engines.sync(f"step_{self.step}")
                     rollouts.weights_updated(self.step)
+            metrics.update(self.engines.sync_metrics())
             metrics.update(batch_metrics(rollout, spec.rollout.max_new_tokens), **timer.metrics())
             metrics.update(self.step_counters(batch, timer))
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from rlmegatron.rank.policy_rank import PolicyRank
+from rlmegatron.rank.weight_push import SyncReport
 from rlmegatron.rollout.sglang.servers import ServerDevices
 from rlmegatron.transport.worker_group import WorkerGroup
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult
@@ -74,8 +75,9 @@ class TrainerClient:
     def relaunch_engines(self, engines: list[int]) -> None:
         self.group.call_all(PolicyRank.relaunch_engines, engines)
 
-    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
-        """The disaggregated servers that went down during the push (rank 0 pushes to them)."""
+    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
+        """Rank 0's report: the disaggregated servers that went down during the push (rank 0 pushes to them), and
+        the bytes it carried (colocated: to rank 0's engine)."""
         return self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)[0]
 
     def save_checkpoint(self, path: str) -> None:

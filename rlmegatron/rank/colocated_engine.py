@@ -9,7 +9,7 @@ nodes, run that node's process.
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -17,7 +17,8 @@ from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.servers import generate_or_none, launch_spec, server_nodes, sglang_engine, this_place
 from rlmegatron.models.hf_config import DTYPES
 from rlmegatron.rollout.agent_loop import AgentLoop
-from rlmegatron.rollout.buckets import travel_rules_for
+from rlmegatron.rollout.buckets import NamedTensor, travel_rules_for
+from rlmegatron.rollout.delta import DeltaReceiver
 from rlmegatron.rollout.engine import MEMORY_TAGS, GenerationRequest, GenerationResult, RolloutEngine, WeightStream
 from rlmegatron.rollout.local import LocalEngine, causal_lm_from_config, image_processor_at
 from rlmegatron.rollout.sglang.weight_push import share_buckets
@@ -73,6 +74,8 @@ class ColocatedEngine:
             self._join_sglang_engine(settings, hf_config)
         self.agent = AgentLoop(settings.multi_turn) if settings.multi_turn and self.leader is not None else None
         self.asleep = False
+        self.delta_receiver = DeltaReceiver()
+        """Delta sync: the weights this rank's engine was last given, which each delta is applied to."""
         # With adapter sync the base weights stay on the device; only the adapters change.
         self.sleeping_tags = ("kv_cache", "cuda_graph") if settings.lora is not None else MEMORY_TAGS
 
@@ -129,6 +132,16 @@ class ColocatedEngine:
                 self.asleep = False
             else:
                 self.part.update_weights(stream, version)
+
+    def takes(self, engines: Optional[list[int]]) -> bool:
+        """This rank leads or shares an engine among `engines` (None: every engine)."""
+        return self.part is not None and (engines is None or self.index in engines)
+
+    def receive_records(self, records: Iterable[list[NamedTensor]], version: str) -> None:
+        """Delta sync into the engine this rank leads (the local engine: every rank leads its own): each bucket's
+        records (rollout/delta.py) made whole tensors again and loaded, only those that changed."""
+        receiver = self.delta_receiver
+        self.receive_weights((whole for bucket in records for whole in receiver.apply(bucket)), version)
 
     def receive_adapter(self, name: str, path: str, version: str, engines: Optional[list[int]] = None) -> None:
         """Adapter sync: this rank's engine (the leader's part), if it is one of `engines` (None: every engine),

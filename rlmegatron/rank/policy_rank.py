@@ -10,7 +10,7 @@ import torch
 from rlmegatron.rank import checkpoints
 from rlmegatron.rank.colocated_engine import ColocatedEngine
 from rlmegatron.rank.role_models import RoleModels
-from rlmegatron.rank.weight_push import WeightPush
+from rlmegatron.rank.weight_push import SyncReport, WeightPush
 from rlmegatron.rank.settings import TrainerRankSettings
 from rlmegatron.rollout.sglang.servers import ServerDevices
 from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
@@ -86,9 +86,10 @@ class PolicyRank:
         if self.engine is not None:
             self.engine.relaunch(engines)
 
-    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
+    def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
         """Trained weights -> `engines` (None: every engine), as HF-named full tensors, whole when they are `fresh`
-        (they hold none); returns the disaggregated servers that went down during the push."""
+        (they hold none) or only what changed (delta sync); reports the disaggregated servers that went down during
+        the push and the bytes it carried."""
         return self.weights.sync(version, engines, fresh)
 
     def shutdown(self) -> None:

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import os
 import shutil
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -21,7 +22,10 @@ from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.servers import ServerDevices, weight_group_backend
 from rlmegatron.models.lora import adapters_disabled
 from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
-from rlmegatron.rollout.buckets import travel_rules_for
+from rlmegatron.models.fp8 import SCALE_SUFFIX
+from rlmegatron.models.hf_config import DTYPES
+from rlmegatron.rollout.buckets import Bucketer, travel_rules_for
+from rlmegatron.rollout.delta import DeltaSender, SyncBytes, expected_digests, iter_records, partners_by
 from rlmegatron.rollout.engine import INITIAL_VERSION
 from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
@@ -35,11 +39,40 @@ class FP8OverGloo(UserError):
     """rollout.quantization=fp8 where a push to SGLang would travel over gloo."""
 
 
+class WeightSyncMismatch(RuntimeError):
+    """An engine's weights after a sync are not what a full push gives (trainer.check_sync_every)."""
+
+
+@dataclass
+class SyncReport:
+    """One sync as this rank saw it: the servers that went down, and the bytes it carried to each engine against a
+    full push's."""
+
+    down: list[int] = field(default_factory=list)
+    full: bool = True
+    bytes: SyncBytes = field(default_factory=SyncBytes)
+
+
+def _counted(stream, counted: SyncBytes):
+    for name, tensor in stream:
+        size = tensor.numel() * tensor.element_size()
+        counted.add(SyncBytes(sent=size, full=size, tensors_changed=1, tensors=1))
+        yield name, tensor
+
+
 class WeightPush:
     """This rank's side of every weight sync, colocated or disaggregated."""
 
     def __init__(self, settings: RolloutSettings, models: RoleModels, engine: Optional[ColocatedEngine]) -> None:
         self.settings, self.models, self.engine = settings, models, engine
+        self.travel_rules = travel_rules_for(settings.model.hf_config())
+        self.delta: Optional[DeltaSender] = None
+        """Delta sync: the last weights sent, and how to send what changed since."""
+        if settings.weight_sync == "delta":
+            scale_suffix = SCALE_SUFFIX if settings.weight_format is not None else None
+            self.delta = DeltaSender(partners_by(self.travel_rules, scale_suffix))
+        self.syncs = 0
+        """Syncs of engines that hold weights, for full_sync_every and check_sync_every."""
         self.distributed: Optional[DistributedWeightPush] = None
         """Disaggregated, on trainer rank 0: the weight-update groups with the servers."""
         self.exporter: Optional[HFWeightExporter] = None
@@ -56,8 +89,7 @@ class WeightPush:
         if torch.distributed.get_rank() != 0:
             return
         if self.distributed is None:
-            self.distributed = DistributedWeightPush(self.settings.bucket_bytes,
-                                                     travel_rules_for(self.settings.model.hf_config()))
+            self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules)
         address = node_address()  # trainer rank 0's node, which every server's node reaches
         for engine, url, devices in endpoints:
             self.server_urls[engine] = url
@@ -73,20 +105,30 @@ class WeightPush:
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}", backend)
             self.distributed.connect(engine, url, len(devices), group)
 
-    def sync(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> list[int]:
+    def sync(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
         """The trained weights to `engines` (None: every engine). `fresh`: they hold no weights (just built or
         restarted), so they get the whole model: with adapter sync the base weights too, and a frozen vision tower;
-        otherwise what training can have changed. Returns the disaggregated servers that went down during the push
-        (`DistributedWeightPush.push`): left out, not failed."""
+        otherwise what training can have changed. Reports the disaggregated servers that went down during the push
+        (`DistributedWeightPush.push`: left out, not failed) and the bytes it carried.
+
+        With delta sync (rollout.weight_sync), a push carries only what changed since the last one, except to fresh
+        engines, at the first push and every full_sync_every syncs."""
         lora, chunks = self.settings.lora, self.models.actor.chunks
-        down: list[int] = []
+        report = SyncReport()
+        if not fresh:
+            self.syncs += 1
+        every = self.settings.full_sync_every
+        report.full = fresh or self.delta is None or not self.delta.last or bool(every and self.syncs % every == 0)
         with self.models.phase("actor"):
             if lora is None or fresh:
                 with adapters_disabled(chunks) if lora is not None else contextlib.nullcontext():
-                    down += self._push(self._weights(full=fresh), version, engines)
+                    report.down += self._push(self._weights(full=fresh), version, engines, report)
             if lora is not None and version != INITIAL_VERSION:
-                down += self._push_adapter(version, engines, fresh, down)
-        return down
+                report.down += self._push_adapter(version, engines, fresh, report.down)
+            check = self.settings.check_sync_every
+            if check and not fresh and self.syncs % check == 0:
+                self._check(version, engines, report.down)
+        return report
 
     def _weights(self, full: bool = True):
         """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8;
@@ -100,14 +142,40 @@ class WeightPush:
             self.exporter = HFWeightExporter(self.models.actor.chunks, self.models.weight_map)
         return self.exporter
 
-    def _push(self, stream, version: str, engines: Optional[list[int]]) -> list[int]:
+    def _push(self, stream, version: str, engines: Optional[list[int]], report: SyncReport) -> list[int]:
+        if self.delta is None:
+            stream = _counted(stream, report.bytes)
         if self.distributed is not None:
-            return self.distributed.push(stream, version, only=engines)
-        if self.engine is not None:
+            as_records = None if self.delta is None else \
+                (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
+            return self.distributed.push(stream, version, only=engines, as_records=as_records)
+        if self.engine is not None and self.delta is not None and self.engine.takes(engines):
+            buckets = Bucketer(self.settings.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(stream)
+            self.engine.receive_records(iter_records(buckets, self.delta, report.full, report.bytes), version)
+        elif self.engine is not None:
             self.engine.receive_weights(stream, version, engines)
         else:
             collections.deque(stream, maxlen=0)
         return []
+
+    def _check(self, version: str, engines: Optional[list[int]], down: list[int]) -> None:
+        """Each engine's weights against what a full push of them gives, tensor by tensor (trainer.check_sync_every):
+        WeightSyncMismatch naming the first that differs."""
+        expected = expected_digests(self._weights(full=True), self.settings.weight_format,
+                                    DTYPES[self.settings.model.dtype])
+        held: dict[str, dict[str, str]] = {}
+        if self.distributed is not None:
+            for engine, url in self.server_urls.items():
+                if (engines is None or engine in engines) and engine not in down:
+                    held[f"rollout engine {engine}"] = SGLangClient(url).weight_digests(sorted(expected))
+        elif self.engine is not None and self.engine.takes(engines) and self.engine.leader is not None:
+            held[f"rollout engine {self.engine.index}"] = self.engine.leader.weight_digests(sorted(expected))
+        for who, digests in held.items():
+            wrong = [name for name in expected if digests.get(name) != expected[name]]
+            if wrong:
+                raise WeightSyncMismatch(f"after the sync of {version}, {who} holds {len(wrong)} of {len(expected)} "
+                                         f"tensors other than a full push gives, first {wrong[0]} (trainer."
+                                         f"check_sync_every)")
 
     def _push_adapter(self, version: str, engines: Optional[list[int]], fresh: bool, down: list[int]) -> list[int]:
         """The adapters as a PEFT adapter named `version`, written once (rank 0) and loaded by every server; the

@@ -17,6 +17,7 @@ from rlmegatron.errors import Divergence
 from rlmegatron.models.families import family_for
 from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from rlmegatron.rollout.delta import digest
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
     MEMORY_TAGS,
@@ -462,6 +463,12 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"FP8 weight update without the partner of {sorted(halves)[:5]}: each quantised weight "
                              f"comes with its {SCALE_SUFFIX}")
         self.weight_version = version
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
+        """The checksum of each weight of `names` the model holds (trainer.check_sync_every); a name it does not
+        hold is left out."""
+        targets = checkpoint_named_weights(self.model)
+        return {name: digest(targets[name]) for name in names if name in targets}
 
     def _dequantised(self, name: str, tensor: torch.Tensor, halves: dict[str, torch.Tensor]
                      ) -> tuple[str, torch.Tensor | None]:

@@ -15,13 +15,14 @@ with finish reason `abort`, and holds new requests until `/continue_generation`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import threading
 import traceback
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,12 +30,16 @@ from rlmegatron.errors import Divergence
 from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 from rlmegatron.rollout.local import LocalEngine, causal_lm_from_config, image_processor_at
-from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout, init_custom_process_group, on_the_wire
+from rlmegatron.rollout.sglang.protocol import (RoutedExpertsLayout, deserialize_records, init_custom_process_group,
+                                                on_the_wire)
 from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS
 
 PROTOCOL_VERSION = "0.5.20"
 """The SGLang version whose protocol this server speaks, as its /server_info reports it: the last without weight-update
 sessions, which a server that applies each update whole does not need."""
+
+WEIGHT_DIGESTS = "/rlm/weight_digests"
+"""The local server's own route: the checksum of each weight it holds (trainer.check_sync_every)."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -90,11 +95,26 @@ class Scheduler:
                     self.cond.notify_all()
 
 
+class _Loading:
+    """What a custom weight loader is handed as the model, the same object every time (as SGLang's model is: a loader
+    may keep state per model): `load_weights` loads into the engine, labelled with the version of the push."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine, self.version = engine, None
+
+    def load_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors, self.version)
+
+
 class LocalServer:
-    def __init__(self, engine: LocalEngine, return_routed_experts: bool = False) -> None:
+    def __init__(self, engine: LocalEngine, return_routed_experts: bool = False,
+                 custom_weight_loaders: Sequence[str] = ()) -> None:
         """`return_routed_experts`: as SGLang's --enable-return-routed-experts, requests that ask get each token's
-        experts, in SGLang's format."""
+        experts, in SGLang's format; `custom_weight_loaders`: the import paths /update_weights_from_tensor may name
+        as its load_format, as SGLang's --custom-weight-loader."""
         self.engine = engine
+        self.custom_weight_loaders = list(custom_weight_loaders)
+        self.loading = _Loading(engine)
         self.scheduler = Scheduler(engine)
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.routing = RoutedExpertsLayout.of(engine.model.config) if return_routed_experts else None
@@ -147,6 +167,23 @@ class LocalServer:
         self.engine.update_weights(tensors, body["weight_version"])
         return {"success": True, "message": ""}
 
+    def update_weights_from_tensor(self, body: dict) -> dict:
+        """One bucket of a push in the body, handed to the custom weight loader it names, which the server was
+        launched with (--custom-weight-loader), as SGLang does: delta sync's records (rollout/delta.py)."""
+        if body["load_format"] not in self.custom_weight_loaders:
+            raise ValueError(f"Unknown load_format={body['load_format']}: this server was launched with custom "
+                             f"weight loaders {self.custom_weight_loaders}")
+        self.scheduler.hold("update")
+        module, _, function = body["load_format"].rpartition(".")
+        loader = getattr(importlib.import_module(module), function)
+        self.loading.version = body["weight_version"]
+        loader(self.loading, deserialize_records(body["serialized_named_tensors"][0]))
+        return {"success": True, "message": ""}
+
+    def weight_digests(self, body: dict) -> dict[str, str]:
+        """The checksum of each weight named (trainer.check_sync_every): rlmegatron's own route, not SGLang's."""
+        return self.engine.weight_digests(body["names"])
+
     def flush_cache(self, body: dict) -> None:
         self.scheduler.release("update")
 
@@ -167,6 +204,8 @@ class LocalServer:
             "/generate": self.generate,
             "/init_weights_update_group": self.init_weights_update_group,
             "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
+            WEIGHT_DIGESTS: self.weight_digests,
             "/flush_cache": self.flush_cache,
             "/pause_generation": self.pause_generation,
             "/continue_generation": self.continue_generation,
@@ -244,10 +283,12 @@ def main() -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--quantization", default=None)
     parser.add_argument(f"--{RETURN_ROUTED_EXPERTS}", dest="return_routed_experts", action="store_true")
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[])
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
     engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization)
-    httpd = Server((args.host, args.port), handler_for(LocalServer(engine, args.return_routed_experts)))
+    httpd = Server((args.host, args.port),
+                   handler_for(LocalServer(engine, args.return_routed_experts, args.custom_weight_loader)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

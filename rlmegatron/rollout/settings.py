@@ -43,6 +43,12 @@ class RolloutSettings:
     """Where the adapter of each version is written for the servers to load."""
     partial_rollout: bool = False
     """New weights reach the engines mid-generation (trainer.partial_rollout): pause, swap, continue."""
+    weight_sync: str = "full"
+    """`delta`: after a full push, each sync sends only the elements that changed (rollout/delta.py)."""
+    full_sync_every: int = 0
+    """Delta sync: every this many syncs a full push (0: only where one is needed)."""
+    check_sync_every: int = 0
+    """Every this many syncs, each engine's weights are checked against what a full push gives (0: never)."""
 
     @property
     def weight_format(self):

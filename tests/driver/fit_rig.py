@@ -23,6 +23,7 @@ from rlmegatron.driver.engine_fleet import EngineFleet
 from rlmegatron.driver.trainer import FitResult, Trainer
 from rlmegatron.data import PromptDataLoader, Sample
 from rlmegatron.rewards import RewardInput, RewardResult
+from rlmegatron.rank.weight_push import SyncReport
 from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
 from rlmegatron.tracking import Tracker, TrackingSetup
 
@@ -141,9 +142,9 @@ class FakeRanks:
     owner: threading.RLock = field(default_factory=threading.RLock)
     pushes: list[tuple[str, list[int], bool]] = field(default_factory=list)
 
-    def sync_weights(self, version: str, engines=None, fresh: bool = False) -> list[int]:
+    def sync_weights(self, version: str, engines=None, fresh: bool = False) -> SyncReport:
         self.pushes.append((version, list(engines), fresh))
-        return []  # no engine went down during the push
+        return SyncReport(full=fresh)  # no engine went down during the push
 
     def compute_log_prob(self, batch):
         self.calls.append("compute_log_prob")

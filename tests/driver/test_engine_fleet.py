@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlmegatron.driver import engine_fleet
+from rlmegatron.rank.weight_push import SyncReport
 from rlmegatron.pool import engine_host
 from rlmegatron.rollout.sglang import servers
 from rlmegatron.rank import colocated_engine
@@ -151,9 +152,9 @@ class RecordingTrainer:
     def connect_engines(self, endpoints) -> None:
         self.calls.append(("connect_engines", endpoints))
 
-    def sync_weights(self, version, engines=None, fresh=False) -> list[int]:
+    def sync_weights(self, version, engines=None, fresh=False) -> SyncReport:
         self.calls.append(("sync_weights", version, engines, fresh))
-        return []  # no server went down during the push
+        return SyncReport(full=fresh)  # no server went down during the push
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
@@ -419,7 +420,7 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     # at once: its group's stream is out of step.
     refused = iter([[0]])
     trainer.sync_weights = lambda version, engines=None, fresh=False: (
-        trainer.calls.append(("sync_weights", version, engines, fresh)) or next(refused, []))
+        trainer.calls.append(("sync_weights", version, engines, fresh)) or SyncReport(next(refused, [])))
     events.clear()
     fleet.sync("step_2")
     assert trainer.calls[-3:] == [("sync_weights", "step_2", [0], False),
@@ -428,7 +429,7 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     assert ("relaunch", 0) in events and events[-1] == ("pushed", 0, "step_2") and fleet.versions[0] == "step_2"
     # A server that goes down during the push (rank 0 says which) is not marked as holding the version; after a
     # restart, that ends the run: a re-sync is not retried without bound.
-    trainer.sync_weights = lambda version, engines=None, fresh=False: gone.update(engines) or list(engines)
+    trainer.sync_weights = lambda version, engines=None, fresh=False: gone.update(engines) or SyncReport(list(engines))
     events.clear()
     fleet.sync("step_3")
     assert [event for event in events if event[0] == "pushed"] == [] and fleet.versions[0] == "step_2"
@@ -449,10 +450,10 @@ def test_a_push_pauses_the_servers_and_continues_them(tmp_path, monkeypatch, par
     calls = tmp_path / "calls.jsonl"
 
     class Trainer(RecordingTrainer):
-        def sync_weights(self, version, engines=None, fresh=False) -> list[int]:
+        def sync_weights(self, version, engines=None, fresh=False) -> SyncReport:
             seen = [json.loads(line)["path"] for line in calls.read_text().splitlines()] if calls.exists() else []
             self.calls.append(("sync_weights", version, seen))
-            return []
+            return SyncReport(full=fresh)
 
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1",

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang.client import SGLangClient
+from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
+from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable
 from rlmegatron.rollout.sglang.engine import SGLangEngine
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
@@ -74,7 +75,7 @@ def engine(tmp_path_factory):
         model_path=str(MODEL), port=free_port(), python=sys.executable, module="sglang_cpu_server",
         device="cpu", dtype="float32", load_format="dummy",
         extra_args={"enable-lora": True, "max-lora-rank": 4, "lora-target-modules": "all",
-                    "enable-return-routed-experts": True},
+                    "enable-return-routed-experts": True, "custom-weight-loader": DELTA_LOADER},
         env={"PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"), str(REPO_ROOT)]),
              "RLM_SGLANG_CPU_TOKEN_DELAY": str(TOKEN_DELAY_S), "RLM_SGLANG_CPU_MAX_RUNNING": "2",
              # SGLang's own knob: a /health that hears nothing from the scheduler this long marks it unhealthy.
@@ -145,6 +146,33 @@ def test_disaggregated_push_over_gloo_hands_the_model_every_tensor_bit_for_bit(e
     state = model_state(engine)
     assert state["weights"] == {name: digest(tensor) for name, tensor in weights(2.0)}
     assert state["version"] == "v2"
+    engine.update_weights(iter(weights()), "v1")  # back to what the other tests expect
+
+
+def test_a_delta_push_reaches_the_model_through_sglangs_custom_weight_loader_bit_for_bit(engine):
+    """rollout.weight_sync=delta: full, then deltas, each bucket's records in the body of SGLang's own
+    /update_weights_from_tensor, unpickled by its safe unpickler and handed by its weight updater to the loader the
+    server was launched with (--custom-weight-loader), which loads whole tensors into the model. The model holds
+    every tensor bit for bit, and loads only those that changed."""
+    from rlmegatron.rollout.delta import DeltaSender, SyncBytes, iter_records
+
+    sender, counted = DeltaSender(), SyncBytes()
+    push = _connected_push(engine)
+    as_records = lambda full: (lambda buckets: iter_records(buckets, sender, full, counted))  # noqa: E731
+    assert push.push(iter(weights(3.0)), "d1", as_records=as_records(True)) == []
+    assert model_state(engine)["weights"] == {name: digest(tensor) for name, tensor in weights(3.0)}
+    changed = [(name, tensor.clone()) for name, tensor in weights(3.0)]
+    changed[0][1].view(-1)[1] += 1  # one element of the first tensor
+    counted = SyncBytes()
+    assert push.push(iter(changed), "d2", as_records=as_records(False)) == []
+    state = model_state(engine)
+    assert state["weights"] == {name: digest(tensor) for name, tensor in changed} and state["version"] == "d2"
+    # One element of one tensor: its position (4 bytes, or a bitmask of a small tensor) and its value.
+    assert counted.tensors_changed == 1 and counted.sent <= 4 + 4
+    assert counted.full == sum(t.numel() * t.element_size() for _, t in changed)
+    # A push in which nothing changed still labels the weights with its version.
+    assert push.push(iter(changed), "d3", as_records=as_records(False)) == []
+    assert model_state(engine)["version"] == "d3"
     engine.update_weights(iter(weights()), "v1")  # back to what the other tests expect
 
 
@@ -525,3 +553,20 @@ def test_every_launch_flag_the_project_emits_parses_with_sglangs_own_server_args
     older = server_command(dataclasses.replace(verl, sglang_version="0.5.20"))
     assert "--enable-dp-attention" in older and "--cuda-graph-bs" in older and "--disable-cuda-graph" in older
     assert "--cuda-graph-bs-decode" in commands[0] and "--enable-lora" in commands[0] and "--nnodes" in commands[0]
+
+
+def test_a_loader_the_server_was_not_launched_with_is_refused_by_sglang(engine):
+    """The same records named with a load_format outside --custom-weight-loader: SGLang's weight updater raises
+    (NotImplementedError) and its scheduler ends, and the server with it. Last of the tests on this server."""
+    from rlmegatron.rollout.sglang.protocol import serialize_records
+
+    client = SGLangClient(engine.spec.url)
+    client.check_version()
+    client.begin_weight_update()
+    with pytest.raises((SGLangRequestError, ServerUnavailable)):
+        client.update_weights_from_tensor([serialize_records([("w", torch.zeros(2))])], "x",
+                                          load_format="rlmegatron.rollout.delta.not_a_loader")
+    deadline = time.monotonic() + 30
+    while engine.process.alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not engine.process.alive

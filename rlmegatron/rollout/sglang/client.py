@@ -150,14 +150,21 @@ class SGLangClient:
         return self.version >= WEIGHT_UPDATE_SESSION_SINCE
 
     def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False
+        self, serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False,
+        load_format: str = "flattened_bucket",
     ) -> dict:
+        """One payload per server TP rank; `load_format` flattened_bucket (`serialize_flattened_bucket`) or a custom
+        weight loader the server was launched with (`serialize_records`)."""
         return self._post_checked("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors,
-            "load_format": "flattened_bucket",
+            "load_format": load_format,
             "flush_cache": flush_cache,
             "weight_version": weight_version,
         })
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
+        """The local engine's server only (rollout/local_server.py): the checksum of each weight named."""
+        return self._call("POST", "/rlm/weight_digests", {"names": list(names)})
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str

@@ -95,6 +95,35 @@ def deserialize_flattened_bucket(payload: str) -> dict:
     return pickle.loads(base64.b64decode(payload))
 
 
+def serialize_records(records: list[tuple[str, torch.Tensor]]) -> str:
+    """One entry of `serialized_named_tensors` for a custom weight loader (a delta push): the named tensors with their
+    bytes inside the payload, not shared (the server may be on another node), pickled as plain pickle writes CPU
+    tensors, which SGLang's safe unpickler takes (a storage's bytes through `torch.load(weights_only=True)`)."""
+    cpu = [(name, tensor.detach().to("cpu")) for name, tensor in records]
+    return base64.b64encode(pickle.dumps(cpu, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+class _RecordsUnpickler(pickle.Unpickler):
+    """What `serialize_records` writes and nothing else: torch's tensor rebuild, a storage through weights-only
+    torch.load (never torch's own helper, which loads with everything allowed), dtypes and containers."""
+
+    ALLOWED = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"), ("torch", "Size"), ("collections", "OrderedDict"),
+               ("torch", "device"), ("builtins", "list"), ("builtins", "tuple")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"not a weight record: {module}.{name}")
+
+
+def deserialize_records(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """The server side of `serialize_records` (the local engine's server; SGLang unpickles with its own)."""
+    return _RecordsUnpickler(io.BytesIO(base64.b64decode(payload))).load()
+
+
 def init_custom_process_group(
     backend: str,
     init_method: str,

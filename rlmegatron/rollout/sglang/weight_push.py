@@ -4,12 +4,14 @@ of each server."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from rlmegatron.rollout.buckets import Bucketer, TravelRule
+from rlmegatron.rollout.buckets import Bucketer, FlattenedBucket, NamedTensor, TravelRule
+from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
 from rlmegatron.rollout.engine import WeightStream
 from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import (
@@ -17,6 +19,7 @@ from rlmegatron.rollout.sglang.protocol import (
     init_custom_process_group,
     on_the_wire,
     serialize_flattened_bucket,
+    serialize_records,
 )
 
 
@@ -59,6 +62,7 @@ class DistributedWeightPush:
         self.travel_rules = tuple(travel_rules)
         self.timeout_s = timeout_s
         self.servers: dict[int, tuple[SGLangClient, DistributedGroupSpec, torch.distributed.ProcessGroup]] = {}
+        self.tp_sizes: dict[int, int] = {}
 
     def connect(self, key: int, url: str, tp_size: int, group: DistributedGroupSpec) -> None:
         """Joins a group with server `key`; a restarted server gets a new group (its old members are gone)."""
@@ -73,10 +77,16 @@ class DistributedWeightPush:
         )
         pending.result()
         self.servers[key] = (client, group, process_group)
+        self.tp_sizes[key] = tp_size
 
-    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None) -> list[int]:
+    def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None,
+             as_records: Callable[[Iterable[FlattenedBucket]], Iterable[list[NamedTensor]]] | None = None
+             ) -> list[int]:
         """Per bucket and server: announce names/dtypes/shapes, then broadcast in exactly that order while the
-        server's request is pending. `only` limits the push to those servers (restarted ones).
+        server's request is pending. `only` limits the push to those servers (restarted ones). `as_records` (delta
+        sync) makes each bucket records (rollout/delta.py) that go instead to the server's custom weight loader
+        (`DELTA_LOADER`) in the body of `/update_weights_from_tensor`: SGLang's distributed update hands what it
+        receives to the model's own loader, which takes whole tensors only.
 
         Atomic for generation: each server is paused for the whole push, so a request that arrives between two
         buckets waits and then runs whole on the new weights (SGLang takes its writer lock per update call, and
@@ -104,7 +114,11 @@ class DistributedWeightPush:
                 except (ServerUnavailable, SGLangRequestError):
                     down.append(key)
             try:
-                self._broadcast(named_tensors, version, keys, down)
+                buckets = Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors)
+                if as_records is None:
+                    self._broadcast(buckets, version, keys, down)
+                else:
+                    self._post(as_records(buckets), version, keys, down)
             finally:
                 for key in begun:
                     try:
@@ -127,8 +141,26 @@ class DistributedWeightPush:
                     self.servers[key][0].continue_generation()
         return down
 
-    def _broadcast(self, named_tensors: WeightStream, version: str, keys: list[int], down: list[int]) -> None:
-        for bucket in Bucketer(self.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(named_tensors):
+    def _post(self, records: Iterable[list[NamedTensor]], version: str, keys: list[int], down: list[int]) -> None:
+        posted = False
+        # A bucket in which nothing changed sends nothing; a push in which nothing did still sends one (empty)
+        # payload, which labels the server's weights with the new version.
+        for bucket_records in itertools.chain(records, [[]]):
+            if not bucket_records and posted:
+                continue
+            posted = True
+            payload = serialize_records(bucket_records)
+            for key in keys:
+                if key in down:
+                    continue
+                try:  # one payload per server TP rank, each its own copy of the bucket
+                    self.servers[key][0].update_weights_from_tensor([payload] * self.tp_sizes[key], version,
+                                                                    load_format=DELTA_LOADER)
+                except (ServerUnavailable, SGLangRequestError):
+                    down.append(key)
+
+    def _broadcast(self, buckets: Iterable[FlattenedBucket], version: str, keys: list[int], down: list[int]) -> None:
+        for bucket in buckets:
             pairs = bucket.named_tensors()
             for key in keys:
                 if key in down:

@@ -95,7 +95,7 @@ class StandInMemorySaver:
 class StandInScheduler:
     """The scheduler loop: control requests on one thread, through SGLang's own scheduler-side handlers."""
 
-    def __init__(self, memory_saver_enabled: bool) -> None:
+    def __init__(self, memory_saver_enabled: bool, custom_weight_loaders: list[str]) -> None:
         self.model = StandInModel()
         self.memory_saver = StandInMemorySaver()
         self.adapters: dict[str, dict] = {}
@@ -103,7 +103,8 @@ class StandInScheduler:
         self.tokens_generated = 0
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
         runner_updater = WeightUpdater(
-            tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+            # As ModelRunner hands it over: the server's --custom-weight-loader list.
+            tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=custom_weight_loaders,
             get_model=lambda: self.model, update_model_fields=lambda **_: None, recapture_cuda_graph=lambda: None,
             get_model_runner=lambda: None,
         )
@@ -327,7 +328,7 @@ def main(argv: list[str]) -> None:
     # What SGLang's scheduler process writes when it builds its groups: this one is TP rank 0 of a group of one.
     tp_group = type("GroupCoordinator", (), {"cpu_group": torch.distributed.group.WORLD})()
     get_parallel().override_permanently(tp_rank=0, tp_group=tp_group)
-    scheduler = StandInScheduler(server_args.enable_memory_saver)
+    scheduler = StandInScheduler(server_args.enable_memory_saver, server_args.custom_weight_loader or [])
     manager = StandInTokenizerManager(server_args, scheduler)
     http_server.set_global_state(http_server._GlobalState(
         tokenizer_manager=manager, template_manager=None, scheduler_info={}))
