@@ -20,6 +20,11 @@ class UserError(Exception):
     """Base of every error type that reports a user's mistake (SpecError, DatasetError, PluginError, ...)."""
 
 
+class WeightSyncMismatch(RuntimeError):
+    """An engine's weights after a sync are not what a full push gives (trainer.check_sync_every): the samples it
+    would make come from other weights than the trainer's."""
+
+
 class Divergence(FloatingPointError):
     """NaN or inf where training needs finite numbers: rollout logits, log-probs, entropy, values, a loss term, a
     gradient norm or the weights after an optimizer step. The message starts with the metric's name."""

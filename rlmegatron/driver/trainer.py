@@ -43,7 +43,7 @@ from rlmegatron.driver.rollout_data import (
     token_level,
     traced_samples,
 )
-from rlmegatron.errors import Divergence, OffPolicy, UserError, user_error_in
+from rlmegatron.errors import Divergence, OffPolicy, UserError, WeightSyncMismatch, user_error_in
 from rlmegatron.rewards import NonFiniteReward, RewardResult, UnusableRewards, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
 from rlmegatron.runtime.distributed import CollectiveTimeout
@@ -210,7 +210,8 @@ class Trainer:
         try:
             yield
         except Exception as error:
-            diverged = isinstance(error, (Divergence, NonFiniteReward, OffPolicy))
+            diverged = isinstance(getattr(error, "cause", error),
+                                  (Divergence, NonFiniteReward, OffPolicy, WeightSyncMismatch))
             # With restarts allowed, a rank that raised what is not the user's mistake (a CUDA or NCCL error) is lost
             # too; without, it stays the bug report it is (its traceback, exit 1).
             crashed = self.spec.trainer.max_restarts > 0 and not diverged and _rank_raised(error)

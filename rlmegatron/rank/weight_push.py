@@ -32,15 +32,11 @@ from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.runtime.distributed import free_port
 from rlmegatron.runtime.node import node_address
-from rlmegatron.errors import UserError
+from rlmegatron.errors import UserError, WeightSyncMismatch
 
 
 class FP8OverGloo(UserError):
     """rollout.quantization=fp8 where a push to SGLang would travel over gloo."""
-
-
-class WeightSyncMismatch(RuntimeError):
-    """An engine's weights after a sync are not what a full push gives (trainer.check_sync_every)."""
 
 
 @dataclass

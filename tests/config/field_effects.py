@@ -33,6 +33,9 @@ AGENT_TURNS = "tests/agent/test_trajectories.py::test_max_turns_ends_a_trajector
 AGENT_CALLS = "tests/agent/test_tools.py::test_hermes_reads_every_call_of_a_turn_and_names_what_is_malformed"
 TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead"
 
+# Delta weight sync (rlmegatron/rollout/delta.py).
+DELTA_SYNC = "tests/driver/test_delta_sync.py::"
+
 # Trainer ranks restarted within the run (trainer.max_restarts).
 RANK_RESTART = ("tests/driver/test_rank_restart.py::"
                 "test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from_its_checkpoint")
@@ -430,6 +433,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.enable_dp_attention": ("SGLang DP attention", (LAUNCH,)),
     "rollout.engine": ("local or SGLang engines", (COLOCATED_SERVER,)),
     "rollout.expert_parallel_size": ("SGLang expert parallelism", (LAUNCH,)),
+    "rollout.full_sync_every": ("delta sync: every N syncs a full push",
+                                (DELTA_SYNC + "test_disaggregated_delta_sync_on_an_moe_at_ep2_pushes_whole_every_full_"
+                                 "sync_every",)),
     "rollout.log_prob_micro_batch_size_per_gpu": ("sequences per old-log-prob micro-batch", (OLD_LOG_PROB_BATCHES,)),
     "rollout.max_new_tokens": ("generation length and batch width", (SAMPLING,)),
     "rollout.mem_fraction_static": ("SGLang static memory share", (LAUNCH,)),
@@ -475,6 +481,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.val_kwargs.temperature": ("validation temperature", (VALIDATION,)),
     "rollout.val_kwargs.top_k": ("validation top-k", (VALIDATION,)),
     "rollout.val_kwargs.top_p": ("validation top-p", (VALIDATION,)),
+    "rollout.weight_sync": ("delta: pushes carry only the changed elements, exactly; refused where it cannot work",
+                            (DELTA_SYNC + "test_colocated_delta_sync_at_tp2_with_fp8_rollout_holds_the_full_push_"
+                             "weights_at_every_step",
+                             "tests/rollout/test_delta.py::test_every_push_leaves_the_engine_bit_for_bit_where_a_full_"
+                             "push_would",
+                             "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),
     "tracking.backends": ("console, MLflow, W&B and/or TensorBoard",
                           (MLFLOW_STORE, CONSOLE, EVERY_BACKEND, RESUMED_BACKENDS, RESUMED_RUN_BACKENDS,
                            MISSING_PACKAGE, WANDB_ACCOUNT)),
@@ -483,6 +495,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                        (TRACE_MLFLOW, TRACE_CONSOLE, EVERY_BACKEND)),
     "tracking.rollout_trace.prompts_per_step": ("prompts whose samples are traced", (TRACE_MLFLOW, TRACE_PROMPTS)),
     "tracking.tracking_uri": ("MLflow store", (TRACKING_URI, URI_ORDER, FILE_STORE)),
+    "trainer.check_sync_every": ("every N syncs each engine's weights are checked against a full push's; a "
+                                 "mismatch stops the run",
+                                 (DELTA_SYNC + "test_an_engine_found_holding_other_weights_stops_the_run_in_one_line",
+                                  "tests/rollout/test_delta.py::test_the_engines_checksums_match_a_full_push_and_name_"
+                                  "the_tensor_that_differs")),
     "trainer.collective_timeout_s": ("a collective waiting longer stops the run, naming step and call",
                                      (COLLECTIVE_TIMEOUT,)),
     "trainer.critic_warmup": ("steps the critic trains alone", (CRITIC_WARMUP,)),

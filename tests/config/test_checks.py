@@ -666,6 +666,28 @@ CASES = [
         id="fp8-to-sglang-never-over-gloo",
     ),
     pytest.param(
+        {"rollout.engine": "sglang", "rollout.weight_sync": "delta"},
+        "tiny-qwen3",
+        "job.yaml: rollout.weight_sync=delta: colocated SGLang takes each bucket by IPC from the trainer rank on its "
+        "GPU, which sends no bytes a delta could save; use rollout.weight_sync=full, or placement.mode=disaggregate",
+        id="delta-sync-not-to-colocated-sglang",
+    ),
+    pytest.param(
+        {"rollout.weight_sync": "delta", "actor.lora.rank": 4, "actor.lora.weight_sync": "adapter"},
+        "tiny-qwen3",
+        "job.yaml: rollout.weight_sync=delta: with actor.lora.weight_sync=adapter the engines load each step's "
+        "adapter, not weights; use actor.lora.weight_sync=merge for delta sync of the merged weights, or "
+        "rollout.weight_sync=full",
+        id="delta-sync-not-with-adapter-sync",
+    ),
+    pytest.param(
+        {"rollout.engine": "sglang", "trainer.check_sync_every": 5},
+        "tiny-qwen3",
+        "job.yaml: trainer.check_sync_every=5: compares the local engine's weights by HF name; SGLang's are fused "
+        "and sharded under names of its own; use rollout.engine=local for the check, or 0",
+        id="sync-check-reads-the-local-engine-only",
+    ),
+    pytest.param(
         {"placement.nnodes": 2, "placement.gpus_per_node": 4, "actor.megatron.tensor_model_parallel_size": 8},
         "tiny-qwen3",
         "job.yaml: actor.megatron.tensor_model_parallel_size=8: does not divide a node's 4 CPU ranks "
