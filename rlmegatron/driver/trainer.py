@@ -141,6 +141,7 @@ class Trainer:
         spec, trainer = self.spec, self.spec.trainer
         started = time.perf_counter()
         self.resume()
+        self.engines.sync_metrics()  # the pushes before the first step (initial weights, a resume) are no step's
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
             self.tracker.log_metrics(self.validate(), step=0)
         rollouts = rollout_source(trainer.mode, self.produce_rollout, self.step + 1, self.total_steps(),
