@@ -205,11 +205,14 @@ class SGLangEngine(RolloutEngine):
         # Each failure either restarts the server (bounded by max_restarts) or retries a healthy one; the
         # attempt bound stops a server that stays healthy but keeps failing this request.
         for attempt in range(self.max_restarts + 3):
-            epoch, restarts = self._epoch, self.restarts
-            if self.stale:
-                raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained weights")
             try:
                 with self.gate:
+                    # Read once through the gate: a sample that waited there (a push paused the engine) while
+                    # another restarted the server must not go to the new one before it holds the weights.
+                    epoch, restarts = self._epoch, self.restarts
+                    if self.stale:
+                        raise EngineRestarted(f"server {self.spec.url} was restarted and waits for the trained "
+                                              "weights")
                     answer = self.generation_client.generate(list(input_ids), sampling_params(spec, self.seeded),
                                                              self.adapter, return_routed_experts=routing is not None,
                                                              image_data=image_data)
