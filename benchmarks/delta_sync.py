@@ -10,7 +10,8 @@ them bit for bit. Prints bytes per step per encoding, the share of elements that
 and apply.
 
 `train`: `rlm train` of the quickstart task on the same 106M model, bf16, disaggregated (the local engine's server, so
-the records cross HTTP as they do to SGLang), weight_sync full and delta with trainer.check_sync_every=1, for
+the records cross HTTP as they do to SGLang), weight_sync full and delta with trainer.check_sync_every (default 1;
+its full export and checksums count in timing_s/update_weights, so time the sync itself with 0), for
 `--steps` steps at each lr; prints the weight_sync/* metrics and timing_s/update_weights of each step.
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ def encodings(lrs: list[float], steps: int) -> None:
 METRIC = re.compile(r"(weight_sync/\w+|timing_s/update_weights)\s+([-\d.e]+)")
 
 
-def train(lrs: list[float], steps: int) -> None:
+def train(lrs: list[float], steps: int, check_every: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         model = model_dir(Path(root))
         for lr in lrs:
@@ -109,7 +110,7 @@ def train(lrs: list[float], steps: int) -> None:
                            "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4",
                            "placement.mode=disaggregate", "placement.rollout_nnodes=1",
                            "placement.rollout_gpus_per_node=1", "placement.gpus_per_node=1",
-                           f"rollout.weight_sync={mode}", "trainer.check_sync_every=1"]
+                           f"rollout.weight_sync={mode}", f"trainer.check_sync_every={check_every}"]
                 started = time.perf_counter()
                 run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
                 if run.returncode:
@@ -129,8 +130,12 @@ def main() -> None:
     parser.add_argument("part", choices=("encodings", "train"))
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--check-sync-every", type=int, default=1, help="train: trainer.check_sync_every")
     args = parser.parse_args()
-    (encodings if args.part == "encodings" else train)(args.lr, args.steps)
+    if args.part == "encodings":
+        encodings(args.lr, args.steps)
+    else:
+        train(args.lr, args.steps, args.check_sync_every)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ Sources of the formulas (all bytes, 1 GB = 1e9 bytes):
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from math import ceil
 
@@ -84,12 +86,41 @@ class EngineMemory:
 
 @dataclass(frozen=True)
 class WeightSync:
-    """What one refit moves: each engine GPU receives its shard of the policy's weights."""
+    """What one refit moves: each engine GPU receives its shard of the policy's weights (with delta sync, the
+    share of them a step sends on average)."""
 
     total_bytes: float  # the whole policy as the engines hold it (rollout_weight_bytes)
     bytes_per_engine_gpu: float
     link_gbps: float
     seconds: float
+    delta_ratio: float | None = None
+    """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
+    included; None: full pushes."""
+
+
+# Bytes a delta push sends against a full one, after 10 Adam steps of a 106M-parameter Qwen3 in bf16 at each
+# learning rate (benchmarks/delta_sync.py encodings; benchmarks/RESULTS.md, "Delta weight sync"). The share falls as
+# the steps go on (Adam's first steps move every weight by lr); the 10th step's is taken.
+DELTA_SENT_RATIO_BF16 = {1e-6: 0.0411, 1e-5: 0.1522}
+
+
+def delta_sent_ratio(model_dtype: str, lr: float, full_sync_every: int) -> tuple[float, str]:
+    """(bytes a step sends against a full push, how that was found). bf16 from the measured table, log-linear in
+    the learning rate between its points, the lowest point's below them (an upper bound: fewer weights change);
+    every full_sync_every-th push whole. What was not measured counts as full pushes: a rate above the table's
+    (the ratio climbs towards 1), and other dtypes (fp32 weights change in nearly every element at these rates)."""
+    (low, r_low), (high, r_high) = sorted(DELTA_SENT_RATIO_BF16.items())
+    if model_dtype != "bf16":
+        ratio, source = 1.0, f"model.dtype={model_dtype} not measured: counted whole"
+    elif lr > high:
+        ratio, source = 1.0, f"lr {lr:g} above the rates measured: counted whole"
+    else:
+        position = (math.log10(lr) - math.log10(low)) / (math.log10(high) - math.log10(low))
+        ratio = r_low if lr <= low else r_low + (r_high - r_low) * position
+        source = f"measured for bf16 at lr 1e-6 and 1e-5, here lr {lr:g}"
+    if full_sync_every:
+        ratio = (ratio * (full_sync_every - 1) + 1) / full_sync_every
+    return ratio, source
 
 
 def stage_layers(num_layers: int, megatron: MegatronConfig) -> list[list[int]]:
@@ -327,7 +358,11 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
     frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
     total = rollout_weight_bytes(spec, params) - frozen_vision
-    per_gpu = total / spec.rollout.tensor_parallel_size
+    ratio = None
+    if spec.rollout.weight_sync == "delta":
+        ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
+    per_gpu = total * (ratio or 1.0) / spec.rollout.tensor_parallel_size
     return WeightSync(
-        total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9)
+        total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9),
+        delta_ratio=ratio,
     )

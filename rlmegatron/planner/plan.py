@@ -15,6 +15,7 @@ from rlmegatron.planner.memory import (
     ScoringMemory,
     TrainingMemory,
     WeightSync,
+    delta_sent_ratio,
     engine_memory,
     micro_batch,
     resident_model_state,
@@ -290,7 +291,10 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "
         f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)",
         f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "
-        f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)",
+        f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)"
+        + ("" if sync.delta_ratio is None else
+           f"; delta: {sync.delta_ratio:.1%} of a full push per step ("
+           f"{delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)[1]})"),
         f"step time, estimated (a model, not a measurement; planner/step_time.py): ~{plan.step_time.total:.1f} s"
         + (" (generation overlaps training)" if plan.step_time.overlapped else ""),
         *(f"  {phase:<15} {seconds:>8.1f} s" for phase, seconds in plan.step_time.phases.items()),

@@ -24,6 +24,8 @@ Formulas and their sources:
   own GPU does not hold arrive from the trainer ranks that do (over NVLink within a node, else the network, at the
   same efficiency), then cross into the engine by CUDA IPC at IPC_EFFICIENCY of half the HBM bandwidth (a copy
   reads and writes).
+- Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
+  work on the whole policy at DELTA_HOST_GB_PER_S.
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
 
 The efficiency constants are fitted to published runs (benchmarks/RESULTS.md, "Step-time model"); the fit and the
@@ -49,6 +51,10 @@ BROADCAST_EFFICIENCY = 0.17
 IPC_EFFICIENCY = 0.5
 PCIE_EFFICIENCY = 0.6
 PREFILL_EFFICIENCY = 0.5
+DELTA_HOST_GB_PER_S = 0.84
+"""Delta sync's own work per byte of the policy (its copy to the host, the comparison with the last-sent copy, the
+records' serialization, the engine's rebuild): measured end to end on 2 CPU cores against a full push of the same
+model (benchmarks/RESULTS.md, "Delta weight sync"); no GPU figure yet."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
     phases["weight_sync"] = sync_seconds(sync_bytes_per_engine_gpu, colocated, shards, hw)
+    if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
+        phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:
         # What leaves the GPU while the engine runs; a CPU optimizer's state (offload.optimizer) never sits there.
         offload = spec.actor.offload

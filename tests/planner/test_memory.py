@@ -172,6 +172,28 @@ def test_engine_kv_budget_and_sync_bytes():
     assert plan.sync.seconds == pytest.approx(weights / 2 * 8 / 400e9)
 
 
+def test_delta_sync_plans_the_measured_share_of_a_full_push():
+    """rollout.weight_sync=delta: per step the share benchmarks/delta_sync.py measured for bf16 at the actor's lr
+    (log-linear between the measured rates), every full_sync_every-th push whole; fp32, unmeasured, counts whole."""
+    from rlmegatron.planner.memory import DELTA_SENT_RATIO_BF16, delta_sent_ratio
+    from rlmegatron.planner.step_time import DELTA_HOST_GB_PER_S
+
+    disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}
+    full = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated}))
+    for lr, ratio in DELTA_SENT_RATIO_BF16.items():
+        delta = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
+                            rollout={"weight_sync": "delta"}, actor={"optim": {"lr": lr}}))
+        assert delta.sync.bytes_per_engine_gpu == pytest.approx(full.sync.bytes_per_engine_gpu * ratio)
+        # ... and the host's work on the whole policy (the comparison, the records), at the CPU rate measured.
+        assert delta.step_time.phases["weight_sync"] == pytest.approx(
+            full.step_time.phases["weight_sync"] * ratio + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9))
+    between = delta_sent_ratio("bf16", 10 ** -5.5, 0)[0]
+    assert between == pytest.approx((DELTA_SENT_RATIO_BF16[1e-6] + DELTA_SENT_RATIO_BF16[1e-5]) / 2)
+    assert delta_sent_ratio("bf16", 1e-7, 0)[0] == DELTA_SENT_RATIO_BF16[1e-6] and delta_sent_ratio("bf16", 1, 0)[0] == 1
+    assert delta_sent_ratio("bf16", 1e-6, 4)[0] == pytest.approx((3 * DELTA_SENT_RATIO_BF16[1e-6] + 1) / 4)
+    assert delta_sent_ratio("fp32", 1e-6, 0)[0] == 1.0
+
+
 def test_mla_caches_the_compressed_latent():
     spec = _spec("deepseek-v3", {"tensor_model_parallel_size": 8, "sequence_parallel": True,
                                  "pipeline_model_parallel_size": 1},
