@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.errors import UserError, user_error_in
 from rlmegatron.convert_cli import main as convert_main
+from rlmegatron.driver.pool_control import request as pool_request
 from rlmegatron.tracking.curves import report as report_curves
 from rlmegatron.tracking.progress import ProgressBar
 
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("convert", "convert checkpoints between Hugging Face and Megatron formats", convert, False),
         ("prepare", "turn raw datasets into the parquet files a job spec reads", prepare, False),
         ("report", "redraw a run's curves.png from its MLflow store", report, False),
+        ("pool", "add engines to a running job's rollout pool, or take some away", pool, False),
     ):
         subparser = subcommands.add_parser(name, help=summary, description=summary)
         subparser.set_defaults(command=command)
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
             add_prepare_options(subparser)
         elif name == "report":
             subparser.add_argument("run_dir", metavar="RUN_DIR", help="the run's trainer.run_dir")
+        elif name == "pool":
+            subparser.add_argument("action", choices=("add", "remove"))
+            subparser.add_argument("count", type=int, metavar="COUNT", help="engines to add or take away")
+            subparser.add_argument("run_dir", metavar="RUN_DIR", help="the running job's trainer.run_dir")
         else:  # convert's own arguments arrive with the converter
             subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
@@ -178,6 +184,16 @@ def prepare(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace) -> int:
     print(report_curves(args.run_dir)[1], flush=True)
+    return EXIT_OK
+
+
+def pool(args: argparse.Namespace) -> int:
+    if args.count < 1:
+        print(f"rlm pool {args.action}: COUNT={args.count}: must be at least 1", file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
+    path = pool_request(args.run_dir, args.action, args.count)
+    print(f"asked the run in {args.run_dir} to {args.action} {args.count} rollout engine(s) at its next step "
+          f"({path.name})", flush=True)
     return EXIT_OK
 
 

@@ -98,6 +98,15 @@ def refuse_if_busy(run_dir: str | Path) -> None:
         os.close(fd)  # drops the lock it may have taken
 
 
+def in_use(run_dir: str | Path) -> bool:
+    """Whether a live process (`rlm train`) holds `run_dir`'s lock (`rlm pool` talks to that run)."""
+    try:
+        refuse_if_busy(run_dir)
+    except RunDirBusy:
+        return True
+    return False
+
+
 def _lock_or_refuse(fd: int, path: Path, run_dir: str | Path) -> None:
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

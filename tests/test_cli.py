@@ -11,7 +11,7 @@ from rlmegatron.cli import EXIT_BAD_SPEC, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = "configs/quickstart.yaml"
-SUBCOMMANDS = ("train", "validate", "plan", "convert", "prepare", "report")
+SUBCOMMANDS = ("train", "validate", "plan", "convert", "prepare", "report", "pool")
 
 
 def rlm(*args: str) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_validate_names_an_unknown_algorithm_or_plugin_and_exits_2(monkeypatch, 
     ]
 
 
-def test_help_lists_the_six_subcommands():
+def test_help_lists_the_seven_subcommands():
     result = rlm("--help")
     assert result.returncode == 0
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")]

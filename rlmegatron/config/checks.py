@@ -422,6 +422,7 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
                                     "on CPU, which cannot carry FP8 weights; use rollout.quantization=none, or "
                                     "placement.device=cuda (NCCL carries them)"))
     problems += _weight_sync_problems(spec)
+    problems += _engine_bound_problems(spec)
     if arch is None:
         return problems
     if arch.num_attention_heads % tp:
@@ -438,6 +439,25 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
         problems.append(SpecProblem("rollout.expert_parallel_size", ep, reason))
     if rollout.quantization == "fp8" and rollout.engine == "sglang":
         problems += _fp8_fusion_problems(arch, tp, ep)
+    return problems
+
+
+def _engine_bound_problems(spec: JobSpec) -> list[SpecProblem]:
+    bounds = spec.placement.engine_bounds(spec.rollout.tensor_parallel_size, spec.rollout.num_gpus)
+    if bounds is None:
+        return []
+    fewest, start, most = bounds
+    problems = []
+    if fewest > start:
+        problems.append(SpecProblem("placement.rollout_min_engines", fewest, f"exceeds the {start} engine(s) the "
+                                    f"rollout pool starts with; use at most {start}"))
+    if most < start:
+        problems.append(SpecProblem("placement.rollout_max_engines", most, f"is below the {start} engine(s) the "
+                                    f"rollout pool starts with; use at least {start}"))
+    if spec.rollout.autoscale and fewest == most:
+        problems.append(SpecProblem("rollout.autoscale", True, f"has no room: the pool's engines are bounded to "
+                                    f"{fewest}; set placement.rollout_min_engines below or rollout_max_engines above "
+                                    f"{start}"))
     return problems
 
 

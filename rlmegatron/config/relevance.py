@@ -189,6 +189,10 @@ RULES: tuple[Rule, ...] = (
          lambda s: s.rollout.engine == "sglang", _sglang_only,
          # The router fields have their own check (config/checks.py), which names the engine to use.
          exempt=("rollout.sglang.router", "rollout.sglang.router_url")),
+    Rule(("placement.rollout_min_engines", "placement.rollout_max_engines", "rollout.autoscale"),
+         lambda s: s.placement.mode == "disaggregate",
+         lambda s: "only a rollout pool of its own (placement.mode=disaggregate) can grow or shrink; colocated "
+                   "engines live in the trainer ranks; remove it or set placement.mode=disaggregate"),
     Rule(("rollout.full_sync_every",), lambda s: s.rollout.weight_sync == "delta",
          lambda s: "only delta weight sync has full pushes to space out (rollout.weight_sync is full); remove it or "
                    "set rollout.weight_sync=delta"),

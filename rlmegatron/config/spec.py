@@ -428,6 +428,10 @@ class RolloutConfig(SamplingParams):
     engines sample with those weights (SGLang serves them in FP8, the local engine dequantised), so the rollout's
     log-probs move further from the trainer's, which algorithm.rollout_correction can correct. Training keeps
     model.dtype."""
+    autoscale: bool = False
+    """Disaggregate: the driver adds an engine when generation was the bottleneck of two steps running (the trainer
+    waited for its rollout more than half of each step) and removes one that sat idle through three (it waited less
+    than a tenth), within placement.rollout_min_engines .. rollout_max_engines; its decisions are logged (pool/*)."""
     weight_sync: Literal["full", "delta"] = "full"
     """full: every weight sync sends every weight; delta: after a full push, each sync sends per tensor only the
     elements whose bits in the engine's dtype changed (positions or a bitmask, and their values: rollout/delta.py);
@@ -554,6 +558,13 @@ class PlacementConfig(Section):
     """Rollout nodes (disaggregate only)."""
     rollout_gpus_per_node: PositiveInt | None = None
     """Rollout GPUs per node (disaggregate only)."""
+    rollout_min_engines: PositiveInt | None = None
+    """Disaggregate: the fewest engines the rollout pool may shrink to while the job runs (`rlm pool remove`,
+    rollout.autoscale); null: the engines it starts with."""
+    rollout_max_engines: PositiveInt | None = None
+    """Disaggregate: the most engines the rollout pool may grow to while the job runs (`rlm pool add`,
+    rollout.autoscale), each joining on devices of its own (on Ray: a node with rollout.tensor_parallel_size free,
+    beside the job's pools); null: the engines it starts with."""
     transport: Literal["auto", "ray", "processes"] = "auto"
     """How `rlm train` starts the trainer ranks. ray: as Ray actors (any number of nodes; joins the cluster in
     RAY_ADDRESS, else starts a local one); processes: as processes of this machine, driven over pipes, without Ray
@@ -569,6 +580,13 @@ class PlacementConfig(Section):
         """Whether the ranks can run as processes of this machine: one node, and a rollout pool (if any) that
         needs no placing (on CPU its hosts run in the driver; GPUs of their own need Ray to place them)."""
         return self.nnodes == 1 and (self.mode == "colocate" or self.device == "cpu")
+
+    def engine_bounds(self, tensor_parallel_size: int, num_gpus: int | None) -> tuple[int, int, int] | None:
+        """(fewest, at the start, most) rollout engines of a disaggregated pool; None when colocated or undeclared."""
+        if self.mode == "colocate" or self.rollout_pool_size is None:
+            return None
+        start = (num_gpus or self.rollout_pool_size) // tensor_parallel_size
+        return self.rollout_min_engines or start, start, self.rollout_max_engines or start
 
     @property
     def rollout_pool_size(self) -> int | None:

@@ -16,7 +16,11 @@ trainer ranks and must not fail on one server); the generation that next meets i
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import collections
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
 
 from rlmegatron.driver.rollout_data import merge_results, shard_requests
 from rlmegatron.driver.trainer_client import TrainerClient
@@ -27,11 +31,13 @@ from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.client import ServerUnavailable
 from rlmegatron.rollout.sglang.servers import ServerDevices, server_nodes
 from rlmegatron.tracking.progress import Progress
-from rlmegatron.transport.placement import ResourcePool
+from rlmegatron.transport.placement import ResourcePool, create_pool, remove_pool
 from rlmegatron.transport.worker_group import group_on
 
 HOST_CONCURRENCY = 4
 """Calls a rollout-pool host runs at once."""
+JOIN_WAIT_S = 60.0
+"""How long an engine that joins a running job waits for Ray to place its hosts."""
 
 Answers = dict[int, Optional[list[GenerationResult]]]
 
@@ -44,6 +50,10 @@ class EngineBackend(Protocol):
     @property
     def count(self) -> int:
         ...
+
+    @property
+    def engines(self) -> list[int]:
+        """The engines' numbers (0 .. count-1, unless engines joined or left the pool)."""
 
     def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
         """Engine -> its samples for its share; None: it restarted and holds no weights."""
@@ -66,6 +76,12 @@ class EngineBackend(Protocol):
     def alive(self, engines: list[int]) -> list[int]:
         """Those of `engines`, left out of a push, that still answer: it was refused, not lost."""
 
+    def add(self, count: int) -> list[int]:
+        """`count` engines started (they hold no weights yet); their numbers."""
+
+    def remove(self, engines: list[int]) -> None:
+        """`engines` stopped and forgotten."""
+
     def shutdown(self) -> None:
         ...
 
@@ -81,8 +97,12 @@ class EngineFleet:
         """What the pushes since the last `sync_metrics` carried."""
         self.version = INITIAL_VERSION
         """The weights the engines should hold: the last pushed."""
-        self.versions: dict[int, Optional[str]] = dict.fromkeys(range(backend.count), held)
+        self.versions: dict[int, Optional[str]] = dict.fromkeys(backend.engines, held)
         """Each engine's weights; None: none (started or restarted, not yet pushed to)."""
+        self.membership = threading.Condition()
+        self.busy: collections.Counter[int] = collections.Counter()
+        """Generations running on each engine: one that leaves waits for its own to end (`shrink`)."""
+        self.leaving: set[int] = set()
         if held is None:
             self.sync(INITIAL_VERSION)
 
@@ -92,13 +112,50 @@ class EngineFleet:
 
     def generate(self, requests: list[GenerationRequest], progress: Progress = None) -> list[GenerationResult]:
         """Every request's samples, the requests spread evenly over the engines, in request order."""
-        shares = shard_requests(requests, self.count)
-        answers = self.backend.generate(dict(enumerate(shares)), progress)
-        # Each engine bounds its own restarts, so this loop ends.
-        while restarted := [engine for engine, answer in answers.items() if answer is None]:
-            self._recover(restarted)
-            answers.update(self.backend.generate({engine: shares[engine] for engine in restarted}, progress))
-        return merge_results(shares, [answers[engine] for engine in range(len(shares))])
+        with self.membership:
+            engines = [engine for engine in self.backend.engines if engine not in self.leaving]
+            self.busy.update(engines)
+        try:
+            shares = dict(zip(engines, shard_requests(requests, len(engines))))
+            answers = self.backend.generate(shares, progress)
+            # Each engine bounds its own restarts, so this loop ends.
+            while restarted := [engine for engine, answer in answers.items() if answer is None]:
+                self._recover(restarted)
+                answers.update(self.backend.generate({engine: shares[engine] for engine in restarted}, progress))
+        finally:
+            with self.membership:
+                self.busy.subtract(engines)
+                self.membership.notify_all()
+        return merge_results(list(shares.values()), [answers[engine] for engine in shares])
+
+    def grow(self, count: int) -> list[int]:
+        """`count` engines more (the backend starts them), each given the fleet's weights whole before it takes a
+        request; returns their numbers."""
+        with self.backend.ranks.owner:  # the push is collective over the trainer ranks
+            added = self.backend.add(count)
+            with self.membership:
+                self.versions.update(dict.fromkeys(added, None))
+            if down := self._push(self.version, added, fresh=True):
+                self.backend.remove(added)
+                with self.membership:
+                    for engine in added:
+                        del self.versions[engine]
+                raise ServerUnavailable(f"rollout engines {down} went down while they got their first weights")
+            self._pushed(self.version, added)
+        return added
+
+    def shrink(self, engines: list[int]) -> None:
+        """`engines` leave: no new request goes to them, what they run now finishes (no sample is lost), then they
+        stop, leave the router and trainer rank 0's weight-update groups."""
+        with self.membership:
+            self.leaving.update(engines)
+            self.membership.wait_for(lambda: not any(self.busy[engine] for engine in engines))
+        with self.backend.ranks.owner:  # no push to them is under way, and none starts
+            self.backend.remove(engines)
+            with self.membership:
+                for engine in engines:
+                    self.versions.pop(engine, None)
+                self.leaving.difference_update(engines)
 
     def release_memory(self) -> None:
         self.backend.release_memory()
@@ -106,7 +163,7 @@ class EngineFleet:
     def sync(self, version: str) -> None:
         """`version` of the trained weights to every engine that can take it now; whole to one that holds none."""
         with self.backend.ranks.owner:  # collective over the trainer ranks (TrainerClient.owner)
-            asked = list(range(self.count))
+            asked = list(self.backend.engines)
             ready = self.backend.pause(asked)
             try:
                 fresh = [engine for engine in ready if self.versions[engine] is None]
@@ -179,6 +236,16 @@ class InTrainerRanks:
     def count(self) -> int:
         return len(self.leaders)
 
+    @property
+    def engines(self) -> list[int]:
+        return list(range(self.count))
+
+    def add(self, count: int) -> list[int]:
+        raise NotImplementedError("colocated engines live in the trainer ranks: the pool cannot grow (config/checks.py "
+                                  "refuses rollout_max_engines with placement.mode=colocate)")
+
+    remove = add
+
     def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
         replies = self.ranks.generate({self.leaders[engine]: share for engine, share in shares.items()}, progress)
         return {engine: replies[self.leaders[engine]] for engine in shares}
@@ -208,43 +275,131 @@ class InTrainerRanks:
         """The ranks stop their engines when the ranks shut down."""
 
 
+@dataclass
+class EngineSlot:
+    """One server of the rollout pool: its hosts (members of `hosts`), where its TP ranks sit, its URL."""
+
+    hosts: Any
+    """The WorkerGroup[EngineHost] its hosts are members of: the pool's first group, or one of its own (joined)."""
+    node_hosts: list[int]
+    """The launching host of each of its nodes, node 0's (the leader) last."""
+    url: str
+    devices: ServerDevices
+    own_group: bool
+    pool: Optional[ResourcePool] = None
+    """Joined on Ray: the placement group of its own hosts."""
+
+    @property
+    def leader(self) -> int:
+        return self.node_hosts[-1]
+
+
 class OnRolloutPool:
     """Disaggregated: the servers of the rollout pool. Their hosts are Ray actors on `pool`, or (no pool: a run
-    without Ray) live in this process."""
+    without Ray) live in this process. Engines may join (`add`: on Ray, each on a placement group of its own) and
+    leave (`remove`) while the job runs."""
 
     def __init__(self, settings: RolloutSettings, ranks: TrainerClient, pool: Optional[ResourcePool] = None) -> None:
-        self.ranks = ranks
-        size = settings.pool_size
+        self.settings, self.ranks, self.pool = settings, ranks, pool
+        self.slots: dict[int, EngineSlot] = {}
+        self.lock = threading.Lock()
+        """Held while `slots` changes: generation ahead (one_step_off, async) reads it meanwhile."""
+        self.next_engine = 0
+        """Engines are numbered in the order they joined; a number is never given twice."""
         # A host serves its engine's generation and, meanwhile (trainer.mode one_step_off, async), the weight push.
-        self.hosts = group_on(pool, size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
-        places = self.hosts.call_all(EngineHost.place)
-        tp_size = settings.tensor_parallel_size
-        layout = server_nodes(places, tp_size, size // tp_size)
-        self.devices: list[ServerDevices] = [tuple((places[slot].node, places[slot].device)
-                                                   for node in nodes for slot in node.slots) for nodes in layout]
-        """Per engine, where its TP ranks sit: trainer rank 0 picks its weight-update group's backend from it."""
+        self.hosts = group_on(pool, settings.pool_size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
+        self._launch(self.hosts, own_group=False)
+        self._connect(self.engines)
+
+    def _launch(self, hosts, own_group: bool) -> list[int]:
+        """A server on every `tensor_parallel_size` hosts of `hosts`; their engine numbers."""
+        places = hosts.call_all(EngineHost.place)
+        tp_size = self.settings.tensor_parallel_size
+        layout = server_nodes(places, tp_size, len(places) // tp_size)
         # Per engine: the launching host of each node, node 0's (the leader) last, so the hosts in this process
         # have started the other nodes before the leader waits for the whole server.
-        self.node_hosts = [[node.slots[0] for node in nodes[1:] + nodes[:1]] for nodes in layout]
-        self.leaders = [hosts[-1] for hosts in self.node_hosts]
         launches = {node.slots[0]: ([places[slot].device for slot in node.slots], node)
                     for nodes in layout for node in nodes[1:] + nodes[:1]}
-        urls = self.hosts.call_each(EngineHost.launch, launches)
-        self.urls = [urls[leader] for leader in self.leaders]
-        self._connect(list(range(self.count)))
+        urls = hosts.call_each(EngineHost.launch, launches)
+        with self.lock:
+            first = self.next_engine
+            for offset, nodes in enumerate(layout):
+                node_hosts = [node.slots[0] for node in nodes[1:] + nodes[:1]]
+                # Where its TP ranks sit: trainer rank 0 picks its weight-update group's backend from it.
+                devices = tuple((places[slot].node, places[slot].device) for node in nodes for slot in node.slots)
+                self.slots[first + offset] = EngineSlot(hosts, node_hosts, urls[node_hosts[-1]], devices, own_group)
+            self.next_engine += len(layout)
+        return list(range(first, first + len(layout)))
 
     @property
     def count(self) -> int:
-        return len(self.leaders)
+        return len(self.slots)
+
+    @property
+    def engines(self) -> list[int]:
+        with self.lock:
+            return sorted(self.slots)
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.slots[engine].url for engine in self.engines]
+
+    @property
+    def leaders(self) -> list[int]:
+        return [self.slots[engine].leader for engine in self.engines]
+
+    def _each(self, method: Callable[..., Any], per_engine: dict[int, tuple]) -> dict[int, Any]:
+        """`method` on each engine's leader host, with its arguments; engines whose hosts are in different groups
+        (one joined mid-run) are called at once, each group on a thread."""
+        by_group: dict[int, dict[int, tuple]] = {}
+        for engine, args in per_engine.items():
+            by_group.setdefault(id(self.slots[engine].hosts), {})[engine] = args
+
+        def call(engines: dict[int, tuple]) -> dict[int, Any]:
+            hosts = self.slots[next(iter(engines))].hosts
+            replies = hosts.call_each(method, {self.slots[e].leader: args for e, args in engines.items()})
+            return {e: replies[self.slots[e].leader] for e in engines}
+
+        if len(by_group) <= 1:
+            return call(next(iter(by_group.values()))) if by_group else {}
+        with ThreadPoolExecutor(len(by_group)) as threads:
+            return {e: reply for replies in threads.map(call, by_group.values()) for e, reply in replies.items()}
 
     def _connect(self, engines: list[int]) -> None:
         """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
-        self.ranks.connect_engines([(e, self.urls[e], self.devices[e]) for e in engines])
+        self.ranks.connect_engines([(e, self.slots[e].url, self.slots[e].devices) for e in engines])
+
+    def add(self, count: int) -> list[int]:
+        """`count` servers more, each on hosts of its own: on Ray a placement group per server
+        (`placement.engine_pool`: PlacementUnsatisfiable, one line, when the cluster has no room), else in this
+        process. Trainer rank 0 joins a weight-update group with each; they hold no weights yet."""
+        added = []
+        tp_size = self.settings.tensor_parallel_size
+        for _ in range(count):
+            pool = None if self.pool is None else create_pool("rollout engine", 1, tp_size, self.settings.device,
+                                                             JOIN_WAIT_S, self.pool.shared)
+            hosts = group_on(pool, tp_size, EngineHost, self.settings, concurrency=HOST_CONCURRENCY)
+            joined = self._launch(hosts, own_group=True)
+            for engine in joined:
+                self.slots[engine].pool = pool
+            added += joined
+        self._connect(added)
+        return added
+
+    def remove(self, engines: list[int]) -> None:
+        """Each server stops (leaving the router first) and trainer rank 0 leaves its weight-update group; hosts
+        started for it alone go too (and, on Ray, their placement group)."""
+        self.ranks.disconnect_engines(engines)
+        for engine in engines:
+            with self.lock:
+                slot = self.slots.pop(engine)
+            if slot.own_group:
+                self._release(slot)
+            else:  # its hosts are members of the pool's first group, which lives on
+                slot.hosts.call_each(EngineHost.shutdown, {host: () for host in slot.node_hosts})
 
     def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
-        replies = self.hosts.call_each(EngineHost.generate,
-                                       {self.leaders[e]: (share, progress) for e, share in shares.items()})
-        return {e: replies[self.leaders[e]] for e in shares}
+        return self._each(EngineHost.generate, {e: (share, progress) for e, share in shares.items()})
 
     def release_memory(self) -> None:
         """Disaggregated servers keep their memory: nothing else runs on their GPUs."""
@@ -252,28 +407,38 @@ class OnRolloutPool:
     def relaunch(self, engines: list[int]) -> None:
         """The server's other nodes start again, node 0 waits for them, and it joins a new weight-update group (a
         restarted server left its old one)."""
-        self.hosts.call_each(EngineHost.relaunch, {host: () for e in engines for host in self.node_hosts[e]})
+        for engine in engines:
+            slot = self.slots[engine]
+            slot.hosts.call_each(EngineHost.relaunch, {host: () for host in slot.node_hosts})
         self._connect(engines)
 
     def pause(self, engines: list[int]) -> list[int]:
         """Each server holds its generation for the push, which takes an update call per bucket: no request runs
         on half-updated weights (`SGLangEngine.pause_generation`). A server that is down, or restarted and so
         outside trainer rank 0's weight-update group (`EngineHost.takes_weights`), is left out."""
-        leaders = {self.leaders[e]: () for e in engines}
-        paused = self.hosts.call_each(EngineHost.pause_generation, leaders)
-        ready = self.hosts.call_each(EngineHost.takes_weights, leaders)
-        return [e for e in engines if ready[self.leaders[e]] and paused[self.leaders[e]]]
+        paused = self._each(EngineHost.pause_generation, dict.fromkeys(engines, ()))
+        ready = self._each(EngineHost.takes_weights, dict.fromkeys(engines, ()))
+        return [e for e in engines if ready[e] and paused[e]]
 
     def resume(self, engines: list[int]) -> None:
-        self.hosts.call_each(EngineHost.continue_generation, {self.leaders[e]: () for e in engines})
+        self._each(EngineHost.continue_generation, dict.fromkeys(engines, ()))
 
     def alive(self, engines: list[int]) -> list[int]:
         """Those of `engines` whose server answers: a push failed on them though they live (it was refused)."""
-        replies = self.hosts.call_each(EngineHost.takes_weights, {self.leaders[e]: () for e in engines})
-        return [e for e in engines if replies[self.leaders[e]]]
+        replies = self._each(EngineHost.takes_weights, dict.fromkeys(engines, ()))
+        return [e for e in engines if replies[e]]
 
     def pushed(self, version: str, engines: list[int]) -> None:
-        self.hosts.call_each(EngineHost.weights_pushed, {self.leaders[e]: (version,) for e in engines})
+        self._each(EngineHost.weights_pushed, {e: (version,) for e in engines})
 
     def shutdown(self) -> None:
+        for slot in list(self.slots.values()):
+            if slot.own_group:
+                self._release(slot)
         self.hosts.shutdown()
+
+    @staticmethod
+    def _release(slot: EngineSlot) -> None:
+        slot.hosts.shutdown()
+        if slot.pool is not None:
+            remove_pool(slot.pool)

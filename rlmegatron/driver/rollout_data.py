@@ -262,13 +262,15 @@ def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float]:
-    """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths."""
+    """verl's data metrics: scores, rewards, advantages, returns, values, response and prompt lengths; and the
+    number of samples."""
     batch = rollout.batch
     mask = batch.response_mask.bool()
     # Every response token, a multi-turn response's tool answers too: the budget they share is max_response_length.
     response_lengths = batch.attention_mask[:, -batch.response_mask.shape[1]:].sum(-1)
     prompt_lengths = batch.attention_mask.sum(-1) - response_lengths
     metrics = {
+        "rollout/samples": float(len(rollout.scores)),  # the step's responses: none lost to an engine that left
         **_stats("critic/score", rollout.scores),
         **_stats("critic/rewards", rollout.rewards),
         **_stats("response_length", response_lengths),

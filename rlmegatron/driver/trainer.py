@@ -43,6 +43,7 @@ from rlmegatron.driver.rollout_data import (
     token_level,
     traced_samples,
 )
+from rlmegatron.driver.pool_control import PoolControl
 from rlmegatron.errors import Divergence, OffPolicy, UserError, WeightSyncMismatch, user_error_in
 from rlmegatron.rewards import NonFiniteReward, RewardResult, UnusableRewards, step_reward_metrics
 from rlmegatron.rollout.engine import GenerationRequest
@@ -121,6 +122,11 @@ class Trainer:
     def __init__(self, spec, ranks: TrainerClient, engines: EngineFleet, tokenizer, train_loader, val_dataset,
                  reward_manager, tracker, checkpoints):
         self.spec, self.ranks, self.engines, self.tokenizer = spec, ranks, engines, tokenizer
+        bounds = spec.placement.engine_bounds(spec.rollout.tensor_parallel_size, spec.rollout.num_gpus)
+        # A rollout pool of its own may grow and shrink between steps (driver/pool_control.py).
+        self.pool = None if bounds is None else PoolControl(engines, spec.trainer.run_dir, bounds,
+                                                            spec.rollout.autoscale)
+        self.last_metrics: Optional[dict[str, float]] = None
         self.train_loader, self.val_dataset = train_loader, val_dataset
         # A vision-language dataset's image processor: the actor's batches carry their prompts' pixels.
         self.image_prompts = getattr(train_loader.dataset, "image_prompts", None)
@@ -150,6 +156,8 @@ class Trainer:
             self.step += 1
             timer, metrics = Timer(), {}
             with timer("step"), self.stop_on_failed_step():
+                if self.pool is not None:
+                    metrics.update(self.pool.at_step(self.last_metrics))
                 produced = self.next_rollout(rollouts, metrics)
                 rollout = produced.rollout
                 baselines = self.greedy_baselines(rollout, timer, metrics) if self.uses_greedy_baseline else None
@@ -189,6 +197,7 @@ class Trainer:
             if _every(trainer.test_freq, self.step) and self.val_dataset is not None:
                 metrics.update(self.validate())
             self.tracker.log_metrics(metrics, step=self.step)
+            self.last_metrics = metrics
             self.trace(rollout)
             if _every(trainer.save_freq, self.step) or (trainer.save_freq > 0 and self.step == self.total_steps()):
                 with self.stop_on_failed_step():  # a rank that dies while it saves

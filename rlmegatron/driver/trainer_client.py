@@ -72,6 +72,9 @@ class TrainerClient:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
+    def disconnect_engines(self, engines: list[int]) -> None:
+        self.group.call_all(PolicyRank.disconnect_engines, engines)
+
     def relaunch_engines(self, engines: list[int]) -> None:
         self.group.call_all(PolicyRank.relaunch_engines, engines)
 

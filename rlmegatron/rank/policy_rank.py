@@ -81,6 +81,10 @@ class PolicyRank:
         """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
         self.weights.connect(endpoints)
 
+    def disconnect_engines(self, engines: list[int]) -> None:
+        """Disaggregated: `engines` left the pool; rank 0 leaves their weight-update groups."""
+        self.weights.disconnect(engines)
+
     def relaunch_engines(self, engines: list[int]) -> None:
         """Colocated: the `engines` restarted; this rank's part of one of them starts again."""
         if self.engine is not None:

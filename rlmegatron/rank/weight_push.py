@@ -101,6 +101,14 @@ class WeightPush:
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}", backend)
             self.distributed.connect(engine, url, len(devices), group)
 
+    def disconnect(self, engines: list[int]) -> None:
+        """`engines` left the pool: rank 0 forgets them and their weight-update groups."""
+        for engine in engines:
+            self.server_urls.pop(engine, None)
+            self.loaded_adapters.pop(engine, None)
+            if self.distributed is not None:
+                self.distributed.disconnect(engine)
+
     def sync(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
         """The trained weights to `engines` (None: every engine). `fresh`: they hold no weights (just built or
         restarted), so they get the whole model: with adapter sync the base weights too, and a frozen vision tower;

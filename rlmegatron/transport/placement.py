@@ -206,14 +206,20 @@ def create_pools(placement: PlacementConfig, shared: Optional[SharedFiles] = Non
     return Pools(trainer, rollout)
 
 
-def create_pool(name: str, nnodes: int, per_node: int, device: str, wait_s: float = PLACEMENT_WAIT_S) -> ResourcePool:
-    """One pool of `nnodes` x `per_node` ranks, outside a job (tests, benchmarks)."""
+def create_pool(name: str, nnodes: int, per_node: int, device: str, wait_s: float = PLACEMENT_WAIT_S,
+                shared: Optional[SharedFiles] = None) -> ResourcePool:
+    """One pool of `nnodes` x `per_node` ranks: outside a job (tests, benchmarks), or a rollout engine that joins a
+    running job (`shared`: the job's files)."""
     ask = Ask(name, nnodes, per_node, f"{nnodes} x {per_node}")
     nodes = alive_nodes()
     problem = missing(nodes, device, ask)
     if problem:
         raise PlacementUnsatisfiable(f"placement: {problem}")
-    return _placed_pools([ask], device, wait_s, nodes, None)[0]
+    return _placed_pools([ask], device, wait_s, nodes, shared)[0]
+
+
+def remove_pool(pool: ResourcePool) -> None:
+    _remove(pool.placement_group)
 
 
 def _placed_pools(asks: Sequence[Ask], device: str, wait_s: float, nodes: Sequence[Node],

@@ -33,6 +33,10 @@ AGENT_TURNS = "tests/agent/test_trajectories.py::test_max_turns_ends_a_trajector
 AGENT_CALLS = "tests/agent/test_tools.py::test_hermes_reads_every_call_of_a_turn_and_names_what_is_malformed"
 TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answers_with_an_error_message_instead"
 
+# A rollout pool that grows and shrinks (rlmegatron/driver/pool_control.py).
+POOL_CONTROL = "tests/driver/test_pool_control.py::"
+ELASTIC = "tests/driver/test_elastic_pool.py::test_engines_join_and_leave_a_running_job_and_no_sample_is_lost"
+
 # Delta weight sync (rlmegatron/rollout/delta.py).
 DELTA_SYNC = "tests/driver/test_delta_sync.py::"
 
@@ -388,6 +392,13 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement.mode": ("engines in the trainer ranks or on their own pool", (ROUTED_RUN, ASYNC_RUN)),
     "placement.nnodes": ("trainer nodes, distinct ones", (TRAINER_POOL, MULTI_NODE)),
     "placement.rollout_gpus_per_node": ("rollout pool GPUs per node", (DISAGGREGATED_SERVER, ENGINE_POOL)),
+    "placement.rollout_max_engines": ("the most engines the rollout pool grows to while the job runs",
+                                      (ELASTIC, POOL_CONTROL + "test_requests_are_taken_once_in_order_and_cut_to_the_"
+                                       "bounds", "tests/config/test_checks.py::test_check_fires_with_field_value_and_"
+                                       "fix")),
+    "placement.rollout_min_engines": ("the fewest engines the rollout pool shrinks to while the job runs",
+                                      (POOL_CONTROL + "test_requests_are_taken_once_in_order_and_cut_to_the_bounds",
+                                       "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),
     "placement.rollout_nnodes": ("rollout pool nodes, of its own where the cluster has them",
                                  (DISAGGREGATED_SERVER, ENGINE_POOL, OWN_NODES)),
     "placement.transport": ("trainer ranks as local processes without Ray, or as Ray actors",
@@ -430,6 +441,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward.overlong_buffer.length": ("DAPO overlong buffer", (DAPO_PENALTY,)),
     "reward.overlong_buffer.penalty_factor": ("DAPO overlong penalty scale", (PENALTY_FACTOR,)),
     "reward.timeout_s": ("time a reward call may take", (REWARD_TIMEOUT,)),
+    "rollout.autoscale": ("the driver adds and removes engines from the share of each step spent waiting",
+                          (POOL_CONTROL + "test_autoscale_adds_when_the_trainer_waited_two_steps_and_removes_after_"
+                           "three_idle_ones",)),
     "rollout.enable_dp_attention": ("SGLang DP attention", (LAUNCH,)),
     "rollout.engine": ("local or SGLang engines", (COLOCATED_SERVER,)),
     "rollout.expert_parallel_size": ("SGLang expert parallelism", (LAUNCH,)),

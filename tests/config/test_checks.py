@@ -666,6 +666,29 @@ CASES = [
         id="fp8-to-sglang-never-over-gloo",
     ),
     pytest.param(
+        {"placement.mode": "disaggregate", "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 2,
+         "placement.rollout_min_engines": 3},
+        "tiny-qwen3",
+        "job.yaml: placement.rollout_min_engines=3: exceeds the 2 engine(s) the rollout pool starts with; use at most 2",
+        id="pool-min-above-its-start",
+    ),
+    pytest.param(
+        {"placement.mode": "disaggregate", "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 2,
+         "placement.rollout_max_engines": 1},
+        "tiny-qwen3",
+        "job.yaml: placement.rollout_max_engines=1: is below the 2 engine(s) the rollout pool starts with; use at "
+        "least 2",
+        id="pool-max-below-its-start",
+    ),
+    pytest.param(
+        {"placement.mode": "disaggregate", "placement.rollout_nnodes": 1, "placement.rollout_gpus_per_node": 2,
+         "rollout.autoscale": True},
+        "tiny-qwen3",
+        "job.yaml: rollout.autoscale=true: has no room: the pool's engines are bounded to 2; set "
+        "placement.rollout_min_engines below or rollout_max_engines above 2",
+        id="autoscale-needs-room",
+    ),
+    pytest.param(
         {"rollout.engine": "sglang", "rollout.weight_sync": "delta"},
         "tiny-qwen3",
         "job.yaml: rollout.weight_sync=delta: colocated SGLang takes each bucket by IPC from the trainer rank on its "

@@ -95,6 +95,10 @@ class FakeEngines:
     relaunched: list[list[int]] = field(default_factory=list)
     ranks: Optional["FakeRanks"] = None
 
+    @property
+    def engines(self) -> list[int]:
+        return list(range(self.count))
+
     def generate(self, shares: dict[int, list[GenerationRequest]], progress=None) -> dict[int, list[GenerationResult]]:
         self.calls.append((self.label, [request for share in shares.values() for request in share]))
         answers = {}

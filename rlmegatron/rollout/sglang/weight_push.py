@@ -79,6 +79,14 @@ class DistributedWeightPush:
         self.servers[key] = (client, group, process_group)
         self.tp_sizes[key] = tp_size
 
+    def disconnect(self, key: int) -> None:
+        """Server `key` left: its group goes (the server, stopping, leaves it too)."""
+        server = self.servers.pop(key, None)
+        self.tp_sizes.pop(key, None)
+        if server is not None:
+            with contextlib.suppress(Exception):  # a group whose peer is gone may fail to tear down; it is unused
+                torch.distributed.destroy_process_group(server[2])
+
     def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None,
              as_records: Callable[[Iterable[FlattenedBucket]], Iterable[list[NamedTensor]]] | None = None
              ) -> list[int]:

@@ -1,0 +1,60 @@
+"""`rlm train` disaggregated with a pool that goes 1 -> 3 -> 2 engines mid-run (`rlm pool add 2`, then `remove 1`,
+asked while it trains): every step keeps all its samples, every engine holds the trained weights bit for bit at every
+step it serves (delta sync with trainer.check_sync_every=1: a joined engine's first push is whole), and in
+trainer.mode=async the staleness bound holds across the changes (the loop refuses a sample past it)."""
+import re
+import subprocess
+
+import pytest
+
+from rlmegatron.driver.pool_control import request
+from tests.driver.test_train import QUICKSTART, REPO_ROOT, RLM
+from tests.helpers import warm_runs
+
+STEPS = 14
+SAMPLES = 128  # the quickstart's 16 prompts x 8 responses
+
+
+def _values(stdout: str, metric: str) -> list[float]:
+    return [float(value) for value in re.findall(rf"{re.escape(metric)}\s+([-\d.e]+)", stdout)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_engines_join_and_leave_a_running_job_and_no_sample_is_lost(tmp_path, mode):
+    run_dir = tmp_path / "run"
+    errors = open(tmp_path / "stderr", "w")
+    process = warm_runs.popen(
+        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", f"trainer.mode={mode}",
+         "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
+         "placement.gpus_per_node=1", "placement.rollout_max_engines=3", "trainer.val_before_train=false",
+         "trainer.test_freq=-1", "~data.val_files", "trainer.save_freq=-1", "trainer.log_freq=1",
+         "tracking.backends=[console]", "rollout.weight_sync=delta", "trainer.check_sync_every=1"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=errors)
+    lines, seen = [], []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            seen += [int(float(count)) for count in re.findall(r"pool/engines\s+([\d.]+)", line)]
+            if len(seen) == 2 and "asked add" not in lines:  # step 2's table is out: ask while it trains
+                request(str(run_dir), "add", 2)
+                lines.append("asked add")
+            if seen and seen[-1] == 3 and "asked remove" not in lines:
+                request(str(run_dir), "remove", 1)
+                lines.append("asked remove")
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        errors.close()
+    stdout = "".join(line for line in lines if not line.startswith("asked "))
+    stdout += (tmp_path / "stderr").read_text()
+    assert code == 0, stdout[-3000:]
+    engines = [int(count) for count in _values(stdout, "pool/engines")]
+    assert len(engines) == STEPS and [count for i, count in enumerate(engines)
+                                      if i == 0 or count != engines[i - 1]] == [1, 3, 2], engines
+    assert _values(stdout, "rollout/samples") == [SAMPLES] * STEPS
+    assert re.search(r"rollout pool: rlm pool add: engine\(s\) \[1, 2\] joined with the weights of step_\d+; 3 "
+                     r"engines", stdout)
+    assert "rollout pool: rlm pool remove: engine(s) [2] left after their samples; 2 engines" in stdout
+    if mode == "async":
+        assert max(_values(stdout, "training/staleness/max")) <= 2  # trainer.max_staleness's default
