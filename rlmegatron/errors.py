@@ -20,6 +20,11 @@ class UserError(Exception):
     """Base of every error type that reports a user's mistake (SpecError, DatasetError, PluginError, ...)."""
 
 
+class EngineCannotJoin(RuntimeError):
+    """A rollout engine asked to join a running job did not start or take its first weights; the run goes on
+    without it."""
+
+
 class WeightSyncMismatch(RuntimeError):
     """An engine's weights after a sync are not what a full push gives (trainer.check_sync_every): the samples it
     would make come from other weights than the trainer's."""

@@ -25,10 +25,12 @@ from typing import Any, Callable, Optional, Protocol
 from rlmegatron.driver.rollout_data import merge_results, shard_requests
 from rlmegatron.driver.trainer_client import TrainerClient
 from rlmegatron.pool.engine_host import EngineHost
+from rlmegatron.errors import EngineCannotJoin
 from rlmegatron.rollout.delta import SyncBytes
 from rlmegatron.rollout.engine import INITIAL_VERSION, GenerationRequest, GenerationResult
 from rlmegatron.rollout.settings import RolloutSettings
 from rlmegatron.rollout.sglang.client import ServerUnavailable
+from rlmegatron.rollout.sglang.server import ServerStartupError
 from rlmegatron.rollout.sglang.servers import ServerDevices, server_nodes
 from rlmegatron.tracking.progress import Progress
 from rlmegatron.transport.placement import ResourcePool, create_pool, remove_pool
@@ -140,7 +142,7 @@ class EngineFleet:
                 with self.membership:
                     for engine in added:
                         del self.versions[engine]
-                raise ServerUnavailable(f"rollout engines {down} went down while they got their first weights")
+                raise EngineCannotJoin(f"rollout engines {down} went down while they got their first weights")
             self._pushed(self.version, added)
         return added
 
@@ -375,15 +377,24 @@ class OnRolloutPool:
         process. Trainer rank 0 joins a weight-update group with each; they hold no weights yet."""
         added = []
         tp_size = self.settings.tensor_parallel_size
-        for _ in range(count):
-            pool = None if self.pool is None else create_pool("rollout engine", 1, tp_size, self.settings.device,
-                                                             JOIN_WAIT_S, self.pool.shared)
-            hosts = group_on(pool, tp_size, EngineHost, self.settings, concurrency=HOST_CONCURRENCY)
-            joined = self._launch(hosts, own_group=True)
-            for engine in joined:
-                self.slots[engine].pool = pool
-            added += joined
-        self._connect(added)
+        try:
+            for _ in range(count):
+                pool = None if self.pool is None else create_pool("rollout engine", 1, tp_size, self.settings.device,
+                                                                 JOIN_WAIT_S, self.pool.shared)
+                hosts = None
+                try:
+                    hosts = group_on(pool, tp_size, EngineHost, self.settings, concurrency=HOST_CONCURRENCY)
+                    joined = self._launch(hosts, own_group=True)
+                except (ServerStartupError, ServerUnavailable) as failed:  # it never served: nothing to keep
+                    self._release(EngineSlot(hosts, [], "", (), True, pool) if hosts is not None else None, pool)
+                    raise EngineCannotJoin(f"a rollout engine did not start: {failed}") from None
+                for engine in joined:
+                    self.slots[engine].pool = pool
+                added += joined
+            self._connect(added)
+        except BaseException:
+            self.remove(added)  # those that did start, whatever stopped the others
+            raise
         return added
 
     def remove(self, engines: list[int]) -> None:
@@ -438,7 +449,10 @@ class OnRolloutPool:
         self.hosts.shutdown()
 
     @staticmethod
-    def _release(slot: EngineSlot) -> None:
-        slot.hosts.shutdown()
-        if slot.pool is not None:
-            remove_pool(slot.pool)
+    def _release(slot: Optional[EngineSlot], pool: Optional[ResourcePool] = None) -> None:
+        """A joined engine's own hosts, and its placement group (`pool` when its hosts never started)."""
+        if slot is not None:
+            slot.hosts.shutdown()
+            pool = slot.pool or pool
+        if pool is not None:
+            remove_pool(pool)

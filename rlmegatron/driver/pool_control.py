@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from rlmegatron.errors import UserError
+from rlmegatron.errors import EngineCannotJoin, UserError
 from rlmegatron.run_dir import in_use
 
 REQUESTS_DIR = "pool_requests"
@@ -97,7 +97,7 @@ class PoolControl:
                 return 0
             try:
                 added = self.fleet.grow(take)
-            except UserError as refused:  # no room on the cluster: the run goes on with the engines it has
+            except (UserError, EngineCannotJoin) as refused:  # no room, or it did not start: the run goes on
                 self.say(f"rollout pool: {why}: no engine could join: {refused}")
                 return 0
             self.say(f"rollout pool: {why}: engine(s) {added} joined with the weights of {self.fleet.version}; "

@@ -97,3 +97,19 @@ def test_rlm_pool_takes_a_count_of_one_or_more(tmp_path, count):
     run = subprocess.run([sys.executable, "-m", "rlmegatron", "pool", "remove", count, str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.strip() == f"rlm pool remove: COUNT={count}: must be at least 1"
+
+
+def test_an_engine_that_cannot_join_is_one_line_and_the_run_goes_on(running):
+    from rlmegatron.transport.placement import PlacementUnsatisfiable
+
+    class FullCluster(FakeFleet):
+        def grow(self, count):
+            raise PlacementUnsatisfiable("placement: the rollout needs 1 node with 8 GPU each (1 x 8), and the Ray "
+                                         "cluster has 0 such nodes")
+
+    said = []
+    control = PoolControl(FullCluster(1), str(running), (1, 1, 2), autoscale=False, say=said.append)
+    request(str(running), "add", 1)
+    assert control.at_step(None)["pool/engines"] == 1.0
+    assert said == ["rollout pool: rlm pool add: no engine could join: placement: the rollout needs 1 node with 8 GPU "
+                    "each (1 x 8), and the Ray cluster has 0 such nodes"]

@@ -122,7 +122,8 @@ from ray.util.state import list_actors, list_nodes
 address = os.environ["RLM_RAY_DASHBOARD"]
 nodes = {n.node_id: n.node_ip for n in list_nodes(address=address, detail=True) if n.state == "ALIVE"}
 actors = [{"class_name": a.class_name, "state": a.state, "node_id": a.node_id, "repr_name": a.repr_name or "",
-           "job_id": a.job_id} for a in list_actors(address=address, detail=True, limit=10000)]
+           "job_id": a.job_id, "placement_group_id": a.placement_group_id or ""}
+          for a in list_actors(address=address, detail=True, limit=10000)]
 print(json.dumps([nodes, actors]))
 """
 
@@ -223,6 +224,44 @@ def test_the_rollout_pool_gets_a_node_of_its_own_and_the_weights_at_every_step(c
         f"rendezvous={PLACED.search(output).group(2)}:{PLACED.search(output).group(3)})"))
     hosts = [a for a in actors if a.job_id == job and a.class_name == "Member"]
     assert [node_ips.get(a.node_id) for a in hosts] == rollout_nodes
+    assert _nothing_left_of_runs() == []
+
+
+def test_an_engine_that_joins_a_running_job_gets_a_placement_group_of_its_own_and_the_weights(cluster, tmp_path):
+    """`rlm pool add 1` while a disaggregated job trains on the cluster: the new engine's host is a Ray actor on a
+    placement group of its own, and from the step it joins it samples with exactly the trained weights (the
+    on-policy check would stop the run otherwise); its placement group goes with the run."""
+    from rlmegatron.driver.pool_control import request
+
+    env, run_dir = cluster.use(), tmp_path / "run"
+    process = subprocess.Popen(
+        ["rlm", "train", "configs/quickstart.yaml", f"trainer.run_dir={run_dir}", "placement.nnodes=2",
+         "placement.gpus_per_node=1", "placement.mode=disaggregate", "placement.rollout_nnodes=1",
+         "placement.rollout_gpus_per_node=1", "placement.rollout_max_engines=2", "trainer.total_steps=16",
+         "trainer.on_policy_check=1e-5", "trainer.test_freq=-1", "trainer.val_before_train=false", "~data.val_files",
+         "trainer.log_freq=1", "tracking.backends=[console]"],
+        env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, asked = [], False
+    for line in process.stdout:
+        lines.append(line)
+        if not asked and re.match(r"pool/engines\s+1", line):
+            request(str(run_dir), "add", 1)
+            asked = True
+    code = process.wait(timeout=300)
+    output = "".join(lines)
+    assert code == 0, output[-3000:]
+    joined = re.search(r"rollout pool: rlm pool add: engine\(s\) \[1\] joined with the weights of step_(\d+); 2 "
+                       r"engines", output)
+    assert joined and int(joined.group(1)) < 16, output[-3000:]
+    engines = [int(n) for n in re.findall(r"pool/engines\s+(\d+)", output)]
+    assert engines[0] == 1 and engines[-1] == 2 and sorted(engines) == engines
+    assert "trained steps 1-16 (16 steps)" in output
+    node_ips, actors = _ray_state(env)
+    job = next(a.job_id for a in actors if a.class_name == "RankHost" and (a.repr_name or "").endswith(
+        f"rendezvous={PLACED.search(output).group(2)}:{PLACED.search(output).group(3)})"))
+    hosts = [a for a in actors if a.job_id == job and a.class_name == "Member"]
+    assert len(hosts) == 2 and all(node_ips.get(a.node_id) in NODES for a in hosts)
+    assert len({a.placement_group_id for a in hosts}) == 2  # the pool's, and the joined engine's own
     assert _nothing_left_of_runs() == []
 
 
