@@ -11,7 +11,7 @@ from rlmegatron.driver.pool_control import request
 from tests.driver.test_train import QUICKSTART, REPO_ROOT, RLM
 from tests.helpers import warm_runs
 
-STEPS = 14
+STEPS = 10
 SAMPLES = 128  # the quickstart's 16 prompts x 8 responses
 
 
@@ -58,3 +58,53 @@ def test_engines_join_and_leave_a_running_job_and_no_sample_is_lost(tmp_path, mo
     assert "rollout pool: rlm pool remove: engine(s) [2] left after their samples; 2 engines" in stdout
     if mode == "async":
         assert max(_values(stdout, "training/staleness/max")) <= 2  # trainer.max_staleness's default
+
+
+def test_behind_a_router_an_engine_joins_it_after_its_weights_and_leaves_it_before_it_stops(tmp_path):
+    """SGLang (the loopback stand-in) behind sglang_router's stand-in, 1 -> 2 -> 1 engines: the joined server is a
+    worker of the router only once it holds the trained weights, and the leaving one stops being one before it
+    stops; the other stays a worker throughout."""
+    import json
+
+    from tests.driver.test_train import with_fake_sglang
+
+    sglang, env = with_fake_sglang(tmp_path, "elastic")
+    router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp_path / 'router.jsonl'}"]
+    run_dir = tmp_path / "run"
+    errors = open(tmp_path / "stderr", "w")
+    process = warm_runs.popen(
+        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", "trainer.total_steps=10",
+         "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
+         "placement.gpus_per_node=1", "placement.rollout_max_engines=2", "trainer.val_before_train=false",
+         "trainer.test_freq=-1", "~data.val_files", "trainer.save_freq=-1", "trainer.log_freq=1",
+         "tracking.backends=[console]", *sglang, *router],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=errors)
+    seen, asked = [], set()
+    try:
+        for line in process.stdout:
+            seen += [int(float(count)) for count in re.findall(r"pool/engines\s+([\d.]+)", line)]
+            if len(seen) == 2 and "add" not in asked:
+                request(str(run_dir), "add", 1)
+                asked.add("add")
+            if seen and seen[-1] == 2 and "remove" not in asked:
+                request(str(run_dir), "remove", 1)
+                asked.add("remove")
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        errors.close()
+    assert code == 0, (tmp_path / "stderr").read_text()[-3000:]
+    assert [n for i, n in enumerate(seen) if i == 0 or n != seen[i - 1]] == [1, 2, 1], seen
+    routed = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
+    changes = [(r["path"], r["url"]) for r in routed if r["path"] in ("add", "remove")]
+    first, joined = changes[0][1], changes[1][1]
+    # ... and the first leaves the router as the run stops.
+    assert changes == [("add", first), ("add", joined), ("remove", joined), ("remove", first)] and first != joined
+    assert any(r["path"] == "generate" and r["worker"] == joined for r in routed)
+    # The joined server (the second to start) had its weights before it generated anything.
+    calls = [json.loads(line) for line in (tmp_path / "elastic.calls").read_text().splitlines()]
+    second = list(dict.fromkeys(r["pid"] for r in calls))[1]
+    paths = [r["path"] for r in calls if r["pid"] == second]
+    assert paths.index("/init_weights_update_group") < paths.index("/update_weights_from_distributed") \
+        < paths.index("/generate")
