@@ -496,8 +496,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.val_kwargs.top_k": ("validation top-k", (VALIDATION,)),
     "rollout.val_kwargs.top_p": ("validation top-p", (VALIDATION,)),
     "rollout.weight_sync": ("delta: pushes carry only the changed elements, exactly; refused where it cannot work",
-                            (DELTA_SYNC + "test_colocated_delta_sync_at_tp2_with_fp8_rollout_holds_the_full_push_"
-                             "weights_at_every_step",
+                            (DELTA_SYNC + "test_delta_sync_holds_the_full_push_weights_at_every_step",
                              "tests/rollout/test_delta.py::test_every_push_leaves_the_engine_bit_for_bit_where_a_full_"
                              "push_would",
                              "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix")),

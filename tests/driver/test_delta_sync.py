@@ -1,7 +1,8 @@
 """`rlm train` with rollout.weight_sync=delta and trainer.check_sync_every=1: after every step's sync each engine's
 weights are checked, tensor by tensor, against what a full push gives (a mismatch would stop the run, exit 3), while
-the pushes carry a fraction of the bytes: colocated at actor TP=2 with FP8 rollout, and disaggregated (the local
-engine's server, the records through its custom weight loader) on the MoE model at EP=2 with a full push every 2."""
+the pushes carry a fraction of the bytes: colocated and disaggregated (the local engine's server, the records through
+its custom weight loader), at actor TP=2 and on the MoE model at EP=2, bf16 and fp32, with FP8 rollout, and with a
+full push every 2."""
 import re
 
 import pytest
@@ -28,25 +29,32 @@ def _train(tmp_path, *overrides: str):
     return run.stdout
 
 
-@pytest.mark.parametrize("dtype, quantization", [("bf16", "fp8"), ("fp32", "none")])
-def test_colocated_delta_sync_at_tp2_with_fp8_rollout_holds_the_full_push_weights_at_every_step(tmp_path, dtype,
-                                                                                                 quantization):
-    stdout = _train(tmp_path, f"model.dtype={dtype}", "actor.megatron.tensor_model_parallel_size=2",
-                    f"rollout.quantization={quantization}")
+DISAGGREGATED = ("placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1")
+MOE_EP2 = (f"model.path={MOE_MODEL}", "placement.gpus_per_node=2", "actor.megatron.expert_model_parallel_size=2")
+TP2 = ("placement.gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2")
+
+
+@pytest.mark.parametrize("dtype, layout", [
+    pytest.param("bf16", (*TP2, "rollout.quantization=fp8"), id="colocated-tp2-bf16-fp8-rollout"),
+    pytest.param("fp32", TP2, id="colocated-tp2-fp32"),
+    pytest.param("bf16", MOE_EP2, id="colocated-moe-ep2-bf16"),
+    pytest.param("bf16", (*TP2, *DISAGGREGATED), id="disaggregated-tp2-bf16"),
+    pytest.param("fp32", (*MOE_EP2, *DISAGGREGATED), id="disaggregated-moe-ep2-fp32"),
+])
+def test_delta_sync_holds_the_full_push_weights_at_every_step(tmp_path, dtype, layout):
+    stdout = _train(tmp_path, f"model.dtype={dtype}", *layout)
     ratios = _metric(stdout, "weight_sync/sent_ratio")
-    # Colocated, the initial push happened as the ranks built their engines: every logged sync is a delta.
+    # The initial push (whole, as the ranks or the servers started) is no step's: every logged sync is a delta.
     assert len(ratios) == STEPS and _metric(stdout, "weight_sync/full_pushes") == [0.0] * STEPS
     if dtype == "bf16":  # fp32 weights change in nearly every element: most tensors go whole, exactly all the same
         assert all(ratio < 0.5 for ratio in ratios), ratios
 
 
 def test_disaggregated_delta_sync_on_an_moe_at_ep2_pushes_whole_every_full_sync_every(tmp_path):
-    stdout = _train(tmp_path, f"model.path={MOE_MODEL}", "model.dtype=bf16", "placement.gpus_per_node=2",
-                    "actor.megatron.expert_model_parallel_size=2", "placement.mode=disaggregate",
-                    "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1", "rollout.full_sync_every=2")
+    stdout = _train(tmp_path, "model.dtype=bf16", *MOE_EP2, *DISAGGREGATED, "rollout.full_sync_every=2")
     full = _metric(stdout, "weight_sync/full_pushes")
     ratios = _metric(stdout, "weight_sync/sent_ratio")
-    # The initial push (whole) is no step's; syncs 2 and 4 of the run are whole.
+    # Syncs 2 and 4 of the run are whole.
     assert full == [0.0, 1.0, 0.0, 1.0], full
     assert ratios[0] < 0.5 and ratios[2] < 0.5, ratios
     assert ratios[1] == pytest.approx(1.0) and ratios[3] == pytest.approx(1.0), ratios
