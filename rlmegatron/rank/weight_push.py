@@ -85,13 +85,15 @@ class WeightPush:
         if torch.distributed.get_rank() != 0:
             return
         if self.distributed is None:
-            self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules)
+            self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
+                                                     by_records=self.delta is not None)
         address = node_address()  # trainer rank 0's node, which every server's node reaches
         for engine, url, devices in endpoints:
             self.server_urls[engine] = url
             port = free_port("")
             backend = weight_group_backend(self.settings.device, devices)
-            if backend == "gloo" and self.settings.weight_format is not None and self.settings.engine == "sglang":
+            if backend == "gloo" and self.settings.weight_format is not None and self.settings.engine == "sglang" \
+                    and self.delta is None:  # delta records travel in request bodies, not over the group
                 # On a GPU that trainer rank 0 shares with the server (a run without Ray); on CPU checks.py refuses it
                 # before anything starts.
                 raise FP8OverGloo(f"rollout engine {engine} shares trainer rank 0's GPU, so its weights travel over "

@@ -11,7 +11,7 @@ from rlmegatron.driver.pool_control import request
 from tests.driver.test_train import QUICKSTART, REPO_ROOT, RLM
 from tests.helpers import warm_runs
 
-STEPS = 8
+STEPS = 10
 SAMPLES = 128  # the quickstart's 16 prompts x 8 responses
 
 
@@ -73,7 +73,7 @@ def test_behind_a_router_an_engine_joins_it_after_its_weights_and_leaves_it_befo
     run_dir = tmp_path / "run"
     errors = open(tmp_path / "stderr", "w")
     process = warm_runs.popen(
-        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", "trainer.total_steps=8",
+        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", "trainer.total_steps=10",
          "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
          "placement.gpus_per_node=1", "placement.rollout_max_engines=2", "trainer.val_before_train=false",
          "trainer.test_freq=-1", "~data.val_files", "trainer.save_freq=-1", "trainer.log_freq=1",

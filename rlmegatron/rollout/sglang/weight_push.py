@@ -57,10 +57,14 @@ class DistributedWeightPush:
     process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
     does; one bucketed pass over the weight stream, each bucket broadcast to every server in turn."""
 
-    def __init__(self, bucket_bytes: int, travel_rules: Sequence[TravelRule] = (), timeout_s: float = 600.0) -> None:
+    def __init__(self, bucket_bytes: int, travel_rules: Sequence[TravelRule] = (), timeout_s: float = 600.0,
+                 by_records: bool = False) -> None:
+        """`by_records` (delta sync): every push goes as records in request bodies (`push(as_records=...)`), so no
+        weight-update group is made."""
         self.bucket_bytes = bucket_bytes
         self.travel_rules = tuple(travel_rules)
         self.timeout_s = timeout_s
+        self.by_records = by_records
         self.servers: dict[int, tuple[SGLangClient, DistributedGroupSpec, torch.distributed.ProcessGroup]] = {}
         self.tp_sizes: dict[int, int] = {}
 
@@ -68,6 +72,10 @@ class DistributedWeightPush:
         """Joins a group with server `key`; a restarted server gets a new group (its old members are gone)."""
         client = SGLangClient(url, self.timeout_s)
         client.check_version()
+        self.tp_sizes[key] = tp_size
+        if self.by_records:
+            self.servers[key] = (client, group, None)
+            return
         world_size = 1 + tp_size  # tp_size counts the server's ranks on all its nodes
         pending = _in_thread(lambda: client.init_weights_update_group(
             group.master_address, group.master_port, 1, world_size, group.group_name, group.backend
@@ -77,15 +85,13 @@ class DistributedWeightPush:
         )
         pending.result()
         self.servers[key] = (client, group, process_group)
-        self.tp_sizes[key] = tp_size
 
     def disconnect(self, key: int) -> None:
         """Server `key` left: its group goes (the server, stopping, leaves it too)."""
         server = self.servers.pop(key, None)
         self.tp_sizes.pop(key, None)
-        if server is not None:
-            with contextlib.suppress(Exception):  # a group whose peer is gone may fail to tear down; it is unused
-                torch.distributed.destroy_process_group(server[2])
+        if server is not None and server[2] is not None:
+            torch.distributed.destroy_process_group(server[2])
 
     def push(self, named_tensors: WeightStream, version: str, only: Sequence[int] | None = None,
              as_records: Callable[[Iterable[FlattenedBucket]], Iterable[list[NamedTensor]]] | None = None
@@ -107,6 +113,8 @@ class DistributedWeightPush:
         other trainer ranks export it collectively. A server left out joins a new group before it takes weights
         again (the fleet recovers it: at once if it lives, else when generation next meets it). Every session begun
         is ended and every server paused is continued, whatever failed: a session left open refuses the next."""
+        if self.by_records and as_records is None:
+            raise ValueError("a push without records to servers joined without a weight-update group (by_records)")
         keys = list(self.servers if only is None else only)
         down: list[int] = []
         paused: list[int] = []
