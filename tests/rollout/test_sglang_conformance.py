@@ -570,3 +570,36 @@ def test_a_loader_the_server_was_not_launched_with_is_refused_by_sglang(engine):
     while engine.process.alive and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not engine.process.alive
+
+
+FP8_RECORDS = """
+import gpu_stubs
+gpu_stubs.install()
+import torch
+from sglang.srt.utils.common import MultiprocessingSerializer
+from rlmegatron.rollout.delta import DeltaReceiver, DeltaSender, bits
+from rlmegatron.rollout.sglang.protocol import serialize_records
+
+torch.manual_seed(0)
+weight = torch.randn(64, 64).to(torch.float8_e4m3fn)
+scale = torch.rand(1, 1)
+sender, receiver = DeltaSender(), DeltaReceiver()
+for step in range(3):
+    if step:
+        weight = weight.clone()
+        weight.view(torch.uint8)[step, :5] ^= 1
+    records, _ = sender.records([("o.weight", weight), ("o.weight_scale_inv", scale)], full=step == 0)
+    receiver.apply(MultiprocessingSerializer.deserialize(serialize_records(records)))
+    assert torch.equal(bits(receiver.held["o.weight"]), bits(weight)) and receiver.held["o.weight"].dtype == weight.dtype
+print("exact")
+"""
+
+
+def test_fp8_records_pass_sglangs_unpickler_and_rebuild_bit_for_bit():
+    """SGLang's safe unpickler cannot rebuild an FP8 storage sent by value (torch's weights-only load): delta records
+    of FP8 tensors travel as their bytes, named with their dtype, and come back FP8, whole and deltas alike."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", FP8_RECORDS], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "sglang_cpu"), str(REPO_ROOT)])})
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "exact", run.stderr[-2000:]
