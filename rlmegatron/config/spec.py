@@ -429,9 +429,10 @@ class RolloutConfig(SamplingParams):
     log-probs move further from the trainer's, which algorithm.rollout_correction can correct. Training keeps
     model.dtype."""
     autoscale: bool = False
-    """Disaggregate: the driver adds an engine when generation was the bottleneck of two steps running (the trainer
-    waited for its rollout more than half of each step) and removes one that sat idle through three (it waited less
-    than a tenth), within placement.rollout_min_engines .. rollout_max_engines; its decisions are logged (pool/*)."""
+    """Disaggregate: the driver adds an engine for each node that joins the Ray cluster, and when generation was the
+    bottleneck of two steps running (the trainer waited for its rollout more than half of each step), and removes
+    one that sat idle through three (it waited less than a tenth), within placement.rollout_min_engines ..
+    rollout_max_engines; its decisions are logged (pool/*)."""
     weight_sync: Literal["full", "delta"] = "full"
     """full: every weight sync sends every weight; delta: after a full push, each sync sends per tensor only the
     elements whose bits in the engine's dtype changed (positions or a bitmask, and their values: rollout/delta.py);

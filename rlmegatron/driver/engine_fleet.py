@@ -33,7 +33,7 @@ from rlmegatron.rollout.sglang.client import ServerUnavailable
 from rlmegatron.rollout.sglang.server import ServerStartupError
 from rlmegatron.rollout.sglang.servers import ServerDevices, server_nodes
 from rlmegatron.tracking.progress import Progress
-from rlmegatron.transport.placement import ResourcePool, create_pool, remove_pool
+from rlmegatron.transport.placement import ResourcePool, alive_nodes, create_pool, remove_pool
 from rlmegatron.transport.worker_group import group_on
 
 HOST_CONCURRENCY = 4
@@ -145,6 +145,10 @@ class EngineFleet:
                 raise EngineCannotJoin(f"rollout engines {down} went down while they got their first weights")
             self._pushed(self.version, added)
         return added
+
+    def joined_nodes(self) -> list[str]:
+        """The addresses of the nodes that joined the cluster since the last call (`OnRolloutPool` on Ray)."""
+        return self.backend.joined_nodes() if hasattr(self.backend, "joined_nodes") else []
 
     def shrink(self, engines: list[int]) -> None:
         """`engines` leave: no new request goes to them, what they run now finishes (no sample is lost), then they
@@ -309,6 +313,8 @@ class OnRolloutPool:
         self.next_engine = 0
         """Engines are numbered in the order they joined; a number is never given twice."""
         # A host serves its engine's generation and, meanwhile (trainer.mode one_step_off, async), the weight push.
+        self.known_nodes = {node.id for node in alive_nodes()} if pool is not None else set()
+        """The Ray nodes of the cluster as `joined_nodes` last saw it."""
         self.hosts = group_on(pool, settings.pool_size, EngineHost, settings, concurrency=HOST_CONCURRENCY)
         self._launch(self.hosts, own_group=False)
         self._connect(self.engines)
@@ -370,6 +376,15 @@ class OnRolloutPool:
     def _connect(self, engines: list[int]) -> None:
         """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
         self.ranks.connect_engines([(e, self.slots[e].url, self.slots[e].devices) for e in engines])
+
+    def joined_nodes(self) -> list[str]:
+        """The addresses of the Ray nodes that joined since the last call (none without Ray)."""
+        if self.pool is None:
+            return []
+        alive = {node.id: node.address for node in alive_nodes()}
+        joined = [address for node, address in alive.items() if node not in self.known_nodes]
+        self.known_nodes |= alive.keys()
+        return joined
 
     def add(self, count: int) -> list[int]:
         """`count` servers more, each on hosts of its own: on Ray a placement group per server

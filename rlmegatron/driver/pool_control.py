@@ -7,7 +7,8 @@ once. An engine that joins gets the trained weights whole before its first reque
 runs (no sample is lost). A request past the bounds is cut to them, one that cannot be met (no room on the cluster)
 is said in one line, and the run goes on.
 
-Autoscaling reads the share of the last step the trainer spent waiting for its rollout (timing_s/wait_rollout over
+Autoscaling adds an engine for each node that joins the Ray cluster (up to the bound), and reads the share of the
+last step the trainer spent waiting for its rollout (timing_s/wait_rollout over
 timing_s/step: all of generation in trainer.mode=sync, what generation ahead did not hide otherwise): above
 GROW_SHARE for GROW_AFTER steps running, one engine more; below SHRINK_SHARE for SHRINK_AFTER steps, one fewer
 (the last to join first). Each step logs pool/engines, pool/added, pool/removed and pool/wait_share.
@@ -66,6 +67,11 @@ class PoolControl:
             path.unlink()
             change = self._apply(asked["action"], int(asked["count"]), f"rlm pool {asked['action']}")
             added, removed = added + max(change, 0), removed + max(-change, 0)
+        if self.autoscale:  # a node that joined the Ray cluster is room for an engine: one joins on it
+            for address in self.fleet.joined_nodes():
+                if self.fleet.count < self.most:
+                    change = self._apply("add", 1, f"rollout.autoscale (node {address} joined the Ray cluster)")
+                    added += max(change, 0)
         share = None
         if last and last.get("timing_s/step"):
             share = last.get("timing_s/wait_rollout", 0.0) / last["timing_s/step"]

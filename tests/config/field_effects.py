@@ -441,9 +441,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward.overlong_buffer.length": ("DAPO overlong buffer", (DAPO_PENALTY,)),
     "reward.overlong_buffer.penalty_factor": ("DAPO overlong penalty scale", (PENALTY_FACTOR,)),
     "reward.timeout_s": ("time a reward call may take", (REWARD_TIMEOUT,)),
-    "rollout.autoscale": ("the driver adds and removes engines from the share of each step spent waiting",
+    "rollout.autoscale": ("the driver adds engines as nodes join and as the steps wait for rollouts, removes idle ones",
                           (POOL_CONTROL + "test_autoscale_adds_when_the_trainer_waited_two_steps_and_removes_after_"
-                           "three_idle_ones",)),
+                           "three_idle_ones",
+                           POOL_CONTROL + "test_autoscale_adds_an_engine_for_each_node_that_joins_the_cluster_up_to_"
+                           "the_bound")),
     "rollout.enable_dp_attention": ("SGLang DP attention", (LAUNCH,)),
     "rollout.engine": ("local or SGLang engines", (COLOCATED_SERVER,)),
     "rollout.expert_parallel_size": ("SGLang expert parallelism", (LAUNCH,)),

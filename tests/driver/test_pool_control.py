@@ -30,6 +30,12 @@ class FakeFleet:
         self.versions = dict.fromkeys(range(count), "step_0")
         self.version, self.next = "step_0", count
         self.calls: list = []
+        self.joined: list[str] = []
+        """The nodes the next `joined_nodes` reports."""
+
+    def joined_nodes(self) -> list[str]:
+        joined, self.joined = self.joined, []
+        return joined
 
     @property
     def count(self) -> int:
@@ -113,3 +119,34 @@ def test_an_engine_that_cannot_join_is_one_line_and_the_run_goes_on(running):
     assert control.at_step(None)["pool/engines"] == 1.0
     assert said == ["rollout pool: rlm pool add: no engine could join: placement: the rollout needs 1 node with 8 GPU "
                     "each (1 x 8), and the Ray cluster has 0 such nodes"]
+
+
+def test_autoscale_adds_an_engine_for_each_node_that_joins_the_cluster_up_to_the_bound(tmp_path):
+    fleet, said = FakeFleet(1), []
+    control = PoolControl(fleet, str(tmp_path), (1, 1, 2), autoscale=True, say=said.append)
+    fleet.joined = ["10.0.0.7", "10.0.0.8"]
+    assert control.at_step(None) == {"pool/engines": 2.0, "pool/added": 1.0, "pool/removed": 0.0}
+    assert fleet.calls == [("grow", 1)]  # the second node finds the pool at rollout_max_engines=2
+    assert said == ["rollout pool: rollout.autoscale (node 10.0.0.7 joined the Ray cluster): engine(s) [1] joined "
+                    "with the weights of step_0; 2 engines"]
+    fleet.joined = ["10.0.0.9"]
+    without = PoolControl(fleet, str(tmp_path), (1, 2, 3), autoscale=False, say=said.append)
+    assert without.at_step(None)["pool/added"] == 0.0  # without autoscale a node that joins changes nothing
+
+
+def test_the_pool_reports_each_node_that_joined_the_ray_cluster_once(monkeypatch):
+    from rlmegatron.driver import engine_fleet
+    from rlmegatron.transport.placement import Node
+
+    nodes = [Node("a", "10.0.0.1", {}), Node("b", "10.0.0.2", {})]
+    monkeypatch.setattr(engine_fleet, "alive_nodes", lambda: list(nodes))
+    pool = engine_fleet.OnRolloutPool.__new__(engine_fleet.OnRolloutPool)  # its state, without starting servers
+    pool.pool, pool.known_nodes = object(), {"a", "b"}
+    assert pool.joined_nodes() == []
+    nodes.append(Node("c", "10.0.0.3", {}))
+    assert pool.joined_nodes() == ["10.0.0.3"] and pool.joined_nodes() == []
+    nodes.pop(0)  # a node that leaves is no join; back, it has a new id (Ray gives it one): a join
+    nodes.append(Node("d", "10.0.0.1", {}))
+    assert pool.joined_nodes() == ["10.0.0.1"]
+    pool.pool = None  # without Ray: no cluster to join
+    assert pool.joined_nodes() == []
