@@ -13,51 +13,58 @@ from tests.helpers import warm_runs
 
 STEPS = 10
 SAMPLES = 128  # the quickstart's 16 prompts x 8 responses
+COMMON = ("placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
+          "placement.gpus_per_node=1", "trainer.val_before_train=false", "trainer.test_freq=-1", "~data.val_files",
+          "trainer.save_freq=-1", "trainer.log_freq=1", "tracking.backends=[console]")
 
 
 def _values(stdout: str, metric: str) -> list[float]:
     return [float(value) for value in re.findall(rf"{re.escape(metric)}\s+([-\d.e]+)", stdout)]
 
 
+def _train_resizing(tmp_path, add: int, remove: int, *overrides: str, env=None) -> tuple[int, str, list[int]]:
+    """`rlm train` of the quickstart starting with one engine: once step 2's table is out `rlm pool add ADD` is
+    asked while it trains, and once a table shows 1 + ADD engines `rlm pool remove REMOVE`. Returns the exit code,
+    stdout and stderr, and the pool's size per step."""
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "stderr", "w") as errors:
+        process = warm_runs.popen([RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", *COMMON, *overrides],
+                                  cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=errors)
+        lines, seen, asked = [], [], set()
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                seen += [int(float(count)) for count in re.findall(r"pool/engines\s+([\d.]+)", line)]
+                if len(seen) == 2 and "add" not in asked:
+                    request(str(run_dir), "add", add)
+                    asked.add("add")
+                if seen and seen[-1] == 1 + add and "remove" not in asked:
+                    request(str(run_dir), "remove", remove)
+                    asked.add("remove")
+            code = process.wait(timeout=300)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    return code, "".join(lines) + (tmp_path / "stderr").read_text(), seen
+
+
+def _changes(sizes: list[int]) -> list[int]:
+    return [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_engines_join_and_leave_a_running_job_and_no_sample_is_lost(tmp_path, mode):
-    run_dir = tmp_path / "run"
-    errors = open(tmp_path / "stderr", "w")
-    process = warm_runs.popen(
-        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", f"trainer.total_steps={STEPS}", f"trainer.mode={mode}",
-         "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
-         "placement.gpus_per_node=1", "placement.rollout_max_engines=3", "trainer.val_before_train=false",
-         "trainer.test_freq=-1", "~data.val_files", "trainer.save_freq=-1", "trainer.log_freq=1",
-         "tracking.backends=[console]", "rollout.weight_sync=delta", "trainer.check_sync_every=1"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=errors)
-    lines, seen = [], []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            seen += [int(float(count)) for count in re.findall(r"pool/engines\s+([\d.]+)", line)]
-            if len(seen) == 2 and "asked add" not in lines:  # step 2's table is out: ask while it trains
-                request(str(run_dir), "add", 2)
-                lines.append("asked add")
-            if seen and seen[-1] == 3 and "asked remove" not in lines:
-                request(str(run_dir), "remove", 1)
-                lines.append("asked remove")
-        code = process.wait(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        errors.close()
-    stdout = "".join(line for line in lines if not line.startswith("asked "))
-    stdout += (tmp_path / "stderr").read_text()
-    assert code == 0, stdout[-3000:]
-    engines = [int(count) for count in _values(stdout, "pool/engines")]
-    assert len(engines) == STEPS and [count for i, count in enumerate(engines)
-                                      if i == 0 or count != engines[i - 1]] == [1, 3, 2], engines
-    assert _values(stdout, "rollout/samples") == [SAMPLES] * STEPS
+    code, output, engines = _train_resizing(
+        tmp_path, 2, 1, f"trainer.total_steps={STEPS}", f"trainer.mode={mode}", "placement.rollout_max_engines=3",
+        "rollout.weight_sync=delta", "trainer.check_sync_every=1")
+    assert code == 0, output[-3000:]
+    assert len(engines) == STEPS and _changes(engines) == [1, 3, 2], engines
+    assert _values(output, "rollout/samples") == [SAMPLES] * STEPS
     assert re.search(r"rollout pool: rlm pool add: engine\(s\) \[1, 2\] joined with the weights of step_\d+; 3 "
-                     r"engines", stdout)
-    assert "rollout pool: rlm pool remove: engine(s) [2] left after their samples; 2 engines" in stdout
+                     r"engines", output)
+    assert "rollout pool: rlm pool remove: engine(s) [2] left after their samples; 2 engines" in output
     if mode == "async":
-        assert max(_values(stdout, "training/staleness/max")) <= 2  # trainer.max_staleness's default
+        assert max(_values(output, "training/staleness/max")) <= 2  # trainer.max_staleness's default
 
 
 def test_behind_a_router_an_engine_joins_it_after_its_weights_and_leaves_it_before_it_stops(tmp_path):
@@ -70,32 +77,10 @@ def test_behind_a_router_an_engine_joins_it_after_its_weights_and_leaves_it_befo
 
     sglang, env = with_fake_sglang(tmp_path, "elastic")
     router = ["rollout.sglang.router=true", f"rollout.sglang.router_args.fake-record={tmp_path / 'router.jsonl'}"]
-    run_dir = tmp_path / "run"
-    errors = open(tmp_path / "stderr", "w")
-    process = warm_runs.popen(
-        [RLM, "train", QUICKSTART, f"trainer.run_dir={run_dir}", "trainer.total_steps=10",
-         "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
-         "placement.gpus_per_node=1", "placement.rollout_max_engines=2", "trainer.val_before_train=false",
-         "trainer.test_freq=-1", "~data.val_files", "trainer.save_freq=-1", "trainer.log_freq=1",
-         "tracking.backends=[console]", *sglang, *router],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=errors)
-    seen, asked = [], set()
-    try:
-        for line in process.stdout:
-            seen += [int(float(count)) for count in re.findall(r"pool/engines\s+([\d.]+)", line)]
-            if len(seen) == 2 and "add" not in asked:
-                request(str(run_dir), "add", 1)
-                asked.add("add")
-            if seen and seen[-1] == 2 and "remove" not in asked:
-                request(str(run_dir), "remove", 1)
-                asked.add("remove")
-        code = process.wait(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        errors.close()
-    assert code == 0, (tmp_path / "stderr").read_text()[-3000:]
-    assert [n for i, n in enumerate(seen) if i == 0 or n != seen[i - 1]] == [1, 2, 1], seen
+    code, output, seen = _train_resizing(tmp_path, 1, 1, "trainer.total_steps=10", "placement.rollout_max_engines=2",
+                                         *sglang, *router, env=env)
+    assert code == 0, output[-3000:]
+    assert _changes(seen) == [1, 2, 1], seen
     routed = [json.loads(line) for line in (tmp_path / "router.jsonl").read_text().splitlines()]
     changes = [(r["path"], r["url"]) for r in routed if r["path"] in ("add", "remove")]
     first, joined = changes[0][1], changes[1][1]
