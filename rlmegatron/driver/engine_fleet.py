@@ -84,6 +84,9 @@ class EngineBackend(Protocol):
     def remove(self, engines: list[int]) -> None:
         """`engines` stopped and forgotten."""
 
+    def joined_nodes(self) -> list[str]:
+        """The addresses of the cluster's nodes that joined since the last call: room for engines."""
+
     def shutdown(self) -> None:
         ...
 
@@ -148,7 +151,7 @@ class EngineFleet:
 
     def joined_nodes(self) -> list[str]:
         """The addresses of the nodes that joined the cluster since the last call (`OnRolloutPool` on Ray)."""
-        return self.backend.joined_nodes() if hasattr(self.backend, "joined_nodes") else []
+        return self.backend.joined_nodes()
 
     def shrink(self, engines: list[int]) -> None:
         """`engines` leave: no new request goes to them, what they run now finishes (no sample is lost), then they
@@ -251,6 +254,10 @@ class InTrainerRanks:
                                   "refuses rollout_max_engines with placement.mode=colocate)")
 
     remove = add
+
+    def joined_nodes(self) -> list[str]:
+        """Colocated engines take no nodes of their own."""
+        return []
 
     def generate(self, shares: dict[int, list[GenerationRequest]], progress: Progress = None) -> Answers:
         replies = self.ranks.generate({self.leaders[engine]: share for engine, share in shares.items()}, progress)

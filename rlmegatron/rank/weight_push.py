@@ -25,7 +25,7 @@ from rlmegatron.resharding import HFWeightExporter, export_peft_adapter
 from rlmegatron.models.fp8 import SCALE_SUFFIX
 from rlmegatron.models.hf_config import DTYPES
 from rlmegatron.rollout.buckets import Bucketer, travel_rules_for
-from rlmegatron.rollout.delta import DeltaSender, SyncBytes, expected_digests, iter_records, partners_by
+from rlmegatron.rollout.delta import DeltaSender, SyncBytes, expected_digests, iter_records, load_groups
 from rlmegatron.rollout.engine import INITIAL_VERSION
 from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
@@ -66,7 +66,7 @@ class WeightPush:
         """Delta sync: the last weights sent, and how to send what changed since."""
         if settings.weight_sync == "delta":
             scale_suffix = SCALE_SUFFIX if settings.weight_format is not None else None
-            self.delta = DeltaSender(partners_by(self.travel_rules, scale_suffix))
+            self.delta = DeltaSender(load_groups(self.travel_rules, scale_suffix))
         self.syncs = 0
         """Syncs of engines that hold weights, for full_sync_every and check_sync_every."""
         self.distributed: Optional[DistributedWeightPush] = None

@@ -118,25 +118,19 @@ class SyncBytes:
         self.tensors += other.tensors
 
 
-def partners_by(travel_rules: Sequence[TravelRule], scale_suffix: str | None) -> Callable[[str, Sequence[str]], list[str]]:
-    """`partners(name, names)`: the names among `names` the engine must load with `name`: the other members of its
-    travel group and, with FP8 (`scale_suffix`), a weight's scale and a scale's weight."""
-    def partners(name: str, names: Sequence[str]) -> list[str]:
-        found = []
-        for rule in travel_rules:
-            group = rule.group_of(name)
-            if group is not None:
-                found += [other for other in names if other != name and rule.group_of(other) is not None
-                          and rule.group_of(other)[0] == group[0]]
+def load_groups(travel_rules: Sequence[TravelRule], scale_suffix: str | None) -> Callable[[str], list[tuple]]:
+    """`groups(name)`: the groups the engine must load `name` with the rest of: one per travel rule it matches (what
+    its members share) and, with FP8 (`scale_suffix`), the weight's name, shared by the weight and its scale."""
+    def groups(name: str) -> list[tuple]:
+        keys: list[tuple] = [(index, group[0]) for index, rule in enumerate(travel_rules)
+                             if (group := rule.group_of(name)) is not None]
         if scale_suffix is not None:
-            other = name[:-len(scale_suffix)] if name.endswith(scale_suffix) else name + scale_suffix
-            if other in names:
-                found.append(other)
-        return found
-    return partners
+            keys.append(("fp8", name.removesuffix(scale_suffix)))
+        return keys
+    return groups
 
 
-def _no_partners(name: str, names: Sequence[str]) -> list[str]:
+def _no_groups(name: str) -> list[tuple]:
     return []
 
 
@@ -144,9 +138,8 @@ class DeltaSender:
     """The trainer side: the last weights sent (CPU, the engine's dtype), and the records that bring an engine that
     holds them to the weights now."""
 
-    def __init__(self, partners: Callable[[str, Sequence[str]], list[str]] = _no_partners,
-                 encoding: Encoding = "auto") -> None:
-        self.partners, self.encoding = partners, encoding
+    def __init__(self, groups: Callable[[str], list[tuple]] = _no_groups, encoding: Encoding = "auto") -> None:
+        self.groups, self.encoding = groups, encoding
         self.last: dict[str, torch.Tensor] = {}
 
     @property
@@ -163,8 +156,13 @@ class DeltaSender:
         encoded = {name: [(name, tensor)] if full else encode(name, tensor, self.last.get(name), self.encoding)
                    for name, tensor in cpu}
         names = [name for name, _ in cpu]
+        keys = {name: self.groups(name) for name in names}
+        members: dict[tuple, list[str]] = {}
+        for name in names:
+            for key in keys[name]:
+                members.setdefault(key, []).append(name)
         for name in [name for name in names if encoded[name]]:
-            for partner in self.partners(name, names):
+            for partner in (partner for key in keys[name] for partner in members[key]):
                 if not encoded[partner]:
                     encoded[partner] = [(partner + SAME, torch.empty(0, dtype=torch.uint8))]
         out = [_as_bytes(record) for name in names for record in encoded[name]]

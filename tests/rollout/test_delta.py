@@ -9,7 +9,7 @@ import torch
 from rlmegatron.models.fp8 import DEFAULT as FP8_FORMAT, SCALE_SUFFIX
 from rlmegatron.rollout.buckets import Bucketer, TravelRule
 from rlmegatron.rollout.delta import (DeltaReceiver, DeltaSender, SyncBytes, bits, encode, expected_digests,
-                                      iter_records, pack_mask, partners_by, unpack_mask)
+                                      iter_records, load_groups, pack_mask, unpack_mask)
 
 
 def _step(tensor: torch.Tensor, scale: float, seed: int) -> torch.Tensor:
@@ -86,11 +86,11 @@ def test_bucket_boundaries_change_the_requests_not_what_the_engine_holds():
 
 def test_a_changed_tensor_comes_with_the_partners_it_must_be_loaded_with():
     rule = TravelRule(__import__("re").compile(r"experts\.(?P<member>gate|up)\.weight"), frozenset({"gate", "up"}))
-    partners = partners_by([rule], SCALE_SUFFIX)
+    groups = load_groups([rule], SCALE_SUFFIX)
     old = {"experts.gate.weight": torch.ones(4), "experts.up.weight": torch.ones(4),
            "o.weight": torch.ones(4).to(torch.float8_e4m3fn), "o.weight" + SCALE_SUFFIX: torch.ones(1),
            "alone.weight": torch.ones(4)}
-    sender, receiver = DeltaSender(partners), DeltaReceiver()
+    sender, receiver = DeltaSender(groups), DeltaReceiver()
     receiver.apply(sender.records(list(old.items()), full=True)[0])
     new = dict(old)
     new["experts.gate.weight"] = torch.full((4,), 2.0)
