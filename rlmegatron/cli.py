@@ -142,17 +142,29 @@ def train(args: argparse.Namespace) -> int:
     try:
         run_training(job)
     except TrainingStopped as stopped:
+        _stop_ray_log_forwarding()
         print(f"training stopped: {stopped}", file=sys.stderr, flush=True)
         _quiet_ray_finalizers()
         return EXIT_TRAINING_STOPPED
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
         latest = CheckpointManager(job.spec.trainer.run_dir).latest()
+        _stop_ray_log_forwarding()
         print(f"interrupted; workers and engines stopped; last complete checkpoint: {latest or 'none'}",
               file=sys.stderr, flush=True)
         _quiet_ray_finalizers()
         return code
     return EXIT_OK
+
+
+def _stop_ray_log_forwarding() -> None:
+    """Before a stopped run's last line: Ray's log thread forwards what the cluster's raylets say (a lost node's
+    clean-up, its state dump) until the process exits, after the line that says why the run stopped. Not
+    ray.shutdown(): with the cluster going away (a cancelled Slurm job stops its Ray beside this driver) it waits for
+    it past Slurm's KillWait. The switch is the one Ray's own debugger (ray/util/rpdb.py) turns forwarding off with."""
+    worker = sys.modules.get("ray._private.worker")
+    if worker is not None and hasattr(worker, "_worker_logs_enabled"):
+        worker._worker_logs_enabled = False
 
 
 def _quiet_ray_finalizers() -> None:
