@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come after an option (`rlm train CONFIG --verl KEY=VALUE`), which argparse leaves over.
     args, left_over = parser.parse_known_args(argv)
-    if left_over and not (hasattr(args, "overrides") and all("=" in arg for arg in left_over)):
+    if left_over and not (hasattr(args, "overrides") and all(_is_override_form(arg) for arg in left_over)):
         parser.error("unrecognized arguments: " + " ".join(left_over))
     if left_over:
         args.overrides += left_over
@@ -233,4 +233,9 @@ def _spec_source(args: argparse.Namespace) -> SpecSource:
 
 def _is_override(argument: str) -> bool:
     """`key=value` or `~key`, and no file of that name: what argparse took for CONFIG when no spec was given."""
-    return ("=" in argument or argument.startswith("~")) and not os.path.exists(argument)
+    return _is_override_form(argument) and not os.path.exists(argument)
+
+
+def _is_override_form(argument: str) -> bool:
+    """`key=value` (set a key) or `~key` (delete it)."""
+    return "=" in argument or argument.startswith("~")

@@ -206,3 +206,13 @@ def test_ctrl_c_before_training_starts_is_one_line_and_exit_130(monkeypatch, cap
     monkeypatch.setattr(cli, "_spec_source", interrupted)
     assert main(["train", "configs/quickstart.yaml"]) == cli.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("option", ["--debug", "--verbose"])
+def test_a_deleted_key_after_an_option_is_an_override(option, monkeypatch):
+    import rlmegatron.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda args: seen.append(args.overrides) or 0)
+    assert main(["train", QUICKSTART, "rollout.n=4", option, "~trainer.total_steps"]) == 0
+    assert seen == [["rollout.n=4", "~trainer.total_steps"]]
