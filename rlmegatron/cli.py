@@ -8,12 +8,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.errors import UserError, user_error_in
-from rlmegatron.convert_cli import main as convert_main
-from rlmegatron.driver.pool_control import request as pool_request
-from rlmegatron.tracking.curves import report as report_curves
-from rlmegatron.tracking.progress import ProgressBar
 
 if TYPE_CHECKING:
     from rlmegatron.spec_pipeline import SpecSource
@@ -31,17 +26,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     A user's mistake (a UserError, also one raised in a Ray worker or a rank) is its message alone and exit 2;
     RLM_DEBUG=1 or --debug adds the traceback. Anything else is a bug and keeps its traceback.
     """
-    parser = build_parser()
-    # Overrides may come after an option (`rlm train CONFIG --verl KEY=VALUE`), which argparse leaves over.
-    args, left_over = parser.parse_known_args(argv)
-    if left_over and not (hasattr(args, "overrides") and all(_is_override_form(arg) for arg in left_over)):
-        parser.error("unrecognized arguments: " + " ".join(left_over))
-    if left_over:
-        args.overrides += left_over
+    args = None
     try:
+        # In the try: building the parser imports the spec's modules (pydantic: most of a second), and so do the
+        # commands' own modules, imported where they run; a Ctrl-C then is an interrupt like any other.
+        args = _parse(argv)
         return args.command(args)
     except KeyboardInterrupt as interrupt:  # Ctrl-C before a command's own handling (`train`'s) began, or without one
-        if args.debug or os.environ.get("RLM_DEBUG") == "1":
+        if _debug(args):
             traceback.print_exception(interrupt)
         print("interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
@@ -49,10 +41,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         mistake = user_error_in(error)
         if mistake is None:
             raise
-        if args.debug or os.environ.get("RLM_DEBUG") == "1":
+        if _debug(args):
             traceback.print_exception(error)
         print(mistake, file=sys.stderr, flush=True)
         return EXIT_BAD_SPEC
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    # Overrides may come after an option (`rlm train CONFIG --verl KEY=VALUE`), which argparse leaves over.
+    args, left_over = parser.parse_known_args(argv)
+    if left_over and not (hasattr(args, "overrides") and all(_is_override_form(arg) for arg in left_over)):
+        parser.error("unrecognized arguments: " + " ".join(left_over))
+    if left_over:
+        args.overrides += left_over
+    return args
+
+
+def _debug(args: argparse.Namespace | None) -> bool:
+    """--debug or RLM_DEBUG=1: a user's mistake shows its traceback too (only RLM_DEBUG before the parse ended)."""
+    return getattr(args, "debug", False) or os.environ.get("RLM_DEBUG") == "1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +139,7 @@ def train(args: argparse.Namespace) -> int:
     source = _spec_source(args)  # before the job runner's imports (torch, ...): a command-line mistake is found at once
     from rlmegatron.driver.job import check_training, run_training
     from rlmegatron.driver.trainer import TrainingStopped
+    from rlmegatron.tracking.progress import ProgressBar  # lazy: in main's try
 
     # Every stage of the spec pipeline, before Ray or any worker starts.
     job = check_training(source)
@@ -148,6 +157,8 @@ def train(args: argparse.Namespace) -> int:
         return EXIT_TRAINING_STOPPED
     except (KeyboardInterrupt, SystemExit) as stop:
         code = stop.code if isinstance(stop, SystemExit) and isinstance(stop.code, int) else EXIT_INTERRUPTED
+        from rlmegatron.checkpoint import CheckpointManager  # lazy: in main's try
+
         latest = CheckpointManager(job.spec.trainer.run_dir).latest()
         _stop_ray_log_forwarding()
         print(f"interrupted; workers and engines stopped; last complete checkpoint: {latest or 'none'}",
@@ -195,6 +206,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
+    from rlmegatron.tracking.curves import report as report_curves  # lazy: in main's try
+
     print(report_curves(args.run_dir)[1], flush=True)
     return EXIT_OK
 
@@ -203,6 +216,8 @@ def pool(args: argparse.Namespace) -> int:
     if args.count < 1:
         print(f"rlm pool {args.action}: COUNT={args.count}: must be at least 1", file=sys.stderr, flush=True)
         return EXIT_BAD_SPEC
+    from rlmegatron.driver.pool_control import request as pool_request  # lazy: in main's try
+
     path = pool_request(args.run_dir, args.action, args.count)
     print(f"asked the run in {args.run_dir} to {args.action} {args.count} rollout engine(s) at its next step "
           f"({path.name})", flush=True)
@@ -210,6 +225,8 @@ def pool(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
+    from rlmegatron.convert_cli import main as convert_main  # lazy: in main's try
+
     return convert_main(args.convert_args)
 
 

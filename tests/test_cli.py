@@ -80,10 +80,12 @@ def test_convert_rejects_an_unknown_direction(capsys):
     assert "invalid choice: 'hf-to-megatron'" in capsys.readouterr().err
 
 
-def test_cli_module_imports_no_pydantic_until_a_command_runs():
-    probe = "import sys, rlmegatron.cli; print('pydantic' in sys.modules)"
+def test_cli_module_imports_no_pydantic_nor_a_commands_modules_until_a_command_runs():
+    """`rlm` imports rlmegatron.cli before main's try begins, where a Ctrl-C would be a traceback."""
+    probe = "import sys, rlmegatron.cli; print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'rlm'))))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
+    assert result.stdout.split() == ["['rlmegatron',", "'rlmegatron.cli',", "'rlmegatron.errors',",
+                                     "'rlmegatron.megatron_fusers']"]
 
 
 def test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line(tmp_path):
@@ -216,3 +218,15 @@ def test_a_deleted_key_after_an_option_is_an_override(option, monkeypatch):
     monkeypatch.setattr(cli, "train", lambda args: seen.append(args.overrides) or 0)
     assert main(["train", QUICKSTART, "rollout.n=4", option, "~trainer.total_steps"]) == 0
     assert seen == [["rollout.n=4", "~trainer.total_steps"]]
+
+
+def test_ctrl_c_while_the_parser_imports_is_one_line_and_exit_130(monkeypatch, capsys):
+    import rlmegatron.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    # Building the parser imports the spec's modules: most of a second.
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["validate", QUICKSTART]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
