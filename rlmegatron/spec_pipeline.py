@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from rlmegatron.config.checks import check_spec, schedule_problems
@@ -195,12 +196,21 @@ def _preflight(run: _Run, parsed: ParsedSpec, job: CheckedJob, later: bool) -> N
 
 def _data(run: _Run, parsed: ParsedSpec, job: CheckedJob, later: bool) -> None:
     # Rows past the first FIRST_ROWS that preflight read: a bad one is a DatasetError naming its file and line.
-    from rlmegatron.data import PromptDataLoader, build_dataset  # lazy: torch
+    from rlmegatron.data import DatasetError, PromptDataLoader, build_dataset  # lazy: torch
 
     data = job.spec.data
     processor = job.spec.model.tokenizer_path or job.spec.model.path  # a vision-language model's image processor
-    train_set = build_dataset(data.train_files, job.tokenizer, data, processor)
-    job.val_set = build_dataset(data.val_files, job.tokenizer, data, processor) if data.val_files else None
+
+    def dataset(kind: str, files: Sequence[str]) -> Any:
+        try:
+            return build_dataset(files, job.tokenizer, data, processor)
+        except DatasetError as error:
+            # Named by its field, as preflight names a problem of the first rows: the row's own file:line follows.
+            index = next((index for index, file in enumerate(files) if str(error).startswith(f"{Path(file)}:")), None)
+            raise DatasetError(f"data.{kind}{'' if index is None else f'[{index}]'}: {error}") from error
+
+    train_set = dataset("train_files", data.train_files)
+    job.val_set = dataset("val_files", data.val_files) if data.val_files else None
     job.loader = PromptDataLoader(train_set, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
 
 

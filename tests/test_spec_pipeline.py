@@ -81,8 +81,10 @@ def test_the_data_stage_reads_every_row_and_counts_the_batches_for_the_schedule(
                                    "(trainer.total_epochs=1 x 2 batches of data.train_files); lower it")
     from rlmegatron.data import DatasetError
 
-    with pytest.raises(DatasetError, match=f"{bad}:9"):
-        check_job(SpecSource(QUICKSTART, (f"data.train_files=[{bad}]", run_dir, by_epochs)), TRAIN_STAGES)
+    with pytest.raises(DatasetError) as rejected_row:
+        check_job(SpecSource(QUICKSTART, (f"data.train_files=[{good}, {bad}]", run_dir, by_epochs)), TRAIN_STAGES)
+    # Named as preflight names a bad row among the first: the field, then the file and line.
+    assert str(rejected_row.value).startswith(f"data.train_files[1]: {bad}:9: no ground truth at data.answer_key=")
 
 
 def test_each_command_runs_its_stages(at_the_root):
