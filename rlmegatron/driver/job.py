@@ -51,6 +51,7 @@ class JobReport:
     resumed_from: int
     """The checkpoint's step the run started from (0: a fresh start): it trained resumed_from+1 .. steps."""
     seconds: float
+    """From the first step's start to the export's end, restarts of the ranks included."""
     reward_first: Optional[float]
     reward_last: Optional[float]
     tracking: str
@@ -60,6 +61,8 @@ class JobReport:
     """Every logged metric as (step, value) pairs."""
     curves: Optional[str] = None
     """The run's curves.png (tracking/curves.py); None when the run trained nothing."""
+    restarts: int = 0
+    """How many times the trainer ranks were restarted within the run (trainer.max_restarts)."""
 
 
 def exit_on_sigterm() -> None:
@@ -161,8 +164,11 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
                 engines = EngineFleet(OnRolloutPool(rollout_settings(spec), ranks, pools.rollout if pools else None))
             trainer = Trainer(spec, ranks, engines, tokenizer, loader, val_set, scoring, opening.result(),
                               checkpoints)
+            if not restarts:  # the report is the run's, not its last attempt's: a restart resumes the run
+                first_attempt, fitting_since = trainer, time.perf_counter()
             try:
                 result = trainer.fit()
+                seconds = time.perf_counter() - fitting_since
                 break
             except RankLost as lost:
                 if restarts == spec.trainer.max_restarts:
@@ -195,8 +201,8 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
     rewards = tracker.series(REWARD_SCORE_MEAN)
     report = JobReport(
         steps=result.steps,
-        resumed_from=result.resumed_from,
-        seconds=result.seconds,
+        resumed_from=first_attempt.resumed_from,
+        seconds=seconds,
         reward_first=rewards[0] if rewards else None,
         reward_last=rewards[-1] if rewards else None,
         tracking=_tracking_location(spec, tracker),
@@ -204,6 +210,7 @@ def _run_locked(job: CheckedJob, launch: Optional[str], tokenizer) -> JobReport:
         exported_hf=result.exported_hf,
         history=tracker.history,
         curves=str(_draw_curves(spec, tracker)),
+        restarts=restarts,
     )
     print(tracker.summary(), flush=True)
     print(format_report(report), flush=True)
@@ -351,6 +358,7 @@ def format_report(report: JobReport) -> str:
     first, count = report.resumed_from + 1, report.steps - report.resumed_from
     steps = f"step {first}" if count == 1 else f"steps {first}-{report.steps}"
     resumed = f", resumed from step {report.resumed_from}" if report.resumed_from else ""
+    resumed += f", the ranks restarted {report.restarts} time(s)" if report.restarts else ""
     rewards = report.history.get(REWARD_SCORE_MEAN)
     reward = ("n/a" if not rewards
               else f"{rewards[0][1]:.3f} (step {rewards[0][0]}) -> {rewards[-1][1]:.3f} (step {rewards[-1][0]})")

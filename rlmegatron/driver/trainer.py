@@ -96,7 +96,6 @@ class FitResult:
     """The last step trained."""
     resumed_from: int
     """The checkpoint's step this run started from (0: a fresh start); it trained resumed_from+1 .. steps."""
-    seconds: float
     last_checkpoint: Optional[str]
     exported_hf: Optional[str]
 
@@ -145,7 +144,6 @@ class Trainer:
 
     def fit(self) -> FitResult:
         spec, trainer = self.spec, self.spec.trainer
-        started = time.perf_counter()
         self.resume()
         self.engines.sync_metrics()  # the pushes before the first step (initial weights, a resume) are no step's
         if trainer.val_before_train and self.step == 0 and self.val_dataset is not None:
@@ -203,7 +201,7 @@ class Trainer:
                 with self.stop_on_failed_step():  # a rank that dies while it saves
                     self.save(produced.loader_state)
         exported = self.export_policy()
-        return FitResult(self.step, self.resumed_from, time.perf_counter() - started, self.last_checkpoint, exported)
+        return FitResult(self.step, self.resumed_from, self.last_checkpoint, exported)
 
     def update(self, role: str, batch) -> dict[str, float]:
         """One PPO update of the actor or critic, with a bar over its optimizer steps."""

@@ -118,3 +118,51 @@ def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(mo
     assert str(refused.value) == ("command line: placement.transport=processes: runs the ranks on this machine without "
                                   "Ray, but RAY_ADDRESS=10.0.0.1:6379 names a Ray cluster; use placement.transport=ray "
                                   "or auto, or unset RAY_ADDRESS")
+
+
+def test_a_run_whose_ranks_restarted_reports_every_step_it_trained_and_the_restart(tmp_path, monkeypatch, capsys):
+    import rlmegatron.data
+    from rlmegatron import spec_pipeline
+    from rlmegatron.driver import job
+    from rlmegatron.driver.job import check_training, run_training
+    from rlmegatron.driver.trainer import FitResult, RankLost
+    from rlmegatron.preflight import Preflight
+
+    class Tracker(Part):
+        history: dict = {}
+
+        def series(self, name):
+            return []
+
+        def summary(self):
+            return ""
+
+    attempts = []
+
+    class Trainer:
+        """The first attempt trains steps 1 and 2 (a checkpoint at 1) and loses a rank; the restart resumes at 1."""
+
+        def __init__(self, *args):
+            self.resumed_from = len(attempts)
+            attempts.append(self)
+
+        def fit(self):
+            if len(attempts) == 1:
+                raise RankLost("rank 1 died in step 2")
+            return FitResult(steps=3, resumed_from=1, last_checkpoint="step_3", exported_hf=None)
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(spec_pipeline, "preflight", lambda spec, launching: Preflight(tokenizer="tokenizer"))
+    monkeypatch.setattr(rlmegatron.data, "build_dataset", Part)
+    monkeypatch.setattr(rlmegatron.data, "PromptDataLoader", Part)
+    for name in ("build_reward_manager", "CheckpointManager", "LocalWorkerGroup", "InTrainerRanks", "EngineFleet"):
+        monkeypatch.setattr(job, name, Part)
+    monkeypatch.setattr(job.Tracker, "from_spec", Tracker)
+    monkeypatch.setattr(job, "_draw_curves", lambda spec, tracker: None)
+    monkeypatch.setattr(job, "Trainer", Trainer)
+    run_training(check_training(SpecSource("configs/quickstart.yaml", [
+        "trainer.total_steps=3", "trainer.max_restarts=1", "tracking.backends=[console]",
+        f"trainer.run_dir={tmp_path / 'run'}"]), in_process=True))
+    assert len(attempts) == 2
+    # The first attempt started afresh: the run trained steps 1-3, not only the restart's 2-3.
+    assert "trained steps 1-3 (3 steps, the ranks restarted 1 time(s)) in " in capsys.readouterr().out

@@ -53,7 +53,8 @@ def test_a_rank_killed_mid_update_is_restarted_and_the_run_ends_as_a_resume_from
         assert len((tmp_path / f"{launcher}.died").read_text().splitlines()) == 1  # rank 1 died once, in step 2
         assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {run / 'checkpoints' / 'step_1'}" \
             in restarted.stderr, launcher
-        assert "trained steps 2-3 (2 steps, resumed from step 1)" in restarted.stdout, launcher
+        # The run's steps, from its start: the restart resumed within the run.
+        assert "trained steps 1-3 (3 steps, the ranks restarted 1 time(s))" in restarted.stdout, launcher
         # One MLflow run, active: the restart continued it.
         assert [stage for _, stage in mlflow_runs(run / "mlflow.db")] == ["active"], launcher
         finished[launcher] = exported_weights(run)
