@@ -261,8 +261,6 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
     """Write a LoRA actor's adapters (through its exporter, whose plan a caller keeps across versions) as a PEFT
     adapter (adapter_model.safetensors + adapter_config.json) that transformers + peft, and SGLang's LoRA loading,
     read over the base HF model. Collective; rank 0 writes."""
-    from safetensors.torch import save_file
-
     # Cloned: the projections of one fused weight share its A, and safetensors refuses shared memory.
     tensors = {name: tensor.detach().cpu().clone() for name, tensor in exporter.adapter_stream()}
     saved = {name: tensor.detach().cpu().clone() for name, tensor in exporter.module_stream(lora.modules_to_save)}
@@ -277,7 +275,7 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
             config.update(modules_to_save=sorted({name.rsplit(".", 2)[-2] for name in saved}),
                           ensure_weight_tying=True)
         tensors.update(saved)
-        save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, os.path.join(out, "adapter_model.safetensors"))
         Path(out, "adapter_config.json").write_text(json.dumps(config, indent=1))
     torch.distributed.barrier()
 
@@ -291,8 +289,6 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
     Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
     it is full, so it holds at most one shard beyond its own weights.
     """
-    from safetensors.torch import save_file
-
     writer = torch.distributed.get_rank() == 0
     staging = Path(out, ".incomplete")
     if writer:
@@ -303,7 +299,7 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
 
     def flush():
         if shard:
-            save_file(shard, str(staging / f"shard-{len(shard_keys)}.safetensors"), metadata={"format": "pt"})
+            save_safetensors(shard, str(staging / f"shard-{len(shard_keys)}.safetensors"))
             shard_keys.append(sorted(shard))
             shard.clear()
 
@@ -330,3 +326,14 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
         Path(out, "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         Path(out, "config.json").write_text(json.dumps(config, indent=1))
     torch.distributed.barrier()
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """A safetensors file readable as every other file of the export is (0666 less the umask: 0644 by default):
+    safetensors (0.8) writes its files mode 0600, whoever else is to read them (an inference server's user)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0o022)  # the only way to read it is to set it
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

@@ -1,4 +1,11 @@
 """The export stream yields, on every rank and at every layout, exactly the HF tensors the model holds (bitwise)."""
+import os
+import stat
+
+import pytest
+import torch
+
+from rlmegatron.resharding.export import save_safetensors
 from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.models.tiny_hf import save_tiny_model
@@ -26,3 +33,15 @@ def test_stream_is_bitwise_the_source_checkpoint_at_every_layout(tmp_path):
             assert not result["missing"], f"rank {rank} {case}: missing {result['missing'][:5]}"
             assert not result["extra"], f"rank {rank} {case}: unexpected {result['extra'][:5]}"
             assert not result["mismatched"], f"rank {rank} {case}: differs {result['mismatched'][:5]}"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_an_exported_safetensors_file_has_the_mode_the_umask_gives_as_its_other_files(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        save_safetensors({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+    finally:
+        os.umask(previous)
+    assert [stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "config.json")] == [
+        mode, mode]
