@@ -86,6 +86,8 @@ def mlflow_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], s
     from mlflow.exceptions import MlflowException  # lazy: mlflow takes seconds to import
 
     saved_file = run_dir / RUN_ID_FILE
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such directory; rlm report takes a run's trainer.run_dir")
     if not saved_file.is_file():
         raise UserError(f"{run_dir}: no MLflow run here ({RUN_ID_FILE} is missing); rlm report reads the MLflow store "
                         "of a run directory whose run had mlflow in tracking.backends")

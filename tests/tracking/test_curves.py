@@ -48,8 +48,11 @@ def test_report_draws_a_running_runs_curves_from_its_store(tmp_path, monkeypatch
     assert plotted(path)["critic/score/mean"] == [*logged["critic/score/mean"], (4, 1.0)]
 
 
-def test_report_on_a_directory_without_an_mlflow_run_is_one_line(tmp_path, capsys):
+def test_report_on_a_directory_without_an_mlflow_run_or_none_at_all_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == EXIT_BAD_SPEC
     assert capsys.readouterr().err == (
         f"{tmp_path}: no MLflow run here (mlflow_run.json is missing); rlm report reads the MLflow store of a run "
         "directory whose run had mlflow in tracking.backends\n")
+    assert main(["report", str(tmp_path / "no_such_run")]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err == f"{tmp_path / 'no_such_run'}: no such directory; rlm report takes a run's " \
+                                      "trainer.run_dir\n"
