@@ -208,8 +208,8 @@ def build_gpt_model(facts: ModelFacts, config, use_te: bool = False, vp_stage: O
                       mrope_interleaved=facts.family.mrope_interleaved)
     model = model_class(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage),
-        mtp_block_spec=mtp_block_spec(config, use_te=use_te, vp_stage=vp_stage),
+        transformer_layer_spec=decoder_block_spec(config, use_te=use_te, vp_stage=vp_stage, family=facts.family),
+        mtp_block_spec=mtp_block_spec(config, use_te=use_te, vp_stage=vp_stage, family=facts.family),
         vocab_size=facts.padded_vocab_size,
         max_sequence_length=facts.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

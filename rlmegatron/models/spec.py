@@ -7,8 +7,10 @@ from typing import Any, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from rlmegatron.models.all_heads_norm import KEY, QUERY, AllHeadsRMSNorm
 from rlmegatron.models.layers import (DuplicatedLinear, SDPACoreAttention, SequenceParallelTorchNorm, enable_local_mla,
                                       enable_packed_rope)
 
@@ -24,14 +26,15 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
-    """Block spec for the layers this pipeline stage builds (MoE/dense pattern from `config.moe_layer_freq`)."""
+def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None, family=None):
+    """Block spec for the layers this pipeline stage builds (MoE/dense pattern from `config.moe_layer_freq`), with
+    the modules of `family` (a models.families.Family) where its layers differ from Megatron's."""
     use_te = transformer_engine_available() if use_te is None else use_te
     spec = _megatron_decoder_block_spec(config, use_te, vp_stage)
-    return spec if use_te else _local(spec, config)
+    return _family_modules(spec if use_te else _local(spec, config), family)
 
 
-def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None):
+def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None, family=None):
     """Spec of the multi-token-prediction layers this stage builds (all on the last one), or None.
 
     Megatron builds each MTP layer's transformer layer from the last decoder layer's spec.
@@ -41,7 +44,16 @@ def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int
     use_te = transformer_engine_available() if use_te is None else use_te
     decoder = _megatron_decoder_block_spec(config, use_te, vp_stage)
     spec = get_gpt_mtp_block_spec(config, decoder, use_transformer_engine=use_te, vp_stage=vp_stage)
-    return spec if use_te or spec is None else _local(spec, config)
+    return spec if spec is None else _family_modules(spec if use_te else _local(spec, config), family)
+
+
+def _family_modules(spec, family):
+    """`spec` with the modules a family needs in place of Megatron's: query/key norms over all heads together."""
+    if family is None or not family.qk_norm_over_all_heads:
+        return spec
+    return _with_fields(spec, {
+        "q_layernorm": ModuleSpec(module=AllHeadsRMSNorm, params={"heads": QUERY}),
+        "k_layernorm": ModuleSpec(module=AllHeadsRMSNorm, params={"heads": KEY})})
 
 
 def _megatron_decoder_block_spec(config, use_te: bool, vp_stage: Optional[int]):
@@ -69,4 +81,16 @@ def _substitute(node: Any, field: str = "") -> Any:
         if "module" in changes and field:  # a ModuleSpec: its class belongs to the field that holds it
             changes["module"] = _substitute(node.module, field)
         return dataclasses.replace(node, **changes)
+    return node
+
+
+def _with_fields(node: Any, replacements: dict[str, Any], field: str = "") -> Any:
+    """Copy of a spec tree whose submodules in the fields named in `replacements` (where set) are those given."""
+    if field in replacements and node is not None:
+        return replacements[field]
+    if isinstance(node, list):
+        return [_with_fields(item, replacements) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: _with_fields(getattr(node, f.name), replacements, f.name)
+                                            for f in dataclasses.fields(node)})
     return node

@@ -135,6 +135,9 @@ def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> N
 
 
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+# What transformers 5 keeps under a MoE layer's `mlp.` in memory, which a family's checkpoint may hold under another
+# module name (Mixtral's and MiniMax-M2's block_sparse_moe.).
+_MOE_MEMBERS = re.compile(r"^(.*\.layers\.\d+\.)mlp\.(gate\.|experts\.|e_score_correction_bias$)")
 
 
 def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -149,11 +152,14 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     # ships it, Qwen3-VL nested as well).
     family = family_for(getattr(getattr(model, "config", None), "model_type", None))
     nested_parts = (("model.language_model.", family.hf_language_prefix), ("model.visual.", family.hf_vision_prefix))
+    gate_name, up_name, down_name = family.expert_projections
     named = {}
     for name, tensor in model.state_dict().items():
         for nested, checkpoint in nested_parts:
             if name.startswith(nested):
                 name = checkpoint + name[len(nested):]
+        if family.moe_block != "mlp":
+            name = _MOE_MEMBERS.sub(rf"\1{family.moe_block}.\2", name)
         match = _STACKED_EXPERTS.match(name)
         if match is None:
             named[name] = tensor
@@ -161,11 +167,11 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         prefix, kind = match.groups()
         for expert, slab in enumerate(tensor):
             if kind == "down_proj":
-                named[f"{prefix}.{expert}.down_proj.weight"] = slab
+                named[f"{prefix}.{expert}.{down_name}.weight"] = slab
             else:
                 gate, up = slab.chunk(2, dim=0)
-                named[f"{prefix}.{expert}.gate_proj.weight"] = gate
-                named[f"{prefix}.{expert}.up_proj.weight"] = up
+                named[f"{prefix}.{expert}.{gate_name}.weight"] = gate
+                named[f"{prefix}.{expert}.{up_name}.weight"] = up
     return named
 
 

@@ -25,12 +25,18 @@ FAMILY_CONFIGS = {
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_key_value_heads=4,
                         num_nextn_predict_layers=1,
+                        # As DeepSeek releases them (transformers ignores them, SGLang's model reads them).
+                        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     # GLM-4.5's switches on: q/k/v biases, query/key norms, half of each head rotated, scaled routing, an MTP layer.
     "glm4_moe": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # MiniMax-M2's query/key norms over all heads, a quarter of each head rotated (rotary_dim, as released).
+    "minimax_m2": dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                       intermediate_size=32, rotary_dim=4, bos_token_id=1, eos_token_id=2, scoring_func="sigmoid",
+                       use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer"),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_FAMILIES = tuple(f for f in FAMILIES if architecture_of({"model_type": f, **COMMON, **FAMILY_CONFIGS[f]}).is_moe)
@@ -83,9 +89,11 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> st
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            # Random norms/biases too: default ones/zeros would hide a swapped mapping.
-            if param.dim() == 1 or "e_score_correction_bias" in name:
+        # Random norms/biases too (MiniMax-M2's expert bias is a buffer): default ones/zeros would hide a swapped
+        # mapping.
+        saved = model.state_dict().keys()
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if (param.dim() == 1 and name in saved) or "e_score_correction_bias" in name:
                 param.copy_(_random_norm_or_bias(name, param))
     model.save_pretrained(directory)
     if getattr(config, "num_nextn_predict_layers", 0) and variant.mtp_tensors:

@@ -9,7 +9,8 @@ import torch
 from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
 from rlmegatron.rollout.buckets import iter_buckets
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.local import LocalEngine, checkpoint_named_weights
+from tests.models.tiny_hf import MOE_FAMILIES, save_tiny_model
 
 PROMPTS = [(5, 17, 42), (9,), (101, 3, 77, 12, 150, 8)]
 
@@ -264,3 +265,23 @@ def test_fp8_weight_updates_are_held_quantised_then_dequantised():
     weight = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match=f"without the partner of \\['{weight}'\\]"):
         engine.update_weights([(weight, FP8_ROLLOUT.quantise(new_state[weight])[0])], version="v2")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_engine_names_every_weight_as_the_checkpoint_does(tmp_path, family):
+    """What the weight sync streams is named as the family's checkpoint; the engine holds transformers 5's model,
+    which stacks the experts and may keep a MoE block under another module name (Mixtral's and MiniMax-M2's
+    block_sparse_moe.): every checkpoint tensor must be found under its own name, as a view of what the model holds."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny_model(family, str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    named = checkpoint_named_weights(model)
+    # The MTP layers DeepSeek and GLM ship, which transformers does not build, are the only tensors it lacks.
+    saved = {k: v for k, v in load_file(f"{directory}/model.safetensors").items()
+             if not k.startswith(f"model.layers.{model.config.num_hidden_layers}.")}
+    assert named.keys() == saved.keys()
+    assert all(torch.equal(named[k], saved[k]) for k in saved)
+    held = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert all(named[k].untyped_storage().data_ptr() in held for k in saved)  # copies into them reach the model

@@ -178,6 +178,8 @@ class Family:
     hf_language_prefix = "model."
     hf_vision_prefix = "visual."  # and the vision tower's (a vision-language family's): Qwen2.5-VL's visual.
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
+    # Query/key norms over all heads of a token together (MiniMax-M2's; models.all_heads_norm), not each head apart
+    qk_norm_over_all_heads = False
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
     moe_block = "mlp"

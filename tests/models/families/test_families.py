@@ -64,6 +64,9 @@ VARIANTS = [
                   "partial_rotary_factor": None}),  # GLM rotates half of each head unless told otherwise
     ("glm4_moe", {"partial_rotary_factor": None,
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
+    # MiniMax-M2's rotated share as released (rotary_dim) and as transformers 5 writes it (rope_parameters).
+    ("minimax_m2", {}), ("minimax_m2", {"rotary_dim": None, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}}),
 ]
 
 

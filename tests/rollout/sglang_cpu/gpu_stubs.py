@@ -20,7 +20,7 @@ import importlib.machinery
 import sys
 import types
 
-STUBBED = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "gguf", "xgrammar", "soundfile", "IPython")
+STUBBED = ("triton", "tvm_ffi", "torchvision", "compressed_tensors", "gguf", "xgrammar", "soundfile", "IPython", "vllm")
 
 
 class _Placeholder(type):

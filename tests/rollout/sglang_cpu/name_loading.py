@@ -1,0 +1,98 @@
+"""Runs SGLang 0.5.23's own model construction and `load_weights` on CPU: argv[1] is a JSON job, {"models": {label:
+{"model": a HF model directory (its config.json says the architecture), "tensors": a safetensors file of the
+HF-named weights a weight sync streams}}, "tp": TP sizes}.
+
+For each TP rank of each TP size it builds the architecture's SGLang model class (SGLang's ModelRegistry, with the
+rank set through SGLang's own get_parallel().override, as fp8_loading.py does), fills every parameter with NaN, hands
+the tensors to the model's `load_weights` (SGLang's name mapping: stacked q/k/v and gate/up, expert parameters,
+and its silent `continue` for a name it has no parameter for) and prints, as JSON, per "tp{size}.rank{rank}": the
+parameters some element of which is still NaN (a tensor it expected and never got), and, for the parameters that
+take one HF tensor as it is, those whose value differs from that tensor's TP slice.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import gpu_stubs
+
+gpu_stubs.install()
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from sglang.srt.models.registry import ModelRegistry  # noqa: E402
+from sglang.srt.runtime_context import get_parallel, publish  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+
+class Group:
+    """A process group of `size` as SGLang's layers read it while they are built and loaded (no collective runs)."""
+
+    def __init__(self, size: int, rank: int):
+        self.world_size, self.rank_in_group, self.rank, self.local_rank = size, rank, rank, rank
+        self.ranks = list(range(size))
+        self.is_first_rank = self.is_last_rank = True  # the pipeline group: one stage
+        self.device_group = self.cpu_group = None
+
+
+def parallel(size: int, rank: int) -> dict:
+    tp, one = Group(size, rank), Group(1, 0)
+    return dict(tp_group=tp, tp_size=size, tp_rank=rank, attn_tp_group=tp, attn_tp_size=size, attn_tp_rank=rank,
+                moe_tp_group=tp, moe_tp_size=size, moe_tp_rank=rank, shared_experts_tp_group=tp,
+                pp_group=one, pp_rank=0, attn_dp_rank=0, attn_dp_enabled=False, attn_cp_group=one, attn_cp_rank=0,
+                attn_dcp_rank=0, attn_dcp_size=1, dcp_enabled=False, dcp_group=one, dcp_rank=0, dp_rank=0,
+                moe_ep_group=one, moe_ep_rank=0, moe_ep_size=1, moe_dp_group=one, moe_dp_rank=0, world_group=tp,
+                num_dp_ranks=1, launch_world_rank=rank, launch_world_size=size, max_world_size=size)
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    report = {}
+    for label, model in job["models"].items():
+        try:
+            report[label] = loaded(model["model"], model["tensors"], job["tp"])
+        except Exception as err:  # one model SGLang cannot build or load fails its own test, not the others'
+            report[label] = {"error": f"{type(err).__name__}: {err}"}
+    print(json.dumps(report))
+
+
+def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
+    config = AutoConfig.from_pretrained(model_dir)
+    server_args = prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"])
+    server_args.resolve_once()
+    publish(server_args, role="scheduler")  # last publish wins: each model its own server's arguments
+    model_class, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    tensors = load_file(tensors_file)
+    vocab = config.get_text_config().vocab_size
+    report = {}
+    for size in tp_sizes:
+        for rank in range(size):
+            with get_parallel().override(**parallel(size, rank)):
+                model = model_class(config, quant_config=None)
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.fill_(float("nan"))
+                model.load_weights(iter(tensors.items()))
+            unfilled, differ = [], []
+            for name, param in model.named_parameters():
+                data = param.data
+                if "embed_tokens" in name or "lm_head" in name:
+                    # SGLang pads the vocabulary; only the rows of real tokens are loaded.
+                    data = data[: max(0, vocab - rank * data.shape[0])]
+                if torch.isnan(data).any():
+                    unfilled.append(name)
+                elif name in tensors and "embed_tokens" not in name and "lm_head" not in name:
+                    whole = tensors[name]
+                    if whole.shape != param.shape:  # a TP slice along the dim whose size differs
+                        dim = next(d for d, (a, b) in enumerate(zip(whole.shape, param.shape)) if a != b)
+                        whole = whole.chunk(size, dim)[rank]
+                    if not torch.equal(whole.to(param.dtype), param.data):
+                        differ.append(name)
+            report[f"tp{size}.rank{rank}"] = {"unfilled": unfilled, "differ": differ,
+                                              "parameters": len(list(model.parameters()))}
+    return report
+
+
+if __name__ == "__main__":
+    main()
