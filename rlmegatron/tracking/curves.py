@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlmegatron.errors import UserError
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN, VALIDATION_PREFIX
-from rlmegatron.tracking.mlflow_run import RUN_ID_FILE, mlflow_client
+from rlmegatron.tracking.mlflow_run import RUN_ID_FILE, damaged_store_is_the_users, mlflow_client
 
 CURVES_FILE = "curves.png"
 PLOTTED_KEY = "rlmegatron.curves"
@@ -94,7 +94,8 @@ def mlflow_history(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], s
     saved = json.loads(saved_file.read_text())
     client = mlflow_client(saved["tracking_uri"])
     try:
-        run = client.get_run(saved["run_id"])
+        with damaged_store_is_the_users(saved["tracking_uri"]):
+            run = client.get_run(saved["run_id"])
     except MlflowException as error:
         raise UserError(f"{run_dir}: its MLflow run {saved['run_id']} is not in {saved['tracking_uri']} "
                         f"({str(error).splitlines()[0]})") from error

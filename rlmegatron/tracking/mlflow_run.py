@@ -12,10 +12,11 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlmegatron.errors import UserError
 from rlmegatron.tracking.samples import format_samples, sample_table
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class MlflowBackend:
         self.run_id: str | None = None
 
     def start(self, step: int) -> None:
+        with damaged_store_is_the_users(self.tracking_uri):
+            self._start(step)
+
+    def _start(self, step: int) -> None:
         previous = self._previous_run()
         if previous is None:
             self.run_id = self._start_run(self.setup, self.params, self.resolved_yaml)
@@ -153,7 +158,27 @@ def mlflow_client(tracking_uri: str):
     new_sqlite = sqlite_path(tracking_uri)
     if new_sqlite is not None and not new_sqlite.exists():
         _copy_empty_store(new_sqlite)
-    return MlflowClient(tracking_uri=tracking_uri)
+    with damaged_store_is_the_users(tracking_uri):  # the client reads the store's tables as it opens it
+        return MlflowClient(tracking_uri=tracking_uri)
+
+
+# sqlite's words for a store file that is not a database at all, or one whose pages are damaged; sqlalchemy raises
+# them as they are, MLflow as the text of an MlflowException.
+_DAMAGED_STORE_TEXTS = ("file is not a database", "database disk image is malformed")
+
+
+@contextlib.contextmanager
+def damaged_store_is_the_users(tracking_uri: str) -> Iterator[None]:
+    """A damaged sqlite store is one line naming its file and what to do (exit 2), not sqlalchemy's traceback."""
+    try:
+        yield
+    except Exception as error:
+        found = next((words for words in _DAMAGED_STORE_TEXTS if words in str(error)), None)
+        if found is None:
+            raise
+        raise UserError(f"{sqlite_path(tracking_uri) or tracking_uri}: the MLflow store is damaged ({found}); "
+                        "restore it from a copy, or move it aside: rlm train then starts a new store there, with a "
+                        "new MLflow run") from error
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:

@@ -5,7 +5,7 @@ import time
 from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main
 from rlmegatron.tracking import Tracker
 from tests.helpers.tracking_readers import plotted
-from tests.tracking.test_tracking import job_spec
+from tests.tracking.test_tracking import damage, job_spec
 
 
 def wait_until_stored(tracker: Tracker, key: str, points: int) -> None:
@@ -56,3 +56,14 @@ def test_report_on_a_directory_without_an_mlflow_run_or_none_at_all_is_one_line(
     assert main(["report", str(tmp_path / "no_such_run")]) == EXIT_BAD_SPEC
     assert capsys.readouterr().err == f"{tmp_path / 'no_such_run'}: no such directory; rlm report takes a run's " \
                                       "trainer.run_dir\n"
+
+
+def test_report_on_a_damaged_store_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    tracker.start(0)
+    tracker.finish()
+    damage(tmp_path / "mlflow.db", page=1)
+    assert main(["report", str(tmp_path)]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err.startswith(f"{tmp_path.resolve() / 'mlflow.db'}: the MLflow store is damaged (file "
+                                              "is not a database); restore it from a copy")

@@ -107,6 +107,35 @@ def test_a_run_resumed_before_steps_it_logged_shows_each_step_once(tmp_path, mon
     assert fresh.info.run_id == again.backends[0].backend.run_id and fresh.data.metrics == {}
 
 
+def damage(store: Path, page: int) -> None:
+    """Overwrite one page of a sqlite file: page 1 holds its header, later ones its tables' rows."""
+    with store.open("r+b") as file:
+        file.seek((page - 1) * 4096)
+        file.write(b"\xff" * 4096)
+
+
+@pytest.mark.parametrize("page, words", [(1, "file is not a database"), ("runs", "database disk image is malformed")])
+def test_a_damaged_mlflow_store_is_one_line_naming_the_file_and_what_to_do(tmp_path, monkeypatch, page, words):
+    import sqlite3
+
+    from rlmegatron.errors import UserError
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker.from_spec(job_spec(tmp_path, ["mlflow"]))
+    tracker.start(0)
+    tracker.log_metrics({"critic/score/mean": 0.5}, step=1)
+    tracker.finish()
+    store = tmp_path.resolve() / "mlflow.db"
+    if page == "runs":  # the table a resume reads first
+        with sqlite3.connect(store) as db:
+            [(page,)] = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'runs'").fetchall()
+    damage(store, page)
+    with pytest.raises(UserError) as damaged:  # opening the store reads its header; resuming the run, its tables
+        Tracker.from_spec(job_spec(tmp_path, ["mlflow"])).start(1)
+    assert str(damaged.value) == (f"{store}: the MLflow store is damaged ({words}); restore it from a copy, or move it "
+                                  "aside: rlm train then starts a new store there, with a new MLflow run")
+
+
 def test_tracking_uri_prefers_the_spec_then_the_environment_then_the_run_dir(tmp_path, monkeypatch):
     setup = TrackingSetup(["mlflow"], tmp_path, "p", "e")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
