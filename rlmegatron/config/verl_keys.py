@@ -21,7 +21,7 @@ from typing import Any
 from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.fieldpaths import path_problem
 from rlmegatron.config.loader import COMMAND_LINE
-from rlmegatron.config.overrides import Override, parse_override
+from rlmegatron.config.overrides import REMOVE, Override, parse_override
 from rlmegatron.config.spec import JobSpec
 
 
@@ -804,9 +804,15 @@ def _note(key: str, value: Any, note: str) -> str:
 
 
 def _parse(text: str) -> tuple[str, Any] | SpecProblem:
-    """(key, value), with Hydra's +/++ prefixes dropped, or why the argument cannot be read."""
+    """(key, value), with Hydra's +/++ prefixes dropped, or why the argument cannot be read. `~key` (value REMOVE)
+    deletes what the YAML sets, as without --verl: an rlmegatron field, or the fields a verl key maps to."""
     if text.startswith("~"):
-        return _problem(text, NO_VALUE, "deleting a key has no meaning here; leave the key out")
+        key = text[1:].strip()
+        found = entry_for(key)
+        if found is None and path_problem(JobSpec, tuple(key.split("."))) is not None:
+            return _problem(text, NO_VALUE, _unknown_reason(key))
+        if found is not None and not (isinstance(found[0], Maps) and not found[1]):
+            return _problem(text, NO_VALUE, "this verl key sets no field of its own to delete; leave the key out")
     parsed = parse_override(text.lstrip("+"))
     if isinstance(parsed, SpecProblem):
         return _problem(parsed.field, parsed.value, parsed.reason)
@@ -820,7 +826,7 @@ def translate(args: Sequence[str], raw: Mapping[str, Any]) -> Translation:
     field wins), notes and problems. `raw` is the YAML the overrides go on top of."""
     parsed = [_parse(text) for text in args]
     out = Translation()
-    given = dict(item for item in parsed if not isinstance(item, SpecProblem))
+    given = dict(item for item in parsed if not isinstance(item, SpecProblem) and item[1] is not REMOVE)
     ctx = Context(given, raw)
     weak: list[tuple[Override, Any]] = []  # with the value as written, for the note if another key wins
     strong: dict[str, Override] = {}
@@ -863,6 +869,9 @@ def translate(args: Sequence[str], raw: Mapping[str, Any]) -> Translation:
 
 def _map(key: str, value: Any, entry: Maps, rest: str, ctx: Context, out: Translation,
          weak: list[tuple[Override, Any]], strong: dict[str, Override]) -> None:
+    if value is REMOVE:  # `~key`: the fields it maps to go, and take their defaults
+        strong.update({target: Override(tuple(target.split(".")), REMOVE, origin=key) for target in entry.fields})
+        return
     try:
         converted = entry.convert(value, ctx) if entry.convert else value
     except Unchanged as unchanged:

@@ -164,15 +164,29 @@ def test_a_spec_problem_names_the_verl_key_that_set_the_field(base, capsys):
 
 def test_sub_keys_rejected_with_their_parent_and_hydra_syntax(base):
     translation = translate(["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
-                             "~trainer.logger", "trainer.total_epochs=${oc.env:EPOCHS}"], BASE)
+                             "~data.use_shm", "trainer.total_epochs=${oc.env:EPOCHS}"], BASE)
     assert [str(p) for p in translation.problems] == [
         "command line: actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0: no meaning in rlmegatron: "
         "an FSDP setting; rlmegatron shards with Megatron-Core, so set the role's megatron section "
         "(e.g. actor.megatron.tensor_model_parallel_size) instead",
-        "command line: ~trainer.logger: deleting a key has no meaning here; leave the key out",
+        "command line: ~data.use_shm: this verl key sets no field of its own to delete; leave the key out",
         "command line: trainer.total_epochs=${oc.env:EPOCHS}: Hydra interpolations are not resolved here; write the "
         "value itself",
     ]
+
+
+@pytest.mark.parametrize("rejected, advised, default", [
+    (["trainer.total_epochs=2"], "~trainer.total_steps", None),  # an rlmegatron field the YAML sets
+    (["trainer.val_before_train=false", "trainer.test_freq=-1"], "~data.val_files", []),  # verl's key, same name
+])
+def test_a_deletion_the_advice_names_works_with_verl(rejected, advised, default, monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    assert main(["validate", "--verl", "configs/quickstart.yaml", *rejected]) == EXIT_BAD_SPEC
+    assert f"({advised} on the command line)" in capsys.readouterr().err
+    assert main(["validate", "--verl", "configs/quickstart.yaml", *rejected, advised]) == EXIT_OK
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    section, key = advised[1:].split(".")
+    assert resolved[section][key] == default
 
 
 def test_translations_that_combine_yield_or_conflict(base, tmp_path):
