@@ -113,6 +113,7 @@ def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
     """Rank body of `rlm convert hf-to-mcore`."""
     import torch
 
+    from rlmegatron.models.carried import save_carried
     from rlmegatron.models.convert import HFCheckpoint, import_hf, save_mcore, save_source_scales
     from rlmegatron.models.hf_config import read_hf_config
 
@@ -121,6 +122,7 @@ def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
                quantization_config=read_hf_config(hf_path).get("quantization_config"))
     if torch.distributed.get_rank() == 0:
         save_source_scales(HFCheckpoint(hf_path), out)
+        save_carried(hf_path, out, weight_map.facts.family)
     torch.distributed.barrier()
 
 
@@ -145,7 +147,7 @@ def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout, fp
     _, weight_map, chunks = load_mcore(mcore_path, layout)
     config, quantization = export_format(mcore_path, hf_config_dir, fp8)
     original = source_scales(mcore_path, quantization) if quantization is not None else None
-    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization, original)
+    _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization, original, mcore_path)
 
 
 def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None, layout) -> None:
@@ -174,18 +176,23 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
     if adapter_out:
         export_peft_adapter(HFWeightExporter(chunks, weight_map), adapter_out, meta.lora, meta.base_model)
     if merged_out:
-        _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model)
+        _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model, carried_from=meta.base_model)
 
 
-def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None, original_scales=None) -> None:
+def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None, original_scales=None,
+              carried_from: str | None = None) -> None:
     """The chunks as an HF checkpoint (block-wise FP8 with `fp8`, reusing `original_scales` where they still hold)
-    with `tokenizer_dir`'s tokenizer files; collective, rank 0 writes."""
+    with `tokenizer_dir`'s tokenizer files and the tensors the family carries from `carried_from` (the checkpoint
+    the model was converted from); collective, rank 0 writes."""
     import torch
 
+    from rlmegatron.models.carried import carried_tensors
     from rlmegatron.models.convert import copy_tokenizer
     from rlmegatron.resharding import export_hf
 
-    export_hf(chunks, weight_map, out, config, fp8=fp8, original_scales=original_scales)
+    carried = carried_tensors(carried_from, weight_map.facts.family) \
+        if carried_from and torch.distributed.get_rank() == 0 else {}
+    export_hf(chunks, weight_map, out, config, fp8=fp8, original_scales=original_scales, carried=carried)
     if torch.distributed.get_rank() == 0:
         copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
@@ -390,12 +397,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from rlmegatron.runtime.notices import quiet_library_notices
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Before Megatron-Core is imported: preflight builds its TransformerConfig here, as the ranks (which quiet their
+    # own) do; its notices are no more the user's here than in `rlm train`.
+    quiet_library_notices(device)
     from rlmegatron.models.convert import ConversionError, UnsupportedModelError
     from rlmegatron.models.weight_map import WeightMapError
     from rlmegatron.runtime import destroy_distributed, init_distributed
     from rlmegatron.transport.local_ranks import RankFailure, run_ranks
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layout = _layout(args)
     try:
         preflight(args, layout)

@@ -629,6 +629,24 @@ def test_convert_names_a_truncated_safetensors_file(tmp_path, capsys):
     assert code == EXIT_BAD_SPEC and "Traceback" not in err and "model.safetensors" in err
 
 
+def test_convert_refuses_in_one_line_with_no_library_notice_before_it(tmp_path):
+    """A process of its own: Megatron-Core prints its notices (Transformer Engine missing, ...) once, as it is
+    imported, which the checks before any rank do."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(QUICKSTART_MODEL / "config.json", hf)
+    save_file({"lm_head.weight": torch.zeros(1)}, str(hf / "model.safetensors"))
+    result = subprocess.run([sys.executable, "-m", "rlmegatron", "convert", "hf-to-mcore", "--hf-path", str(hf),
+                             "--out", str(tmp_path / "out"), "--device", "cpu"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == EXIT_BAD_SPEC
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"rlm convert hf-to-mcore: {hf}: 24 HF tensors the qwen3 map needs are absent: ")
+
+
 def _checkpoint_without_manifest(run_dir: Path) -> Path:
     step = run_dir / "checkpoints" / "step_2"
     step.mkdir(parents=True)
