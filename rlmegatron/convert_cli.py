@@ -7,6 +7,7 @@ imports this module for every `rlm convert`, and parsing the arguments should no
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron.core.dist_checkpointing")
     to_mcore.add_argument("--hf-path", required=True)
     to_mcore.add_argument("--out", required=True)
-    to_mcore.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    to_mcore.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                          help="default: the dtype config.json declares (bf16 for a block-FP8 model, or none declared)")
     layout_args(to_mcore)
     to_hf = sub.add_parser("mcore-to-hf", help="dist_checkpointing written by hf-to-mcore -> HF safetensors")
     to_hf.add_argument("--mcore-path", required=True)
@@ -210,6 +212,34 @@ def verify(hf_path: str, mcore_path: str, layout) -> dict[str, float] | None:
     if logits is None or ps.get_tensor_model_parallel_rank() != 0:
         return None
     return compare_logits(hf_logits(hf_path, tokens), logits)
+
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_BITS = {"fp32": 32, "bf16": 16, "fp16": 16}
+
+
+def default_dtype(hf_path: str) -> str:
+    """hf-to-mcore's --dtype when none is given: the model's own, as config.json declares it, so that a verify after
+    it compares like with like (an fp32 model cast to bf16 misses its bound by the rounding); bf16 where it declares
+    none, and for block-FP8 weights, whose dequantised values fit bf16's range (fp32's), as DeepSeek-V3 ships them."""
+    config = _config_json(hf_path)
+    if "quantization_config" in config:
+        return "bf16"
+    return _declared_dtype(config) or "bf16"
+
+
+def _config_json(hf_path: str) -> dict:
+    try:
+        config = json.loads(Path(hf_path, "config.json").read_text())
+    except (OSError, ValueError):  # preflight names what is wrong with it
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _declared_dtype(config: dict) -> str | None:
+    """The weights' dtype config.json declares (transformers 5's `dtype`, before it `torch_dtype`), as --dtype
+    names it."""
+    return _DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
 
 
 def _existing_dir(flag: str, path: str) -> Path:
@@ -400,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rlmegatron.runtime.notices import quiet_library_notices
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.direction == "hf-to-mcore" and args.dtype is None:
+        args.dtype = default_dtype(args.hf_path)
     # Before Megatron-Core is imported: preflight builds its TransformerConfig here, as the ranks (which quiet their
     # own) do; its notices are no more the user's here than in `rlm train`.
     quiet_library_notices(device)
@@ -430,7 +462,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK  # a non-reporting torchrun rank
         worst = max(diffs, key=lambda d: d["max_abs_diff"])
         print(f"logits max_abs_diff={worst['max_abs_diff']:.3e} cosine={worst['cosine']:.8f} (tolerance {args.tolerance:g})")
-        return EXIT_OK if worst["max_abs_diff"] <= args.tolerance else EXIT_BEYOND_TOLERANCE
+        if worst["max_abs_diff"] <= args.tolerance:
+            return EXIT_OK
+        from rlmegatron.models.convert import ConvertMeta
+
+        held, declared = ConvertMeta.load(args.mcore_path).dtype, _declared_dtype(_config_json(args.hf_path))
+        if declared is not None and _BITS[held] < _BITS[declared]:
+            print(f"rlm convert verify: the Megatron checkpoint holds {held} weights and the model is {declared}: "
+                  f"the rounding alone moves the logits; convert with hf-to-mcore --dtype {declared} to compare like "
+                  "with like, or allow for it with --tolerance", file=sys.stderr)
+        return EXIT_BEYOND_TOLERANCE
     written = [getattr(args, name, None) for name in ("out", "adapter_out", "merged_out")]
     print(f"rlm convert {args.direction}: wrote {' and '.join(path for path in written if path)}")
     return EXIT_OK

@@ -1,0 +1,58 @@
+"""`rlm convert`'s choices before and after its ranks run: the dtype a conversion writes by default, and what a verify
+that misses its bound says. The ranks' own work: tests/models/test_conversion.py."""
+import json
+
+import pytest
+
+from rlmegatron import convert_cli
+from rlmegatron.models.convert import ConvertMeta
+
+
+@pytest.fixture
+def ranks(monkeypatch):
+    """run_ranks, recorded and answered with `ranks.results`; the checks before it pass."""
+    import rlmegatron.transport.local_ranks as local_ranks
+
+    class Ranks:
+        calls, results = [], [None]
+
+    def run_ranks(fn, nproc, direction, args, **kwargs):
+        Ranks.calls.append(args)
+        return Ranks.results
+
+    monkeypatch.setattr(local_ranks, "run_ranks", run_ranks)
+    monkeypatch.setattr(convert_cli, "preflight", lambda args, layout: None)
+    return Ranks
+
+
+def hf_dir(path, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("config, written", [
+    ({"dtype": "float32"}, "fp32"),  # transformers 5
+    ({"torch_dtype": "float16"}, "fp16"),  # before it
+    ({"dtype": "float32", "quantization_config": {"quant_method": "fp8"}}, "bf16"),  # block-FP8 weights
+    ({}, "bf16"),
+])
+def test_hf_to_mcore_writes_the_models_own_dtype_unless_told(tmp_path, ranks, config, written):
+    out = ["--out", str(tmp_path / "out"), "--device", "cpu"]
+    assert convert_cli.main(["hf-to-mcore", "--hf-path", hf_dir(tmp_path / "hf", **config), *out]) == 0
+    assert convert_cli.main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), *out, "--dtype", "bf16"]) == 0
+    assert [call["dtype"] for call in ranks.calls] == [written, "bf16"]
+
+
+def test_a_verify_missed_by_rounding_says_so(tmp_path, ranks, capsys):
+    mcore = tmp_path / "mcore"
+    mcore.mkdir()
+    ConvertMeta(hf_config={}, padded_vocab_size=128, dtype="bf16", stacked_experts=False).save(mcore)
+    ranks.results = [{"max_abs_diff": 2.287e-3, "cosine": 0.99999475}]
+    args = ["verify", "--hf-path", hf_dir(tmp_path / "hf", dtype="float32"), "--mcore-path", str(mcore)]
+    assert convert_cli.main([*args, "--device", "cpu"]) == convert_cli.EXIT_BEYOND_TOLERANCE
+    out, err = capsys.readouterr()
+    assert out == "logits max_abs_diff=2.287e-03 cosine=0.99999475 (tolerance 0.001)\n"
+    assert err == ("rlm convert verify: the Megatron checkpoint holds bf16 weights and the model is fp32: the "
+                   "rounding alone moves the logits; convert with hf-to-mcore --dtype fp32 to compare like with like, "
+                   "or allow for it with --tolerance\n")
