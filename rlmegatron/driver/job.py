@@ -36,7 +36,7 @@ from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
 from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
 from rlmegatron.spec_pipeline import TRAIN_STAGES, CheckedJob, SpecSource, check_job
-from rlmegatron.transport.fork_server import environment, fork_server
+from rlmegatron.transport.fork_server import environment, fork_server, fork_server_ended_on_failure
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.curves import CURVES_FILE, draw_curves
 from rlmegatron.tracking.curves import report as report_curves
@@ -111,7 +111,8 @@ def check_training(source: SpecSource, in_process: bool = False) -> CheckedJob:
         if not in_process and job.transport == "processes":
             fork_server([PolicyRank.__module__], job.spec.placement.device)
 
-    job = check_job(source, TRAIN_STAGES, before_preflight=get_ready)
+    with fork_server_ended_on_failure():  # a job its checks refuse leaves nothing running
+        job = check_job(source, TRAIN_STAGES, before_preflight=get_ready)
     if in_process:
         job.transport = None
     return job

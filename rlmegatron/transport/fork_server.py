@@ -41,6 +41,24 @@ def fork_server(preload: Sequence[str] = (), device: Device = "cpu") -> Any:
 
 
 @contextlib.contextmanager
+def fork_server_ended_on_failure() -> Iterator[None]:
+    """The fork server started within this block, if any, ended at once when the block fails: no rank was forked from
+    it yet (a job refused by its checks). Left alone, it would notice its driver gone only once its imports were done,
+    seconds of CPU later, an orphan until then."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # multiprocessing's own; ensure_running and _stop are its whole life cycle
+    running = server._forkserver_pid
+    try:
+        yield
+    except BaseException:
+        if server._forkserver_pid not in (None, running):
+            os.kill(server._forkserver_pid, signal.SIGKILL)  # mid-import: closing its pipe would wait for them
+            server._stop()
+        raise
+
+
+@contextlib.contextmanager
 def _ctrl_c_ignored() -> Iterator[None]:
     """SIGINT ignored while the fork server starts: it keeps that through exec, so a Ctrl-C during its seconds of
     imports does not print a traceback from it (the driver reports the interrupt and ends it). Its serving loop

@@ -1,7 +1,13 @@
-"""The end-of-run report names the steps this run trained, from the step after its checkpoint."""
+"""The end-of-run report names the steps this run trained, from the step after its checkpoint; a job its checks
+refuse leaves nothing running."""
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from rlmegatron.driver.job import JobReport, format_report
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def report(steps: int, resumed_from: int) -> JobReport:
@@ -37,3 +43,23 @@ def test_the_report_gives_the_validation_score_before_and_after_training():
     assert lines[1:3] == ["validation: val/next_digit/score/mean 0.000 (step 0, before training) -> 1.000 (step 150)",
                           "validation: val/other/score/mean 0.500 (step 25)"]
     assert not any(line.startswith("validation:") for line in format_report(report(150, 0)).splitlines())
+
+
+# A process of its own, whose fork server (started as the checks begin, for the ranks' imports) this job starts.
+REFUSED_AT_PREFLIGHT = """
+import os, sys
+from multiprocessing import forkserver
+from rlmegatron.cli import main
+code = main(["train", "configs/quickstart.yaml", f"trainer.run_dir={sys.argv[1]}", "data.train_files=[no.jsonl]"])
+pid = forkserver._forkserver._forkserver_pid
+if pid is not None:  # left importing, to be orphaned as this process exits
+    os.kill(pid, 9)
+print(code, pid)
+"""
+
+
+def test_a_job_refused_by_its_checks_leaves_no_fork_server_behind(tmp_path):
+    result = subprocess.run([sys.executable, "-c", REFUSED_AT_PREFLIGHT, str(tmp_path / "run")], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stderr.startswith("data.train_files[0]=no.jsonl: no such file")
+    assert result.stdout == "2 None\n"
