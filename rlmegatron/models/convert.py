@@ -412,16 +412,19 @@ def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of the HF transformers model in `hf_path`, in fp32. A block-wise FP8 checkpoint's model holds the
     weights as HFCheckpoint dequantises them: transformers' own dequantisation on CPU takes the block size to be the
     weight's shape over the scale grid's, which partial edge blocks make wrong."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     checkpoint = HFCheckpoint(hf_path)
+    # A vision-language wrapper (Kimi-K2.5's) has no causal-LM class; its image-text class runs text alone.
+    auto = AutoModelForImageTextToText if "vision_config" in json.loads(
+        (checkpoint.path / "config.json").read_text()) else AutoModelForCausalLM
     if checkpoint.fp8 is None:
-        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+        model = auto.from_pretrained(hf_path, dtype=torch.float32)
     else:
         # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.
         with tempfile.TemporaryDirectory(prefix="rlm-dequantised-") as plain:
             _write_dequantised(checkpoint, plain)
-            model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+            model = auto.from_pretrained(plain, dtype=torch.float32)
     checkpoint.close()
     with torch.no_grad():
         return model(tokens).logits.float()

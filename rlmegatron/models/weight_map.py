@@ -146,7 +146,7 @@ class WeightMap:
             embedding_copies, head_copies = embedding_copies + head_copies, []
         self.add("embedding.word_embeddings.weight", [f"{lm}embed_tokens.weight"], VOCAB, copies=embedding_copies)
         self.add("decoder.final_layernorm.weight", [f"{lm}norm.weight"])
-        lm_head = f"{lm}embed_tokens.weight" if facts.tie_word_embeddings else "lm_head.weight"
+        lm_head = f"{lm}embed_tokens.weight" if facts.tie_word_embeddings else facts.family.hf_lm_head
         if self.value_head:
             for key in self.value_head:
                 self.add(f"output_layer.{key.rpartition('.')[2]}", [key])
@@ -209,8 +209,11 @@ class WeightMap:
         return {key for rule in self.rules.values() for key in [s.key for s in rule.sources] + list(rule.copies)}
 
     def ignorable_hf_key(self, key: str) -> bool:
-        """HF keys that carry no weights Megatron needs: rotary caches, an lm_head duplicating a tied embedding."""
-        return key.endswith("rotary_emb.inv_freq") or (self.facts.tie_word_embeddings and key == "lm_head.weight")
+        """HF keys that carry no weights Megatron needs: rotary caches, an lm_head duplicating a tied embedding, and
+        the tensors the family carries as they are (models.carried)."""
+        family = self.facts.family
+        return key.endswith("rotary_emb.inv_freq") or (self.facts.tie_word_embeddings and key == family.hf_lm_head) \
+            or family.carries(key)
 
     def check_hf_keys(self, keys: set[str]) -> None:
         """Raise listing HF keys no rule maps (undeclared MTP layers named separately) and keys the rules need but lack."""

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from rlmegatron.checkpoint.integrity import load_failures_named
+from rlmegatron.models.carried import carried_tensors
 from rlmegatron.rank.checkpoint_state import (
     AdapterMeta,
     load_training_state,
@@ -49,8 +50,11 @@ def load(models: RoleModels, path: str) -> None:
 def export_policy(models: RoleModels, path: str) -> Optional[str]:
     """The policy as an HF checkpoint (safetensors shards + config.json, the tokenizer and the generation config),
     written by rank 0; returns the path there."""
+    # The tensors the family carries (models.carried) come from the checkpoint the run started from.
+    carried = carried_tensors(models.settings.model.path, models.weight_map.facts.family) \
+        if torch.distributed.get_rank() == 0 else {}
     with models.phase("actor"):
-        export_hf(models.actor.chunks, models.weight_map, path, models.weight_map.facts.hf)
+        export_hf(models.actor.chunks, models.weight_map, path, models.weight_map.facts.hf, carried=carried)
     if torch.distributed.get_rank() != 0:
         return None
     _add_tokenizer_and_generation_config(models.settings.model, path)

@@ -19,12 +19,14 @@ it, so importing this module, like models.weight_map, costs no Megatron import.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from types import MappingProxyType
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -281,10 +283,12 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
 
 
 def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30,
-              fp8: Optional[BlockFP8] = None, original_scales=None) -> None:
+              fp8: Optional[BlockFP8] = None, original_scales=None,
+              carried: Mapping[str, torch.Tensor] = MappingProxyType({})) -> None:
     """Write the model, at any layout, as HF safetensors shards, their index and config.json; with `fp8`, in that
     block-wise FP8 format, each weight quantised as it streams (config.json gets its quantization_config), its
-    blocks keeping the `original_scales` (BlockFP8.quantised_stream) that still reproduce them.
+    blocks keeping the `original_scales` (BlockFP8.quantised_stream) that still reproduce them; the checkpoint
+    tensors the family `carried` (models.carried) are written as they are.
 
     Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
     it is full, so it holds at most one shard beyond its own weights.
@@ -308,7 +312,8 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
         # The unquantised tensors in bf16, as DeepSeek-V3 and Qwen3-FP8 hold them.
         stream = fp8.quantised_stream(stream, others=torch.bfloat16, original_scales=original_scales)
         config = {**config, "quantization_config": fp8.config}
-    for key, value in stream:
+    # The tensors the bridge carries as they are (models.carried) after the model's own, by rank 0 alone.
+    for key, value in itertools.chain(stream, carried.items() if writer else ()):
         if not writer:
             continue
         if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > max_shard_bytes:

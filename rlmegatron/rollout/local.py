@@ -151,7 +151,8 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     # checkpoints, and so the export stream, name them as the family's weight map does (Qwen2.5-VL flat as Qwen
     # ships it, Qwen3-VL nested as well).
     family = family_for(getattr(getattr(model, "config", None), "model_type", None))
-    nested_parts = (("model.language_model.", family.hf_language_prefix), ("model.visual.", family.hf_vision_prefix))
+    nested_parts = (("model.language_model.", family.hf_language_prefix), ("model.visual.", family.hf_vision_prefix),
+                    ("lm_head.", family.hf_lm_head.removesuffix("weight")))
     gate_name, up_name, down_name = family.expert_projections
     named = {}
     for name, tensor in model.state_dict().items():

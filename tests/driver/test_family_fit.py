@@ -10,15 +10,30 @@ from pathlib import Path
 import pytest
 
 from tests.driver.test_moe_fit import RUN, STEPS, train
+from tests.models.tiny_hf import as_kimi_releases_it
 
 QUICKSTART_MOE = Path(__file__).resolve().parents[2] / "configs" / "quickstart" / "moe_model"
 SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
              vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=4,
              bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
+DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_nextn_predict_layers=0,
+                    rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
 FAMILY_CONFIGS = {
-    "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], num_local_experts=8, num_experts_per_tok=2,
+    "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], **SIZES, num_local_experts=8, num_experts_per_tok=2,
                        intermediate_size=32, rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True,
                        use_qk_norm=True, rope_theta=10000.0),
+    # The language model in text_config, a MoonViT tower beside it (carried, never trained).
+    "kimi_k25": dict(architectures=["KimiK25ForConditionalGeneration"], tie_word_embeddings=False,
+                     pad_token_id=0, eos_token_id=4, bos_token_id=None,
+                     # MLA: no head_dim (transformers takes the rotary part's, qk_rope_head_dim)
+                     text_config={"model_type": "kimi_k2", **{k: v for k, v in SIZES.items() if k != "head_dim"},
+                                  **DEEPSEEK_MOE, "num_key_value_heads": 4},
+                     vision_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                        intermediate_size=48, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
+                     projection_hidden_size=32),
 }
 
 
@@ -26,15 +41,41 @@ def tiny_model(directory: Path, model_type: str) -> Path:
     directory.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(QUICKSTART_MOE / name, directory / name)
-    (directory / "config.json").write_text(json.dumps({"model_type": model_type, **SIZES,
-                                                       **FAMILY_CONFIGS[model_type]}))
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type, **FAMILY_CONFIGS[model_type]}))
     return directory
+
+
+def with_weights(directory: Path) -> dict:
+    """Random weights saved beside the config (as the family's checkpoints are named); the saved tensors."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(directory)).save_pretrained(directory)
+    as_kimi_releases_it(str(directory))
+    return load_file(directory / "model.safetensors")
 
 
 @pytest.mark.parametrize("model_type", FAMILY_CONFIGS)
 def test_a_tiny_model_of_the_family_trains_twenty_steps_at_ep2_on_policy(tmp_path, model_type):
+    import torch
+    from safetensors.torch import load_file
+
+    from rlmegatron.models.families import FAMILIES
+
     model = tiny_model(tmp_path / model_type, model_type)
+    family = FAMILIES[model_type]
+    # A family with parts the bridge carries as they are starts from a checkpoint: the policy it exports must have them.
+    saved = with_weights(model) if family.carried_prefixes else {}
     run = train(tmp_path, "run", f"model.path={model}", *RUN, "actor.megatron.expert_model_parallel_size=2",
                 "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5", "trainer.log_freq=1")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert f"trained steps 1-{STEPS} ({STEPS} steps)" in run.stdout
+    if saved:
+        exported = {}
+        for shard in (tmp_path / "run" / "hf_policy").glob("*.safetensors"):
+            exported.update(load_file(shard))
+        carried = [key for key in saved if family.carries(key)]
+        assert carried and all(torch.equal(exported[key], saved[key]) for key in carried)
+        assert exported.keys() == saved.keys()

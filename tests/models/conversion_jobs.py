@@ -107,17 +107,24 @@ def convert_job(families: list[str], workdir: str) -> dict:
     """Per family and layout, on every rank of the layout: HF -> Megatron, the sharded model's logits (on the last
     stage's ranks, else None), its dist_checkpointing save and its HF export straight from the shards. Everything
     that is not sharded is checked once, in reload_job."""
+    from rlmegatron.models.carried import carried_tensors, save_carried
     from rlmegatron.models.convert import import_hf, megatron_logits, save_mcore, verify_tokens
     from rlmegatron.resharding import export_hf
 
     report = {}
     for family in families:
+        hf_dir = os.path.join(workdir, family, "hf")
         for layout in layouts_for(family):
-            facts, weight_map, chunks = import_hf(os.path.join(workdir, family, "hf"), layout)
+            facts, weight_map, chunks = import_hf(hf_dir, layout)
             report[f"{family}/{layout}"] = {"logits": megatron_logits(chunks, facts, verify_tokens(facts.vocab_size)),
                                             "mtp_layers": facts.num_mtp_layers}
-            save_mcore(chunks, weight_map, os.path.join(workdir, family, str(layout)), "fp32")
-            export_hf(chunks, weight_map, os.path.join(workdir, family, f"{layout}-hf"), facts.hf)
+            out = os.path.join(workdir, family, str(layout))
+            save_mcore(chunks, weight_map, out, "fp32")
+            # What `rlm convert` keeps of the tensors the family carries as they are (models.carried).
+            carried = carried_tensors(hf_dir, facts.family) if torch.distributed.get_rank() == 0 else {}
+            if carried:
+                save_carried(hf_dir, out, facts.family)
+            export_hf(chunks, weight_map, os.path.join(workdir, family, f"{layout}-hf"), facts.hf, carried=carried)
     return report
 
 
@@ -126,6 +133,7 @@ def reload_job(families: list[str], workdir: str) -> dict:
     against the original tensors and through from_pretrained, and the checkpoint reloaded at TP=PP=EP=1 (a layout
     other than the one it was saved at): its logits (its MTP layer's too) and its export. One rank, because four
     ranks at TP=PP=EP=1 would each load and check the same whole model."""
+    from rlmegatron.models.carried import carried_tensors
     from rlmegatron.models.convert import hf_logits, load_mcore, megatron_logits, verify_tokens
     from rlmegatron.resharding import export_hf
 
@@ -148,7 +156,8 @@ def reload_job(families: list[str], workdir: str) -> dict:
                 entry["reloaded_tp1_mtp_logits_vs_hf"] = _max_diff(
                     mtp_reference[:, :-1], megatron_mtp_logits(chunks[0], facts, tokens)[:, :-1])
             reloaded_out = os.path.join(workdir, family, f"{layout}-reloaded-hf")
-            export_hf(chunks, weight_map, reloaded_out, facts.hf)
+            export_hf(chunks, weight_map, reloaded_out, facts.hf,
+                      carried=carried_tensors(os.path.join(workdir, family, str(layout)), facts.family))
             entry["reloaded_exported"] = _differences(original, reloaded_out)
             report[f"{family}/{layout}"] = entry
     return report

@@ -1,6 +1,7 @@
 """Tiny random-weight HF checkpoints of every bridged family, saved with transformers' own save_pretrained."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -37,7 +38,21 @@ FAMILY_CONFIGS = {
     "minimax_m2": dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=32, rotary_dim=4, bos_token_id=1, eos_token_id=2, scoring_func="sigmoid",
                        use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer"),
+    # Kimi-K2.5: a DeepSeek-V3 language model (text_config) in a vision-language wrapper whose MoonViT tower and
+    # projector the bridge carries as they are.
+    "kimi_k25": dict(text_config=dict(
+        model_type="kimi_k2", **{**COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1,
+        num_nextn_predict_layers=0, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32,
+                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+        vision_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=48,
+                           pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
+        projection_hidden_size=32, tie_word_embeddings=False),
 }
+# Families whose config.json nests the language model in text_config (COMMON goes there, not at the top level).
+NESTED = ("kimi_k25",)
 FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_FAMILIES = tuple(f for f in FAMILIES if architecture_of({"model_type": f, **COMMON, **FAMILY_CONFIGS[f]}).is_moe)
 
@@ -81,13 +96,15 @@ def saved_mtp_layers(name: str) -> int:
 def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> str:
     """Save a random model of family or VARIANTS entry `name` to `directory`; router biases get noise so they are
     not all zero."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     variant = VARIANTS.get(name, Variant(name, {}))
-    config = AutoConfig.for_model(variant.family, **{**COMMON, **FAMILY_CONFIGS[variant.family], **variant.config,
+    common = {} if variant.family in NESTED else COMMON
+    config = AutoConfig.for_model(variant.family, **{**common, **FAMILY_CONFIGS[variant.family], **variant.config,
                                                      **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if variant.family in NESTED else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # Random norms/biases too (MiniMax-M2's expert bias is a buffer): default ones/zeros would hide a swapped
         # mapping.
@@ -96,9 +113,28 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> st
             if (param.dim() == 1 and name in saved) or "e_score_correction_bias" in name:
                 param.copy_(_random_norm_or_bias(name, param))
     model.save_pretrained(directory)
+    if variant.family == "kimi_k25":
+        as_kimi_releases_it(directory)
     if getattr(config, "num_nextn_predict_layers", 0) and variant.mtp_tensors:
         _append_mtp_layers(directory, config)
     return directory
+
+
+def as_kimi_releases_it(directory: str) -> None:
+    """transformers 5.24 saves Kimi-K2.5's language model layers as `blocks` (its renaming of the vision tower's
+    blocks, reversed over every key); Moonshot's checkpoint, which its loading reads, names them `layers`. Moonshot's
+    config.json names its own class, which SGLang's Kimi-K2.5 model registers under."""
+    from safetensors.torch import load_file, save_file
+
+    config_file = os.path.join(directory, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**config, "architectures": ["KimiK25ForConditionalGeneration"]}, f, indent=1)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    save_file({key.replace("language_model.model.blocks.", "language_model.model.layers."): value
+               for key, value in tensors.items()}, path, metadata={"format": "pt"})
 
 
 def _random_norm_or_bias(name: str, like: torch.Tensor) -> torch.Tensor:

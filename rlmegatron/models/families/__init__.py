@@ -112,10 +112,9 @@ def read_config_json(path: str | Path) -> tuple[dict[str, Any], Path]:
     if not isinstance(config, dict):
         raise ArchitectureError(f"{config_file} does not hold a JSON object")
     # Multimodal checkpoints (Gemma 3, Llama 4) nest the language model here; a bridged vision-language family
-    # (Qwen2.5-VL) reads the whole file itself, its vision_config included.
-    vision_language = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].position_embedding_type \
-        == "mrope"
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict) and not vision_language:
+    # (Qwen2.5-VL, Kimi-K2.5) reads the whole file itself, its vision_config included.
+    whole = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].reads_text_config
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict) and not whole:
         config = config["text_config"]
     return config, config_file
 

@@ -177,6 +177,13 @@ class Family:
     # Qwen3-VL's nested under model.language_model., every other family's under model.
     hf_language_prefix = "model."
     hf_vision_prefix = "visual."  # and the vision tower's (a vision-language family's): Qwen2.5-VL's visual.
+    hf_lm_head = "lm_head.weight"  # the output head's key (an untied one): Kimi-K2.5's is under language_model.
+    # config.json keeps the language model's keys in text_config and the family reads the whole file (lifting them
+    # out itself); otherwise read_config_json hands it text_config alone, where a multimodal wrapper has one.
+    reads_text_config = False
+    # Checkpoint tensors outside the language model that the bridge does not train and carries as they are, from the
+    # checkpoint converted to every export of it (models.carried): Kimi-K2.5's vision tower and projector.
+    carried_prefixes: tuple[str, ...] = ()
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
     # Query/key norms over all heads of a token together (MiniMax-M2's; models.all_heads_norm), not each head apart
     qk_norm_over_all_heads = False
@@ -188,6 +195,10 @@ class Family:
 
     def __str__(self) -> str:
         return self.model_type
+
+    def carries(self, key: str) -> bool:
+        """Whether the checkpoint tensor `key` is carried as it is (carried_prefixes), not mapped to Megatron."""
+        return key.startswith(self.carried_prefixes) if self.carried_prefixes else False
 
     def __repr__(self) -> str:
         return f"<family {self.model_type or '(generic)'}>"

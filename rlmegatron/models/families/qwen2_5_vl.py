@@ -33,6 +33,7 @@ class QwenVisionLanguage:
     vision_defaults: Mapping[str, Any] = {}
     default_mrope_section: tuple[int, ...] = ()
     vision_tower_class = VisionTower
+    reads_text_config = True
 
     def config(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """The top level with the language model's keys lifted out of text_config, as the flat format has them."""

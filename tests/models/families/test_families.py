@@ -29,7 +29,7 @@ def test_defaults_and_aliases_are_transformers_own(model_type):
     config = AutoConfig.for_model(model_type)
     family = FAMILIES[model_type]
     assert {key: _transformers_default(config, key) for key in family.defaults} == dict(family.defaults)
-    assert dict(family.aliases) == type(config).attribute_map
+    assert dict(family.aliases) == type(config.get_text_config()).attribute_map  # the language model's keys
 
 
 def _config(model_type: str, **changes) -> dict:
@@ -117,4 +117,7 @@ def test_deepseeks_fused_query_and_kv_down_projections_travel_together_and_nothi
     assert rule.group_of("model.layers.3.self_attn.kv_a_proj_with_mqa.weight")[1] == "kv_a_proj_with_mqa"
     assert rule.group_of("model.layers.3.self_attn.q_b_proj.weight") is None
     assert travel_rules_for(_config("deepseek_v3", q_lora_rank=None)) == ()  # DeepSeek-V2-Lite's direct query
-    assert all(travel_rules_for(_config(t)) == () for t in FAMILY_CONFIGS if t != "deepseek_v3")
+    # Kimi-K2.5's language model is DeepSeek-V3's, which SGLang fuses alike.
+    (kimi,) = travel_rules_for({"model_type": "kimi_k25", **FAMILY_CONFIGS["kimi_k25"]})
+    assert kimi.group_of("language_model.model.layers.1.self_attn.q_a_proj.weight")[1] == "q_a_proj"
+    assert all(travel_rules_for(_config(t)) == () for t in FAMILY_CONFIGS if t not in ("deepseek_v3", "kimi_k25"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import gpu_stubs
 
@@ -57,6 +58,22 @@ def main() -> None:
     print(json.dumps(report))
 
 
+def build(model_class, config) -> torch.nn.Module:
+    """SGLang's model of `config`. Kimi-K2.5's MoonViT tower reads the fields of Moonshot's own config class, which
+    transformers' does not have; no sync sends the tower (the bridge carries it, the engines keep what they loaded),
+    so its language model is built alone, as SGLang's language_only mode does, behind the wrapper's own
+    load_weights (which takes language_model. off each name and hands the rest to its DeepSeek-V3 model)."""
+    if model_class.__name__ != "KimiK25ForConditionalGeneration":
+        return model_class(config, quant_config=None)
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"language_only": True})()
+    model.language_model = DeepseekV3ForCausalLM(config.text_config, quant_config=None)
+    model.load_weights = types.MethodType(model_class.load_weights, model)
+    return model
+
+
 def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
     server_args = prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"])
@@ -69,7 +86,7 @@ def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
     for size in tp_sizes:
         for rank in range(size):
             with get_parallel().override(**parallel(size, rank)):
-                model = model_class(config, quant_config=None)
+                model = build(model_class, config)
                 with torch.no_grad():
                     for param in model.parameters():
                         param.fill_(float("nan"))
