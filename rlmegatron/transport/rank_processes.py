@@ -268,14 +268,31 @@ def _serve(pipe: Connection, driver: int, environment: dict, cwd: str, env: dict
         buffer = io.BytesIO()
         _pickler(buffer).dump(reply)
         with send_lock:
-            pipe.send_bytes(buffer.getvalue())
+            try:
+                pipe.send_bytes(buffer.getvalue())
+            except OSError:  # BrokenPipeError, ConnectionResetError: the driver is gone (killed)
+                raise _DriverGone from None
 
+    try:
+        _serve_calls(pipe, send, env, device, threads, collective_timeout_s)
+    except _DriverGone:
+        # Nothing to tell anyone: _end_with ends this rank in a moment, and a traceback here would land on the
+        # terminal of the user who killed the driver ("Process rank N:", ConnectionResetError).
+        pass
+
+
+class _DriverGone(Exception):
+    """The driver's end of the pipe is closed or reset: it is gone, or going without a shutdown."""
+
+
+def _serve_calls(pipe: Connection, send: Callable[[tuple], None], env: dict[str, str], device: str, threads: int,
+                 collective_timeout_s: float) -> None:
     host: Optional[RankHost] = None
     while True:
         try:
             data = pipe.recv_bytes()
-        except EOFError:  # the driver closed its end without a shutdown: it is going
-            break
+        except (EOFError, OSError):  # closed without a shutdown, or reset by a driver killed outright
+            raise _DriverGone from None
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = lambda pid: lambda count: send((0, _PROGRESS, (pid[1], count)))
         sequence, op = 0, "call"

@@ -167,3 +167,26 @@ def test_ranks_busy_with_a_call_the_driver_gave_up_on_are_ended_at_shutdown_not_
     ranks.shutdown()
     assert time.monotonic() - started < 4  # not the 5 s an orderly stop gives ranks to exit, nor a 60 s timeout
     assert not any(map(alive, pids))
+
+
+# A rank whose driver was killed as it answered a call: the error reply finds the pipe broken.
+DRIVER_GONE = """
+import os, pickle
+from multiprocessing import Pipe
+from rlmegatron.transport import rank_processes
+
+driver_end, rank_end = Pipe()
+driver_end.send_bytes(pickle.dumps((1, "call", ("summed", 1), {})))  # before any build: it raises, the reply is sent
+driver_end.close()
+rank_processes._serve(rank_end, os.getppid(), dict(os.environ), os.getcwd(), {}, "cpu", 1, 60.0)
+print("served")
+"""
+
+
+def test_a_rank_whose_driver_is_gone_ends_without_a_word():
+    """Not "Process rank N:" and a BrokenPipeError or ConnectionResetError on the terminal of whoever killed it."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", DRIVER_GONE], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "served\n", "")
