@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -192,11 +193,17 @@ def _quiet_ray_finalizers() -> None:
 
 
 def plan(args: argparse.Namespace) -> int:
+    from rlmegatron.config.loader import read_spec_file
     from rlmegatron.planner.command import run_plan
+    from rlmegatron.planner.search import freed
     from rlmegatron.spec_pipeline import SPEC_STAGES, check_job
 
+    source = _spec_source(args)
+    if args.search and source.config is not None:  # the layout it chooses is checked as chosen, not as the YAML has it
+        source = dataclasses.replace(source, overrides=(*source.overrides, *freed(read_spec_file(source.config),
+                                                                                  source.overrides)))
     # The spec's own stages: a plan reads the spec and the model's config.json, never the data or the plug-ins.
-    return run_plan(check_job(_spec_source(args), SPEC_STAGES).spec, args)
+    return run_plan(check_job(source, SPEC_STAGES).spec, args)
 
 
 def prepare(args: argparse.Namespace) -> int:

@@ -63,6 +63,22 @@ def _fixed(overrides: Sequence[str]) -> set[str]:
     return {item.split("=", 1)[0].lstrip("~") for item in overrides}
 
 
+def freed(raw: Any, overrides: Sequence[str]) -> list[str]:
+    """`~key` for each field the search chooses that the YAML `raw` sets and the command line leaves alone: the YAML's
+    layout is what the search replaces, so it is not checked (a PP=16 recipe on a node of 8 GPUs is searched too)."""
+    fixed = _fixed(overrides)
+    # Sequence parallelism follows TP (each layout sets it): freed with it, kept where the command line sets TP.
+    follows_tp = () if MEGATRON + "tensor_model_parallel_size" in fixed else (MEGATRON + "sequence_parallel",)
+    removals = []
+    for key in (*SEARCHED, *follows_tp, "rollout.expert_parallel_size", FIRST_STAGE):
+        node = raw
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and key not in fixed:
+            removals.append(f"~{key}")
+    return removals
+
+
 def _placements(spec: JobSpec, fixed: set[str]) -> Iterator[tuple[str, int, int, int, int]]:
     """(mode, trainer nodes, trainer GPUs per node, rollout nodes, rollout GPUs per node) over the same GPUs."""
     placement = spec.placement
@@ -177,8 +193,10 @@ def _price_trainer(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
 
 def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: ModelArchitecture,
            settings: PlanSettings, file: str, top: int = 5) -> SearchResult:
-    """`raw`, `overrides`: the spec's YAML and the command line's, to which each candidate's overrides are added."""
+    """`raw`, `overrides`: the spec's YAML and the command line's, to which each candidate's overrides are added.
+    `spec`: theirs with the fields `freed` removes at their defaults; a candidate removes those it does not set."""
     fixed = _fixed(overrides)
+    removals = freed(raw, overrides)
     params = count_parameters(arch)
     work = workload_of(spec, settings.prompt_tokens, settings.response_tokens)
     hw = settings.hardware(spec.placement.gpus_per_node)
@@ -223,6 +241,7 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
                       if _text(_current(spec, item.split("=", 1)[0])) != item.split("=", 1)[1]]
             chosen = [item for item in [*chosen, *_layout_overrides(spec, layout, arch)]
                       if item.split("=", 1)[0].lstrip("~") not in fixed]
+            chosen += [removal for removal in removals if removal[1:] not in _fixed(chosen)]
             checked += 1
             try:
                 candidate_spec = check_job(SpecSource(file, (*overrides, *chosen), raw=raw), SPEC_STAGES).spec

@@ -44,6 +44,18 @@ def test_a_field_set_on_the_command_line_is_held_fixed(capsys):
                        for item in candidate["overrides"])
 
 
+def test_a_recipes_layout_that_the_cluster_cannot_run_is_searched_over_not_refused(capsys):
+    # The recipe's EP=8 does not divide 4 GPUs: it is the search's to replace, unless the command line sets it.
+    found = _search(capsys, "placement.gpus_per_node=4", "--gpu-mem-gb", "141")
+    assert found["candidates"]
+    for candidate in found["candidates"]:
+        spec = load_spec(RECIPE, ["placement.gpus_per_node=4", *candidate["overrides"]])
+        assert spec.placement.trainer_world_size == 4 and spec.actor.megatron.expert_model_parallel_size <= 4
+    assert main(["plan", RECIPE, "--search", "placement.gpus_per_node=4", "actor.megatron.expert_model_parallel_size=8"]
+                ) == 2
+    assert "actor.megatron.expert_model_parallel_size=8: does not divide the 4 trainer GPUs" in capsys.readouterr().err
+
+
 def test_a_cluster_too_small_for_any_layout_is_one_line_and_exit_2(capsys):
     assert main(["plan", RECIPE, "--search", "--gpu-mem-gb", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
