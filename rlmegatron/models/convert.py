@@ -133,6 +133,12 @@ class HFCheckpoint:
         (vocab padding) when chunking dim 0, and those rows are not read."""
         tensor = self._slice(source.key)
         lead = () if source.expert is None else (source.expert,)
+        if source.reads_whole_slab:
+            if source.key in self.scale_keys:
+                raise ConversionError(f"{self.path}: {source.key} is block-FP8 and stored transposed or interleaved, "
+                                      "which the FP8 path does not read")
+            values = source.select(tensor[lead + (slice(None),)] if lead else tensor[:])
+            return values if dim is None else torch.chunk(values, size, dim=dim)[rank].contiguous()
         shape = tensor.get_shape()[len(lead):]
         base, rows = 0, shape[0]
         if source.part is not None:
@@ -155,10 +161,7 @@ class HFCheckpoint:
 
     def shape(self, source: Source) -> tuple[int, ...]:
         """Shape of what `source` names, from the safetensors header alone."""
-        shape = list(self._slice(source.key).get_shape()[0 if source.expert is None else 1:])
-        if source.part is not None:
-            shape[0] //= source.part[1]
-        return tuple(shape)
+        return source.slab_shape(self._slice(source.key).get_shape()[0 if source.expert is None else 1:])
 
     def close(self) -> None:
         self._handles.clear()

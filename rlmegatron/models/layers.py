@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import multi_latent_attention
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from rlmegatron.models.context_parallel import chunk_positions, gathered_positions
 from rlmegatron.runtime.cpu_compat import plain_torch
@@ -116,6 +116,20 @@ class SDPACoreAttention(torch.nn.Module):
         kv_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # gpt-oss: every other layer attends to its last window_size[0] + 1 keys only, and each head has a learned
+        # sink, a logit of its own in every softmax that takes part of the weight and adds nothing to the output.
+        self.window = config.window_size[0] if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            # Split with the heads over TP, as Megatron's own core attention splits it.
+            self.softmax_offset.tensor_model_parallel = True
+            self.softmax_offset.partition_dim = 0
+            self.softmax_offset.partition_stride = 1
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the local core attention")
         self.cp_group = None
         if config.context_parallel_size > 1:
             own = getattr(pg_collection, "cp", None)
@@ -157,7 +171,7 @@ class SDPACoreAttention(torch.nn.Module):
             mask = q_pos[:, None] >= k_pos[None, :]
             if attention_mask is not None:
                 mask = mask & ~attention_mask.bool()[..., q_pos[:, None], k_pos[None, :]]  # Megatron marks what to hide
-            out = self._sdpa(q, k, v, mask)
+            out = self._sdpa(q, k, v, mask, q_pos, k_pos)
         s, b = out.size(2), out.size(0)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -173,12 +187,17 @@ class SDPACoreAttention(torch.nn.Module):
         for bucket in plan.buckets:
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            out = self._sdpa(q, k, v, bucket.mask(k.size(2))).transpose(1, 2)
+            out = self._sdpa(q, k, v, bucket.mask(k.size(2)), bucket.q_positions).transpose(1, 2)
             outputs.append(out.reshape(-1, *out.shape[2:])[bucket.q_valid])
         out = torch.cat(outputs)[plan.order]
         return out.reshape(out.size(0), 1, -1)
 
-    def _sdpa(self, q, k, v, mask):
+    def _sdpa(self, q, k, v, mask, q_positions=None, k_positions=None):
+        """Attention of q [b, heads, Lq, d] over k, v; `mask` [.., Lq, Lk] says which keys each query sees (None:
+        causal, the queries being the keys); `q_positions` [.., Lq] and `k_positions` [Lk] are their positions in the
+        sequence (None: 0, 1, ...), which a sliding window needs."""
+        if self.window is not None or self.softmax_offset is not None:
+            return self._windowed_or_sinked(q, k, v, mask, q_positions, k_positions)
         # Grouped-query attention inside SDPA: K and V are not repeated to every query head first.
         return torch.nn.functional.scaled_dot_product_attention(
             q,
@@ -190,6 +209,38 @@ class SDPACoreAttention(torch.nn.Module):
             scale=self.softmax_scale,
             enable_gqa=k.size(1) != q.size(1),
         )
+
+
+    def _windowed_or_sinked(self, q, k, v, mask, q_positions, k_positions):
+        """gpt-oss's attention: the sliding window as a mask, and each head's sink as a key of zeros (its logit, q.0,
+        plus the sink's bias, is the sink) with a value of zeros (it adds nothing): SDPA's softmax over the keys
+        and the sink is then the softmax gpt-oss defines, and its gradient reaches the sink through the bias."""
+        lq, lk = q.size(-2), k.size(-2)
+        if q_positions is None:
+            q_positions = torch.arange(lq, device=q.device)
+        if k_positions is None:
+            k_positions = torch.arange(lk, device=q.device)
+        # Masks and positions per span ([n, 1, Lq, Lk], [n, Lq]: packed buckets) or shared ([Lq, Lk], [Lq]).
+        if mask is None:
+            mask = q_positions[..., :, None] >= k_positions
+        mask = mask.view(-1, 1, lq, lk)
+        if self.window is not None:
+            mask = mask & (q_positions[..., :, None] - k_positions <= self.window).view(-1, 1, lq, lk)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        if self.softmax_offset is not None:
+            b, heads = q.size(0), q.size(1)
+            bias = torch.cat([bias.expand(b, heads, lq, lk),
+                              self.softmax_offset.to(q.dtype).view(1, heads, 1, 1).expand(b, heads, lq, 1)], dim=-1)
+            k = torch.cat([k, k.new_zeros(*k.shape[:-2], 1, k.size(-1))], dim=-2)
+            v = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.size(-1))], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=k.size(1) != q.size(1))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """The sinks (softmax_offset), split over TP with the heads; nothing else here is a weight."""
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_offset is not None else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def _supported(model) -> bool:
         config = model.config
         attention = [module for name, module in model.named_modules() if name.endswith("core_attention")]
         _SUPPORT[model] = bool(
-            getattr(model, "position_embedding_type", None) in ("rope", "mrope") and not config.multi_latent_attention
+            getattr(model, "position_embedding_type", None) in ("rope", "mrope", "yarn")
+            and not config.multi_latent_attention
             and not config.mtp_num_layers and config.context_parallel_size == 1
             and attention and all(isinstance(module, SDPACoreAttention) for module in attention))
     return _SUPPORT[model]
@@ -69,7 +70,10 @@ def rope_at_token_positions(model, position_ids: torch.Tensor, length: int) -> I
     table_for = rotary.forward  # cached per length by Megatron
 
     def at_positions(*_args, **_kwargs):
-        return table_for(length)[position_ids.reshape(-1)]
+        table = table_for(length)
+        if isinstance(table, tuple):  # YaRN's (table, attention factor), as its forward returns them
+            return table[0][position_ids.reshape(-1)], *table[1:]
+        return table[position_ids.reshape(-1)]
 
     rotary.forward = at_positions
     try:

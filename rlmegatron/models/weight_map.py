@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from rlmegatron.models.families.base import GLU, IDENTITY, QKV, VOCAB
+from rlmegatron.models.families.base import GLU, IDENTITY, QKV, VOCAB, Source
 from rlmegatron.models.hf_config import ModelFacts
 from rlmegatron.models.pipeline import pipeline_stage_layers
 
@@ -42,15 +42,6 @@ def mtp_layer_attribute() -> str:
 
     return "mtp_model_layer" if "self.mtp_model_layer" in inspect.getsource(MultiTokenPredictionLayer) \
         else "transformer_layer"
-
-
-@dataclass(frozen=True)
-class Source:
-    """One HF tensor, or one expert's slab (and gate/up half) of a stacked HF expert tensor."""
-
-    key: str
-    expert: Optional[int] = None  # index into a stacked [E, ...] tensor
-    part: Optional[tuple[int, int]] = None  # (i, n): the i-th of n equal chunks of dim 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +104,18 @@ def global_layers(model) -> dict[int, int]:
     return dict(enumerate(expected))
 
 
+def _slab_shape_of(source: Source, selected: Sequence[int]) -> tuple[int, ...]:
+    """The shape of one expert's slab that `source.select` turns into a tensor of shape `selected`."""
+    shape = list(selected)
+    if source.transposed and len(shape) > 1:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    if source.stride is not None:
+        shape[-1] *= source.stride[1]
+    if source.part is not None:
+        shape[0] *= source.part[1]
+    return tuple(shape)
+
+
 class WeightMap:
     """Every rule of one model (its family and sizes), keyed by Megatron name."""
 
@@ -127,8 +130,10 @@ class WeightMap:
         self.stacked_experts = stacked_experts
         self.rules: dict[str, Rule] = {}
         self._build()
-        # Stacked HF experts are exported per expert, the form transformers saves and loads.
-        self._export_map = WeightMap(facts, False, self.value_head) if stacked_experts else self
+        # Stacked HF experts are exported per expert, the form transformers saves and loads, but for a family whose
+        # checkpoints only ever stack them (gpt-oss), which is exported stacked as it was read (hf_stream).
+        restack = stacked_experts and not facts.family.stacked_experts_only
+        self._export_map = WeightMap(facts, False, self.value_head) if restack else self
 
     # ---- the table (families add their rules through `add`, `glu_mlp` and `experts`) ------------------------
     def add(self, megatron: str, hf: Sequence[str | Source], transform: str = IDENTITY, exported: bool = True,
@@ -288,10 +293,7 @@ class WeightMap:
         parts = []
         for source in rule.sources:
             tensor = tensors[source.key]
-            tensor = tensor[source.expert] if source.expert is not None else tensor
-            if source.part is not None:
-                tensor = torch.chunk(tensor, source.part[1], dim=0)[source.part[0]]
-            parts.append(tensor)
+            parts.append(source.select(tensor[source.expert] if source.expert is not None else tensor))
         return self.fuse(rule, parts, rows=self.facts.padded_vocab_size)
 
     def check_copies(self, rule: Rule, source: torch.Tensor, read: Callable[[str], torch.Tensor]) -> None:
@@ -302,6 +304,37 @@ class WeightMap:
                     f"{key} differs from {rule.sources[0].key}: MTP layers share the main model's embedding "
                     f"and output head, and Megatron holds one tensor for both, so converting would lose one of them"
                 )
+
+    def hf_stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of a stream of full Megatron tensors (megatron_to_hf of each), with a stacked
+        expert tensor (gpt-oss's [E, ...]) put together from its experts' pieces and yielded once all are in: the
+        stream keeps one layer's stacked tensors at a time, since a layer's experts come one after another."""
+        pieces = self._stacked_pieces()
+        stacks: dict[str, torch.Tensor] = {}
+        filled: dict[str, int] = {}
+        for name, tensor in named:
+            rule = self._export_map.rule(name)
+            if not rule.exported or not any(s.expert is not None for s in rule.sources) or self._export_map is not self:
+                yield from self.megatron_to_hf(name, tensor).items()
+                continue
+            for source, part in zip(rule.sources, self.split(rule, tensor)):
+                if source.key not in stacks:
+                    slab = _slab_shape_of(source, part.shape)
+                    stacks[source.key] = part.new_empty((self.num_experts, *slab))
+                    filled[source.key] = 0
+                source.select(stacks[source.key][source.expert]).copy_(part)  # a view: chunks, slices, transposes
+                filled[source.key] += 1
+                if filled[source.key] == pieces[source.key]:
+                    yield source.key, stacks.pop(source.key)
+
+    def _stacked_pieces(self) -> dict[str, int]:
+        """Per stacked HF tensor, the pieces the rules split it into (experts x gate/up halves)."""
+        counts: dict[str, int] = {}
+        for rule in self.rules.values():
+            for source in rule.sources:
+                if source.expert is not None:
+                    counts[source.key] = counts.get(source.key, 0) + 1
+        return counts
 
     def megatron_to_hf(self, megatron_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """HF-named full tensors of one full Megatron tensor; {} for a tied copy."""

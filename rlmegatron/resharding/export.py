@@ -124,6 +124,11 @@ class HFWeightExporter:
                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) for every exported weight, identically on every rank; `skip_frozen_vision`
         leaves out a frozen image encoder (a sync after engines already hold it)."""
+        for hf_name, value in self.weight_map.hf_stream(self._megatron_stream(skip_frozen_vision)):
+            yield hf_name, value if dtype is None else value.to(dtype)
+
+    def _megatron_stream(self, skip_frozen_vision: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """(weight-map name, full Megatron tensor) of every exported weight, identically on every rank."""
         local_experts = self.num_experts // self.ep_size if self.num_experts else 0
         for entry in self._plan:
             if skip_frozen_vision and entry.frozen_vision:
@@ -132,12 +137,9 @@ class HFWeightExporter:
             if expert and self.ep_size > 1:
                 if int(expert.group(1)) >= local_experts:
                     continue  # produced with the same slot of EP rank 0, by one all-gather
-                group = self._expert_group(entry, int(expert.group(1)), local_experts)
+                yield from self._expert_group(entry, int(expert.group(1)), local_experts).items()
             else:
-                group = {entry.name: self._full_megatron_tensor(entry, entry.name)}
-            for name, tensor in group.items():
-                for hf_name, value in self.weight_map.megatron_to_hf(name, tensor).items():
-                    yield hf_name, value if dtype is None else value.to(dtype)
+                yield entry.name, self._full_megatron_tensor(entry, entry.name)
 
     def adapter_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(PEFT name, full tensor) of every LoRA factor, identically on every rank: the split factor gathered like

@@ -161,7 +161,8 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
                 name = checkpoint + name[len(nested):]
         if family.moe_block != "mlp":
             name = _MOE_MEMBERS.sub(rf"\1{family.moe_block}.\2", name)
-        match = _STACKED_EXPERTS.match(name)
+        # gpt-oss's checkpoints, and so its syncs, hold the experts stacked as the model does.
+        match = None if family.stacked_experts_only else _STACKED_EXPERTS.match(name)
         if match is None:
             named[name] = tensor
             continue

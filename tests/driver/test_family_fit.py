@@ -1,6 +1,7 @@
 """`rlm train` on the quickstart task for the MoE families added for issue 44, each a tiny random model of its family
 (the quickstart's tokenizer, `model.path` a directory holding only its config.json and tokenizer): 20 steps at
-EP=2 with routing replay (r3) and the on-policy check, which holds only if the engine computes what the actor does."""
+EP=2 with routing replay (r3) and the on-policy check, which holds only if the engine computes what the actor does;
+gpt-oss for 60 steps, in which it learns the task (validation from near 0 to 0.8 or more)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.driver.test_moe_fit import RUN, STEPS, train
+from tests.driver.test_moe_fit import RUN, STEPS, train, validation_scores
 from tests.models.tiny_hf import as_kimi_releases_it
 
 QUICKSTART_MOE = Path(__file__).resolve().parents[2] / "configs" / "quickstart" / "moe_model"
-SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
              vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=4,
              bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
 DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
@@ -25,6 +26,10 @@ FAMILY_CONFIGS = {
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], **SIZES, num_local_experts=8, num_experts_per_tok=2,
                        intermediate_size=32, rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True,
                        use_qk_norm=True, rope_theta=10000.0),
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], **SIZES, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
     # The language model in text_config, a MoonViT tower beside it (carried, never trained).
     "kimi_k25": dict(architectures=["KimiK25ForConditionalGeneration"], tie_word_embeddings=False,
                      pad_token_id=0, eos_token_id=4, bos_token_id=None,
@@ -35,6 +40,11 @@ FAMILY_CONFIGS = {
                                         intermediate_size=48, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
                      projection_hidden_size=32),
 }
+
+
+# Families that must learn the quickstart's task, not only train: validation from near 0 to 0.8 or more.
+LEARNS = ("gpt_oss",)
+LEARNING_STEPS = 60
 
 
 def tiny_model(directory: Path, model_type: str) -> Path:
@@ -68,10 +78,15 @@ def test_a_tiny_model_of_the_family_trains_twenty_steps_at_ep2_on_policy(tmp_pat
     family = FAMILIES[model_type]
     # A family with parts the bridge carries as they are starts from a checkpoint: the policy it exports must have them.
     saved = with_weights(model) if family.carried_prefixes else {}
+    steps = LEARNING_STEPS if model_type in LEARNS else STEPS
     run = train(tmp_path, "run", f"model.path={model}", *RUN, "actor.megatron.expert_model_parallel_size=2",
-                "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5", "trainer.log_freq=1")
+                "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5", "trainer.log_freq=1",
+                f"trainer.total_steps={steps}", f"trainer.test_freq={steps}")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert f"trained steps 1-{STEPS} ({STEPS} steps)" in run.stdout
+    assert f"trained steps 1-{steps} ({steps} steps)" in run.stdout
+    if model_type in LEARNS:
+        before, after = validation_scores(run.stdout)
+        assert before < 0.2 and after >= 0.8, (before, after)
     if saved:
         exported = {}
         for shard in (tmp_path / "run" / "hf_policy").glob("*.safetensors"):

@@ -26,6 +26,7 @@ EXTRA_LAYOUTS = {"llama": (L(pp=2, vpp=2),), "qwen3_moe": (L(tp=2, ep=2, etp=1),
 VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, pp=2),
                    "deepseek_v3_no_mtp": L(pp=2, ep=2)}
 assert VARIANT_LAYOUTS.keys() == VARIANTS.keys()
+BIASED_EXPERTS = ("gpt_oss",)
 
 
 def layouts_for(name: str) -> list[L]:
@@ -35,8 +36,10 @@ def layouts_for(name: str) -> list[L]:
         chosen = (VARIANT_LAYOUTS[name],)
     else:
         chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
-    # MoE with TP>1 runs with sequence parallelism, as Megatron requires.
-    return [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
+    # MoE with TP>1 runs with sequence parallelism, as Megatron requires; gpt-oss's biased experts with expert TP 1.
+    layouts = [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
+    return [dataclasses.replace(layout, etp=1) if name in BIASED_EXPERTS and layout.tp > 1 else layout
+            for layout in layouts]
 
 
 def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:

@@ -38,6 +38,12 @@ FAMILY_CONFIGS = {
     "minimax_m2": dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                        intermediate_size=32, rotary_dim=4, bos_token_id=1, eos_token_id=2, scoring_func="sigmoid",
                        use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer"),
+    # gpt-oss: sinks, a sliding window of 4 keys on layer 0 (full attention on layer 1), YaRN with transformers'
+    # truncate off, biased experts stacked [E, in, out] with gate and up interleaved, their SwiGLU clamped.
+    "gpt_oss": dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=4, swiglu_limit=0.05,  # cuts 40 % of the gates and 80 % of the ups
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
     # Kimi-K2.5: a DeepSeek-V3 language model (text_config) in a vision-language wrapper whose MoonViT tower and
     # projector the bridge carries as they are.
     "kimi_k25": dict(text_config=dict(
@@ -110,7 +116,7 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> st
         # mapping.
         saved = model.state_dict().keys()
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if (param.dim() == 1 and name in saved) or "e_score_correction_bias" in name:
+            if (param.dim() == 1 and name in saved) or name.endswith("_bias"):
                 param.copy_(_random_norm_or_bias(name, param))
     model.save_pretrained(directory)
     if variant.family == "kimi_k25":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from rlmegatron.errors import UserError
 
@@ -142,6 +142,41 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Source:
+    """One HF tensor, or one expert's slab (and gate/up half) of a stacked HF expert tensor."""
+
+    key: str
+    expert: Optional[int] = None  # index into a stacked [E, ...] tensor
+    part: Optional[tuple[int, int]] = None  # (i, n): the i-th of n equal chunks of dim 0
+    stride: Optional[tuple[int, int]] = None  # (i, n): elements i, i+n, ... of the last dim (gpt-oss's gate/up)
+    transposed: bool = False  # the slab is stored [in, out] (gpt-oss's experts), Megatron's weight is [out, in]
+
+    @property
+    def reads_whole_slab(self) -> bool:
+        """A strided or transposed source is read whole and then selected (safetensors slices only ranges)."""
+        return self.stride is not None or self.transposed
+
+    def select(self, slab):
+        """This source's tensor out of its (expert's) slab (a torch tensor; a view of it)."""
+        if self.part is not None:
+            slab = slab.chunk(self.part[1], dim=0)[self.part[0]]
+        if self.stride is not None:
+            slab = slab[..., self.stride[0]::self.stride[1]]
+        return slab.transpose(-2, -1) if self.transposed and slab.dim() > 1 else slab
+
+    def slab_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape `select` gives of a slab of `shape`."""
+        shape = list(shape)
+        if self.part is not None:
+            shape[0] //= self.part[1]
+        if self.stride is not None:
+            shape[-1] = len(range(self.stride[0], shape[-1], self.stride[1]))
+        if self.transposed and len(shape) > 1:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
 class SameBucket:
     """HF tensors that an inference engine fuses while it loads them, so one weight update must carry them all:
     the names matching `pattern` that differ only in its `member` group, one of `members`."""
@@ -191,6 +226,9 @@ class Family:
     # projections, and the module of the shared expert(s), if any.
     moe_block = "mlp"
     expert_projections = ("gate_proj", "up_proj", "down_proj")
+    # The checkpoints stack each layer's experts ([E, ...] tensors) and nothing reads them per expert (gpt-oss, as
+    # OpenAI releases it, transformers saves it and SGLang loads it): exports and syncs stack them too.
+    stacked_experts_only = False
     shared_experts_module = "mlp.shared_experts"
 
     def __str__(self) -> str:
@@ -341,6 +379,16 @@ class Family:
     def attention_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return dict(num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
                     add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm)
+
+    def mlp_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """TransformerConfig fields of the MLPs where they differ from the SwiGLU without biases every family but
+        gpt-oss has (models.hf_config puts them over its own)."""
+        return {}
+
+    def config_attributes(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Attributes Megatron-Core reads from a TransformerConfig that are not fields of it (GPTModel's YaRN
+        settings), set on the config once it is built."""
+        return {}
 
     def router_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """Megatron's router settings for this family's (a softmax over the top-k logits: Megatron's default)."""

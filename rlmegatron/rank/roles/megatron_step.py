@@ -261,7 +261,7 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
                               prompt_mask=micro_batch.in_prompt)
         # M-RoPE's table already holds one row per token (Megatron applies it to THD input as it is); plain rotary
         # embeddings are looked up at each token's position in a shared-prompt micro-batch.
-        per_token_rope = isinstance(params, SharedPromptParams) and gpt.position_embedding_type == "rope"
+        per_token_rope = isinstance(params, SharedPromptParams) and gpt.position_embedding_type in ("rope", "yarn")
         with (rope_at_token_positions(gpt, micro_batch.position_ids, params.max_seqlen_q)
               if per_token_rope else contextlib.nullcontext()), \
                 (contextlib.nullcontext() if routing is None else routing.forward(model, micro_batch)):
