@@ -32,7 +32,10 @@ RESERVED: dict[str, str] = {
         "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
         "moe_router_group_topk", "moe_router_topk_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
         "qk_pos_emb_head_dim", "v_head_dim", "rotary_base", "rope_type", "rotary_scaling_factor",
-        "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers")},
+        "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers",
+        # gpt-oss's sinks, sliding window and clamped SwiGLU
+        "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset", "activation_func_clamp_value",
+        "bias_activation_fusion")},
     **{name: _from("{prefix}." + name) for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",

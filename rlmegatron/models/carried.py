@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
+from rlmegatron.models.convert import META_FILE, HFCheckpoint
+from rlmegatron.models.families.base import Source
+
 CARRIED_FILE = "carried.safetensors"
 
 
 def carried_tensors(directory: str | os.PathLike, family) -> dict[str, torch.Tensor]:
     """The carried tensors of an HF checkpoint directory, or of a Megatron checkpoint converted from one."""
     from safetensors.torch import load_file
-
-    from rlmegatron.models.convert import META_FILE, HFCheckpoint
-    from rlmegatron.models.weight_map import Source
 
     directory = Path(directory)
     if not family.carried_prefixes or not directory.is_dir():

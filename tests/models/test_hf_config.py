@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,8 @@ def test_every_field_rlmegatron_sets_is_reserved_or_a_user_choice(model_type, mo
 
     passed = {}
     for name in ("TransformerConfig", "MLATransformerConfig"):
-        monkeypatch.setattr(transformer, name, lambda **fields: passed.update(fields))
+        # The config the fields would build: a namespace, so that the family's config attributes (YaRN's) land.
+        monkeypatch.setattr(transformer, name, lambda **fields: passed.update(fields) or types.SimpleNamespace())
     _derive(hf_config(model_type), ParallelLayout(pp=2, first_stage_layers=1))
     layout_split = {"num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"}  # from extra
     assert set(passed) - set(RESERVED) - layout_split == USER_CHOICES & set(passed)
