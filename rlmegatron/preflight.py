@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmegatron.agent.tools import tool_problem
 from rlmegatron.config.errors import NO_VALUE, SpecProblem
-from rlmegatron.models.families import read_architecture
+from rlmegatron.models.families import family_for, read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
 from rlmegatron.run_dir import unwritable
@@ -147,6 +147,8 @@ class _Checks:
             model_facts(hf, self.spec.actor.megatron.tensor_model_parallel_size)
         except UnsupportedModelError as err:
             self.problem(arch_field, arch_path, f"{err}; this model cannot be trained here")
+        # Read as the family reads config.json: a wrapper's (Kimi-K2.5's) language model keys are in text_config.
+        hf = family_for(hf.get("model_type")).config(hf)
         pad = hf.get("pad_token_id")
         if isinstance(pad, int) and not 0 <= pad < self.vocab_size:
             self.problem(arch_field, arch_path,

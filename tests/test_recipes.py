@@ -17,6 +17,8 @@ RECIPES = {
     "qwen3_30b_a3b_grpo.yaml": 80,
     "deepseek_v3_671b_grpo.yaml": 80,
     "geo3k_qwen2p5_vl_7b_grpo.yaml": 80,
+    "gpt_oss_120b_grpo.yaml": 80,
+    "kimi_k25_grpo.yaml": 80,
 }
 
 

@@ -70,7 +70,9 @@ def count_parameters(arch: ModelArchitecture) -> ParameterCount:
     for index in range(arch.num_hidden_layers):
         if arch.moe_layers[index]:
             expert = _GATED_MLP_MATRICES * h * (arch.moe_intermediate_size or 0)
-            router = arch.num_experts * h + (arch.num_experts if arch.router_bias else 0)
+            if arch.biased_linears:  # gate/up and down biases
+                expert += 2 * (arch.moe_intermediate_size or 0) + h
+            router = arch.num_experts * h + (arch.num_experts if arch.router_bias or arch.biased_linears else 0)
             shared = _GATED_MLP_MATRICES * h * arch.shared_expert_intermediate_size
             shared += h if arch.shared_expert_gate else 0
             layers.append(
@@ -113,8 +115,10 @@ def _attention_parameters(arch: ModelArchitecture) -> int:
     d, kv_heads = arch.head_dim, arch.num_key_value_heads
     projections = h * heads * d + 2 * h * kv_heads * d + heads * d * h
     bias = (heads + 2 * kv_heads) * d if arch.qkv_bias else 0
-    qk_norm = 2 * d if arch.qk_norm else 0
-    return projections + bias + qk_norm
+    bias += h if arch.biased_linears else 0  # o_proj's
+    qk_norm = 0 if not arch.qk_norm else (heads + kv_heads) * d if arch.qk_norm_over_all_heads else 2 * d
+    sinks = heads if arch.attention_sinks else 0
+    return projections + bias + qk_norm + sinks
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,23 @@ from tests.config.specs import MODELS_DIR
         ("llama-3.1-8b", 8.03e9, 8.03e9),
         ("qwen3-32b", 32.8e9, 32.8e9),
         ("qwen3-235b-a22b", 235e9, 22e9),
+        # Kimi-K2 technical report (Kimi-K2.5's language model): 1.04T total, 32.6B activated; counted here 1.026T
+        # (1.3 % under) and 32.9B. The MoonViT tower (0.4B) is carried, not counted.
+        ("kimi-k2.5", 1.04e12, 32.6e9),
     ],
 )
 def test_counts_match_published_totals_within_2_percent(model, total, active):
     params = count_parameters(read_architecture(MODELS_DIR / model))
     assert params.total == pytest.approx(total, rel=0.02)
     assert params.active == pytest.approx(active, rel=0.02)
+
+
+def test_gpt_oss_120b_counts_openais_116p83b_and_5p13b_active_with_the_head_but_not_the_embedding():
+    # OpenAI's model card: 116.83B total, 5.13B active, the active count taking the unembedding but not the
+    # embedding; the biases, the sinks and the router biases are all in the total.
+    params = count_parameters(read_architecture(MODELS_DIR / "gpt-oss-120b"))
+    assert params.total == pytest.approx(116.83e9, rel=0.001)
+    assert params.active - params.embedding == pytest.approx(5.13e9, rel=0.005)
 
 
 def test_qwen3_1p7b_checkpoint_holds_2p03b_because_it_saves_the_tied_head():

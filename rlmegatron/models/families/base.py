@@ -119,6 +119,9 @@ class ModelArchitecture:
     router_bias: bool = False  # DeepSeek-V3's and GLM-4.5's e_score_correction_bias
     mla: MultiLatentAttention | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers config.json declares, stored after the decoder layers
+    biased_linears: bool = False  # every linear has a bias: o_proj, the experts', the router's (gpt-oss)
+    attention_sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
+    qk_norm_over_all_heads: bool = False  # the query/key norms span all heads of a token (MiniMax-M2)
     vision: VisionTower | None = None  # a vision-language model's image encoder; None for a text-only model
 
     @property
@@ -222,6 +225,8 @@ class Family:
     multi_latent_attention = False  # MLA: MLATransformerConfig, and Megatron's MLA layer spec, instead of GQA
     # Query/key norms over all heads of a token together (MiniMax-M2's; models.all_heads_norm), not each head apart
     qk_norm_over_all_heads = False
+    biased_linears = False  # every linear biased, experts and router included (gpt-oss: Megatron's add_bias_linear)
+    attention_sinks = False  # a learned sink per attention head (gpt-oss: softmax_type "learnable")
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
     moe_block = "mlp"
@@ -293,6 +298,9 @@ class Family:
             mla=self.mla(cfg),
             num_mtp_layers=self.num_mtp_layers(cfg),
             vision=self.vision(cfg, source),
+            biased_linears=self.biased_linears,
+            attention_sinks=self.attention_sinks,
+            qk_norm_over_all_heads=self.qk_norm_over_all_heads,
         )
 
     def num_experts(self, cfg: Mapping[str, Any]) -> int:

@@ -33,6 +33,8 @@ class GptOss(Family):
     rope_types = ("yarn",)
     position_embedding_type = "yarn"
     stacked_experts_only = True
+    biased_linears = True
+    attention_sinks = True
 
     def qkv_bias(self, cfg: Mapping[str, Any]) -> bool:
         return True  # transformers' GptOssAttention biases q/k/v and o_proj whatever attention_bias says
