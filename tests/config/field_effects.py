@@ -149,7 +149,7 @@ MISSING_PACKAGE = BACKENDS + "test_a_backend_whose_package_is_missing_is_one_lin
 WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_is_one_line"
 RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
 TRAINER_POOL = "tests/transport/test_placement.py::test_each_node_gets_one_bundle_of_its_ranks_and_no_two_share_a_node"
-MULTI_NODE = "tests/launch/test_local_cluster.py::test_the_quickstart_learns_with_its_ranks_on_two_nodes"
+MULTI_NODE = "tests/launch/test_local_cluster.py::test_the_quickstart_submitted_to_the_cluster_learns_with_its_ranks_on_two_nodes"
 OWN_NODES = "tests/launch/test_local_cluster.py::test_the_rollout_pool_gets_a_node_of_its_own_and_the_weights_at_every_step"
 
 # Rejections and checks.
