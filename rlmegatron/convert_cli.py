@@ -86,11 +86,30 @@ def _layout(args):
     from rlmegatron.runtime import ParallelLayout
 
     tp = getattr(args, "tp", 1)
-    # MoE with TP>1 needs sequence parallelism in Megatron; it changes no dense weight or logit.
+    # Sequence parallelism only where Megatron needs it (MoE with TP>1); it changes no weight or logit, and a
+    # vision-language model refuses it.
     return ParallelLayout(tp=tp, pp=getattr(args, "pp", 1), vpp=getattr(args, "vpp", None), ep=getattr(args, "ep", 1),
-                          etp=getattr(args, "etp", None), sequence_parallel=tp > 1,
+                          etp=getattr(args, "etp", None), sequence_parallel=tp > 1 and _has_experts(args),
                           first_stage_layers=getattr(args, "first_stage_layers", None),
                           last_stage_layers=getattr(args, "last_stage_layers", None))
+
+
+def _has_experts(args) -> bool:
+    """Whether the model the command converts has routed experts, read from its config.json as its family reads it
+    (False where the input is missing or unreadable: preflight names that)."""
+    from rlmegatron.models.convert import ConvertMeta
+    from rlmegatron.rank.checkpoint_state import AdapterMeta
+
+    try:
+        if getattr(args, "hf_path", None):
+            config = _config_json(args.hf_path)
+        elif getattr(args, "mcore_path", None):
+            config = ConvertMeta.load(args.mcore_path).hf_config
+        else:  # lora-to-hf: the base model the run trained, named in the checkpoint's adapter metadata
+            config = _config_json(AdapterMeta.load(os.path.join(args.checkpoint, "actor")).base_model)
+        return architecture_of(config).is_moe
+    except (ValueError, OSError, TypeError):
+        return False
 
 
 def default_nproc(layout) -> int:

@@ -130,6 +130,7 @@ E2E: dict[str, tuple[str, ...] | None] = {
     "tests/rollout/test_sglang_fp8.py": None,
     "tests/runtime/test_parallel_parity.py": None,
     "tests/test_cli.py": ("test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line",),
+    "tests/test_convert_cli.py": ("test_every_family_converts_through_the_commands_at_tp2_and_back_bitwise",),
     "tests/test_e2e_guard.py": ("test_a_warm_fork_runs_as_a_new_interpreter_would",),
     "tests/test_megatron_fusers.py": ("test_importing_megatron_after_rlmegatron_on_a_cpu_torch_leaves_dynamo_and_inductor_unimported",),
     "tests/test_user_errors.py": ("test_a_divergence_stops_the_run_with_exit_3_naming_the_step_and_the_metric",

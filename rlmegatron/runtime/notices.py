@@ -20,6 +20,9 @@ EVERYWHERE = (
     # loads through torch's deprecated torch.distributed.checkpoint.load_state_dict and ShardedTensor.
     (FutureWarning, r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load`"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    # Experts at expert TP 1 beside TP > 1 dense layers (gpt-oss's biased experts need it): Megatron-Core builds
+    # their linears with the model's sequence_parallel and turns it off for them itself, as it should.
+    (UserWarning, r"`sequence_parallel` is set to `True`, but tensor model parallel size is 1"),
 )
 CPU_ONLY = (
     # Transformer Engine and Apex are GPU libraries: a CPU rank runs Megatron-Core's torch fallbacks by design.

@@ -57,7 +57,8 @@ def test_cli_vpp_etp_and_uneven_pipeline_flags_reach_the_layout_and_the_rank_cou
     args = build_parser().parse_args(["hf-to-mcore", "--hf-path", "hf", "--out", "mcore", "--tp", "2", "--pp", "2",
                                       "--vpp", "2", "--ep", "2", "--etp", "1"])
     layout = _layout(args)
-    assert layout == ParallelLayout(tp=2, pp=2, vpp=2, ep=2, etp=1, sequence_parallel=True)
+    # Sequence parallelism is the model's to ask for (experts at TP > 1); "hf" holds no model with experts.
+    assert layout == ParallelLayout(tp=2, pp=2, vpp=2, ep=2, etp=1, sequence_parallel=False)
     assert default_nproc(layout) == 4  # TP2 dense and EP2 x ETP1 experts share each stage's 2 ranks
     assert default_nproc(ParallelLayout(ep=2, etp=2)) == 4 and default_nproc(ParallelLayout(tp=2, ep=2)) == 4
     uneven = build_parser().parse_args(["mcore-to-hf", "--mcore-path", "mcore", "--out", "hf", "--pp", "4",
