@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss
+from rlmegatron.algorithms import POLICY_LOSSES, PolicyLossConfig, entropy_bonus, kl_loss, policy_mismatch
 from rlmegatron.config.spec import optimizer_steps
 from rlmegatron.models.routing_replay import RoutingTaps
 from rlmegatron.rank.roles import megatron_step
@@ -85,6 +85,8 @@ class ActorWorker(TrainingWorker):
         self.routing = RoutingTaps(self.chunks) if wanted and moe else None
         self.recorded_routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # R2: (input_ids, record)
         self.measured: Optional[tuple[torch.Tensor, tuple[int, int]]] = None  # (input_ids, agreement) of a pass
+        # (rows, log-probs) of the on-policy update's micro-batches while it runs (update); None otherwise
+        self.forward_log_probs: Optional[list[tuple[list[int], torch.Tensor]]] = None
 
     def compute_log_prob(self, batch: RolloutBatch, with_entropy: bool = True):
         """log p(response token) [B, R] (and entropy [B, R]) under the current weights, zero outside response_mask."""
@@ -113,20 +115,37 @@ class ActorWorker(TrainingWorker):
             raise ValueError("without old_log_probs the update must be on-policy: one epoch of one mini-batch")
         if s.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs")
+        # On policy without an old-log-prob pass, the update's own forward (before its one optimizer step) gives the
+        # log-probs that pass would have: the rollout-vs-trainer mismatch is measured from it, at no extra pass.
+        self.forward_log_probs = [] if batch.old_log_probs is None and batch.rollout_log_probs is not None else None
         if self.routing is None:
-            return self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
-        if s.routing_replay == "r2":
-            batch = replace(batch, routed_experts=self._recorded_routing_of(batch))
-        measured = self._of(self.measured, batch)
-        mode = "replay" if s.routing_replay != "off" else "measure" if measured is None else "free"
-        with self.routing.passing(mode):
-            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss",
-                                             progress=progress, routing=self.routing)
-        agreeing, compared = self.routing.agreement() if measured is None else measured
-        self.measured = self.recorded_routing = None
-        if compared:
-            metrics["moe/routing_agreement"] = agreeing / compared
+            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
+        else:
+            if s.routing_replay == "r2":
+                batch = replace(batch, routed_experts=self._recorded_routing_of(batch))
+            measured = self._of(self.measured, batch)
+            mode = "replay" if s.routing_replay != "off" else "measure" if measured is None else "free"
+            with self.routing.passing(mode):
+                metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss",
+                                                 progress=progress, routing=self.routing)
+            agreeing, compared = self.routing.agreement() if measured is None else measured
+            self.measured = self.recorded_routing = None
+            if compared:
+                metrics["moe/routing_agreement"] = agreeing / compared
+        if self.forward_log_probs is not None:
+            metrics.update(self._mismatch_of_the_update_forward(batch))
         return metrics
+
+    def _mismatch_of_the_update_forward(self, batch: RolloutBatch) -> dict[str, float]:
+        """policy_mismatch of the log-probs the on-policy update's forward kept (its micro-batches', this DP rank's
+        rows, on the last stage), put together for the whole batch on every rank as an old-log-prob pass does."""
+        full = torch.zeros(len(batch), batch.response_length, device="cuda" if torch.cuda.is_available() else "cpu")
+        if megatron_step.is_last_stage():
+            for rows, log_probs in self.forward_log_probs:
+                full[torch.as_tensor(rows, device=full.device)] = log_probs
+        megatron_step.share_from_last_stage(full)
+        self.forward_log_probs = None
+        return policy_mismatch(full.cpu(), batch.rollout_log_probs, batch.response_mask)
 
     def _recorded_routing_of(self, batch: RolloutBatch) -> torch.Tensor:
         recorded = self._of(self.recorded_routing, batch)
@@ -154,6 +173,8 @@ class ActorWorker(TrainingWorker):
             log_probs, entropy = response_log_probs(micro_batch, logits, s, with_entropy=True)
             # On-policy without an old-log-prob pass: this forward is the policy that sampled.
             old_log_probs = log_probs.detach() if fields.old_log_probs is None else fields.old_log_probs.to(device)
+            if self.forward_log_probs is not None:
+                self.forward_log_probs.append((micro_batch.rows, (log_probs.detach() * mask).float()))
             pg_loss, pg_metrics = policy_loss_fn(
                 old_log_probs,
                 log_probs,

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from rlmegatron.algorithms import policy_mismatch
 from rlmegatron.runtime import ParallelLayout, init_model_parallel, layout_scope
 from rlmegatron.rank.roles import (
     ActorSettings,
@@ -217,6 +218,16 @@ def on_policy_job() -> dict:
         metrics = actor.update(replace(batch, old_log_probs=old_log_probs))
         updated = {n: p.detach().clone() for n, p in actor.chunks[0].module.named_parameters()}
         report[name] = {"metrics": metrics, "updated": updated}
+    # With the engine's log-probs of the sampled tokens (here the trainer's, moved): the mismatch the old-log-prob
+    # pass measures, and the one the on-policy update measures from its own forward.
+    torch.manual_seed(0)
+    actor = make_actor(ParallelLayout())
+    old_log_probs = actor.compute_log_prob(batch, with_entropy=False)[0]
+    rollout_log_probs = (old_log_probs + 0.1 * torch.randn(old_log_probs.shape)) * batch.response_mask
+    report["mismatch of the pass"] = policy_mismatch(old_log_probs, rollout_log_probs, batch.response_mask)
+    report["mismatch of the update"] = {
+        name: value for name, value in actor.update(replace(batch, rollout_log_probs=rollout_log_probs)).items()
+        if name.startswith(("training/rollout_probs_diff", "training/rollout_kl"))}
     try:
         make_actor(ParallelLayout(), ppo_epochs=2).update(batch)
     except ValueError as error:

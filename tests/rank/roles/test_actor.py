@@ -79,6 +79,10 @@ def test_an_on_policy_update_without_the_old_log_prob_pass_is_the_same_update():
     assert without["metrics"] == with_pass["metrics"]
     assert all(torch.equal(without["updated"][n], p) for n, p in with_pass["updated"].items())
     assert "must be on-policy" in report["two epochs"]
+    # The rollout-vs-trainer mismatch is measured without the pass too, from the update's own forward.
+    expected = report["mismatch of the pass"]
+    assert expected.keys() == report["mismatch of the update"].keys() and expected["training/rollout_kl"] > 0
+    assert report["mismatch of the update"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_reference_log_probs_equal_the_actors(parity_reports):
