@@ -35,7 +35,9 @@ RESERVED: dict[str, str] = {
         "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mtp_num_layers",
         # gpt-oss's sinks, sliding window and clamped SwiGLU
         "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset", "activation_func_clamp_value",
-        "bias_activation_fusion")},
+        "bias_activation_fusion",
+        # DeepSeek-V3.2's and GLM-5's sparse attention
+        "experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")},
     **{name: _from("{prefix}." + name) for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",

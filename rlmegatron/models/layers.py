@@ -187,17 +187,19 @@ class SDPACoreAttention(torch.nn.Module):
         for bucket in plan.buckets:
             q, k, v = query[bucket.q_index], key[bucket.k_index], value[bucket.k_index]  # [n, len, heads, dim]
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            out = self._sdpa(q, k, v, bucket.mask(k.size(2)), bucket.q_positions).transpose(1, 2)
+            out = self._sdpa(q, k, v, bucket.mask(k.size(2)), bucket.q_positions,
+                             rows=(bucket.q_index, bucket.k_index)).transpose(1, 2)
             outputs.append(out.reshape(-1, *out.shape[2:])[bucket.q_valid])
         out = torch.cat(outputs)[plan.order]
         return out.reshape(out.size(0), 1, -1)
 
-    def _sdpa(self, q, k, v, mask, q_positions=None, k_positions=None):
+    def _sdpa(self, q, k, v, mask, q_positions=None, k_positions=None, rows=None):
         """Attention of q [b, heads, Lq, d] over k, v; `mask` [.., Lq, Lk] says which keys each query sees (None:
         causal, the queries being the keys); `q_positions` [.., Lq] and `k_positions` [Lk] are their positions in the
-        sequence (None: 0, 1, ...), which a sliding window needs."""
+        sequence (None: 0, 1, ...), which a sliding window needs; `rows` ([n, Lq], [n, Lk]) the tokens of a packed
+        micro-batch the queries and keys are (None: a padded batch's, in order), which a sparse subclass reads."""
         if self.window is not None or self.softmax_offset is not None:
-            return self._windowed_or_sinked(q, k, v, mask, q_positions, k_positions)
+            return self._masked(q, k, v, mask, q_positions, k_positions)
         # Grouped-query attention inside SDPA: K and V are not repeated to every query head first.
         return torch.nn.functional.scaled_dot_product_attention(
             q,
@@ -211,10 +213,11 @@ class SDPACoreAttention(torch.nn.Module):
         )
 
 
-    def _windowed_or_sinked(self, q, k, v, mask, q_positions, k_positions):
-        """gpt-oss's attention: the sliding window as a mask, and each head's sink as a key of zeros (its logit, q.0,
-        plus the sink's bias, is the sink) with a value of zeros (it adds nothing): SDPA's softmax over the keys
-        and the sink is then the softmax gpt-oss defines, and its gradient reaches the sink through the bias."""
+    def _masked(self, q, k, v, mask, q_positions, k_positions):
+        """Attention under an explicit mask, with gpt-oss's parts where the model has them: the sliding window as a
+        mask, and each head's sink as a key of zeros (its logit, q.0, plus the sink's bias, is the sink) with a value
+        of zeros (it adds nothing): SDPA's softmax over the keys and the sink is then the softmax gpt-oss defines, and
+        its gradient reaches the sink through the bias."""
         lq, lk = q.size(-2), k.size(-2)
         if q_positions is None:
             q_positions = torch.arange(lq, device=q.device)

@@ -48,12 +48,17 @@ def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int
 
 
 def _family_modules(spec, family):
-    """`spec` with the modules a family needs in place of Megatron's: query/key norms over all heads together."""
-    if family is None or not family.qk_norm_over_all_heads:
-        return spec
-    return _with_fields(spec, {
-        "q_layernorm": ModuleSpec(module=AllHeadsRMSNorm, params={"heads": QUERY}),
-        "k_layernorm": ModuleSpec(module=AllHeadsRMSNorm, params={"heads": KEY})})
+    """`spec` with the modules a family needs in place of Megatron's: query/key norms over all heads together,
+    DeepSeek Sparse Attention's core attention."""
+    replacements = {}
+    if family is not None and family.qk_norm_over_all_heads:
+        replacements.update(q_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": QUERY}),
+                            k_layernorm=ModuleSpec(module=AllHeadsRMSNorm, params={"heads": KEY}))
+    if family is not None and family.sparse_attention:
+        from rlmegatron.models.sparse_attention import SparseSDPACoreAttention  # lazy: a module of the one family
+
+        replacements.update(core_attention=SparseSDPACoreAttention)
+    return _with_fields(spec, replacements) if replacements else spec
 
 
 def _megatron_decoder_block_spec(config, use_te: bool, vp_stage: Optional[int]):

@@ -30,6 +30,13 @@ FAMILY_CONFIGS = {
                     intermediate_size=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
                     rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
                                          beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
+    # Each query attends to the 8 keys its indexer picks (prompts and responses are longer than that).
+    "deepseek_v32": {"architectures": ["DeepseekV32ForCausalLM"], **{k: v for k, v in SIZES.items() if k != "head_dim"},
+                     **DEEPSEEK_MOE, "num_key_value_heads": 4, "index_topk": 8, "index_head_dim": 16,
+                     "index_n_heads": 4},
+    "glm_moe_dsa": {"architectures": ["GlmMoeDsaForCausalLM"], **{k: v for k, v in SIZES.items() if k != "head_dim"},
+                    **DEEPSEEK_MOE, "num_key_value_heads": 4, "index_topk": 8, "index_head_dim": 16,
+                    "index_n_heads": 4, "n_group": 1, "topk_group": 1},
     # The language model in text_config, a MoonViT tower beside it (carried, never trained).
     "kimi_k25": dict(architectures=["KimiK25ForConditionalGeneration"], tie_word_embeddings=False,
                      pad_token_id=0, eos_token_id=4, bos_token_id=None,

@@ -44,6 +44,22 @@ FAMILY_CONFIGS = {
                     sliding_window=4, swiglu_limit=0.05,  # cuts 40 % of the gates and 80 % of the ups
                     rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
                                          beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
+    # DeepSeek-V3.2: DeepSeek-V3 with a lightning indexer whose top 6 keys each query attends to (of 16 positions).
+    "deepseek_v32": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_key_value_heads=4,
+                         index_topk=6, index_head_dim=16, index_n_heads=4, num_nextn_predict_layers=0,
+                         moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",  # as released
+                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                           beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    # GLM-5: the same sparse attention, its indexer rotating interleaved pairs.
+    "glm_moe_dsa": dict(num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        first_k_dense_replace=1, n_shared_experts=1, num_key_value_heads=4, index_topk=6,
+                        index_head_dim=16, index_n_heads=4, num_nextn_predict_layers=0, moe_layer_freq=1,
+                        topk_method="noaux_tc", scoring_func="sigmoid",
+                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     # Kimi-K2.5: a DeepSeek-V3 language model (text_config) in a vision-language wrapper whose MoonViT tower and
     # projector the bridge carries as they are.
     "kimi_k25": dict(text_config=dict(

@@ -227,6 +227,8 @@ class Family:
     qk_norm_over_all_heads = False
     biased_linears = False  # every linear biased, experts and router included (gpt-oss: Megatron's add_bias_linear)
     attention_sinks = False  # a learned sink per attention head (gpt-oss: softmax_type "learnable")
+    # DeepSeek Sparse Attention: each query attends to its lightning indexer's top-k keys (models.sparse_attention)
+    sparse_attention = False
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
     moe_block = "mlp"

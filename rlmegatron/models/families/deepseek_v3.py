@@ -62,6 +62,7 @@ class DeepseekV3(DeepSeekMoE, Family):
     # MLA's rotary embedding is DeepSeek's own (yarn); the GQA families use GPTModel's (llama3 scaling).
     rope_types = ("default", "yarn")
     multi_latent_attention = True
+    interleaved_rope = (True,)  # the values of rope_interleave that mean Megatron's (interleaved) MLA rope
 
     def mla(self, cfg: Mapping[str, Any]) -> MultiLatentAttention:
         return MultiLatentAttention(q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"],
@@ -80,7 +81,8 @@ class DeepseekV3(DeepSeekMoE, Family):
                               "bridged")
                 + unsupported(cfg, "moe_layer_freq", (None, 1), "transformers makes every layer from "
                               "first_k_dense_replace on MoE, DeepSeek's own code only every moe_layer_freq-th")
-                + unsupported(cfg, "rope_interleave", (True,), "Megatron's MLA rope is the interleaved one"))
+                + unsupported(cfg, "rope_interleave", self.interleaved_rope, "Megatron's MLA rope is the interleaved "
+                              "one"))
 
     def attention_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
         rope = self.rope(cfg)

@@ -120,4 +120,7 @@ def test_deepseeks_fused_query_and_kv_down_projections_travel_together_and_nothi
     # Kimi-K2.5's language model is DeepSeek-V3's, which SGLang fuses alike.
     (kimi,) = travel_rules_for({"model_type": "kimi_k25", **FAMILY_CONFIGS["kimi_k25"]})
     assert kimi.group_of("language_model.model.layers.1.self_attn.q_a_proj.weight")[1] == "q_a_proj"
-    assert all(travel_rules_for(_config(t)) == () for t in FAMILY_CONFIGS if t not in ("deepseek_v3", "kimi_k25"))
+    # DeepSeek-V3.2's and GLM-5's too (DeepSeek-V3's MLA); no other family's.
+    mla = ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
+    assert all(len(travel_rules_for(_config(t))) == 1 for t in mla[2:])
+    assert all(travel_rules_for(_config(t)) == () for t in FAMILY_CONFIGS if t not in mla)

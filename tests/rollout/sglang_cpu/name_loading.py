@@ -12,7 +12,9 @@ take one HF tensor as it is, those whose value differs from that tensor's TP sli
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import types
 
 import gpu_stubs
@@ -58,6 +60,22 @@ def main() -> None:
     print(json.dumps(report))
 
 
+def _resolvable(model_dir: str) -> str:
+    """A model directory SGLang resolves its server arguments for on a CPU. For a DeepSeek Sparse Attention model
+    SGLang picks its kernels by the GPU's compute capability while it resolves them; they are resolved for the same
+    model without the indexer's keys (nothing the model's construction or loading reads depends on them: the model
+    class is built from the real config)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if "index_topk" not in config:
+        return model_dir
+    stripped = tempfile.mkdtemp(prefix="rlm-sglang-")
+    keep = {k: v for k, v in config.items() if not k.startswith("index_")}
+    with open(os.path.join(stripped, "config.json"), "w") as f:
+        json.dump({**keep, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, f)
+    return stripped
+
+
 def build(model_class, config) -> torch.nn.Module:
     """SGLang's model of `config`. Kimi-K2.5's MoonViT tower reads the fields of Moonshot's own config class, which
     transformers' does not have; no sync sends the tower (the bridge carries it, the engines keep what they loaded),
@@ -76,7 +94,8 @@ def build(model_class, config) -> torch.nn.Module:
 
 def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
-    server_args = prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"])
+    server_args = prepare_server_args(["--model-path", _resolvable(model_dir), "--device", "cpu",
+                                       "--skip-tokenizer-init"])
     server_args.resolve_once()
     publish(server_args, role="scheduler")  # last publish wins: each model its own server's arguments
     model_class, _ = ModelRegistry.resolve_model_cls(config.architectures)
