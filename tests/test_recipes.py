@@ -19,6 +19,7 @@ RECIPES = {
     "geo3k_qwen2p5_vl_7b_grpo.yaml": 80,
     "gpt_oss_120b_grpo.yaml": 80,
     "kimi_k25_grpo.yaml": 80,
+    "deepseek_v32_grpo.yaml": 80,
 }
 
 

@@ -111,7 +111,10 @@ def _attention_parameters(arch: ModelArchitecture) -> int:
             + mla.kv_lora_rank  # kv_a_layernorm
             + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)  # kv_b_proj
         )
-        return query + key_value + heads * mla.v_head_dim * h
+        index_heads, index_dim = arch.indexer  # wq_b, wk, its LayerNorm, weights_proj
+        indexer = (mla.q_lora_rank or h) * index_heads * index_dim + h * index_dim + 2 * index_dim + h * index_heads \
+            if index_heads else 0
+        return query + key_value + heads * mla.v_head_dim * h + indexer
     d, kv_heads = arch.head_dim, arch.num_key_value_heads
     projections = h * heads * d + 2 * h * kv_heads * d + heads * d * h
     bias = (heads + 2 * kv_heads) * d if arch.qkv_bias else 0

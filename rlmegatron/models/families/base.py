@@ -122,6 +122,7 @@ class ModelArchitecture:
     biased_linears: bool = False  # every linear has a bias: o_proj, the experts', the router's (gpt-oss)
     attention_sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
     qk_norm_over_all_heads: bool = False  # the query/key norms span all heads of a token (MiniMax-M2)
+    indexer: tuple[int, int] = (0, 0)  # DeepSeek Sparse Attention's lightning indexer: (heads, head size); (0, 0): none
     vision: VisionTower | None = None  # a vision-language model's image encoder; None for a text-only model
 
     @property
@@ -303,6 +304,7 @@ class Family:
             biased_linears=self.biased_linears,
             attention_sinks=self.attention_sinks,
             qk_norm_over_all_heads=self.qk_norm_over_all_heads,
+            indexer=self.indexer(cfg),
         )
 
     def num_experts(self, cfg: Mapping[str, Any]) -> int:
@@ -337,6 +339,10 @@ class Family:
 
     def mla(self, cfg: Mapping[str, Any]) -> MultiLatentAttention | None:
         return None
+
+    def indexer(self, cfg: Mapping[str, Any]) -> tuple[int, int]:
+        """(heads, head size) of a sparse-attention family's lightning indexer; (0, 0) for dense attention."""
+        return 0, 0
 
     def num_mtp_layers(self, cfg: Mapping[str, Any]) -> int:
         return 0

@@ -31,6 +31,9 @@ class DeepseekV32(DeepseekV3):
                             "the part the indexer rotates")
         return problems
 
+    def indexer(self, cfg: Mapping[str, Any]) -> tuple[int, int]:
+        return cfg["index_n_heads"], cfg["index_head_dim"]
+
     def attention_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return dict(super().attention_fields(arch, cfg), experimental_attention_variant="dsa",
                     dsa_indexer_n_heads=cfg["index_n_heads"], dsa_indexer_head_dim=cfg["index_head_dim"],
