@@ -218,6 +218,11 @@ def check_layout_fits_model(
     pipeline_problem = _pipeline_split_problem(prefix, m, arch.num_hidden_layers, world)
     if pipeline_problem:
         problems.append(pipeline_problem)
+    if arch.indexer[0] and m.context_parallel_size > 1:
+        # Megatron-Core's MLA hands sparse attention's indexer its input only without context parallelism.
+        problems.append(SpecProblem(f"{prefix}.context_parallel_size", m.context_parallel_size,
+                                    "DeepSeek Sparse Attention's indexer scores whole sequences, which Megatron-Core "
+                                    "gives it without context parallelism only; use 1"))
     if arch.vision is not None:
         # The images' embeddings replace placeholder tokens of the whole sequence on the first stage
         # (models/vision.py); CP and SP hand each rank a slice of it.

@@ -96,6 +96,14 @@ CASES = [
         id="vpp-needs-pp",
     ),
     pytest.param(
+        {"model.path": "deepseek-ai/DeepSeek-V3.2", "model.hf_config": str(MODELS_DIR / "deepseek-v3.2"),
+         "actor.megatron.context_parallel_size": 2, "actor.megatron.expert_model_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.context_parallel_size=2: DeepSeek Sparse Attention's indexer scores whole "
+        "sequences, which Megatron-Core gives it without context parallelism only; use 1",
+        id="sparse-attention-without-cp",
+    ),
+    pytest.param(
         {**DEEPSEEK, "actor.megatron.pipeline_model_parallel_size": 4, "actor.megatron.expert_model_parallel_size": 2},
         "tiny-qwen3",
         "job.yaml: actor.megatron.pipeline_model_parallel_size=4: does not divide the model's 61 layers; use 1, "
