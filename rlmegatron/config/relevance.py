@@ -57,7 +57,7 @@ def _estimator_takes(option: str) -> Callable[[JobSpec], bool]:
     return applies
 
 
-def _async_reward_in_driver(spec: JobSpec) -> bool:
+def _async_reward_on_one_loop(spec: JobSpec) -> bool:
     if spec.reward.num_workers > 0 or spec.reward.function is None:
         return False
     try:
@@ -101,7 +101,8 @@ RULES: tuple[Rule, ...] = (
          exempt=("reward.model.path",)),
     Rule(("reward.model.weight", "reward.model.rule_weight"), lambda s: s.reward.model.combiner is None,
          lambda s: "reward.model.combiner computes the reward instead of the weighted sum; remove it"),
-    Rule(("reward.function", "reward.num_workers", "reward.timeout_s", "reward.batch_timeout_s"),
+    Rule(("reward.function", "reward.num_workers", "reward.timeout_s", "reward.batch_timeout_s",
+          "reward.max_timeout_fraction"),
          lambda s: s.rule_scores,
          lambda s: "the reward model scores alone (reward.model.rule_weight=0, no combiner), so no rule runs; "
                    "remove it or give the rule a weight"),
@@ -125,9 +126,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("reward.overlong_buffer.length", "reward.overlong_buffer.penalty_factor"),
          lambda s: s.reward.overlong_buffer.enable,
          lambda s: "only applies with reward.overlong_buffer.enable=true; remove it or enable the buffer"),
-    Rule(("reward.async_concurrency",), _async_reward_in_driver,
-         lambda s: "only bounds an `async def` reward function scored in the driver (reward.num_workers=0), and "
-                   + ("reward.num_workers>0 scores in worker processes" if s.reward.num_workers else
+    Rule(("reward.async_concurrency",), _async_reward_on_one_loop,
+         lambda s: "only bounds an `async def` reward function scored on one event loop (reward.num_workers=0), and "
+                   + ("reward.num_workers>0 scores one sample at a time in each worker" if s.reward.num_workers else
                       f"reward.function={s.reward.function or 'null (the built-in rules)'} is not async")
                    + "; remove it"),
     Rule(("algorithm.dynamic_sampling.max_num_gen_batches",), lambda s: s.algorithm.dynamic_sampling.enable,

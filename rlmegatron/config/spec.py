@@ -483,11 +483,16 @@ class RewardConfig(Section):
     """Custom reward as path/to/file.py:function_name; null picks the built-in rule for the data source."""
     manager: Literal["naive", "dapo"] = "naive"
     num_workers: int = Field(0, ge=0)
-    """Processes that score samples. 0: in the driver, with no process pool (a plain function one sample at a time
-    in the main thread, an `async def` one concurrently on an event loop); N: a pool of N worker processes, for
-    slow functions (N samples, and N timeouts, at once)."""
+    """Processes that score samples. 0: a reward.function in worker processes sized to the machine (more once samples
+    time out; an `async def` one in one worker's event loop, async_concurrency at once), the built-in rules in the
+    driver; N: exactly N worker processes (N samples, and N timeouts, at once). A function never runs in the driver,
+    where code stuck in C could not be stopped."""
     timeout_s: float = Field(30.0, gt=0)
-    """Seconds one sample may take; past them it scores 0 and counts in reward/timeouts."""
+    """Seconds one sample may take; past them it scores 0 and counts in reward/timeouts (its worker is killed and
+    replaced when it does not stop)."""
+    max_timeout_fraction: Probability = 0.5
+    """More than this fraction of a batch's samples timing out stops the run (one line, exit 2), as soon as that is
+    certain, rather than train on their zeros. 1: never stop for timeouts."""
     batch_timeout_s: float | None = Field(600.0, gt=0)
     """Seconds to score one batch (a step's rollout, a DAPO round, the ReMax baseline, a validation chunk); samples
     not scored by then score 0 and count in reward/timeouts. null: no limit beyond timeout_s per sample."""

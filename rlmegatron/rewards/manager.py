@@ -1,39 +1,40 @@
-"""Reward managers: score a batch of responses in the driver (the default) or in worker processes, with per-sample
-timeouts, a time budget per batch and error isolation; stop on a NaN or infinite score; and (for `dapo`) add DAPO's
-soft overlong penalty.
+"""Reward managers: score a batch of responses in worker processes (a reward function) or in the driver (the
+built-in rules), with per-sample timeouts, a time budget per batch and error isolation; stop on a NaN or infinite
+score, and when too many samples time out; and (for `dapo`) add DAPO's soft overlong penalty.
 
-Where a function runs (`reward.num_workers`):
-- 0, a plain function: in the driver's main thread, one sample after another, each stopped by SIGALRM after
-  `timeout_s`. No process or pickling per sample, so a cheap rule costs microseconds. The previous SIGALRM handler
-  and timer are put back after every batch. SIGALRM only reaches the main thread: called from another thread, the
-  manager scores in one worker process instead (and says so once). Once a sample runs into `timeout_s`, the function
-  is known to hang: the rest of that batch (when its budget allows) and every later batch score in a bounded pool of
-  worker processes, so their timeouts run side by side instead of one after another (said once).
-- 0, an `async def` function: concurrently on an event loop in the driver, at most `async_concurrency` at once,
-  each cancelled after `timeout_s`.
-- N >= 1: a pool of N spawned processes (N samples, and N timeouts, at once), each sample stopped by SIGALRM in
-  its worker; a worker that does not answer by the batch's deadline is killed with its pool.
-A function stuck in C code that never returns to the interpreter cannot be interrupted in the driver: if it is still
-there `_STUCK_GRACE_S` after its deadline, faulthandler prints every thread's stack (the reward function's frame
-on top) and ends the driver with exit code 1 rather than let the run hang. Such functions belong in worker
-processes (reward.num_workers >= 1), where only their worker is killed.
+Where a function runs:
+- `reward.function` set: never in the driver, which a function stuck in C code (holding the interpreter lock, deaf
+  to signals) would freeze. It runs in worker processes of our own (`_RewardWorkers`, rewards/worker.py), each
+  scoring one sample at a time under its own SIGALRM; a worker whose answer is `_KILL_GRACE_S` overdue is killed
+  with SIGKILL and replaced. `reward.num_workers` N >= 1: exactly N workers. 0 (the default): `_DEFAULT_WORKERS`,
+  and once a sample of the batch has timed out, up to `_HUNG_WORKERS` for the rest of it, so that hanging samples
+  time out side by side; an `async def` function runs in one worker's event loop, `async_concurrency` at once.
+- `reward.function` unset (the built-in rules, our own bounded Python): in the driver's main thread, one sample after
+  another under SIGALRM, with no process or pickling per sample; called from another thread, in one worker process
+  (SIGALRM only reaches the main thread). With reward.num_workers N >= 1, in N workers.
+Timeouts count: once more than `max_timeout_fraction` of a batch's samples have timed out, scoring stops at once (the
+rest cannot bring the fraction back under it) and TimedOutRewards stops the run, so a step never waits samples x
+timeout_s for rewards that would all be zero.
 """
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import inspect
 import logging
 import math
-import multiprocessing
 import numbers
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from rlmegatron.errors import UserError
@@ -41,20 +42,21 @@ from rlmegatron.plugins import PluginError, call_problem, is_async_function, loa
 from rlmegatron.rewards.dispatch import default_compute_score
 
 if TYPE_CHECKING:
-    from multiprocessing.pool import AsyncResult, Pool
-
     from rlmegatron.config.spec import RewardConfig
 
 logger = logging.getLogger(__name__)
 
-_STARTUP_SLACK_S = 120.0
-# A worker's own alarm ends a sample at the batch deadline; this is the time its answer may take to arrive.
-_RETURN_SLACK_S = 5.0
-# How long past its deadline a sample in the driver may stay in uninterruptible C code before the driver exits.
-_STUCK_GRACE_S = 15.0
-_STDERR_FD = 2
-# Workers a driver-scored function moves to once it has hung: timeouts side by side, bounded by the machine.
-_HUNG_FUNCTION_WORKERS = max(2, min(16, os.cpu_count() or 1))
+# A worker's own alarm ends a Python sample at its `seconds` and it answers within milliseconds; an answer this late
+# means the function is stuck in C code, and its worker is killed. Small, since the step waits for it.
+_KILL_GRACE_S = 0.5
+# A worker that has not loaded the function by then (its module's imports hang) fails the run.
+_STARTUP_S = 120.0
+_CORES = os.cpu_count() or 1
+# Workers of a reward function when reward.num_workers=0: its samples side by side, bounded by the machine.
+_DEFAULT_WORKERS = max(2, min(16, _CORES))
+# Once a sample of a batch has timed out, hanging samples are likely: more workers, so that enough timeouts to stop
+# the run (or the rest of the batch) run side by side, a few timeout_s in all instead of samples x timeout_s.
+_HUNG_WORKERS = max(_DEFAULT_WORKERS, min(64, 8 * _CORES))
 REWARD_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
@@ -67,6 +69,12 @@ class UnusableRewards(UserError):
     """The reward function raised, or returned something other than a number, for every sample of a batch: training
     on the zeros that stand in for them would teach nothing, so the run stops (one line naming the function and the
     first sample, exit 2)."""
+
+
+class TimedOutRewards(UnusableRewards):
+    """More than reward.max_timeout_fraction of a batch's samples timed out: training on the zeros that stand in for
+    them would teach little, and waiting for the rest of the batch would cost a timeout each, so the run stops (one
+    line naming the function, the counts and what to change, exit 2)."""
 
 
 class NonFiniteReward(ArithmeticError):
@@ -209,61 +217,165 @@ def _outcome_from_return(returned: Any) -> _Outcome:
 
 # --- worker processes ---
 
-_worker_function: Any = None
-_worker_problem: str | None = None
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    conn: Connection
+    capacity: int
+    """Samples it scores at once: 1, or async_concurrency for an async function on its event loop."""
+    started: float
+    ready: bool = False
+    running: dict[int, tuple[float, str]] = field(default_factory=dict)
+    """Each sample it was sent: when its answer is overdue (time.time), and what a timeout is told."""
 
 
-def _init_worker(function_ref: str | None) -> None:
-    global _worker_function, _worker_problem
-    try:
-        _worker_function = load_reward_function(function_ref)
-    except RewardFunctionError as err:
-        # A Pool respawns a worker whose initializer raises, forever: keep this one and report with every job.
-        _worker_problem = str(err)
-    signal.signal(signal.SIGALRM, _raise_timeout)
+class _RewardWorkers:
+    """Reward worker processes (rewards/worker.py), started as samples need them, each sent samples one at a time (or
+    `capacity` at once): up to `size` of them, or `grow_to` once a sample of the batch has timed out. A worker whose
+    answer is overdue is killed (SIGKILL) at once and its samples time out; a new one replaces it when there is work.
+    multiprocessing.Pool could do neither: it cannot kill one worker, nor stop waiting for a task it was given."""
 
+    def __init__(self, function_ref: str | None, size: int, grow_to: int, capacity: int = 1) -> None:
+        self.function_ref, self.size, self.grow_to, self.capacity = function_ref, size, grow_to, capacity
+        self.workers: list[_Worker] = []
 
-def _score_in_worker(item: RewardInput, timeout_s: float, deadline: float, limits: tuple[str, str]) -> _Outcome:
-    if _worker_problem is not None:
-        return _Outcome("broken", message=_worker_problem)
-    # The alarm fires in this worker's main thread, so a slow sample is stopped without killing the worker.
-    # `deadline` is wall-clock time (time.time), which the driver and its workers share.
-    left = deadline - time.time()
-    return _score_one(_worker_function, item, min(timeout_s, left), limits[left < timeout_s])
+    def score(self, items: list[RewardInput], timeout_s: float, deadline: float, limits: tuple[str, str],
+              allowed_timeouts: int) -> list[_Outcome | None]:
+        """Each item's outcome; None for those left unscored because more than `allowed_timeouts` timed out."""
+        outcomes: list[_Outcome | None] = [None] * len(items)
+        waiting = deque(range(len(items)))
+        timeouts = 0
+
+        def settle(index: int, outcome: _Outcome) -> None:
+            nonlocal timeouts
+            outcomes[index] = outcome
+            timeouts += outcome.status == "timeout"
+
+        try:
+            while timeouts <= allowed_timeouts and (waiting or any(w.running for w in self.workers)):
+                now = time.time()
+                if now >= deadline:  # the batch's budget is spent: what has not started is not scored
+                    while waiting:
+                        settle(waiting.popleft(), _Outcome("timeout", message=limits[1]))
+                    if not any(w.running for w in self.workers):
+                        break
+                self._start_for(len(waiting), self.size if timeouts == 0 else self.grow_to)
+                for worker in self.workers:
+                    while worker.ready and waiting and len(worker.running) < worker.capacity:
+                        index, left = waiting.popleft(), deadline - now
+                        seconds, limit = min(timeout_s, left), limits[left < timeout_s]
+                        worker.conn.send((index, items[index], seconds, limit))
+                        worker.running[index] = (now + seconds + _KILL_GRACE_S, limit)
+                self._receive(settle, until=min([deadline] if waiting else [], default=math.inf))
+                now = time.time()
+                for worker in [w for w in self.workers if any(due <= now for due, _ in w.running.values())]:
+                    # Stuck where its alarm cannot reach (C code, or an event loop something blocks).
+                    self._kill(worker)
+                    for index, (_, limit) in worker.running.items():
+                        settle(index, _Outcome("timeout", message=limit))
+        finally:
+            # Workers still busy (scoring stopped, or the driver is interrupted) would be waited for next time.
+            for worker in [w for w in self.workers if w.running]:
+                self._kill(worker)
+        for worker in self.workers[self.size:]:  # the extra workers of a batch that hung
+            self._kill(worker)
+        return outcomes
+
+    def _start_for(self, waiting: int, most: int) -> None:
+        free = sum(w.capacity - len(w.running) for w in self.workers)
+        while free < waiting and len(self.workers) < most:
+            self.workers.append(self._start())
+            free += self.capacity
+
+    def _start(self) -> _Worker:
+        ours, theirs = socket.socketpair()
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "rlmegatron.rewards.worker", str(theirs.fileno()), self.function_ref or "",
+                 "async" if self.capacity > 1 else "one"],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        return _Worker(process, Connection(ours.detach()), self.capacity, time.time())
+
+    def _receive(self, settle: Callable[[int, _Outcome], None], until: float) -> None:
+        """Waits until a worker answers, or an answer or a start is overdue, or `until`, and takes the answers."""
+        dues = [until] + [due for w in self.workers for due, _ in w.running.values()]
+        dues += [w.started + _STARTUP_S for w in self.workers if not w.ready]
+        by_conn = {w.conn: w for w in self.workers}
+        for conn in wait(list(by_conn), timeout=max(0.0, min(dues) - time.time())):
+            worker = by_conn[conn]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._kill(worker)
+                if not worker.ready:
+                    raise RewardFunctionError(
+                        f"reward.function={self.function_ref}: its worker process exited with code "
+                        f"{worker.process.returncode} while loading it") from None
+                for index in worker.running:
+                    settle(index, _Outcome("error", message=f"its worker process died (exit code "
+                                                            f"{worker.process.returncode}); a new one goes on"))
+                continue
+            if message[0] == "broken":
+                raise RewardFunctionError(f"{message[1]} (in a reward worker process)")
+            if message[0] == "ready":
+                worker.ready = True
+                continue
+            index, outcome = message
+            if worker.running.pop(index, None) is not None:
+                settle(index, outcome)
+        now = time.time()
+        if any(not w.ready and now > w.started + _STARTUP_S for w in self.workers):
+            raise RewardFunctionError(f"reward.function={self.function_ref}: a reward worker process did not load it "
+                                      f"within {_STARTUP_S:g}s (does importing its module hang?)")
+
+    def _kill(self, worker: _Worker) -> None:
+        worker.process.kill()
+        worker.process.wait()
+        worker.conn.close()
+        self.workers.remove(worker)
+
+    def close(self) -> None:
+        for worker in list(self.workers):
+            self._kill(worker)
 
 
 class NaiveRewardManager:
     """Reward = the reward function's score. A sample that raises, returns something other than a number, or runs
     past `timeout_s` (or past the batch's `batch_timeout_s`) scores 0, is counted in reward/errors or
     reward/timeouts, and is logged once per batch with a few sample ids. A NaN or infinite score raises
-    NonFiniteReward. See the module docstring for where the function runs."""
+    NonFiniteReward; more than `max_timeout_fraction` of a batch timing out raises TimedOutRewards. See the module
+    docstring for where the function runs."""
 
     def __init__(self, function_ref: str | None, num_workers: int = 0, timeout_s: float = 30.0, *,
-                 batch_timeout_s: float | None = None, async_concurrency: int = 64) -> None:
+                 batch_timeout_s: float | None = None, async_concurrency: int = 64,
+                 max_timeout_fraction: float = 0.5) -> None:
         self.function_ref = function_ref
-        # Loaded here, in the driver, so a broken plug-in fails the run once, before any worker starts.
+        # Loaded here, in the driver, so a broken plug-in fails the run once, before any worker starts. It is only
+        # called here when it is the built-in rules.
         self.function = load_reward_function(function_ref)
         self.is_async = is_async_function(self.function)
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.async_concurrency = async_concurrency
-        self._pool: Pool | None = None
+        self.max_timeout_fraction = max_timeout_fraction
+        self._pool: _RewardWorkers | None = None
         self._warned_off_main_thread = False
-        self._hung_in_driver = False
 
     def __call__(self, items: list[RewardInput]) -> RewardResult:
         outcomes = self._score_all(items)
         self._raise_on_non_finite(items, outcomes)
-        self._raise_if_none_usable(items, outcomes)
-        scores = [outcome.score for outcome in outcomes]
-        extra_keys = sorted({key for outcome in outcomes for key in outcome.extra})
-        extra = {key: [outcome.extra.get(key) for outcome in outcomes] for key in extra_keys}
+        self._raise_on_timeouts(items, outcomes)
+        scored: list[_Outcome] = outcomes  # type: ignore[assignment]  # every one, unless the line above raised
+        self._raise_if_none_usable(items, scored)
+        scores = [outcome.score for outcome in scored]
+        extra_keys = sorted({key for outcome in scored for key in outcome.extra})
+        extra = {key: [outcome.extra.get(key) for outcome in scored] for key in extra_keys}
         metrics = {
-            "reward/errors": float(sum(o.status in ("error", "invalid") for o in outcomes)),
-            "reward/timeouts": float(sum(o.status == "timeout" for o in outcomes)),
+            "reward/errors": float(sum(o.status in ("error", "invalid") for o in scored)),
+            "reward/timeouts": float(sum(o.status == "timeout" for o in scored)),
         }
-        self._log_failures(items, outcomes)
+        self._log_failures(items, scored)
         rewards, penalty_metrics = self.shape(items, scores)
         return RewardResult(rewards, scores, extra, {**metrics, **penalty_metrics})
 
@@ -273,8 +385,7 @@ class NaiveRewardManager:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.close()
             self._pool = None
 
     def __enter__(self) -> NaiveRewardManager:
@@ -285,24 +396,38 @@ class NaiveRewardManager:
 
     # --- scoring ---
 
-    def _score_all(self, items: list[RewardInput]) -> list[_Outcome]:
+    def _score_all(self, items: list[RewardInput]) -> list[_Outcome | None]:
         if not items:
             return []
         budget = self.batch_timeout_s if self.batch_timeout_s is not None else math.inf
         deadline = time.time() + budget
-        if self.num_workers > 0:
-            return self._score_in_pool(items, deadline, self.num_workers)
-        if self.is_async:
-            return self._score_on_event_loop(items, deadline)
-        if self._hung_in_driver:
-            return self._score_in_pool(items, deadline, _HUNG_FUNCTION_WORKERS)
-        if threading.current_thread() is threading.main_thread():
-            return self._score_in_driver(items, deadline)
-        if not self._warned_off_main_thread:
-            self._warned_off_main_thread = True
-            logger.warning("reward.num_workers=0 scores in the driver's main thread, where SIGALRM can stop a slow "
-                           "sample; this manager runs in another thread, so it scores in one worker process instead")
-        return self._score_in_pool(items, deadline, 1)
+        # Stop once more samples than this have timed out: the batch is lost whatever the rest score.
+        allowed_timeouts = math.floor(self.max_timeout_fraction * len(items) + 1e-9)
+        if self.function_ref is None and self.num_workers == 0:
+            if threading.current_thread() is threading.main_thread():
+                return self._score_in_driver(items, deadline, allowed_timeouts)
+            if not self._warned_off_main_thread:
+                self._warned_off_main_thread = True
+                logger.warning("reward.num_workers=0 scores the built-in rules in the driver's main thread, where "
+                               "SIGALRM can stop a slow sample; this manager runs in another thread, so it scores "
+                               "in one worker process instead")
+        try:
+            return self._workers().score(items, self.timeout_s, deadline, self._limits(), allowed_timeouts)
+        except RewardFunctionError:
+            self.close()  # a worker without the function is no use, nor are the others
+            raise
+
+    def _workers(self) -> _RewardWorkers:
+        if self._pool is None:
+            if self.num_workers > 0:
+                self._pool = _RewardWorkers(self.function_ref, self.num_workers, self.num_workers)
+            elif self.function_ref is None:  # the built-in rules, called off the main thread
+                self._pool = _RewardWorkers(None, 1, 1)
+            elif self.is_async:
+                self._pool = _RewardWorkers(self.function_ref, 1, 1, capacity=self.async_concurrency)
+            else:
+                self._pool = _RewardWorkers(self.function_ref, _DEFAULT_WORKERS, _HUNG_WORKERS)
+        return self._pool
 
     def _limits(self) -> tuple[str, str]:
         """What a timed-out sample is told: its own limit, or the batch's (only reached when there is one)."""
@@ -310,115 +435,49 @@ class NaiveRewardManager:
         return (f"took longer than reward.timeout_s={self.timeout_s:g}s",
                 f"not scored within the batch's reward.batch_timeout_s={budget:g}s")
 
-    def _score_in_driver(self, items: list[RewardInput], deadline: float) -> list[_Outcome]:
+    def _score_in_driver(self, items: list[RewardInput], deadline: float,
+                         allowed_timeouts: int) -> list[_Outcome | None]:
         limits = self._limits()
-        outcomes: list[_Outcome] = []
-        with _alarm_handler(), _stuck_watchdog() as watch:
-            for item in items:
+        outcomes: list[_Outcome | None] = [None] * len(items)
+        timeouts = 0
+        with _alarm_handler():
+            for index, item in enumerate(items):
                 left = deadline - time.time()
-                seconds = min(self.timeout_s, left)
-                watch(seconds)
-                outcomes.append(_score_one(self.function, item, seconds, limits[left < self.timeout_s]))
-                if outcomes[-1].status == "timeout" and left >= self.timeout_s:
-                    self._hung_in_driver = True
+                outcomes[index] = _score_one(self.function, item, min(self.timeout_s, left),
+                                             limits[left < self.timeout_s])
+                timeouts += outcomes[index].status == "timeout"
+                if timeouts > allowed_timeouts:
                     break
-        rest = items[len(outcomes):]
-        if rest:
-            # Worth starting workers only when the budget leaves the rest more than one timeout's time.
-            if deadline - time.time() > self.timeout_s and len(rest) > 1:
-                return outcomes + self._score_in_pool(rest, deadline, _HUNG_FUNCTION_WORKERS)
-            with _alarm_handler(), _stuck_watchdog() as watch:
-                for item in rest:
-                    left = deadline - time.time()
-                    watch(min(self.timeout_s, left))
-                    outcomes.append(_score_one(self.function, item, min(self.timeout_s, left),
-                                               limits[left < self.timeout_s]))
         return outcomes
-
-    def _score_on_event_loop(self, items: list[RewardInput], deadline: float) -> list[_Outcome]:
-        limits = self._limits()
-        gate_rounds = math.ceil(len(items) / self.async_concurrency)
-        with _stuck_watchdog() as watch:
-            # A coroutine that blocks the loop (time.sleep inside async def) cannot be cancelled; the watchdog
-            # ends the driver once the batch is past any time it could legitimately take.
-            watch(min(gate_rounds * self.timeout_s, deadline - time.time()))
-            return asyncio.run(self._score_concurrently(items, deadline, limits))
-
-    async def _score_concurrently(self, items: list[RewardInput], deadline: float,
-                                  limits: tuple[str, str]) -> list[_Outcome]:
-        gate = asyncio.Semaphore(self.async_concurrency)
-
-        async def score(item: RewardInput) -> _Outcome:
-            async with gate:
-                left = deadline - time.time()
-                limit = limits[left < self.timeout_s]
-                if left <= 0:
-                    return _Outcome("timeout", message=limit)
-                try:
-                    async with asyncio.timeout(min(self.timeout_s, left)) as scope:
-                        returned = await self.function(item.data_source, item.solution_str, item.ground_truth,
-                                                       item.extra_info)
-                except TimeoutError as err:
-                    if scope.expired():
-                        return _Outcome("timeout", message=limit)
-                    return _Outcome("error", message=f"{type(err).__name__}: {err}")
-                except Exception as err:  # a user function may raise anything; the batch goes on
-                    return _Outcome("error", message=f"{type(err).__name__}: {err}")
-                return _outcome_from_return(returned)
-
-        return list(await asyncio.gather(*(score(item) for item in items)))
-
-    def _score_in_pool(self, items: list[RewardInput], deadline: float, workers: int) -> list[_Outcome]:
-        pool = self._worker_pool(workers)
-        limits = self._limits()
-        pending: list[AsyncResult] = [pool.apply_async(_score_in_worker, (item, self.timeout_s, deadline, limits))
-                                      for item in items]
-        # Backstop for functions the alarm cannot interrupt (stuck in C code): the whole batch gets the time its
-        # slowest worker could need, plus generous slack for worker start-up on a loaded node, or the batch's
-        # budget if that ends first.
-        rounds = math.ceil(len(items) / workers)
-        backstop = time.time() + rounds * (self.timeout_s + 1.0) + _STARTUP_SLACK_S
-        wait_until = min(backstop, deadline + _RETURN_SLACK_S)
-        outcomes = []
-        stuck = False
-        for result in pending:
-            try:
-                outcomes.append(result.get(timeout=max(0.0, wait_until - time.time())))
-            except multiprocessing.TimeoutError:
-                stuck = True
-                message = limits[1] if wait_until < backstop else "did not return; its worker was killed"
-                outcomes.append(_Outcome("timeout", message=message))
-        broken = next((o for o in outcomes if o.status == "broken"), None)
-        if stuck or broken:
-            self.close()  # a worker that ignored the alarm cannot be reused; one without a function is no use
-        if broken:
-            raise RewardFunctionError(f"{broken.message} (in a reward worker process)")
-        return outcomes
-
-    def _worker_pool(self, workers: int) -> Pool:
-        if self._pool is None:
-            # spawn, not fork: the trainer holds threads (torch, Ray) that a forked child would inherit broken.
-            context = multiprocessing.get_context("spawn")
-            self._pool = context.Pool(workers, initializer=_init_worker, initargs=(self.function_ref,))
-        return self._pool
 
     # --- reporting ---
 
-    def _raise_on_non_finite(self, items: list[RewardInput], outcomes: list[_Outcome]) -> None:
-        bad = [(item, outcome) for item, outcome in zip(items, outcomes) if outcome.status == "nonfinite"]
+    def _name(self) -> str:
+        return self.function_ref or "rlmegatron.rewards.default_compute_score"
+
+    def _raise_on_non_finite(self, items: list[RewardInput], outcomes: list[_Outcome | None]) -> None:
+        bad = [(item, outcome) for item, outcome in zip(items, outcomes)
+               if outcome is not None and outcome.status == "nonfinite"]
         if bad:
             item, outcome = bad[0]
-            function = self.function_ref or "rlmegatron.rewards.default_compute_score"
             more = f" (and for {len(bad) - 1} more of the batch's {len(items)})" if len(bad) > 1 else ""
-            raise NonFiniteReward(f"reward function {function} {outcome.message} for sample {item.sample_id}{more}; "
-                                  "a reward must be a finite number")
+            raise NonFiniteReward(f"reward function {self._name()} {outcome.message} for sample {item.sample_id}"
+                                  f"{more}; a reward must be a finite number")
+
+    def _raise_on_timeouts(self, items: list[RewardInput], outcomes: list[_Outcome | None]) -> None:
+        timed_out = sum(outcome is not None and outcome.status == "timeout" for outcome in outcomes)
+        if timed_out > math.floor(self.max_timeout_fraction * len(items) + 1e-9):
+            stopped = " (scoring stopped there)" if None in outcomes else ""
+            raise TimedOutRewards(
+                f"reward.function={self._name()} timed out on {timed_out} of the batch's {len(items)} samples"
+                f"{stopped}, more than reward.max_timeout_fraction={self.max_timeout_fraction:g} of them at "
+                f"reward.timeout_s={self.timeout_s:g}s; make the function faster, raise reward.timeout_s, or raise "
+                "reward.max_timeout_fraction (1 never stops)")
 
     def _raise_if_none_usable(self, items: list[RewardInput], outcomes: list[_Outcome]) -> None:
-        """Every sample raised or returned the wrong type: a mistake in the function, not in the responses. (Timeouts
-        are not counted: a slow machine makes them.)"""
+        """Every sample raised or returned the wrong type: a mistake in the function, not in the responses."""
         if items and all(outcome.status in ("error", "invalid") for outcome in outcomes):
-            function = self.function_ref or "rlmegatron.rewards.default_compute_score"
-            raise UnusableRewards(f"reward.function={function} failed on all {len(items)} samples of the batch "
+            raise UnusableRewards(f"reward.function={self._name()} failed on all {len(items)} samples of the batch "
                                   f"(first: {items[0].sample_id}: {outcomes[0].message}), so every reward would be 0; "
                                   "fix it to return a number, or a dict with a 'score'")
 
@@ -428,14 +487,8 @@ class NaiveRewardManager:
             if failed:
                 item, outcome = failed[0]
                 named = ", ".join(i.sample_id for i, _ in failed[:5]) + (", ..." if len(failed) > 5 else "")
-                hint = ""
-                if status == "timeout" and self._hung_in_driver and self.num_workers == 0:
-                    hint = (f"; it hangs in the driver, so from here on it scores in {_HUNG_FUNCTION_WORKERS} worker "
-                            "processes, timeouts side by side (reward.num_workers=N chooses N)")
-                logger.warning(
-                    "reward function %s on %d of %d samples, scored 0 (first: %s: %s) [%s]%s",
-                    what, len(failed), len(items), item.sample_id, outcome.message, named, hint,
-                )
+                logger.warning("reward function %s on %d of %d samples, scored 0 (first: %s: %s) [%s]",
+                               what, len(failed), len(items), item.sample_id, outcome.message, named)
 
 
 @contextmanager
@@ -455,27 +508,6 @@ def _alarm_handler() -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
 
 
-@contextmanager
-def _stuck_watchdog() -> Iterator[Callable[[float], None]]:
-    """`watch(seconds)` before each sample makes sure faulthandler ends the process if that sample is still running
-    `_STUCK_GRACE_S` after its `seconds`. Re-armed only when needed (arming starts a thread), so a batch of
-    cheap samples arms it once."""
-    armed_until = -math.inf
-
-    def watch(seconds: float) -> None:
-        nonlocal armed_until
-        needed = time.monotonic() + max(seconds, 0.0) + _STUCK_GRACE_S
-        if armed_until < needed:
-            armed_until = needed + _STUCK_GRACE_S
-            # The process's stderr by descriptor: sys.stderr may be a wrapper without one (pytest, notebooks).
-            faulthandler.dump_traceback_later(armed_until - time.monotonic(), exit=True, file=_STDERR_FD)
-
-    try:
-        yield watch
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
 class DAPORewardManager(NaiveRewardManager):
     """Naive scores plus DAPO's soft overlong penalty: a response longer than
     L_max - L_buf tokens loses min(0, (L_max - L_buf - length) / L_buf) * penalty_factor."""
@@ -483,9 +515,9 @@ class DAPORewardManager(NaiveRewardManager):
     def __init__(self, function_ref: str | None, num_workers: int, timeout_s: float, *,
                  max_response_length: int, overlong_buffer_length: int, overlong_penalty_factor: float,
                  overlong_buffer_enable: bool = True, batch_timeout_s: float | None = None,
-                 async_concurrency: int = 64) -> None:
+                 async_concurrency: int = 64, max_timeout_fraction: float = 0.5) -> None:
         super().__init__(function_ref, num_workers, timeout_s, batch_timeout_s=batch_timeout_s,
-                         async_concurrency=async_concurrency)
+                         async_concurrency=async_concurrency, max_timeout_fraction=max_timeout_fraction)
         if overlong_buffer_enable and overlong_buffer_length > max_response_length:
             raise ValueError(
                 f"reward.overlong_buffer.length={overlong_buffer_length} exceeds "
@@ -514,7 +546,8 @@ class DAPORewardManager(NaiveRewardManager):
 
 def build_reward_manager(config: RewardConfig, max_response_length: int) -> NaiveRewardManager:
     """The manager `reward.manager` names, configured from the spec's reward section."""
-    common = {"batch_timeout_s": config.batch_timeout_s, "async_concurrency": config.async_concurrency}
+    common = {"batch_timeout_s": config.batch_timeout_s, "async_concurrency": config.async_concurrency,
+              "max_timeout_fraction": config.max_timeout_fraction}
     if config.manager == "naive":
         return NaiveRewardManager(config.function, config.num_workers, config.timeout_s, **common)
     buffer = config.overlong_buffer

@@ -136,6 +136,9 @@ DAPO_OFF = REWARDS + "test_dapo_without_the_buffer_enabled_is_naive"
 PENALTY_FACTOR = REWARDS + "test_dapo_penalty_scales_with_the_penalty_factor"
 REWARD_WORKERS = REWARDS + "test_reward_num_workers_score_side_by_side"
 REWARD_TIMEOUT = REWARDS + "test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on"
+TIMEOUT_FRACTION = REWARDS + "test_max_timeout_fraction_is_how_many_timeouts_a_batch_may_have"
+TIMEOUT_STOPS_RUN = ("tests/driver/test_faults.py::"
+                     "test_a_reward_stuck_in_c_code_stops_the_run_with_one_line_and_leaves_no_worker_running")
 TRACKING = "tests/tracking/test_tracking.py::"
 MLFLOW_STORE = TRACKING + "test_mlflow_sqlite_store_holds_params_metrics_and_the_resolved_yaml"
 CONSOLE = TRACKING + "test_console_prints_one_line_a_step_and_the_full_table_every_log_freq_steps"
@@ -209,7 +212,7 @@ TRACE_MLFLOW = VERL_RUN + "test_each_steps_rollout_samples_are_text_in_mlflow"
 TRACE_CONSOLE = TRACKING + "test_console_prints_rollout_samples_each_prompt_once_then_its_responses"
 TRACE_PROMPTS = "tests/driver/test_rollout_trace.py::test_no_limit_traces_every_group"
 BATCH_BUDGET = REWARDS + "test_the_batch_budget_ends_a_batch_of_slow_samples"
-ASYNC_REWARDS = REWARDS + "test_an_async_function_runs_concurrently_in_the_driver_as_many_at_once_as_allowed"
+ASYNC_REWARDS = REWARDS + "test_an_async_function_runs_concurrently_in_one_worker_as_many_at_once_as_allowed"
 
 # MoE routing replay (rlmegatron/models/routing_replay.py).
 REPLAY = "tests/models/test_routing_replay.py::"
@@ -423,6 +426,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward.batch_timeout_s": ("time budget of one scoring batch", (BATCH_BUDGET,)),
     "reward.function": ("reward plug-in", (NAN_RUN, DAPO_PENALTY)),
     "reward.manager": ("naive or DAPO reward manager", (DAPO_PENALTY,)),
+    "reward.max_timeout_fraction": ("timed-out samples of a batch that stop the run", (TIMEOUT_FRACTION,
+                                                                                       TIMEOUT_STOPS_RUN)),
     "reward.model.combiner": ("a plug-in combines the model's and the rule's scores",
                               (RM_HANDED, RM_MANAGER + "test_a_combiner_plugin_computes_the_reward")),
     "reward.model.micro_batch_size_per_gpu": ("sequences per reward-model forward pass", (RM_ROLE, RM_PARITY)),

@@ -37,12 +37,12 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"reward.overlong_buffer.length": 8}, "reward.overlong_buffer.length=8: only applies with "
                                                "reward.overlong_buffer.enable=true"),
         ({"reward.async_concurrency": 8}, "reward.async_concurrency=8: only bounds an `async def` reward function "
-                                          "scored in the driver (reward.num_workers=0), and reward.function=null "
+                                          "scored on one event loop (reward.num_workers=0), and reward.function=null "
                                           "(the built-in rules) is not async; remove it"),
         ({"reward.function": ASYNC_REWARD, "reward.num_workers": 2,
           "reward.async_concurrency": 8},
-         "reward.async_concurrency=8: only bounds an `async def` reward function scored in the driver "
-         "(reward.num_workers=0), and reward.num_workers>0 scores in worker processes; remove it"),
+         "reward.async_concurrency=8: only bounds an `async def` reward function scored on one event loop "
+         "(reward.num_workers=0), and reward.num_workers>0 scores one sample at a time in each worker; remove it"),
         ({"algorithm.dynamic_sampling.max_num_gen_batches": 3},
          "algorithm.dynamic_sampling.max_num_gen_batches=3: only applies with algorithm.dynamic_sampling.enable"),
         ({"trainer.total_steps": 5, "trainer.total_epochs": 2},

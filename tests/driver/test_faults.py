@@ -1,7 +1,10 @@
 """Faults of the machine and of a plug-in, on the fit rig (no Megatron) and in `run_training`'s cleanup: each stops
 the run with one line naming the step and the last complete checkpoint, and every part of the run stops."""
 import errno
+import re
+import textwrap
 
+import psutil
 import pytest
 
 from rlmegatron.driver import job
@@ -54,7 +57,8 @@ def test_rewards_that_are_all_unusable_stop_the_run_as_the_functions_mistake(tmp
         "        return 1.0\n"
         f"    {body}\n")
     function = f"{tmp_path / 'reward.py'}:compute_score"
-    with NaiveRewardManager(function) as manager, pytest.raises(StoppedByMistake) as raised:
+    # One worker process, so that `calls` counts every call.
+    with NaiveRewardManager(function, num_workers=1) as manager, pytest.raises(StoppedByMistake) as raised:
         run_rig(tmp_path / "run", *THREE_STEPS, reward_manager=manager)
     # rig#2: the first prompt of step 2 in data.seed's shuffle.
     assert str(raised.value) == (
@@ -62,6 +66,34 @@ def test_rewards_that_are_all_unusable_stop_the_run_as_the_functions_mistake(tmp
         "reward would be 0; fix it to return a number, or a dict with a 'score'. No checkpoint is written for this "
         f"step; the last complete one is {tmp_path / 'run' / 'checkpoints' / 'step_1'}")
     assert user_error_in(raised.value) is raised.value  # `rlm train`: this line alone, exit 2
+
+
+def test_a_reward_stuck_in_c_code_stops_the_run_with_one_line_and_leaves_no_worker_running(tmp_path):
+    # Stuck from the second step on: a first step trains and is saved. The file counts the calls of every worker.
+    calls = tmp_path / "calls"
+    (tmp_path / "reward.py").write_text(textwrap.dedent(f"""
+        import itertools, os
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            with open({str(calls)!r}, "a") as log:
+                log.write(".")
+            if os.path.getsize({str(calls)!r}) <= 8:
+                return 1.0
+            return sum(itertools.repeat(0, 10**13))  # C code that holds the interpreter lock: no signal gets in
+    """))
+    function = f"{tmp_path / 'reward.py'}:compute_score"
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with NaiveRewardManager(function, timeout_s=0.3) as manager, pytest.raises(StoppedByMistake) as raised:
+        run_rig(tmp_path / "run", *THREE_STEPS, reward_manager=manager)
+    # More than half of step 2's 8 samples timed out: scoring stops as soon as that is certain.
+    assert re.fullmatch(
+        rf"step 2: reward\.function={re.escape(function)} timed out on [5-8] of the batch's 8 samples"
+        r"( \(scoring stopped there\))?, more than reward\.max_timeout_fraction=0\.5 of them at "
+        r"reward\.timeout_s=0\.3s; make the function faster, raise reward\.timeout_s, or raise "
+        r"reward\.max_timeout_fraction \(1 never stops\)\. No checkpoint is written for this step; the last "
+        rf"complete one is {re.escape(str(tmp_path / 'run' / 'checkpoints' / 'step_1'))}", str(raised.value))
+    assert user_error_in(raised.value) is raised.value  # `rlm train`: this line alone, exit 2
+    assert {child.pid for child in psutil.Process().children(recursive=True)} - before == set()
 
 
 def test_a_reward_that_fails_on_some_samples_trains_on(tmp_path):

@@ -1,6 +1,6 @@
-"""Reward managers: custom functions in the driver or in worker processes, errors and timeouts scored 0 and counted,
-a time budget per batch, async functions, NaN rewards and broken plug-ins named, dict returns, and DAPO's overlong
-penalty."""
+"""Reward managers: custom functions in worker processes (the built-in rules in the driver), errors and timeouts
+scored 0 and counted, too many timeouts stopping the batch, stuck workers killed, a time budget per batch, async
+functions, NaN rewards and broken plug-ins named, dict returns, and DAPO's overlong penalty."""
 import logging
 import os
 import signal
@@ -10,9 +10,11 @@ import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 
 from rlmegatron.config.spec import RewardConfig
+from rlmegatron.rewards import manager as reward_manager_module
 from rlmegatron.rewards import (
     DAPORewardManager,
     NaiveRewardManager,
@@ -22,6 +24,7 @@ from rlmegatron.rewards import (
     build_reward_manager,
     step_reward_metrics,
 )
+from rlmegatron.rewards.manager import TimedOutRewards
 
 CUSTOM_REWARD = textwrap.dedent("""
     import math
@@ -44,6 +47,8 @@ CUSTOM_REWARD = textwrap.dedent("""
             return float(solution_str)
         if solution_str == "pid":
             return {"score": 1.0, "pid": os.getpid()}
+        if solution_str == "exit":
+            os._exit(3)
         return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth}
 
     def returns(data_source, solution_str, ground_truth, extra_info):
@@ -69,9 +74,9 @@ ASYNC_REWARD = textwrap.dedent("""
 """)
 
 FAILS_IN_WORKERS = textwrap.dedent("""
-    import multiprocessing
+    import os
 
-    if multiprocessing.current_process().name != "MainProcess":
+    if os.getpid() != {driver}:
         with open({log!r}, "a") as log:
             log.write("imported\\n")
         raise ImportError("no sandbox in this process")
@@ -79,6 +84,20 @@ FAILS_IN_WORKERS = textwrap.dedent("""
     def compute_score(data_source, solution_str, ground_truth, extra_info):
         return 1.0
 """)
+
+
+# Stuck where no signal reaches Python: a C loop that holds the interpreter lock, and an async function that blocks
+# its event loop.
+STUCK = {
+    "c-loop": "import itertools\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+              "    return sum(itertools.repeat(0, 10**13))\n",
+    "blocked-event-loop": "import time\n\nasync def compute_score(data_source, solution_str, ground_truth, "
+                          "extra_info):\n    time.sleep(60)\n",
+}
+
+
+def children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
 
 
 def item(i, solution, truth="a", length=10, source="custom"):
@@ -100,7 +119,7 @@ def async_reward(tmp_path):
     return f"{path}:compute_score"
 
 
-@pytest.mark.parametrize("num_workers", [0, 2], ids=["driver", "pool"])
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["default-workers", "two-workers"])
 def test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on(custom_reward, caplog, num_workers):
     items = [item(0, "a"), item(1, "raise"), item(2, "sleep"), item(3, "b"), item(4, "swallow"),
              item(5, "none"), item(6, "a")]
@@ -120,50 +139,60 @@ def test_failures_score_zero_are_counted_and_logged_once_the_batch_goes_on(custo
                 "or a dict with 'score') [s5]") in messages[1]
         assert ("timed out on 2 of 7 samples, scored 0 (first: s2: took longer than reward.timeout_s=0.5s) [s2, s4]"
                 in messages[2])
-        # The workers (or the driver's alarm) survived the timeouts: a second batch is scored.
+        # The workers survived the timeouts (their own alarm stopped the samples): a second batch is scored.
         assert manager([item(7, "a")]).scores == [1.0]
 
 
-def test_the_driver_scores_exactly_as_the_pool_does(custom_reward):
-    items = [item(i, solution, truth) for i, (solution, truth) in enumerate(
-        [("a", "a"), ("b", "a"), ("raise", "a"), ("none", "a"), ("x", "x"), ("12", "12"), ("12", "13")])]
-    config = {"function": custom_reward, "manager": "dapo", "overlong_buffer": {"enable": True, "length": 4}}
+BUILT_IN = [item(0, "#### 18", "18", source="openai/gsm8k"), item(1, "\\boxed{2}", "3", source="math"),
+            item(2, "\\boxed{3}", "3", source="math", length=14), item(3, "5", "5", source="unknown")]
+
+
+def test_the_built_in_rules_score_in_the_driver_exactly_as_in_workers():
+    config = {"manager": "dapo", "overlong_buffer": {"enable": True, "length": 4}}
     results = []
     for num_workers in (0, 2):
-        with build_reward_manager(RewardConfig(**config, num_workers=num_workers), max_response_length=12) as m:
-            results.append(m(items))
+        with build_reward_manager(RewardConfig(**config, num_workers=num_workers), max_response_length=16) as m:
+            results.append(m(BUILT_IN))
+            assert (m._pool is None) == (num_workers == 0)
     assert results[0] == results[1]
-    assert results[0].scores == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert results[0].scores == [1.0, 0.0, 1.0, 0.0] and results[0].rewards == [1.0, 0.0, 0.5, 0.0]
 
 
-def test_num_workers_picks_the_driver_or_worker_processes(custom_reward):
+def test_a_reward_function_never_runs_in_the_driver_and_num_workers_bounds_its_processes(custom_reward):
     items = [item(i, "pid") for i in range(6)]
-    with build_reward_manager(RewardConfig(function=custom_reward), max_response_length=16) as manager:
-        assert manager(items).extra["pid"] == [os.getpid()] * 6
-        assert manager._pool is None
-    with build_reward_manager(RewardConfig(function=custom_reward, num_workers=2), max_response_length=16) as manager:
-        pids = set(manager(items).extra["pid"])
-        assert os.getpid() not in pids and 1 <= len(pids) <= 2
+    for num_workers, most in ((0, reward_manager_module._DEFAULT_WORKERS), (2, 2), (1, 1)):
+        config = RewardConfig(function=custom_reward, num_workers=num_workers)
+        with build_reward_manager(config, max_response_length=16) as manager:
+            pids = set(manager(items).extra["pid"])
+        assert os.getpid() not in pids and 1 <= len(pids) <= most, (num_workers, pids)
 
 
-def test_off_the_main_thread_the_driver_mode_scores_in_one_worker_and_still_times_out(custom_reward):
+def test_off_the_main_thread_the_built_in_rules_score_in_one_worker(caplog):
     results = []
-    with NaiveRewardManager(custom_reward, num_workers=0, timeout_s=0.5) as manager:
-        thread = threading.Thread(target=lambda: results.append(manager([item(0, "pid"), item(1, "sleep")])))
+    with NaiveRewardManager(None) as manager, caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
+        thread = threading.Thread(target=lambda: results.append(manager(BUILT_IN)))
         thread.start()
-        thread.join(timeout=120)
+        thread.join(timeout=60)
+        assert len(manager._pool.workers) == 1
     [result] = results
-    assert result.extra["pid"][0] != os.getpid()
-    assert result.metrics["reward/timeouts"] == 1.0
+    assert result.scores == [1.0, 0.0, 1.0, 0.0] and result.metrics["reward/errors"] == 1.0
+    assert "this manager runs in another thread, so it scores in one worker process instead" in caplog.messages[0]
 
 
-def test_the_driver_puts_back_the_alarm_it_found(custom_reward):
+def test_the_driver_puts_back_the_alarm_it_found(monkeypatch):
+    def built_in(data_source, solution_str, ground_truth, extra_info):  # as a built-in rule that is slow
+        if solution_str == "sleep":
+            time.sleep(60)
+        return 1.0
+
+    monkeypatch.setattr(reward_manager_module, "default_compute_score", built_in)
     fired = []
     previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.7)
-        with NaiveRewardManager(custom_reward, timeout_s=0.3) as manager:
+        with NaiveRewardManager(None, timeout_s=0.3) as manager:
             assert manager([item(0, "sleep"), item(1, "a")]).scores == [0.0, 1.0]  # our alarm, 0.3 s
+            assert manager._pool is None  # in the driver
         assert fired == []
         time.sleep(1.0)  # theirs, 0.7 s after it was set, still fires
         assert fired == [True]
@@ -172,40 +201,76 @@ def test_the_driver_puts_back_the_alarm_it_found(custom_reward):
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_a_function_that_hangs_in_the_driver_moves_to_worker_processes_for_the_rest(custom_reward, caplog):
-    # After its first timeout in the driver, the rest of the batch and every later batch score in a pool, where
-    # timeouts run side by side (the pool test below times that); cheap samples before it stay in the driver.
-    with NaiveRewardManager(custom_reward, timeout_s=0.5) as manager:
-        with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
-            first = manager([item(0, "pid"), item(1, "sleep"), item(2, "pid"), item(3, "pid")])
-        later = manager([item(4, "pid")])
-    assert first.extra["pid"][0] == os.getpid()
-    assert first.metrics["reward/timeouts"] == 1.0
-    assert os.getpid() not in first.extra["pid"][2:] + later.extra["pid"]
-    assert "it hangs in the driver, so from here on it scores in" in caplog.messages[0]
+def test_once_a_sample_times_out_the_default_workers_grow_so_the_rest_time_out_side_by_side(custom_reward,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(reward_manager_module, "_DEFAULT_WORKERS", 1)
+    monkeypatch.setattr(reward_manager_module, "_HUNG_WORKERS", 7)
+    with NaiveRewardManager(custom_reward, timeout_s=0.5, max_timeout_fraction=1.0) as manager:
+        manager([item(0, "a")])  # the one default worker started
+        started = time.perf_counter()
+        result = manager([item(i, "sleep") for i in range(8)])
+        elapsed = time.perf_counter() - started
+        assert len(manager._pool.workers) == 1  # the extra workers left with the batch
+    assert result.metrics["reward/timeouts"] == 8.0
+    assert 1.0 <= elapsed < 2.5, elapsed  # one timeout, then seven side by side; in one worker: 4 s
 
 
-def test_hanging_samples_in_a_pool_time_out_together_not_one_after_another(custom_reward):
+def test_hanging_samples_time_out_together_and_more_than_max_timeout_fraction_stop_the_batch(custom_reward):
     with NaiveRewardManager(custom_reward, num_workers=4, timeout_s=0.5) as manager:
         manager([item(0, "a")])  # workers started
         started = time.perf_counter()
-        result = manager([item(i, "sleep") for i in range(4)])
+        # Half of them: not more than max_timeout_fraction (0.5), so the batch is scored, its timeouts 0.
+        result = manager([item(i, "sleep") for i in range(4)] + [item(i, "a") for i in range(4, 8)])
         elapsed = time.perf_counter() - started
-    assert result.metrics["reward/timeouts"] == 4.0
-    assert 0.5 <= elapsed < 1.25, elapsed  # one after another: 2 s
+        assert result.scores == [0.0] * 4 + [1.0] * 4 and result.metrics["reward/timeouts"] == 4.0
+        assert 0.5 <= elapsed < 1.25, elapsed  # one after another: 2 s
+        with pytest.raises(TimedOutRewards) as raised:
+            manager([item(i, "sleep") for i in range(3)] + [item(3, "a")])
+    assert str(raised.value) == (
+        f"reward.function={custom_reward} timed out on 3 of the batch's 4 samples, more than "
+        "reward.max_timeout_fraction=0.5 of them at reward.timeout_s=0.5s; make the function faster, raise "
+        "reward.timeout_s, or raise reward.max_timeout_fraction (1 never stops)")
 
 
-@pytest.mark.parametrize("num_workers", [0, 2], ids=["driver", "pool"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+def test_max_timeout_fraction_is_how_many_timeouts_a_batch_may_have(custom_reward, fraction):
+    # 3 of 8 samples hang: 0.375 of the batch.
+    config = RewardConfig(function=custom_reward, num_workers=4, timeout_s=0.3, max_timeout_fraction=fraction)
+    items = [item(i, "sleep") for i in range(3)] + [item(i, "a") for i in range(3, 8)]
+    with build_reward_manager(config, max_response_length=16) as manager:
+        if fraction >= 0.375:
+            assert manager(items).scores == [0.0] * 3 + [1.0] * 5
+            return
+        with pytest.raises(TimedOutRewards) as raised:
+            manager(items)
+    assert str(raised.value).startswith(f"reward.function={custom_reward} timed out on 3 of the batch's 8 samples, "
+                                        "more than reward.max_timeout_fraction=0.25 of them at reward.timeout_s=0.3s")
+
+
+def test_a_batch_stops_as_soon_as_more_than_max_timeout_fraction_of_it_has_timed_out(custom_reward):
+    # 4 workers, 8 hanging samples: past the first 4 timeouts the others are never started (0.3 s, not 0.6 s).
+    config = RewardConfig(function=custom_reward, num_workers=4, timeout_s=0.3, max_timeout_fraction=0.0)
+    with build_reward_manager(config, max_response_length=16) as manager:
+        manager([item(0, "a")])  # workers started
+        started = time.perf_counter()
+        with pytest.raises(TimedOutRewards, match=r"timed out on [1-4] of the batch's 8 samples \(scoring stopped "
+                                                  r"there\), more than reward.max_timeout_fraction=0 of them"):
+            manager([item(i, "sleep") for i in range(8)])
+        assert time.perf_counter() - started < 0.55
+
+
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["one-worker", "two-workers"])
 def test_the_batch_budget_ends_a_batch_of_slow_samples(custom_reward, caplog, num_workers):
     items = [item(i, "sleep") for i in range(6)] + [item(6, "a")]
-    config = RewardConfig(function=custom_reward, num_workers=num_workers, timeout_s=1.0, batch_timeout_s=1.5)
+    config = RewardConfig(function=custom_reward, num_workers=num_workers, timeout_s=1.0, batch_timeout_s=1.5,
+                          max_timeout_fraction=1.0)  # all of them time out: the run would stop
     with build_reward_manager(config, max_response_length=16) as manager:
         manager([item(0, "a")])  # any workers started
         started = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
             result = manager(items)
         elapsed = time.perf_counter() - started
-    # Without the budget: 6 s in the driver, 3 s with two workers.
+    # Without the budget: 6 s in one worker, 3 s in two.
     assert 1.5 <= elapsed < 2.3, elapsed
     assert result.scores == [0.0] * 7 and result.metrics["reward/timeouts"] == 7.0
     [message] = [r.getMessage() for r in caplog.records]
@@ -214,26 +279,28 @@ def test_the_batch_budget_ends_a_batch_of_slow_samples(custom_reward, caplog, nu
 
 
 def test_past_the_budget_a_sample_is_told_so(custom_reward, caplog):
-    with NaiveRewardManager(custom_reward, timeout_s=5.0, batch_timeout_s=0.3) as manager:
+    with NaiveRewardManager(custom_reward, 1, timeout_s=5.0, batch_timeout_s=0.3, max_timeout_fraction=1.0) as manager:
         with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
             assert manager([item(0, "sleep"), item(1, "a")]).metrics["reward/timeouts"] == 2.0
     assert "(first: s0: not scored within the batch's reward.batch_timeout_s=0.3s) [s0, s1]" in caplog.messages[0]
 
 
-def test_an_async_function_runs_concurrently_in_the_driver_as_many_at_once_as_allowed(async_reward, caplog):
+def test_an_async_function_runs_concurrently_in_one_worker_as_many_at_once_as_allowed(async_reward, caplog):
     items = [item(i, "a" if i % 2 else "b") for i in range(8)]
     for concurrency, fastest, slowest in ((2, 0.8, 1.2), (8, 0.2, 0.6)):
         config = RewardConfig(function=async_reward, async_concurrency=concurrency)
         with build_reward_manager(config, max_response_length=16) as manager:
+            manager([item(8, "a")])  # its worker started
             started = time.perf_counter()
             result = manager(items)
             elapsed = time.perf_counter() - started
-            assert manager._pool is None
+            assert len(manager._pool.workers) == 1
         assert result.scores == [0.0, 1.0] * 4
         assert max(result.extra["peak"]) == concurrency
         assert fastest <= elapsed < slowest, (concurrency, elapsed)
     # Hanging coroutines are cancelled together, after one timeout; errors are counted.
-    with NaiveRewardManager(async_reward, timeout_s=0.5, async_concurrency=8) as manager:
+    with NaiveRewardManager(async_reward, timeout_s=0.5, async_concurrency=8, max_timeout_fraction=1.0) as manager:
+        manager([item(8, "a")])
         started = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
             result = manager([item(i, "hang") for i in range(6)] + [item(6, "raise"), item(7, "a")])
@@ -250,7 +317,7 @@ def test_an_async_function_in_worker_processes_is_awaited_and_timed_out(async_re
     assert result.scores == [1.0, 0.0, 0.0] and result.metrics["reward/timeouts"] == 1.0
 
 
-@pytest.mark.parametrize("num_workers", [0, 2], ids=["driver", "pool"])
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["default-workers", "two-workers"])
 def test_a_nan_or_infinite_reward_is_named_with_its_sample(custom_reward, num_workers):
     with NaiveRewardManager(custom_reward, num_workers=num_workers) as manager:
         with pytest.raises(NonFiniteReward) as raised:
@@ -298,7 +365,7 @@ def test_a_plugin_that_cannot_be_loaded_fails_once_naming_the_file(tmp_path, sou
 def test_a_plugin_that_fails_only_in_the_workers_fails_the_batch_once(tmp_path):
     log = tmp_path / "imports.log"
     file = tmp_path / "worker_reward.py"
-    file.write_text(FAILS_IN_WORKERS.format(log=str(log)))
+    file.write_text(FAILS_IN_WORKERS.format(log=str(log), driver=os.getpid()))
     manager = NaiveRewardManager(f"{file}:compute_score", num_workers=2)  # loads in the driver
     started = time.perf_counter()
     with pytest.raises(RewardFunctionError) as raised:
@@ -310,22 +377,49 @@ def test_a_plugin_that_fails_only_in_the_workers_fails_the_batch_once(tmp_path):
     assert 1 <= log.read_text().count("imported") <= 2  # each worker tried once; none was respawned
 
 
-def test_a_function_stuck_in_c_code_ends_the_driver_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("stuck", STUCK)
+def test_a_function_stuck_where_no_signal_reaches_it_has_its_worker_killed_and_leaves_nothing_running(tmp_path,
+                                                                                                    stuck):
     file = tmp_path / "stuck.py"
-    file.write_text("import itertools\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-                    "    return sum(itertools.repeat(0, 10**13))  # no signal reaches Python until it returns\n")
+    file.write_text(STUCK[stuck])
+    before = children()
+    with NaiveRewardManager(f"{file}:compute_score", timeout_s=0.2) as manager:
+        manager._workers()._start_for(1, 1)
+        started = time.perf_counter()
+        with pytest.raises(TimedOutRewards, match=r"timed out on [12] of the batch's 2 samples"):
+            manager([item(0, "a"), item(1, "a")])
+        # Its timeout, the kill's grace, and no more: the driver was never stuck with it.
+        assert time.perf_counter() - started < 0.2 + reward_manager_module._KILL_GRACE_S + 1.0
+        assert children() - before <= {w.process.pid for w in manager._pool.workers}
+    assert children() - before == set()
+
+
+def test_idle_workers_leave_when_the_driver_is_killed(custom_reward):
     script = textwrap.dedent(f"""
-        from rlmegatron.rewards import manager as M
-        M._STUCK_GRACE_S = 0.5
-        with M.NaiveRewardManager({str(file)!r} + ":compute_score", timeout_s=0.2) as rewards:
-            rewards([M.RewardInput("s0", "custom", "x", "x", 1)])
-        print("not reached")
+        import time
+        from rlmegatron.rewards.manager import NaiveRewardManager, RewardInput
+        manager = NaiveRewardManager({custom_reward!r}, num_workers=2)
+        result = manager([RewardInput(f"s{{i}}", "custom", "pid", "a", 1) for i in range(4)])
+        print(*set(result.extra["pid"]), flush=True)
+        time.sleep(60)
     """)
-    started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 1 and "not reached" not in run.stdout
-    assert time.perf_counter() - started < 20
-    assert "Timeout" in run.stderr and f'File "{file}", line 4 in compute_score' in run.stderr, run.stderr
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    workers = [int(pid) for pid in driver.stdout.readline().split()]
+    driver.kill()
+    driver.wait()
+    assert workers
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in workers):
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(pid) for pid in workers)  # each saw its socket close, and ended
+
+
+def test_a_worker_that_dies_costs_its_sample_and_a_new_one_goes_on(custom_reward, caplog):
+    with NaiveRewardManager(custom_reward, num_workers=1) as manager:
+        with caplog.at_level(logging.WARNING, logger="rlmegatron.rewards.manager"):
+            result = manager([item(0, "exit"), item(1, "a")])
+    assert result.scores == [0.0, 1.0] and result.metrics["reward/errors"] == 1.0
+    assert "(first: s0: its worker process died (exit code 3); a new one goes on)" in caplog.messages[0]
 
 
 def test_reward_num_workers_score_side_by_side(tmp_path):
