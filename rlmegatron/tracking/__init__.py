@@ -4,7 +4,8 @@ from rlmegatron.tracking.ascii_plot import ascii_plot
 from rlmegatron.tracking.console import ConsoleBackend, format_metrics_table, format_step_line
 from rlmegatron.tracking.mlflow_run import MlflowBackend, resolve_tracking_uri
 from rlmegatron.tracking.tensorboard_events import TensorBoardBackend
-from rlmegatron.tracking.tracker import Tracker, TrackingSetup, flatten
+from rlmegatron.tracking.setup import TrackingSetup
+from rlmegatron.tracking.tracker import Tracker, flatten
 from rlmegatron.tracking.wandb_run import WandbBackend
 
 __all__ = [

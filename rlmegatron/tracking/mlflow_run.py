@@ -20,7 +20,7 @@ from rlmegatron.errors import UserError
 from rlmegatron.tracking.samples import format_samples, sample_table
 
 if TYPE_CHECKING:
-    from rlmegatron.tracking.tracker import TrackingSetup
+    from rlmegatron.tracking.setup import TrackingSetup
 
 RUN_ID_FILE = "mlflow_run.json"
 SUPERSEDES_TAG = "rlmegatron.supersedes"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rlmegatron.tracking.samples import format_samples
 
 if TYPE_CHECKING:
-    from rlmegatron.tracking.tracker import TrackingSetup
+    from rlmegatron.tracking.setup import TrackingSetup
 
 LOG_DIR = "tensorboard"
 SAMPLES_TAG = "rollout_samples"

@@ -7,7 +7,6 @@ import queue
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
@@ -15,6 +14,7 @@ from rlmegatron.tracking.ascii_plot import ascii_plot
 from rlmegatron.tracking.console import ConsoleBackend
 from rlmegatron.tracking.metric_names import REWARD_SCORE_MEAN
 from rlmegatron.tracking.mlflow_run import MlflowBackend
+from rlmegatron.tracking.setup import TrackingSetup
 from rlmegatron.tracking.tensorboard_events import TensorBoardBackend
 from rlmegatron.tracking.wandb_run import WandbBackend
 
@@ -24,21 +24,6 @@ if TYPE_CHECKING:
 OPTIONAL_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 """Backend -> the package it needs beyond rlmegatron's own dependencies, installed by the extra of the backend's name
 (`pip install rlmegatron[wandb]`). TensorBoard's event files are written by torch's SummaryWriter, which needs it."""
-
-
-@dataclass(frozen=True)
-class TrackingSetup:
-    """Everything a Tracker needs, resolved from the spec (or given directly by tests and tools)."""
-
-    backends: list[str]
-    run_dir: Path
-    project_name: str
-    experiment_name: str
-    tracking_uri: str | None = None
-    """None: MLFLOW_TRACKING_URI when set, else sqlite:///<run_dir>/mlflow.db."""
-    log_freq: int = -1
-    """The console prints the full metric table every log_freq steps and one line on the others; -1: one line every
-    step (trainer.log_freq)."""
 
 
 class Backend(Protocol):

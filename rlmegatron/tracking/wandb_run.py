@@ -11,7 +11,7 @@ from rlmegatron.errors import UserError
 from rlmegatron.tracking.samples import sample_table
 
 if TYPE_CHECKING:
-    from rlmegatron.tracking.tracker import TrackingSetup
+    from rlmegatron.tracking.setup import TrackingSetup
 
 RUN_ID_FILE = "wandb_run.json"
 SAMPLES_KEY = "rollout_samples"
