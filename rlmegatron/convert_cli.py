@@ -61,10 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--mcore-path", required=True)
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--hf-config", default=None, help="directory whose config.json/tokenizer files to ship")
-    to_hf.add_argument("--fp8", action="store_true",
-                       help="write block-wise FP8 weights (float8_e4m3fn + weight_scale_inv per block), as DeepSeek-V3 "
-                            "ships them: the quantization_config of --hf-config, else of the FP8 checkpoint converted, "
-                            "else 128x128 blocks")
+    quantised = to_hf.add_mutually_exclusive_group()
+    quantised.add_argument("--fp8", action="store_true",
+                           help="write block-wise FP8 weights (float8_e4m3fn + weight_scale_inv per block), as "
+                                "DeepSeek-V3 ships them: the quantization_config of --hf-config, else of the FP8 "
+                                "checkpoint converted, else 128x128 blocks")
+    quantised.add_argument("--mxfp4", action="store_true",
+                           help="write gpt-oss's experts in MXFP4 (uint8 _blocks + _scales), as OpenAI ships them, "
+                                "with the scales of the MXFP4 checkpoint converted wherever they still hold")
     layout_args(to_hf)  # each rank loads only its shard at this layout; the export stream gathers
     lora = sub.add_parser("lora-to-hf", help="a LoRA run's checkpoint -> a PEFT adapter and/or merged HF weights")
     lora.add_argument("--checkpoint", required=True, help="run_dir/checkpoints/step_N of a run with actor.lora")
@@ -123,7 +127,7 @@ def _job(direction: str, args: dict):
     if direction == "hf-to-mcore":
         return hf_to_mcore(ns.hf_path, ns.out, _layout(ns), ns.dtype)
     if direction == "mcore-to-hf":
-        return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns), ns.fp8)
+        return mcore_to_hf(ns.mcore_path, ns.out, ns.hf_config, _layout(ns), ns.fp8, ns.mxfp4)
     if direction == "lora-to-hf":
         return lora_to_hf(ns.checkpoint, ns.adapter_out, ns.merged_out, _layout(ns))
     return verify(ns.hf_path, ns.mcore_path, _layout(ns))
@@ -147,26 +151,46 @@ def hf_to_mcore(hf_path: str, out: str, layout, dtype: str = "fp32") -> None:
     torch.distributed.barrier()
 
 
-def export_format(mcore_path: str, hf_config_dir: str | None, fp8: bool):
-    """(config.json, block-wise FP8 format or None) of `mcore-to-hf`: the config of --hf-config, else the converted
-    model's, with the quantization_config of the weights written (none without --fp8: they are not quantised)."""
+def export_format(mcore_path: str, hf_config_dir: str | None, fp8: bool, mxfp4: bool = False):
+    """(config.json, format of the weights or None) of `mcore-to-hf`: the config of --hf-config, else the converted
+    model's, with the quantization_config of the weights written (none without --fp8 or --mxfp4: they are not
+    quantised). --mxfp4 writes the MXFP4 quantization_config of --hf-config, else of the checkpoint converted, else
+    gpt-oss's as released; UnsupportedQuantization for a model without gpt-oss's experts, or whose experts' inputs
+    are not whole groups of 32."""
+    from rlmegatron.models import mxfp4 as mx
     from rlmegatron.models.convert import ConvertMeta
-    from rlmegatron.models.fp8 import DEFAULT_CONFIG, BlockFP8
+    from rlmegatron.models.fp8 import DEFAULT_CONFIG, BlockFP8, UnsupportedQuantization
     from rlmegatron.models.hf_config import read_hf_config
 
     meta = ConvertMeta.load(mcore_path)
     config = read_hf_config(hf_config_dir) if hf_config_dir else meta.hf_config
-    quantization = config.get("quantization_config") or meta.quantization_config or DEFAULT_CONFIG
     unquantised = {key: value for key, value in config.items() if key != "quantization_config"}
+    if mxfp4:
+        declared = [q for q in (config.get("quantization_config"), meta.quantization_config)
+                    if isinstance(q, dict) and q.get("quant_method") == mx.QUANT_METHOD]
+        quantisation = mx.MXFP4.from_hf_config({**unquantised, "quantization_config": (declared or [
+            mx.DEFAULT_CONFIG])[0]})
+        if quantisation is None:
+            raise UnsupportedQuantization(f"MXFP4 is written for the experts of {mx.mxfp4_families()} only, and this "
+                                          f"is a {unquantised.get('model_type')!r} model")
+        arch = architecture_of(unquantised)
+        inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.moe_intermediate_size}
+        uneven = [f"{name} {size}" for name, size in inputs.items() if size % mx.GROUP]
+        if uneven:
+            raise UnsupportedQuantization(f"MXFP4 stores experts whose inputs are whole groups of {mx.GROUP}, and "
+                                          f"this model's {', '.join(uneven)} is not")
+        return unquantised, quantisation
+    quantization = config.get("quantization_config") or meta.quantization_config or DEFAULT_CONFIG
     return unquantised, BlockFP8.from_hf_config({"quantization_config": quantization}) if fp8 else None
 
 
-def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout, fp8: bool = False) -> None:
+def mcore_to_hf(mcore_path: str, out: str, hf_config_dir: str | None, layout, fp8: bool = False,
+                mxfp4: bool = False) -> None:
     """Rank body of `rlm convert mcore-to-hf`: each rank loads its shard at `layout`; the stream gathers."""
     from rlmegatron.models.convert import load_mcore, source_scales
 
     _, weight_map, chunks = load_mcore(mcore_path, layout)
-    config, quantization = export_format(mcore_path, hf_config_dir, fp8)
+    config, quantization = export_format(mcore_path, hf_config_dir, fp8, mxfp4)
     original = source_scales(mcore_path, quantization) if quantization is not None else None
     _write_hf(chunks, weight_map, out, config, hf_config_dir or mcore_path, quantization, original, mcore_path)
 
@@ -200,11 +224,11 @@ def lora_to_hf(checkpoint: str, adapter_out: str | None, merged_out: str | None,
         _write_hf(chunks, weight_map, merged_out, facts.hf, meta.base_model, carried_from=meta.base_model)
 
 
-def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp8=None, original_scales=None,
+def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, quantisation=None, original_scales=None,
               carried_from: str | None = None) -> None:
-    """The chunks as an HF checkpoint (block-wise FP8 with `fp8`, reusing `original_scales` where they still hold)
-    with `tokenizer_dir`'s tokenizer files and the tensors the family carries from `carried_from` (the checkpoint
-    the model was converted from); collective, rank 0 writes."""
+    """The chunks as an HF checkpoint (in the format `quantisation`, block-wise FP8 or MXFP4, reusing
+    `original_scales` where they still hold) with `tokenizer_dir`'s tokenizer files and the tensors the family
+    carries from `carried_from` (the checkpoint the model was converted from); collective, rank 0 writes."""
     import torch
 
     from rlmegatron.models.carried import carried_tensors
@@ -213,7 +237,8 @@ def _write_hf(chunks, weight_map, out: str, config: dict, tokenizer_dir: str, fp
 
     carried = carried_tensors(carried_from, weight_map.facts.family) \
         if carried_from and torch.distributed.get_rank() == 0 else {}
-    export_hf(chunks, weight_map, out, config, fp8=fp8, original_scales=original_scales, carried=carried)
+    export_hf(chunks, weight_map, out, config, quantisation=quantisation, original_scales=original_scales,
+              carried=carried)
     if torch.distributed.get_rank() == 0:
         copy_tokenizer(tokenizer_dir, out)
     torch.distributed.barrier()
@@ -383,11 +408,12 @@ def preflight(args, layout) -> None:
         meta = ConvertMeta.load(_existing_dir("--mcore-path", args.mcore_path))
     if getattr(args, "hf_config", None):
         read_hf_config(_existing_dir("--hf-config", args.hf_config))
-    if getattr(args, "fp8", False):
-        try:
-            export_format(args.mcore_path, args.hf_config, fp8=True)
-        except UnsupportedModelError as err:
-            raise UnsupportedModelError(f"--fp8: {err}") from None
+    for flag in ("fp8", "mxfp4"):
+        if getattr(args, flag, False):
+            try:
+                export_format(args.mcore_path, args.hf_config, fp8=flag == "fp8", mxfp4=flag == "mxfp4")
+            except UnsupportedModelError as err:
+                raise UnsupportedModelError(f"--{flag}: {err}") from None
     if args.direction != "verify":
         _check_fresh_out("--out", args.out)
     if args.direction == "hf-to-mcore":
@@ -422,11 +448,14 @@ def preflight(args, layout) -> None:
         except WeightMapError as err:
             raise WeightMapError(f"{checkpoint.path}: {err}") from err
     notes = [facts.mtp_off_note]
-    if args.direction == "hf-to-mcore" and checkpoint.fp8 is not None and args.dtype == "fp16":
-        # bf16 has fp32's exponent range, so FP8 values times a scale never leave it; fp16's is far narrower.
-        notes.append("the FP8 weights are dequantised and rounded to fp16, whose range loses magnitudes below 6e-8 "
-                     "and above 65504; --dtype bf16 or fp32 holds every one, so that mcore-to-hf --fp8 gives back "
-                     "the checkpoint's bytes")
+    if args.direction == "hf-to-mcore" and args.dtype == "fp16":
+        # bf16 has fp32's exponent range, so FP8 or FP4 values times a scale never leave it; fp16's is far narrower.
+        for quantised, what, flag in ((checkpoint.fp8, "FP8 weights", "--fp8"),
+                                      (checkpoint.mxfp4, "MXFP4 experts", "--mxfp4")):
+            if quantised is not None:
+                notes.append(f"the {what} are dequantised and rounded to fp16, whose range loses magnitudes below "
+                             f"6e-8 and above 65504; --dtype bf16 or fp32 holds every one, so that mcore-to-hf {flag} "
+                             "gives back the checkpoint's bytes")
     if os.environ.get("RANK", "0") == "0":
         for note in filter(None, notes):
             print(f"rlm convert {args.direction}: {note}", file=sys.stderr, flush=True)

@@ -162,8 +162,9 @@ class _Checks:
 
     def scoring_models(self) -> None:
         """The reward model's and a critic's own checkpoints (the spec checks read their config.json) hold weights
-        the loader reads: not quantised in a format other than block-wise FP8."""
+        the loader reads: not quantised in a format other than block-wise FP8 or gpt-oss's MXFP4 experts."""
         from rlmegatron.models.fp8 import BlockFP8, UnsupportedQuantization  # lazy: torch, as the model check's
+        from rlmegatron.models.mxfp4 import MXFP4
 
         spec = self.spec
         paths = {"reward.model.path": spec.reward.model.path,
@@ -174,7 +175,8 @@ class _Checks:
             if path is None or not config.is_file():
                 continue  # none, or the spec checks said so
             try:
-                BlockFP8.from_hf_config(json.loads(config.read_text()))
+                hf = json.loads(config.read_text())
+                MXFP4.from_hf_config(hf) or BlockFP8.from_hf_config(hf)
             except UnsupportedQuantization as err:
                 self.problem(field_name, path, f"{config}: {err}")
 

@@ -21,6 +21,7 @@ import torch
 
 from rlmegatron.errors import UserError
 from rlmegatron.models.fp8 import FP8_HEADER_DTYPE, SCALE_SUFFIX, BlockFP8, UnsupportedQuantization
+from rlmegatron.models.mxfp4 import BLOCKS_SUFFIX, EXPERT_WEIGHTS, SCALES_SUFFIX, MXFP4
 from rlmegatron.models.hf_config import (
     ModelFacts,
     UnsupportedModelError,
@@ -39,6 +40,10 @@ META_FILE = "rlm_convert.json"  # next to the dist checkpoint: HF config and the
 # `mcore-to-hf --fp8` gives back to each block the weights still hold exactly (BlockFP8.quantise). A bf16 copy of
 # the weights does not determine them (a scale has 24 significant bits), and they are 1/16384 of the weights' size.
 SCALES_FILE = "fp8_scales.safetensors"
+# Likewise for an MXFP4 source (gpt-oss): its experts' scales, which `mcore-to-hf --mxfp4` gives back to each group of
+# 32 the weights still hold exactly (MXFP4.quantise). The values alone leave some groups' scales open (models.mxfp4);
+# the scales are a byte per 32 weights, 1/64 of the bf16 experts.
+MXFP4_SCALES_FILE = "mxfp4_scales.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
 
@@ -52,13 +57,16 @@ class HFCheckpoint:
 
     Every shard's header is read when the view is made, so a truncated or corrupt file, or an FP8 weight whose
     scale is missing, is named before any rank builds a model. A block-wise FP8 checkpoint reads as its dequantised
-    weights (models.fp8): `key_files` holds the weights, `scale_keys` each FP8 weight's scale."""
+    weights (models.fp8): `key_files` holds the weights, `scale_keys` each FP8 weight's scale. So does an MXFP4 one
+    (models.mxfp4): `key_files` names each MXFP4 weight as its unquantised checkpoint would (…experts.gate_up_proj),
+    `mxfp4_keys` its blocks and scales, and a read dequantises one expert's slab at a time."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config = read_hf_config(self.path)
         try:
-            self.fp8 = BlockFP8.from_hf_config(self.config)
+            self.mxfp4 = MXFP4.from_hf_config(self.config)
+            self.fp8 = None if self.mxfp4 else BlockFP8.from_hf_config(self.config)
         except UnsupportedQuantization as err:
             raise UnsupportedQuantization(f"{self.path / 'config.json'}: {err}") from None
         self._handles: dict[str, object] = {}
@@ -77,9 +85,13 @@ class HFCheckpoint:
             raise ConversionError(f"{self.path} is missing safetensors shards named by its index: {absent}")
         for file in sorted(set(self.key_files.values())):
             self._shard(file)
-        self._files = self.key_files  # every tensor, weights and FP8 scales: what _slice reads
+        self._files = self.key_files  # every tensor, weights, FP8 scales and MXFP4 blocks and scales: what _slice reads
         self.key_files = {key: file for key, file in self._files.items() if not key.endswith(SCALE_SUFFIX)}
         self.scale_keys = self._fp8_scales()
+        self.mxfp4_keys = self._mxfp4_tensors()
+        for weight, (blocks, scales) in self.mxfp4_keys.items():
+            self.key_files[weight] = self.key_files.pop(blocks)
+            del self.key_files[scales]
 
     def _fp8_scales(self) -> dict[str, str]:
         """{FP8 weight: its scale}; ConversionError names an FP8 weight without its scale, a scale without its
@@ -104,6 +116,42 @@ class HFCheckpoint:
             raise ConversionError(f"{self.path}: {scales[orphans[0]]} scales {orphans[0]}, which is not a "
                                   "float8_e4m3fn tensor of the checkpoint")
         return {key: scales[key] for key in quantised}
+
+    def _mxfp4_tensors(self) -> dict[str, tuple[str, str]]:
+        """{MXFP4 weight: (its blocks, its scales)}; ConversionError names blocks without scales or scales without
+        blocks, MXFP4 tensors that are not uint8 [E, out, in / 32, 16] blocks and [E, out, in / 32] scales, or that
+        are not a stacked expert weight, and MXFP4 blocks in a checkpoint whose config.json does not declare them."""
+        blocks = {key.removesuffix(BLOCKS_SUFFIX): key for key in self.key_files if key.endswith(BLOCKS_SUFFIX)}
+        if self.mxfp4 is None:
+            # A weight is never uint8: these are MXFP4 blocks whatever config.json says.
+            packed = [key for key in blocks.values() if self._slice(key).get_dtype() == "U8"]
+            if packed:
+                raise ConversionError(f"{self.path}: {packed[0]} is MXFP4 blocks (uint8) but config.json declares no "
+                                      "quantization_config mxfp4, so they cannot be read")
+            return {}
+        scales = {key.removesuffix(SCALES_SUFFIX): key for key in self.key_files if key.endswith(SCALES_SUFFIX)}
+        for weight in sorted(blocks.keys() | scales.keys()):
+            if weight not in scales:
+                raise ConversionError(f"{self.path}: MXFP4 weight {blocks[weight]} has no scales: "
+                                      f"{weight}{SCALES_SUFFIX} is missing")
+            if weight not in blocks:
+                raise ConversionError(f"{self.path}: {scales[weight]} scales {weight}{BLOCKS_SUFFIX}, which the "
+                                      "checkpoint does not hold")
+            if not EXPERT_WEIGHTS.search(weight):
+                raise ConversionError(f"{self.path}: {blocks[weight]} is MXFP4, which is read for the stacked expert "
+                                      "weights (…experts.gate_up_proj, …experts.down_proj) only")
+            if weight in self.key_files:
+                raise ConversionError(f"{self.path}: holds {weight} both unquantised and as MXFP4 "
+                                      f"({blocks[weight]})")
+            packed, scale = self._slice(blocks[weight]), self._slice(scales[weight])
+            shape, scale_shape = packed.get_shape(), scale.get_shape()
+            if (packed.get_dtype(), scale.get_dtype()) != ("U8", "U8") or len(shape) != 4 or shape[-1] != 16 \
+                    or scale_shape != shape[:-1]:
+                raise ConversionError(
+                    f"{self.path}: {blocks[weight]} {packed.get_dtype()} {shape} with {scales[weight]} "
+                    f"{scale.get_dtype()} {scale_shape} is not MXFP4 as gpt-oss ships it: uint8 blocks [experts, "
+                    "out, in / 32, 16] and uint8 scales [experts, out, in / 32]")
+        return {weight: (blocks[weight], scales[weight]) for weight in blocks}
 
     def _shard(self, file: str):
         """The open shard `file`; safetensors checks its header and that the file holds every tensor it lists."""
@@ -131,8 +179,11 @@ class HFCheckpoint:
              padded_rows: Optional[int] = None) -> torch.Tensor:
         """`source`, or its `rank`-th of `size` chunks along `dim`; `padded_rows` counts rows past the end
         (vocab padding) when chunking dim 0, and those rows are not read."""
-        tensor = self._slice(source.key)
         lead = () if source.expert is None else (source.expert,)
+        if source.key in self.mxfp4_keys:
+            values = source.select(self._dequantised_mxfp4(source.key, lead))
+            return (values if dim is None else torch.chunk(values, size, dim=dim)[rank]).contiguous()
+        tensor = self._slice(source.key)
         if source.reads_whole_slab:
             if source.key in self.scale_keys:
                 raise ConversionError(f"{self.path}: {source.key} is block-FP8 and stored transposed or interleaved, "
@@ -159,9 +210,25 @@ class HFCheckpoint:
         rows, cols = self.fp8.scale_window(start, values.shape[-2:])
         return self.fp8.dequantise(values, self._slice(self.scale_keys[source.key])[lead + (rows, cols)], start)
 
+    def _dequantised_mxfp4(self, key: str, lead: tuple[int, ...]) -> torch.Tensor:
+        """The float32 values of MXFP4 weight `key` [E, in, out], or of expert `lead`'s slab [in, out] of it: only
+        that expert's blocks and scales are read. ConversionError when a scale puts values past float32's range
+        (where bf16's ends too): the format's NaN scale 255, or a corrupt file."""
+        blocks, scales = (self._slice(name)[lead + (slice(None),)] for name in self.mxfp4_keys[key])
+        values = MXFP4.dequantise(blocks, scales)
+        if not torch.isfinite(values).all():
+            where = f"expert {lead[0]} of " if lead else ""
+            raise ConversionError(f"{self.path}: {self.mxfp4_keys[key][1]}: the scales of {where}{key} put values "
+                                  "past float32's range (or are 255, the MX format's NaN): a corrupt checkpoint")
+        return values.transpose(-2, -1)  # stored out before in, as Megatron holds it; the HF weight is [in, out]
+
     def shape(self, source: Source) -> tuple[int, ...]:
         """Shape of what `source` names, from the safetensors header alone."""
-        return source.slab_shape(self._slice(source.key).get_shape()[0 if source.expert is None else 1:])
+        if source.key in self.mxfp4_keys:
+            shape = MXFP4.weight_shape(self._slice(self.mxfp4_keys[source.key][0]).get_shape())
+        else:
+            shape = self._slice(source.key).get_shape()
+        return source.slab_shape(shape[0 if source.expert is None else 1:])
 
     def close(self) -> None:
         self._handles.clear()
@@ -176,7 +243,7 @@ class ConvertMeta:
     dtype: str
     stacked_experts: bool
     num_mtp_layers: Optional[int] = None  # None (files written before it was recorded): as config.json declares
-    quantization_config: Optional[dict] = None  # a block-wise FP8 source's, which `mcore-to-hf --fp8` writes back
+    quantization_config: Optional[dict] = None  # a quantised source's, which `mcore-to-hf --fp8/--mxfp4` writes back
 
     def save(self, directory: str | Path) -> None:
         Path(directory, META_FILE).write_text(json.dumps(self.__dict__, indent=1))
@@ -293,7 +360,7 @@ def import_hf(hf_path: str, layout: ParallelLayout, dtype: str = "fp32"):
 
 def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_dir: Optional[str] = None,
                quantization_config: Optional[dict] = None) -> None:
-    """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them; an FP8 source's
+    """dist_checkpointing save of the chunks plus the META_FILE that lets any layout load them; a quantised source's
     `quantization_config` is kept in it."""
     save_sharded(_sharded_state_dict(chunks), out)
     if torch.distributed.get_rank() == 0:
@@ -307,32 +374,37 @@ def save_mcore(chunks, weight_map: WeightMap, out: str, dtype: str, tokenizer_di
 
 
 def save_source_scales(checkpoint: HFCheckpoint, out: str) -> None:
-    """SCALES_FILE in `out`: the scales of `checkpoint`'s FP8 weights under their own names; nothing for an
-    unquantised checkpoint."""
+    """SCALES_FILE in `out`: the scales of `checkpoint`'s FP8 weights under their own names; MXFP4_SCALES_FILE: those
+    of its MXFP4 experts; nothing for an unquantised checkpoint."""
     from safetensors.torch import save_file
 
-    if checkpoint.scale_keys:
-        scales = {key: checkpoint._slice(key)[:] for key in checkpoint.scale_keys.values()}
-        save_file(scales, os.path.join(out, SCALES_FILE), metadata={"format": "pt"})
+    for file, names in ((SCALES_FILE, checkpoint.scale_keys.values()),
+                        (MXFP4_SCALES_FILE, [scales for _, scales in checkpoint.mxfp4_keys.values()])):
+        if names:
+            save_file({key: checkpoint._slice(key)[:] for key in names}, os.path.join(out, file),
+                      metadata={"format": "pt"})
 
 
-def source_scales(mcore_path: str, fp8: BlockFP8):
-    """key -> the scale_inv the FP8 source held for HF weight `key` (None if it held none), from the SCALES_FILE of
-    a converter checkpoint; None when there is no such file or the source's blocks are not those `fp8` writes."""
+def source_scales(mcore_path: str, quantisation: BlockFP8 | MXFP4):
+    """key -> the scales the quantised source held for HF weight `key` (None if it held none), from the SCALES_FILE
+    (FP8) or MXFP4_SCALES_FILE of a converter checkpoint; None when there is no such file, or for FP8 when the
+    source's blocks are not those `quantisation` writes."""
     from safetensors import safe_open
 
-    path = Path(mcore_path, SCALES_FILE)
-    source = ConvertMeta.load(mcore_path).quantization_config
-    if not path.is_file() or source is None:
+    mxfp4 = isinstance(quantisation, MXFP4)
+    path = Path(mcore_path, MXFP4_SCALES_FILE if mxfp4 else SCALES_FILE)
+    if not path.is_file():
         return None
-    original = BlockFP8.from_hf_config({"quantization_config": source})
-    if (original.block, original.power_of_two_scales) != (fp8.block, fp8.power_of_two_scales):
-        return None
+    if not mxfp4:  # MXFP4 has one kind of scale; FP8 blocks of another size have scales of no use
+        original = BlockFP8.from_hf_config({"quantization_config": ConvertMeta.load(mcore_path).quantization_config})
+        if (original.block, original.power_of_two_scales) != (quantisation.block, quantisation.power_of_two_scales):
+            return None
+    suffix = SCALES_SUFFIX if mxfp4 else SCALE_SUFFIX
     handle = safe_open(path, "pt")
     held = set(handle.keys())
 
     def scale_of(key: str) -> Optional[torch.Tensor]:
-        name = key + SCALE_SUFFIX
+        name = key + suffix
         return handle.get_tensor(name) if name in held else None
 
     return scale_of
@@ -414,14 +486,16 @@ def megatron_logits(chunks, facts: ModelFacts, tokens: torch.Tensor, position_id
 def hf_logits(hf_path: str, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of the HF transformers model in `hf_path`, in fp32. A block-wise FP8 checkpoint's model holds the
     weights as HFCheckpoint dequantises them: transformers' own dequantisation on CPU takes the block size to be the
-    weight's shape over the scale grid's, which partial edge blocks make wrong."""
+    weight's shape over the scale grid's, which partial edge blocks make wrong. An MXFP4 one's too: the values
+    transformers' dequantisation gives (tests/models/test_mxfp4.py), in float32 whatever its MXFP4 loading does on
+    this machine (GPU kernels, or bf16)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     checkpoint = HFCheckpoint(hf_path)
     # A vision-language wrapper (Kimi-K2.5's) has no causal-LM class; its image-text class runs text alone.
     auto = AutoModelForImageTextToText if "vision_config" in json.loads(
         (checkpoint.path / "config.json").read_text()) else AutoModelForCausalLM
-    if checkpoint.fp8 is None:
+    if checkpoint.fp8 is None and checkpoint.mxfp4 is None:
         model = auto.from_pretrained(hf_path, dtype=torch.float32)
     else:
         # transformers' loading regroups the HF tensors (stacked experts), so it reads the weights from files.

@@ -6,8 +6,9 @@ sync streams (rollout.quantization fp8).
 In that format each quantised weight is float8_e4m3fn, beside it a float32 `<name>_scale_inv` with one scale per
 `weight_block_size` block (edge blocks may be partial); the weight's value is fp8 × its block's scale. Embeddings,
 norms, routers, the output head, MTP layers' eh_proj and whatever `modules_to_not_convert` names stay unquantised.
-Any other quantisation (per-tensor or per-channel FP8 scales, MXFP4, NVFP4, ...) is refused by name before a rank
-starts (UnsupportedQuantization), since reading its tensors as if they were plain weights would load garbage.
+gpt-oss's MXFP4 experts are read by models.mxfp4. Any other quantisation (per-tensor or per-channel FP8 scales, MXFP4
+on another family, NVFP4, ...) is refused by name before a rank starts (UnsupportedQuantization), since reading its
+tensors as if they were plain weights would load garbage.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ DEFAULT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dy
 # Formats other frameworks write that are not read here, named as users know them.
 _KNOWN_FORMATS = {"mxfp4": "MXFP4", "fbgemm_fp8": "per-channel FP8", "gptq": "GPTQ", "awq": "AWQ"}
 _REFUSAL_FIX = ("only block-wise FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3 and Qwen3-FP8 ship) "
-                "is read; dequantise the checkpoint to bf16 first")
+                "is read, and gpt-oss's MXFP4 experts (models.mxfp4); dequantise the checkpoint to bf16 first")
 
 
 class UnsupportedQuantization(UnsupportedModelError):

@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 
 from rlmegatron.models.fp8 import BlockFP8
+from rlmegatron.models.mxfp4 import MXFP4
 from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
@@ -285,12 +286,13 @@ def export_peft_adapter(exporter: HFWeightExporter, out: str, lora, base_model: 
 
 
 def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_bytes: int = 5 * 2**30,
-              fp8: Optional[BlockFP8] = None, original_scales=None,
+              quantisation: Optional[BlockFP8 | MXFP4] = None, original_scales=None,
               carried: Mapping[str, torch.Tensor] = MappingProxyType({})) -> None:
-    """Write the model, at any layout, as HF safetensors shards, their index and config.json; with `fp8`, in that
-    block-wise FP8 format, each weight quantised as it streams (config.json gets its quantization_config), its
-    blocks keeping the `original_scales` (BlockFP8.quantised_stream) that still reproduce them; the checkpoint
-    tensors the family `carried` (models.carried) are written as they are.
+    """Write the model, at any layout, as HF safetensors shards, their index and config.json; with `quantisation`,
+    in that format (block-wise FP8, or MXFP4 experts), each weight it quantises quantised as it streams
+    (config.json gets its quantization_config), its blocks or groups keeping the `original_scales`
+    (BlockFP8.quantised_stream, MXFP4.quantised_stream) that still reproduce them; the checkpoint tensors the
+    family `carried` (models.carried) are written as they are.
 
     Collective: every rank streams the gathered tensors (HFWeightExporter); rank 0 writes each shard as soon as
     it is full, so it holds at most one shard beyond its own weights.
@@ -310,10 +312,10 @@ def export_hf(chunks, weight_map: WeightMap, out: str, config: dict, max_shard_b
             shard.clear()
 
     stream = HFWeightExporter(chunks, weight_map).stream()
-    if fp8 is not None:
-        # The unquantised tensors in bf16, as DeepSeek-V3 and Qwen3-FP8 hold them.
-        stream = fp8.quantised_stream(stream, others=torch.bfloat16, original_scales=original_scales)
-        config = {**config, "quantization_config": fp8.config}
+    if quantisation is not None:
+        # The unquantised tensors in bf16, as DeepSeek-V3, Qwen3-FP8 and gpt-oss hold them.
+        stream = quantisation.quantised_stream(stream, others=torch.bfloat16, original_scales=original_scales)
+        config = {**config, "quantization_config": quantisation.config}
     # The tensors the bridge carries as they are (models.carried) after the model's own, by rank 0 alone.
     for key, value in itertools.chain(stream, carried.items() if writer else ()):
         if not writer:
