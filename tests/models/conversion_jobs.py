@@ -27,6 +27,7 @@ VARIANT_LAYOUTS = {"llama3.2_rope": L(tp=2, pp=2), "llama_custom_rope": L(tp=2, 
                    "deepseek_v3_no_mtp": L(pp=2, ep=2)}
 assert VARIANT_LAYOUTS.keys() == VARIANTS.keys()
 BIASED_EXPERTS = ("gpt_oss",)
+COMBINED_TP_PP = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
 def layouts_for(name: str) -> list[L]:
@@ -35,7 +36,11 @@ def layouts_for(name: str) -> list[L]:
     if name in VARIANTS:
         chosen = (VARIANT_LAYOUTS[name],)
     else:
-        chosen = LAYOUTS + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
+        # TP=2 x PP=2 together is a path of the converter's, the same for every family: the families added since it
+        # was (issue 44's) run TP=2, PP=2 and EP=2 on their own.
+        base = LAYOUTS if name in COMBINED_TP_PP else tuple(layout for layout in LAYOUTS
+                                                             if layout.tp == 1 or layout.pp == 1)
+        chosen = base + (MOE_LAYOUTS if moe else ()) + EXTRA_LAYOUTS.get(name, ())
     # MoE with TP>1 runs with sequence parallelism, as Megatron requires; gpt-oss's biased experts with expert TP 1.
     layouts = [dataclasses.replace(layout, sequence_parallel=moe and layout.tp > 1) for layout in chosen]
     return [dataclasses.replace(layout, etp=1) if name in BIASED_EXPERTS and layout.tp > 1 else layout
