@@ -134,11 +134,14 @@ class _Checks:
             from rlmegatron.models.convert import ConversionError, HFCheckpoint
 
             try:
-                HFCheckpoint(str(directory)).close()
+                checkpoint = HFCheckpoint(str(directory))
+                checkpoint.close()
             except (ConversionError, UnsupportedModelError) as err:
                 self.problem("model.path", model.path,
                              f"{str(err).removeprefix(f'{directory} ')}; point it at an HF checkpoint, or set "
                              "model.random_init=true to start from random weights")
+            else:
+                self.mxfp4_engines(checkpoint, directory)
         # The spec checks have read this config.json: it exists and describes a decoder.
         arch_field, arch_path = model.architecture_source()
         self.vocab_size = read_architecture(arch_path).vocab_size
@@ -159,6 +162,17 @@ class _Checks:
                 f"note: {arch_field}={arch_path}: config.json sets no eos_token_id, so every response runs to "
                 "data.max_response_length tokens"
             )
+
+    def mxfp4_engines(self, checkpoint, directory: Path) -> None:
+        """SGLang serves gpt-oss's MXFP4 experts quantised (its MXFP4 MoE parameters), and the weight sync sends the
+        trained experts in bf16, which such a server has no parameters for: refused before anything starts."""
+        if checkpoint.mxfp4 is None or self.spec.rollout.engine != "sglang":
+            return
+        self.problem("model.path", self.spec.model.path,
+                     "holds MXFP4 experts, which SGLang serves quantised, and the weight sync sends the trained experts "
+                     "in bf16, which such a server cannot take; write a bf16 copy (rlm convert hf-to-mcore --hf-path "
+                     f"{directory} --out MCORE, then rlm convert mcore-to-hf --mcore-path MCORE --out BF16_DIR) and "
+                     "set model.path to it, or use rollout.engine=local")
 
     def scoring_models(self) -> None:
         """The reward model's and a critic's own checkpoints (the spec checks read their config.json) hold weights

@@ -8,6 +8,7 @@ processes where the exit path itself is what is checked.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -88,6 +89,14 @@ class Case:
 
 def validate(*overrides: str) -> Callable[[Assets], list[str]]:
     return lambda a: ["validate", QUICKSTART, *overrides]
+
+
+def _mxfp4_gpt_oss(a: Assets) -> str:
+    """A tiny gpt-oss whose experts are MXFP4, as OpenAI releases them."""
+    from tests.models.mxfp4_checkpoints import save_mxfp4_model
+
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress bar, not the command's output
+        return save_mxfp4_model(str(a.root / "gpt_oss"))[0]
 
 
 def validating(build: Callable[[Assets], list[str]]) -> Callable[[Assets], list[str]]:
@@ -398,6 +407,11 @@ CASES = {
                               "reward.model.rule_weight=1.0"]),
         ("reward.model.path=", "rm_mxfp4/config.json: quantization_config: MXFP4 (quant_method mxfp4) weights are "
          "not supported", "dequantise the checkpoint to bf16 first")),
+    "mxfp4-model-for-sglang-engines": Case(
+        validating(lambda a: [f"model.path={_mxfp4_gpt_oss(a)}", "model.tokenizer_path=configs/quickstart/model",
+                              "model.random_init=false", "rollout.engine=sglang", "placement.mode=disaggregate",
+                              "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1"]),
+        ("model.path=", "mxfp4: holds MXFP4 experts, which SGLang serves quantised", "rollout.engine=local")),
     "model-family-unsupported": Case(with_model("model.path", "mistral", config={"model_type": "mistral"}),
                                      ("model.path=", "mistral", "not supported")),
     "model-values-unsupported": Case(
