@@ -215,6 +215,11 @@ def check_layout_fits_model(
         )
         problems.append(SpecProblem(f"{prefix}.tensor_model_parallel_size", tp, reason))
 
+    if not problems and arch.qk_norm_over_all_heads and tp > kv_heads:
+        # Its key norm's weight is split with the key heads (models/all_heads_norm.py), which TP then replicates.
+        reason = (f"is more than the model's {kv_heads} key/value heads, which its query/key norms over all heads "
+                  f"need whole on each rank; use {one_of([t for t in valid_tp if t <= kv_heads])}")
+        problems.append(SpecProblem(f"{prefix}.tensor_model_parallel_size", tp, reason))
     pipeline_problem = _pipeline_split_problem(prefix, m, arch.num_hidden_layers, world)
     if pipeline_problem:
         problems.append(pipeline_problem)
@@ -269,6 +274,10 @@ def check_layout_fits_model(
         )
         if etp == tp:
             reason += " (unset, it follows tensor_model_parallel_size)"
+        problems.append(SpecProblem(f"{prefix}.expert_tensor_parallel_size", etp, reason))
+    if arch.biased_linears and etp > 1:
+        reason = ("the experts have biases, which Megatron-Core supports at expert tensor parallelism 1 only (it "
+                  "follows tensor_model_parallel_size when unset); set it to 1")
         problems.append(SpecProblem(f"{prefix}.expert_tensor_parallel_size", etp, reason))
     if tp > 1 and not m.sequence_parallel:
         reason = f"MoE layers at tensor_model_parallel_size={tp} need sequence parallelism; set it to true"

@@ -96,6 +96,24 @@ CASES = [
         id="vpp-needs-pp",
     ),
     pytest.param(
+        {"model.path": "openai/gpt-oss-120b", "model.hf_config": str(MODELS_DIR / "gpt-oss-120b"),
+         "actor.megatron.tensor_model_parallel_size": 2, "actor.megatron.sequence_parallel": True,
+         "actor.megatron.expert_model_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.expert_tensor_parallel_size=2: the experts have biases, which Megatron-Core supports "
+        "at expert tensor parallelism 1 only (it follows tensor_model_parallel_size when unset); set it to 1",
+        id="biased-experts-at-etp-1",
+    ),
+    pytest.param(
+        {"model.path": "MiniMaxAI/MiniMax-M2", "model.hf_config": str(MODELS_DIR / "minimax-m2"),
+         "placement.nnodes": 2, "actor.megatron.tensor_model_parallel_size": 16,
+         "actor.megatron.sequence_parallel": True},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.tensor_model_parallel_size=16: is more than the model's 8 key/value heads, which its "
+        "query/key norms over all heads need whole on each rank; use 1, 2, 4 or 8",
+        id="all-heads-norms-within-the-key-heads",
+    ),
+    pytest.param(
         {"model.path": "deepseek-ai/DeepSeek-V3.2", "model.hf_config": str(MODELS_DIR / "deepseek-v3.2"),
          "actor.megatron.context_parallel_size": 2, "actor.megatron.expert_model_parallel_size": 4},
         "tiny-qwen3",

@@ -45,6 +45,14 @@ def test_gpt_oss_120b_counts_openais_116p83b_and_5p13b_active_with_the_head_but_
     assert params.active - params.embedding == pytest.approx(5.13e9, rel=0.005)
 
 
+def test_minimax_m2_counts_its_published_230b_and_10b_active_without_embedding_and_head():
+    # MiniMax's model card: 230B total, 10B activated (embedding and head left out of the latter); its query/key norms
+    # span all heads (48 x 128 and 8 x 128 per layer).
+    params = count_parameters(read_architecture(MODELS_DIR / "minimax-m2"))
+    assert params.total == pytest.approx(230e9, rel=0.01)
+    assert params.active - params.embedding - params.output_layer == pytest.approx(10e9, rel=0.03)
+
+
 def test_qwen3_1p7b_checkpoint_holds_2p03b_because_it_saves_the_tied_head():
     # The hub lists 2.03B for Qwen3-1.7B: its safetensors store lm_head next to the tied embedding.
     arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
