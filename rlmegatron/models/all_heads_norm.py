@@ -9,6 +9,7 @@ scales, which Megatron's gradient-norm and checkpoint code then treat as such.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -62,8 +63,6 @@ class AllHeadsRMSNorm(MegatronModule):
         flat = x.flatten(-2)
         mean_square = flat.float().pow(2).mean(-1, keepdim=True)
         if self.tp > 1:
-            from megatron.core import parallel_state
-
             mean_square = _SummedOverRanks.apply(mean_square, parallel_state.get_tensor_model_parallel_group()) / self.tp
         normed = flat.float() * torch.rsqrt(mean_square + self.eps)
         return (self.weight * normed.to(x.dtype)).view(x.shape)

@@ -180,16 +180,19 @@ class HFCheckpoint:
         """`source`, or its `rank`-th of `size` chunks along `dim`; `padded_rows` counts rows past the end
         (vocab padding) when chunking dim 0, and those rows are not read."""
         lead = () if source.expert is None else (source.expert,)
-        if source.key in self.mxfp4_keys:
-            values = source.select(self._dequantised_mxfp4(source.key, lead))
-            return (values if dim is None else torch.chunk(values, size, dim=dim)[rank]).contiguous()
-        tensor = self._slice(source.key)
-        if source.reads_whole_slab:
-            if source.key in self.scale_keys:
+        if source.key in self.mxfp4_keys or source.reads_whole_slab:
+            # One expert's slab read whole (MXFP4 dequantises whole groups; safetensors slices ranges only), then
+            # selected and cut to this rank's chunk.
+            if source.key in self.mxfp4_keys:
+                slab = self._dequantised_mxfp4(source.key, lead)
+            elif source.key in self.scale_keys:
                 raise ConversionError(f"{self.path}: {source.key} is block-FP8 and stored transposed or interleaved, "
                                       "which the FP8 path does not read")
-            values = source.select(tensor[lead + (slice(None),)] if lead else tensor[:])
-            return values if dim is None else torch.chunk(values, size, dim=dim)[rank].contiguous()
+            else:
+                slab = self._slice(source.key)[lead + (slice(None),)]
+            values = source.select(slab)
+            return (values if dim is None else torch.chunk(values, size, dim=dim)[rank]).contiguous()
+        tensor = self._slice(source.key)
         shape = tensor.get_shape()[len(lead):]
         base, rows = 0, shape[0]
         if source.part is not None:

@@ -173,11 +173,6 @@ def transformer_config(facts: ModelFacts, layout: ParallelLayout, dtype: str = "
         )
         if layout.tp > 1 and not layout.sequence_parallel:
             raise UnsupportedModelError("MoE with TP>1 needs sequence_parallel=True in Megatron")
-        if family.mlp_fields(cfg).get("add_bias_linear") and (layout.etp or layout.tp) > 1:
-            raise UnsupportedModelError(
-                f"{family.display_name}'s experts have biases, which Megatron-Core supports only with "
-                f"expert_tensor_parallel_size 1, not {layout.etp or layout.tp} (expert TP defaults to TP): set it to 1 "
-                "(rlm convert: --etp 1)")
     config_class = MLATransformerConfig if family.multi_latent_attention else TransformerConfig
     config = config_class(**{**family.megatron_fields(arch, cfg), **common, **family.mlp_fields(cfg),
                              **(options or {})})

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import RotaryEmbedding, YarnRotaryEmbedding
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -78,8 +79,6 @@ class LightningIndexer(torch.nn.Module):
     def _table(self, length: int) -> tuple[torch.Tensor, float]:
         """The rotary angles [length, rope_dim] (each frequency twice, rotate-half's layout) and the attention
         factor, from the model's rope (Megatron's own embeddings, which its MLA rotates with)."""
-        from megatron.core.models.common.embeddings import RotaryEmbedding, YarnRotaryEmbedding
-
         size = 1 << max(length - 1, 1).bit_length()  # a few tables per run, not one per length
         if size not in self._tables:
             c = self.config

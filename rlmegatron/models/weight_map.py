@@ -104,18 +104,6 @@ def global_layers(model) -> dict[int, int]:
     return dict(enumerate(expected))
 
 
-def _slab_shape_of(source: Source, selected: Sequence[int]) -> tuple[int, ...]:
-    """The shape of one expert's slab that `source.select` turns into a tensor of shape `selected`."""
-    shape = list(selected)
-    if source.transposed and len(shape) > 1:
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    if source.stride is not None:
-        shape[-1] *= source.stride[1]
-    if source.part is not None:
-        shape[0] *= source.part[1]
-    return tuple(shape)
-
-
 class WeightMap:
     """Every rule of one model (its family and sizes), keyed by Megatron name."""
 
@@ -309,7 +297,7 @@ class WeightMap:
         """HF-named full tensors of a stream of full Megatron tensors (megatron_to_hf of each), with a stacked
         expert tensor (gpt-oss's [E, ...]) put together from its experts' pieces and yielded once all are in: the
         stream keeps one layer's stacked tensors at a time, since a layer's experts come one after another."""
-        pieces = self._stacked_pieces()
+        pieces = self._stacked_pieces
         stacks: dict[str, torch.Tensor] = {}
         filled: dict[str, int] = {}
         for name, tensor in named:
@@ -319,14 +307,14 @@ class WeightMap:
                 continue
             for source, part in zip(rule.sources, self.split(rule, tensor)):
                 if source.key not in stacks:
-                    slab = _slab_shape_of(source, part.shape)
-                    stacks[source.key] = part.new_empty((self.num_experts, *slab))
+                    stacks[source.key] = part.new_empty((self.num_experts, *source.whole_slab_shape(part.shape)))
                     filled[source.key] = 0
                 source.select(stacks[source.key][source.expert]).copy_(part)  # a view: chunks, slices, transposes
                 filled[source.key] += 1
                 if filled[source.key] == pieces[source.key]:
                     yield source.key, stacks.pop(source.key)
 
+    @functools.cached_property
     def _stacked_pieces(self) -> dict[str, int]:
         """Per stacked HF tensor, the pieces the rules split it into (experts x gate/up halves)."""
         counts: dict[str, int] = {}

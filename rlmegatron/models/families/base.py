@@ -179,6 +179,17 @@ class Source:
             shape[-2], shape[-1] = shape[-1], shape[-2]
         return tuple(shape)
 
+    def whole_slab_shape(self, selected: Sequence[int]) -> tuple[int, ...]:
+        """The inverse of slab_shape: the shape of the slab `select` turns into a tensor of shape `selected`."""
+        shape = list(selected)
+        if self.transposed and len(shape) > 1:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        if self.stride is not None:
+            shape[-1] *= self.stride[1]
+        if self.part is not None:
+            shape[0] *= self.part[1]
+        return tuple(shape)
+
 
 @dataclass(frozen=True)
 class SameBucket:
