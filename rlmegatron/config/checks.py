@@ -11,7 +11,7 @@ from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, OptimConfig, PPOUpdateConfig
 from rlmegatron.config.transformer_config import extra_problems
 from rlmegatron.errors import one_of
-from rlmegatron.models.families import ArchitectureError, ModelArchitecture, read_architecture
+from rlmegatron.models.families import ArchitectureError, ModelArchitecture, checkpoint_mtp_layers, read_architecture
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, PipelineSplitError, pipeline_stage_layers
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
@@ -30,6 +30,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_algorithm(spec)
     problems += _check_lora(spec, arch)
     problems += _check_routing(spec, arch)
+    problems += _check_mtp(spec, arch)
     problems += _check_reward_model(spec)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
@@ -663,6 +664,29 @@ def _check_routing(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
                                                   "routers, and model.trust_remote_code runs the model's own code; "
                                                   "use rollout.engine=sglang, or r2 without routing_agreement"))
     return problems
+
+
+def _check_mtp(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
+    """Training the MTP layers and drafting with them need a model that has them (config.json declares them and the
+    checkpoint holds them); the MTP loss shifts its labels along each sequence, which CP splits over ranks."""
+    weight, speculative = spec.actor.mtp.loss_weight, spec.rollout.speculative
+    asked = ([("actor.mtp.loss_weight", weight)] if weight > 0 else []) + \
+        ([("rollout.speculative.method", speculative.method)] if speculative is not None else [])
+    if not asked or arch is None:
+        return []
+    model = spec.model
+    held = arch.num_mtp_layers if model.random_init or not Path(model.path).is_dir() else \
+        checkpoint_mtp_layers(arch, model.path)
+    if not held:
+        why = ("the checkpoint at model.path holds none of the MTP layers config.json declares (transformers saves "
+               "none)" if arch.num_mtp_layers else "the model has no multi-token-prediction layers (config.json "
+               "declares no num_nextn_predict_layers)")
+        return [SpecProblem(field, value, f"{why}; remove it, or use a checkpoint with MTP layers (DeepSeek-V3, "
+                                          "GLM-4.5 as published)") for field, value in asked]
+    if weight > 0 and spec.actor.megatron.context_parallel_size > 1:
+        return [SpecProblem("actor.mtp.loss_weight", weight, "the MTP loss is not supported at actor.megatron."
+                            "context_parallel_size > 1; use 0, or context_parallel_size=1")]
+    return []
 
 
 def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:

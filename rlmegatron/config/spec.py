@@ -278,6 +278,18 @@ class VisionConfig(Section):
     on far more images than a run sees); false trains it with the language model, and the critic's too."""
 
 
+class MTPConfig(Section):
+    """The actor's multi-token-prediction (MTP) layers, in models whose checkpoint holds them (DeepSeek-V3, GLM-4.5;
+    rlmegatron/models/mtp.py)."""
+
+    loss_weight: float = Field(0.0, ge=0, lt=FLOAT32_MAX)
+    """Train the MTP layers with the policy: each update adds this times Megatron-Core's MTP loss to the actor's loss
+    (per MTP layer k, the cross-entropy of its prediction of the sampled token k+1 places past the next one, over the
+    response tokens, averaged over the mini-batch's response tokens; the layers' mean), and logs actor/mtp_loss. Its
+    gradient reaches the shared embedding and the trunk, as in Megatron's pretraining. 0: the MTP layers are not run
+    in the update (their weights are carried and synced unchanged), and the update is exactly the one without them."""
+
+
 class ActorConfig(PPOUpdateConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
@@ -298,6 +310,7 @@ class ActorConfig(PPOUpdateConfig):
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
     vision: VisionConfig = Field(default_factory=VisionConfig)
+    mtp: MTPConfig = Field(default_factory=MTPConfig)
 
     @property
     def wants_rollout_routing(self) -> bool:
@@ -403,6 +416,19 @@ class MultiTurnConfig(Section):
     """Seconds one tool call may take; past them the model is told it timed out."""
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding in the rollout engines, the model's own MTP layers drafting (the actor's layers, synced
+    with every weight push; actor.mtp.loss_weight keeps them following the policy)."""
+
+    method: Literal["mtp"]
+    """mtp: the checkpoint's multi-token-prediction layers draft. SGLang runs them as its NEXTN (EAGLE) draft model
+    (--speculative-algorithm NEXTN, one draft per step); the local engine drafts with them and verifies with one
+    forward of the main model, accepting by rejection sampling, so the samples' distribution is the main model's."""
+    num_draft_tokens: PositiveInt = 3
+    """Tokens drafted before each verification (SGLang: --speculative-num-steps k, --speculative-num-draft-tokens k+1,
+    --speculative-eagle-topk 1)."""
+
+
 class RolloutConfig(SamplingParams):
     n: PositiveInt = 8
     """Responses sampled per prompt; the group-relative default estimator (grpo) needs a group."""
@@ -447,6 +473,8 @@ class RolloutConfig(SamplingParams):
     old log-probs; ignored with actor.use_dynamic_bsz); null follows actor.ppo_micro_batch_size_per_gpu."""
     val_kwargs: ValSamplingParams = Field(default_factory=ValSamplingParams)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding with the model's MTP layers as the draft (null: none)."""
 
 
 class OverlongBufferConfig(Section):

@@ -19,6 +19,7 @@ from rlmegatron.models.families import (
     ModelArchitecture,
     UnsupportedModelError,
     bridged_family,
+    mtp_layers_in,
     read_config_json,
 )
 from rlmegatron.models.families.base import llama3_rope_scaling
@@ -87,13 +88,6 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Vocab rounded up so each TP rank holds an equal, MAKE_VOCAB_SIZE_DIVISIBLE_BY-aligned share."""
     multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
     return -(-vocab_size // multiple) * multiple
-
-
-def mtp_layers_in(arch: ModelArchitecture, keys: Collection[str]) -> int:
-    """MTP layers a checkpoint with these tensor names holds: the declared ones, or none when the first is absent
-    (a DeepSeek-V3 saved by transformers, which does not implement MTP, says 1 and has none)."""
-    first = f"model.layers.{arch.num_hidden_layers}."
-    return arch.num_mtp_layers if arch.num_mtp_layers and any(key.startswith(first) for key in keys) else 0
 
 
 def model_facts(hf: dict, tp: int, padded_vocab: Optional[int] = None, mtp_layers: Optional[int] = None,

@@ -37,6 +37,9 @@ TOOL_TIMEOUT = "tests/agent/test_tools.py::test_a_tool_that_raises_or_hangs_answ
 POOL_CONTROL = "tests/driver/test_pool_control.py::"
 ELASTIC = "tests/driver/test_elastic_pool.py::test_engines_join_and_leave_a_running_job_and_no_sample_is_lost"
 
+# Multi-token prediction: trained with the policy, drafting in the engines (rlmegatron/models/mtp.py).
+MTP_CHECKS = "tests/config/test_checks.py::test_mtp_training_and_drafting_need_a_checkpoint_that_holds_mtp_layers"
+
 # Delta weight sync (rlmegatron/rollout/delta.py).
 DELTA_SYNC = "tests/driver/test_delta_sync.py::"
 
@@ -280,6 +283,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.moe.routing_replay": ("the actor's passes take recorded experts: the rollout's (r3) or the old-log-prob "
                                  "pass's (r2)", (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_EXACT, REPLAY_OTHER,
                                                  REPLAY_CHECKS)),
+    "actor.mtp.loss_weight": ("the MTP layers train with the policy (Megatron's MTP loss on the response tokens); "
+                              "refused for a model without MTP layers", (MTP_CHECKS,)),
     "actor.offload.grads": ("actor grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.optimizer": ("actor Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.params": ("actor weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
@@ -492,6 +497,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.sglang.router_url": ("a running router the servers join", (BUCKETS_AND_ROUTER,)),
     "rollout.sglang.skip_tokenizer_init": ("SGLang without a tokenizer", (LAUNCH, LAUNCH_OFF)),
     "rollout.sglang.startup_timeout_s": ("time a server has to become healthy", (STARTUP_TIMEOUT,)),
+    "rollout.speculative.method": ("speculative decoding drafted by the model's MTP layers; refused without them",
+                                   (MTP_CHECKS,)),
+    "rollout.speculative.num_draft_tokens": ("tokens drafted per verification", (MTP_CHECKS,)),
     "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
     "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
     "rollout.tensor_parallel_size": ("GPUs per SGLang server", (COLOCATED_SERVER, LAUNCH)),

@@ -961,3 +961,31 @@ def test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_r
                        "actor.moe.routing_agreement=true") == [
         "command line: actor.moe.routing_agreement=true: routing replay r3 measures the agreement anyway (its record "
         "is the rollout's routing); remove it (~actor.moe.routing_agreement on the command line)"]
+
+
+def test_mtp_training_and_drafting_need_a_checkpoint_that_holds_mtp_layers(tmp_path):
+    from tests.models.tiny_hf import save_tiny_model
+
+    asks = ("actor.mtp.loss_weight=0.3", "rollout.speculative={method: mtp, num_draft_tokens: 2}")
+    with_mtp = save_tiny_model("deepseek_v3", str(tmp_path / "mtp"))
+    spec = minimal_spec()
+    spec["model"]["path"] = with_mtp
+    spec["data"].update(max_prompt_length=32, max_response_length=32)  # the tiny model's 64 positions
+    assert problems_of(spec, *asks) == []
+    spec["model"]["path"] = save_tiny_model("deepseek_v3_no_mtp", str(tmp_path / "no_mtp"))
+    held_none = ("the checkpoint at model.path holds none of the MTP layers config.json declares (transformers saves "
+                 "none); remove it, or use a checkpoint with MTP layers (DeepSeek-V3, GLM-4.5 as published)")
+    assert problems_of(spec, *asks) == [f"command line: actor.mtp.loss_weight=0.3: {held_none}",
+                                        f"command line: rollout.speculative.method=mtp: {held_none}"]
+    declares_none = ("the model has no multi-token-prediction layers (config.json declares no "
+                     "num_nextn_predict_layers); remove it, or use a checkpoint with MTP layers (DeepSeek-V3, GLM-4.5 "
+                     "as published)")
+    assert problems_of(minimal_spec(), asks[0]) == [f"command line: actor.mtp.loss_weight=0.3: {declares_none}"]
+    spec["model"]["path"] = with_mtp
+    assert problems_of(spec, asks[0], "actor.megatron.context_parallel_size=2") == [
+        "command line: actor.mtp.loss_weight=0.3: the MTP loss is not supported at actor.megatron."
+        "context_parallel_size > 1; use 0, or context_parallel_size=1"]
+    # What the schema refuses: a negative weight, another method, no draft tokens.
+    for bad in ("actor.mtp.loss_weight=-1", "rollout.speculative={method: eagle3}",
+                "rollout.speculative={method: mtp, num_draft_tokens: 0}"):
+        assert len(problems_of(spec, bad)) == 1, bad

@@ -13,7 +13,7 @@ import importlib
 import json
 import pkgutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from rlmegatron.models.families.base import (
     ArchitectureError,
@@ -125,6 +125,31 @@ def read_architecture(path: str | Path) -> ModelArchitecture:
     return architecture_of(config, config_file)
 
 
+def mtp_layers_in(arch: ModelArchitecture, keys: Collection[str]) -> int:
+    """MTP layers a checkpoint with these tensor names holds: the declared ones, or none when the first is absent
+    (a DeepSeek-V3 saved by transformers, which does not implement MTP, says 1 and has none)."""
+    first = f"model.layers.{arch.num_hidden_layers}."
+    return arch.num_mtp_layers if arch.num_mtp_layers and any(key.startswith(first) for key in keys) else 0
+
+
+def checkpoint_mtp_layers(arch: ModelArchitecture, directory: str | Path) -> int:
+    """MTP layers the HF checkpoint in `directory` holds (mtp_layers_in), read from its index or its one file's
+    header alone, so that `rlm validate` answers without loading a weight; as config.json declares where the
+    directory holds no safetensors (a random_init model, a config.json alone)."""
+    directory = Path(directory)
+    index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
+    if index.is_file():
+        keys = json.loads(index.read_text()).get("weight_map", {})
+    elif single.is_file():
+        from safetensors import safe_open  # lazy: only a one-file checkpoint needs its header read
+
+        with safe_open(single, framework="numpy") as handle:
+            keys = list(handle.keys())
+    else:
+        return arch.num_mtp_layers
+    return mtp_layers_in(arch, keys)
+
+
 __all__ = ["ArchitectureError", "FAMILIES", "Family", "ModelArchitecture", "MultiLatentAttention",
            "UnsupportedModelError", "architecture_of", "bridged_family", "family_for", "read_architecture",
-           "read_config_json"]
+           "read_config_json", "mtp_layers_in", "checkpoint_mtp_layers"]
