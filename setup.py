@@ -54,5 +54,5 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2",
                  *SGLANG_APP_DEPS, "wandb>=0.31", *TENSORBOARD],
     },
-    entry_points={"console_scripts": ["rlm=rlmegatron.cli:main"]},
+    entry_points={"console_scripts": ["rlm=rlmegatron.entry.cli:main"]},
 )

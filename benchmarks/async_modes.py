@@ -34,7 +34,7 @@ DISAGGREGATED = ["placement.gpus_per_node=1", "placement.mode=disaggregate", "pl
 
 def child(out: str, ray: bool, overrides: list[str]) -> None:
     from rlmegatron.driver.job import check_training, run_training
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
 
     source = SpecSource("configs/quickstart.yaml", [*overrides, "placement.transport=ray"] if ray else overrides)
     report = run_training(check_training(source, in_process=not ray))

@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
     from rlmegatron.transport import worker_group
     from rlmegatron.driver.job import check_training, run_training
     from rlmegatron.tracking import Tracker

@@ -53,7 +53,7 @@ def median_step_s(times: list[float]) -> float:
 
 def rlm_child(out: str, argv: list[str]) -> int:
     """`rlm train ARGV`, recording the time each step is logged (from the start of the fit loop) and its metrics."""
-    from rlmegatron.cli import main
+    from rlmegatron.entry.cli import main
     from rlmegatron.tracking import Tracker
 
     record: dict = {"steps": []}

@@ -65,8 +65,8 @@ def kind(entry: dict) -> str:
         if daemon in command:
             return f"Ray {daemon}"
     for part, name in (("sglang.launch_server", "SGLang server"), ("sglang_router", "SGLang router"),
-                       ("local_server", "local engine server"), ("rlmegatron.lifeline", "lifeline"),
-                       ("rlmegatron.reaper", "reaper"), ("pytest", "pytest and its workers"),
+                       ("local_server", "local engine server"), ("rlmegatron.supervision.lifeline", "lifeline"),
+                       ("rlmegatron.supervision.reaper", "reaper"), ("pytest", "pytest and its workers"),
                        ("benchmarks", "benchmark children")):
         if part in command:
             return name

@@ -52,7 +52,7 @@ def write_model(directory: Path, family: str) -> Path:
 def train(run_dir: Path, model: Path, steps: int, *overrides: str) -> dict:
     """One `rlm train` of the quickstart in this process's job code (the ranks are processes); its metric history."""
     from rlmegatron.driver.job import check_training, run_training
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
 
     source = SpecSource(str(REPO_ROOT / "configs" / "quickstart.yaml"), [
         f"model.path={model}", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_freq=-1",

@@ -26,7 +26,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.colocated_engine import _local_engine
     from rlmegatron.driver.role_settings import rollout_settings
     from rlmegatron.driver.rollout_data import sampling_spec

@@ -35,7 +35,7 @@ def child(out: str, run_dir: str, started: float, overrides: list[str]) -> None:
     step 1."""
     marks: dict[str, list[float]] = {"imports": [started, 0.0]}
     from rlmegatron import data, spec_pipeline
-    from rlmegatron.cli import main
+    from rlmegatron.entry.cli import main
     from rlmegatron.driver import job
     from rlmegatron.tracking import Tracker
 

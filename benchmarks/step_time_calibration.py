@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from rlmegatron.spec_pipeline import load_spec
+from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.models.families import read_architecture
 from rlmegatron.planner.plan import PlanSettings, build_plan
 from rlmegatron.planner.step_time import Hardware, sync_seconds

@@ -1,7 +1,7 @@
-"""Thin front-end: `rlm convert verify` (logic in rlmegatron.convert_cli)."""
+"""Thin front-end: `rlm convert verify` (logic in rlmegatron.entry.convert_command)."""
 import sys
 
-from rlmegatron.convert_cli import main
+from rlmegatron.entry.convert_command import main
 
 if __name__ == "__main__":  # dist_checkpointing's writer spawns a Manager that re-imports __main__
     sys.exit(main(["verify", *sys.argv[1:]]))

@@ -37,7 +37,7 @@ node_ip() { echo "127.0.0.$(( $1 + 2 ))"; }
 gcs_address() { echo "$(node_ip 0):$BASE"; }
 dashboard_url() { echo "http://$(node_ip 0):$(( BASE + 1 ))"; }
 # Every process of node I carries this in its environment (inherited by Ray's workers, the ranks and what they
-# start), so stop-node finds all of them, and nothing else (rlmegatron/reaper.py's sweep).
+# start), so stop-node finds all of them, and nothing else (rlmegatron/supervision/reaper.py's sweep).
 node_mark() { echo "local-cluster-$(basename "$STATE")-node$1"; }
 
 nodes_configured() { cat "$STATE/nodes" 2>/dev/null || echo 0; }
@@ -90,7 +90,7 @@ start_ray_node() {  # I CPUS
 }
 
 stop_ray_node() {  # SIGKILL every process of node I: its raylet, agents, workers and what they started
-  "$PYTHON" -c "import sys; from rlmegatron.reaper import sweep; sweep(sys.argv[1], sys.argv[2])" \
+  "$PYTHON" -c "import sys; from rlmegatron.supervision.reaper import sweep; sweep(sys.argv[1], sys.argv[2])" \
     "$(node_mark "$1")" "$STATE/ray/no-session-dir"
   rm -f "$STATE/ray/node$1.pid"
 }
@@ -246,7 +246,7 @@ stop_slurm() {
   done
   # Whatever is left of a node's daemons and job steps (they carry its mark), outright.
   for (( i = 0; i < $(nodes_configured); i++ )); do
-    "$PYTHON" -c "import sys; from rlmegatron.reaper import sweep; sweep(sys.argv[1], sys.argv[2])" \
+    "$PYTHON" -c "import sys; from rlmegatron.supervision.reaper import sweep; sweep(sys.argv[1], sys.argv[2])" \
       "$(node_mark "$i")-slurm" "$dir/no-session-dir"
   done
 }

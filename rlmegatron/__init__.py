@@ -1,5 +1,5 @@
 """rlmegatron: reinforcement-learning post-training of LLMs on Megatron-Core, with SGLang rollouts."""
-from rlmegatron import megatron_fusers
+from rlmegatron.models import megatron_fusers
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """`python -m rlmegatron`: the same entry point as the `rlm` command."""
 import sys
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 
 # Guarded: spawn-started helpers (e.g. dist_checkpointing's async writer) re-import __main__.
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ E2E: dict[str, tuple[str, ...] | None] = {
     "tests/rank/test_policy_rank.py": ("test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run",),
     "tests/resharding/test_export.py": ("test_stream_is_bitwise_the_source_checkpoint_at_every_layout",),
     "tests/resharding/test_sync_to_local_engine.py": None,
-    "tests/rollout/test_lifeline.py": ("test_server_group_ends_when_its_launcher_is_killed",),
+    "tests/supervision/test_lifeline.py": ("test_server_group_ends_when_its_launcher_is_killed",),
     "tests/rollout/test_local_server.py": ("test_generation_follows_the_pushed_weights",
                                            "test_fp8_weights_cross_gloo_as_bytes_and_the_server_samples_with_them_dequantised"),
     "tests/rollout/test_local_vision.py": ("test_greedy_generation_with_images_is_transformers_generate",),
@@ -133,10 +133,10 @@ E2E: dict[str, tuple[str, ...] | None] = {
     "tests/rollout/test_sglang_fp8.py": None,
     "tests/rollout/test_sglang_names.py": None,
     "tests/runtime/test_parallel_parity.py": None,
-    "tests/test_cli.py": ("test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line",),
-    "tests/test_convert_cli.py": ("test_every_family_converts_through_the_commands_at_tp2_and_back_bitwise",),
+    "tests/entry/test_cli.py": ("test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line",),
+    "tests/entry/test_convert_command.py": ("test_every_family_converts_through_the_commands_at_tp2_and_back_bitwise",),
     "tests/test_e2e_guard.py": ("test_a_warm_fork_runs_as_a_new_interpreter_would",),
-    "tests/test_megatron_fusers.py": ("test_importing_megatron_after_rlmegatron_on_a_cpu_torch_leaves_dynamo_and_inductor_unimported",),
+    "tests/models/test_megatron_fusers.py": ("test_importing_megatron_after_rlmegatron_on_a_cpu_torch_leaves_dynamo_and_inductor_unimported",),
     "tests/test_user_errors.py": ("test_a_divergence_stops_the_run_with_exit_3_naming_the_step_and_the_metric",
                                   "test_rlm_train_refuses_a_missing_data_file_in_one_line_before_ray"),
     "tests/tracking/test_backends.py": ("test_every_backend_gets_the_same_metric_names_values_and_samples",
@@ -271,7 +271,7 @@ def _training_command(args) -> str | None:
     if program == "rlm" and "train" in argv[1:]:
         return "rlm train"
     for flag, module in zip(argv, argv[1:]):
-        if flag == "-m" and module in ("rlmegatron", "rlmegatron.cli") and "train" in argv:
+        if flag == "-m" and module in ("rlmegatron", "rlmegatron.entry.cli") and "train" in argv:
             return f"rlm train (python -m {module})"
         if flag == "-m" and module.startswith("tests."):
             source = REPO_ROOT / (module.replace(".", "/") + ".py")

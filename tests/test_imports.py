@@ -23,7 +23,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rlmegatron"
 # Slow to import or pulling a framework; pydantic and yaml too, so that `rlm`'s parser starts without them
-# (tests/test_cli.py) and only the command that runs pays for what it needs.
+# (tests/entry/test_cli.py) and only the command that runs pays for what it needs.
 HEAVY = {"torch", "megatron", "transformers", "ray", "mlflow", "sglang", "sglang_router", "transformer_engine", "apex",
          "safetensors", "huggingface_hub", "tokenizers", "pyarrow", "numpy", "pydantic", "yaml"}
 MARKER = "# lazy:"
@@ -202,7 +202,7 @@ def graph(node_of, within=lambda module: True) -> dict[str, dict[str, list[str]]
 
 def test_the_graph_is_read():
     # Facts that fail if the walk stops finding imports or following them, not counts to keep up to date.
-    cli = {(found.target, found.lazy) for found in IMPORTS if found.module == "rlmegatron.cli"}
+    cli = {(found.target, found.lazy) for found in IMPORTS if found.module == "rlmegatron.entry.cli"}
     assert ("argparse", False) in cli and ("rlmegatron.driver.job", True) in cli
     assert "torch" in heavy("rlmegatron.driver.trainer") and "torch" not in heavy("rlmegatron.config")
     assert cycles({"a": {"b": ["a:1"]}, "b": {"c": ["b:1"]}, "c": {"a": ["c:1"]}, "d": {"a": ["d:1"]}}) == [
@@ -236,7 +236,7 @@ def test_an_import_inside_a_function_keeps_something_heavy_out_or_says_why():
 # Each process has its package; the driver reaches the others only through the transport. A library package (config,
 # models, rollout, ...) runs in whichever process imports it, so it imports none of the four.
 PROCESS_LAYERS = {"rlmegatron.driver": 0, "rlmegatron.transport": 1, "rlmegatron.rank": 2, "rlmegatron.pool": 2}
-ENTRY_POINTS = {"rlmegatron.cli", "rlmegatron.convert_cli", "rlmegatron.__main__"}
+ENTRY_POINTS = {"rlmegatron.entry", "rlmegatron.__main__"}
 """The commands: each is the top of its process (`rlm train` the driver's, `rlm convert` the converter's ranks')."""
 
 

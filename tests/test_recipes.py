@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # recipe -> GPU memory (GB) of the hardware its header comment names
@@ -48,7 +48,7 @@ def test_deepseek_v3_recipe_builds_the_uneven_pipeline_that_its_checks_and_plan_
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from rlmegatron.config import read_architecture
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.role_settings import parallel_layout
     from rlmegatron.models.pipeline import pipeline_stage_layers
     from rlmegatron.models.hf_config import model_facts, read_hf_config, spec_config_options, transformer_config

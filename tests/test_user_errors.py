@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_TRAINING_STOPPED, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, EXIT_TRAINING_STOPPED, main
 from tests.helpers import warm_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

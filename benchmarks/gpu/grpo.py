@@ -58,7 +58,7 @@ def main() -> None:
 
     start = time.perf_counter()
     from rlmegatron.driver.job import check_training, run_training
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
 
     spec_overrides = overrides(args.device, args.steps, args.run_dir, args.overrides)
     report = run_training(check_training(SpecSource(QUICKSTART, spec_overrides), in_process=True))

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from rlmegatron.checkpoint.integrity import CheckpointLoadFailed, manifest_problem, write_manifest
 from rlmegatron.errors import UserError
-from rlmegatron.run_dir import no_space_left
+from rlmegatron.checkpoint.run_dir import no_space_left
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"

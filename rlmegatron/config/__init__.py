@@ -1,5 +1,5 @@
 """The job spec: pydantic sections, YAML loading, dotted overrides and the checks of the spec alone (no torch here);
-rlmegatron/spec_pipeline.py runs them as stages and is the one place a spec is rejected."""
+rlmegatron/prelaunch/spec_pipeline.py runs them as stages and is the one place a spec is rejected."""
 from rlmegatron.config.checks import check_spec
 from rlmegatron.config.errors import SpecError, SpecProblem
 from rlmegatron.config.loader import dump_spec

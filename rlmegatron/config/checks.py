@@ -32,6 +32,7 @@ def check_spec(spec: JobSpec) -> list[SpecProblem]:
     problems += _check_routing(spec, arch)
     problems += _check_mtp(spec, arch)
     problems += _check_reward_model(spec)
+    problems += _check_distillation(spec, arch)
     problems += _check_placement(spec)
     problems += _check_optimizers(spec)
     problems += _check_input_paths(spec)
@@ -714,6 +715,68 @@ def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:
         return problems or check_layout_fits_model("reward.model", layout, read_architecture(config_file), spec)
     except ArchitectureError as err:
         return [SpecProblem("reward.model.path", model.path, str(err))]
+
+
+def _check_distillation(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:
+    """algorithm.distill has a teacher whose layout fits it, a mode that exists, and a task for the critic; the
+    teacher without distill is relevance.py's (a setting that does nothing)."""
+    from rlmegatron.algorithms import DISTILL_MODES  # lazy: torch, as _check_algorithm's registries
+
+    distill, teacher = spec.algorithm.distill, spec.teacher
+    if distill is None:
+        return []
+    problems = []
+    if distill.mode not in DISTILL_MODES:
+        problems.append(SpecProblem("algorithm.distill.mode", distill.mode,
+                                    _unknown_name(distill.mode, DISTILL_MODES, plugins=False)))
+    if distill.only and spec.critic.enable:
+        problems.append(SpecProblem("algorithm.distill.only", True,
+                                    "the advantage is the teacher's term alone, so the critic "
+                                    f"(algorithm.adv_estimator={spec.algorithm.adv_estimator}) would learn the values "
+                                    "of no return; use algorithm.adv_estimator=grpo, or only=false"))
+    if teacher.path is None:
+        problems.append(SpecProblem("algorithm.distill", NO_VALUE,
+                                    "needs a teacher to distill from; set teacher.path to its HF checkpoint (or a "
+                                    "checkpoint written by `rlm convert hf-to-mcore`)"))
+        return problems
+    teacher_arch, problem = _teacher_architecture(spec)
+    if problem is not None:
+        return problems + [problem]
+    if arch is not None and teacher_arch.vocab_size != arch.vocab_size:
+        problems.append(SpecProblem("teacher.path", teacher.path,
+                                    f"has a vocabulary of {teacher_arch.vocab_size} tokens and the student "
+                                    f"(model.path) {arch.vocab_size}: distillation compares the two models' log-probs "
+                                    "token by token, so the teacher must share the student's tokenizer; use a teacher "
+                                    "of the student's family"))
+    problems += _check_layout_fits_world("teacher.megatron", teacher.megatron, spec)
+    problems += check_layout_options("teacher.megatron", teacher.megatron)
+    problems += extra_problems("teacher.megatron", teacher.megatron.extra, teacher_arch.mla is not None)
+    return problems or check_layout_fits_model("teacher.megatron", teacher.megatron, teacher_arch, spec)
+
+
+def _teacher_architecture(spec: JobSpec) -> tuple[ModelArchitecture | None, SpecProblem | None]:
+    """The teacher's architecture: from its config.json (teacher.path, else teacher.hf_config), or the config a
+    converted checkpoint (`rlm convert hf-to-mcore`) records."""
+    from rlmegatron.models.convert import META_FILE  # lazy: torch, for a constant of a spec that distills
+
+    teacher = spec.teacher
+    if Path(teacher.path, META_FILE).is_file():
+        try:
+            return architecture_of(json.loads(Path(teacher.path, META_FILE).read_text())["hf_config"]), None
+        except (ValueError, KeyError, TypeError, ArchitectureError) as err:
+            return None, SpecProblem("teacher.path", teacher.path, f"{META_FILE} is unreadable ({err}); rewrite the "
+                                     "checkpoint with `rlm convert hf-to-mcore`")
+    located = teacher.architecture_source()
+    if located is None:
+        return None, SpecProblem("teacher.path", teacher.path,
+                                 "is not a local directory and teacher.hf_config is not set; hub ids cannot be "
+                                 "fetched here, so set teacher.hf_config to the teacher's config.json (configs/models/ "
+                                 "has common ones)")
+    field, path = located
+    try:
+        return read_architecture(path), None
+    except ArchitectureError as err:
+        return None, SpecProblem(field, path, str(err))
 
 
 def _unknown_name(value: str, registry: Any, plugins: bool) -> str:

@@ -1,5 +1,5 @@
 """The schema stage's reading of a spec: a YAML file plus command-line overrides become a JobSpec, or the problems that
-keep it from being one (rlmegatron/spec_pipeline.py runs the stages and raises)."""
+keep it from being one (rlmegatron/prelaunch/spec_pipeline.py runs the stages and raises)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

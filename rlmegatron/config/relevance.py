@@ -89,6 +89,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("ref.megatron.use_distributed_optimizer", "ref.megatron.recompute_granularity",
           "ref.megatron.recompute_method", "ref.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the reference model never trains (no optimizer, no backward pass); remove it"),
+    Rule(("teacher.",), lambda s: s.algorithm.distill is not None,
+         lambda s: "the teacher only scores the student's tokens for on-policy distillation, and algorithm.distill is "
+                   "not set; remove it or set algorithm.distill"),
+    Rule(("teacher.megatron.use_distributed_optimizer", "teacher.megatron.recompute_granularity",
+          "teacher.megatron.recompute_method", "teacher.megatron.recompute_num_layers"), lambda s: False,
+         lambda s: "the teacher never trains (no optimizer, no backward pass); remove it"),
     Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules", "actor.lora.weight_sync",
           "actor.lora.modules_to_save"),
          lambda s: s.actor.lora.rank > 0,

@@ -1,5 +1,5 @@
 """verl's command-line keys onto the job spec: one table (VERL_KEYS), which the schema stage of `rlm train|validate|plan
---verl` translates with (rlmegatron/spec_pipeline.py).
+--verl` translates with (rlmegatron/prelaunch/spec_pipeline.py).
 
 Every verl key is one of:
 - Maps: it sets spec fields of the same meaning, its value converted where verl spells it differently;

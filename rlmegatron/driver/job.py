@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlmegatron import reaper
+from rlmegatron.supervision import reaper
 from rlmegatron.agent.tools import declaring_tools
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec
@@ -34,8 +34,8 @@ from rlmegatron.transport.worker_group import LocalWorkerGroup, RayWorkerGroup
 from rlmegatron.errors import DiskFull, disk_full_in
 from rlmegatron.rewards import build_reward_manager
 from rlmegatron.rewards.model import model_reward_manager
-from rlmegatron.run_dir import no_space_left, refuse_if_busy, run_dir_lock
-from rlmegatron.spec_pipeline import TRAIN_STAGES, CheckedJob, SpecSource, check_job
+from rlmegatron.checkpoint.run_dir import no_space_left, refuse_if_busy, run_dir_lock
+from rlmegatron.prelaunch.spec_pipeline import TRAIN_STAGES, CheckedJob, SpecSource, check_job
 from rlmegatron.transport.fork_server import environment, fork_server, fork_server_ended_on_failure
 from rlmegatron.tracking import Tracker, resolve_tracking_uri
 from rlmegatron.tracking.curves import CURVES_FILE, draw_curves

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rlmegatron.errors import EngineCannotJoin, UserError
-from rlmegatron.run_dir import in_use
+from rlmegatron.checkpoint.run_dir import in_use
 
 REQUESTS_DIR = "pool_requests"
 GROW_SHARE, GROW_AFTER = 0.5, 2

@@ -3,7 +3,7 @@
 Import streams: each rank reads, per parameter, only its TP/EP slice of each HF
 tensor (`safe_open(...).get_slice`), fuses it with the weight map's rule and
 copies it into the parameter. The way back, HF safetensors from any layout, is
-resharding.export_hf; `rlm convert` (rlmegatron.convert_cli) puts the pieces together.
+resharding.export_hf; `rlm convert` (rlmegatron.entry.convert_command) puts the pieces together.
 Megatron, safetensors and transformers are imported inside the functions that use them: HFCheckpoint's checks of a
 checkpoint serve `rlm validate` and the converter's checks, which should not wait for them.
 """

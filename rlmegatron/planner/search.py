@@ -27,7 +27,7 @@ from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_we
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
 from rlmegatron.planner.step_time import StepTime, generation_seconds, training_phases, workload_of
-from rlmegatron.spec_pipeline import SPEC_STAGES, SpecSource, check_job
+from rlmegatron.prelaunch.spec_pipeline import SPEC_STAGES, SpecSource, check_job
 
 KEEP_TRAINER_LAYOUTS = 6
 KEEP_ENGINE_LAYOUTS = 3

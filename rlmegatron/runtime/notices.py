@@ -34,7 +34,7 @@ CPU_ONLY = (
 # Loggers whose messages repeat what the run reports anyway, raised from the call they log in.
 REPEATED = (
     # Megatron's checkpoint writer logs a write that failed (a full disk: "unexpected pos 704 vs 598"), then raises
-    # it; the driver says it once, as the full disk it was (rlmegatron.run_dir.no_space_left).
+    # it; the driver says it once, as the full disk it was (rlmegatron.checkpoint.run_dir.no_space_left).
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
 

@@ -328,7 +328,7 @@ def _portable(error: BaseException) -> Optional[BaseException]:
 
 def _end_with(driver: int) -> None:
     """Waits for the driver's process to end, then ends this rank's process group: a driver killed outright leaves
-    no rank behind (a rank's engine servers watch the rank: rlmegatron.lifeline)."""
+    no rank behind (a rank's engine servers watch the rank: rlmegatron.supervision.lifeline)."""
     try:
         poller = select.poll()
         poller.register(os.pidfd_open(driver), select.POLLIN)

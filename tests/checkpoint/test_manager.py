@@ -213,7 +213,7 @@ def test_max_to_keep_deletes_only_the_oldest_complete_checkpoints(tmp_path):
 
 @pytest.fixture
 def rlm_train(monkeypatch):
-    from rlmegatron.cli import main
+    from rlmegatron.entry.cli import main
     from rlmegatron.driver import job
 
     monkeypatch.chdir(REPO_ROOT)

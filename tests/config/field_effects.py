@@ -162,7 +162,7 @@ OWN_NODES = "tests/launch/test_local_cluster.py::test_the_rollout_pool_gets_a_no
 CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"
 HUB_ARCHITECTURE = CHECKS + "[tp-divides-heads]"
 ROUNDS_BOUND = "tests/config/test_rejections.py::test_dynamic_sampling_needs_a_bound_on_its_rounds"
-HUB_SNAPSHOT = "tests/test_cli.py::test_train_runs_a_hub_model_from_its_downloaded_snapshot"
+HUB_SNAPSHOT = "tests/entry/test_cli.py::test_train_runs_a_hub_model_from_its_downloaded_snapshot"
 
 # Each role's own optimizer schedule and Megatron settings, layouts and batching.
 OPTIMIZER = "tests/rank/roles/test_optimizer.py::"

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmegatron.config import SpecError
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = REPO_ROOT / "configs" / "models"

@@ -2,7 +2,7 @@
 import pytest
 
 from rlmegatron.config import JobSpec
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.config.overrides import Override, apply_overrides, parse_override
 from tests.config.specs import minimal_spec, problems_of
 

@@ -2,7 +2,7 @@
 import pytest
 
 from rlmegatron.config import SpecError
-from rlmegatron.spec_pipeline import load_spec
+from rlmegatron.prelaunch.spec_pipeline import load_spec
 from tests.config.specs import minimal_spec, problems_of
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from rlmegatron.config import dump_spec
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.config.yamlio import parse_yaml
 from tests.config.specs import REPO_ROOT, minimal_spec, problems_with
 

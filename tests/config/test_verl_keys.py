@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, EXIT_OK, main
 from rlmegatron.config.fieldpaths import path_problem
 from rlmegatron.config.spec import ActorConfig, JobSpec
 from rlmegatron.config import verl_keys
 from rlmegatron.config.verl_keys import VERL_KEYS, Follows, Maps, translate
-from rlmegatron.spec_pipeline import SPEC_STAGES, SpecSource, check_job
+from rlmegatron.prelaunch.spec_pipeline import SPEC_STAGES, SpecSource, check_job
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 

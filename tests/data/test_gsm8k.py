@@ -5,7 +5,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 from rlmegatron.data import DatasetError
 from rlmegatron.data.gsm8k import INSTRUCTION, extract_final_answer, prepare_gsm8k
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.data import build_dataset
 from rlmegatron.data.images import ImageError
 from rlmegatron.errors import UserError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlmegatron.spec_pipeline import load_spec
+from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.driver.trainer import Trainer
 
 QUICKSTART = "configs/quickstart.yaml"

@@ -3,7 +3,7 @@ in this process instead of Ray actors: for tests whose subject is the CLI's stop
 import functools
 import sys
 
-from rlmegatron import cli
+from rlmegatron.entry import cli
 from rlmegatron.driver import job
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.

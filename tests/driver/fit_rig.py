@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from rlmegatron.checkpoint import CheckpointManager
 from rlmegatron.config import JobSpec
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.driver.engine_fleet import EngineFleet
 from rlmegatron.driver.trainer import FitResult, Trainer
 from rlmegatron.data import PromptDataLoader, Sample

@@ -3,7 +3,7 @@ import json
 import sys
 
 from rlmegatron.driver.job import check_training, run_training
-from rlmegatron.spec_pipeline import SpecSource
+from rlmegatron.prelaunch.spec_pipeline import SpecSource
 from rlmegatron.tracking.progress import ProgressBar
 
 # The tests read the progress bars' lines in the log, as `rlm train --verbose` prints them.

@@ -74,7 +74,7 @@ def _serve_across_two_nodes(calls: str, run_dir: str) -> dict:
     """Rank r plays node r: rank 0 leads the server (node 0, HTTP), rank 1 runs node 1's process."""
     from transformers import AutoConfig
 
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.colocated_engine import ColocatedEngine
     from rlmegatron.rollout.sglang.servers import generate_or_none
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
@@ -158,7 +158,7 @@ class RecordingTrainer:
 
 
 def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path, monkeypatch):
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 
@@ -203,7 +203,7 @@ def test_a_disaggregated_server_spans_two_nodes_and_restarts_every_node(tmp_path
 
 
 def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeypatch):
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rollout.sglang.server import server_command
 
     monkeypatch.chdir(REPO_ROOT)
@@ -218,7 +218,7 @@ def test_the_servers_run_the_models_own_code_only_with_trust_remote_code(monkeyp
 # --- engines built from the spec's rollout settings ---------------------------------------------------------------
 
 def sglang_spec(tmp_path: Path, *overrides: str):
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
 
     return load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.gpus_per_node=1", "rollout.engine=sglang",
@@ -320,7 +320,7 @@ def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_t
     import socket
     from types import SimpleNamespace
 
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import OnRolloutPool
 
     monkeypatch.setattr(servers, "device_id", lambda device: "3")  # this process's GPU, as CUDA_VISIBLE_DEVICES says
@@ -344,7 +344,7 @@ def test_without_ray_the_engine_process_gets_the_trainers_own_gpu_and_the_push_t
 
 
 def test_rollout_num_gpus_sizes_the_engine_pool(tmp_path, monkeypatch):
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import OnRolloutPool
 
     monkeypatch.setattr(engine_fleet, "EngineHost", ServerlessHost)
@@ -363,7 +363,7 @@ def test_a_push_to_every_engine_leaves_out_a_server_that_is_down_or_restarted(tm
     fails), or been restarted by it and wait, outside the trainer's weight-update group, for the push to it alone.
     The push to every engine must leave such a server out (a collective push to a dead peer fails or hangs); every
     server paused is continued, and only those pushed to are marked as holding the version."""
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
     from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
 
@@ -443,7 +443,7 @@ def test_a_push_pauses_the_servers_and_continues_them(tmp_path, monkeypatch, par
     """The servers hold their generation while the weights change, bucket after bucket, and go on after: with
     trainer.partial_rollout they abort what is in flight (the engines send it again), without it the engines first
     let theirs finish (tests/rollout/test_sglang.py shows both)."""
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.engine_fleet import EngineFleet, OnRolloutPool
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)]))

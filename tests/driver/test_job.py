@@ -49,7 +49,7 @@ def test_the_report_gives_the_validation_score_before_and_after_training():
 REFUSED_AT_PREFLIGHT = """
 import os, sys
 from multiprocessing import forkserver
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 code = main(["train", "configs/quickstart.yaml", f"trainer.run_dir={sys.argv[1]}", "data.train_files=[no.jsonl]"])
 pid = forkserver._forkserver._forkserver_pid
 if pid is not None:  # left importing, to be orphaned as this process exits

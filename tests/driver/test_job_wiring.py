@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.spec_pipeline import SpecSource, load_spec
+from rlmegatron.prelaunch.spec_pipeline import SpecSource, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +26,10 @@ class Part:
 def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_over(tmp_path, monkeypatch):
     import rlmegatron.data
     import rlmegatron.tracking
-    from rlmegatron import spec_pipeline
+    from rlmegatron.prelaunch import spec_pipeline
     from rlmegatron.driver import job
     from rlmegatron.driver.job import check_training, run_training
-    from rlmegatron.preflight import Preflight
+    from rlmegatron.prelaunch.preflight import Preflight
 
     monkeypatch.chdir(REPO_ROOT)
     made: dict[str, list] = {}
@@ -98,7 +98,7 @@ def test_run_training_hands_the_data_reward_checkpoint_and_tokenizer_settings_ov
 ])
 def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(settings, ray_address, launched,
                                                                              monkeypatch):
-    from rlmegatron.spec_pipeline import transport_for
+    from rlmegatron.prelaunch.spec_pipeline import transport_for
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -109,7 +109,7 @@ def test_auto_launches_processes_where_the_run_fits_one_machine_without_ray(sett
 
 def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(monkeypatch):
     from rlmegatron.config import SpecError
-    from rlmegatron.spec_pipeline import VALIDATE_STAGES, check_job
+    from rlmegatron.prelaunch.spec_pipeline import VALIDATE_STAGES, check_job
 
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
@@ -122,11 +122,11 @@ def test_processes_with_a_ray_address_is_refused_naming_the_field_and_the_fix(mo
 
 def test_a_run_whose_ranks_restarted_reports_every_step_it_trained_and_the_restart(tmp_path, monkeypatch, capsys):
     import rlmegatron.data
-    from rlmegatron import spec_pipeline
+    from rlmegatron.prelaunch import spec_pipeline
     from rlmegatron.driver import job
     from rlmegatron.driver.job import check_training, run_training
     from rlmegatron.driver.trainer import FitResult, RankLost
-    from rlmegatron.preflight import Preflight
+    from rlmegatron.prelaunch.preflight import Preflight
 
     class Tracker(Part):
         history: dict = {}

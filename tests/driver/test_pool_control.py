@@ -9,7 +9,7 @@ import pytest
 from rlmegatron.driver import pool_control
 from rlmegatron.driver.pool_control import PoolControl, request
 
-HOLD = ("import sys, time\nfrom rlmegatron.run_dir import run_dir_lock\nwith run_dir_lock(sys.argv[1]):\n"
+HOLD = ("import sys, time\nfrom rlmegatron.checkpoint.run_dir import run_dir_lock\nwith run_dir_lock(sys.argv[1]):\n"
         "    print('held', flush=True)\n    time.sleep(120)\n")
 
 

@@ -69,7 +69,7 @@ def test_the_reward_model_scores_alone_and_the_policy_learns_its_preference(tmp_
 def test_the_reward_model_role_has_the_specs_layout_batching_and_offload(tmp_path):
     import json
 
-    from rlmegatron.spec_pipeline import spec_from_raw
+    from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.runtime import ParallelLayout
     from tests.config.specs import minimal_spec

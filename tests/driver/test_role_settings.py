@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlmegatron.algorithms import PolicyLossConfig
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 # Where the spec becomes role settings; one import line to repoint when that code moves.
 from rlmegatron.driver.role_settings import _offload_parts, actor_settings, critic_settings, parallel_layout, rollout_settings
 from rlmegatron.runtime import ParallelLayout
@@ -186,7 +186,7 @@ def _rank_job(workdir: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.policy_rank import PolicyRank
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.resharding import HFWeightExporter

@@ -1,6 +1,6 @@
 """`rlm train` killed with SIGKILL mid-run: within seconds nothing it started is left, neither Ray's head processes
-and agents nor the rank actors (rlmegatron/reaper.py), nor the rank processes of placement.transport=processes (each
-watches the driver), nor their (loopback) SGLang servers (rlmegatron/lifeline.py)."""
+and agents nor the rank actors (rlmegatron/supervision/reaper.py), nor the rank processes of placement.transport=processes (each
+watches the driver), nor their (loopback) SGLang servers (rlmegatron/supervision/lifeline.py)."""
 import os
 import subprocess
 import time
@@ -35,14 +35,14 @@ def test_nothing_the_driver_started_outlives_its_sigkill(tmp_path, launcher):
         if launcher == "ray":
             for part in ("gcs_server", "raylet"):
                 assert programs.count(part) == 1, (part, commands)
-            for part in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "rlmegatron.reaper"):
+            for part in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "rlmegatron.supervision.reaper"):
                 assert sum(part in line for line in commands) == 1, (part, commands)
             assert sum("ray::RankHost" in line for line in commands) == 2, commands
         else:  # the fork server and the two ranks forked from it (which keep its command line); no Ray at all
             assert sum("multiprocessing.forkserver" in line for line in commands) >= 3, commands
             assert not any("ray" in program for program in programs), commands
-        assert sum("rlmegatron.lifeline" in line for line in commands) == 2, commands  # one per rank
-        servers = [line for line in commands if "sglang.launch_server" in line and "rlmegatron.lifeline" not in line]
+        assert sum("rlmegatron.supervision.lifeline" in line for line in commands) == 2, commands  # one per rank
+        servers = [line for line in commands if "sglang.launch_server" in line and "rlmegatron.supervision.lifeline" not in line]
         assert len(servers) == 2, commands  # each under its lifeline
 
         driver.kill()
@@ -66,8 +66,8 @@ def test_only_a_ray_session_of_its_own_is_handed_to_the_reaper(monkeypatch):
     cluster named by RAY_ADDRESS (the user's) is joined, and nothing of it is ever marked or reaped."""
     import ray
 
-    from rlmegatron import reaper
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.supervision import reaper
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.job import start_ray
 
     inits, reapers = [], []

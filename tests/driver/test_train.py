@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
 from tests.helpers import warm_runs
 from tests.helpers.checkpoints import wait_for_checkpoint
 from tests.helpers.remote_code import write_remote_code_model

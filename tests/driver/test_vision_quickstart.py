@@ -16,7 +16,7 @@ VAL = "val/colour/score/mean"
 SCRIPT = """
 import json, sys
 from rlmegatron.driver.job import check_training, run_training
-from rlmegatron.spec_pipeline import SpecSource
+from rlmegatron.prelaunch.spec_pipeline import SpecSource
 if __name__ == "__main__":
     out, *overrides = sys.argv[1:]
     report = run_training(check_training(SpecSource("configs/vision_quickstart.yaml", overrides)))

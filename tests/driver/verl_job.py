@@ -5,7 +5,7 @@ import json
 import sys
 
 from rlmegatron.driver.job import check_training, run_training
-from rlmegatron.spec_pipeline import SpecSource
+from rlmegatron.prelaunch.spec_pipeline import SpecSource
 from rlmegatron.rank.roles import megatron_step
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.

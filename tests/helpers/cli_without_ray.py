@@ -2,7 +2,7 @@
 import functools
 import sys
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 from rlmegatron.driver import job
 
 # dist_checkpointing's writer starts a spawn Manager that re-imports __main__: keep the work under the guard.

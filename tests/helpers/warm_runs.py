@@ -39,7 +39,7 @@ from typing import IO, Any, Sequence
 from rlmegatron.transport.fork_server import fork_server
 
 # What a driver imports beyond the ranks' modules: tests/conftest.py has the suite's fork server import these.
-DRIVER_MODULES = ("rlmegatron.cli", "rlmegatron.driver.job", "rlmegatron.rank.policy_rank",
+DRIVER_MODULES = ("rlmegatron.entry.cli", "rlmegatron.driver.job", "rlmegatron.rank.policy_rank",
                   "rlmegatron.tracking.tracker", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                   "matplotlib.backends.backend_agg", "transformers.models.auto.tokenization_auto")
 

@@ -176,7 +176,7 @@ def fp8_job(cases: dict[str, L], workdir: str) -> dict:
     checkpoint that differ from those read from its dequantised reference; then `rlm convert hf-to-mcore` (at its
     default, bf16) and `mcore-to-hf --fp8` at that layout, and the HF tensors whose bytes differ from the FP8
     checkpoint's."""
-    from rlmegatron.convert_cli import hf_to_mcore, mcore_to_hf
+    from rlmegatron.entry.convert_command import hf_to_mcore, mcore_to_hf
     from rlmegatron.models.convert import import_hf
 
     report = {}

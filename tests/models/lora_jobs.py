@@ -133,7 +133,7 @@ def lora_job(cases: list[tuple[str, str, ParallelLayout]], workdir: str) -> dict
                 report[f"{family}/{label}"]["resharded"] = merged
     # `rlm convert lora-to-hf`'s rank body here, on these two ranks at TP=2, for the checkpoint saved at TP=1 (the
     # test runs the command itself for the other, at TP=1): spawning ranks costs more than converting.
-    from rlmegatron.convert_cli import lora_to_hf
+    from rlmegatron.entry.convert_command import lora_to_hf
 
     run = os.path.join(workdir, "run-TP1")
     lora_to_hf(run, f"{run}-peft", f"{run}-merged", ParallelLayout(tp=2, sequence_parallel=True))

@@ -272,7 +272,7 @@ CONVERT_CASES = {
 
 @pytest.mark.parametrize("argv, culprit", CONVERT_CASES.values(), ids=CONVERT_CASES.keys())
 def test_convert_refuses_a_bad_input_in_one_line_before_any_rank(models, tmp_path, capsys, argv, culprit):
-    from rlmegatron.convert_cli import main
+    from rlmegatron.entry.convert_command import main
 
     assert main(argv(models, tmp_path)) == 2
     out = capsys.readouterr()
@@ -294,7 +294,7 @@ def test_rlm_convert_says_one_line_and_rlm_debug_adds_the_traceback(models, tmp_
 
 
 def test_a_deepseek_v3_without_mtp_tensors_converts_without_mtp_said_once(models, tmp_path, capsys):
-    from rlmegatron.convert_cli import _layout, build_parser, preflight
+    from rlmegatron.entry.convert_command import _layout, build_parser, preflight
 
     def checked(name):
         args = build_parser().parse_args(_to_mcore(models / name, tmp_path / name))

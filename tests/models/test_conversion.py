@@ -52,7 +52,7 @@ def test_every_layout_matches_hf_and_round_trips_bitwise(reports, family):
 
 
 def test_cli_vpp_etp_and_uneven_pipeline_flags_reach_the_layout_and_the_rank_count():
-    from rlmegatron.convert_cli import _layout, build_parser, default_nproc
+    from rlmegatron.entry.convert_command import _layout, build_parser, default_nproc
 
     args = build_parser().parse_args(["hf-to-mcore", "--hf-path", "hf", "--out", "mcore", "--tp", "2", "--pp", "2",
                                       "--vpp", "2", "--ep", "2", "--etp", "1"])

@@ -90,7 +90,7 @@ def test_which_tensors_the_format_quantises(key, quantised):
 
 
 def test_mcore_to_hf_writes_fp8_only_with_the_flag_in_the_sources_format_else_deepseeks(tmp_path):
-    from rlmegatron.convert_cli import build_parser, export_format
+    from rlmegatron.entry.convert_command import build_parser, export_format
     from rlmegatron.models.convert import ConvertMeta
     from rlmegatron.models.fp8 import DEFAULT_CONFIG
 
@@ -123,7 +123,7 @@ def test_the_hf_logits_verify_compares_with_are_those_of_the_dequantised_weights
 def test_converting_fp8_weights_to_fp16_notes_the_range_it_loses(tmp_path, capsys):
     """bf16 and fp32 hold every FP8 value times its scale (the round trips below), fp16 not the smallest: said
     once, before the ranks, for fp16 only."""
-    from rlmegatron.convert_cli import _layout, build_parser, preflight
+    from rlmegatron.entry.convert_command import _layout, build_parser, preflight
 
     fp8_dir, _ = save_fp8_model("llama", str(tmp_path / "llama"))
     capsys.readouterr()  # what saving the model printed
@@ -190,7 +190,7 @@ def test_a_trained_block_gets_a_fresh_scale_and_the_untrained_keep_their_bytes()
 def test_rlm_convert_round_trips_an_fp8_checkpoint_byte_for_byte_at_tp2_pp2_through_bf16(tmp_path):
     """`rlm convert hf-to-mcore` (bf16, the default) then `mcore-to-hf --fp8`, both at TP=2 x PP=2, of DeepSeek-V3
     (MLA, MoE, shared experts, an MTP layer): every tensor's bytes, FP8 values and scales, as they were."""
-    from rlmegatron.convert_cli import main
+    from rlmegatron.entry.convert_command import main
     from rlmegatron.models.convert import SCALES_FILE, ConvertMeta
     from tests.models.conversion_jobs import _read_safetensors
 

@@ -98,7 +98,7 @@ def test_adapters_saved_at_one_layout_load_at_tp1_with_the_same_merged_weights(r
 def converted(report):
     """The qwen3 actors trained at TP1 and TP2, saved as a run's checkpoints, each converted at the other TP size (the
     checkpoint reshards, and both exporter paths run): TP1's by lora_job on its ranks, TP2's by the command."""
-    from rlmegatron.convert_cli import main
+    from rlmegatron.entry.convert_command import main
 
     workdir = report["workdir"]
     run = workdir / "run-TP2"

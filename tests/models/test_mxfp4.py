@@ -197,7 +197,7 @@ def test_a_nan_scale_is_refused_when_its_expert_is_read(model, tmp_path):
 
 def test_rlm_convert_refuses_a_bad_mxfp4_checkpoint_and_mxfp4_for_another_family_before_any_rank(model, tmp_path,
                                                                                                  capsys):
-    from rlmegatron.convert_cli import export_format, main
+    from rlmegatron.entry.convert_command import export_format, main
     from rlmegatron.models.convert import ConvertMeta
 
     broken = _broken(model, tmp_path, lambda t, c: t.pop(KEY + "_scales"))
@@ -212,7 +212,7 @@ def test_rlm_convert_refuses_a_bad_mxfp4_checkpoint_and_mxfp4_for_another_family
 
 
 def test_mcore_to_hf_mxfp4_writes_the_sources_quantization_config_else_gpt_oss_s(tmp_path):
-    from rlmegatron.convert_cli import build_parser, export_format
+    from rlmegatron.entry.convert_command import build_parser, export_format
     from rlmegatron.models.convert import ConvertMeta
     from rlmegatron.models.mxfp4 import DEFAULT_CONFIG
 
@@ -235,7 +235,7 @@ def test_mcore_to_hf_mxfp4_writes_the_sources_quantization_config_else_gpt_oss_s
 def test_rlm_convert_round_trips_an_mxfp4_checkpoint_byte_for_byte_at_tp2_ep2_through_bf16(tmp_path):
     """`rlm convert hf-to-mcore` (bf16, the default) then `mcore-to-hf --mxfp4`, both at TP=2 x EP=2: every tensor's
     bytes (blocks, scales, the bf16 rest) and config.json's quantization_config as they were."""
-    from rlmegatron.convert_cli import main
+    from rlmegatron.entry.convert_command import main
     from rlmegatron.models.convert import MXFP4_SCALES_FILE, ConvertMeta
 
     mxfp4_dir, _ = save_mxfp4_model(str(tmp_path / "model"))

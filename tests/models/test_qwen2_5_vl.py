@@ -79,7 +79,7 @@ def test_log_probs_on_images_equal_transformers_and_the_round_trip_is_bitwise(re
 
 
 def test_actor_vision_freeze_reaches_the_trainer_ranks():
-    from rlmegatron.spec_pipeline import spec_from_raw
+    from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from tests.config.specs import minimal_spec
 

@@ -57,7 +57,7 @@ def write_model(directory: Path, family: str) -> Path:
 
 
 def _replay_job(workdir: str, model: str, layouts: dict[str, list[str]]) -> dict:
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.policy_rank import PolicyRank
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.driver.rollout_data import build_batch

@@ -2,7 +2,7 @@
 import pytest
 
 from rlmegatron.config import read_architecture
-from rlmegatron.spec_pipeline import spec_from_raw
+from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.planner.parameters import count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan, render_plan
 from tests.config.specs import MODELS_DIR

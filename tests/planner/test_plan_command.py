@@ -1,7 +1,7 @@
 """`rlm plan`: report, JSON, and layouts it rejects with SpecProblem lines and exit code 2."""
 import json
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 
 RECIPE = "configs/gsm8k_qwen3_1p7b_grpo.yaml"
 

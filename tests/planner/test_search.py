@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 from rlmegatron.config import read_architecture
-from rlmegatron.spec_pipeline import load_spec
+from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.planner.plan import PlanSettings, build_plan
 
 RECIPE = "configs/qwen3_30b_a3b_grpo.yaml"

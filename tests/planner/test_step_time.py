@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.step_time_calibration import NEMO_RL, predict, sync_checks
-from rlmegatron.cli import main
+from rlmegatron.entry.cli import main
 from rlmegatron.planner.step_time import Hardware, sync_seconds
 from tests.planner.test_memory import _plan, _spec
 

@@ -29,7 +29,7 @@ def _lora_rank_job(workdir: str) -> dict:
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.models.fp8 import DEFAULT as FP8_ROLLOUT
     from rlmegatron.models.lora import adapted_modules, adapters_disabled, is_adapter_name
@@ -123,7 +123,7 @@ def test_rlm_plan_counts_the_gradients_and_adam_state_of_what_trains(report, mon
     """The planner's LoRA accounting against the rank: fp32 gradients and Adam's two moments of every parameter that
     trains (the adapters and the embedding), on one rank."""
     from rlmegatron.config import read_architecture
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.planner.plan import PlanSettings, build_plan
 
     monkeypatch.chdir(REPO_ROOT)  # the spec's paths are relative to the repository

@@ -49,7 +49,7 @@ def write_hf_model(directory: Path) -> Path:
 
 
 def _roles_job(workdir: str, model: str) -> dict:
-    from rlmegatron.spec_pipeline import load_spec
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.policy_rank import PolicyRank
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
 from rlmegatron.errors import UserError
 from rlmegatron.tracking import Tracker
 from rlmegatron.tracking.mlflow_run import resolve_tracking_uri

@@ -2,7 +2,7 @@
 carries what it plots, which is what the store holds. (A finished run's own curves: tests/driver/test_train.py.)"""
 import time
 
-from rlmegatron.cli import EXIT_BAD_SPEC, EXIT_OK, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, EXIT_OK, main
 from rlmegatron.tracking import Tracker
 from tests.helpers.tracking_readers import plotted
 from tests.tracking.test_tracking import damage, job_spec

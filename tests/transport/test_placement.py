@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.spec_pipeline import load_spec
+from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.transport.placement import (Ask, Node, PlacementUnsatisfiable, ResourcePool, can_hold, create_pools,
                                             missing)
 
@@ -140,8 +140,8 @@ def test_a_local_cluster_is_sized_for_the_placement(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: asked.setdefault("init", kwargs) and Context())
-    # The reaper of the session rlm train starts is tested in tests/test_reaper.py; nothing starts here.
-    reaper = importlib.import_module("rlmegatron.reaper")
+    # The reaper of the session rlm train starts is tested in tests/supervision/test_reaper.py; nothing starts here.
+    reaper = importlib.import_module("rlmegatron.supervision.reaper")
     monkeypatch.setattr(reaper, "start", lambda mark, session_dir: None)
     monkeypatch.setattr(reaper, "mark_started_processes", lambda: "mark")
     job.start_ray(load_spec(str(REPO_ROOT / "configs" / "quickstart.yaml"), [

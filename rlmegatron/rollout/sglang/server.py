@@ -180,7 +180,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rlmegatron.lifeline", str(os.getpid()), "--", *self.command],
+                [sys.executable, "-m", "rlmegatron.supervision.lifeline", str(os.getpid()), "--", *self.command],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                 start_new_session=True,  # its own process group, so stop() also ends the TP worker children
             )

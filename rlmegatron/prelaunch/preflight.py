@@ -1,6 +1,6 @@
 """Pre-launch checks of what a valid spec points at: the model, the tokenizer, the data files, the reward and
 dataset plug-ins, the run directory (it can be written to) and the packages of the tracking backends it chooses: the
-preflight stage of rlmegatron/spec_pipeline.py, which `rlm validate` and `rlm train` (before Ray or any worker) run.
+preflight stage of rlmegatron/prelaunch/spec_pipeline.py, which `rlm validate` and `rlm train` (before Ray or any worker) run.
 
 The spec checks (rlmegatron.config) read nothing but the model's config.json. These load the tokenizer
 (transformers), read the first rows of each data file (pyarrow) and import the user's plug-ins, so they live here.
@@ -22,7 +22,7 @@ from rlmegatron.config.errors import NO_VALUE, SpecProblem
 from rlmegatron.models.families import family_for, read_architecture
 from rlmegatron.plugins import plugin_problem
 from rlmegatron.rewards.dispatch import builtin_rule
-from rlmegatron.run_dir import unwritable
+from rlmegatron.checkpoint.run_dir import unwritable
 from rlmegatron.tracking.tracker import OPTIONAL_PACKAGES
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The one place a job spec is accepted or rejected: a pipeline of named stages that each command runs once, before
-anything starts. Every SpecError comes from `check_job` (tests/test_spec_pipeline.py fails on a module elsewhere that
+anything starts. Every SpecError comes from `check_job` (tests/prelaunch/test_spec_pipeline.py fails on a module elsewhere that
 makes one); the other modules return problems (SpecProblem) and the stage that called them decides.
 
 The stages, in order:
@@ -35,7 +35,7 @@ from rlmegatron.config.loader import COMMAND_LINE, ParsedSpec, parse_spec, read_
 from rlmegatron.config.relevance import unused_settings
 from rlmegatron.config.spec import JobSpec
 from rlmegatron.config.verl_keys import follows_checked, translate
-from rlmegatron.preflight import preflight
+from rlmegatron.prelaunch.preflight import preflight
 
 STAGES = ("schema", "cross-field", "relevance", "launch", "schedule", "preflight", "data")
 SPEC_STAGES = ("schema", "cross-field", "relevance", "schedule")

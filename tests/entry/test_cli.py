@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
 SUBCOMMANDS = ("train", "validate", "plan", "convert", "prepare", "report", "pool")
 
@@ -81,11 +81,12 @@ def test_convert_rejects_an_unknown_direction(capsys):
 
 
 def test_cli_module_imports_no_pydantic_nor_a_commands_modules_until_a_command_runs():
-    """`rlm` imports rlmegatron.cli before main's try begins, where a Ctrl-C would be a traceback."""
-    probe = "import sys, rlmegatron.cli; print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'rlm'))))"
+    """`rlm` imports rlmegatron.entry.cli before main's try begins, where a Ctrl-C would be a traceback."""
+    probe = "import sys, rlmegatron.entry.cli; print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'rlm'))))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["['rlmegatron',", "'rlmegatron.cli',", "'rlmegatron.errors',",
-                                     "'rlmegatron.megatron_fusers']"]
+    assert result.stdout.split() == ["['rlmegatron',", "'rlmegatron.entry',", "'rlmegatron.entry.cli',",
+                                     "'rlmegatron.errors',", "'rlmegatron.models',",
+                                     "'rlmegatron.models.megatron_fusers']"]
 
 
 def test_train_with_a_reward_plugin_that_does_not_load_exits_2_with_one_line(tmp_path):
@@ -116,13 +117,13 @@ def test_a_users_mistake_raised_in_a_ray_worker_is_its_message_alone(monkeypatch
     remote = ray.exceptions.RayTaskError("RankHost.build", "Traceback (most recent call last):\n  ...",
                                          mistake).as_instanceof_cause()
     assert isinstance(remote, DatasetError) and str(remote) != str(mistake)
-    monkeypatch.setattr("rlmegatron.cli.validate", _raising(remote))
+    monkeypatch.setattr("rlmegatron.entry.cli.validate", _raising(remote))
     assert main(["validate", QUICKSTART]) == EXIT_BAD_SPEC
     assert capsys.readouterr().err == "train.jsonl:3: not valid JSON\n"
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
-    monkeypatch.setattr("rlmegatron.cli.validate", _raising(KeyError("a bug of ours")))
+    monkeypatch.setattr("rlmegatron.entry.cli.validate", _raising(KeyError("a bug of ours")))
     with pytest.raises(KeyError, match="a bug of ours"):
         main(["validate", QUICKSTART])
 
@@ -131,7 +132,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 def test_debug_adds_the_traceback_to_a_users_mistake(where, monkeypatch, capsys):
     from rlmegatron.plugins import PluginError
 
-    monkeypatch.setattr("rlmegatron.cli.validate", _raising(PluginError("reward.py defines no 'score'")))
+    monkeypatch.setattr("rlmegatron.entry.cli.validate", _raising(PluginError("reward.py defines no 'score'")))
     argv = ["--debug", "validate", QUICKSTART] if where == "before the command" else ["validate", QUICKSTART, "--debug"]
     assert main(argv) == EXIT_BAD_SPEC
     err = capsys.readouterr().err
@@ -169,7 +170,7 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
     import huggingface_hub
 
     from rlmegatron.driver import job
-    from rlmegatron.preflight import HUB_PATTERNS
+    from rlmegatron.prelaunch.preflight import HUB_PATTERNS
 
     fetched, launched = [], []
 
@@ -200,7 +201,7 @@ def test_train_runs_a_hub_model_from_its_downloaded_snapshot(monkeypatch, capsys
 
 def test_ctrl_c_before_training_starts_is_one_line_and_exit_130(monkeypatch, capsys):
     """Ctrl-C while the command line is read or the spec is checked (seconds) is reported as an interrupt, not a traceback."""
-    import rlmegatron.cli as cli
+    import rlmegatron.entry.cli as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -212,7 +213,7 @@ def test_ctrl_c_before_training_starts_is_one_line_and_exit_130(monkeypatch, cap
 
 @pytest.mark.parametrize("option", ["--debug", "--verbose"])
 def test_a_deleted_key_after_an_option_is_an_override(option, monkeypatch):
-    import rlmegatron.cli as cli
+    import rlmegatron.entry.cli as cli
 
     seen = []
     monkeypatch.setattr(cli, "train", lambda args: seen.append(args.overrides) or 0)
@@ -221,7 +222,7 @@ def test_a_deleted_key_after_an_option_is_an_override(option, monkeypatch):
 
 
 def test_ctrl_c_while_the_parser_imports_is_one_line_and_exit_130(monkeypatch, capsys):
-    import rlmegatron.cli as cli
+    import rlmegatron.entry.cli as cli
 
     def interrupted():
         raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""rlmegatron/megatron_fusers.py: on a CPU-only torch, Megatron-Core's fusers are off from its first import on, so its
+"""rlmegatron/models/megatron_fusers.py: on a CPU-only torch, Megatron-Core's fusers are off from its first import on, so its
 import leaves torch.compile's machinery unimported; on a GPU build of torch, Megatron-Core's jit is as it ships."""
 import importlib.util
 import json
@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from rlmegatron import megatron_fusers
-from rlmegatron.megatron_fusers import JIT_MODULE, _FusersOffOnCpuBuild, _ThenFusersOff
+from rlmegatron.models import megatron_fusers
+from rlmegatron.models.megatron_fusers import JIT_MODULE, _FusersOffOnCpuBuild, _ThenFusersOff
 
 
 def test_importing_megatron_after_rlmegatron_on_a_cpu_torch_leaves_dynamo_and_inductor_unimported():

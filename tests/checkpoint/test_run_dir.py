@@ -1,4 +1,4 @@
-"""The run directory's lock (rlmegatron/run_dir.py): a second holder is refused with the first one named, and the lock
+"""The run directory's lock (rlmegatron/checkpoint/run_dir.py): a second holder is refused with the first one named, and the lock
 is free the moment its holder dies, SIGKILL included, with nothing to clean up; and the write check preflight runs."""
 import os
 import signal
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rlmegatron.run_dir import RunDirBusy, refuse_if_busy, run_dir_lock, unwritable
+from rlmegatron.checkpoint.run_dir import RunDirBusy, refuse_if_busy, run_dir_lock, unwritable
 
-HOLD = ("import sys, time\nfrom rlmegatron.run_dir import run_dir_lock\n"
+HOLD = ("import sys, time\nfrom rlmegatron.checkpoint.run_dir import run_dir_lock\n"
         "with run_dir_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(120)\n")
 
 

@@ -1,4 +1,4 @@
-"""`python -m rlmegatron.lifeline OWNER_PID -- COMMAND...`: runs COMMAND and ends its whole process
+"""`python -m rlmegatron.supervision.lifeline OWNER_PID -- COMMAND...`: runs COMMAND and ends its whole process
 group when OWNER_PID dies. Standard library only, outside the heavy packages, so it starts in milliseconds.
 
 Servers run in their own session so that stopping one also stops its TP worker children; that same session
@@ -42,7 +42,7 @@ def _end_group(child: subprocess.Popen) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m rlmegatron.lifeline OWNER_PID -- COMMAND...", file=sys.stderr)
+        print("usage: python -m rlmegatron.supervision.lifeline OWNER_PID -- COMMAND...", file=sys.stderr)
         return 2
     owner, command = int(argv[0]), argv[2:]
     child = subprocess.Popen(command, preexec_fn=_die_with_parent)

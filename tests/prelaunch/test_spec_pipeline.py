@@ -1,4 +1,4 @@
-"""The spec pipeline (rlmegatron/spec_pipeline.py) is the one place a spec is rejected: each stage rejects what it
+"""The spec pipeline (rlmegatron/prelaunch/spec_pipeline.py) is the one place a spec is rejected: each stage rejects what it
 is there for, `rlm validate` and `rlm train` say the same line for the same mistake, no other module makes a
 SpecError, and the policy the spec implies is worked out by one function that the planner, the trainer and the
 ranks' settings all call."""
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from rlmegatron.cli import EXIT_BAD_SPEC, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
 from rlmegatron.config import SpecError
 from rlmegatron.config.spec import JobSpec, optimizer_steps
-from rlmegatron.spec_pipeline import (
+from rlmegatron.prelaunch.spec_pipeline import (
     SPEC_STAGES, STAGES, TRAIN_STAGES, VALIDATE_STAGES, SpecSource, check_job, load_spec,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = REPO_ROOT / "rlmegatron"
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -129,7 +129,7 @@ def test_no_module_but_the_pipeline_makes_a_spec_error():
         lines = [node.lineno for node in ast.walk(ast.parse(path.read_text())) if _makes_a_spec_error(node)]
         if lines:
             makers[str(path.relative_to(REPO_ROOT))] = lines
-    assert set(makers) == {"rlmegatron/spec_pipeline.py"}, makers
+    assert set(makers) == {"rlmegatron/prelaunch/spec_pipeline.py"}, makers
 
 
 def test_the_planner_the_trainer_and_the_ranks_count_with_the_same_functions(monkeypatch, tmp_path):

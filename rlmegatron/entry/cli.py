@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from rlmegatron.errors import UserError, user_error_in
 
 if TYPE_CHECKING:
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
 
 # Exit codes: a user's mistake (a rejected spec, a bad data file, a broken plug-in: any UserError) is theirs to fix.
 EXIT_OK = 0
@@ -126,11 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Each command runs the spec pipeline (rlmegatron/spec_pipeline.py) once, with its stages: validate every stage but
+# Each command runs the spec pipeline (rlmegatron/prelaunch/spec_pipeline.py) once, with its stages: validate every stage but
 # data (what is not there yet is only noted), plan the stages of the spec alone, train all of them (in run_training).
 def validate(args: argparse.Namespace) -> int:
     from rlmegatron.config import dump_spec
-    from rlmegatron.spec_pipeline import VALIDATE_STAGES, check_job
+    from rlmegatron.prelaunch.spec_pipeline import VALIDATE_STAGES, check_job
 
     sys.stdout.write(dump_spec(check_job(_spec_source(args), VALIDATE_STAGES).spec))
     return EXIT_OK
@@ -196,7 +196,7 @@ def plan(args: argparse.Namespace) -> int:
     from rlmegatron.config.loader import read_spec_file
     from rlmegatron.planner.command import run_plan
     from rlmegatron.planner.search import freed
-    from rlmegatron.spec_pipeline import SPEC_STAGES, check_job
+    from rlmegatron.prelaunch.spec_pipeline import SPEC_STAGES, check_job
 
     source = _spec_source(args)
     if args.search and source.config is not None:  # the layout it chooses is checked as chosen, not as the YAML has it
@@ -232,7 +232,7 @@ def pool(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from rlmegatron.convert_cli import main as convert_main  # lazy: in main's try
+    from rlmegatron.entry.convert_command import main as convert_main  # lazy: in main's try
 
     return convert_main(args.convert_args)
 
@@ -240,7 +240,7 @@ def convert(args: argparse.Namespace) -> int:
 def _spec_source(args: argparse.Namespace) -> SpecSource:
     """The spec file and overrides the command was given. With --verl the overrides are verl's keys, and verl's
     command line needs no base spec (verl has none)."""
-    from rlmegatron.spec_pipeline import SpecSource
+    from rlmegatron.prelaunch.spec_pipeline import SpecSource
 
     command = f"rlm {args.command.__name__}"
     config, overrides = args.config, list(args.overrides)

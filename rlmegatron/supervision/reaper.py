@@ -1,4 +1,4 @@
-"""`python -m rlmegatron.reaper OWNER_PID MARK SESSION_DIR`: once OWNER_PID is gone, however it went (SIGKILL
+"""`python -m rlmegatron.supervision.reaper OWNER_PID MARK SESSION_DIR`: once OWNER_PID is gone, however it went (SIGKILL
 included), SIGKILL every process of the Ray session it started and everything those started. Standard library only,
 so it starts in milliseconds and idles in a few megabytes.
 
@@ -41,7 +41,7 @@ def start(mark: str, session_dir: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     _started.append(subprocess.Popen(
-        [sys.executable, "-m", "rlmegatron.reaper", str(os.getpid()), mark, session_dir],
+        [sys.executable, "-m", "rlmegatron.supervision.reaper", str(os.getpid()), mark, session_dir],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
         start_new_session=True,  # out of the owner's process group: a Ctrl-C or a group kill leaves it to clean up
     ))
@@ -120,7 +120,7 @@ def _kill(pid: int, start_time: str) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m rlmegatron.reaper OWNER_PID MARK SESSION_DIR", file=sys.stderr)
+        print("usage: python -m rlmegatron.supervision.reaper OWNER_PID MARK SESSION_DIR", file=sys.stderr)
         return 2
     owner, mark, session_dir = int(argv[0]), argv[1], argv[2]
     wait_for_exit(owner)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.helpers.processes import alive, command, descendants, open_files
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SLEEP = "import sys, time; files = [open(path, 'a') for path in sys.argv[1:]]; time.sleep(600)"
 
 # Marks what it starts and hands the session to a reaper, then starts: a marked child; a marked child whose own
@@ -18,7 +18,7 @@ SLEEP = "import sys, time; files = [open(path, 'a') for path in sys.argv[1:]]; t
 # its log open in the session).
 OWNER = f"""
 import subprocess, sys, time
-from rlmegatron import reaper
+from rlmegatron.supervision import reaper
 session = sys.argv[1]
 reaper.start(reaper.mark_started_processes(), session)
 subprocess.Popen([sys.executable, "-c", {SLEEP!r}])
@@ -49,7 +49,7 @@ def test_the_owners_session_ends_within_moments_of_its_sigkill_and_nothing_else_
         deadline = time.monotonic() + 30
         while len(tree := descendants(owner.pid)) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)  # the grandchild's parent is still starting
-        [reaper] = [pid for pid in tree if "rlmegatron.reaper" in command(pid)]
+        [reaper] = [pid for pid in tree if "rlmegatron.supervision.reaper" in command(pid)]
         victims = [pid for pid in tree if pid != reaper]
         assert len(victims) == 4, [command(pid) for pid in tree]
         # The agent is known by the log it holds open: on a loaded machine its interpreter may not have opened it yet.

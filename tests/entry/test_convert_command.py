@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlmegatron import convert_cli
+from rlmegatron.entry import convert_command
 from rlmegatron.models.convert import ConvertMeta
 from rlmegatron.models.families import FAMILIES
 
@@ -24,7 +24,7 @@ def ranks(monkeypatch):
         return Ranks.results
 
     monkeypatch.setattr(local_ranks, "run_ranks", run_ranks)
-    monkeypatch.setattr(convert_cli, "preflight", lambda args, layout: None)
+    monkeypatch.setattr(convert_command, "preflight", lambda args, layout: None)
     return Ranks
 
 
@@ -42,8 +42,8 @@ def hf_dir(path, **config):
 ])
 def test_hf_to_mcore_writes_the_models_own_dtype_unless_told(tmp_path, ranks, config, written):
     out = ["--out", str(tmp_path / "out"), "--device", "cpu"]
-    assert convert_cli.main(["hf-to-mcore", "--hf-path", hf_dir(tmp_path / "hf", **config), *out]) == 0
-    assert convert_cli.main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), *out, "--dtype", "bf16"]) == 0
+    assert convert_command.main(["hf-to-mcore", "--hf-path", hf_dir(tmp_path / "hf", **config), *out]) == 0
+    assert convert_command.main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), *out, "--dtype", "bf16"]) == 0
     assert [call["dtype"] for call in ranks.calls] == [written, "bf16"]
 
 
@@ -53,7 +53,7 @@ def test_a_verify_missed_by_rounding_says_so(tmp_path, ranks, capsys):
     ConvertMeta(hf_config={}, padded_vocab_size=128, dtype="bf16", stacked_experts=False).save(mcore)
     ranks.results = [{"max_abs_diff": 2.287e-3, "cosine": 0.99999475}]
     args = ["verify", "--hf-path", hf_dir(tmp_path / "hf", dtype="float32"), "--mcore-path", str(mcore)]
-    assert convert_cli.main([*args, "--device", "cpu"]) == convert_cli.EXIT_BEYOND_TOLERANCE
+    assert convert_command.main([*args, "--device", "cpu"]) == convert_command.EXIT_BEYOND_TOLERANCE
     out, err = capsys.readouterr()
     assert out == "logits max_abs_diff=2.287e-03 cosine=0.99999475 (tolerance 0.001)\n"
     assert err == ("rlm convert verify: the Megatron checkpoint holds bf16 weights and the model is fp32: the "
@@ -83,8 +83,8 @@ def test_every_family_converts_through_the_commands_at_tp2_and_back_bitwise(tmp_
     hf, mcore, back = (str(tmp_path / name) for name in ("hf", "mcore", "back"))
     save_tiny_vl(hf, model_type=family) if family in VL_FAMILIES else save_tiny_model(family, hf)
     layout = ["--tp", "2"] + (["--ep", "2", "--etp", "1"] if read_architecture(hf).is_moe else [])
-    assert convert_cli.main(["hf-to-mcore", "--hf-path", hf, "--out", mcore, *layout, "--device", "cpu"]) == 0
-    assert convert_cli.main(["mcore-to-hf", "--mcore-path", mcore, "--out", back, *layout, "--device", "cpu"]) == 0
+    assert convert_command.main(["hf-to-mcore", "--hf-path", hf, "--out", mcore, *layout, "--device", "cpu"]) == 0
+    assert convert_command.main(["mcore-to-hf", "--mcore-path", mcore, "--out", back, *layout, "--device", "cpu"]) == 0
     original, again = _safetensors(hf), _safetensors(back)
     assert original.keys() == again.keys()
     assert [k for k in original if not torch.equal(original[k], again[k])] == []
