@@ -50,8 +50,9 @@ setup(
         "tensorboard": TENSORBOARD,
         # peft: the LoRA export parity tests; pytest-xdist: the suite's two workers (README's test command)
         # sglang-router: its launcher's own argument parser checks the flags rlm train starts a router with
+        # mkdocs: tests/test_docs.py builds docs/ strictly (every internal link checked)
         # wandb>=0.31: the tests read its offline runs back with its transaction-log inspector (wandb leet inspect)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.21", "pytest-xdist>=3.8", "sglang-router==0.3.2", "mkdocs>=1.6",
                  *SGLANG_APP_DEPS, "wandb>=0.31", *TENSORBOARD],
     },
     entry_points={"console_scripts": ["rlm=rlmegatron.entry.cli:main"]},

@@ -88,7 +88,7 @@ def resolved(spec_text: str, section: str, key: str) -> str:
 def absolute_run_dir(launch: Launch, spec_text: str) -> Launch:
     """A Ray job runs in a copy of the working directory that Ray unpacks on the head (`working_dir`), which goes when
     the job ends: a relative trainer.run_dir (checkpoints, the MLflow store, the exported policy) is made absolute
-    against this repository, which the cluster's nodes must share (README, "Several nodes")."""
+    against this repository, which the cluster's nodes must share (docs/clusters.md, "Several nodes")."""
     run_dir = resolved(spec_text, "trainer", "run_dir")
     if Path(run_dir).is_absolute() or any(o.startswith("trainer.run_dir=") for o in launch.overrides):
         return launch

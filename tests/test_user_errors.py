@@ -498,10 +498,10 @@ def test_a_users_mistake_is_one_line_per_problem_with_exit_2(name, assets, no_la
         assert culprit in err, f"{culprit!r} not in {err!r}"
 
 
-def test_the_readme_says_how_many_cases_each_catalogue_holds():
-    """README's reliability section: the count of CASES, and one bullet per fault case, each naming test files that
-    exist."""
-    section = (REPO_ROOT / "README.md").read_text().split("## Reliability\n", 1)[1].split("\n## ", 1)[0]
+def test_the_reliability_page_says_how_many_cases_each_catalogue_holds():
+    """The reliability page's first section: the count of CASES, and one bullet per fault case, each naming test files
+    that exist."""
+    section = (REPO_ROOT / "docs" / "reliability.md").read_text().split("## Reliability\n", 1)[1].split("\n## ", 1)[0]
     assert f"runs the {len(CASES)} cases of its `CASES` table" in " ".join(section.split())
     faults = section.split("**A fault at run time** (", 1)[1]
     stated = int(faults.split(" cases)", 1)[0])

@@ -191,7 +191,7 @@ REMOTE_CODE = ("tests/config/test_checks.py::"
 CHOSEN_LOSS = ROLES + "test_the_actor_gets_the_chosen_loss_and_every_knob"
 LOSSES_FIT = "tests/driver/test_algorithms_fit.py::test_policy_loss_runs_the_fit_loop"
 LOSS_PLUGIN = ("tests/rank/roles/test_actor.py::"
-               "test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
+               "test_the_docs_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates")
 LORA_RANK = "tests/rank/test_lora_rank.py::"
 LORA_SPEC = LORA_RANK + "test_the_spec_puts_adapters_of_its_rank_scale_and_dropout_on_the_chosen_linears"
 LORA_PARITY = "tests/models/test_lora.py::test_lora_trains_and_merges_at_every_layout_as_at_tp1"

@@ -10,7 +10,7 @@ from rlmegatron.runtime import ParallelLayout as L
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.rank.roles.jobs import make_actor, on_policy_job, parity_job, plugin_loss_job, rollout_batch
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ALGORITHMS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "algorithms.md"
 
 TOLERANCE = 1e-5
 
@@ -54,9 +54,9 @@ def test_log_probs_entropy_and_update_match_tp1(parity_reports):
         assert name in report["metrics"], name
 
 
-def test_the_readme_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates(tmp_path):
-    """The README's ten-line REINFORCE loss, loaded by path in a spawned rank, updates exactly like `gpg`."""
-    [code] = re.findall(r"```python\n(# my_losses.py\n.*?)```", README.read_text(), flags=re.DOTALL)
+def test_the_docs_loss_plugin_trains_in_a_rank_process_like_the_builtin_it_restates(tmp_path):
+    """The algorithms page's ten-line REINFORCE loss, loaded by path in a spawned rank, updates exactly like `gpg`."""
+    [code] = re.findall(r"```python\n(# my_losses.py\n.*?)```", ALGORITHMS_PAGE.read_text(), flags=re.DOTALL)
     (tmp_path / "my_losses.py").write_text(code)
     reference = f"{tmp_path / 'my_losses.py'}:reinforce"
     report = run_ranks(plugin_loss_job, 1, reference, timeout_s=300)[0]
