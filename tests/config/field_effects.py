@@ -156,7 +156,7 @@ WANDB_ACCOUNT = BACKENDS + "test_wandb_without_an_account_outside_offline_mode_i
 RESUMED_RUN_BACKENDS = TRAIN + "test_after_the_resume_wandb_continues_its_run_and_tensorboard_shows_each_step_once"
 TRAINER_POOL = "tests/transport/test_placement.py::test_each_node_gets_one_bundle_of_its_ranks_and_no_two_share_a_node"
 MULTI_NODE = "tests/launch/test_local_cluster.py::test_the_quickstart_submitted_to_the_cluster_learns_with_its_ranks_on_two_nodes"
-OWN_NODES = "tests/launch/test_local_cluster.py::test_the_rollout_pool_gets_a_node_of_its_own_and_the_weights_at_every_step"
+OWN_NODES = "tests/launch/test_local_cluster.py::test_the_rollout_pool_gets_a_node_of_its_own_and_an_engine_that_joins_gets_a_placement_group_and_the_weights"
 
 # Rejections and checks.
 CHECKS = "tests/config/test_checks.py::test_check_fires_with_field_value_and_fix"

@@ -184,30 +184,13 @@ def _nothing_left_of_runs() -> list[str]:
             or "rlmegatron.rollout.local_server" in line or "sglang.launch_server" in line]
 
 
-def test_the_rollout_pool_gets_a_node_of_its_own_and_the_weights_at_every_step(cluster, tmp_path):
-    env = cluster.use()
-    # The on-policy check stops the run when an engine's log-prob of a sampled token is off the actor's by more than
-    # float32 rounding: the engine on the third node must hold exactly the trained weights at every step.
-    run = _train(env, tmp_path / "run", "placement.nnodes=2", "placement.gpus_per_node=1",
-                 "placement.mode=disaggregate", "placement.rollout_nnodes=1", "placement.rollout_gpus_per_node=1",
-                 "trainer.total_steps=30", "trainer.on_policy_check=1e-5", "trainer.test_freq=-1")
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-3000:]
-    trainer_nodes, _, _, rollout_nodes = _placed(output)
-    assert len(rollout_nodes) == 1 and len(set(trainer_nodes + rollout_nodes)) == 3
-    assert "trained steps 1-30 (30 steps)" in output
-    node_ips, actors = _ray_state(env)
-    job = next(a.job_id for a in actors if a.class_name == "RankHost" and (a.repr_name or "").endswith(
-        f"rendezvous={PLACED.search(output).group(2)}:{PLACED.search(output).group(3)})"))
-    hosts = [a for a in actors if a.job_id == job and a.class_name == "Member"]
-    assert [node_ips.get(a.node_id) for a in hosts] == rollout_nodes
-    assert _nothing_left_of_runs() == []
-
-
-def test_an_engine_that_joins_a_running_job_gets_a_placement_group_of_its_own_and_the_weights(cluster, tmp_path):
-    """`rlm pool add 1` while a disaggregated job trains on the cluster: the new engine's host is a Ray actor on a
-    placement group of its own, and from the step it joins it samples with exactly the trained weights (the
-    on-policy check would stop the run otherwise); its placement group goes with the run."""
+def test_the_rollout_pool_gets_a_node_of_its_own_and_an_engine_that_joins_gets_a_placement_group_and_the_weights(
+        cluster, tmp_path):
+    """A disaggregated job on the cluster: the rollout pool's host on the third node, the two trainer ranks on the
+    other two. The on-policy check stops the run when an engine's log-prob of a sampled token is off the actor's by
+    more than float32 rounding, so the engines hold exactly the trained weights at every step: the pool's from the
+    first, and the one `rlm pool add 1` adds mid-run (its host a Ray actor on a placement group of its own, which
+    goes with the run) from the step it joins."""
     from rlmegatron.driver.pool_control import request
 
     env, run_dir = cluster.use(), tmp_path / "run"
@@ -233,11 +216,14 @@ def test_an_engine_that_joins_a_running_job_gets_a_placement_group_of_its_own_an
     engines = [int(n) for n in re.findall(r"pool/engines\s+(\d+)", output)]
     assert engines[0] == 1 and engines[-1] == 2 and sorted(engines) == engines
     assert "trained steps 1-8 (8 steps)" in output
+    trainer_nodes, _, _, rollout_nodes = _placed(output)
+    assert len(rollout_nodes) == 1 and len(set(trainer_nodes + rollout_nodes)) == 3
     node_ips, actors = _ray_state(env)
     job = next(a.job_id for a in actors if a.class_name == "RankHost" and (a.repr_name or "").endswith(
         f"rendezvous={PLACED.search(output).group(2)}:{PLACED.search(output).group(3)})"))
     hosts = [a for a in actors if a.job_id == job and a.class_name == "Member"]
     assert len(hosts) == 2 and all(node_ips.get(a.node_id) in NODES for a in hosts)
+    assert rollout_nodes[0] in [node_ips.get(a.node_id) for a in hosts]  # the pool's host, where it was placed
     assert len({a.placement_group_id for a in hosts}) == 2  # the pool's, and the joined engine's own
     assert _nothing_left_of_runs() == []
 
