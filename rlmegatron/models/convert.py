@@ -195,6 +195,8 @@ class HFCheckpoint:
         tensor = self._slice(source.key)
         shape = tensor.get_shape()[len(lead):]
         base, rows = 0, shape[0]
+        if source.rows is not None:  # one group (reads_whole_slab takes more): a range of rows
+            base, rows = source.rows.start, source.rows.length
         if source.part is not None:
             rows //= source.part[1]
             base = source.part[0] * rows
@@ -250,6 +252,15 @@ class ConvertMeta:
 
     def save(self, directory: str | Path) -> None:
         Path(directory, META_FILE).write_text(json.dumps(self.__dict__, indent=1))
+
+    def facts(self, tp: int) -> ModelFacts:
+        """The converted model's facts at TP `tp`: its padded vocabulary and MTP layers as converted."""
+        return model_facts(self.hf_config, tp, padded_vocab=self.padded_vocab_size, mtp_layers=self.num_mtp_layers)
+
+    @staticmethod
+    def written_in(directory: str | Path) -> bool:
+        """Whether `directory` holds a checkpoint written by the converter (rather than an HF one)."""
+        return Path(directory, META_FILE).is_file()
 
     @classmethod
     def load(cls, directory: str | Path) -> "ConvertMeta":
@@ -418,7 +429,7 @@ def load_mcore(mcore_path: str, layout: ParallelLayout, dtype: Optional[str] = N
     from megatron.core import dist_checkpointing
 
     meta = ConvertMeta.load(mcore_path)
-    facts = model_facts(meta.hf_config, layout.tp, padded_vocab=meta.padded_vocab_size, mtp_layers=meta.num_mtp_layers)
+    facts = meta.facts(layout.tp)
     init_model_parallel(layout)
     chunks = build_chunks(facts, layout, dtype or meta.dtype)
     state = dist_checkpointing.load(_sharded_state_dict(chunks), mcore_path)

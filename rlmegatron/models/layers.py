@@ -2,7 +2,7 @@
 
 `SDPACoreAttention` (separate k/v head dims, as MLA needs, packed sequences attended one by one, shared-prompt
 micro-batches, and context parallelism),
-`SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism) and
+`SequenceParallelTorchNorm` (a torch norm that allows sequence parallelism; `ZeroCenteredRMSNorm` its (1 + weight) kind) and
 `DuplicatedLinear` (MLA's replicated down projections, as TE's 'duplicated' mode);
 `enable_local_mla` lets Megatron's MLA take DuplicatedLinear for those projections;
 `enable_packed_rope` applies unfused RoPE to a packed micro-batch in one gather instead of a loop over its sequences.
@@ -393,7 +393,9 @@ class SequenceParallelTorchNorm:
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.normalization == "RMSNorm":
+        if config.normalization == "RMSNorm" and config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
@@ -402,6 +404,22 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaling by (1 + weight) (Megatron's layernorm_zero_centered_gamma; Qwen3-Next's and Qwen3.5's norms):
+    the weight is stored as the checkpoints hold it, initialised to 0, so conversion and sync copy it unchanged. As
+    transformers computes it: normalised and scaled in fp32, then cast back."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x):
+        with plain_torch():
+            normalised = torch.nn.functional.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+            return (normalised * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class DuplicatedLinear(torch.nn.Module):

@@ -31,7 +31,8 @@ def decoder_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional
     the modules of `family` (a models.families.Family) where its layers differ from Megatron's."""
     use_te = transformer_engine_available() if use_te is None else use_te
     spec = _megatron_decoder_block_spec(config, use_te, vp_stage)
-    return _family_modules(spec if use_te else _local(spec, config), family)
+    spec = _family_modules(spec if use_te else _local(spec, config), family)
+    return _linear_attention_layers(spec, config, vp_stage) if config.linear_attention_freq else spec
 
 
 def mtp_block_spec(config, use_te: Optional[bool] = None, vp_stage: Optional[int] = None, family=None):
@@ -59,6 +60,26 @@ def _family_modules(spec, family):
 
         replacements.update(core_attention=SparseSDPACoreAttention)
     return _with_fields(spec, replacements) if replacements else spec
+
+
+def _linear_attention_layers(spec, config, vp_stage: Optional[int]):
+    """`spec` with Gated DeltaNet (models.gated_delta_net) as the mixer of the layers config.linear_attention_freq
+    marks (a list, 1 = linear attention), each with a norm of its own before it (a Transformer Engine attention fuses
+    its norm into linear_qkv, which the Gated DeltaNet layer has not)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from rlmegatron.models.gated_delta_net import GatedDeltaNet  # lazy: a module of the hybrid families only
+    from rlmegatron.models.layers import SequenceParallelTorchNorm
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = []
+    for i, layer in enumerate(spec.layer_specs):
+        if config.linear_attention_freq[offset + i]:
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+                layer.submodules, self_attention=ModuleSpec(module=GatedDeltaNet),
+                input_layernorm=SequenceParallelTorchNorm))
+        layers.append(layer)
+    return dataclasses.replace(spec, layer_specs=layers)
 
 
 def _megatron_decoder_block_spec(config, use_te: bool, vp_stage: Optional[int]):

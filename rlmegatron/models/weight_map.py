@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from rlmegatron.models.families.base import GLU, IDENTITY, QKV, VOCAB, Source
+from rlmegatron.models.families.base import CONCAT, GLU, IDENTITY, QKV, VOCAB, Source
 from rlmegatron.models.hf_config import ModelFacts
 from rlmegatron.models.pipeline import pipeline_stage_layers
 
@@ -151,7 +151,7 @@ class WeightMap:
             facts.family.vision_rules(self, facts.arch.vision)
         moe_layers = facts.arch.moe_layers
         for layer in range(facts.num_layers):
-            self._layer(f"decoder.layers.{layer}.", f"{lm}layers.{layer}.", moe=moe_layers[layer])
+            self._layer(f"decoder.layers.{layer}.", f"{lm}layers.{layer}.", layer, moe=moe_layers[layer])
         for k, h in enumerate(mtp_prefixes):
             m = f"mtp.layers.{k}."
             self.add(m + "enorm.weight", [h + "enorm.weight"])
@@ -159,14 +159,14 @@ class WeightMap:
             self.add(m + "eh_proj.weight", [h + "eh_proj.weight"])
             self.add(m + "final_layernorm.weight", [h + "shared_head.norm.weight"])
             # Megatron builds an MTP layer's transformer layer from the last decoder layer's spec.
-            self._layer(m + mtp_layer_attribute() + ".", h, moe=moe_layers[-1])
+            self._layer(m + mtp_layer_attribute() + ".", h, facts.num_layers - 1, moe=moe_layers[-1])
 
-    def _layer(self, m: str, h: str, moe: bool) -> None:
+    def _layer(self, m: str, h: str, layer: int, moe: bool) -> None:
+        """One decoder layer's rules; `layer` is the decoder layer whose spec Megatron built it from."""
         family, arch = self.facts.family, self.facts.arch
         self.add(m + "input_layernorm.weight", [h + "input_layernorm.weight"])
         self.add(m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"])
-        self.add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
-        family.attention_rules(self, m + "self_attention.", h + "self_attn.", arch)
+        family.mixer_rules(self, m, h, arch, layer)
         if moe:
             family.moe_rules(self, m + "mlp.", h, arch)
         else:
@@ -229,11 +229,11 @@ class WeightMap:
     def fuse(self, rule: Rule, tensors: Sequence[torch.Tensor], rows: Optional[int] = None) -> torch.Tensor:
         """HF tensors -> Megatron tensor; `rows` is the padded row count for the vocab transform."""
         if rule.transform == QKV:
-            q, k, v = tensors
-            groups = k.shape[0] // self.head_dim
-            grouped = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
-            return torch.cat(grouped, dim=1).reshape(-1, *q.shape[1:])
-        if rule.transform == GLU:
+            # q, k, v, or q, gate, k, v (an attention output gate): each query group's rows of each, in that order.
+            groups = tensors[-2].shape[0] // self.head_dim
+            grouped = [t.reshape(groups, -1, *t.shape[1:]) for t in tensors]
+            return torch.cat(grouped, dim=1).reshape(-1, *tensors[0].shape[1:])
+        if rule.transform in (GLU, CONCAT):
             return torch.cat(tensors, dim=0)
         (tensor,) = tensors
         if rule.transform == VOCAB and rows is not None and rows > tensor.shape[0]:
@@ -254,11 +254,13 @@ class WeightMap:
         if rule.transform == QKV:
             heads = self.facts.arch.num_attention_heads
             per_group = heads // self.num_query_groups * self.head_dim
-            grouped = tensor.reshape(self.num_query_groups, per_group + 2 * self.head_dim, *tensor.shape[1:])
-            q, k, v = torch.split(grouped, [per_group, self.head_dim, self.head_dim], dim=1)
-            return [t.reshape(-1, *tensor.shape[1:]) for t in (q, k, v)]
+            sizes = [per_group] * (len(rule.sources) - 2) + [self.head_dim, self.head_dim]
+            grouped = tensor.reshape(self.num_query_groups, sum(sizes), *tensor.shape[1:])
+            return [t.reshape(-1, *tensor.shape[1:]) for t in torch.split(grouped, sizes, dim=1)]
         if rule.transform == GLU:
             return list(torch.chunk(tensor, 2, dim=0))
+        if rule.transform == CONCAT:
+            return list(torch.split(tensor, self._concat_rows(rule), dim=0))
         if rule.transform == VOCAB:
             return [tensor[: self.facts.vocab_size]]
         return [tensor]
@@ -270,10 +272,24 @@ class WeightMap:
         QKV shards hold whole query groups and vocab shards whole rows, so each shard is one piece;
         GLU fc1 shards are [gate_i; up_i] and regroup into [gate; up].
         """
-        if self.rule(megatron_name).transform == GLU:
+        rule = self.rule(megatron_name)
+        if rule.transform == GLU:
             half = shard_len // 2
             return [(0, half, [r * half for r in range(size)]), (half, half, [(size + r) * half for r in range(size)])]
+        if rule.transform == CONCAT:
+            # Shard r is [source 0's r-th chunk; source 1's r-th chunk; ...]; the full tensor is the sources in turn.
+            pieces, in_shard, in_full = [], 0, 0
+            for rows in self._concat_rows(rule):
+                chunk = rows // size
+                pieces.append((in_shard, chunk, [in_full + r * chunk for r in range(size)]))
+                in_shard, in_full = in_shard + chunk, in_full + rows
+            return pieces
         return [(0, shard_len, [r * shard_len for r in range(size)])]
+
+    @staticmethod
+    def _concat_rows(rule: Rule) -> list[int]:
+        """The rows each source of a CONCAT rule gives the Megatron tensor."""
+        return [source.rows.groups * source.rows.length for source in rule.sources]
 
     def hf_to_megatron(self, megatron_name: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Full Megatron tensor from full HF tensors keyed by HF name (stacked sources indexed as needed)."""
@@ -329,6 +345,15 @@ class WeightMap:
         rule = self._export_map.rule(megatron_name)
         if not rule.exported:
             return {}
-        hf = {s.key: t.contiguous() for s, t in zip(rule.sources, self.split(rule, tensor))}
+        hf = {}
+        for source, part in zip(rule.sources, self.split(rule, tensor)):
+            if source.rows is None:
+                hf[source.key] = part.contiguous()
+                continue
+            # Sources that are rows of one HF tensor (a fused projection's q, k, v, ...) fill it together.
+            whole = hf.get(source.key)
+            if whole is None:
+                whole = hf[source.key] = part.new_empty(source.whole_slab_shape(part.shape))
+            source.rows.place(whole, part)
         # Copies are clones: safetensors refuses to save tensors that share memory.
         return hf | {key: hf[rule.sources[0].key].clone() for key in rule.copies}

@@ -72,9 +72,23 @@ FAMILY_CONFIGS = {
         vision_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=48,
                            pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
         projection_hidden_size=32, tie_word_embeddings=False),
+    # Qwen3-Next: a Gated DeltaNet layer (2 key heads, each read by 2 value heads) then a gated full-attention one,
+    # zero-centred norms, a dense MLP on layer 0 (mlp_only_layers) and a routed one with a gated shared expert.
+    "qwen3_next": dict(num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0], full_attention_interval=2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8),
+    # Qwen3.5-MoE: the same decoder, unfused projections, nested in a vision-language wrapper whose tower is carried.
+    "qwen3_5_moe": dict(text_config=dict(
+        model_type="qwen3_5_moe_text", **COMMON, num_hidden_layers=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=4, num_position_embeddings=16)),
 }
 # Families whose config.json nests the language model in text_config (COMMON goes there, not at the top level).
-NESTED = ("kimi_k25",)
+NESTED = ("kimi_k25", "qwen3_5_moe")
 FAMILIES = tuple(FAMILY_CONFIGS)
 MOE_FAMILIES = tuple(f for f in FAMILIES if architecture_of({"model_type": f, **COMMON, **FAMILY_CONFIGS[f]}).is_moe)
 
@@ -185,3 +199,17 @@ def _append_mtp_layers(directory: str, config) -> None:
         tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_quickstart_mtp_model(directory: str, mtp_tensors: bool = True, seed: int = 0) -> str:
+    """The tiny DeepSeek-V3 with one MTP layer (FAMILY_CONFIGS) on the quickstart's tokenizer (its 128 tokens), so a
+    spec built on configs/quickstart.yaml runs it; `mtp_tensors=False`: the same main weights as transformers saves
+    them, without the MTP layer."""
+    import shutil
+
+    quickstart = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart", "model")
+    save_tiny_model("deepseek_v3" if mtp_tensors else "deepseek_v3_no_mtp", directory, seed=seed, vocab_size=128,
+                    pad_token_id=0, eos_token_id=4, bos_token_id=None, max_position_embeddings=128)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(quickstart, name), directory)
+    return directory

@@ -15,8 +15,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 from rlmegatron.errors import UserError
 
-# The transforms a weight-map rule applies to its HF tensors (models.weight_map implements them).
-IDENTITY, QKV, GLU, VOCAB = "identity", "qkv", "glu", "vocab"
+# The transforms a weight-map rule applies to its HF tensors (models.weight_map implements them). CONCAT: the
+# sources' rows one after another, each split over TP (GLU is its case of two equal halves); every CONCAT source
+# names its rows (Source.rows), so that the Megatron tensor splits back without knowing the checkpoint.
+IDENTITY, QKV, GLU, VOCAB, CONCAT = "identity", "qkv", "glu", "vocab", "concat"
 
 
 class ArchitectureError(UserError, ValueError):
@@ -94,6 +96,30 @@ class VisionTower:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet's sizes (Qwen3-Next's and Qwen3.5's linear-attention layers) and which layers have it."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]  # per decoder layer: Gated DeltaNet (True) or full attention
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def parameters(self, hidden: int) -> int:
+        """Weights of one Gated DeltaNet mixer: q/k/v/z/b/a projections, the causal convolution, the decay's two
+        per-head vectors, the gated output norm and the output projection."""
+        value = self.num_value_heads * self.value_head_dim
+        projected = self.conv_channels + value + 2 * self.num_value_heads
+        return (hidden * projected + self.conv_channels * self.conv_kernel + 2 * self.num_value_heads
+                + self.value_head_dim + value * hidden)
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """Shape of a decoder-only transformer as its HF config.json states it, read by its family."""
 
@@ -124,6 +150,8 @@ class ModelArchitecture:
     qk_norm_over_all_heads: bool = False  # the query/key norms span all heads of a token (MiniMax-M2)
     indexer: tuple[int, int] = (0, 0)  # DeepSeek Sparse Attention's lightning indexer: (heads, head size); (0, 0): none
     vision: VisionTower | None = None  # a vision-language model's image encoder; None for a text-only model
+    attention_output_gate: bool = False  # q_proj also yields a per-channel sigmoid gate on the attention output
+    linear_attention: LinearAttention | None = None  # Gated DeltaNet layers (Qwen3-Next, Qwen3.5); None: none
 
     @property
     def is_moe(self) -> bool:
@@ -146,22 +174,46 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Rows of a tensor's dim 0 laid out as `groups` groups of `size` rows each: rows start..start+length-1 of every
+    group, in group order (Qwen3-Next's in_proj_qkvz holds each key head's q, k, v and z rows together: its q rows
+    are Rows(key heads, per-head size, 0, key head dim); a plain range is one group)."""
+
+    groups: int
+    size: int
+    start: int
+    length: int
+
+    def select(self, tensor):
+        return tensor.unflatten(0, (self.groups, self.size))[:, self.start:self.start + self.length].flatten(0, 1)
+
+    def place(self, whole, part) -> None:
+        """Write `part` (what select gives) into its rows of `whole`."""
+        whole.unflatten(0, (self.groups, self.size))[:, self.start:self.start + self.length].copy_(
+            part.unflatten(0, (self.groups, self.length)))
+
+
+@dataclass(frozen=True)
 class Source:
-    """One HF tensor, or one expert's slab (and gate/up half) of a stacked HF expert tensor."""
+    """One HF tensor, or one expert's slab (and gate/up half) of a stacked HF expert tensor, or some of its rows."""
 
     key: str
     expert: Optional[int] = None  # index into a stacked [E, ...] tensor
     part: Optional[tuple[int, int]] = None  # (i, n): the i-th of n equal chunks of dim 0
     stride: Optional[tuple[int, int]] = None  # (i, n): elements i, i+n, ... of the last dim (gpt-oss's gate/up)
     transposed: bool = False  # the slab is stored [in, out] (gpt-oss's experts), Megatron's weight is [out, in]
+    rows: Optional[Rows] = None  # only these rows of the tensor (a fused HF projection's part)
 
     @property
     def reads_whole_slab(self) -> bool:
-        """A strided or transposed source is read whole and then selected (safetensors slices only ranges)."""
-        return self.stride is not None or self.transposed
+        """A strided, transposed or row-grouped source is read whole and then selected (safetensors slices only
+        ranges)."""
+        return self.stride is not None or self.transposed or (self.rows is not None and self.rows.groups > 1)
 
     def select(self, slab):
-        """This source's tensor out of its (expert's) slab (a torch tensor; a view of it)."""
+        """This source's tensor out of its (expert's) slab (a torch tensor; a view of it, but for grouped rows)."""
+        if self.rows is not None:
+            slab = self.rows.select(slab)
         if self.part is not None:
             slab = slab.chunk(self.part[1], dim=0)[self.part[0]]
         if self.stride is not None:
@@ -171,6 +223,8 @@ class Source:
     def slab_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape `select` gives of a slab of `shape`."""
         shape = list(shape)
+        if self.rows is not None:
+            shape[0] = self.rows.groups * self.rows.length
         if self.part is not None:
             shape[0] //= self.part[1]
         if self.stride is not None:
@@ -188,6 +242,8 @@ class Source:
             shape[-1] *= self.stride[1]
         if self.part is not None:
             shape[0] *= self.part[1]
+        if self.rows is not None:
+            shape[0] = self.rows.groups * self.rows.size
         return tuple(shape)
 
 
@@ -241,6 +297,12 @@ class Family:
     attention_sinks = False  # a learned sink per attention head (gpt-oss: softmax_type "learnable")
     # DeepSeek Sparse Attention: each query attends to its lightning indexer's top-k keys (models.sparse_attention)
     sparse_attention = False
+    # q_proj yields each head's query and then its output gate; sigmoid(gate) scales the attention output before
+    # o_proj (Qwen3-Next, Qwen3.5: Megatron's attention_output_gate)
+    attention_output_gate = False
+    # Every RMSNorm of the decoder scales by (1 + weight), the weight stored zero-centred (Qwen3-Next, Qwen3.5:
+    # Megatron's layernorm_zero_centered_gamma, run by models.layers.ZeroCenteredRMSNorm on the stored weights)
+    zero_centered_norms = False
     # Weight-map names of the MoE block: the HF module holding router and experts, one expert's gate/up/down
     # projections, and the module of the shared expert(s), if any.
     moe_block = "mlp"
@@ -316,6 +378,8 @@ class Family:
             attention_sinks=self.attention_sinks,
             qk_norm_over_all_heads=self.qk_norm_over_all_heads,
             indexer=self.indexer(cfg),
+            attention_output_gate=self.attention_output_gate,
+            linear_attention=self.linear_attention(cfg, num_layers),
         )
 
     def num_experts(self, cfg: Mapping[str, Any]) -> int:
@@ -357,6 +421,10 @@ class Family:
 
     def num_mtp_layers(self, cfg: Mapping[str, Any]) -> int:
         return 0
+
+    def linear_attention(self, cfg: Mapping[str, Any], num_layers: int) -> LinearAttention | None:
+        """The Gated DeltaNet layers of a hybrid family's model; None for attention everywhere."""
+        return None
 
     def vision(self, cfg: Mapping[str, Any], source: Path) -> VisionTower | None:
         """The image encoder of a vision-language family's model; None for a text-only family."""
@@ -422,6 +490,12 @@ class Family:
         return {}
 
     # ---- weight map: `rules` is the models.weight_map.WeightMap being built ------------------------------------------
+    def mixer_rules(self, rules, m: str, h: str, arch: ModelArchitecture, layer: int) -> None:
+        """Rules of decoder layer `layer`'s token mixer, Megatron prefix `m` (…layers.N.), HF prefix `h`: its
+        attention, here; a hybrid family's linear-attention layers differ."""
+        rules.add(m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"])
+        self.attention_rules(rules, m + "self_attention.", h + "self_attn.", arch)
+
     def attention_rules(self, rules, m: str, h: str, arch: ModelArchitecture) -> None:
         """Rules of one layer's attention, Megatron prefix `m` (…self_attention.), HF prefix `h` (…self_attn.)."""
         rules.add(m + "linear_qkv.weight", [h + f"{p}_proj.weight" for p in "qkv"], QKV)
