@@ -41,8 +41,9 @@ class SharedPromptParams(PackedSeqParams):
 def shared_prompts_supported(chunks: list) -> bool:
     """Whether these model chunks can run shared-prompt micro-batches: rotary position embeddings from the GPTModel,
     plain or multimodal (not MLA's, whose attention applies its own), no multi-token prediction (its shifted labels would cross from one
-    response into the next), no context parallelism (whose chunks split sequences), and every core attention this
-    package's SDPACoreAttention, which reads the groups (Transformer Engine's would attend across responses)."""
+    response into the next), no context parallelism (whose chunks split sequences), no linear-attention layers (Gated
+    DeltaNet's recurrence would carry one response's state into the next), and every core attention this package's
+    SDPACoreAttention, which reads the groups (Transformer Engine's would attend across responses)."""
     return all(_supported(chunk.module if hasattr(chunk, "module") else chunk) for chunk in chunks)
 
 
@@ -56,7 +57,7 @@ def _supported(model) -> bool:
         _SUPPORT[model] = bool(
             getattr(model, "position_embedding_type", None) in ("rope", "mrope", "yarn")
             and not config.multi_latent_attention
-            and not config.mtp_num_layers and config.context_parallel_size == 1
+            and not config.mtp_num_layers and config.context_parallel_size == 1 and not config.linear_attention_freq
             and attention and all(isinstance(module, SDPACoreAttention) for module in attention))
     return _SUPPORT[model]
 

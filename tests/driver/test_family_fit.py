@@ -22,6 +22,9 @@ DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_
                     first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1, num_nextn_predict_layers=0,
                     rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
                                       beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+QWEN_HYBRID = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 FAMILY_CONFIGS = {
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], **SIZES, num_local_experts=8, num_experts_per_tok=2,
                        intermediate_size=32, rotary_dim=8, scoring_func="sigmoid", use_routing_bias=True,
@@ -46,11 +49,19 @@ FAMILY_CONFIGS = {
                      vision_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
                                         intermediate_size=48, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
                      projection_hidden_size=32),
+    # Gated DeltaNet on layers 0 and 2, gated full attention on 1 and 3; a shared expert behind its gate.
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], **SIZES, **QWEN_HYBRID),
+    # The same decoder in text_config, a vision tower beside it (carried, never trained).
+    "qwen3_5_moe": dict(architectures=["Qwen3_5MoeForConditionalGeneration"], tie_word_embeddings=False,
+                        pad_token_id=0, eos_token_id=4, bos_token_id=None,
+                        text_config={"model_type": "qwen3_5_moe_text", **SIZES, **QWEN_HYBRID},
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                           out_hidden_size=64, patch_size=4, num_position_embeddings=16)),
 }
 
 
 # Families that must learn the quickstart's task, not only train: validation from near 0 to 0.8 or more.
-LEARNS = ("gpt_oss",)
+LEARNS = ("gpt_oss", "qwen3_5_moe")
 LEARNING_STEPS = 60
 
 
@@ -69,8 +80,10 @@ def with_weights(directory: Path) -> dict:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(directory)).save_pretrained(directory)
-    as_kimi_releases_it(str(directory))
+    config = AutoConfig.from_pretrained(directory)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(directory)
+    if config.model_type == "kimi_k25":
+        as_kimi_releases_it(str(directory))
     return load_file(directory / "model.safetensors")
 
 
@@ -83,8 +96,9 @@ def test_a_tiny_model_of_the_family_trains_twenty_steps_at_ep2_on_policy(tmp_pat
 
     model = tiny_model(tmp_path / model_type, model_type)
     family = FAMILIES[model_type]
-    # A family with parts the bridge carries as they are starts from a checkpoint: the policy it exports must have them.
-    saved = with_weights(model) if family.carried_prefixes else {}
+    # A vision-language family whose tower the bridge carries as it is starts from a checkpoint: the policy it exports
+    # must have the tower.
+    saved = with_weights(model) if "vision_config" in FAMILY_CONFIGS[model_type] else {}
     steps = LEARNING_STEPS if model_type in LEARNS else STEPS
     run = train(tmp_path, "run", f"model.path={model}", *RUN, "actor.megatron.expert_model_parallel_size=2",
                 "actor.moe.routing_replay=r3", "trainer.on_policy_check=1e-5", "trainer.log_freq=1",
