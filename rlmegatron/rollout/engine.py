@@ -102,6 +102,13 @@ class GenerationResult:
     """When asked (`GenerationRequest.return_routed_experts`): the experts each MoE layer chose for each token the
     engine ran, [prompt + output - 1 tokens, MoE layers, top-k] int16 (SGLang's convention: the last output token is
     never fed back)."""
+    spec_verify_ct: int = 0
+    """Speculative decoding (rollout.speculative): the main model's verification forwards this sample took; 0 without
+    speculative decoding. The three spec_ fields are SGLang's meta_info names."""
+    spec_num_correct_drafts: int = 0
+    """Drafted tokens the verifications accepted."""
+    spec_num_proposed_drafts: int = 0
+    """Drafted tokens proposed (num_draft_tokens per verification)."""
 
     def checked_routing(self, prompt_length: int, answer: str) -> torch.Tensor:
         """`routed_experts`, which must hold a row for each token the engine ran after a prompt of `prompt_length`;

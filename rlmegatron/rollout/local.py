@@ -18,6 +18,8 @@ from rlmegatron.models.families import family_for
 from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.delta import digest
+from rlmegatron.rollout.mtp_draft import MTPDraft
+from rlmegatron.rollout.speculative import SpeculativeDecoder
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
     MEMORY_TAGS,
@@ -123,7 +125,7 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) ->
     return logits
 
 
-def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> None:
+def raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> None:
     """Divergence if a sample still generating has logits that are NaN, +inf or all -inf: sampling would fail on
     them and greedy decoding would pick an arbitrary token. A -inf on some tokens (a masked vocabulary) is fine.
     One reduction over the logits, beside the sampling's own."""
@@ -134,14 +136,68 @@ def _raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> N
                          f"token {position + 1}; the rollout model's weights are not usable")
 
 
+@dataclass(frozen=True)
+class PromptBatch:
+    """A batch's prompts, left-padded: each distinct prompt (its tokens and its images) once."""
+
+    prompt_of: torch.Tensor
+    """[samples]: each sample's row among the distinct prompts."""
+    padding: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    images: list
+    """Each distinct prompt's images (None: none)."""
+
+    @property
+    def distinct(self) -> int:
+        return len(self.padding)
+
+
+def prompt_batch(samples: list[_Sample], pad_token_id: int, device: torch.device) -> PromptBatch:
+    """The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
+    distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute. A prompt is its tokens
+    and its images: same-sized images have the same placeholder tokens."""
+    distinct: dict[tuple, int] = {}
+    prompt_of = torch.tensor([distinct.setdefault((s.prompt, s.images), len(distinct)) for s in samples],
+                             device=device)
+    prompts = [prompt for prompt, _ in distinct]
+    prompt_width = max(len(prompt) for prompt in prompts)
+    # Left-padded, each tensor made whole from Python lists: faster than a tensor per prompt copied into place
+    # (benchmarks/RESULTS.md, "Measured reasons in the code").
+    padding = [prompt_width - len(prompt) for prompt in prompts]
+    input_ids = torch.tensor([(pad_token_id,) * pad + prompt for pad, prompt in zip(padding, prompts)], device=device)
+    attention_mask = torch.tensor([[0] * pad + [1] * (prompt_width - pad) for pad in padding], device=device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return PromptBatch(prompt_of, padding, input_ids, attention_mask, position_ids,
+                       [prompt_images for _, prompt_images in distinct])
+
+
+def filter_for_samples(scaled: torch.Tensor, samples: list[_Sample]) -> torch.Tensor:
+    """`scaled` (logits / temperature, a row per sample first) with each sample's top-k/top-p filter applied; the
+    filtering runs on the whole batch at once."""
+    filtered = scaled
+    for top_k, top_p in {(s.sampling.top_k, s.sampling.top_p) for s in samples}:
+        rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
+        if len(rows) == len(samples):
+            # One setting for the batch, as a rollout has: no copy and scatter of the rows, and none of the logits
+            # at all without top-k/top-p (benchmarks/RESULTS.md, "Measured reasons in the code").
+            filtered = filter_top_k_top_p(scaled, top_k, top_p)
+        else:
+            filtered = scaled.clone() if filtered is scaled else filtered
+            filtered[rows] = filter_top_k_top_p(scaled[rows], top_k, top_p)
+    return filtered
+
+
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 # What transformers 5 keeps under a MoE layer's `mlp.` in memory, which a family's checkpoint may hold under another
 # module name (Mixtral's and MiniMax-M2's block_sparse_moe.).
 _MOE_MEMBERS = re.compile(r"^(.*\.layers\.\d+\.)mlp\.(gate\.|experts\.|e_score_correction_bias$)")
 
 
-def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under HF checkpoint names, sharing storage with its parameters.
+def checkpoint_named_weights(model: nn.Module, draft: "MTPDraft | None" = None) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF checkpoint names, sharing storage with its parameters; with `draft`, its MTP
+    layer's too.
 
     transformers 5 keeps MoE experts stacked in memory (`experts.gate_up_proj` [E, 2I, H],
     `experts.down_proj` [E, H, I]) while checkpoints, and so the export stream, name them per
@@ -155,7 +211,8 @@ def checkpoint_named_weights(model: nn.Module) -> dict[str, torch.Tensor]:
                     ("lm_head.", family.hf_lm_head.removesuffix("weight")))
     gate_name, up_name, down_name = family.expert_projections
     named = {}
-    for name, tensor in model.state_dict().items():
+    held = [*model.state_dict().items(), *(draft.checkpoint_tensors().items() if draft is not None else ())]
+    for name, tensor in held:
         for nested, checkpoint in nested_parts:
             if name.startswith(nested):
                 name = checkpoint + name[len(nested):]
@@ -232,8 +289,11 @@ class LocalEngine(RolloutEngine):
         seed: int = 0,
         weight_format: BlockFP8 | None = None,
         image_processor=None,
+        num_draft_tokens: int = 0,
     ) -> None:
         """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang.
+        `num_draft_tokens` > 0: MTP speculative decoding (rollout.speculative, rollout/speculative.py), the model's first
+        MTP layer drafting that many tokens per verification; the engine then holds that layer and takes its weights.
         `image_processor`: a vision-language model's (image_processor_at), which requests with images need.
         `weight_format`: the block-wise FP8 format weight updates come in (rollout.quantization fp8), each quantised
         weight with its scale; the engine samples with them dequantised, the values SGLang's FP8 weights hold."""
@@ -252,11 +312,13 @@ class LocalEngine(RolloutEngine):
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
         # transformers 5.24 names the KV cache `cache`, argument and output field alike, and warns on every call made
         # with the old `past_key_values`; older versions know only that one.
-        self._cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.weight_version: str | None = None
         # transformers 5's MoE families route with a *TopKRouter module per MoE layer, returning (logits, weights,
         # expert ids): what routing replay records (models/routing_replay.py).
         self.routers = [module for module in model.modules() if type(module).__name__.lower().endswith("topkrouter")]
+        self.draft = MTPDraft(model) if num_draft_tokens else None
+        self.speculative = SpeculativeDecoder(self.draft, num_draft_tokens) if num_draft_tokens else None
         self._released: set[str] = set()
         self._offloaded: dict[str, torch.Tensor] = {}
         self._alive = True
@@ -296,11 +358,16 @@ class LocalEngine(RolloutEngine):
         if routing and not self.routers:
             raise ValueError("routed experts were asked for, and the rollout model has no top-k routers "
                              f"({type(self.model).__name__})")
+        if self.speculative is not None and (routing or any(s.images is not None for s in samples)):
+            raise ValueError("speculative decoding in the local engine records no routed experts and takes no images")
         results: list[GenerationResult] = []
         for start in range(0, len(samples), self.max_batch_size):
             batch = samples[start : start + self.max_batch_size]
-            with _RouterRecorder(self.routers) if routing else contextlib.nullcontext() as recorder:
-                generated = self._generate_batch(batch, interrupted, recorder)
+            if self.speculative is not None:
+                generated = self.speculative.generate_batch(self, batch, interrupted)
+            else:
+                with _RouterRecorder(self.routers) if routing else contextlib.nullcontext() as recorder:
+                    generated = self._generate_batch(batch, interrupted, recorder)
             results.extend(generated)
             report(progress, len(batch))
         return results
@@ -312,23 +379,11 @@ class LocalEngine(RolloutEngine):
                         recorder: "_RouterRecorder | None" = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
-        # The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
-        # distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute.
-        # A prompt is its tokens and its images: same-sized images have the same placeholder tokens.
-        distinct: dict[tuple, int] = {}
-        prompt_of = torch.tensor([distinct.setdefault((s.prompt, s.images), len(distinct)) for s in samples],
-                                 device=device)
-        prompts = [prompt for prompt, _ in distinct]
-        prompt_width = max(len(prompt) for prompt in prompts)
-        # Left-padded, each tensor made whole from Python lists: faster than a tensor per prompt copied into place
-        # (benchmarks/RESULTS.md, "Measured reasons in the code").
-        padding = [prompt_width - len(prompt) for prompt in prompts]
-        input_ids = torch.tensor([(self.pad_token_id,) * pad + prompt for pad, prompt in zip(padding, prompts)],
-                                 device=device)
-        attention_mask = torch.tensor([[0] * pad + [1] * (prompt_width - pad) for pad in padding], device=device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        images = self._prefill_images([prompt_images for _, prompt_images in distinct], input_ids, attention_mask)
-        position_ids = images.pop("position_ids", position_ids)
+        prompts = prompt_batch(samples, self.pad_token_id, device)
+        prompt_of, padding, input_ids, attention_mask = (prompts.prompt_of, prompts.padding, prompts.input_ids,
+                                                         prompts.attention_mask)
+        images = self._prefill_images(prompts.images, input_ids, attention_mask)
+        position_ids = images.pop("position_ids", prompts.position_ids)
 
         temperatures = torch.tensor([s.sampling.temperature for s in samples], device=device)
         greedy = temperatures == 0
@@ -350,17 +405,17 @@ class LocalEngine(RolloutEngine):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=True,
-                **{self._cache: cache},
+                **{self.cache_argument: cache},
                 **self._last_logits_only,
                 **images,
             )
             images = {}  # the prefill put the images' embeddings in the KV cache
-            cache, logits = getattr(out, self._cache), out.logits[:, -1, :]
-            if position == 0 and len(distinct) < batch:  # from one row per prompt to one per sample
+            cache, logits = getattr(out, self.cache_argument), out.logits[:, -1, :]
+            if position == 0 and prompts.distinct < batch:  # from one row per prompt to one per sample
                 cache.reorder_cache(prompt_of)
                 logits, attention_mask = logits[prompt_of], attention_mask[prompt_of]
                 position_ids = position_ids.index_select(-2, prompt_of)  # [rows, L] or M-RoPE's [3, rows, L]
-            _raise_if_not_finite(logits, position, finish)
+            raise_if_not_finite(logits, position, finish)
             scaled = logits.float() / divisors
             token_logprobs = torch.log_softmax(scaled, dim=-1)
             sampled = [row for row in range(batch) if finish[row] is None and not is_greedy[row]]
@@ -427,16 +482,7 @@ class LocalEngine(RolloutEngine):
         """One token per row of `scaled` (logits / temperature) by the Gumbel-max trick: argmax of the filtered logits
         plus Gumbel noise (from `uniform`, _Noise's) is a draw from their softmax. The filtering and the draw run on
         the whole batch at once."""
-        filtered = scaled
-        for top_k, top_p in {(s.sampling.top_k, s.sampling.top_p) for s in samples}:
-            rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
-            if len(rows) == len(samples):
-                # One setting for the batch, as a rollout has: no copy and scatter of the rows, and none of the logits
-                # at all without top-k/top-p (benchmarks/RESULTS.md, "Measured reasons in the code").
-                filtered = filter_top_k_top_p(scaled, top_k, top_p)
-            else:
-                filtered = scaled.clone() if filtered is scaled else filtered
-                filtered[rows] = filter_top_k_top_p(scaled[rows], top_k, top_p)
+        filtered = filter_for_samples(scaled, samples)
         # In float64, -log(-log(u)) keeps its accuracy for u near 1 (the noise's upper tail); a u of exactly 0 gives
         # -inf, never drawn.
         gumbel = -torch.log(-torch.log(uniform))
@@ -446,7 +492,7 @@ class LocalEngine(RolloutEngine):
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
         """Copy HF checkpoint-named tensors into the model in place; an unknown name or shape is an error."""
         self._check_usable()
-        targets = checkpoint_named_weights(self.model)  # per call: release/resume may move the storage
+        targets = checkpoint_named_weights(self.model, self.draft)  # per call: release/resume may move the storage
         halves: dict[str, torch.Tensor] = {}  # FP8 weights and scales whose partner has not arrived yet
         for item in named_tensors:
             pairs = item.named_tensors() if isinstance(item, FlattenedBucket) else [item]
@@ -475,7 +521,7 @@ class LocalEngine(RolloutEngine):
     def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
         """The checksum of each weight of `names` the model holds (trainer.check_sync_every); a name it does not
         hold is left out."""
-        targets = checkpoint_named_weights(self.model)
+        targets = checkpoint_named_weights(self.model, self.draft)
         return {name: digest(targets[name]) for name in names if name in targets}
 
     def _dequantised(self, name: str, tensor: torch.Tensor, halves: dict[str, torch.Tensor]
@@ -494,7 +540,8 @@ class LocalEngine(RolloutEngine):
         """The state dict with each tensor once: tied embeddings appear under two names, and moving the second would
         record the first's host copy as its device original (resume then left the tied weight on the host)."""
         unique: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
+        draft = () if self.draft is None else self.draft.state_dict(prefix="mtp_draft.", keep_vars=True).items()
+        for name, tensor in [*self.model.state_dict(keep_vars=True).items(), *draft]:
             unique.setdefault(id(tensor), (name, tensor))
         return dict(unique.values())
 
