@@ -22,6 +22,7 @@ from rlmegatron.algorithms.aggregation import (
     global_denominator,
     local_denominator,
 )
+from rlmegatron.algorithms.distill import DISTILL_MODES, distill_advantages
 from rlmegatron.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -56,6 +57,7 @@ from rlmegatron.algorithms.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DISTILL_MODES",
     "ESTIMATOR_INPUTS",
     "ESTIMATOR_POSITIONAL",
     "KL_ESTIMATORS",
@@ -79,6 +81,7 @@ __all__ = [
     "clipped_value_loss",
     "compute_advantages",
     "config_fields_read",
+    "distill_advantages",
     "entropy_bonus",
     "estimator_inputs",
     "gae_advantages",

@@ -9,7 +9,7 @@ files) are resolved against the current working directory of the process that us
 them, not against the YAML file's directory.
 
 Some defaults derive from other fields and are filled in when the spec is validated:
-`ref.megatron` and `critic.megatron` take every field they do not set from
+`ref.megatron`, `teacher.megatron` and `critic.megatron` take every field they do not set from
 `actor.megatron`; an unset `expert_tensor_parallel_size` follows that role's
 `tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
 `data.max_response_length`; `rollout.log_prob_micro_batch_size_per_gpu` follows
@@ -114,11 +114,17 @@ class ModelConfig(Section):
 
     def architecture_source(self) -> tuple[str, str] | None:
         """(spec field, path) of the config.json that describes the model, or None if there is none."""
-        if Path(self.path).is_dir():
-            return "model.path", self.path
-        if self.hf_config is not None:
-            return "model.hf_config", self.hf_config
-        return None
+        return _architecture_source("model", self.path, self.hf_config)
+
+
+def _architecture_source(section: str, path: str | None, hf_config: str | None) -> tuple[str, str] | None:
+    """(spec field, path) of the config.json a model section (`path`, `hf_config`) is described by: the local
+    directory `path`, else `hf_config`; None when neither is there."""
+    if path is not None and Path(path).is_dir():
+        return f"{section}.path", path
+    if hf_config is not None:
+        return f"{section}.hf_config", hf_config
+    return None
 
 
 class DataConfig(Section):
@@ -338,6 +344,22 @@ class RefConfig(Section):
     log_prob_use_dynamic_bsz: bool = False
     """Pack the reference's micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sequence count."""
     log_prob_max_token_len_per_gpu: PositiveInt = 16384
+
+
+class TeacherConfig(RefConfig):
+    """On-policy distillation's teacher (algorithm.distill): a frozen model of its own, at its own layout (fields of
+    `megatron` left unset are taken from actor.megatron), that scores every token the student samples, batched and
+    offloaded as the reference is. Its tokenizer must be the student's: the log-probs are compared token by token."""
+
+    path: Text | None = None
+    """An HF checkpoint directory (or hub id, with hf_config), or a Megatron checkpoint written by `rlm convert
+    hf-to-mcore` (its rlm_convert.json says the architecture); null: no teacher."""
+    hf_config: Text | None = None
+    """config.json (or its directory) to read the architecture from when `path` is not a local directory."""
+
+    def architecture_source(self) -> tuple[str, str] | None:
+        """(spec field, path) of the config.json that describes the teacher, or None if there is none."""
+        return _architecture_source("teacher", self.path, self.hf_config)
 
 
 class CriticConfig(PPOUpdateConfig):
@@ -566,6 +588,23 @@ class RolloutCorrectionConfig(Section):
     rollout_token_veto_threshold: float | None = Field(None, gt=0)
     """Reject a whole sequence when any of its tokens has a ratio below this (e.g. 1e-4); null: no veto."""
 
+class DistillConfig(Section):
+    """On-policy distillation: the student samples, the teacher scores each sampled token, and each response token's
+    advantage gets -coef * (log p_student - log p_teacher), the per-token reverse KL's estimate, pushing the student
+    towards the teacher where it samples (algorithms/distill.py). Logs distill/reverse_kl and
+    distill/teacher_logp_mean each step."""
+
+    coef: float = Field(1.0, gt=0, lt=FLOAT32_MAX)
+    """The reverse KL's weight in the advantage."""
+    mode: Text = "reverse_kl"
+    """The divergence the advantage estimates; reverse_kl (log p_student - log p_teacher at the sampled token) is the
+    one supported."""
+    only: bool = False
+    """true: the advantage is the distillation term alone (the task reward is still scored and logged, but trains
+    nothing, so reward.function may be left unset); false: the term is added to algorithm.adv_estimator's
+    advantages of the task reward."""
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Text = "grpo"
     """An advantage estimator registered in rlmegatron.algorithms (grpo, gae, rloo, ...) or path/to/file.py:function."""
@@ -578,6 +617,8 @@ class AlgorithmConfig(Section):
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    distill: DistillConfig | None = None
+    """On-policy distillation from `teacher` (slime's and NeMo-RL's OPD); null: none."""
 
 
 class PlacementConfig(Section):
@@ -732,6 +773,7 @@ class JobSpec(Section):
     data: DataConfig
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -786,8 +828,9 @@ class JobSpec(Section):
     def _fill_derived_defaults(self) -> JobSpec:
         # Mutating in place: an "after" validator that returns a new object is unsupported by pydantic.
         self.ref.megatron = _with_unset_from(self.ref.megatron, self.actor.megatron)
+        self.teacher.megatron = _with_unset_from(self.teacher.megatron, self.actor.megatron)
         self.critic.megatron = _with_unset_from(self.critic.megatron, self.actor.megatron)
-        for megatron in (self.actor.megatron, self.ref.megatron, self.critic.megatron):
+        for megatron in (self.actor.megatron, self.ref.megatron, self.teacher.megatron, self.critic.megatron):
             if megatron.expert_tensor_parallel_size is None:
                 megatron.expert_tensor_parallel_size = megatron.tensor_model_parallel_size
         if self.critic.enable is None:

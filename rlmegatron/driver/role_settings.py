@@ -34,17 +34,19 @@ from rlmegatron.runtime import ParallelLayout
 
 LOCAL_SERVER_MODULE = "rlmegatron.rollout.local_server"
 
-ROLES = ("actor", "reference", "critic")
-"""The policy's roles; a reward model (`reward.model`) is a role of its own model."""
+ROLES = ("actor", "reference", "critic", "teacher")
+"""The Megatron roles the spec lays out in sections of their own (the teacher, algorithm.distill's, is a model of its
+own at its own layout); a reward model (`reward.model`) is a role of its own model too."""
 
 
 def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSettings:
     """`total_steps`: the run's trainer steps (Trainer.total_steps), which the learning-rate schedules span."""
     actor = actor_settings(spec, total_steps)
     workers = {"actor": actor, "reference": reference_settings(actor, spec.ref),
-               "critic": critic_settings(spec, total_steps)}
-    sections = {"actor": spec.actor, "reference": spec.ref, "critic": spec.critic}
-    wanted = {"actor": True, "reference": spec.needs_reference, "critic": spec.critic.enable}
+               "critic": critic_settings(spec, total_steps), "teacher": reference_settings(actor, spec.teacher)}
+    sections = {"actor": spec.actor, "reference": spec.ref, "critic": spec.critic, "teacher": spec.teacher}
+    wanted = {"actor": True, "reference": spec.needs_reference, "critic": spec.critic.enable,
+              "teacher": spec.algorithm.distill is not None}
     roles = {role: RoleSettings(parallel_layout(sections[role].megatron), spec_config_options(sections[role].megatron),
                                 workers[role], _offload_parts(sections[role].offload))
              for role in ROLES if wanted[role]}
@@ -57,6 +59,7 @@ def trainer_rank_settings(spec: JobSpec, total_steps: int) -> TrainerRankSetting
         critic_init_from=spec.critic.init_from,
         lora=lora_settings(spec.actor.lora),
         reward_model_path=spec.reward.model.path,
+        teacher_path=spec.teacher.path if spec.algorithm.distill is not None else None,
         init_dir=str(Path(spec.trainer.run_dir) / "init_actor"),
         colocated=spec.placement.mode == "colocate",
         rollout=rollout_settings(spec),
@@ -120,7 +123,7 @@ def reward_model_role(model) -> RoleSettings:
 
 def reference_settings(actor: ActorSettings, ref) -> ActorSettings:
     """The actor's settings `actor` (log-probs are computed exactly as the actor's: temperature, vocabulary) with
-    the reference's own forward batching from its spec section `ref`."""
+    the reference's (or the teacher's) own forward batching from its spec section `ref` (or `teacher`)."""
     return dataclasses.replace(
         actor,
         micro_batch_size=ref.log_prob_micro_batch_size_per_gpu,

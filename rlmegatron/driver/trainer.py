@@ -19,6 +19,7 @@ from rlmegatron.algorithms import (
     RolloutCorrectionConfig,
     apply_kl_penalty,
     compute_advantages,
+    distill_advantages,
     policy_mismatch,
     rollout_correction,
 )
@@ -174,12 +175,12 @@ class Trainer:
                 if spec.needs_reference:
                     with timer("ref"):
                         batch.ref_log_probs = self.ranks.compute_ref_log_prob(batch)
+                teacher_log_probs = None
+                if spec.algorithm.distill is not None:
+                    with timer("teacher"):
+                        teacher_log_probs = self.ranks.compute_teacher_log_prob(batch)
                 with timer("adv"):
-                    token_rewards = self.token_rewards(rollout, metrics)
-                    batch.advantages, batch.returns = compute_advantages(
-                        spec.algorithm.adv_estimator, token_rewards, batch.response_mask, values=batch.values,
-                        group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
-                        lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+                    batch.advantages, batch.returns = self.advantages(rollout, baselines, teacher_log_probs, metrics)
                 if spec.critic.enable:
                     with timer("update_critic"):
                         metrics.update(self.update("critic", batch))
@@ -336,6 +337,26 @@ class Trainer:
                                        self.rollout_correction)
         batch.rollout_is_weights, batch.response_mask = corrected.weights, corrected.response_mask
         return corrected.metrics
+
+    def advantages(self, rollout: Rollout, baselines, teacher_log_probs, metrics: dict[str, float]):
+        """(advantages, returns) of the step: the estimator's from the task reward, plus, with algorithm.distill,
+        the teacher's per-token term (alone with distill.only: returns are then the advantages, as GRPO's are)."""
+        spec, batch = self.spec, rollout.batch
+        distill = spec.algorithm.distill
+        if distill is not None:
+            # The sampling policy's log-probs: the actor's old ones where the step computed them, else the engine's
+            # (on-policy then: the weights that sampled are the ones the update starts from).
+            student = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
+            distilled, distill_metrics = distill_advantages(student, teacher_log_probs, batch.response_mask,
+                                                            distill.coef, distill.mode)
+            metrics.update(distill_metrics)
+            if distill.only:
+                return distilled, distilled
+        advantages, returns = compute_advantages(
+            spec.algorithm.adv_estimator, self.token_rewards(rollout, metrics), batch.response_mask,
+            values=batch.values, group_index=rollout.uids, reward_baselines=baselines, gamma=spec.algorithm.gamma,
+            lam=spec.algorithm.lam, norm_adv_by_std=spec.algorithm.norm_adv_by_std_in_grpo)
+        return (advantages, returns) if distill is None else (advantages + distilled, returns)
 
     def token_rewards(self, rollout: Rollout, metrics: dict[str, float]) -> torch.Tensor:
         batch = rollout.batch

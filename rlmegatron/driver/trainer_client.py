@@ -60,6 +60,9 @@ class TrainerClient:
     def compute_ref_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call_all(PolicyRank.compute_ref_log_prob, batch)[0]
 
+    def compute_teacher_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.group.call_all(PolicyRank.compute_teacher_log_prob, batch)[0]
+
     def update_critic(self, batch: RolloutBatch, progress: Progress = None) -> dict[str, float]:
         return self.group.call_all(PolicyRank.update_critic, batch, progress)[0]
 

@@ -61,6 +61,7 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     checks.model()
     checks.scoring_models()
     checks.tokenizer()
+    checks.teacher_tokenizer()
     checks.data()
     checks.plugins()
     checks.run_dir()
@@ -102,7 +103,8 @@ class _Checks:
         from huggingface_hub import snapshot_download
         from huggingface_hub.utils import LocalEntryNotFoundError
 
-        whole = self.launching and field_name == "model.path" and not self.spec.model.random_init
+        whole = self.launching and (field_name == "model.path" and not self.spec.model.random_init
+                                    or field_name == "teacher.path")
         try:
             snapshot = Path(snapshot_download(path, allow_patterns=None if whole else HUB_PATTERNS,
                                               local_files_only=not self.launching))
@@ -229,6 +231,35 @@ class _Checks:
             return
         self.result.tokenizer = tokenizer
 
+    def teacher_tokenizer(self) -> None:
+        """On-policy distillation compares the teacher's log-probs with the student's token by token, which means
+        the same token ids for the same text: the teacher's tokenizer must be the student's."""
+        spec = self.spec
+        student = self.result.tokenizer
+        if spec.algorithm.distill is None or spec.teacher.path is None or student is None:
+            return
+        path = self.local_dir("teacher.path", spec.teacher.path)
+        if path is None:
+            return
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            self.problem("teacher.path", spec.teacher.path,
+                         f"holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...) to compare with the student's; "
+                         "copy the teacher's tokenizer files into it")
+            return
+        from transformers import AutoTokenizer
+
+        try:
+            teacher = AutoTokenizer.from_pretrained(str(path), trust_remote_code=spec.model.trust_remote_code)
+        except Exception as err:  # as the student's: transformers raises many kinds for a broken tokenizer
+            self.problem("teacher.path", spec.teacher.path, f"cannot load its tokenizer ({_first_line(err)})")
+            return
+        difference = tokenizer_difference(student, teacher)
+        if difference:
+            self.problem("teacher.path", spec.teacher.path,
+                         f"its tokenizer is not the student's (model.tokenizer_path={spec.model.tokenizer_path}): "
+                         f"{difference}; distillation compares log-probs token by token, so it needs a teacher with "
+                         "the student's tokenizer (cross-tokenizer distillation is not supported)")
+
     def data(self) -> None:
         data = self.spec.data
         for kind, files in (("train_files", data.train_files), ("val_files", data.val_files)):
@@ -317,3 +348,19 @@ class _Checks:
             if package is not None and importlib.util.find_spec(package) is None:
                 self.problem("tracking.backends", backends, f"the {backend} backend needs the {package} package, "
                              f"which is not installed: pip install 'rlmegatron[{backend}]', or drop {backend}")
+
+
+def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+    """What tells the teacher's tokenizer from the student's: their sizes, the first token they map to different ids,
+    or a special token (EOS, BOS, pad) they set differently; None when they are the same."""
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if len(ours) != len(theirs):
+        return f"{len(theirs)} tokens against the student's {len(ours)}"
+    for token, index in sorted(ours.items(), key=lambda item: item[1]):
+        if theirs.get(token) != index:
+            where = "is missing" if token not in theirs else f"is id {theirs[token]}"
+            return f"token {token!r} (the student's id {index}) {where} there"
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            return f"its {name} is {getattr(teacher, name, None)}, the student's {getattr(student, name, None)}"
+    return None

@@ -191,6 +191,9 @@ def _preflight(run: _Run, parsed: ParsedSpec, job: CheckedJob, later: bool) -> N
     model = job.spec.model
     model.path = str(checked.snapshots.get(model.path, model.path))
     model.tokenizer_path = str(checked.snapshots.get(model.tokenizer_path, model.tokenizer_path))
+    teacher = job.spec.teacher
+    if teacher.path is not None:
+        teacher.path = str(checked.snapshots.get(teacher.path, teacher.path))
     job.tokenizer = checked.tokenizer
 
 

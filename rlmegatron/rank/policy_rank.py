@@ -60,6 +60,11 @@ class PolicyRank:
         with self.models.phase("reference"):
             return self.models.reference.compute_log_prob(batch).cpu()
 
+    def compute_teacher_log_prob(self, batch: RolloutBatch) -> torch.Tensor:
+        """On-policy distillation's teacher: log p_teacher of each sampled token [B, R]."""
+        with self.models.phase("teacher"):
+            return self.models.teacher.compute_log_prob(batch).cpu()
+
     def score_sequences(self, sequences: list[list[int]]) -> torch.Tensor:
         """The reward model's score [B] of each token sequence (prompt + response in its own tokenizer)."""
         with self.models.phase("reward"):

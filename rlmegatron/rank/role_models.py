@@ -1,6 +1,6 @@
-"""Model building inside a trainer rank: the Megatron roles (the actor; the reference, the critic and a reward model
-when the run has them), each at its own parallel layout, started from the HF checkpoint or from the actor's initial
-weights (the reward model from its own), and kept in host memory between the phases that use them when their
+"""Model building inside a trainer rank: the Megatron roles (the actor; the reference, the critic, a reward model and
+a distillation teacher when the run has them), each at its own parallel layout, started from the HF checkpoint or from
+the actor's initial weights (the reward model and the teacher from their own), and kept in host memory between the phases that use them when their
 `offload` section asks."""
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import torch
 from rlmegatron.models.source import ModelSource
 
 from rlmegatron.rank.settings import TrainerRankSettings
-from rlmegatron.models.convert import HFCheckpoint, load_hf_weights
+from rlmegatron.models.convert import ConvertMeta, HFCheckpoint, load_hf_weights
 from rlmegatron.models.hf_config import build_gpt_model, model_facts, read_hf_config, transformer_config
 from rlmegatron.models.lora import add_adapters, remember_base_weights
 from rlmegatron.models.weight_map import WeightMap
 from rlmegatron.runtime import init_model_parallel, layout_scope
 from rlmegatron.rank.roles import ActorWorker, CriticWorker, ReferenceWorker
-from rlmegatron.rank.roles.megatron_step import unwrap
+from rlmegatron.rank.roles.megatron_step import load_weights, unwrap
 from rlmegatron.rank.roles.reward_model import RewardModelWorker
 
 WORKERS = {"actor": ActorWorker, "reference": ReferenceWorker, "critic": CriticWorker}
@@ -41,11 +41,11 @@ class RoleModels:
         self.memory_of = {role: "actor" if role == "reference" and settings.lora else role for role in roles}
         init_model_parallel(self.layouts["actor"], seed=settings.seed,
                             others=[self.layouts[role] for role in roles[1:]])
-        policy_roles = [role for role in roles if role != "reward"]
+        policy_roles = [role for role in roles if role not in ("reward", "teacher")]  # those two are models of their own
         facts = _shared_model_facts(settings.model, [self.layouts[role].tp for role in policy_roles])
         untied = dataclasses.replace(facts, tie_word_embeddings=False)  # the critic's output layer is its value head
         self.weight_map = WeightMap(facts)
-        self.actor = self.reference = self.critic = self.reward = None
+        self.actor = self.reference = self.critic = self.reward = self.teacher = None
         for role in policy_roles:
             worker_settings = settings.roles[role].worker
             if role != "critic":  # log-probs over the tokenizer's vocabulary, not the padded one
@@ -56,6 +56,8 @@ class RoleModels:
             remember_base_weights(self.actor.chunks)
         if "reward" in roles:
             self.reward = self._build_reward_model(settings.reward_model_path)
+        if "teacher" in roles:
+            self.teacher = self._build_teacher(settings.teacher_path)
         self.offload_parts = {role: settings.roles[role].offload for role in roles if settings.roles[role].offload}
         for role, parts in self.offload_parts.items():
             getattr(self, role).offload(parts)
@@ -93,6 +95,27 @@ class RoleModels:
                                        lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout)
             worker.init()
             worker.load(path, facts)
+        return worker
+
+    def _build_teacher(self, path: str) -> ReferenceWorker:
+        """On-policy distillation's teacher at its layout, from its own checkpoint (HF, or written by `rlm convert
+        hf-to-mcore`): its own architecture, the student's tokenizer (the spec's preflight compared them), its
+        log-probs computed as the reference's are."""
+        layout, role = self.layouts["teacher"], self.settings.roles["teacher"]
+        converted = ConvertMeta.written_in(path)
+        with layout_scope(layout):
+            checkpoint = None if converted else HFCheckpoint(path)
+            facts = (ConvertMeta.load(path) if converted else checkpoint).facts(layout.tp)
+            config = transformer_config(facts, layout, dtype=self.settings.model.dtype, options=role.config_options)
+            worker = ReferenceWorker(dataclasses.replace(role.worker, vocab_size=facts.vocab_size),
+                                     lambda pre, post, vp: build_gpt_model(facts, config, vp_stage=vp), layout,
+                                     label="teacher")
+            worker.init(parallel_state_ready=True)
+            if converted:
+                load_weights(worker.chunks, path)
+            else:
+                load_hf_weights([unwrap(chunk) for chunk in worker.chunks], WeightMap(facts), checkpoint)
+                checkpoint.close()
         return worker
 
     @contextlib.contextmanager

@@ -34,7 +34,7 @@ class TrainerRankSettings:
     model: ModelSource
     roles: dict[str, RoleSettings]
     """The roles this run has, the actor first; the reference when a KL term needs it, the critic when enabled, the
-    reward model (`reward`) when `reward.model.path` names one."""
+    reward model (`reward`) when `reward.model.path` names one, the teacher when algorithm.distill asks for one."""
     critic_init_from: str
     """`actor`, or the directory of an HF reward/value model."""
     lora: Optional[LoRASettings]
@@ -46,5 +46,7 @@ class TrainerRankSettings:
     colocated: bool
     """The engines live in the trainer ranks; otherwise on their own pool."""
     rollout: RolloutSettings
+    teacher_path: Optional[str] = None
+    """On-policy distillation's teacher checkpoint (HF, or `rlm convert hf-to-mcore`'s) the `teacher` role loads."""
     freeze_vision: bool = True
     """A vision-language model's image encoder keeps its weights (`actor.vision.freeze`)."""

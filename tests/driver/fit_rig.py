@@ -133,12 +133,13 @@ class FakeEngines:
 
 @dataclass
 class FakeRanks:
-    """The policy ranks as the loop addresses them (driver.trainer_client.TrainerClient): log-probs, reference
-    log-probs and values are constants on every response token; every call is recorded by its method's name, and
+    """The policy ranks as the loop addresses them (driver.trainer_client.TrainerClient): log-probs, reference and
+    teacher log-probs and values are constants on every response token; every call is recorded by its method's name, and
     updates and checkpoints with what they were given."""
 
     log_prob: float = 0.0
     ref_log_prob: float = 0.0
+    teacher_log_prob: float = 0.0
     value: float = 0.0
     world_size: int = 1
     calls: list[str] = field(default_factory=list)
@@ -157,6 +158,10 @@ class FakeRanks:
     def compute_ref_log_prob(self, batch):
         self.calls.append("compute_ref_log_prob")
         return self.ref_log_prob * batch.response_mask
+
+    def compute_teacher_log_prob(self, batch):
+        self.calls.append("compute_teacher_log_prob")
+        return self.teacher_log_prob * batch.response_mask
 
     def compute_values(self, batch):
         self.calls.append("compute_values")

@@ -1,5 +1,5 @@
-"""The reference policy: a frozen copy of the actor's model that only computes log-probs, or, with LoRA, the actor's
-own model with its adapters off."""
+"""A frozen policy that only computes log-probs: the reference (a copy of the actor's model or, with LoRA, the actor's
+own model with its adapters off), and on-policy distillation's teacher (a model of its own, rank/role_models.py)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -20,8 +20,10 @@ class ReferenceWorker:
     vocabulary); only those and the batching fields are used, and the batching is the reference's own.
     """
 
-    def __init__(self, settings: ActorSettings, model_provider: megatron_step.ModelProvider, layout: ParallelLayout):
+    def __init__(self, settings: ActorSettings, model_provider: megatron_step.ModelProvider, layout: ParallelLayout,
+                 label: str = "ref"):
         self.settings = settings
+        self.label = label  # its metrics' and errors' prefix: ref, or teacher
         self.model_provider = model_provider
         self.layout = layout
         self.chunks: list = []
@@ -51,8 +53,8 @@ class ReferenceWorker:
         self.offloader.onload()
 
     def compute_log_prob(self, batch: RolloutBatch):
-        """log p_ref(response token) [B, R], zero outside response_mask."""
+        """log p(response token) [B, R] under this model, zero outside response_mask."""
         with adapters_disabled(self.chunks):
             log_probs = compute_log_prob(self.chunks, self.settings, batch, with_entropy=False)[0]
-        raise_if_not_finite_tokens({"ref/log_prob": log_probs}, batch.response_mask)
+        raise_if_not_finite_tokens({f"{self.label}/log_prob": log_probs}, batch.response_mask)
         return log_probs
