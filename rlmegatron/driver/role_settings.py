@@ -103,6 +103,7 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
         log_prob_micro_batch_size=spec.rollout.log_prob_micro_batch_size_per_gpu,
         routing_replay=actor.moe.routing_replay,
         routing_agreement=actor.moe.routing_agreement,
+        mtp_loss_weight=actor.mtp.loss_weight,
     )
 
 

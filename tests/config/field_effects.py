@@ -39,6 +39,10 @@ ELASTIC = "tests/driver/test_elastic_pool.py::test_engines_join_and_leave_a_runn
 
 # Multi-token prediction: trained with the policy, drafting in the engines (rlmegatron/models/mtp.py).
 MTP_CHECKS = "tests/config/test_checks.py::test_mtp_training_and_drafting_need_a_checkpoint_that_holds_mtp_layers"
+MTP_TRAINING = "tests/models/test_mtp_training.py::"
+MTP_TRAINS = (MTP_TRAINING + "test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_"
+              "mtp_and_trunk")
+MTP_OFF = MTP_TRAINING + "test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers"
 
 # Delta weight sync (rlmegatron/rollout/delta.py).
 DELTA_SYNC = "tests/driver/test_delta_sync.py::"
@@ -284,7 +288,7 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                  "pass's (r2)", (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_EXACT, REPLAY_OTHER,
                                                  REPLAY_CHECKS)),
     "actor.mtp.loss_weight": ("the MTP layers train with the policy (Megatron's MTP loss on the response tokens); "
-                              "refused for a model without MTP layers", (MTP_CHECKS,)),
+                              "refused for a model without MTP layers", (MTP_CHECKS, MTP_TRAINS, MTP_OFF)),
     "actor.offload.grads": ("actor grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.optimizer": ("actor Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.params": ("actor weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),

@@ -35,6 +35,8 @@ class ActorSettings(TrainingSettings):
     # pass's own in the update; `routing_agreement` compares the model's own routing with the batch's record.
     routing_replay: str = "off"
     routing_agreement: bool = False
+    # The MTP layers' loss in the update (mtp_loss): 0 leaves them out of it, not run.
+    mtp_loss_weight: float = 0.0
 
 
 def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
@@ -65,6 +67,31 @@ def compute_log_prob(chunks: list, settings: ActorSettings, batch: RolloutBatch,
         chunks, batch, micro_batches(settings, batch, chunks), per_token, outputs=2 if with_entropy else 1,
         routing=routing)
     return (results[0], results[1]) if with_entropy else (results[0], None)
+
+
+def mtp_loss(micro_batch: MicroBatch, ahead: list, settings: ActorSettings) -> torch.Tensor:
+    """The MTP layers' cross-entropy on one micro-batch, summed over the response tokens each predicts and averaged
+    over the layers: Megatron-Core's MTP loss (its labels and mask rolled one place further per layer along each
+    sequence, roll_tensor) with the micro-batch's next tokens as labels, masked to the positions whose target is a
+    response token. The logits are divided by the rollout temperature, as the actor's log-probs are: the sampled
+    tokens come from the main model's tempered distribution, so the MTP layers' tempered one learns to match it,
+    which is what a draft at that temperature needs."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    params, labels = micro_batch.packed_seq_params, micro_batch.labels
+    targets = torch.zeros(labels.numel(), device=labels.device).index_fill_(0, micro_batch.source_index, 1.0)
+    targets = targets.view_as(labels)
+    total = torch.zeros((), device=labels.device)
+    for logits in ahead:
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=params)
+        targets, _ = roll_tensor(targets, shifts=-1, dims=-1, packed_seq_params=params)
+        # Only the positions with a response target go through the softmax.
+        where = targets.reshape(-1).nonzero().squeeze(1)
+        log_probs, _ = vocab_parallel_log_probs_and_entropy(
+            logits.reshape(-1, logits.shape[-1]).index_select(0, where), labels.reshape(-1).index_select(0, where),
+            settings.temperature, False, settings.vocab_size)
+        total = total - log_probs.sum()
+    return total / len(ahead)
 
 
 class ActorWorker(TrainingWorker):
@@ -118,8 +145,10 @@ class ActorWorker(TrainingWorker):
         # On policy without an old-log-prob pass, the update's own forward (before its one optimizer step) gives the
         # log-probs that pass would have: the rollout-vs-trainer mismatch is measured from it, at no extra pass.
         self.forward_log_probs = [] if batch.old_log_probs is None and batch.rollout_log_probs is not None else None
+        mtp = s.mtp_loss_weight > 0
         if self.routing is None:
-            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress)
+            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress,
+                                             mtp=mtp)
         else:
             if s.routing_replay == "r2":
                 batch = replace(batch, routed_experts=self._recorded_routing_of(batch))
@@ -127,7 +156,7 @@ class ActorWorker(TrainingWorker):
             mode = "replay" if s.routing_replay != "off" else "measure" if measured is None else "free"
             with self.routing.passing(mode):
                 metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss",
-                                                 progress=progress, routing=self.routing)
+                                                 progress=progress, routing=self.routing, mtp=mtp)
             agreeing, compared = self.routing.agreement() if measured is None else measured
             self.measured = self.recorded_routing = None
             if compared:
@@ -165,8 +194,10 @@ class ActorWorker(TrainingWorker):
         s = self.settings
         aggregation = self._aggregation(mini_batch)
         policy_loss_fn = POLICY_LOSSES.resolve(s.policy_loss)
+        # The MTP loss is a token mean over the mini-batch's response tokens, whatever loss_agg_mode says.
+        response_tokens = mini_batch.response_mask.sum().clamp(min=1)
 
-        def loss_func_for(micro_batch: MicroBatch, logits: torch.Tensor):
+        def loss_func_for(micro_batch: MicroBatch, logits: torch.Tensor, ahead: Optional[list] = None):
             fields = micro_batch.response_fields
             device = logits.device
             mask = fields.response_mask.to(device)
@@ -200,6 +231,11 @@ class ActorWorker(TrainingWorker):
                 )
                 loss = loss + kl_term
                 reported["actor/kl_loss"] = kl_metrics["kl_loss"]
+            if ahead is not None:
+                mtp_term = mtp_loss(micro_batch, ahead, s) / response_tokens.to(device)
+                loss = loss + s.mtp_loss_weight * mtp_term
+                # Times `scale`, the mean the metrics take over micro-batches and DP ranks is the mini-batch's sum.
+                reported["actor/mtp_loss"] = mtp_term.detach() * scale
             return loss * scale, {k: v.detach().clone() for k, v in reported.items()}
 
         return loss_func_for

@@ -240,12 +240,14 @@ def _fill_micro_batches(units: list[int], sizes: list[int], micro_batch_size: in
 
 
 def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_for: Callable, forward_only: bool,
-                     routing: Optional[RoutingTaps] = None):
+                     routing: Optional[RoutingTaps] = None, mtp: bool = False):
     """Run Megatron's schedule over `micro_batches`; returns the loss functions' dicts (last stage only), an empty
     one for each filler. `routing`: the model's router taps, which replay, record or compare each micro-batch's
-    routing as their mode says (models/routing_replay.py)."""
+    routing as their mode says (models/routing_replay.py). `mtp`: the model's MTP layers run too, and the loss
+    function gets their logits as a third argument (models/mtp.predicting_ahead)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlmegatron.models.mtp import predicting_ahead
     from rlmegatron.models.shared_prompts import SharedPromptParams, rope_at_token_positions
 
     def forward_step(data_iterator: Iterator[MicroBatch], model):
@@ -264,13 +266,15 @@ def forward_backward(chunks: list, micro_batches: list[MicroBatch], loss_func_fo
         per_token_rope = isinstance(params, SharedPromptParams) and gpt.position_embedding_type in ("rope", "yarn")
         with (rope_at_token_positions(gpt, micro_batch.position_ids, params.max_seqlen_q)
               if per_token_rope else contextlib.nullcontext()), \
-                (contextlib.nullcontext() if routing is None else routing.forward(model, micro_batch)):
+                (contextlib.nullcontext() if routing is None else routing.forward(model, micro_batch)), \
+                (predicting_ahead(gpt) if mtp else contextlib.nullcontext()) as ahead:
             output = model(micro_batch.input_ids, position_ids, None, packed_seq_params=params, **images)
         if not micro_batch.rows:  # a filler: its backward runs (and pairs its collectives) with zero gradients
-            return output, lambda output_tensor: (output_tensor.sum() * 0.0, {})
+            # The MTP layers' too: an MTP layer may be MoE, whose backward all-to-alls pair with the peers'.
+            return output, lambda output_tensor: (sum(t.sum() for t in [output_tensor, *(ahead or ())]) * 0.0, {})
         def loss(output_tensor):
             with plain_torch():  # the loss is this project's torch code, which names no device
-                return loss_func_for(micro_batch, output_tensor)
+                return loss_func_for(micro_batch, output_tensor, *([ahead] if mtp else []))
 
         return output, loss
 

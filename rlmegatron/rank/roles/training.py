@@ -153,12 +153,13 @@ class TrainingWorker:
         )
 
     def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: str,
-                          progress: Progress = None, routing=None) -> dict[str, float]:
+                          progress: Progress = None, routing=None, mtp: bool = False) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate gradients over micro-batches, then one optimizer step.
 
         `loss_func_factory(mini_batch, scale)` returns a Megatron loss function whose loss is
         multiplied by `scale`; `summed` names the reported metric that adds up over micro-batches;
-        `progress` hears of each finished optimizer step; `routing`: the model's router taps (forward_backward's).
+        `progress` hears of each finished optimizer step; `routing`: the model's router taps, and `mtp` whether the
+        MTP layers run (forward_backward's).
         """
         for chunk in self.chunks:
             chunk.train()
@@ -168,14 +169,16 @@ class TrainingWorker:
         for _ in range(s.ppo_epochs):
             for start in range(0, len(batch), s.ppo_mini_batch_size):
                 mini_batch = batch.select(list(range(start, min(start + s.ppo_mini_batch_size, len(batch)))))
-                for name, value in self._train_mini_batch(mini_batch, loss_func_factory, summed, routing).items():
+                for name, value in self._train_mini_batch(mini_batch, loss_func_factory, summed, routing,
+                                                          mtp).items():
                     history[name].append(value)
                 report(progress)
         metrics = {name: sum(values) / len(values) for name, values in history.items()}
         metrics[f"{self.metric_prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def _train_mini_batch(self, mini_batch: RolloutBatch, loss_func_factory: Callable, summed: str, routing=None):
+    def _train_mini_batch(self, mini_batch: RolloutBatch, loss_func_factory: Callable, summed: str, routing=None,
+                          mtp: bool = False):
         micro_batches = self._micro_batches(mini_batch)
         # Megatron divides each micro-batch loss by their count and DDP averages over DP; the
         # global denominator already makes the sum over both exact, so undo those two factors.
@@ -186,7 +189,7 @@ class TrainingWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = megatron_step.forward_backward(self.chunks, micro_batches, loss_func_for, forward_only=False,
-                                                   routing=routing)
+                                                   routing=routing, mtp=mtp)
         metrics = _reduce_metrics(collected, summed)  # collective: every rank sees, and stops on, the same values
         terms = {name: value for name, value in metrics.items() if name.endswith(("_loss", "/entropy"))}
         _raise_if_not_finite(terms, "before the optimizer step; the weights are unchanged")

@@ -1,0 +1,182 @@
+"""The MTP layers trained with the policy (actor.mtp.loss_weight; models/mtp.py, rank/roles/actor.mtp_loss) on 2 gloo
+ranks, through a PolicyRank built from a spec, on a tiny DeepSeek-V3 with one MTP layer.
+
+The numeric truths: at weight 0 the update is the update of the same checkpoint without MTP layers, bit for bit (the
+RL loss, the grad norm and every main-model weight after the step); at weight > 0 the RL loss is still the same and
+actor/mtp_loss is the cross-entropy of an independent HF computation of the MTP layer (DeepSeek's definition) over
+the sampled tokens two places on, masked to the response; its gradient moves the MTP layer and the trunk; the layouts
+(TP=2 with sequence parallelism, PP=2 with the MTP layer on the last stage, EP=2) agree with TP=1; and the changed
+MTP weights are in the next weight sync the engine receives."""
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmegatron.transport.local_ranks import run_ranks
+from tests.models.tiny_hf import save_quickstart_mtp_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT, RESPONSE = 6, 8
+WEIGHT = 0.5
+TEMPERATURE = 0.8
+LAYOUTS = {
+    "tp2_sp": ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true"],
+    "pp2": ["actor.megatron.pipeline_model_parallel_size=2"],
+    "ep2": ["actor.megatron.expert_model_parallel_size=2"],
+}
+MTP_LAYER = "model.layers.4."  # the tiny DeepSeek-V3 has 4 decoder layers
+
+
+def sampled_batch(advantage_scale: float = 1.0):
+    """Four sequences, prompts left-padded and responses right-padded to different lengths, with advantages (times
+    `advantage_scale`): what the actor's update gets from a step (on-policy, so no old log-probs)."""
+    from rlmegatron.rank.roles.batch import RolloutBatch
+
+    generator = torch.Generator().manual_seed(1)
+    prompts, responses = [3, 6, 4, 5], [8, 5, 7, 3]
+    input_ids = torch.zeros(len(prompts), PROMPT + RESPONSE, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        span = slice(PROMPT - prompt, PROMPT + response)
+        input_ids[row, span] = torch.randint(5, 128, (prompt + response,), generator=generator)
+        attention[row, span] = 1
+    mask = attention[:, PROMPT:].float()
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention, response_mask=mask,
+                        advantages=torch.randn(mask.shape, generator=generator) * mask * advantage_scale)
+
+
+def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]) -> dict:
+    """Per run (name -> (model, overrides, advantage scale)): one actor update of sampled_batch() and then a weight
+    sync; returns the
+    metrics and the HF-named weights that sync sent."""
+    from rlmegatron.driver.role_settings import trainer_rank_settings
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
+    from rlmegatron.rank.policy_rank import PolicyRank
+
+    os.chdir(REPO_ROOT)
+    reports = {}
+    for name, (model, overrides, advantage_scale) in runs.items():
+        spec = load_spec("configs/quickstart.yaml", [
+            f"model.path={models[model]}", "model.random_init=false", f"trainer.run_dir={workdir}/{name}",
+            f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "rollout.n=2",
+            f"rollout.temperature={TEMPERATURE}", "actor.ppo_mini_batch_size=2",
+            "actor.ppo_micro_batch_size_per_gpu=1", "actor.optim.clip_grad=1.0e9", *overrides])
+        # No engine of its own: what the sync hands every engine (colocated or a server) is WeightPush's stream.
+        rank = PolicyRank(dataclasses.replace(trainer_rank_settings(spec, 3), colocated=False))
+        received = {}
+        push = rank.weights._push
+
+        def capture(stream, version, engines, report):
+            def kept():
+                for key, tensor in stream:
+                    received[key] = tensor.detach().clone()
+                    yield key, tensor
+            return push(kept(), version, engines, report)
+
+        rank.weights._push = capture
+        metrics = rank.update_actor(sampled_batch(advantage_scale))
+        rank.sync_weights("v1")
+        reports[name] = {"metrics": metrics, "received": received,
+                         "mtp_weight": rank.models.actor.settings.mtp_loss_weight}
+        rank.shutdown()
+    return reports
+
+
+def hf_mtp_loss(hf_dir: str) -> float:
+    """actor/mtp_loss from first principles: DeepSeek's MTP layer in HF's modules (conversion_jobs.hf_mtp_logits) at
+    each sequence's own positions, -log p(token i+2 | position i) at the rollout temperature, summed over the
+    response tokens i+2 and divided by all response tokens."""
+    from tests.models.conversion_jobs import hf_mtp_logits
+
+    batch = sampled_batch()
+    total = 0.0
+    for row in range(len(batch)):
+        tokens = batch.input_ids[row][batch.attention_mask[row].bool()][None]
+        logits = hf_mtp_logits(hf_dir, tokens)[0] / TEMPERATURE
+        log_probs = torch.log_softmax(logits.double(), dim=-1)
+        prompt = int(batch.attention_mask[row, :PROMPT].sum())
+        for target in range(max(prompt, 2), tokens.shape[1]):  # response tokens two places past a position
+            total -= float(log_probs[target - 2, tokens[0, target]])
+    return total / float(batch.response_mask.sum())
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("mtp_training")
+    models = {"mtp": save_quickstart_mtp_model(str(workdir / "mtp")),
+              "no_mtp": save_quickstart_mtp_model(str(workdir / "no_mtp"), mtp_tensors=False)}
+    runs = {"no_mtp": ("no_mtp", [], 1.0), "off": ("mtp", [], 1.0),
+            "on": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 1.0),
+            # No RL signal: the gradient is the MTP loss's alone.
+            "mtp_only": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 0.0),
+            "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0),
+            **{name: ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", *overrides], 1.0)
+               for name, overrides in LAYOUTS.items()}}
+    reports = run_ranks(_update_job, 2, str(workdir), models, runs, timeout_s=600)
+    return {"reports": reports[0], "ranks_agree": reports[0]["on"]["metrics"] == reports[1]["on"]["metrics"],
+            "mtp_dir": models["mtp"]}
+
+
+def _main(received: dict) -> dict:
+    return {key: value for key, value in received.items() if not key.startswith(MTP_LAYER)}
+
+
+def test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers(updates):
+    off, no_mtp = updates["reports"]["off"], updates["reports"]["no_mtp"]
+    assert off["mtp_weight"] == 0.0 and "actor/mtp_loss" not in off["metrics"]
+    for name in ("actor/pg_loss", "actor/entropy"):
+        assert off["metrics"][name] == no_mtp["metrics"][name], name
+    # The same gradients; the norm adds the MTP layer's zeros, sharded differently by the distributed optimizer, in
+    # another order (clip_grad is out of reach, so the norm does not scale the step).
+    assert off["metrics"]["actor/grad_norm"] == pytest.approx(no_mtp["metrics"]["actor/grad_norm"], rel=1e-6)
+    main = _main(off["received"])
+    assert main.keys() == no_mtp["received"].keys()
+    assert [key for key in main if not torch.equal(main[key], no_mtp["received"][key])] == []
+
+
+def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_mtp_and_trunk(updates):
+    reports = updates["reports"]
+    on, off = reports["on"], reports["off"]
+    assert updates["ranks_agree"]
+    assert on["mtp_weight"] == WEIGHT
+    # The gradient is the weight times the MTP loss's: twice the weight, twice the gradient.
+    alone, doubled = reports["mtp_only"]["metrics"], reports["mtp_only_doubled"]["metrics"]
+    assert alone["actor/mtp_loss"] == doubled["actor/mtp_loss"] == pytest.approx(on["metrics"]["actor/mtp_loss"])
+    assert alone["actor/grad_norm"] > 0 and doubled["actor/grad_norm"] == pytest.approx(2 * alone["actor/grad_norm"],
+                                                                                         rel=1e-6)
+    # The RL loss reads the main head only: unchanged, bit for bit.
+    assert on["metrics"]["actor/pg_loss"] == off["metrics"]["actor/pg_loss"]
+    expected = hf_mtp_loss(updates["mtp_dir"])
+    assert on["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
+    changed = {key for key in on["received"] if not torch.equal(on["received"][key], off["received"][key])}
+    # The MTP layer moved (its own tensors, not only the copies of embedding and head the sync also carries) ...
+    assert {MTP_LAYER + name for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                                          "self_attn.kv_a_proj_with_mqa.weight")} <= changed
+    # ... and so did the trunk below it, as in Megatron's pretraining, through the shared embedding too.
+    assert {"model.embed_tokens.weight", "model.layers.3.self_attn.q_a_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight"} <= changed
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_trains_the_mtp_layer_as_tp1_does(updates, layout):
+    on, laid_out = updates["reports"]["on"], updates["reports"][layout]
+    # The same losses, and the same gradient (its norm): the MTP term is scaled alike at every DP size and
+    # micro-batch count.
+    for name in ("actor/pg_loss", "actor/mtp_loss", "actor/grad_norm"):
+        assert laid_out["metrics"][name] == pytest.approx(on["metrics"][name], rel=1e-5), name
+    assert laid_out["received"].keys() == on["received"].keys()
+    for key in (MTP_LAYER + "eh_proj.weight", MTP_LAYER + "mlp.experts.0.down_proj.weight", "model.embed_tokens.weight"):
+        torch.testing.assert_close(laid_out["received"][key], on["received"][key], rtol=1e-4, atol=1e-6)
+
+
+def test_the_changed_mtp_weights_are_in_the_sync_after_the_step(updates):
+    from safetensors.torch import load_file
+
+    received = updates["reports"]["on"]["received"]
+    initial = load_file(os.path.join(updates["mtp_dir"], "model.safetensors"))
+    mtp_names = sorted(key for key in initial if key.startswith(MTP_LAYER))
+    assert mtp_names and set(mtp_names) <= received.keys()
+    moved = [key for key in mtp_names if not torch.equal(received[key], initial[key])]
+    assert MTP_LAYER + "eh_proj.weight" in moved and len(moved) > len(mtp_names) // 2
