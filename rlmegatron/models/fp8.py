@@ -27,8 +27,12 @@ FP8_HEADER_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 # The HF weights that transformers' and SGLang's FP8 loaders quantise: the linear projections of attention and MLPs,
 # experts and shared experts included (Mixtral's experts are w1/w2/w3 under block_sparse_moe). The routers (gate),
-# eh_proj and the rest are not projections under those modules.
-_QUANTISED = re.compile(r"\.(self_attn|mlp|block_sparse_moe)\.(.+\.)?([a-z_]*proj[a-z_]*|w[123])\.weight$")
+# eh_proj and the rest are not projections under those modules. DeepSeek-V3.2's and GLM-5's sparse-attention indexer
+# is the exception both ways: its query and key projections (wq_b, wk) are FP8 as released, and its per-head weights
+# (weights_proj) bf16, as SGLang's indexer loads them (a quantised weights_proj has no place to go there).
+_QUANTISED = re.compile(r"\.(self_attn|mlp|block_sparse_moe)\.(.+\.)?([a-z_]*proj[a-z_]*|w[123])\.weight$"
+                        r"|\.self_attn\.indexer\.(wq_b|wk)\.weight$")
+_KEPT_IN_BF16 = re.compile(r"\.self_attn\.indexer\.weights_proj\.weight$")
 # DeepSeek-V3's quantization_config: FP8 rollout's format, and what `rlm convert mcore-to-hf --fp8` writes when the
 # model did not come from an FP8 checkpoint.
 DEFAULT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -95,7 +99,7 @@ class BlockFP8:
     # ---- which tensors ------------------------------------------------------------------------------------------
     def quantises(self, key: str) -> bool:
         """Whether the format stores HF tensor `key` quantised (export and sync quantise exactly these)."""
-        if not _QUANTISED.search(key):
+        if not _QUANTISED.search(key) or _KEPT_IN_BF16.search(key):
             return False
         module = key.removesuffix(".weight")
         # transformers' matching: a listed module, anything inside it, or a name it ends.

@@ -16,7 +16,9 @@ from tests.models.tiny_hf import save_tiny_model
 # and a TP=2 half of 64 rows or columns starts inside a block.
 BLOCK = (40, 48)
 # The projections DeepSeek-V3 and Qwen3-FP8 ship as FP8, by their names.
-_PROJECTIONS = re.compile(r"\.(q|k|v|o|gate|up|down|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.weight$")
+# As the releases quantise: DeepSeek-V3.2's indexer's query and key projections too, not its per-head weights.
+_PROJECTIONS = re.compile(r"\.(q|k|v|o|gate|up|down|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.weight$"
+                          r"|\.indexer\.(wq_b|wk)\.weight$")
 
 
 def quantise_block_wise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,9 @@ from tests.models.fp8_checkpoints import BLOCK, dequantise_block_wise, quantise_
 
 # A dense model split by TP (with a projection left unquantised), an MoE model's experts split by EP, and
 # DeepSeek-V3 (MLA, shared experts, an MTP layer) over two pipeline stages.
-CASES = {"qwen3": ParallelLayout(tp=2), "qwen3_moe": ParallelLayout(ep=2), "deepseek_v3": ParallelLayout(pp=2)}
+# DeepSeek-V3.2 at TP=2: its sparse-attention indexer's wq_b and wk are FP8 as released, its weights_proj bf16.
+CASES = {"qwen3": ParallelLayout(tp=2), "qwen3_moe": ParallelLayout(ep=2), "deepseek_v3": ParallelLayout(pp=2),
+         "deepseek_v32": ParallelLayout(tp=2, sequence_parallel=True)}
 NOT_CONVERTED = {"qwen3": ("model.layers.1.self_attn.o_proj",)}
 
 
@@ -83,7 +85,10 @@ def test_power_of_two_scales_survive_bf16():
     ("model.layers.2.mlp.gate.weight", False), ("model.layers.4.eh_proj.weight", False),
     ("model.layers.0.self_attn.q_a_layernorm.weight", False), ("model.embed_tokens.weight", False),
     ("lm_head.weight", False), ("model.layers.2.mlp.shared_expert_gate.weight", False),
-    ("model.layers.0.block_sparse_moe.experts.1.w2.weight", True), ("model.layers.0.block_sparse_moe.gate.weight", False)])
+    ("model.layers.0.block_sparse_moe.experts.1.w2.weight", True), ("model.layers.0.block_sparse_moe.gate.weight", False),
+    ("model.layers.0.self_attn.indexer.wq_b.weight", True), ("model.layers.0.self_attn.indexer.wk.weight", True),
+    ("model.layers.0.self_attn.indexer.weights_proj.weight", False),
+    ("model.layers.0.self_attn.indexer.k_norm.weight", False)])
 def test_which_tensors_the_format_quantises(key, quantised):
     fp8 = BlockFP8(BLOCK, modules_to_not_convert=("model.layers.1.self_attn.o_proj", "lm_head"))
     assert fp8.quantises(key) == quantised
