@@ -11,7 +11,8 @@ from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, OptimConfig, PPOUpdateConfig
 from rlmegatron.config.transformer_config import extra_problems
 from rlmegatron.errors import one_of
-from rlmegatron.models.families import ArchitectureError, ModelArchitecture, checkpoint_mtp_layers, read_architecture
+from rlmegatron.models.families import (ArchitectureError, ModelArchitecture, architecture_of, checkpoint_mtp_layers,
+                                       read_architecture)
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, PipelineSplitError, pipeline_stage_layers
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
