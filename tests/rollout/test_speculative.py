@@ -1,0 +1,164 @@
+"""MTP speculative decoding in the local engine (rollout/speculative.py) on a tiny DeepSeek-V3 with an MTP layer:
+greedy tokens equal plain decoding's, log-probs are the main model's, and sampled tokens follow the main model's
+distribution (a chi-square test that a wrong acceptance rule fails)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rlmegatron.rollout import speculative
+from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+from rlmegatron.rollout.local import LocalEngine, filter_top_k_top_p
+from tests.models.tiny_hf import save_tiny_model
+
+# A vocabulary of 8: the draft's and the main model's distributions overlap enough that most drafts are kept and
+# some are not, and the exact distribution of a few tokens is a small enumeration.
+VOCAB = 8
+MTP = "model.layers.2."  # the MTP layer follows the 2 decoder layers
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from safetensors.torch import load_file
+
+    directory = str(tmp_path_factory.mktemp("deepseek_v3"))
+    save_tiny_model("deepseek_v3", directory, vocab_size=VOCAB, num_hidden_layers=2)
+    return directory, load_file(f"{directory}/model.safetensors")
+
+
+def engine(checkpoint, num_draft_tokens: int, dtype=torch.float32, tensors=None, **kwargs) -> LocalEngine:
+    """The checkpoint's model in a local engine, every weight (the MTP layer's with drafting) loaded the way a sync
+    loads them."""
+    from transformers import AutoModelForCausalLM
+
+    directory, saved = checkpoint
+    # transformers' grouped experts take no float64; its loop over the experts does.
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **(
+        {"experts_implementation": "eager"} if dtype == torch.float64 else {}))
+    engine = LocalEngine(model, num_draft_tokens=num_draft_tokens, **kwargs)
+    engine.update_weights([(name, tensor.to(dtype)) for name, tensor in (tensors or saved).items()
+                           if num_draft_tokens or not name.startswith(MTP)], "v")
+    return engine
+
+
+def draft_from_the_next_token_alone(saved: dict) -> dict:
+    """The checkpoint with an MTP layer that sees only the token it is given (its hidden-state input and its
+    layer's outputs zeroed): it drafts what the main model's embedding path alone would predict. With the embedding
+    3x larger, so that the main model's prediction leans on that path too, that is the main model's argmax about
+    half the time: greedy decoding both keeps and rejects drafts."""
+    tensors = dict(saved)
+    tensors["model.embed_tokens.weight"] = tensors[MTP + "embed_tokens.weight"] = saved["model.embed_tokens.weight"] * 3
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors[MTP + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+    tensors[MTP + "enorm.weight"] = torch.ones(hidden)
+    tensors[MTP + "shared_head.norm.weight"] = tensors["model.norm.weight"]
+    for name in tensors:
+        if name.startswith(MTP) and name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensors[name])
+    return tensors
+
+
+def test_greedy_tokens_equal_plain_decoding_with_drafts_kept_and_rejected(checkpoint):
+    tensors = draft_from_the_next_token_alone(checkpoint[1])
+    requests = [GenerationRequest(tuple((5 * i + j) % VOCAB for j in range(3 + 2 * i)),
+                                  SamplingSpec(temperature=0.0, max_new_tokens=24)) for i in range(4)]
+    plain = engine(checkpoint, 0, tensors=tensors).generate(requests)
+    for k in (1, 3):
+        drafted = engine(checkpoint, k, tensors=tensors).generate(requests)
+        assert [r.output_token_ids for r in drafted] == [r.output_token_ids for r in plain]
+        assert all(r.spec_num_proposed_drafts == k * r.spec_verify_ct for r in drafted)
+        kept = sum(r.spec_num_correct_drafts for r in drafted) / sum(r.spec_num_proposed_drafts for r in drafted)
+        assert 0.1 < kept < 0.9, kept  # both branches of the acceptance ran
+        for a, b in zip(plain, drafted):
+            assert max(abs(x - y) for x, y in zip(a.output_token_logprobs, b.output_token_logprobs)) < 1e-5
+
+
+def test_logprobs_are_the_main_models_and_greedy_rows_mix_with_sampled_ones(checkpoint):
+    """With a float64 model the reported log-probs are bitwise a full forward's over the sampled tokens (the engine's
+    log-softmax is float32, as plain decoding's); a greedy row in the same batch still decodes as plain decoding
+    does."""
+    spec = SamplingSpec(n=3, temperature=0.8, top_p=0.9, max_new_tokens=10, seed=5)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=10)
+    prompt = (1, 2, 3, 4)
+    drafting = engine(checkpoint, 2, dtype=torch.float64)
+    results = drafting.generate([GenerationRequest(prompt, spec), GenerationRequest(prompt, greedy)])
+    assert sum(r.spec_num_correct_drafts for r in results) > 0
+    for result in results:
+        tokens = list(prompt) + list(result.output_token_ids)
+        with torch.no_grad():
+            logits = drafting.model(input_ids=torch.tensor([tokens])).logits[0, len(prompt) - 1:-1]
+        temperature = 0.8 if result.request_index == 0 else 1.0
+        # The engine's convention: log-softmax in float32 (plain decoding's too).
+        expected = torch.log_softmax(logits.float() / temperature, -1).gather(
+            -1, torch.tensor(result.output_token_ids).unsqueeze(-1)).squeeze(-1)
+        assert torch.equal(torch.tensor(result.output_token_logprobs), expected)
+    plain = engine(checkpoint, 0, dtype=torch.float64).generate([GenerationRequest(prompt, greedy)])
+    assert results[-1].output_token_ids == plain[0].output_token_ids
+
+
+def exact_marginals(model, prompt: tuple, length: int, temperature: float, top_k: int
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The main model's sampler's exact distribution of each of the first `length` output tokens, and the joint of
+    tokens 2 and 3, by enumerating every prefix (full forwards, no cache)."""
+    def next_distribution(prefixes: list[tuple]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + p for p in prefixes])).logits[:, -1].float()
+        return torch.softmax(filter_top_k_top_p(logits / temperature, top_k, 1.0).double(), -1)
+
+    marginals, probability = [], {(): 1.0}
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for position in range(length):
+        prefixes = list(probability)
+        nexts = next_distribution(prefixes)
+        marginals.append(sum(probability[p] * nexts[i] for i, p in enumerate(prefixes)))
+        probability = {p + (t,): probability[p] * float(nexts[i, t])
+                       for i, p in enumerate(prefixes) for t in range(VOCAB) if nexts[i, t] > 0}
+        if position == 2:
+            for p, mass in probability.items():
+                joint[p[1], p[2]] += mass
+    return marginals, joint
+
+
+def chi_square_p(counts: torch.Tensor, expected_probabilities: torch.Tensor) -> float:
+    """Pearson's test of `counts` against the probabilities, cells expected fewer than 5 times pooled."""
+    expected = expected_probabilities.flatten() * counts.sum()
+    counts = counts.flatten().double()
+    if counts[expected == 0].sum() > 0:  # a token the main model's sampler never draws
+        return 0.0
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    keep = expected > 0
+    return float(chisquare(observed[keep].numpy(), expected[keep].numpy() * observed.sum().item()
+                           / expected[keep].sum().item()).pvalue)
+
+
+def accept_always(p, q, drafts, uniform, greedy, main_argmax):
+    """A wrong rule: every draft kept, the token after them from p."""
+    return torch.full_like(drafts[:, 0], drafts.shape[1]), p[:, -1]
+
+
+@pytest.mark.parametrize("rule", ["speculative sampling", "accept always"])
+def test_sampled_tokens_follow_the_main_models_distribution(checkpoint, monkeypatch, rule):
+    """2,500 samples of 4 tokens (10,000 tokens) at temperature 1 and top-k 6, 3 drafts per verification: the
+    histograms of tokens 1-4 and of tokens 2 and 3 together against the exact distributions, each at the 0.1 %
+    level. Accepting every draft fails them: its tokens follow the draft."""
+    if rule == "accept always":
+        monkeypatch.setattr(speculative, "accept_drafts", accept_always)
+    prompt, length, temperature, top_k, samples = (1, 2, 3), 4, 1.0, 6, 2500
+    drafting = engine(checkpoint, 3, max_batch_size=samples)
+    results = drafting.generate([GenerationRequest(prompt, SamplingSpec(
+        n=samples, temperature=temperature, top_k=top_k, max_new_tokens=length))])
+    tokens = torch.tensor([r.output_token_ids for r in results])
+    assert tokens.shape == (samples, length)
+    marginals, joint = exact_marginals(drafting.model, prompt, length, temperature, top_k)
+    p_values = [chi_square_p(torch.bincount(tokens[:, i], minlength=VOCAB), marginals[i]) for i in range(length)]
+    p_values.append(chi_square_p(torch.bincount(tokens[:, 1] * VOCAB + tokens[:, 2], minlength=VOCAB ** 2)
+                                 .view(VOCAB, VOCAB), joint))
+    kept = sum(r.spec_num_correct_drafts for r in results) / sum(r.spec_num_proposed_drafts for r in results)
+    if rule == "accept always":
+        assert min(p_values[1:]) < 1e-6, p_values  # the drafted tokens' histograms are far off
+    else:
+        assert 0.3 < kept < 0.95, kept  # drafts both kept and rejected
+        assert min(p_values) > 1e-3, p_values
