@@ -51,6 +51,9 @@ def transformer_config(kind: str, layout: ParallelLayout, dispatcher: str = "all
     )
     if kind == "dense":  # Qwen3-shaped: GQA, qk-norm
         return TransformerConfig(num_layers=4, num_query_groups=2, ffn_hidden_size=128, qk_layernorm=True, **common)
+    if kind == "sinks_window":  # gpt-oss-shaped attention: a learned sink per head, a window of 4 keys every other layer
+        return TransformerConfig(num_layers=4, num_query_groups=2, ffn_hidden_size=128, softmax_type="learnable",
+                                 window_size=(3, 0), window_attn_skip_freq=[1, 0, 1, 0], **common)
     if kind == "moe":  # Qwen2-MoE-shaped: softmax router with aux loss, gated shared expert
         return TransformerConfig(
             num_layers=2, num_query_groups=2, ffn_hidden_size=128, moe_shared_expert_gate=True, **moe, **common

@@ -38,6 +38,16 @@ def test_dense_tp2_pp2_vpp2_tp2xpp2_and_cp2_on_4_ranks(tmp_path):
         assert sorted({r["layouts"][label]["decoder_layers"] for r in reports}) == [1, 3], label
 
 
+def test_sinks_and_a_sliding_window_at_tp2_and_cp2(tmp_path):
+    """gpt-oss's attention: the sinks split with the heads over TP; under CP each rank's chunks keep their own window
+    of the all-gathered keys, by sequence position."""
+    layouts = [(L(tp=2, sequence_parallel=True), ""), (L(cp=2), "")]
+    reports = run_ranks(parity_job, 2, "sinks_window", layouts, 2, str(tmp_path), timeout_s=300)
+    _assert_parity(reports, ["TP2xPP1xSP-", "TP1xPP1xCP2-"])
+    sinks = [n for n in reports[0]["layouts"]["TP1xPP1xCP2-"]["grad_max_abs_diff"] if n.endswith("softmax_offset")]
+    assert len(sinks) == 4, sinks  # each layer's sinks took part in the comparison
+
+
 def test_moe_ep2_allgather_ep2_alltoall_tp2_sequence_parallel_and_cp2xep2(tmp_path):
     layouts = [(L(ep=2), "allgather"), (L(ep=2), "alltoall"), (L(tp=2, sequence_parallel=True), "alltoall"),
                (L(cp=2, ep=2), "alltoall")]
