@@ -29,7 +29,7 @@ from rlmegatron.rank.settings import RoleSettings, TrainerRankSettings
 from rlmegatron.rollout.agent_loop import AgentSettings
 from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
 from rlmegatron.rollout.settings import RolloutSettings
-from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, SGLANG_DTYPES, ServerSpec
+from rlmegatron.rollout.sglang.server import RETURN_ROUTED_EXPERTS, SGLANG_DTYPES, ServerSpec, speculative_flags
 from rlmegatron.runtime import ParallelLayout
 
 LOCAL_SERVER_MODULE = "rlmegatron.rollout.local_server"
@@ -203,6 +203,7 @@ def rollout_settings(spec: JobSpec) -> RolloutSettings:
         weight_sync=rollout.weight_sync,
         full_sync_every=rollout.full_sync_every,
         check_sync_every=spec.trainer.check_sync_every,
+        num_draft_tokens=rollout.speculative.num_draft_tokens if rollout.speculative is not None else 0,
     )
 
 
@@ -227,7 +228,8 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
     `lora_rank` > 0 serves LoRA adapters of that rank on every linear; `return_routed_experts`: the server records
     each token's experts for the requests that ask (routing replay, actor.moe); `rollout.quantization` fp8 makes the
     server hold its linear weights in the block-wise FP8 format the sync pushes (SGLang reads the format from the
-    model's quantization_config, which the override gives it)."""
+    model's quantization_config, which the override gives it); `rollout.speculative` launches it with its own
+    speculative decoding, drafted by the model's MTP layer (speculative_flags)."""
     sglang = rollout.sglang
     flags: dict[str, Any] = {}
     if lora_rank:
@@ -236,6 +238,8 @@ def server_spec(rollout: RolloutConfig, model_path: str, port: int, lora_rank: i
         flags[RETURN_ROUTED_EXPERTS] = True
     if rollout.weight_sync == "delta":
         flags["custom-weight-loader"] = DELTA_LOADER  # where a delta push lands in the server (rollout/delta.py)
+    if rollout.speculative is not None:
+        flags.update(speculative_flags(rollout.speculative.num_draft_tokens))
     if rollout.quantization == "fp8":
         flags.update({"quantization": "fp8",
                       "json-model-override-args": json.dumps({"quantization_config": FP8_ROLLOUT.config})})

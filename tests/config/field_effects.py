@@ -43,6 +43,27 @@ MTP_TRAINING = "tests/models/test_mtp_training.py::"
 MTP_TRAINS = (MTP_TRAINING + "test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_"
               "mtp_and_trunk")
 MTP_OFF = MTP_TRAINING + "test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers"
+SGLANG_SPECULATIVE = ("tests/rollout/test_sglang_speculative.py::"
+                      "test_mtp_speculative_rollout_launches_sglang_drafting_k_tokens_with_the_checkpoints_mtp_layer")
+SGLANG_DRAFT_NAMES = ("tests/rollout/test_sglang_speculative.py::"
+                      "test_sglangs_draft_model_loads_its_mtp_layer_from_the_synced_names")
+
+# On-policy distillation (algorithm.distill, the teacher role).
+DISTILL = "tests/driver/test_distillation.py::"
+DISTILL_ALONE = DISTILL + "test_distillation_alone_trains_on_minus_coef_times_the_reverse_kl_and_ignores_the_reward"
+DISTILL_ADDED = (DISTILL + "test_distillation_adds_to_the_task_advantage_and_reads_the_old_log_probs_when_the_step_"
+                 "has_them")
+DISTILL_RUN = DISTILL + "test_the_quickstart_model_distilled_from_a_solved_run_learns_the_task_without_its_reward"
+DISTILL_SPEC = "tests/config/test_distill_spec.py::"
+TEACHER_ROLE = DISTILL_SPEC + "test_the_teacher_role_is_laid_out_batched_and_offloaded_by_its_own_section"
+TEACHER_REFUSALS = DISTILL_SPEC + "test_an_unknown_mode_a_critic_and_a_training_knob_of_the_teacher_are_refused"
+TEACHER_ARCH = (DISTILL_SPEC + "test_the_teachers_architecture_comes_from_its_config_or_hf_config_and_its_layout_must_"
+                "fit_it")
+TEACHER_TOKENIZER = DISTILL_SPEC + "test_a_teacher_whose_tokenizer_is_not_the_students_is_refused_by_rlm_validate"
+TEACHER_RANK = "tests/rank/test_teacher_rank.py::"
+TEACHER_LOG_PROBS = (TEACHER_RANK + "test_the_teachers_log_probs_are_its_hf_models_at_every_layout_and_from_its_"
+                     "converted_checkpoint")
+TEACHER_BATCHING = TEACHER_RANK + "test_the_teacher_batches_and_offloads_as_its_section_says"
 
 # Delta weight sync (rlmegatron/rollout/delta.py).
 DELTA_SYNC = "tests/driver/test_delta_sync.py::"
@@ -501,9 +522,11 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.sglang.router_url": ("a running router the servers join", (BUCKETS_AND_ROUTER,)),
     "rollout.sglang.skip_tokenizer_init": ("SGLang without a tokenizer", (LAUNCH, LAUNCH_OFF)),
     "rollout.sglang.startup_timeout_s": ("time a server has to become healthy", (STARTUP_TIMEOUT,)),
-    "rollout.speculative.method": ("speculative decoding drafted by the model's MTP layers; refused without them",
-                                   (MTP_CHECKS,)),
-    "rollout.speculative.num_draft_tokens": ("tokens drafted per verification", (MTP_CHECKS,)),
+    "rollout.speculative.method": ("speculative decoding drafted by the model's MTP layers (SGLang: NEXTN, its draft "
+                                   "loading the synced MTP names); refused without them",
+                                   (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES)),
+    "rollout.speculative.num_draft_tokens": ("tokens drafted per verification (SGLang: k steps, k + 1 draft tokens)",
+                                             (MTP_CHECKS, SGLANG_SPECULATIVE)),
     "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
     "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
     "rollout.tensor_parallel_size": ("GPUs per SGLang server", (COLOCATED_SERVER, LAUNCH)),

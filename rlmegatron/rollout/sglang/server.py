@@ -38,6 +38,17 @@ def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
     return flags
 
 
+def speculative_flags(num_draft_tokens: int) -> dict[str, Any]:
+    """SGLang's flags for rollout.speculative (its one method, mtp): the checkpoint's MTP layer as the draft model,
+    which SGLang calls NEXTN (an alias of EAGLE whose draft is the target checkpoint's own next-token layer, its class
+    the architecture's *NextN, e.g. DeepseekV3ForCausalLMNextN), chained for `num_draft_tokens` steps with one
+    candidate each (top-k 1), so each verification scores the k drafts and the token after them: k + 1 draft tokens.
+    A weight update reaches both the target and the draft model (SGLang's default runner selector), and the draft
+    reads its MTP layer's names from the same stream."""
+    return {"speculative-algorithm": "NEXTN", "speculative-num-steps": num_draft_tokens,
+            "speculative-eagle-topk": 1, "speculative-num-draft-tokens": num_draft_tokens + 1}
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """One SGLang server (one TP group; weight updates need dp_size 1 per server)."""

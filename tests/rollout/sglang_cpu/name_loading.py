@@ -1,6 +1,8 @@
 """Runs SGLang 0.5.23's own model construction and `load_weights` on CPU: argv[1] is a JSON job, {"models": {label:
 {"model": a HF model directory (its config.json says the architecture), "tensors": a safetensors file of the
-HF-named weights a weight sync streams}}, "tp": TP sizes}.
+HF-named weights a weight sync streams, and optionally "args": the server's command line (the launch's own flags) and
+"draft": true, to load the draft model SGLang's speculative decoding builds from those arguments instead of the
+target}}, "tp": TP sizes}.
 
 For each TP rank of each TP size it builds the architecture's SGLang model class (SGLang's ModelRegistry, with the
 rank set through SGLang's own get_parallel().override, as fp8_loading.py does), fills every parameter with NaN, hands
@@ -54,7 +56,8 @@ def main() -> None:
     report = {}
     for label, model in job["models"].items():
         try:
-            report[label] = loaded(model["model"], model["tensors"], job["tp"])
+            report[label] = loaded(model["model"], model["tensors"], job["tp"], model.get("args"),
+                                   model.get("draft", False))
         except Exception as err:  # one model SGLang cannot build or load fails its own test, not the others'
             report[label] = {"error": f"{type(err).__name__}: {err}"}
     print(json.dumps(report))
@@ -92,12 +95,33 @@ def build(model_class, config) -> torch.nn.Module:
     return model
 
 
-def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
+def draft_config(server_args):
+    """The config of the draft model SGLang builds for these (resolved) server arguments: its own ModelConfig for
+    the draft, whose architecture is the *NextN class of a checkpoint that carries its MTP layer."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.configs.model_config import ModelConfig
+
+    path = resolved_view(server_args).speculative_draft_model_path
+    return ModelConfig.from_server_args(server_args, model_path=path, is_draft_model=True).hf_config
+
+
+def checkpoint_name(draft_parameter: str, config) -> str:
+    """The HF name a NextN draft's parameter is loaded from: SGLang's nextn loader takes `model.layers.{N}.` (N the
+    decoder layers' count) off the MTP layer's names, keeping its own tensors (enorm, eh_proj, ...) under `model.`
+    and the transformer layer's under `model.decoder.`."""
+    rest = draft_parameter.removeprefix("model.").removeprefix("decoder.")
+    return f"model.layers.{config.num_hidden_layers}.{rest}"
+
+
+def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int], args: list[str] | None = None,
+           draft: bool = False) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
-    server_args = prepare_server_args(["--model-path", _resolvable(model_dir), "--device", "cpu",
-                                       "--skip-tokenizer-init"])
+    server_args = prepare_server_args(args or ["--model-path", _resolvable(model_dir), "--device", "cpu",
+                                               "--skip-tokenizer-init"])
     server_args.resolve_once()
     publish(server_args, role="scheduler")  # last publish wins: each model its own server's arguments
+    if draft:
+        config = draft_config(server_args)
     model_class, _ = ModelRegistry.resolve_model_cls(config.architectures)
     tensors = load_file(tensors_file)
     vocab = config.get_text_config().vocab_size
@@ -113,6 +137,10 @@ def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int]) -> dict:
             unfilled, differ = [], []
             for name, param in model.named_parameters():
                 data = param.data
+                if draft and ("embed_tokens" in name or "lm_head" in name):
+                    continue  # the target's own: SGLang's EAGLE worker hands them over (set_embed_and_head)
+                if draft:
+                    name = checkpoint_name(name, config)
                 if "embed_tokens" in name or "lm_head" in name:
                     # SGLang pads the vocabulary; only the rows of real tokens are loaded.
                     data = data[: max(0, vocab - rank * data.shape[0])]
