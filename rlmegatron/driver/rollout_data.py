@@ -280,7 +280,19 @@ def batch_metrics(rollout: Rollout, max_response_length: int) -> dict[str, float
     for name, value in (("advantages", batch.advantages), ("returns", batch.returns), ("values", batch.values)):
         if value is not None and mask.any():  # rollout correction may have rejected every token
             metrics.update(_stats(f"critic/{name}", value[mask]))
-    return metrics | agent_metrics(rollout.results)
+    return metrics | agent_metrics(rollout.results) | speculative_metrics(rollout.results)
+
+
+def speculative_metrics(results: list[GenerationResult]) -> dict[str, float]:
+    """rollout.speculative: the share of the step's drafted tokens that the verifications accepted (SGLang's
+    spec_accept_rate, over all samples) and the drafted tokens accepted per verification (0 to num_draft_tokens; the
+    tokens a verification yields are one more); none without speculative decoding."""
+    verifications = sum(r.spec_verify_ct for r in results)
+    if not verifications:
+        return {}
+    accepted = sum(r.spec_num_correct_drafts for r in results)
+    return {"rollout/spec_accept_rate": accepted / sum(r.spec_num_proposed_drafts for r in results),
+            "rollout/spec_accepted_tokens_mean": accepted / verifications}
 
 
 def agent_metrics(results: list[GenerationResult]) -> dict[str, float]:

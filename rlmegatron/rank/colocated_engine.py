@@ -178,4 +178,5 @@ def _local_engine(settings: RolloutSettings, hf_config) -> LocalEngine:
         weight_format=settings.weight_format,
         # The image processor the data was read with (job: model.tokenizer_path or model.path).
         image_processor=image_processor_at(settings.model.tokenizer_path or settings.model.path),
+        num_draft_tokens=settings.num_draft_tokens,
     )

@@ -147,6 +147,9 @@ class LocalServer:
                 "weight_version": result.weight_version}
         if routed:
             meta["routed_experts"] = self.routing.encode(result.routed_experts)
+        if result.spec_verify_ct:  # speculative decoding's counts, under SGLang's meta_info names
+            meta.update(spec_verify_ct=result.spec_verify_ct, spec_num_correct_drafts=result.spec_num_correct_drafts,
+                        spec_num_proposed_drafts=result.spec_num_proposed_drafts)
         return {"output_ids": list(result.output_token_ids), "meta_info": meta}
 
     def init_weights_update_group(self, body: dict) -> dict:
@@ -259,9 +262,11 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 256  # an engine sends up to 64 requests at once; socketserver's 5 drops connections
 
 
-def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool, quantization: str | None = None
-                 ) -> LocalEngine:
-    """`quantization` fp8 (SGLang's --quantization, rollout.quantization): weight updates come block-wise FP8."""
+def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bool, quantization: str | None = None,
+                 num_draft_tokens: int = 0) -> LocalEngine:
+    """`quantization` fp8 (SGLang's --quantization, rollout.quantization): weight updates come block-wise FP8.
+    `num_draft_tokens` (SGLang's --speculative-num-steps with --speculative-algorithm NEXTN, rollout.speculative): the
+    model's MTP layer drafts that many tokens per verification."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -270,7 +275,7 @@ def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bo
     return LocalEngine(model, pad_token_id=config.pad_token_id or 0,
                        eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
                        weight_format=FP8_ROLLOUT if quantization == "fp8" else None,
-                       image_processor=image_processor_at(model_path))
+                       image_processor=image_processor_at(model_path), num_draft_tokens=num_draft_tokens)
 
 
 def main() -> None:
@@ -284,9 +289,12 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument(f"--{RETURN_ROUTED_EXPERTS}", dest="return_routed_experts", action="store_true")
     parser.add_argument("--custom-weight-loader", nargs="*", default=[])
+    parser.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"])  # the MTP layer drafts
+    parser.add_argument("--speculative-num-steps", type=int, default=0)
     args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
-    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization)
+    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization,
+                          args.speculative_num_steps if args.speculative_algorithm else 0)
     httpd = Server((args.host, args.port),
                    handler_for(LocalServer(engine, args.return_routed_experts, args.custom_weight_loader)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)

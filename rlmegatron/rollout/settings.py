@@ -49,6 +49,9 @@ class RolloutSettings:
     """Delta sync: every this many syncs a full push (0: only where one is needed)."""
     check_sync_every: int = 0
     """Every this many syncs, each engine's weights are checked against what a full push gives (0: never)."""
+    num_draft_tokens: int = 0
+    """rollout.speculative: tokens the model's MTP layer drafts per verification (0: no speculative decoding). The
+    local engine drafts in-process (rollout/speculative.py); SGLang and the local server take it as their flags."""
 
     @property
     def weight_format(self):

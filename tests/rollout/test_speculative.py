@@ -59,6 +59,23 @@ def draft_from_the_next_token_alone(saved: dict) -> dict:
     return tensors
 
 
+def test_the_draft_layer_is_the_mtp_layer_megatron_trains(checkpoint):
+    """MTPDraft over a whole sequence (the main model's final hidden states, each next token) gives the logits of
+    conversion_jobs.hf_mtp_logits, which the conversion tests hold equal to Megatron-Core's own MTP forward."""
+    from transformers import DynamicCache
+
+    from tests.models.conversion_jobs import hf_mtp_logits
+
+    drafting = engine(checkpoint, 1)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3, 5]])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        hidden = drafting.model.get_decoder()(tokens).last_hidden_state
+        _, logits = drafting.draft(hidden, tokens.roll(-1, 1), positions, torch.ones_like(tokens), DynamicCache())
+    reference = hf_mtp_logits(checkpoint[0], tokens)
+    assert torch.equal(logits[:, :-1], reference[:, :-1])  # the last position has no token after it
+
+
 def test_greedy_tokens_equal_plain_decoding_with_drafts_kept_and_rejected(checkpoint):
     tensors = draft_from_the_next_token_alone(checkpoint[1])
     requests = [GenerationRequest(tuple((5 * i + j) % VOCAB for j in range(3 + 2 * i)),

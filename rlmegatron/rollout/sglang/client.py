@@ -317,6 +317,10 @@ def parse_generate_response(answer: dict, request_index: int, sample_index: int,
         finish_reason=reason,
         weight_version=meta.get("weight_version"),
         routed_experts=routed,
+        # Speculative decoding's counts (SGLang's, and the local server's under its names); absent without it.
+        spec_verify_ct=meta.get("spec_verify_ct", 0),
+        spec_num_correct_drafts=meta.get("spec_num_correct_drafts", 0),
+        spec_num_proposed_drafts=meta.get("spec_num_proposed_drafts", 0),
     )
 
 
@@ -345,4 +349,7 @@ def joined(parts: Sequence[GenerationResult]) -> GenerationResult:
         weight_version=parts[-1].weight_version,
         token_weight_versions=tuple(part.weight_version for part in parts for _ in part.output_token_ids),
         routed_experts=routed,
+        spec_verify_ct=sum(part.spec_verify_ct for part in parts),
+        spec_num_correct_drafts=sum(part.spec_num_correct_drafts for part in parts),
+        spec_num_proposed_drafts=sum(part.spec_num_proposed_drafts for part in parts),
     )
