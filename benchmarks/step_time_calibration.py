@@ -1,36 +1,60 @@
 """The step-time model (rlmegatron/planner/step_time.py) against published runs, each with its publisher's layout:
-predicted seconds per step and per phase beside the published figure, and the error.
+predicted seconds per step and per phase beside the published figure, and the error; the constants' fit; and a
+leave-one-out test over every run.
 
-    python -m benchmarks.step_time_calibration [--markdown]
+    python -m benchmarks.step_time_calibration [--markdown] [--fit]
 
-Runs marked "fit" set the model's efficiency constants (the dense ones on the two dense on-policy runs, the MoE ones
-and the cross-node latency on DeepSeek-V3's and Qwen3-30B-A3B's, the broadcast efficiency on verl's sync); the others
-are held out of the fit and test it.
+Runs marked "fit" set the constants step_time.Constants leaves free (FREE: the training efficiencies, the decode
+bandwidth efficiency and per-sample host work, the cross-node all-reduce latency, the weight sync's link
+efficiency); `--fit` refits them on those runs alone (what step_time.FITTED holds, rounded) and then, for each run
+of all of them, on every other run, predicting the one left out.
+
+Which runs fit: a step's published total alone cannot say how much of it is generation and how much training, so an
+on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two): Llama-3.1-8B
+(dense) and Qwen3-30B-A3B (MoE), both ways; DeepSeek-V3 off policy for the all-reduce latency of an engine across
+nodes; verl's sync for the link. Held out: Qwen3-32B and Qwen3-235B-A22B both ways (models the fit never sees),
+DeepSeek-V3 on policy, and NeMo-RL's refit.
 
 Sources:
 - NeMo-RL v0.4 performance summary (docs/about/performance-summary.md in NVIDIA-NeMo/RL, r0.4.0): GRPO on
   OpenMathInstruct-2, DGX-H100, BF16 training and generation, Megatron-Core, colocated when on policy. Its "average
   sequence length" is taken as prompt + response, with prompts of 128 tokens on average (the dataset's math problems
   in a chat template) and a 256-token prompt budget inside the published maximum sequence length; NeMo-RL computes
-  the old log-probs in a pass of their own every step, and GRPO there has a reference KL term. 1-step off-policy
-  rows are disaggregated; the split of their GPUs is not published: half generate, half train.
+  the old log-probs in a pass of their own every step, and GRPO there has a reference KL term. From its recipes
+  (examples/configs/recipes/llm/performance): vLLM reserves 0.6 of the GPU when colocated (grpo_math_1B.yaml's
+  default) and 0.8 on its own GPUs (the async-1off recipes); Llama-3.1-8B, DeepSeek-V3 and Qwen3-235B-A22B train
+  with activation checkpointing (full recompute), the Qwen3-30B-A3B and Qwen3-32B recipes without; sequence packing
+  with one packed sequence of the maximum length per micro-batch; the 1-step off-policy runs are disaggregated,
+  half the GPUs generating and half training (their recipes' "16T16G"-style splits).
 - verl's checkpoint-engine benchmark (verl/checkpoint_engine/README.md): Qwen3-30B-A3B, 4 x 8 H100 with 400 Gb/s
   ConnectX-7, NCCL backend, 30 rollout GPUs each receiving the whole BF16 model: about 7 s.
 - NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32: 2.4-2.8 s (../shared/DESIGN.md).
+Neither sync source publishes its bucket size: both are taken at this project's default (512 MB).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from math import exp, log
 from pathlib import Path
+
+from scipy.optimize import least_squares
 
 from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.models.families import read_architecture
+from rlmegatron.planner.parameters import count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
-from rlmegatron.planner.step_time import Hardware, sync_seconds
+from rlmegatron.planner.step_time import FITTED, Constants, Hardware, step_time, sync_seconds, workload_of
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_MEAN, PROMPT_BUDGET = 128, 256
+BUCKET_BYTES = 512 << 20
+H100_GB = 85.0
+"""An H100 SXM's "80 GB" is 80 GiB, of which CUDA reports 79.2 GiB (85.0e9 bytes): what vLLM's
+gpu_memory_utilization and SGLang's mem_fraction_static take their share of (the planner's default, 80, is the
+conservative reading)."""
+FREE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s", "allreduce_network_s", "link")
+"""The constants the fit sets; the others keep step_time.Constants' defaults."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +71,25 @@ class Published:
     layout: tuple[int, int, int, int]  # training TP, CP, EP, PP
     step_s: float
     on_policy: bool = True
+    recompute: bool = False  # the recipe's activation_checkpointing
 
 
 NEMO_RL = (
-    Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1060, 1, (1, 1, 1, 2), 97.7),
-    Published("DeepSeek-V3", "deepseek-v3", "fit", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154),
-    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506),
+    Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1060, 1, (1, 1, 1, 2), 97.7,
+              recompute=True),
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154,
+              recompute=True),
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506,
+              recompute=True),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3154, 4, (2, 1, 8, 1), 225),
-    Published("Qwen3-32B", "qwen3-32b", "fit", 32, 2048, 512, 4096, 3206, 4, (4, 1, 1, 4), 393),
-    Published("Llama-3.1-8B", "llama-3.1-8b", "held out", 16, 2048, 512, 4096, 1129, 1, (1, 1, 1, 2), 74.6, False),
-    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False),
+    Published("Qwen3-32B", "qwen3-32b", "held out", 32, 2048, 512, 4096, 3206, 4, (4, 1, 1, 4), 393),
+    Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1129, 1, (1, 1, 1, 2), 74.6, False,
+              recompute=True),
+    Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
+              recompute=True),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5691, 8, (4, 1, 16, 8), 241,
-              False),
-    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 32, 2048, 512, 4096, 3158, 2, (1, 1, 8, 2), 244, False),
+              False, recompute=True),
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3158, 2, (1, 1, 8, 2), 244, False),
     Published("Qwen3-32B", "qwen3-32b", "held out", 64, 2048, 512, 4096, 3207, 4, (4, 1, 1, 4), 215, False),
 )
 
@@ -68,11 +98,12 @@ def overrides(run: Published) -> list[str]:
     tp, cp, ep, pp = run.layout
     arch = read_architecture(REPO_ROOT / "configs" / "models" / run.model)
     nodes = run.gpus // 8
-    placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8"] if run.on_policy else
+    placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8", "rollout.mem_fraction_static=0.6"]
+                 if run.on_policy else
                  [f"placement.nnodes={nodes // 2 or 1}", f"placement.gpus_per_node={8 if nodes > 1 else 4}",
                   "placement.mode=disaggregate", "trainer.mode=one_step_off",
                   f"placement.rollout_nnodes={nodes // 2 or 1}",
-                  f"placement.rollout_gpus_per_node={8 if nodes > 1 else 4}"])
+                  f"placement.rollout_gpus_per_node={8 if nodes > 1 else 4}", "rollout.mem_fraction_static=0.8"])
     # Layers that do not split evenly: the first stage takes fewer (it also holds the embedding).
     first_stage = arch.num_hidden_layers - (pp - 1) * -(-arch.num_hidden_layers // pp)
     uneven = [f"actor.megatron.extra.num_layers_in_first_pipeline_stage={first_stage}"] \
@@ -84,57 +115,131 @@ def overrides(run: Published) -> list[str]:
             f"actor.megatron.tensor_model_parallel_size={tp}", f"actor.megatron.context_parallel_size={cp}",
             f"actor.megatron.expert_model_parallel_size={ep}", f"actor.megatron.pipeline_model_parallel_size={pp}",
             f"actor.megatron.sequence_parallel={str(tp > 1).lower()}", "actor.megatron.expert_tensor_parallel_size=1",
+            f"actor.megatron.recompute_granularity={'full' if run.recompute else 'none'}",
             "actor.use_kl_loss=true", f"rollout.tensor_parallel_size={run.rollout_tp}",
             f"rollout.expert_parallel_size={run.rollout_tp if arch.is_moe else 1}",
-            "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={run.max_sequence * 2}",
+            "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={run.max_sequence}",
             *placement, *uneven]
 
 
-def predict(run: Published) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A published figure and how the model predicts it under given constants."""
+
+    name: str
+    role: str
+    published: float
+    shown: str
+    predict: object  # Constants -> {"phases": ..., "total": ...}
+
+
+def _step_case(run: Published) -> Case:
     spec = load_spec(REPO_ROOT / "configs" / "deepseek_v3_671b_grpo.yaml", overrides(run))
     if not spec.needs_old_log_prob_pass:  # NeMo-RL computes them anyway: force the pass the way a user would
         spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"on_policy_check": 1.0})})
     arch = read_architecture(REPO_ROOT / "configs" / "models" / run.model)
-    plan = build_plan(spec, arch, PlanSettings(prompt_tokens=PROMPT_MEAN,
-                                               response_tokens=run.mean_sequence - PROMPT_MEAN))
-    return {"phases": plan.step_time.phases, "total": plan.step_time.total}
+    settings = PlanSettings(gpu_mem_gb=H100_GB, prompt_tokens=PROMPT_MEAN,
+                            response_tokens=run.mean_sequence - PROMPT_MEAN)
+    plan = build_plan(spec, arch, settings)
+    params = count_parameters(arch)
+    work = workload_of(spec, settings.prompt_tokens, settings.response_tokens)
+    hw = settings.hardware(spec.placement.gpus_per_node)
+
+    def predict(c: Constants) -> dict:
+        estimate = step_time(spec, arch, params, plan.actor, plan.engine, plan.sync.bytes_per_engine_gpu, work, hw, c)
+        return {"phases": estimate.phases, "total": estimate.total}
+
+    policy = "on" if run.on_policy else "1-step off"
+    return Case(f"{run.name} {policy} {run.gpus}", run.role, run.step_s, f"{run.step_s:g}", predict)
 
 
-def sync_checks() -> list[dict]:
+def predict(run: Published, c: Constants = FITTED) -> dict:
+    return _step_case(run).predict(c)
+
+
+def _sync_cases() -> list[Case]:
     hw = Hardware()
-    # verl: the whole BF16 model into each of 30 rollout GPUs over the network.
-    verl = sync_seconds(30.53e9 * 2, colocated=False, trainer_shards=2, hw=hw)
-    # NeMo-RL: DeepSeek-V3 from PP16 x EP16 on 256 GPUs into engines of TP32: each GPU gets 1/32 of the model.
-    nemo = sync_seconds(671.03e9 * 2 / 32, colocated=True, trainer_shards=256, hw=hw)
-    return [{"name": "verl checkpoint engine, Qwen3-30B-A3B, NCCL, 30 receivers", "role": "fit", "published": 7.0,
-             "shown": "~7 s", "predicted": verl},
-            {"name": "NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated", "role": "held out",
-             "published": 2.6, "shown": "2.4-2.8 s", "predicted": nemo}]
+
+    def verl(c: Constants) -> dict:  # the whole BF16 model into each of 30 rollout GPUs over the network
+        seconds = sync_seconds(30.53e9 * 2, colocated=False, trainer_shards=2, hw=hw, bucket_bytes=BUCKET_BYTES, c=c)
+        return {"phases": {"weight_sync": seconds}, "total": seconds}
+
+    def nemo(c: Constants) -> dict:  # DeepSeek-V3 from PP16 x EP16 on 256 GPUs into TP32 engines: 1/32 each
+        seconds = sync_seconds(671.03e9 * 2 / 32, colocated=True, trainer_shards=256, hw=hw,
+                               bucket_bytes=BUCKET_BYTES, c=c)
+        return {"phases": {"weight_sync": seconds}, "total": seconds}
+
+    return [Case("verl checkpoint engine, Qwen3-30B-A3B, NCCL, 30 receivers", "fit", 7.0, "~7", verl),
+            Case("NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated", "held out", 2.6, "2.4-2.8", nemo)]
+
+
+def sync_checks(c: Constants = FITTED) -> list[dict]:
+    return [{"name": case.name, "role": case.role, "published": case.published, "shown": case.shown,
+             "predicted": case.predict(c)["total"]} for case in _sync_cases()]
+
+
+def cases() -> list[Case]:
+    return [_step_case(run) for run in NEMO_RL] + _sync_cases()
+
+
+def fit(fitted_on: list[Case], start: Constants = FITTED) -> Constants:
+    """The FREE constants that minimise the squared log-errors over `fitted_on` (each in log space, bounded to
+    physical ranges), the others kept."""
+    bounds = {"train_dense": (0.02, 0.7), "train_moe": (0.005, 0.7), "decode_hbm": (0.1, 0.85),
+              "allreduce_network_s": (5e-6, 2e-3), "link": (0.02, 0.95), "decode_sample_s": (1e-7, 2e-4),
+              "decode_step_s": (1e-4, 0.03), "bucket_s": (1e-4, 0.1)}
+
+    def constants(x) -> Constants:
+        return dataclasses.replace(start, **{name: exp(value) for name, value in zip(FREE, x)})
+
+    def residuals(x):
+        c = constants(x)
+        return [log(case.predict(c)["total"] / case.published) for case in fitted_on]
+
+    x0 = [log(min(max(getattr(start, name), bounds[name][0] * 1.01), bounds[name][1] * 0.99)) for name in FREE]
+    result = least_squares(residuals, x0, bounds=([log(bounds[n][0]) for n in FREE], [log(bounds[n][1]) for n in FREE]))
+    return constants(result.x)
+
+
+def leave_one_out(all_cases: list[Case]) -> list[tuple[Case, float, Constants]]:
+    """For each case: its prediction by the constants fitted on every other case."""
+    out = []
+    for index, case in enumerate(all_cases):
+        c = fit(all_cases[:index] + all_cases[index + 1:])
+        out.append((case, case.predict(c)["total"], c))
+    return out
+
+
+def _constants_line(c: Constants) -> str:
+    return ", ".join(f"{name} {getattr(c, name):.3g}" for name in FREE)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="refit on the fit runs, then leave each run out in turn")
     args = parser.parse_args()
-    rows = []
-    for run in NEMO_RL:
-        predicted = predict(run)
-        rows.append((run, predicted, predicted["total"] / run.step_s - 1))
+    all_cases = cases()
+    c = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED
+    print(("refitted on the fit runs: " if args.fit else "step_time.FITTED: ") + _constants_line(c))
     if args.markdown:
-        print("| run (NeMo-RL v0.4, H100) | policy | GPUs | role | published s | predicted s | error | phases s |")
-        print("|---|---|---:|---|---:|---:|---:|---|")
-    for run, predicted, error in rows:
+        print("| run (NeMo-RL v0.4, H100; sync rows as named) | GPUs | role | published s | predicted s | error | "
+              "phases s |")
+        print("|---|---:|---|---:|---:|---:|---|")
+    for case in all_cases:
+        predicted = case.predict(c)
+        error = predicted["total"] / case.published - 1
         phases = ", ".join(f"{k} {v:.1f}" for k, v in predicted["phases"].items())
-        policy = "on" if run.on_policy else "1-step off"
         if args.markdown:
-            print(f"| {run.name} | {policy} | {run.gpus} | {run.role} | {run.step_s:g} | {predicted['total']:.1f} | "
-                  f"{error:+.0%} | {phases} |")
+            print(f"| {case.name} | {case.role} | {case.shown} | {predicted['total']:.1f} | {error:+.0%} | {phases} |")
         else:
-            print(f"{run.name:16} {policy:10} {run.gpus:4} {run.role:9} published {run.step_s:6.1f}  predicted "
-                  f"{predicted['total']:6.1f}  {error:+5.0%}   {phases}")
-    for check in sync_checks():
-        print(f"{check['name']}: published {check['shown']}, predicted {check['predicted']:.1f} s "
-              f"({check['predicted'] / check['published'] - 1:+.0%}, {check['role']})")
+            print(f"{case.name:32} {case.role:9} published {case.shown:>7}  predicted {predicted['total']:6.1f}  "
+                  f"{error:+5.0%}   {phases}")
+    if args.fit:
+        print("leave-one-out: each run predicted by the constants fitted on all the others")
+        for case, predicted, loo in leave_one_out(all_cases):
+            print(f"{case.name:32} published {case.shown:>7}  predicted {predicted:6.1f}  "
+                  f"{predicted / case.published - 1:+5.0%}   ({_constants_line(loo)})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Formulas and their sources:
   Large-Scale Language Model Training on GPU Clusters", section 5.1), plus causal attention: QK^T and AV cost
   2 x s x heads x head_dim FLOPs per token and layer averaged over a causal sequence of s tokens. A forward-only pass
   (old and reference log-probs) is a third of a training pass; full recompute adds one forward (Korthikanti et al.
-  2022). The achieved fraction of the GPU's peak is TRAIN_EFFICIENCY.
+  2022). The achieved fraction of the GPU's peak is `train_dense` or `train_moe`.
 - Communication that Megatron does not hide: with tensor parallelism (and sequence parallelism) each layer
   all-gathers and reduce-scatters its activations twice per pass, (t - 1) / t of 2 bytes x hidden per token; an MoE
   layer's all-to-all sends each token to its top-k experts and back, (e - 1) / e of it leaving the GPU. Within a node
@@ -15,42 +15,76 @@ Formulas and their sources:
 - Decoding is bound by memory bandwidth: every decode step reads the engine's share of the weights the batch touches
   (an MoE layer's experts any of its b tokens picks: 1 - (1 - k/E)^b of them) and every running sample's KV cache
   (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2; the roofline of Williams et al. 2009),
-  at DECODE_EFFICIENCY of the HBM bandwidth, and waits for its tensor-parallel all-reduces (2 per layer), a
-  fixed latency each (ALLREDUCE_LATENCY_S within a node, more across nodes), and the server's per-step work
-  (DECODE_STEP_OVERHEAD_S: scheduling, sampling, detokenising). The longest response sets the number of steps; a
-  batch too large for the KV cache runs in waves.
-- Weight sync: each engine GPU receives its TP share of the weights in the rollout dtype; disaggregated over the
-  network, as NCCL broadcast reaches BROADCAST_EFFICIENCY of the link for bucketed pushes; colocated, the shares its
-  own GPU does not hold arrive from the trainer ranks that do (over NVLink within a node, else the network, at the
-  same efficiency), then cross into the engine by CUDA IPC at IPC_EFFICIENCY of half the HBM bandwidth (a copy
-  reads and writes).
+  at `decode_hbm` of the HBM bandwidth, and waits for its tensor-parallel all-reduces (2 per layer), a fixed latency
+  each (within a node, plus a network hop per doubling of the nodes it spans: NCCL's tree), and the server's per-step
+  work (`decode_step_s`: scheduling, sampling, detokenising).
+- The decode batch is what the engine's KV cache holds (planner/memory.engine_memory: the static reservation less
+  the weights, over the KV bytes of a token): samples of the mean length; more wait and enter as others end, the
+  batch staying full until none waits. Then it drains: response lengths are taken as exponential with the spec's
+  mean, cut at its maximum (the lengths RL sampling gives: many short, a tail that hits the limit), so the batch
+  shrinks as e^(-s/mu) and the longest of the engine's n samples, min(max, mu x H_n), sets the steps: the tail, not
+  the mean, bounds a synchronous batch.
+- Weight sync (refit): each receiver (an engine GPU) gets its TP share of the weights in the rollout dtype; the time
+  is those bytes over the link they cross at `link` of its bandwidth, plus `bucket_s` per bucket of
+  rollout.update_weights_bucket_mb (each is a collective of its own). Disaggregated, over the network; colocated, the
+  shares its own GPU does not hold arrive from the trainer ranks that do (over NVLink within a node, else the
+  network), then cross into the engine by CUDA IPC at `ipc` of half the HBM bandwidth (a copy reads and writes).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S.
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
+- Overlap: one_step_off and async on their own GPUs generate step n + 1 while the trainer trains step n, so a step
+  is the longer of the two sides plus what neither hides (the weight sync).
 
-The efficiency constants are fitted to published runs (benchmarks/RESULTS.md, "Step-time model"); the fit and the
-runs held out of it are there.
+The constants (`Constants`) FLOPs, bytes and bandwidths do not give are fitted to published runs by
+benchmarks/step_time_calibration.py; the fit, the runs held out of it and a leave-one-out test are in
+benchmarks/RESULTS.md ("Step-time model").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import ceil, log2
+from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import EngineMemory, TrainingMemory, rollout_weight_bytes, stage_layers
+from rlmegatron.planner.memory import EngineMemory, TeacherMemory, TrainingMemory, rollout_weight_bytes, stage_layers
 from rlmegatron.planner.parameters import ParameterCount
 
-# Fitted: see the module's docstring. MoE models get their own: a routed layer's grouped GEMMs see a few tokens per
-# expert, and their all-to-alls and load imbalance cost what a dense layer's matmuls do not.
-TRAIN_EFFICIENCY = {"dense": 0.30, "moe": 0.08}
-DECODE_EFFICIENCY = {"dense": 0.6, "moe": 0.4}
-DECODE_STEP_OVERHEAD_S = 4e-3
-ALLREDUCE_LATENCY_S = {"node": 15e-6, "network": 300e-6}
-BROADCAST_EFFICIENCY = 0.17
-IPC_EFFICIENCY = 0.5
-PCIE_EFFICIENCY = 0.6
-PREFILL_EFFICIENCY = 0.5
+@dataclass(frozen=True)
+class Constants:
+    """What FLOPs, bytes and bandwidths leave to measurement: efficiencies and latencies. FITTED holds the values
+    benchmarks/step_time_calibration.py fits on its fit runs (the names in its FREE); the others are set here."""
+
+    train_dense: float
+    """Fraction of peak FLOPS a dense model's training passes reach."""
+    train_moe: float
+    """An MoE model's: its routed layers' grouped GEMMs see a few tokens per expert, and their all-to-alls and load
+    imbalance cost what a dense layer's matmuls do not."""
+    decode_hbm: float
+    """Fraction of the HBM bandwidth a decode step's weight and KV reads reach."""
+    allreduce_network_s: float
+    """A small all-reduce's latency per network hop (an engine whose TP spans nodes)."""
+    link: float
+    """Fraction of a link's bandwidth a bucketed weight transfer reaches."""
+    decode_sample_s: float = 0.0
+    """The server's work per running sample per decode step (its scheduling, sampling with log-probs, detokenising):
+    host work that grows with the batch where the GPU's reads do not."""
+    decode_step_s: float = 4e-3
+    """The server's own work per decode step, whatever its batch."""
+    allreduce_node_s: float = 15e-6
+    """A small all-reduce within an NVLink node (NCCL's latency-bound regime)."""
+    bucket_s: float = 5e-3
+    """Per weight-sync bucket: its collective's launch and the receiver's load of the bucket into the model."""
+    ipc: float = 0.5
+    pcie: float = 0.6
+    prefill: float = 0.5
+    """Fraction of peak FLOPS a prefill reaches (large matmuls, like training's)."""
+
+    def train(self, arch: ModelArchitecture) -> float:
+        return self.train_moe if arch.is_moe else self.train_dense
+
+
+FITTED = Constants(train_dense=0.384, train_moe=0.0694, decode_hbm=0.563, decode_sample_s=28.1e-6,
+                   allreduce_network_s=149e-6, link=0.19)
 DELTA_HOST_GB_PER_S = 0.84
 """Delta sync's own work per byte of the policy (its copy to the host, the comparison with the last-sent copy, the
 records' serialization, the engine's rebuild): measured end to end on 2 CPU cores against a full push of the same
@@ -118,10 +152,6 @@ def workload_of(spec: JobSpec, prompt_tokens: float | None = None, response_toke
                     max_response_tokens=data.max_response_length)
 
 
-def _kind(arch: ModelArchitecture) -> str:
-    return "moe" if arch.is_moe else "dense"
-
-
 def _attention_flops_per_token(arch: ModelArchitecture, sequence: float) -> float:
     """Forward QK^T and AV per token over all layers, averaged over a causal sequence."""
     if arch.mla is not None:
@@ -133,7 +163,8 @@ def _attention_flops_per_token(arch: ModelArchitecture, sequence: float) -> floa
 
 
 def training_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: MegatronConfig, world: int,
-                     work: Workload, passes: float, tokens_per_micro_batch: float, hw: Hardware) -> float:
+                     work: Workload, passes: float, tokens_per_micro_batch: float, hw: Hardware,
+                     c: Constants = FITTED) -> float:
     """`passes` forward-equivalents over the step's tokens (1: a log-prob pass; 3: an update, 4 with full
     recompute) on `world` GPUs laid out by `megatron`, in micro-batches of `tokens_per_micro_batch`."""
     tp, pp, cp = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
@@ -141,7 +172,7 @@ def training_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: 
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
     dp = max(world // (tp * pp * cp), 1)
     flops = passes * work.tokens * (2 * params.active + _attention_flops_per_token(arch, work.sequence))
-    compute = flops / (world * hw.peak_tflops * 1e12 * TRAIN_EFFICIENCY[_kind(arch)])
+    compute = flops / (world * hw.peak_tflops * 1e12 * c.train(arch))
     # Per GPU: its data-parallel share of the tokens, split by CP, on its stage's layers; activations are bf16.
     tokens_per_gpu = work.tokens / (dp * cp)
     layers = max(len(stage) for stage in stage_layers(arch.num_hidden_layers, megatron))
@@ -158,7 +189,8 @@ def training_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: 
 
 
 def training_phases(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, megatron: MegatronConfig,
-                    ref_megatron: MegatronConfig, world: int, work: Workload, hw: Hardware) -> dict[str, float]:
+                    ref_megatron: MegatronConfig, world: int, work: Workload, hw: Hardware,
+                    c: Constants = FITTED) -> dict[str, float]:
     """The trainer's phases of a step: the old-log-prob and reference passes when the spec runs them, the update;
     the actor laid out by `megatron`, the reference by `ref_megatron`."""
     actor = spec.actor
@@ -167,64 +199,100 @@ def training_phases(spec: JobSpec, arch: ModelArchitecture, params: ParameterCou
         else actor.ppo_micro_batch_size_per_gpu * work.sequence
     phases = {}
     if spec.needs_old_log_prob_pass:
-        phases["old_log_prob"] = training_seconds(arch, params, megatron, world, work, 1, micro_tokens, hw)
+        phases["old_log_prob"] = training_seconds(arch, params, megatron, world, work, 1, micro_tokens, hw, c)
     if spec.needs_reference:
-        phases["ref_log_prob"] = training_seconds(arch, params, ref_megatron, world, work, 1, micro_tokens, hw)
+        phases["ref_log_prob"] = training_seconds(arch, params, ref_megatron, world, work, 1, micro_tokens, hw, c)
     update_passes = (4 if megatron.recompute_granularity == "full" else 3) * actor.ppo_epochs
-    phases["update"] = training_seconds(arch, params, megatron, world, work, update_passes, micro_tokens, hw)
+    phases["update"] = training_seconds(arch, params, megatron, world, work, update_passes, micro_tokens, hw, c)
     return phases
 
 
+def length_scale(mean: float, longest: float) -> float:
+    """mu of exponential response lengths cut at `longest` whose mean is `mean`: mu (1 - e^(-longest/mu)) = mean
+    (infinite when every response runs to the limit)."""
+    if mean >= longest:
+        return inf
+    low, high = mean, mean * 1e6  # the cut mean rises with mu from 0 to `longest`; at mu = mean it is below mean
+    for _ in range(100):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if mid * -expm1(-longest / mid) < mean else (low, mid)
+    return low
+
+
+def longest_response(mean: float, longest: float, samples: float) -> float:
+    """The expected longest of `samples` such lengths: the exponential's maximum, mu x H_n, at most the cut."""
+    harmonic = log(max(samples, 1.0)) + 0.5772 + 1 / (2 * max(samples, 1.0))
+    return min(longest, length_scale(mean, longest) * harmonic)
+
+
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
-                       work: Workload, weight_bytes: float, hw: Hardware) -> float:
+                       work: Workload, weight_bytes: float, hw: Hardware, c: Constants = FITTED) -> float:
     """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections)."""
     per_engine = work.samples / engines
-    # Continuous batching admits a waiting sample as soon as one ends, so the KV cache holds samples of the mean
-    # length; what does not fit runs later, each later wave as long as a mean response.
-    concurrent = max(min(per_engine, engine.kv_tokens / (work.prompt_tokens + work.response_tokens)), 1)
-    steps = work.max_response_tokens + (per_engine / concurrent - 1) * work.response_tokens
-    # Over the steps the batch holds, on average, the tokens it decodes spread over the steps it takes.
-    batch = per_engine * work.response_tokens / steps
-    expert_bytes = params.routed_experts * weight_bytes
-    if arch.is_moe:
-        touched = 1 - (1 - (arch.num_experts_per_tok or 0) / arch.num_experts) ** batch
-        expert_bytes *= touched
-    weights_read = ((params.total - params.routed_experts) * weight_bytes + expert_bytes) / tp
-    efficiency = DECODE_EFFICIENCY[_kind(arch)]
-    hbm = hw.hbm_gb_per_s * 1e9 * efficiency
+    hbm = hw.hbm_gb_per_s * 1e9 * c.decode_hbm
     peak = hw.peak_tflops * 1e12
-    # A small all-reduce's latency: NVLink's within a node, plus a network hop per doubling of the nodes it spans
-    # (NCCL's tree all-reduce across nodes).
     nodes = ceil(tp / hw.gpus_per_node)
-    latency = 2 * arch.num_hidden_layers * (ALLREDUCE_LATENCY_S["node"] + ALLREDUCE_LATENCY_S["network"]
-                                            * log2(nodes)) if tp > 1 else 0.0
-    step = max(weights_read / hbm, 2 * params.active * batch / tp / (peak * efficiency)) + latency \
-        + DECODE_STEP_OVERHEAD_S
-    # Each generated token reads its sample's KV cache so far: on average the prompt and half the response.
-    kv = per_engine * work.response_tokens * (work.prompt_tokens + work.response_tokens / 2) \
-        * engine.kv_bytes_per_token / hbm
-    prefill = 2 * params.active * per_engine * work.prompt_tokens / tp / (peak * PREFILL_EFFICIENCY)
-    return steps * step + kv + prefill
+    latency = 2 * arch.num_hidden_layers * (c.allreduce_node_s + c.allreduce_network_s * log2(nodes)) \
+        if tp > 1 else 0.0
+    dense_bytes = (params.total - params.routed_experts) * weight_bytes / tp
+    expert_bytes = params.routed_experts * weight_bytes / tp
+    pick = (arch.num_experts_per_tok or 0) / arch.num_experts if arch.is_moe else 1.0
+
+    def step(batch: float, context_tokens: float) -> float:
+        """One decode step of `batch` samples holding `context_tokens` in the KV cache."""
+        touched = 1 - (1 - pick) ** batch if arch.is_moe else 1.0
+        weights = (dense_bytes + expert_bytes * touched) / hbm
+        compute = 2 * params.active * batch / tp / (peak * c.decode_hbm)
+        return max(weights, compute) + context_tokens * engine.kv_bytes_per_token / hbm + latency + c.decode_step_s \
+            + c.decode_sample_s * batch
+
+    prompt, mean, cut = work.prompt_tokens, work.response_tokens, work.max_response_tokens
+    mu = length_scale(mean, cut)
+    # A decoded token's context: the prompt and its response so far, which long responses weigh most (for lengths
+    # l, sum(l^2) / 2 over sum(l); l^2's mean for the cut exponential is 2 mu^2 (1 - e^-x (1 + x)), x = cut / mu).
+    x = cut / mu
+    second = cut ** 2 if mu == inf else 2 * mu ** 2 * -(expm1(-x) + x * exp(-x))
+    context = prompt + second / (2 * mean)
+    # The batch the KV cache holds at that context; the rest wait and enter as others end, so the batch stays full
+    # while the (n - held) waiting samples' tokens are decoded.
+    held = max(min(per_engine, engine.kv_tokens / context), 1.0)
+    full = (per_engine - held) * mean / held * step(held, held * context)
+    # Then the last `held` drain: alive at step s with probability e^(-s/mu), until the engine's longest response.
+    tail = longest_response(mean, cut, per_engine)
+    chunks = 128
+    drain = 0.0
+    for index in range(chunks):
+        s = (index + 0.5) * tail / chunks
+        alive = max(held * exp(-s / mu), 1.0)
+        drain += tail / chunks * step(alive, alive * (prompt + s))
+    prefill = 2 * params.active * per_engine * prompt / tp / (peak * c.prefill)
+    return full + drain + prefill
 
 
-def sync_seconds(bytes_per_engine_gpu: float, colocated: bool, trainer_shards: int, hw: Hardware) -> float:
-    """`trainer_shards`: over how many GPUs the trainer splits a weight (TP x PP, or EP x ETP x PP for experts)."""
+def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
+                 bucket_bytes: float, c: Constants = FITTED) -> float:
+    """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`. `trainer_shards`: over how
+    many GPUs the trainer splits a weight (TP x PP, or EP x ETP x PP for experts)."""
+    buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s
     if not colocated:
-        return bytes_per_engine_gpu / (hw.network_gbps / 8 * 1e9 * BROADCAST_EFFICIENCY)
+        return bytes_per_receiver / (hw.network_gbps / 8 * 1e9 * c.link) + buckets
     # The GPU holds 1/shards of what its engine needs; the rest arrives from the trainer ranks that hold it, then
     # crosses into the engine by CUDA IPC.
-    gathered = bytes_per_engine_gpu * (1 - 1 / trainer_shards) \
-        / (hw.link_gb_per_s(trainer_shards) * 1e9 * BROADCAST_EFFICIENCY)
-    return gathered + bytes_per_engine_gpu / (hw.hbm_gb_per_s * 1e9 / 2 * IPC_EFFICIENCY)
+    gathered = bytes_per_receiver * (1 - 1 / trainer_shards) / (hw.link_gb_per_s(trainer_shards) * 1e9 * c.link)
+    return gathered + bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc) + buckets
 
 
-def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware) -> float:
+def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware, c: Constants = FITTED) -> float:
     """Out of the GPU before generation and back after: twice over PCIe."""
-    return 2 * moved_bytes_per_gpu / (hw.pcie_gb_per_s * 1e9 * PCIE_EFFICIENCY)
+    return 2 * moved_bytes_per_gpu / (hw.pcie_gb_per_s * 1e9 * c.pcie)
 
 
 def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, actor: TrainingMemory,
-              engine: EngineMemory, sync_bytes_per_engine_gpu: float, work: Workload, hw: Hardware) -> StepTime:
+              engine: EngineMemory, sync_bytes_per_engine_gpu: float, work: Workload, hw: Hardware,
+              c: Constants = FITTED,
+              teacher: tuple[ModelArchitecture, ParameterCount, TeacherMemory] | None = None) -> StepTime:
+    """`teacher`: on-policy distillation's teacher (its architecture, parameters and memory), whose log-prob pass is a
+    phase of its own."""
     world = spec.placement.trainer_world_size
     megatron = spec.actor.megatron
     colocated = spec.placement.mode == "colocate"
@@ -232,12 +300,20 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     tp_g = spec.rollout.tensor_parallel_size
     weight_bytes = rollout_weight_bytes(spec, params) / params.total
     phases = {"generation": generation_seconds(arch, params, engine, max(rollout_gpus // tp_g, 1), tp_g, work,
-                                               weight_bytes, hw),
-              **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw)}
+                                               weight_bytes, hw, c),
+              **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw, c)}
+    if teacher is not None:  # on-policy distillation: the teacher's forward over the step's tokens, at its layout
+        section = spec.teacher
+        # As the actor's: a token budget packs rows up to it; fixed micro-batches hold rows of the mean length.
+        micro_tokens = micro_batch_tokens(section.log_prob_max_token_len_per_gpu, section.megatron) \
+            if section.log_prob_use_dynamic_bsz else section.log_prob_micro_batch_size_per_gpu * work.sequence
+        phases["teacher_log_prob"] = training_seconds(teacher[0], teacher[1], section.megatron, world, work, 1,
+                                                      micro_tokens, hw, c)
     pp = megatron.pipeline_model_parallel_size
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
-    phases["weight_sync"] = sync_seconds(sync_bytes_per_engine_gpu, colocated, shards, hw)
+    phases["weight_sync"] = sync_seconds(sync_bytes_per_engine_gpu, colocated, shards, hw,
+                                         spec.rollout.update_weights_bucket_mb << 20, c)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:
@@ -246,13 +322,15 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         moved = (actor.parameters if offload.params else 0.0) + (actor.gradients if offload.grads else 0.0)
         if spec.needs_reference and spec.ref.offload.params:
             moved += actor.parameters
-        phases["offload"] = offload_seconds(moved, hw)
+        if teacher is not None and spec.teacher.offload.params:
+            moved += teacher[2].weights
+        phases["offload"] = offload_seconds(moved, hw, c)
     assumptions = (
         f"{work.samples} responses of {work.response_tokens:g} tokens on average (longest "
         f"{work.max_response_tokens}) after {work.prompt_tokens:g}-token prompts",
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
-        f"fitted efficiencies: training {TRAIN_EFFICIENCY[_kind(arch)]:g} of peak, decode "
-        f"{DECODE_EFFICIENCY[_kind(arch)]:g} of HBM, broadcast {BROADCAST_EFFICIENCY:g} of the link",
+        f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM, weight sync "
+        f"{c.link:g} of the link",
     )
     overlapped = spec.trainer.mode != "sync" and not colocated
     return StepTime(phases, overlapped, assumptions)

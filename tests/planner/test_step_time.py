@@ -1,23 +1,56 @@
-"""The step-time model (planner/step_time.py): within 25% of the published figures it is calibrated against, with
-their publishers' layouts, and the shape every estimate must have whatever the constants."""
+"""The step-time model (planner/step_time.py): within 25% of the published figures held out of its fit, with their
+publishers' layouts, its constants those the fit rows give, and the shape every estimate must have whatever the
+constants: overlap, the KV cache's batch, the length tail, bytes per receiver."""
+import dataclasses
 import json
+from math import exp
 
 import pytest
 
-from benchmarks.step_time_calibration import NEMO_RL, predict, sync_checks
+from benchmarks.step_time_calibration import NEMO_RL, cases, fit, predict, sync_checks
 from rlmegatron.entry.cli import main
-from rlmegatron.planner.step_time import Hardware, sync_seconds
+from rlmegatron.config import read_architecture
+from rlmegatron.planner.memory import engine_memory
+from rlmegatron.planner.parameters import count_parameters
+from rlmegatron.planner.step_time import (FITTED, Hardware, Workload, generation_seconds, length_scale,
+                                          longest_response, sync_seconds)
+from tests.config.specs import MODELS_DIR
 from tests.planner.test_memory import _plan, _spec
-
 
 def _run(name: str, on_policy: bool = True):
     return next(run for run in NEMO_RL if run.name == name and run.on_policy == on_policy)
 
 
-def test_deepseek_v3_on_256_h100_takes_nemo_rls_134_to_154_s_within_25_percent():
-    total = predict(_run("DeepSeek-V3"))["total"]
-    for published in (134, 154):
-        assert total == pytest.approx(published, rel=0.25), total
+# The two held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model"): what the published data
+# leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
+KNOWN_MISSES = {
+    "DeepSeek-V3 on 256": "its on-policy step less its 1-step-off twin puts ~75 s in training, 3x what the FLOPs at "
+                          "the efficiency of the other MoE runs give; NeMo-RL publishes no per-phase times",
+    "NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated": "16 GB/s per receiver against verl's 8.25 GB/s "
+                                                                 "(NCCL and NIXL alike: the sender, not the link)",
+}
+
+
+@pytest.fixture(scope="module")
+def all_cases():
+    return cases()
+
+
+@pytest.mark.parametrize("name", [f"{run.name} {'on' if run.on_policy else '1-step off'} {run.gpus}"
+                                  for run in NEMO_RL if run.role == "held out"]
+                         + ["NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated"])
+def test_each_held_out_run_is_predicted_within_25_percent(all_cases, name, request):
+    if name in KNOWN_MISSES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[name]))
+    [case] = [case for case in all_cases if case.name == name]
+    assert case.role == "held out"
+    assert case.predict(FITTED)["total"] == pytest.approx(case.published, rel=0.25)
+
+
+def test_the_fitted_constants_are_what_the_fit_runs_alone_give(all_cases):
+    refit = fit([case for case in all_cases if case.role == "fit"])
+    for name in ("train_dense", "train_moe", "decode_hbm", "decode_sample_s", "allreduce_network_s", "link"):
+        assert getattr(refit, name) == pytest.approx(getattr(FITTED, name), rel=0.02), name
 
 
 def test_qwen3_30b_a3b_on_32_h100_processes_nemo_rls_925_to_1102_tokens_per_s_per_gpu_within_25_percent():
@@ -68,8 +101,8 @@ def test_longer_responses_lengthen_generation_more_than_in_proportion_to_their_s
 
 def test_a_colocated_sync_gathers_over_the_network_only_when_the_trainers_shards_span_nodes():
     hw = Hardware()
-    within = sync_seconds(10e9, colocated=True, trainer_shards=8, hw=hw)
-    across = sync_seconds(10e9, colocated=True, trainer_shards=16, hw=hw)
+    within = sync_seconds(10e9, colocated=True, trainer_shards=8, hw=hw, bucket_bytes=512 << 20)
+    across = sync_seconds(10e9, colocated=True, trainer_shards=16, hw=hw, bucket_bytes=512 << 20)
     assert across > 5 * within  # NVLink 450 GB/s against 50 GB/s of network
 
 
@@ -83,3 +116,64 @@ def test_rlm_plan_prints_the_estimate_and_its_json_carries_step_time_s_and_each_
     assert main(["plan", recipe]) == 0
     out = capsys.readouterr().out
     assert "step time, estimated (a model, not a measurement" in out and "  generation " in out
+
+
+def _overlap_pair():
+    # Two mini-batches, so both run the old-log-prob pass (one step off always needs it).
+    placement, actor = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}, \
+        {"ppo_mini_batch_size": 32}
+    sync = _plan(_spec("qwen3-1.7b", {}, placement=placement, actor=actor)).step_time
+    ahead = _plan(_spec("qwen3-1.7b", {}, placement=placement, actor=actor,
+                        trainer={"mode": "one_step_off", "val_before_train": False})).step_time
+    return sync, ahead
+
+
+def test_one_step_off_saves_exactly_the_overlapped_side_against_the_same_gpus_on_policy():
+    sync, ahead = _overlap_pair()
+    assert sync.phases == ahead.phases and not sync.overlapped and ahead.overlapped
+    training = sum(seconds for phase, seconds in ahead.phases.items() if phase not in ("generation", "weight_sync"))
+    # Generation of step n + 1 runs under training of step n: the shorter side disappears, the sync does not.
+    assert sync.total - ahead.total == pytest.approx(min(ahead.phases["generation"], training), rel=1e-12)
+    assert ahead.total >= ahead.phases["weight_sync"] + max(ahead.phases["generation"], training) * (1 - 1e-12)
+
+
+def _generation(kv_tokens: int, samples: int = 512, mean: float = 1500, longest: int = 4096) -> float:
+    arch = read_architecture(MODELS_DIR / "qwen3-32b")
+    params = count_parameters(arch)
+    engine = dataclasses.replace(engine_memory(_spec("qwen3-32b", {}), arch, params, 80e9), kv_tokens=kv_tokens)
+    return generation_seconds(arch, params, engine, engines=1, tp=4, work=Workload(samples, 200, mean, longest),
+                              weight_bytes=2.0, hw=Hardware())
+
+
+def test_a_larger_kv_budget_shortens_generation_until_the_whole_batch_fits():
+    per_sample = 200 + 1500
+    times = [_generation(per_sample * held) for held in (64, 128, 256, 512, 1024)]
+    assert times[0] > times[1] > times[2] > times[3]  # more samples decode at once, in fewer steps
+    assert times[1] < 0.85 * times[0]
+    assert times[4] == times[3]  # the batch already fits: a larger cache holds nothing more
+
+
+def test_response_lengths_are_exponential_with_the_spec_mean_cut_at_its_maximum_and_the_longest_sets_the_steps():
+    for mean, longest in ((500, 4096), (3000, 4096), (4000, 4096)):
+        mu = length_scale(mean, longest)
+        assert mu * (1 - exp(-longest / mu)) == pytest.approx(mean, rel=1e-9)
+    # Few short responses: the longest of 8 stays under the limit; of 512, one reaches it.
+    assert longest_response(300, 8192, 8) == pytest.approx(300 * (2.0794 + 0.5772 + 1 / 16), rel=1e-3)
+    assert longest_response(300, 8192, 8) < 8192 == longest_response(3000, 8192, 512)
+    # The same mean with a longer tail allowed takes longer: the batch waits for its longest response.
+    assert _generation(10**7, samples=64, mean=1000, longest=2048) < _generation(10**7, samples=64, mean=1000,
+                                                                                 longest=8192)
+
+
+def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency_per_bucket():
+    hw, bucket = Hardware(), 512 << 20
+    one = sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket)
+    assert sync_seconds(16 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket) == \
+        pytest.approx(2 * one, rel=1e-12)
+    assert one == pytest.approx(8 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link) + 8 * FITTED.bucket_s)
+    # An engine of twice the TP gets half the bytes per GPU: its sync phase halves.
+    spec = {"placement": {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
+    tp2 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 2}, **spec))
+    tp4 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 4}, **spec))
+    assert tp4.sync.bytes_per_engine_gpu == pytest.approx(tp2.sync.bytes_per_engine_gpu / 2)
+    assert tp4.step_time.phases["weight_sync"] < 0.55 * tp2.step_time.phases["weight_sync"]
