@@ -20,6 +20,7 @@ RECIPES = {
     "gpt_oss_120b_grpo.yaml": 80,
     "kimi_k25_grpo.yaml": 80,
     "deepseek_v32_grpo.yaml": 80,
+    "qwen3_5_moe_grpo.yaml": 80,
 }
 
 

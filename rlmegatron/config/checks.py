@@ -223,9 +223,20 @@ def check_layout_fits_model(
         reason = (f"is more than the model's {kv_heads} key/value heads, which its query/key norms over all heads "
                   f"need whole on each rank; use {one_of([t for t in valid_tp if t <= kv_heads])}")
         problems.append(SpecProblem(f"{prefix}.tensor_model_parallel_size", tp, reason))
+    linear = arch.linear_attention
+    if not problems and linear is not None and linear.num_key_heads % tp:
+        # Gated DeltaNet's TP split (models/gated_delta_net.py) gives each rank whole key heads and their value heads.
+        reason = (f"does not divide the model's {linear.num_key_heads} linear-attention key heads, which Gated "
+                  f"DeltaNet splits whole over TP ranks; use "
+                  f"{one_of([t for t in valid_tp if linear.num_key_heads % t == 0])}")
+        problems.append(SpecProblem(f"{prefix}.tensor_model_parallel_size", tp, reason))
     pipeline_problem = _pipeline_split_problem(prefix, m, arch.num_hidden_layers, world)
     if pipeline_problem:
         problems.append(pipeline_problem)
+    if linear is not None and m.context_parallel_size > 1:
+        problems.append(SpecProblem(f"{prefix}.context_parallel_size", m.context_parallel_size,
+                                    "Gated DeltaNet's recurrence runs over whole sequences, which context parallelism "
+                                    "splits over ranks; use 1"))
     if arch.indexer[0] and m.context_parallel_size > 1:
         # Megatron-Core's MLA hands sparse attention's indexer its input only without context parallelism.
         problems.append(SpecProblem(f"{prefix}.context_parallel_size", m.context_parallel_size,
@@ -609,6 +620,10 @@ def _check_lora(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProbl
     if not lora.rank:
         return []
     problems = []
+    if arch is not None and arch.linear_attention is not None:
+        reason = ("LoRA adapts Megatron's attention and MLP linears; this model's Gated DeltaNet layers "
+                  "(models/gated_delta_net.py) have no adapters, so their mixers would stay frozen; use 0")
+        problems.append(SpecProblem("actor.lora.rank", lora.rank, reason))
     if megatron.extra.get("moe_grouped_gemm"):
         reason = ("LoRA adapts each expert's own linears, which grouped-GEMM experts do not have; "
                   "remove moe_grouped_gemm or set actor.lora.rank=0")

@@ -64,10 +64,12 @@ class ParameterCount:
 
 def count_parameters(arch: ModelArchitecture) -> ParameterCount:
     h = arch.hidden_size
-    attention = _attention_parameters(arch)
+    full_attention = _attention_parameters(arch)
+    linear = arch.linear_attention  # a hybrid's Gated DeltaNet layers mix tokens with their own projections
     norms = 2 * h
     layers = []
     for index in range(arch.num_hidden_layers):
+        attention = linear.parameters(h) if linear is not None and linear.layers[index] else full_attention
         if arch.moe_layers[index]:
             expert = _GATED_MLP_MATRICES * h * (arch.moe_intermediate_size or 0)
             if arch.biased_linears:  # gate/up and down biases
@@ -116,7 +118,8 @@ def _attention_parameters(arch: ModelArchitecture) -> int:
             if index_heads else 0
         return query + key_value + heads * mla.v_head_dim * h + indexer
     d, kv_heads = arch.head_dim, arch.num_key_value_heads
-    projections = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    # An output gate is q_proj's second half: a gate per query channel.
+    projections = h * heads * d * (2 if arch.attention_output_gate else 1) + 2 * h * kv_heads * d + heads * d * h
     bias = (heads + 2 * kv_heads) * d if arch.qkv_bias else 0
     bias += h if arch.biased_linears else 0  # o_proj's
     qk_norm = 0 if not arch.qk_norm else (heads + kv_heads) * d if arch.qk_norm_over_all_heads else 2 * d

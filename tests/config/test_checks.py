@@ -15,6 +15,7 @@ from tests.helpers.remote_code import write_remote_code_model
 RANKS = "the 8 trainer CPU ranks (placement.nnodes × placement.gpus_per_node)"
 QWEN25 = {"model.path": "Qwen/Qwen2.5-0.5B", "model.hf_config": str(MODELS_DIR / "qwen2.5-0.5b")}
 DEEPSEEK = {"model.path": "deepseek-ai/DeepSeek-V3", "model.hf_config": str(MODELS_DIR / "deepseek-v3")}
+QWEN35 = {"model.path": "Qwen/Qwen3.5-397B-A17B", "model.hf_config": str(MODELS_DIR / "qwen3.5-397b-a17b")}
 PLUGINS = REPO_ROOT / "tests" / "config" / "algorithm_plugins.py"
 # 24 ranks so that sizes like 3 fit the cluster and only the model can reject them.
 RANKS_24 = {"placement.nnodes": 3, "data.train_batch_size": 24, "actor.ppo_mini_batch_size": 24}
@@ -120,6 +121,28 @@ CASES = [
         "job.yaml: actor.megatron.context_parallel_size=2: DeepSeek Sparse Attention's indexer scores whole "
         "sequences, which Megatron-Core gives it without context parallelism only; use 1",
         id="sparse-attention-without-cp",
+    ),
+    pytest.param(
+        {**QWEN35, "placement.nnodes": 4, "actor.megatron.tensor_model_parallel_size": 32,
+         "actor.megatron.sequence_parallel": True, "actor.megatron.expert_model_parallel_size": 1},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.tensor_model_parallel_size=32: does not divide the model's 16 linear-attention key "
+        "heads, which Gated DeltaNet splits whole over TP ranks; use 1, 2, 4, 8 or 16",
+        id="gated-deltanet-key-heads-whole-per-tp-rank",
+    ),
+    pytest.param(
+        {**QWEN35, "actor.megatron.context_parallel_size": 2, "actor.megatron.expert_model_parallel_size": 4},
+        "tiny-qwen3",
+        "job.yaml: actor.megatron.context_parallel_size=2: Gated DeltaNet's recurrence runs over whole sequences, which "
+        "context parallelism splits over ranks; use 1",
+        id="gated-deltanet-without-cp",
+    ),
+    pytest.param(
+        {**QWEN35, "actor.lora.rank": 8, "actor.megatron.expert_model_parallel_size": 8},
+        "tiny-qwen3",
+        "job.yaml: actor.lora.rank=8: LoRA adapts Megatron's attention and MLP linears; this model's Gated DeltaNet "
+        "layers (models/gated_delta_net.py) have no adapters, so their mixers would stay frozen; use 0",
+        id="no-lora-on-gated-deltanet",
     ),
     pytest.param(
         {**DEEPSEEK, "actor.megatron.pipeline_model_parallel_size": 4, "actor.megatron.expert_model_parallel_size": 2},

@@ -53,6 +53,33 @@ def test_minimax_m2_counts_its_published_230b_and_10b_active_without_embedding_a
     assert params.active - params.embedding - params.output_layer == pytest.approx(10e9, rel=0.03)
 
 
+def test_qwen3_5_397b_counts_the_published_397b_and_17b_active_with_gated_deltanet_layers():
+    # Qwen's model card: 397B total, 17B activated. Counted: the language model, 396.35B (its 45 Gated DeltaNet
+    # layers by their own projections, the 15 attention layers with q_proj's output gate); the card's total also has
+    # the 0.41B vision tower, which is carried, not trained, and not counted.
+    params = count_parameters(read_architecture(MODELS_DIR / "qwen3.5-397b-a17b"))
+    assert params.total == pytest.approx(397e9, rel=0.01)
+    assert params.active == pytest.approx(17e9, rel=0.03)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_a_hybrid_family_counts_every_weight_transformers_builds(family):
+    """The count of a tiny Qwen3-Next / Qwen3.5-MoE (Gated DeltaNet, gated attention, a dense layer, a shared expert)
+    equals the parameters of transformers' model of it, its vision tower left out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlmegatron.models.families import architecture_of
+    from tests.models.tiny_hf import COMMON, FAMILY_CONFIGS, NESTED
+
+    config = {"model_type": family, **({} if family in NESTED else COMMON), **FAMILY_CONFIGS[family]}
+    auto = AutoModelForImageTextToText if family in NESTED else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(AutoConfig.for_model(**config))
+    built = sum(p.numel() for name, p in model.named_parameters() if "visual" not in name)
+    assert count_parameters(architecture_of(config)).total == built
+
+
 def test_qwen3_1p7b_checkpoint_holds_2p03b_because_it_saves_the_tied_head():
     # The hub lists 2.03B for Qwen3-1.7B: its safetensors store lm_head next to the tied embedding.
     arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
