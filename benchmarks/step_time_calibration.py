@@ -223,9 +223,9 @@ def main() -> None:
     c = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED
     print(("refitted on the fit runs: " if args.fit else "step_time.FITTED: ") + _constants_line(c))
     if args.markdown:
-        print("| run (NeMo-RL v0.4, H100; sync rows as named) | GPUs | role | published s | predicted s | error | "
-              "phases s |")
-        print("|---|---:|---|---:|---:|---:|---|")
+        print("| run (NeMo-RL v0.4 on H100, policy, GPUs; the sync rows as named) | role | published s | predicted s | "
+              "error | phases s |")
+        print("|---|---|---:|---:|---:|---|")
     for case in all_cases:
         predicted = case.predict(c)
         error = predicted["total"] / case.published - 1
@@ -237,9 +237,16 @@ def main() -> None:
                   f"{error:+5.0%}   {phases}")
     if args.fit:
         print("leave-one-out: each run predicted by the constants fitted on all the others")
+        if args.markdown:
+            print("| run left out | published s | predicted s | error | constants fitted without it |")
+            print("|---|---:|---:|---:|---|")
         for case, predicted, loo in leave_one_out(all_cases):
-            print(f"{case.name:32} published {case.shown:>7}  predicted {predicted:6.1f}  "
-                  f"{predicted / case.published - 1:+5.0%}   ({_constants_line(loo)})")
+            error = predicted / case.published - 1
+            if args.markdown:
+                print(f"| {case.name} | {case.shown} | {predicted:.1f} | {error:+.0%} | {_constants_line(loo)} |")
+            else:
+                print(f"{case.name:32} published {case.shown:>7}  predicted {predicted:6.1f}  {error:+5.0%}   "
+                      f"({_constants_line(loo)})")
 
 
 if __name__ == "__main__":
