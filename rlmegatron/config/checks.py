@@ -11,7 +11,7 @@ from rlmegatron.config.errors import NO_VALUE, SpecProblem, render_value
 from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelConfig, OptimConfig, PPOUpdateConfig
 from rlmegatron.config.transformer_config import extra_problems
 from rlmegatron.errors import one_of
-from rlmegatron.models.families import (ArchitectureError, ModelArchitecture, architecture_of, checkpoint_mtp_layers,
+from rlmegatron.models.families import (ArchitectureError, ModelArchitecture, architecture_of, built_mtp_layers,
                                        read_architecture)
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, PipelineSplitError, pipeline_stage_layers
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
@@ -691,10 +691,7 @@ def _check_mtp(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProble
         ([("rollout.speculative.method", speculative.method)] if speculative is not None else [])
     if not asked or arch is None:
         return []
-    model = spec.model
-    held = arch.num_mtp_layers if model.random_init or not Path(model.path).is_dir() else \
-        checkpoint_mtp_layers(arch, model.path)
-    if not held:
+    if not built_mtp_layers(arch, spec.model.path, spec.model.random_init):
         why = ("the checkpoint at model.path holds none of the MTP layers config.json declares (transformers saves "
                "none)" if arch.num_mtp_layers else "the model has no multi-token-prediction layers (config.json "
                "declares no num_nextn_predict_layers)")

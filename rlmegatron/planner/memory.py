@@ -147,10 +147,13 @@ def training_memory(
     batch: MicroBatch,
     lora: tuple[LoRALayerParameters, ...] | None = None,
     modules_to_save: tuple[str, ...] = (),
+    mtp_runs: bool = False,
 ) -> TrainingMemory:
     """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout); with
     `lora` (the actor's adapters, per layer) the base weights are frozen: gradients and Adam state are the adapters'
-    alone, and those of the `modules_to_save` (actor.lora) that train whole."""
+    alone, and those of the `modules_to_save` (actor.lora) that train whole. The model's MTP layers (`params.mtp`)
+    sit on the last stage with their gradients and Adam state (Megatron's optimizer holds every parameter, trained or
+    not); `mtp_runs` (actor.mtp.loss_weight > 0): the update runs them, which keeps their activations and logits."""
     world = spec.placement.trainer_world_size
     tp, pp, cp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, megatron.context_parallel_size
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
@@ -171,12 +174,15 @@ def training_memory(
         if index == pp - 1:
             # A tied output layer still needs its own copy of the embedding on a separate last stage.
             dense += params.final_norm + (params.output_layer or (params.embedding if pp > 1 else 0))
+            # The MTP layers embed the next tokens: a separate last stage holds the embedding (an untied one too).
+            dense += params.mtp_dense + (params.embedding if params.mtp and params.output_layer and pp > 1 else 0)
         dense //= tp
         # The image encoder is not split by TP: each rank of the first stage holds it whole; frozen, it has no
         # gradients or Adam state.
         vision = params.vision if index == 0 else 0
         dense += vision
-        experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp)
+        experts = (sum(params.layers[i].routed_experts for i in layers)
+                   + (params.mtp_routed_experts if index == pp - 1 else 0)) // (ep * etp)
         dense_adapters = sum(lora[i].dense_per_gpu(tp) for i in layers) if lora else 0
         expert_adapters = sum(lora[i].experts_per_gpu(ep, etp) for i in layers) if lora else 0
         saved = params.embedding if "embedding" in modules_to_save and index == 0 else 0
@@ -193,6 +199,9 @@ def training_memory(
         activations = in_flight * stored + recompute_working_set
         if index == pp - 1:
             activations += _output_activations(arch, batch, tp, cp)
+            if mtp_runs:  # each MTP layer is one more layer of the stage, with logits of its own
+                mtp_stored, _ = _stage_activations(arch, megatron, batch, len(params.mtp), cp)
+                activations += in_flight * mtp_stored + len(params.mtp) * _output_activations(arch, batch, tp, cp)
         candidates.append(
             TrainingMemory(
                 pipeline_stage=index,
@@ -321,7 +330,26 @@ def rollout_weight_bytes(spec: JobSpec, params: ParameterCount) -> float:
     """The policy's bytes as the engines hold it and the sync moves it: in model.dtype, or with
     rollout.quantization fp8 its projections in FP8 (a byte each, and a float32 scale per 128 x 128 block) and the
     rest (embeddings, head, norms) in model.dtype. The layers' biases, q/k norms and routers count as projections:
-    a few MB."""
+    a few MB. The MTP layers are apart (mtp_rollout_bytes)."""
+    return _rollout_bytes(spec, params.total, params.layers)
+
+
+def mtp_rollout_bytes(spec: JobSpec, params: ParameterCount) -> float:
+    """The MTP layers' bytes as rollout_weight_bytes counts the policy's (their eh_proj stays unquantised with FP8,
+    as models/fp8.py leaves it): what a speculative engine's draft model holds."""
+    return _rollout_bytes(spec, params.mtp_total, params.mtp)
+
+
+def mtp_sync_bytes(spec: JobSpec, params: ParameterCount) -> float:
+    """What the MTP layers add to every weight sync: their weights and, per layer, the copies of the embedding and
+    the output head a DeepSeek or GLM checkpoint names under it (models/weight_map.py), which the sync streams with
+    them in model.dtype."""
+    copies = 2 * len(params.mtp) * params.embedding * _WEIGHT_BYTES[spec.model.dtype]
+    return mtp_rollout_bytes(spec, params) + copies
+
+
+def _rollout_bytes(spec: JobSpec, total: int, layers: tuple) -> float:
+    """`total` parameters of which the projections of `layers` are quantised with rollout.quantization fp8."""
     weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
     if spec.rollout.quantization == "none":
         return params.total * weight_bytes
@@ -336,14 +364,15 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
     tp = spec.rollout.tensor_parallel_size
     weight_bytes = _WEIGHT_BYTES[spec.model.dtype]  # the KV cache's
     # SGLang splits dense matrices over TP and experts over EP × MoE-TP = TP, so weights divide by TP.
-    weights = rollout_weight_bytes(spec, params) / tp
+    weights = (rollout_weight_bytes(spec, params) + (mtp_rollout_bytes(spec, params) if drafts else 0)) / tp
     static = spec.rollout.mem_fraction_static * gpu_bytes
     if arch.mla is not None:
         # MLA caches one compressed latent plus the rope key per token, replicated on every TP rank.
-        per_token = arch.num_hidden_layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * weight_bytes
+        per_token = (arch.num_hidden_layers + drafts) * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) \
+            * weight_bytes
     else:
         kv_heads_per_gpu = ceil(arch.num_key_value_heads / tp)  # heads are replicated when TP > KV heads
-        per_token = 2 * arch.num_hidden_layers * kv_heads_per_gpu * arch.head_dim * weight_bytes
+        per_token = 2 * (arch.num_hidden_layers + drafts) * kv_heads_per_gpu * arch.head_dim * weight_bytes
     kv_cache = static - weights
     return EngineMemory(
         weights=weights,
@@ -357,7 +386,7 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
     # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
     frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
-    total = rollout_weight_bytes(spec, params) - frozen_vision
+    total = rollout_weight_bytes(spec, params) - frozen_vision + mtp_sync_bytes(spec, params)
     ratio = None
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
@@ -365,4 +394,7 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     return WeightSync(
         total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9),
         delta_ratio=ratio,
+    # With speculative decoding the engine also holds the MTP layers as its draft model (sharing the embedding and
+    # head), and their own KV cache: one more layer each.
+    drafts = len(params.mtp) if spec.rollout.speculative is not None else 0
     )

@@ -34,13 +34,17 @@ class LayerParameters:
 
 @dataclass(frozen=True)
 class ParameterCount:
-    """The parameters Megatron trains (MTP layers excluded: RL does not train them)."""
+    """The parameters Megatron holds. `total` and `active` are the main model's (the published counts); the
+    multi-token-prediction layers are counted apart (`mtp_total`): Megatron builds them on the last pipeline stage
+    when the checkpoint holds them, and they train with actor.mtp.loss_weight."""
 
     embedding: int
     output_layer: int  # 0 when tied to the embedding
     final_norm: int
     layers: tuple[LayerParameters, ...]
     vision: int = 0  # a vision-language model's image encoder: whole on every rank of the first pipeline stage
+    mtp: tuple[LayerParameters, ...] = ()  # each MTP layer's transformer layer (built like the last decoder layer)
+    mtp_projections: int = 0  # the MTP layers' own: eh_proj [h, 2h], enorm, hnorm and the final norm, all layers
 
     @property
     def total(self) -> int:
@@ -57,12 +61,32 @@ class ParameterCount:
     def routed_experts(self) -> int:
         return sum(layer.routed_experts for layer in self.layers)
 
+    @property
+    def mtp_dense(self) -> int:
+        """The MTP layers' parameters tensor parallelism shards (their embedding and head are the main model's)."""
+        return self.mtp_projections + sum(layer.dense for layer in self.mtp)
+
+    @property
+    def mtp_routed_experts(self) -> int:
+        return sum(layer.routed_experts for layer in self.mtp)
+
+    @property
+    def mtp_total(self) -> int:
+        return self.mtp_dense + self.mtp_routed_experts
+
+    @property
+    def mtp_active(self) -> int:
+        """Parameters one token uses in the MTP layers, the shared output head of each included (its logits)."""
+        head = self.output_layer or self.embedding
+        return sum(self.mtp_projections // len(self.mtp) + layer.active + head for layer in self.mtp)
+
     def in_checkpoint(self, tied: bool) -> int:
         """Tensors an HF safetensors checkpoint stores: some tied models (Qwen3-1.7B) still save lm_head."""
         return self.total + (self.embedding if tied else 0)
 
 
-def count_parameters(arch: ModelArchitecture) -> ParameterCount:
+def count_parameters(arch: ModelArchitecture, mtp_layers: int = 0) -> ParameterCount:
+    """`mtp_layers`: the multi-token-prediction layers Megatron builds (models.families.built_mtp_layers)."""
     h = arch.hidden_size
     full_attention = _attention_parameters(arch)
     linear = arch.linear_attention  # a hybrid's Gated DeltaNet layers mix tokens with their own projections
@@ -96,6 +120,8 @@ def count_parameters(arch: ModelArchitecture) -> ParameterCount:
         final_norm=h,
         layers=tuple(layers),
         vision=arch.vision.num_parameters if arch.vision is not None else 0,
+        mtp=(layers[-1],) * mtp_layers,
+        mtp_projections=mtp_layers * (2 * h * h + 3 * h),
     )
 
 

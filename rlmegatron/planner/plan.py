@@ -7,7 +7,7 @@ from typing import Any
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.config.errors import SpecProblem
 from rlmegatron.config.spec import JobSpec, MegatronConfig
-from rlmegatron.models.families import read_architecture
+from rlmegatron.models.families import built_mtp_layers, read_architecture
 from rlmegatron.planner.memory import (
     GB,
     EngineMemory,
@@ -64,6 +64,7 @@ class Plan:
     image_tokens: int  # decoder tokens of one image at data.max_image_pixels; 0 for a text-only model
     gpu_bytes: float
     actor: TrainingMemory
+    mtp_parameters: int  # the multi-token-prediction layers', apart from total_parameters; 0 without them
     critic: TrainingMemory | None
     reward_model: ScoringMemory | None
     engine: EngineMemory
@@ -92,14 +93,14 @@ class Plan:
 
 
 def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, file: str = "") -> Plan:
-    params = count_parameters(arch)
+    params = count_parameters(arch, built_mtp_layers(arch, spec.model.path, spec.model.random_init))
     gpu_bytes = settings.gpu_mem_gb * GB
     actor_batch = micro_batch(spec, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz,
                               spec.actor.ppo_max_token_len_per_gpu, spec.actor.megatron)
     lora = spec.actor.lora
     adapters = lora_parameters(arch, lora.rank, tuple(lora.target_modules)) if lora.rank else None
     actor = training_memory(spec, arch, params, spec.actor.megatron, spec.actor.offload, actor_batch, adapters,
-                            tuple(lora.modules_to_save))
+                            tuple(lora.modules_to_save), mtp_runs=spec.actor.mtp.loss_weight > 0)
     resident = {"actor": resident_model_state(actor, spec.actor.offload)}
     if spec.needs_reference and not lora.rank:  # with LoRA the reference is the actor with its adapters off
         ref = training_memory(spec, arch, params, spec.ref.megatron, spec.actor.offload, actor_batch)
@@ -155,6 +156,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         trainer_gpus=spec.placement.trainer_world_size,
         rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
         rollout_buffer=rollout_buffer_memory(spec, arch),
+        mtp_parameters=params.mtp_total,
         step_time=step_time(spec, arch, params, actor, engine, sync.bytes_per_engine_gpu,
                             workload_of(spec, settings.prompt_tokens, settings.response_tokens),
                             settings.hardware(spec.placement.gpus_per_node)),
@@ -266,6 +268,15 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"  optimizer state   {_gb(actor.optimizer_state):>10}",
         f"  activations       {_gb(actor.activations):>10}",
         f"  total             {_gb(actor.total):>10}",
+def _mtp_line(spec: JobSpec, plan: Plan) -> str:
+    weight = spec.actor.mtp.loss_weight
+    trained = f"trained (actor.mtp.loss_weight={weight:g})" if weight else "carried untrained (actor.mtp.loss_weight=0)"
+    drafting = "" if spec.rollout.speculative is None else \
+        f"; they draft {spec.rollout.speculative.num_draft_tokens} tokens per step in the engines (rollout.speculative)"
+    return (f"MTP layers: {plan.mtp_parameters / 1e9:.2f}B parameters with their gradients and Adam state on the last "
+            f"pipeline stage, {trained}, in every weight sync{drafting}")
+
+
         "per-GPU memory by phase:",
     ]
     for phase in plan.trainer_phases:
@@ -274,6 +285,7 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     if plan.rollout_gpu_bytes is not None:
         lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
     if plan.reward_model is not None:
+        *([_mtp_line(spec, plan)] if plan.mtp_parameters else []),
         lines.append(f"reward model (TP={spec.reward.model.tensor_model_parallel_size}) on the trainer GPUs: "
                      f"weights {_gb(plan.reward_model.weights)}, scoring activations "
                      f"{_gb(plan.reward_model.activations)} per GPU")

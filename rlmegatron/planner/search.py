@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from rlmegatron.config.errors import SpecError
 from rlmegatron.config.spec import JobSpec, OffloadConfig
-from rlmegatron.models.families import ModelArchitecture
+from rlmegatron.models.families import ModelArchitecture, built_mtp_layers
 from rlmegatron.models.pipeline import PipelineSplitError
 from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_weight_bytes, training_memory
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
@@ -182,7 +182,8 @@ def _price_trainer(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
                                                                                    "gpus_per_node": world})})
     batch = micro_batch(sized, spec.actor.ppo_micro_batch_size_per_gpu, spec.actor.use_dynamic_bsz,
                         spec.actor.ppo_max_token_len_per_gpu, megatron)
-    memory = training_memory(sized, arch, params, megatron, offload, batch)
+    memory = training_memory(sized, arch, params, megatron, offload, batch,
+                             mtp_runs=spec.actor.mtp.loss_weight > 0)
     if memory.total > settings.gpu_mem_gb * GB:
         return None
     # The reference follows the actor's layout here, as the spec's unset ref.megatron fields do.
@@ -197,7 +198,7 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
     `spec`: theirs with the fields `freed` removes at their defaults; a candidate removes those it does not set."""
     fixed = _fixed(overrides)
     removals = freed(raw, overrides)
-    params = count_parameters(arch)
+    params = count_parameters(arch, built_mtp_layers(arch, spec.model.path, spec.model.random_init))
     work = workload_of(spec, settings.prompt_tokens, settings.response_tokens)
     hw = settings.hardware(spec.placement.gpus_per_node)
     priced_trainers, priced_engines, checked, rejected = {}, {}, 0, 0
@@ -226,7 +227,9 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
                 if engine.kv_tokens <= 0 or rollout_gpus % tp:
                     continue
                 engines.append((generation_seconds(arch, params, engine, rollout_gpus // tp, tp, work,
-                                                   rollout_weight_bytes(spec, params) / params.total, hw), tp))
+                                                   rollout_weight_bytes(spec, params) / params.total, hw,
+                                                   drafts=spec.rollout.speculative.num_draft_tokens
+                                                   if spec.rollout.speculative is not None else 0), tp))
             priced_engines[rollout_gpus] = sorted(engines)
         placement = [f"placement.mode={mode}", f"placement.nnodes={nodes}", f"placement.gpus_per_node={per_node}"]
         if mode == "disaggregate":

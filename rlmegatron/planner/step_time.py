@@ -204,7 +204,20 @@ def training_phases(spec: JobSpec, arch: ModelArchitecture, params: ParameterCou
         phases["ref_log_prob"] = training_seconds(arch, params, ref_megatron, world, work, 1, micro_tokens, hw, c)
     update_passes = (4 if megatron.recompute_granularity == "full" else 3) * actor.ppo_epochs
     phases["update"] = training_seconds(arch, params, megatron, world, work, update_passes, micro_tokens, hw, c)
+    if actor.mtp.loss_weight > 0 and params.mtp:
+        phases["mtp_update"] = mtp_seconds(arch, params, megatron, world, work, update_passes, hw, c)
     return phases
+
+
+def mtp_seconds(arch: ModelArchitecture, params: ParameterCount, megatron: MegatronConfig, world: int,
+                work: Workload, passes: float, hw: Hardware, c: Constants = FITTED) -> float:
+    """What training the MTP layers (actor.mtp.loss_weight) adds to the update: their `passes` over the step's
+    tokens, each MTP layer a decoder layer and a pass through the output head, on the GPUs of the last pipeline
+    stage, which hold them; the other stages wait for it."""
+    stage_gpus = max(world // megatron.pipeline_model_parallel_size, 1)
+    attention = _attention_flops_per_token(arch, work.sequence) / arch.num_hidden_layers * len(params.mtp)
+    flops = passes * work.tokens * (2 * params.mtp_active + attention)
+    return flops / (stage_gpus * hw.peak_tflops * 1e12 * c.train(arch))
 
 
 def length_scale(mean: float, longest: float) -> float:
@@ -226,8 +239,12 @@ def longest_response(mean: float, longest: float, samples: float) -> float:
 
 
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
-                       work: Workload, weight_bytes: float, hw: Hardware, c: Constants = FITTED) -> float:
-    """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections)."""
+                       work: Workload, weight_bytes: float, hw: Hardware, c: Constants = FITTED,
+                       drafts: int = 0) -> float:
+    """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections).
+    `drafts` (rollout.speculative): each decode step reads the MTP layer's weights once per drafted token, verifies
+    the drafts and the token after them in one pass of the main model (k + 1 tokens' compute on the same weight
+    reads), and yields tokens_per_verification(drafts) of them: the steps shrink by that much."""
     per_engine = work.samples / engines
     hbm = hw.hbm_gb_per_s * 1e9 * c.decode_hbm
     peak = hw.peak_tflops * 1e12
@@ -238,11 +255,13 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     expert_bytes = params.routed_experts * weight_bytes / tp
     pick = (arch.num_experts_per_tok or 0) / arch.num_experts if arch.is_moe else 1.0
 
+    draft_bytes = drafts * params.mtp_total / max(len(params.mtp), 1) * weight_bytes / tp
+
     def step(batch: float, context_tokens: float) -> float:
         """One decode step of `batch` samples holding `context_tokens` in the KV cache."""
         touched = 1 - (1 - pick) ** batch if arch.is_moe else 1.0
-        weights = (dense_bytes + expert_bytes * touched) / hbm
-        compute = 2 * params.active * batch / tp / (peak * c.decode_hbm)
+        weights = (dense_bytes + expert_bytes * touched + draft_bytes) / hbm
+        compute = 2 * params.active * batch * (drafts + 1) / tp / (peak * c.decode_hbm)
         return max(weights, compute) + context_tokens * engine.kv_bytes_per_token / hbm + latency + c.decode_step_s \
             + c.decode_sample_s * batch
 
@@ -266,7 +285,20 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
         alive = max(held * exp(-s / mu), 1.0)
         drain += tail / chunks * step(alive, alive * (prompt + s))
     prefill = 2 * params.active * per_engine * prompt / tp / (peak * c.prefill)
-    return full + drain + prefill
+    return (full + drain) / tokens_per_verification(drafts) + prefill
+
+
+SPEC_ACCEPTANCE = 0.85
+"""Speculative decoding's assumed chance that a drafted token is accepted, given the drafts before it were:
+DeepSeek-V3's report (section 5.4.3) measures 85-90 % for its one MTP layer's token; chained drafts of the same
+layer (SGLang's NEXTN with k > 1) fall off, which this does not model: an optimistic figure for k > 1, until the
+local engine's measured rollout/spec_accept_rate replaces it."""
+
+
+def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) -> float:
+    """Tokens one verification of `drafts` drafted tokens yields on average: the accepted run, stopping at the first
+    rejection, plus the token the verification samples itself; 1 without drafts."""
+    return (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
 
 
 def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
@@ -299,8 +331,10 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     rollout_gpus = world if colocated else (spec.placement.rollout_pool_size or world)
     tp_g = spec.rollout.tensor_parallel_size
     weight_bytes = rollout_weight_bytes(spec, params) / params.total
+    speculative = spec.rollout.speculative
+    drafts = speculative.num_draft_tokens if speculative is not None else 0
     phases = {"generation": generation_seconds(arch, params, engine, max(rollout_gpus // tp_g, 1), tp_g, work,
-                                               weight_bytes, hw, c),
+                                               weight_bytes, hw, c, drafts),
               **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw, c)}
     if teacher is not None:  # on-policy distillation: the teacher's forward over the step's tokens, at its layout
         section = spec.teacher
@@ -331,6 +365,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
         f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM, weight sync "
         f"{c.link:g} of the link",
+        *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
+           f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
     )
     overlapped = spec.trainer.mode != "sync" and not colocated
     return StepTime(phases, overlapped, assumptions)

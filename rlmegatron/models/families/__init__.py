@@ -150,6 +150,14 @@ def checkpoint_mtp_layers(arch: ModelArchitecture, directory: str | Path) -> int
     return mtp_layers_in(arch, keys)
 
 
+def built_mtp_layers(arch: ModelArchitecture, path: str, random_init: bool) -> int:
+    """The MTP layers Megatron builds for model.path `path`: as config.json declares for random weights or a path
+    that is not a local directory (a hub id beside model.hf_config), else as many as its checkpoint holds."""
+    if random_init or not Path(path).is_dir():
+        return arch.num_mtp_layers
+    return checkpoint_mtp_layers(arch, path)
+
+
 __all__ = ["ArchitectureError", "FAMILIES", "Family", "ModelArchitecture", "MultiLatentAttention",
            "UnsupportedModelError", "architecture_of", "bridged_family", "family_for", "read_architecture",
-           "read_config_json", "mtp_layers_in", "checkpoint_mtp_layers"]
+           "read_config_json", "mtp_layers_in", "checkpoint_mtp_layers", "built_mtp_layers"]

@@ -1,0 +1,101 @@
+"""The MTP layers in `rlm plan`: counted as DeepSeek publishes them, held on the last pipeline stage with their
+gradients and Adam state, their activations and a phase of their own when actor.mtp.loss_weight trains them, in every
+weight sync, and held by the engines as the draft model of rollout.speculative, whose generation the step-time model
+shortens by an assumed acceptance rate (planner/step_time.tokens_per_verification)."""
+import json
+
+import pytest
+
+from rlmegatron.config import read_architecture
+from rlmegatron.planner.parameters import count_parameters
+from rlmegatron.planner.plan import render_plan
+from rlmegatron.planner.step_time import SPEC_ACCEPTANCE, tokens_per_verification
+from tests.config.specs import MODELS_DIR
+from tests.planner.test_memory import _plan, _spec
+
+# TP 8 with PP 4 (an untied head on a last stage of its own: it needs the embedding again for the MTP layer), EP 8.
+LAYOUT = {"tensor_model_parallel_size": 8, "sequence_parallel": True, "pipeline_model_parallel_size": 4,
+          "expert_model_parallel_size": 8, "expert_tensor_parallel_size": 1, "recompute_granularity": "full",
+          "extra": {"num_layers_in_first_pipeline_stage": 13, "num_layers_in_last_pipeline_stage": 18}}
+ROLLOUT = {"tensor_parallel_size": 32, "expert_parallel_size": 32}
+PLACEMENT = {"nnodes": 4}
+GPU_GB = 1000.0  # room for every variant: the estimates, not the fit, are compared
+
+
+@pytest.fixture(scope="module")
+def without_mtp(tmp_path_factory):
+    """DeepSeek-V3's config.json declaring no MTP layer: the same model as Megatron builds it from a checkpoint
+    without one."""
+    config = json.loads((MODELS_DIR / "deepseek-v3" / "config.json").read_text())
+    directory = tmp_path_factory.mktemp("deepseek_v3_no_mtp")
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    return str(directory)
+
+
+def _deepseek(hf_config=None, **sections):
+    spec = _spec("deepseek-v3", LAYOUT, rollout={**ROLLOUT, **sections.pop("rollout", {})},
+                 placement=PLACEMENT, **sections)
+    if hf_config is not None:
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"hf_config": hf_config})})
+    return spec
+
+
+def test_deepseek_v3s_mtp_module_is_counted_as_published():
+    """DeepSeek-V3's Hugging Face checkpoint: 685B parameters, the 671B main model and a 14B MTP module (its layer,
+    eh_proj and norms, and its copies of the embedding and head); what Megatron holds of it is the layer alone."""
+    params = count_parameters(read_architecture(str(MODELS_DIR / "deepseek-v3")), mtp_layers=1)
+    assert params.total / 1e9 == pytest.approx(671, rel=1e-3)
+    checkpoint_module = params.mtp_total + 2 * params.embedding
+    assert (params.total + checkpoint_module) / 1e9 == pytest.approx(685, rel=1e-3)
+    layer = params.mtp[0]
+    assert layer == params.layers[-1]  # Megatron builds it from the last decoder layer's spec (an MoE layer)
+    assert params.mtp_total == layer.total + 2 * 7168 ** 2 + 3 * 7168
+
+
+def test_the_mtp_layer_is_held_trained_and_synced_on_the_last_stage(without_mtp):
+    params = count_parameters(read_architecture(str(MODELS_DIR / "deepseek-v3")), mtp_layers=1)
+    carried, none = _plan(_deepseek(), GPU_GB), _plan(_deepseek(without_mtp), GPU_GB)
+    trained_spec = _deepseek(actor={"mtp": {"loss_weight": 0.3}})
+    trained = _plan(trained_spec, GPU_GB)
+    assert carried.actor.pipeline_stage == none.actor.pipeline_stage == 3  # DeepSeek-V3's 61 layers: 13/15/15/18
+    # On the last stage: the layer's dense part and its embedding copy split by TP 8, its experts by EP 8; bf16
+    # weights, fp32 gradients, Adam state (32 GPUs: no data parallelism to shard it over).
+    dense = (params.mtp_dense + params.embedding) // 8 + none.actor.dense_parameters
+    assert carried.actor.dense_parameters == dense
+    experts = params.mtp_routed_experts // 8
+    assert carried.actor.expert_parameters == none.actor.expert_parameters + experts
+    added = carried.actor.dense_parameters - none.actor.dense_parameters
+    assert carried.actor.parameters - none.actor.parameters == (added + experts) * 2
+    assert carried.actor.gradients - none.actor.gradients == (added + experts) * 4
+    assert carried.actor.optimizer_state - none.actor.optimizer_state == (added + experts) * 12
+    # Carried untrained it keeps no activations; trained, one more layer's and one more set of logits.
+    assert carried.actor.activations == none.actor.activations < trained.actor.activations
+    assert trained.actor.model_state == carried.actor.model_state
+    # Every sync carries the layer and its copies of embedding and head (bf16), trained or not.
+    assert carried.sync.total_bytes - none.sync.total_bytes == (params.mtp_total + 2 * params.embedding) * 2
+    # The update's step time: a phase of its own only when it trains.
+    assert "mtp_update" not in carried.step_time.phases and "mtp_update" not in none.step_time.phases
+    assert 0 < trained.step_time.phases["mtp_update"] < trained.step_time.phases["update"] / 4
+    # The last stage's GPUs alone run it: at PP 1 all 32 share it, a quarter of the time at PP 4.
+    one_stage = {**LAYOUT, "pipeline_model_parallel_size": 1, "extra": {}}
+    flat = _plan(_spec("deepseek-v3", one_stage, rollout=ROLLOUT, placement=PLACEMENT,
+                       actor={"mtp": {"loss_weight": 0.3}}), GPU_GB)
+    assert flat.step_time.phases["mtp_update"] == pytest.approx(trained.step_time.phases["mtp_update"] / 4)
+    assert trained.step_time.phases["update"] == carried.step_time.phases["update"]
+    assert "MTP layers: 11.61B parameters" in render_plan(trained_spec, trained)
+    assert "MTP" not in render_plan(_deepseek(without_mtp), none)
+
+
+def test_speculative_rollout_holds_the_draft_and_shortens_generation_by_the_assumed_acceptance():
+    plain = _plan(_deepseek(), GPU_GB)
+    drafting = _plan(_deepseek(rollout={"speculative": {"method": "mtp", "num_draft_tokens": 2}}), GPU_GB)
+    params = count_parameters(read_architecture(str(MODELS_DIR / "deepseek-v3")), mtp_layers=1)
+    assert drafting.engine.weights - plain.engine.weights == pytest.approx(params.mtp_total * 2 / 32)
+    # The draft layer's own latent KV cache: one layer more than the 61.
+    assert drafting.engine.kv_bytes_per_token == plain.engine.kv_bytes_per_token * 62 / 61
+    expected = tokens_per_verification(2)
+    assert expected == pytest.approx(1 + SPEC_ACCEPTANCE + SPEC_ACCEPTANCE ** 2)
+    ratio = plain.step_time.phases["generation"] / drafting.step_time.phases["generation"]
+    # Fewer steps by the tokens each verification yields, each a little dearer (the drafts' reads, a smaller KV).
+    assert 1.5 < ratio < expected
+    assert any("accepted with probability 0.85 (assumed)" in line for line in drafting.step_time.assumptions)
