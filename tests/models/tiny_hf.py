@@ -73,9 +73,9 @@ FAMILY_CONFIGS = {
                            pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
         projection_hidden_size=32, tie_word_embeddings=False),
     # Qwen3-Next: a Gated DeltaNet layer (2 key heads, each read by 2 value heads) then a gated full-attention one,
-    # zero-centred norms, a dense MLP on layer 0 (mlp_only_layers) and a routed one with a gated shared expert.
+    # zero-centred norms, routed MLPs with a gated shared expert.
     "qwen3_next": dict(num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=48, mlp_only_layers=[0], full_attention_interval=2,
+                       shared_expert_intermediate_size=48, full_attention_interval=2,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8),
     # Qwen3.5-MoE: the same decoder, unfused projections, nested in a vision-language wrapper whose tower is carried.
@@ -151,6 +151,8 @@ def save_tiny_model(name: str, directory: str, seed: int = 0, **overrides) -> st
     model.save_pretrained(directory)
     if variant.family == "kimi_k25":
         as_kimi_releases_it(directory)
+    if variant.family in ("qwen3_next", "qwen3_5_moe"):
+        as_qwen_releases_hybrids(directory)
     if getattr(config, "num_nextn_predict_layers", 0) and variant.mtp_tensors:
         _append_mtp_layers(directory, config)
     return directory
@@ -171,6 +173,19 @@ def as_kimi_releases_it(directory: str) -> None:
     tensors = load_file(path)
     save_file({key.replace("language_model.model.blocks.", "language_model.model.layers."): value
                for key, value in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def as_qwen_releases_hybrids(directory: str) -> None:
+    """Qwen's Qwen3-Next and Qwen3.5 config.json files state full_attention_interval beside layer_types, which
+    SGLang's config classes read (transformers drops it on save): the tiny models' layers alternate, interval 2."""
+    config_file = os.path.join(directory, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    assert text["layer_types"] == ["linear_attention", "full_attention"] * (len(text["layer_types"]) // 2)
+    text["full_attention_interval"] = 2
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def _random_norm_or_bias(name: str, like: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def test_qwen3_5_397b_counts_the_published_397b_and_17b_active_with_gated_deltan
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_a_hybrid_family_counts_every_weight_transformers_builds(family):
-    """The count of a tiny Qwen3-Next / Qwen3.5-MoE (Gated DeltaNet, gated attention, a dense layer, a shared expert)
+    """The count of a tiny Qwen3-Next / Qwen3.5-MoE (Gated DeltaNet, gated attention, a shared expert)
     equals the parameters of transformers' model of it, its vision tower left out."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

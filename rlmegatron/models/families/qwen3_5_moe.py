@@ -40,11 +40,9 @@ class Qwen3_5Moe(Qwen3Next):
 
     def problems(self, cfg: Mapping[str, Any]) -> list[str]:
         problems = super().problems(cfg)
-        # transformers' Qwen3.5-MoE routes every layer and always renormalises: keys that would say otherwise
-        # are refused rather than read as Qwen3-Next would.
-        if cfg["mlp_only_layers"] or cfg["decoder_sparse_step"] != 1 or not cfg["norm_topk_prob"]:
-            problems.append("mlp_only_layers, decoder_sparse_step or norm_topk_prob set: transformers' Qwen3.5-MoE "
-                            "routes every layer and renormalises the top-k weights")
+        if not cfg["norm_topk_prob"]:
+            problems.append("norm_topk_prob=false unsupported: transformers' Qwen3.5-MoE always renormalises the "
+                            "top-k weights")
         return problems
 
     def projection_sources(self, h: str, linear: LinearAttention) -> list[Source]:

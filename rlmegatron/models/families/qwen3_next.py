@@ -7,7 +7,8 @@ gate, sigmoid(gate) scaling the attention output before o_proj (Megatron's atten
 query/key norms and rotary embedding on a quarter of each head. Every RMSNorm of the decoder, those query/key norms
 included, scales by (1 + weight) with the weight stored zero-centred (models.layers.ZeroCenteredRMSNorm); Gated
 DeltaNet's own output norm scales by its weight. The MLPs are Qwen2-MoE's: softmax-routed experts and one shared
-expert behind a sigmoid gate.
+expert behind a sigmoid gate, in every layer (dense layers, which transformers' Qwen3-Next can build, are refused:
+SGLang builds none).
 
 The released checkpoints also hold a multi-token-prediction layer under mtp.*, which transformers neither builds nor
 loads and Megatron-Core's MTP cannot express as it is (its own norms and fc over the embedding and hidden state):
@@ -69,6 +70,12 @@ class Qwen3Next(Qwen2Moe):
         unknown = sorted(set(self.layer_types(cfg)) - {LINEAR, FULL})
         if unknown:
             problems.append(f"layer_types {unknown} unsupported: only {LINEAR} and {FULL}")
+        if cfg["mlp_only_layers"] or cfg["decoder_sparse_step"] != 1:
+            # transformers builds such dense layers; SGLang 0.5.23 builds every layer of these models routed, and no
+            # released checkpoint has one.
+            problems.append(f"mlp_only_layers={cfg['mlp_only_layers']} / decoder_sparse_step="
+                            f"{cfg['decoder_sparse_step']} unsupported: SGLang builds every {self.display_name} layer "
+                            "with routed experts")
         if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
             problems.append(f"linear_num_value_heads={cfg['linear_num_value_heads']} is not a multiple of "
                             f"linear_num_key_heads={cfg['linear_num_key_heads']}")

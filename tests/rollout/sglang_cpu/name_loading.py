@@ -116,14 +116,23 @@ def checkpoint_name(draft_parameter: str, config) -> str:
 def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int], args: list[str] | None = None,
            draft: bool = False) -> dict:
     config = AutoConfig.from_pretrained(model_dir)
+    # A hybrid linear-attention model (Qwen3-Next, Qwen3.5): SGLang's radix cache would snapshot its recurrent states,
+    # which it supports on GPU platforms only, and refuses to resolve the arguments here; nothing here generates.
+    hybrid = "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or ())
     server_args = prepare_server_args(args or ["--model-path", _resolvable(model_dir), "--device", "cpu",
-                                               "--skip-tokenizer-init"])
+                                               "--skip-tokenizer-init"]
+                                      + (["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"] if hybrid else []))
     server_args.resolve_once()
     publish(server_args, role="scheduler")  # last publish wins: each model its own server's arguments
     if draft:
         config = draft_config(server_args)
+    elif hybrid:  # SGLang builds these from config classes of its own (Qwen3-Next's layers_block_type, ...)
+        from sglang.srt.configs.model_config import ModelConfig
+
+        config = ModelConfig.from_server_args(server_args).hf_config
     model_class, _ = ModelRegistry.resolve_model_cls(config.architectures)
     tensors = load_file(tensors_file)
+    carried_tower = not any(".visual." in name or name.startswith("visual.") for name in tensors)
     vocab = config.get_text_config().vocab_size
     report = {}
     for size in tp_sizes:
@@ -137,6 +146,8 @@ def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int], args: list[st
             unfilled, differ = [], []
             for name, param in model.named_parameters():
                 data = param.data
+                if name.startswith("visual.") and carried_tower:
+                    continue  # a tower the bridge carries (Qwen3.5-MoE's): no sync sends it, the engines keep theirs
                 if draft and ("embed_tokens" in name or "lm_head" in name):
                     continue  # the target's own: SGLang's EAGLE worker hands them over (set_embed_and_head)
                 if draft:
@@ -148,6 +159,12 @@ def loaded(model_dir: str, tensors_file: str, tp_sizes: list[int], args: list[st
                     unfilled.append(name)
                 elif name in tensors and "embed_tokens" not in name and "lm_head" not in name:
                     whole = tensors[name]
+                    if name.endswith("linear_attn.conv1d.weight") and size > 1:
+                        # Gated DeltaNet's convolution: SGLang splits its q, k and v channels each over TP ranks.
+                        text = config.get_text_config()
+                        keys = text.linear_num_key_heads * text.linear_key_head_dim
+                        whole = torch.cat([part.chunk(size)[rank] for part in whole.split(
+                            [keys, keys, text.linear_num_value_heads * text.linear_value_head_dim])])
                     if whole.shape != param.shape:  # a TP slice along the dim whose size differs
                         dim = next(d for d, (a, b) in enumerate(zip(whole.shape, param.shape)) if a != b)
                         whole = whole.chunk(size, dim)[rank]
