@@ -21,6 +21,7 @@ RECIPES = {
     "kimi_k25_grpo.yaml": 80,
     "deepseek_v32_grpo.yaml": 80,
     "qwen3_5_moe_grpo.yaml": 80,
+    "distill_qwen3_30b_a3b_from_235b.yaml": 80,
 }
 
 

@@ -752,7 +752,7 @@ def _check_distillation(spec: JobSpec, arch: ModelArchitecture | None) -> list[S
                                     "needs a teacher to distill from; set teacher.path to its HF checkpoint (or a "
                                     "checkpoint written by `rlm convert hf-to-mcore`)"))
         return problems
-    teacher_arch, problem = _teacher_architecture(spec)
+    teacher_arch, problem = teacher_architecture(spec)
     if problem is not None:
         return problems + [problem]
     if arch is not None and teacher_arch.vocab_size != arch.vocab_size:
@@ -767,7 +767,7 @@ def _check_distillation(spec: JobSpec, arch: ModelArchitecture | None) -> list[S
     return problems or check_layout_fits_model("teacher.megatron", teacher.megatron, teacher_arch, spec)
 
 
-def _teacher_architecture(spec: JobSpec) -> tuple[ModelArchitecture | None, SpecProblem | None]:
+def teacher_architecture(spec: JobSpec) -> tuple[ModelArchitecture | None, SpecProblem | None]:
     """The teacher's architecture: from its config.json (teacher.path, else teacher.hf_config), or the config a
     converted checkpoint (`rlm convert hf-to-mcore`) records."""
     from rlmegatron.models.convert import META_FILE  # lazy: torch, for a constant of a spec that distills

@@ -13,7 +13,7 @@ Some defaults derive from other fields and are filled in when the spec is valida
 `actor.megatron`; an unset `expert_tensor_parallel_size` follows that role's
 `tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
 `data.max_response_length`; `rollout.log_prob_micro_batch_size_per_gpu` follows
-`actor.ppo_micro_batch_size_per_gpu`; `model.tokenizer_path` follows `model.path`;
+`actor.ppo_micro_batch_size_per_gpu`, and `teacher.log_prob_micro_batch_size_per_gpu` follows it; `model.tokenizer_path` follows `model.path`;
 `critic.enable` follows whether `algorithm.adv_estimator` is `gae`;
 `actor.policy_loss.loss_mode` follows `algorithm.adv_estimator`: `gspo` for `gspo` (GRPO's
 advantage with the sequence-ratio loss), `vanilla` otherwise; `trainer.run_dir` is
@@ -351,6 +351,9 @@ class TeacherConfig(RefConfig):
     `megatron` left unset are taken from actor.megatron), that scores every token the student samples, batched and
     offloaded as the reference is. Its tokenizer must be the student's: the log-probs are compared token by token."""
 
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Sequences per forward pass of the teacher on each data-parallel rank (unless log_prob_use_dynamic_bsz); null
+    follows rollout.log_prob_micro_batch_size_per_gpu, the student's own log-prob batching."""
     path: Text | None = None
     """An HF checkpoint directory (or hub id, with hf_config), or a Megatron checkpoint written by `rlm convert
     hf-to-mcore` (its rlm_convert.json says the architecture); null: no teacher."""
@@ -841,6 +844,8 @@ class JobSpec(Section):
             self.rollout.max_new_tokens = self.data.max_response_length
         if self.rollout.log_prob_micro_batch_size_per_gpu is None:
             self.rollout.log_prob_micro_batch_size_per_gpu = self.actor.ppo_micro_batch_size_per_gpu
+        if self.teacher.log_prob_micro_batch_size_per_gpu is None:
+            self.teacher.log_prob_micro_batch_size_per_gpu = self.rollout.log_prob_micro_batch_size_per_gpu
         if self.model.tokenizer_path is None:
             self.model.tokenizer_path = self.model.path
         if self.trainer.run_dir is None:

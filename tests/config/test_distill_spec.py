@@ -37,6 +37,9 @@ def test_the_teacher_role_is_laid_out_batched_and_offloaded_by_its_own_section()
     assert (teacher.worker.micro_batch_size, teacher.worker.max_token_len) == (5, 300 * 2)  # x CP
     assert teacher.worker.temperature == settings.roles["actor"].worker.temperature
     assert teacher.worker.routing_replay == "off"
+    # Unset, the teacher's micro-batches follow the student's log-prob batching.
+    unset = spec_from_raw(minimal_spec("tiny-qwen3-moe"), [TEACHER, DISTILL, "actor.ppo_micro_batch_size_per_gpu=2"])
+    assert trainer_rank_settings(unset, 10).roles["teacher"].worker.micro_batch_size == 2
     plain = trainer_rank_settings(spec_from_raw(minimal_spec("tiny-qwen3-moe"), []), 10)
     assert "teacher" not in plain.roles and plain.teacher_path is None
 

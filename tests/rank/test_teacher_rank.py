@@ -118,6 +118,6 @@ def test_the_teacher_batches_and_offloads_as_its_section_says(runs):
     # teacher.log_prob_use_dynamic_bsz at TP=2 (one DP rank, 8 sequences): micro-batches of at most 16 tokens.
     budget = reports["tp2"]["teacher_micro_batches"]
     assert len(budget) > 1 and max(t for _, t in budget) <= 16 and sum(n for n, _ in budget) == 8
-    # The default (log_prob_micro_batch_size_per_gpu=1): one sequence per micro-batch, all 8 on the one DP rank of PP=2.
-    assert [n for n, _ in reports["pp2"]["teacher_micro_batches"]] == [1] * 8  # PP=2: one DP rank
+    # Unset, it follows the student's log-prob batching (the quickstart's 32 sequences): PP=2's one DP rank's 8 at once.
+    assert [n for n, _ in reports["pp2"]["teacher_micro_batches"]] == [8]
     assert reports["student_layout"]["offloaded"] == ("params",) and reports["pp2"]["offloaded"] == ()
