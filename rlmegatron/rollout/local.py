@@ -189,6 +189,7 @@ def filter_for_samples(scaled: torch.Tensor, samples: list[_Sample]) -> torch.Te
     return filtered
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 # What transformers 5 keeps under a MoE layer's `mlp.` in memory, which a family's checkpoint may hold under another
 # module name (Mixtral's and MiniMax-M2's block_sparse_moe.).
@@ -292,8 +293,9 @@ class LocalEngine(RolloutEngine):
         num_draft_tokens: int = 0,
     ) -> None:
         """`eos_token_ids` always end a sample with reason `stop`, as the model's EOS does in SGLang.
-        `num_draft_tokens` > 0: MTP speculative decoding (rollout.speculative, rollout/speculative.py), the model's first
-        MTP layer drafting that many tokens per verification; the engine then holds that layer and takes its weights.
+        `num_draft_tokens` > 0: MTP speculative decoding (rollout.speculative, rollout/speculative.py), the model's
+        first MTP layer drafting that many tokens per verification; the engine then holds that layer and takes its
+        weights.
         `image_processor`: a vision-language model's (image_processor_at), which requests with images need.
         `weight_format`: the block-wise FP8 format weight updates come in (rollout.quantization fp8), each quantised
         weight with its scale; the engine samples with them dequantised, the values SGLang's FP8 weights hold."""
@@ -503,6 +505,8 @@ class LocalEngine(RolloutEngine):
                     if tensor is None:
                         continue
                 target = targets.get(name)
+                if target is None and self._unused_mtp_weight(name):
+                    continue
                 if target is None:
                     raise KeyError(f"weight the model does not have: {name}")
                 if target.shape != tensor.shape:
@@ -517,6 +521,17 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"FP8 weight update without the partner of {sorted(halves)[:5]}: each quantised weight "
                              f"comes with its {SCALE_SUFFIX}")
         self.weight_version = version
+
+    def _unused_mtp_weight(self, name: str) -> bool:
+        """A weight of an MTP layer the engine does not draft with (all of them without speculative decoding, those
+        after the first with it), which the sync sends whenever the trainer's model holds them: skipped, as SGLang's
+        model skips them without NEXTN and its NEXTN draft loads only the first."""
+        config = self.model.config
+        layer, mtp_layers = _LAYER_INDEX.match(name), getattr(config, "num_nextn_predict_layers", 0)
+        if layer is None or not mtp_layers:
+            return False
+        first, end = config.num_hidden_layers + (self.draft is not None), config.num_hidden_layers + mtp_layers
+        return first <= int(layer[1]) < end
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
         """The checksum of each weight of `names` the model holds (trainer.check_sync_every); a name it does not

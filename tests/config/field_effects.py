@@ -43,6 +43,11 @@ MTP_TRAINING = "tests/models/test_mtp_training.py::"
 MTP_TRAINS = (MTP_TRAINING + "test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_"
               "mtp_and_trunk")
 MTP_OFF = MTP_TRAINING + "test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers"
+LOCAL_SPECULATIVE = "tests/rollout/test_speculative.py::"
+LOCAL_SPECULATIVE_RUN = (LOCAL_SPECULATIVE + "test_a_count_up_run_drafts_with_the_trained_mtp_layer_and_samples_from_the_"
+                         "policy")
+LOCAL_SPECULATIVE_EXACT = (LOCAL_SPECULATIVE + "test_sampled_tokens_follow_the_main_models_distribution",
+                           LOCAL_SPECULATIVE + "test_greedy_tokens_equal_plain_decoding_with_drafts_kept_and_rejected")
 SGLANG_SPECULATIVE = ("tests/rollout/test_sglang_speculative.py::"
                       "test_mtp_speculative_rollout_launches_sglang_drafting_k_tokens_with_the_checkpoints_mtp_layer")
 SGLANG_DRAFT_NAMES = ("tests/rollout/test_sglang_speculative.py::"
@@ -528,10 +533,13 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.sglang.skip_tokenizer_init": ("SGLang without a tokenizer", (LAUNCH, LAUNCH_OFF)),
     "rollout.sglang.startup_timeout_s": ("time a server has to become healthy", (STARTUP_TIMEOUT,)),
     "rollout.speculative.method": ("speculative decoding drafted by the model's MTP layers (SGLang: NEXTN, its draft "
-                                   "loading the synced MTP names); refused without them",
-                                   (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES)),
+                                   "loading the synced MTP names; the local engine: its own draft and rejection "
+                                   "sampling, the main model's outputs); refused without them",
+                                   (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES, LOCAL_SPECULATIVE_RUN,
+                                    *LOCAL_SPECULATIVE_EXACT)),
     "rollout.speculative.num_draft_tokens": ("tokens drafted per verification (SGLang: k steps, k + 1 draft tokens)",
-                                             (MTP_CHECKS, SGLANG_SPECULATIVE)),
+                                             (MTP_CHECKS, SGLANG_SPECULATIVE, LOCAL_SPECULATIVE_RUN,
+                                              LOCAL_SPECULATIVE_EXACT[1])),
     "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
     "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
     "rollout.tensor_parallel_size": ("GPUs per SGLang server", (COLOCATED_SERVER, LAUNCH)),

@@ -28,8 +28,8 @@ def checkpoint(tmp_path_factory):
 
 
 def engine(checkpoint, num_draft_tokens: int, dtype=torch.float32, tensors=None, **kwargs) -> LocalEngine:
-    """The checkpoint's model in a local engine, every weight (the MTP layer's with drafting) loaded the way a sync
-    loads them."""
+    """The checkpoint's model in a local engine, every weight loaded the way a sync loads them (the MTP layer's too,
+    which the engine drafts with, or skips without drafting as SGLang's model does)."""
     from transformers import AutoModelForCausalLM
 
     directory, saved = checkpoint
@@ -37,8 +37,7 @@ def engine(checkpoint, num_draft_tokens: int, dtype=torch.float32, tensors=None,
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **(
         {"experts_implementation": "eager"} if dtype == torch.float64 else {}))
     engine = LocalEngine(model, num_draft_tokens=num_draft_tokens, **kwargs)
-    engine.update_weights([(name, tensor.to(dtype)) for name, tensor in (tensors or saved).items()
-                           if num_draft_tokens or not name.startswith(MTP)], "v")
+    engine.update_weights([(name, tensor.to(dtype)) for name, tensor in (tensors or saved).items()], "v")
     return engine
 
 
@@ -179,3 +178,29 @@ def test_sampled_tokens_follow_the_main_models_distribution(checkpoint, monkeypa
     else:
         assert 0.3 < kept < 0.95, kept  # drafts both kept and rejected
         assert min(p_values) > 1e-3, p_values
+
+
+def test_a_count_up_run_drafts_with_the_trained_mtp_layer_and_samples_from_the_policy(tmp_path):
+    """Three steps of configs/count_up.yaml (the local engine drafting 3 tokens per verification, the MTP layer
+    trained with the policy): each step logs the acceptance, the accepted drafts per verification are 3 times the
+    rate (num_draft_tokens reached the engine), and the engine's log-probs of its samples are the trainer's policy's
+    (the on-policy check: sampling and log-probs from the main model, not the draft)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import warm_runs
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "history.json"
+    run = warm_runs.run([sys.executable, "-m", "tests.driver.jobs", str(out), "launched", "configs/count_up.yaml",
+                         f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=3", "trainer.test_freq=-1",
+                         "trainer.val_before_train=false", "data.val_files=[]", "trainer.resume=disable"],
+                        cwd=root, timeout=600, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    history = json.loads(out.read_text())["history"]
+    rates, accepted = history["rollout/spec_accept_rate"], history["rollout/spec_accepted_tokens_mean"]
+    assert [step for step, _ in rates] == [1, 2, 3] and all(0 < rate < 1 for _, rate in rates)
+    assert all(abs(mean - 3 * rate) < 1e-9 for (_, rate), (_, mean) in zip(rates, accepted))
+    assert len(history["actor/mtp_loss"]) == 3
+    assert max(value for _, value in history["training/rollout_probs_diff_max"]) < 1e-4
