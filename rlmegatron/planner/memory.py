@@ -352,17 +352,20 @@ def _rollout_bytes(spec: JobSpec, total: int, layers: tuple) -> float:
     """`total` parameters of which the projections of `layers` are quantised with rollout.quantization fp8."""
     weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
     if spec.rollout.quantization == "none":
-        return params.total * weight_bytes
+        return total * weight_bytes
     from rlmegatron.models.fp8 import DEFAULT_CONFIG  # the format FP8 rollout syncs; its module imports torch
 
     rows, cols = DEFAULT_CONFIG["weight_block_size"]
-    projections = sum(layer.attention + layer.mlp + layer.routed_experts for layer in params.layers)
-    return projections * (1 + 4 / (rows * cols)) + (params.total - projections) * weight_bytes
+    projections = sum(layer.attention + layer.mlp + layer.routed_experts for layer in layers)
+    return projections * (1 + 4 / (rows * cols)) + (total - projections) * weight_bytes
 
 
 def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, gpu_bytes: float) -> EngineMemory:
     tp = spec.rollout.tensor_parallel_size
     weight_bytes = _WEIGHT_BYTES[spec.model.dtype]  # the KV cache's
+    # With speculative decoding the engine also holds the MTP layers as its draft model (sharing the embedding and
+    # head), and their own KV cache: one more layer each.
+    drafts = len(params.mtp) if spec.rollout.speculative is not None else 0
     # SGLang splits dense matrices over TP and experts over EP × MoE-TP = TP, so weights divide by TP.
     weights = (rollout_weight_bytes(spec, params) + (mtp_rollout_bytes(spec, params) if drafts else 0)) / tp
     static = spec.rollout.mem_fraction_static * gpu_bytes
@@ -394,7 +397,4 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     return WeightSync(
         total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9),
         delta_ratio=ratio,
-    # With speculative decoding the engine also holds the MTP layers as its draft model (sharing the embedding and
-    # head), and their own KV cache: one more layer each.
-    drafts = len(params.mtp) if spec.rollout.speculative is not None else 0
     )

@@ -61,10 +61,10 @@ class Plan:
     total_parameters: int
     active_parameters: int
     vision_parameters: int  # the image encoder's, within total_parameters; 0 for a text-only model
+    mtp_parameters: int  # the multi-token-prediction layers', apart from total_parameters; 0 without them
     image_tokens: int  # decoder tokens of one image at data.max_image_pixels; 0 for a text-only model
     gpu_bytes: float
     actor: TrainingMemory
-    mtp_parameters: int  # the multi-token-prediction layers', apart from total_parameters; 0 without them
     critic: TrainingMemory | None
     reward_model: ScoringMemory | None
     engine: EngineMemory
@@ -144,6 +144,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         total_parameters=params.total,
         active_parameters=params.active,
         vision_parameters=params.vision,
+        mtp_parameters=params.mtp_total,
         image_tokens=_largest_image_tokens(arch, spec.data.max_image_pixels),
         gpu_bytes=gpu_bytes,
         actor=actor,
@@ -156,7 +157,6 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         trainer_gpus=spec.placement.trainer_world_size,
         rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
         rollout_buffer=rollout_buffer_memory(spec, arch),
-        mtp_parameters=params.mtp_total,
         step_time=step_time(spec, arch, params, actor, engine, sync.bytes_per_engine_gpu,
                             workload_of(spec, settings.prompt_tokens, settings.response_tokens),
                             settings.hardware(spec.placement.gpus_per_node)),
@@ -246,6 +246,15 @@ def _vision_line(spec: JobSpec, plan: Plan) -> str:
             f"{plan.image_tokens} prompt tokens of data.max_prompt_length={spec.data.max_prompt_length}")
 
 
+def _mtp_line(spec: JobSpec, plan: Plan) -> str:
+    weight = spec.actor.mtp.loss_weight
+    trained = f"trained (actor.mtp.loss_weight={weight:g})" if weight else "carried untrained (actor.mtp.loss_weight=0)"
+    drafting = "" if spec.rollout.speculative is None else \
+        f"; they draft {spec.rollout.speculative.num_draft_tokens} tokens per step in the engines (rollout.speculative)"
+    return (f"MTP layers: {plan.mtp_parameters / 1e9:.2f}B parameters with their gradients and Adam state on the last "
+            f"pipeline stage, {trained}, in every weight sync{drafting}")
+
+
 def render_plan(spec: JobSpec, plan: Plan) -> str:
     """The plan as a short human-readable report."""
     actor, engine, sync = plan.actor, plan.engine, plan.sync
@@ -254,6 +263,7 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"model: {plan.model_type}, {plan.total_parameters / 1e9:.2f}B parameters "
         f"({plan.active_parameters / 1e9:.2f}B active per token)",
         *([_vision_line(spec, plan)] if plan.vision_parameters else []),
+        *([_mtp_line(spec, plan)] if plan.mtp_parameters else []),
         f"trainer: {spec.placement.nnodes} node(s) x {spec.placement.gpus_per_node} GPUs, "
         f"GPU memory {_gb(plan.gpu_bytes)}, placement {spec.placement.mode}",
         f"actor layout: {', '.join(f'{k}={v}' for k, v in _layout(m).items())}, "
@@ -268,15 +278,6 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"  optimizer state   {_gb(actor.optimizer_state):>10}",
         f"  activations       {_gb(actor.activations):>10}",
         f"  total             {_gb(actor.total):>10}",
-def _mtp_line(spec: JobSpec, plan: Plan) -> str:
-    weight = spec.actor.mtp.loss_weight
-    trained = f"trained (actor.mtp.loss_weight={weight:g})" if weight else "carried untrained (actor.mtp.loss_weight=0)"
-    drafting = "" if spec.rollout.speculative is None else \
-        f"; they draft {spec.rollout.speculative.num_draft_tokens} tokens per step in the engines (rollout.speculative)"
-    return (f"MTP layers: {plan.mtp_parameters / 1e9:.2f}B parameters with their gradients and Adam state on the last "
-            f"pipeline stage, {trained}, in every weight sync{drafting}")
-
-
         "per-GPU memory by phase:",
     ]
     for phase in plan.trainer_phases:
@@ -285,7 +286,6 @@ def _mtp_line(spec: JobSpec, plan: Plan) -> str:
     if plan.rollout_gpu_bytes is not None:
         lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
     if plan.reward_model is not None:
-        *([_mtp_line(spec, plan)] if plan.mtp_parameters else []),
         lines.append(f"reward model (TP={spec.reward.model.tensor_model_parallel_size}) on the trainer GPUs: "
                      f"weights {_gb(plan.reward_model.weights)}, scoring activations "
                      f"{_gb(plan.reward_model.activations)} per GPU")
