@@ -286,6 +286,36 @@ def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
 
 
 @dataclass(frozen=True)
+class TeacherMemory:
+    """Per-GPU bytes of on-policy distillation's teacher (algorithm.distill) on the trainer ranks, at its own layout
+    (teacher.megatron): its frozen weights on its most loaded pipeline stage and, while it computes log-probs, one
+    layer's activations of one micro-batch and the last stage's logits (a forward keeps none for a backward)."""
+
+    parameters: int  # its weights on this GPU, sharded by its TP, PP and EP
+    weights: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.activations
+
+
+def teacher_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount) -> TeacherMemory:
+    teacher = spec.teacher
+    megatron = teacher.megatron
+    batch = micro_batch(spec, teacher.log_prob_micro_batch_size_per_gpu, teacher.log_prob_use_dynamic_bsz,
+                        teacher.log_prob_max_token_len_per_gpu, megatron)
+    # Its stages' weights as a trained role's are laid out (training_memory), without gradients or Adam state.
+    held = training_memory(spec, arch, params, megatron, OffloadConfig(), batch)
+    cp = megatron.context_parallel_size
+    s = ceil(batch.sequence_length / cp)
+    activations = _layer_activations(arch, megatron, s, batch.sequences, full_scores=True, keys=batch.sequence_length)
+    activations += _output_activations(arch, batch, megatron.tensor_model_parallel_size, cp)
+    parameters = held.dense_parameters + held.expert_parameters
+    return TeacherMemory(parameters=parameters, weights=held.parameters, activations=activations)
+
+
+@dataclass(frozen=True)
 class RolloutBufferMemory:
     """Host memory of the rollouts alive at once in the driver: the one training and, in one_step_off and async, the
     `trainer.staleness_bound` made ahead (driver.rollout_buffer.Ahead). Counts the batch tensors (token ids and

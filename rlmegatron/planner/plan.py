@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlmegatron.models.families import ModelArchitecture
+from rlmegatron.config.checks import teacher_architecture
 from rlmegatron.config.errors import SpecProblem
 from rlmegatron.config.spec import JobSpec, MegatronConfig
 from rlmegatron.models.families import built_mtp_layers, read_architecture
@@ -13,6 +14,7 @@ from rlmegatron.planner.memory import (
     EngineMemory,
     RolloutBufferMemory,
     ScoringMemory,
+    TeacherMemory,
     TrainingMemory,
     WeightSync,
     delta_sent_ratio,
@@ -21,6 +23,7 @@ from rlmegatron.planner.memory import (
     resident_model_state,
     rollout_buffer_memory,
     scoring_memory,
+    teacher_memory,
     training_memory,
     weight_sync,
 )
@@ -67,6 +70,7 @@ class Plan:
     actor: TrainingMemory
     critic: TrainingMemory | None
     reward_model: ScoringMemory | None
+    teacher: TeacherMemory | None  # on-policy distillation's teacher (algorithm.distill), at its own layout
     engine: EngineMemory
     sync: WeightSync
     trainer_phases: tuple[PhaseMemory, ...]  # on the trainer GPUs (and the engines' when colocated)
@@ -122,6 +126,12 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         reward_arch = read_architecture(spec.reward.model.path)
         reward_model = scoring_memory(spec, reward_arch, count_parameters(reward_arch))
         resident["reward model"] = 0.0 if spec.reward.model.offload.params else reward_model.weights
+    teacher, teacher_model = None, None
+    if spec.algorithm.distill is not None:  # the checks read its architecture and passed
+        teacher_arch = teacher_architecture(spec)[0]
+        teacher_model = (teacher_arch, count_parameters(teacher_arch))
+        teacher = teacher_memory(spec, *teacher_model)
+        resident["teacher"] = 0.0 if spec.teacher.offload.params else teacher.weights
     engine = engine_memory(spec, arch, params, gpu_bytes)
     colocated = spec.placement.mode == "colocate"
 
@@ -134,6 +144,8 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
     if reward_model is not None:
         phases.append(PhaseMemory("reward_scoring", 0.0,
                                   {"reward model": reward_model.total, **others("reward model")}))
+    if teacher is not None:
+        phases.append(PhaseMemory("teacher_log_prob", 0.0, {"teacher": teacher.total, **others("teacher")}))
     if colocated:
         phases.append(PhaseMemory("rollout", 0.0, {"engine": engine.static_reservation, **others()}))
     phases = [PhaseMemory(p.phase, sum(p.parts.values()), p.parts) for p in phases]
@@ -150,6 +162,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         actor=actor,
         critic=critic,
         reward_model=reward_model,
+        teacher=teacher,
         engine=engine,
         sync=sync,
         trainer_phases=tuple(phases),
@@ -159,7 +172,8 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         rollout_buffer=rollout_buffer_memory(spec, arch),
         step_time=step_time(spec, arch, params, actor, engine, sync.bytes_per_engine_gpu,
                             workload_of(spec, settings.prompt_tokens, settings.response_tokens),
-                            settings.hardware(spec.placement.gpus_per_node)),
+                            settings.hardware(spec.placement.gpus_per_node),
+                            teacher=None if teacher is None else (*teacher_model, teacher)),
         problems=(),
     )
     problems = [
@@ -201,6 +215,10 @@ def _fix_for(phase: str, spec: JobSpec) -> tuple[str, Any, str]:
             spec.rollout.mem_fraction_static,
             "lower it, or offload the idle roles (actor.offload.params/grads, ref.offload.params)",
         )
+    if phase == "teacher_log_prob":
+        return ("teacher.megatron", _layout(spec.teacher.megatron),
+                "raise its tensor/pipeline/expert parallelism, shorten its micro-batch "
+                "(teacher.log_prob_micro_batch_size_per_gpu), or offload the idle roles")
     if phase == "reward_scoring":
         return (
             "reward.model.tensor_model_parallel_size",
@@ -224,6 +242,10 @@ def _layout(megatron: MegatronConfig) -> dict[str, int]:
         "EP": megatron.expert_model_parallel_size,
         "ETP": megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size,
     }
+
+
+def _layout_text(megatron: MegatronConfig) -> str:
+    return " ".join(f"{name}={size}" for name, size in _layout(megatron).items())
 
 
 def _gb(size: float) -> str:
@@ -285,6 +307,9 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         lines.append(f"  {phase.phase:<15} {_gb(phase.bytes):>10}  ({parts})")
     if plan.rollout_gpu_bytes is not None:
         lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
+    if plan.teacher is not None:
+        lines.append(f"teacher ({_layout_text(spec.teacher.megatron)}) on the trainer GPUs: weights "
+                     f"{_gb(plan.teacher.weights)}, log-prob activations {_gb(plan.teacher.activations)} per GPU")
     if plan.reward_model is not None:
         lines.append(f"reward model (TP={spec.reward.model.tensor_model_parallel_size}) on the trainer GPUs: "
                      f"weights {_gb(plan.reward_model.weights)}, scoring activations "
