@@ -48,16 +48,11 @@ def write_hf_model(directory: Path) -> Path:
     return directory
 
 
-def _roles_job(workdir: str, model: str) -> dict:
-    from rlmegatron.prelaunch.spec_pipeline import load_spec
-    from rlmegatron.rank.policy_rank import PolicyRank
-    from rlmegatron.driver.role_settings import trainer_rank_settings
-    from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+def recording_micro_batches() -> list[list[tuple[int, int]]]:
+    """In a rank: the (sequences, tokens) of each micro-batch it runs, a list per forward(-backward) call, from now."""
     from rlmegatron.rank.roles import megatron_step
-    from tests.rank.roles.jobs import rollout_batch
 
-    os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
-    micro_batches = []  # (sequences, tokens) of each micro-batch this rank runs, per forward(-backward) call
+    micro_batches = []
     run_schedule = megatron_step.forward_backward
 
     def recording(chunks, batches, *args, **kwargs):
@@ -65,6 +60,18 @@ def _roles_job(workdir: str, model: str) -> dict:
         return run_schedule(chunks, batches, *args, **kwargs)
 
     megatron_step.forward_backward = recording
+    return micro_batches
+
+
+def _roles_job(workdir: str, model: str) -> dict:
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
+    from rlmegatron.rank.policy_rank import PolicyRank
+    from rlmegatron.driver.role_settings import trainer_rank_settings
+    from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
+    from tests.rank.roles.jobs import rollout_batch
+
+    os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
+    micro_batches = recording_micro_batches()
     batch = rollout_batch(n=8)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=3)
     requests = [GenerationRequest(tuple(row[mask.bool()][:4].tolist()), greedy)

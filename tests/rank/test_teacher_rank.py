@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlmegatron.transport.local_ranks import run_ranks
-from tests.rank.test_policy_rank import max_diff, write_hf_model
+from tests.rank.test_policy_rank import max_diff, recording_micro_batches, write_hf_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
@@ -51,21 +51,13 @@ def _teacher_job(workdir: str, teacher: str) -> dict:
     from rlmegatron.entry.convert_command import hf_to_mcore
     from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.policy_rank import PolicyRank
-    from rlmegatron.rank.roles import megatron_step
     from rlmegatron.runtime import ParallelLayout
     from tests.rank.roles.jobs import rollout_batch
 
     os.chdir(REPO_ROOT)  # the quickstart spec's paths are relative to the repository
     converted = os.path.join(workdir, "mcore")
     hf_to_mcore(teacher, converted, ParallelLayout(tp=2))
-    micro_batches = []
-    run_schedule = megatron_step.forward_backward
-
-    def recording(chunks, batches, *args, **kwargs):
-        micro_batches.append([(len(mb.rows), len(mb.source_index) + len(mb.rows)) for mb in batches])
-        return run_schedule(chunks, batches, *args, **kwargs)
-
-    megatron_step.forward_backward = recording
+    micro_batches = recording_micro_batches()
     batch = rollout_batch(n=8)
     reports = {}
     for name, overrides in RUNS.items():
