@@ -177,7 +177,7 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
     """rollout.weight_sync=delta: per step the share benchmarks/delta_sync.py measured for bf16 at the actor's lr
     (log-linear between the measured rates), every full_sync_every-th push whole; fp32, unmeasured, counts whole."""
     from rlmegatron.planner.memory import DELTA_SENT_RATIO_BF16, delta_sent_ratio
-    from rlmegatron.planner.step_time import DELTA_HOST_GB_PER_S
+    from rlmegatron.planner.step_time import DELTA_HOST_GB_PER_S, Hardware, sync_seconds
 
     disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}
     full = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated}))
@@ -185,9 +185,12 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
         delta = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
                             rollout={"weight_sync": "delta"}, actor={"optim": {"lr": lr}}))
         assert delta.sync.bytes_per_engine_gpu == pytest.approx(full.sync.bytes_per_engine_gpu * ratio)
-        # ... and the host's work on the whole policy (the comparison, the records), at the CPU rate measured.
+        # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
+        # (the comparison, the records), at the CPU rate measured.
+        push = sync_seconds(delta.sync.bytes_per_engine_gpu, colocated=False, trainer_shards=1, hw=Hardware(),
+                            bucket_bytes=512 << 20)
         assert delta.step_time.phases["weight_sync"] == pytest.approx(
-            full.step_time.phases["weight_sync"] * ratio + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9))
+            push + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9), rel=1e-12)
     between = delta_sent_ratio("bf16", 10 ** -5.5, 0)[0]
     assert between == pytest.approx((DELTA_SENT_RATIO_BF16[1e-6] + DELTA_SENT_RATIO_BF16[1e-5]) / 2)
     assert delta_sent_ratio("bf16", 1e-7, 0)[0] == DELTA_SENT_RATIO_BF16[1e-6] and delta_sent_ratio("bf16", 1, 0)[0] == 1
