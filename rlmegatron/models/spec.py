@@ -69,7 +69,6 @@ def _linear_attention_layers(spec, config, vp_stage: Optional[int]):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from rlmegatron.models.gated_delta_net import GatedDeltaNet  # lazy: a module of the hybrid families only
-    from rlmegatron.models.layers import SequenceParallelTorchNorm
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = []
