@@ -167,7 +167,8 @@ def test_every_layout_trains_the_mtp_layer_as_tp1_does(updates, layout):
     for name in ("actor/pg_loss", "actor/mtp_loss", "actor/grad_norm"):
         assert laid_out["metrics"][name] == pytest.approx(on["metrics"][name], rel=1e-5), name
     assert laid_out["received"].keys() == on["received"].keys()
-    for key in (MTP_LAYER + "eh_proj.weight", MTP_LAYER + "mlp.experts.0.down_proj.weight", "model.embed_tokens.weight"):
+    for key in (MTP_LAYER + "eh_proj.weight", MTP_LAYER + "mlp.experts.0.down_proj.weight",
+                "model.embed_tokens.weight"):
         torch.testing.assert_close(laid_out["received"][key], on["received"][key], rtol=1e-4, atol=1e-6)
 
 
