@@ -360,11 +360,12 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
             moved += teacher[2].weights
         phases["offload"] = offload_seconds(moved, hw, c)
     assumptions = (
-        f"{work.samples} responses of {work.response_tokens:g} tokens on average (longest "
-        f"{work.max_response_tokens}) after {work.prompt_tokens:g}-token prompts",
+        f"{work.samples} responses of {work.response_tokens:g} tokens on average, exponential cut at "
+        f"{work.max_response_tokens} (the longest of an engine's batch sets its decode steps), after "
+        f"{work.prompt_tokens:g}-token prompts",
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
-        f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM, weight sync "
-        f"{c.link:g} of the link",
+        f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM and "
+        f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link",
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
     )
