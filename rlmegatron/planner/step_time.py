@@ -16,11 +16,11 @@ Formulas and their sources:
   (an MoE layer's experts any of its b tokens picks: 1 - (1 - k/E)^b of them) and every running sample's KV cache
   (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2; the roofline of Williams et al. 2009),
   at `decode_hbm` of the HBM bandwidth, and waits for its tensor-parallel all-reduces (2 per layer), a fixed latency
-  each (within a node, plus a network hop per doubling of the nodes it spans: NCCL's tree), and the server's per-step
-  work (`decode_step_s`: scheduling, sampling, detokenising).
+  each (within a node, plus a network hop per doubling of the nodes it spans: NCCL's tree), and the server's host
+  work: `decode_step_s` per step and `decode_sample_s` per running sample (scheduling, sampling, detokenising).
 - The decode batch is what the engine's KV cache holds (planner/memory.engine_memory: the static reservation less
-  the weights, over the KV bytes of a token): samples of the mean length; more wait and enter as others end, the
-  batch staying full until none waits. Then it drains: response lengths are taken as exponential with the spec's
+  the weights, over the KV bytes of a token) at the context a decoded token sees on average (the prompt and
+  E[l^2] / 2 E[l] of response); more wait and enter as others end, the batch staying full until none waits. Then it drains: response lengths are taken as exponential with the spec's
   mean, cut at its maximum (the lengths RL sampling gives: many short, a tail that hits the limit), so the batch
   shrinks as e^(-s/mu) and the longest of the engine's n samples, min(max, mu x H_n), sets the steps: the tail, not
   the mean, bounds a synchronous batch.
@@ -37,7 +37,7 @@ Formulas and their sources:
 
 The constants (`Constants`) FLOPs, bytes and bandwidths do not give are fitted to published runs by
 benchmarks/step_time_calibration.py; the fit, the runs held out of it and a leave-one-out test are in
-benchmarks/RESULTS.md ("Step-time model").
+benchmarks/RESULTS.md ("Step-time model out of sample").
 """
 from __future__ import annotations
 
