@@ -91,6 +91,7 @@ class SpeculativeDecoder:
                        interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         from transformers import DynamicCache
 
+        # lazy: rollout.local imports this module (its LocalEngine holds the SpeculativeDecoder)
         from rlmegatron.rollout.local import filter_for_samples, prompt_batch, raise_if_not_finite
 
         k, draft, model = self.k, self.draft, engine.model
@@ -157,7 +158,7 @@ class SpeculativeDecoder:
             cache, hidden = getattr(out, engine.cache_argument), out.last_hidden_state
             logits = head(hidden)
             for j in range(k + 1):
-                raise_if_not_finite(logits[:, j], len(rows.outputs[0]) + j, rows.finish)
+                raise_if_not_finite(logits[:, j], max(map(len, rows.outputs)) + j, rows.finish)
             logprobs, p, argmax = distributions(logits)
             accepted, next_probs = accept_drafts(p, torch.stack(q, 1), drafts_t, noise[:, k:2 * k], greedy, argmax)
             next_token = torch.where(greedy, argmax.gather(-1, accepted.unsqueeze(-1)).squeeze(-1),

@@ -203,4 +203,6 @@ def test_a_count_up_run_drafts_with_the_trained_mtp_layer_and_samples_from_the_p
     assert [step for step, _ in rates] == [1, 2, 3] and all(0 < rate < 1 for _, rate in rates)
     assert all(abs(mean - 3 * rate) < 1e-9 for (_, rate), (_, mean) in zip(rates, accepted))
     assert len(history["actor/mtp_loss"]) == 3
-    assert max(value for _, value in history["training/rollout_probs_diff_max"]) < 1e-4
+    # The trainer's probabilities of the sampled tokens within 1e-6 of the engine's (8e-9 measured); the draft's differ
+    # by tenths (a fifth of its drafts are rejected).
+    assert max(value for _, value in history["training/rollout_probs_diff_max"]) < 1e-6
