@@ -700,6 +700,11 @@ def _check_mtp(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProble
     if weight > 0 and spec.actor.megatron.context_parallel_size > 1:
         return [SpecProblem("actor.mtp.loss_weight", weight, "the MTP loss is not supported at actor.megatron."
                             "context_parallel_size > 1; use 0, or context_parallel_size=1")]
+    if speculative is not None and spec.rollout.engine == "local" and spec.actor.wants_rollout_routing:
+        # Its verification forwards run drafts that are then rejected: no one routing per sampled token to record.
+        return [SpecProblem("rollout.speculative.method", speculative.method, "the local engine's speculative "
+                            "decoding records no routed experts, which actor.moe's r3 and routing_agreement read from "
+                            "the rollout; remove one of them (r2 replays the old-log-prob pass's routing instead)")]
     return []
 
 

@@ -536,7 +536,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                    "loading the synced MTP names; the local engine: its own draft and rejection "
                                    "sampling, the main model's outputs); refused without them",
                                    (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES, LOCAL_SPECULATIVE_RUN,
-                                    *LOCAL_SPECULATIVE_EXACT)),
+                                    *LOCAL_SPECULATIVE_EXACT, "tests/config/test_checks.py::test_the_local_engines_"
+                                    "speculative_decoding_records_no_routing_for_r3")),
     "rollout.speculative.num_draft_tokens": ("tokens drafted per verification (SGLang: k steps, k + 1 draft tokens)",
                                              (MTP_CHECKS, SGLANG_SPECULATIVE, LOCAL_SPECULATIVE_RUN,
                                               LOCAL_SPECULATIVE_EXACT[1])),

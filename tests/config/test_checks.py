@@ -956,6 +956,21 @@ def test_a_reward_model_with_two_labels_or_a_layout_that_does_not_fit_is_named(t
     assert problem.startswith("job.yaml: reward.model.tensor_model_parallel_size=3: does not divide the ")
 
 
+def test_the_local_engines_speculative_decoding_records_no_routing_for_r3(tmp_path):
+    from tests.models.tiny_hf import save_tiny_model
+
+    spec = minimal_spec()
+    spec["model"]["path"] = save_tiny_model("deepseek_v3", str(tmp_path / "mtp"))
+    spec["data"].update(max_prompt_length=32, max_response_length=32)  # the tiny model's 64 positions
+    drafting = "rollout.speculative={method: mtp, num_draft_tokens: 2}"
+    assert problems_of(spec, drafting, "actor.moe.routing_replay=r2") == []
+    for routing in ("actor.moe.routing_replay=r3", "actor.moe.routing_agreement=true"):
+        assert problems_of(spec, drafting, routing) == [
+            "command line: rollout.speculative.method=mtp: the local engine's speculative decoding records no routed "
+            "experts, which actor.moe's r3 and routing_agreement read from the rollout; remove one of them (r2 "
+            "replays the old-log-prob pass's routing instead)"]
+
+
 def test_routing_replay_needs_routers_a_pass_to_record_and_engines_that_return_routing():
     for field in ("actor.moe.routing_replay=r3", "actor.moe.routing_agreement=true"):
         assert problems_of(minimal_spec(), field) == [
