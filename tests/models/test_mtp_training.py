@@ -49,8 +49,8 @@ def sampled_batch(advantage_scale: float = 1.0):
 
 def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]) -> dict:
     """Per run (name -> (model, overrides, advantage scale)): one actor update of sampled_batch() and then a weight
-    sync; returns the
-    metrics and the HF-named weights that sync sent."""
+    sync; returns the metrics, the HF-named weights that sync sent and, where the run drafts with the local engine
+    (rollout.speculative), the MTP layer's weights that engine's draft holds after it."""
     from rlmegatron.driver.role_settings import trainer_rank_settings
     from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank.policy_rank import PolicyRank
@@ -63,8 +63,10 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
             f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "rollout.n=2",
             f"rollout.temperature={TEMPERATURE}", "actor.ppo_mini_batch_size=2",
             "actor.ppo_micro_batch_size_per_gpu=1", "actor.optim.clip_grad=1.0e9", *overrides])
-        # No engine of its own: what the sync hands every engine (colocated or a server) is WeightPush's stream.
-        rank = PolicyRank(dataclasses.replace(trainer_rank_settings(spec, 3), colocated=False))
+        # What the sync hands every engine (colocated or a server) is WeightPush's stream; only the drafting run
+        # starts its colocated local engine.
+        drafting = spec.rollout.speculative is not None
+        rank = PolicyRank(dataclasses.replace(trainer_rank_settings(spec, 3), colocated=drafting))
         received = {}
         push = rank.weights._push
 
@@ -80,6 +82,9 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
         rank.sync_weights("v1")
         reports[name] = {"metrics": metrics, "received": received,
                          "mtp_weight": rank.models.actor.settings.mtp_loss_weight}
+        if drafting:
+            held = rank.engine.leader.draft.checkpoint_tensors()
+            reports[name]["draft"] = {key: held[key].detach().clone() for key in held if key.startswith(MTP_LAYER)}
         rank.shutdown()
     return reports
 
@@ -108,7 +113,9 @@ def updates(tmp_path_factory):
     models = {"mtp": save_quickstart_mtp_model(str(workdir / "mtp")),
               "no_mtp": save_quickstart_mtp_model(str(workdir / "no_mtp"), mtp_tensors=False)}
     runs = {"no_mtp": ("no_mtp", [], 1.0), "off": ("mtp", [], 1.0),
-            "on": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 1.0),
+            # ... drafting with the local engine (rollout.speculative), which receives the trained layer.
+            "on": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", "rollout.speculative={method: mtp, num_draft_tokens: 2}"],
+                   1.0),
             # No RL signal: the gradient is the MTP loss's alone.
             "mtp_only": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 0.0),
             "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0),
@@ -172,7 +179,7 @@ def test_every_layout_trains_the_mtp_layer_as_tp1_does(updates, layout):
         torch.testing.assert_close(laid_out["received"][key], on["received"][key], rtol=1e-4, atol=1e-6)
 
 
-def test_the_changed_mtp_weights_are_in_the_sync_after_the_step(updates):
+def test_the_changed_mtp_weights_arrive_at_the_drafting_engine_in_the_sync_after_the_step(updates):
     from safetensors.torch import load_file
 
     received = updates["reports"]["on"]["received"]
@@ -181,3 +188,14 @@ def test_the_changed_mtp_weights_are_in_the_sync_after_the_step(updates):
     assert mtp_names and set(mtp_names) <= received.keys()
     moved = [key for key in mtp_names if not torch.equal(received[key], initial[key])]
     assert MTP_LAYER + "eh_proj.weight" in moved and len(moved) > len(mtp_names) // 2
+    # The local engine drafting with the MTP layer holds what the sync after the step sent: the trained layer.
+    drafting = updates["reports"]["on"]
+    draft = drafting["draft"]
+    # transformers holds the experts stacked (mlp.experts.gate_up_proj), which the sync sends one by one; every
+    # other tensor of the layer goes by its checkpoint name.
+    same_names = draft.keys() & drafting["received"].keys()
+    assert {MTP_LAYER + name for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                                          "self_attn.q_a_proj.weight", "mlp.gate.weight")} <= same_names
+    for key in same_names:
+        assert torch.equal(draft[key], drafting["received"][key]), key
+    assert not torch.equal(draft[MTP_LAYER + "eh_proj.weight"], initial[MTP_LAYER + "eh_proj.weight"])
