@@ -61,7 +61,7 @@ def preflight(spec: JobSpec, launching: bool) -> Preflight:
     checks.model()
     checks.scoring_models()
     checks.tokenizer()
-    checks.teacher_tokenizer()
+    checks.teacher()
     checks.data()
     checks.plugins()
     checks.run_dir()
@@ -231,9 +231,13 @@ class _Checks:
             return
         self.result.tokenizer = tokenizer
 
-    def teacher_tokenizer(self) -> None:
-        """On-policy distillation compares the teacher's log-probs with the student's token by token, which means
-        the same token ids for the same text: the teacher's tokenizer must be the student's."""
+    def teacher(self) -> None:
+        """On-policy distillation's teacher: weights the ranks can load (an HF checkpoint's shards, or a converted
+        checkpoint), and the student's tokenizer, since its log-probs are compared with the student's token by
+        token, which means the same token ids for the same text."""
+        from rlmegatron.models.convert import ConversionError, ConvertMeta, HFCheckpoint  # lazy: torch, as model()'s
+        from rlmegatron.models.hf_config import UnsupportedModelError
+
         spec = self.spec
         student = self.result.tokenizer
         if spec.algorithm.distill is None or spec.teacher.path is None or student is None:
@@ -241,6 +245,14 @@ class _Checks:
         path = self.local_dir("teacher.path", spec.teacher.path)
         if path is None:
             return
+        if not ConvertMeta.written_in(path):
+            try:
+                HFCheckpoint(str(path)).close()
+            except (ConversionError, UnsupportedModelError) as err:
+                self.problem("teacher.path", spec.teacher.path,
+                             f"{str(err).removeprefix(f'{path} ')}; point it at the teacher's HF checkpoint, or a "
+                             "checkpoint written by `rlm convert hf-to-mcore`")
+                return
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             self.problem("teacher.path", spec.teacher.path,
                          f"holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...) to compare with the student's; "

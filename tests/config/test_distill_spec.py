@@ -4,7 +4,6 @@ that does not exist, a critic with nothing to learn, a teacher of another vocabu
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from rlmegatron.driver.role_settings import trainer_rank_settings
@@ -12,6 +11,7 @@ from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
 from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.runtime import ParallelLayout
 from tests.config.specs import MODELS_DIR, minimal_spec, problems_of
+from tests.rank.test_policy_rank import write_hf_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEACHER = f"teacher.path={MODELS_DIR / 'tiny-qwen3-moe'}"
@@ -94,11 +94,12 @@ def test_the_teachers_architecture_comes_from_its_config_or_hf_config_and_its_la
 
 
 def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused_by_rlm_validate(tmp_path, monkeypatch, capsys):
-    """The quickstart's char tokenizer against a copy of itself (accepted) and a copy with two tokens swapped."""
+    """The quickstart's char tokenizer against a copy of itself (accepted) and a copy with two tokens swapped; a
+    teacher directory without weights is refused too."""
     monkeypatch.chdir(REPO_ROOT)
     same, swapped = tmp_path / "same", tmp_path / "swapped"
     for directory in (same, swapped):
-        shutil.copytree(REPO_ROOT / "configs" / "quickstart" / "model", directory)
+        write_hf_model(directory)
     tokenizer = json.loads((swapped / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
@@ -107,6 +108,10 @@ def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused_by_rlm_validat
             f"trainer.run_dir={tmp_path / 'run'}"]
     assert main([*args, f"teacher.path={same}"]) == 0, capsys.readouterr().err
     capsys.readouterr()
+    assert main([*args, "teacher.path=configs/quickstart/model"]) == EXIT_BAD_SPEC
+    assert capsys.readouterr().err.strip() == (
+        "teacher.path=configs/quickstart/model: has no model.safetensors or model.safetensors.index.json; point it at "
+        "the teacher's HF checkpoint, or a checkpoint written by `rlm convert hf-to-mcore`")
     assert main([*args, f"teacher.path={swapped}"]) == EXIT_BAD_SPEC
     err = capsys.readouterr().err.strip()
     assert err == (f"teacher.path={swapped}: its tokenizer is not the student's "
