@@ -21,8 +21,9 @@ _WRAPPER_DEFAULTS = {"tie_word_embeddings": False}  # transformers' Qwen3_5MoeCo
 class Qwen3_5Moe(Qwen3Next):
     model_type = "qwen3_5_moe"
     display_name = "Qwen3.5-MoE"
-    defaults = {**Qwen3Next.defaults, "vocab_size": 248320, "norm_topk_prob": True, "decoder_sparse_step": 1,
-                "mlp_only_layers": []}
+    # transformers' Qwen3_5MoeTextConfig has no routing switches: every layer routed, the top-k always renormalised
+    defaults = {**{k: v for k, v in Qwen3Next.defaults.items()
+                   if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}, "vocab_size": 248320}
     hf_language_prefix = "model.language_model."
     reads_text_config = True
     carried_prefixes = ("model.visual.", "mtp.")
@@ -38,12 +39,8 @@ class Qwen3_5Moe(Qwen3Next):
                   "model_type": self.model_type}
         return Family.config(self, lifted)
 
-    def problems(self, cfg: Mapping[str, Any]) -> list[str]:
-        problems = super().problems(cfg)
-        if not cfg["norm_topk_prob"]:
-            problems.append("norm_topk_prob=false unsupported: transformers' Qwen3.5-MoE always renormalises the "
-                            "top-k weights")
-        return problems
+    def router_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"moe_router_pre_softmax": False}  # softmax over the top-k: renormalised whatever config.json says
 
     def projection_sources(self, h: str, linear: LinearAttention) -> list[Source]:
         keys, values = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim

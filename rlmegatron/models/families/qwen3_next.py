@@ -24,6 +24,9 @@ from rlmegatron.models.families.base import CONCAT, QKV, Family, LinearAttention
 from rlmegatron.models.families.qwen2_moe import Qwen2Moe
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# transformers' default when config.json has no layer_types: every 4th layer full attention (its config class reads
+# full_attention_interval once and keeps only layer_types, so it is no default of the class's).
+FULL_ATTENTION_INTERVAL = 4
 
 
 class Qwen3Next(Qwen2Moe):
@@ -31,8 +34,7 @@ class Qwen3Next(Qwen2Moe):
     display_name = "Qwen3-Next"
     defaults = {**Family.defaults, "attention_bias": False, "head_dim": 256, "max_position_embeddings": 32768,
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "shared_expert_intermediate_size": 512, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-                "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "shared_expert_intermediate_size": 512, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                 "linear_num_key_heads": 16, "linear_num_value_heads": 32}
     carried_prefixes = ("mtp.",)
     attention_output_gate = True
@@ -56,7 +58,7 @@ class Qwen3Next(Qwen2Moe):
                                                                        cfg["partial_rotary_factor"])))
 
     def layer_types(self, cfg: Mapping[str, Any]) -> list[str]:
-        interval = cfg["full_attention_interval"]
+        interval = cfg.get("full_attention_interval") or FULL_ATTENTION_INTERVAL
         return cfg.get("layer_types") or [LINEAR if (i + 1) % interval else FULL
                                            for i in range(cfg["num_hidden_layers"])]
 
@@ -70,16 +72,19 @@ class Qwen3Next(Qwen2Moe):
         unknown = sorted(set(self.layer_types(cfg)) - {LINEAR, FULL})
         if unknown:
             problems.append(f"layer_types {unknown} unsupported: only {LINEAR} and {FULL}")
-        if cfg["mlp_only_layers"] or cfg["decoder_sparse_step"] != 1:
-            # transformers builds such dense layers; SGLang 0.5.23 builds every layer of these models routed, and no
-            # released checkpoint has one.
-            problems.append(f"mlp_only_layers={cfg['mlp_only_layers']} / decoder_sparse_step="
-                            f"{cfg['decoder_sparse_step']} unsupported: SGLang builds every {self.display_name} layer "
-                            "with routed experts")
+        dense, step = cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step", 1)
+        if "mlp_only_layers" in self.defaults and (dense or step != 1):  # keys Qwen3.5's transformers code ignores
+            # transformers' Qwen3-Next builds such dense layers; SGLang 0.5.23 builds every layer of these models
+            # routed, and no released checkpoint has one.
+            problems.append(f"mlp_only_layers={dense} / decoder_sparse_step={step} unsupported: SGLang builds every "
+                            f"{self.display_name} layer with routed experts")
         if cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"]:
             problems.append(f"linear_num_value_heads={cfg['linear_num_value_heads']} is not a multiple of "
                             f"linear_num_key_heads={cfg['linear_num_key_heads']}")
         return problems
+
+    def moe_layers(self, cfg: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
+        return (True,) * num_layers  # dense layers are refused (problems)
 
     def attention_fields(self, arch: ModelArchitecture, cfg: Mapping[str, Any]) -> dict[str, Any]:
         linear = arch.linear_attention
