@@ -48,6 +48,9 @@ LOCAL_SPECULATIVE_RUN = (LOCAL_SPECULATIVE + "test_a_count_up_run_drafts_with_th
                          "policy")
 LOCAL_SPECULATIVE_EXACT = (LOCAL_SPECULATIVE + "test_sampled_tokens_follow_the_main_models_distribution",
                            LOCAL_SPECULATIVE + "test_greedy_tokens_equal_plain_decoding_with_drafts_kept_and_rejected")
+MTP_PLAN = "tests/planner/test_mtp_plan.py::test_the_mtp_layer_is_held_trained_and_synced_on_the_last_stage"
+SPECULATIVE_PLAN = ("tests/planner/test_mtp_plan.py::"
+                    "test_speculative_rollout_holds_the_draft_and_shortens_generation_by_the_assumed_acceptance")
 SGLANG_SPECULATIVE = ("tests/rollout/test_sglang_speculative.py::"
                       "test_mtp_speculative_rollout_launches_sglang_drafting_k_tokens_with_the_checkpoints_mtp_layer")
 SGLANG_DRAFT_NAMES = ("tests/rollout/test_sglang_speculative.py::"
@@ -314,7 +317,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                  "pass's (r2)", (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_EXACT, REPLAY_OTHER,
                                                  REPLAY_CHECKS)),
     "actor.mtp.loss_weight": ("the MTP layers train with the policy (Megatron's MTP loss on the response tokens); "
-                              "refused for a model without MTP layers", (MTP_CHECKS, MTP_TRAINS, MTP_OFF)),
+                              "refused for a model without MTP layers; rlm plan's mtp_update phase",
+                              (MTP_CHECKS, MTP_TRAINS, MTP_OFF, MTP_PLAN)),
     "actor.offload.grads": ("actor grads offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.optimizer": ("actor Adam state offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
     "actor.offload.params": ("actor weights offloaded between phases", (OFFLOAD, RANK_OFFLOAD, ROUND_TRIP)),
@@ -535,11 +539,12 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout.speculative.method": ("speculative decoding drafted by the model's MTP layers (SGLang: NEXTN, its draft "
                                    "loading the synced MTP names; the local engine: its own draft and rejection "
                                    "sampling, the main model's outputs); refused without them",
-                                   (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES, LOCAL_SPECULATIVE_RUN,
+                                   (MTP_CHECKS, SGLANG_SPECULATIVE, SGLANG_DRAFT_NAMES, SPECULATIVE_PLAN,
+                                    LOCAL_SPECULATIVE_RUN,
                                     *LOCAL_SPECULATIVE_EXACT, "tests/config/test_checks.py::test_the_local_engines_"
                                     "speculative_decoding_records_no_routing_for_r3")),
     "rollout.speculative.num_draft_tokens": ("tokens drafted per verification (SGLang: k steps, k + 1 draft tokens)",
-                                             (MTP_CHECKS, SGLANG_SPECULATIVE, LOCAL_SPECULATIVE_RUN,
+                                             (MTP_CHECKS, SGLANG_SPECULATIVE, SPECULATIVE_PLAN, LOCAL_SPECULATIVE_RUN,
                                               LOCAL_SPECULATIVE_EXACT[1])),
     "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
     "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
