@@ -465,7 +465,12 @@ def _check_rollout(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecPr
     elif arch.is_moe and arch.num_experts % ep:
         reason = f"does not divide the {arch.num_experts} experts; use {one_of(_divisors(arch.num_experts))}"
         problems.append(SpecProblem("rollout.expert_parallel_size", ep, reason))
-    if rollout.quantization == "fp8" and rollout.engine == "sglang":
+    if rollout.quantization == "fp8" and arch.linear_attention is not None:
+        # The FP8 sync quantises attention and MLP projections only: unchecked against SGLang's FP8 layers for this
+        # model's gated q_proj (query and gate rows) and its bf16 Gated DeltaNet projections.
+        problems.append(SpecProblem("rollout.quantization", "fp8", "FP8 rollout is not bridged for a model with "
+                                    "Gated DeltaNet layers (Qwen3-Next, Qwen3.5); use rollout.quantization=none"))
+    elif rollout.quantization == "fp8" and rollout.engine == "sglang":
         problems += _fp8_fusion_problems(arch, tp, ep)
     return problems
 

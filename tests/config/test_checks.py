@@ -145,6 +145,13 @@ CASES = [
         id="no-lora-on-gated-deltanet",
     ),
     pytest.param(
+        {**QWEN35, "rollout.quantization": "fp8", "actor.megatron.expert_model_parallel_size": 8},
+        "tiny-qwen3",
+        "job.yaml: rollout.quantization=fp8: FP8 rollout is not bridged for a model with Gated DeltaNet layers "
+        "(Qwen3-Next, Qwen3.5); use rollout.quantization=none",
+        id="no-fp8-rollout-with-gated-deltanet",
+    ),
+    pytest.param(
         {**DEEPSEEK, "actor.megatron.pipeline_model_parallel_size": 4, "actor.megatron.expert_model_parallel_size": 2},
         "tiny-qwen3",
         "job.yaml: actor.megatron.pipeline_model_parallel_size=4: does not divide the model's 61 layers; use 1, "
