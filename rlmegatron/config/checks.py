@@ -705,6 +705,10 @@ def _check_mtp(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProble
     if weight > 0 and spec.actor.megatron.context_parallel_size > 1:
         return [SpecProblem("actor.mtp.loss_weight", weight, "the MTP loss is not supported at actor.megatron."
                             "context_parallel_size > 1; use 0, or context_parallel_size=1")]
+    if weight > 0 and spec.actor.lora.rank:
+        # LoRA freezes every base weight, the MTP layers' included: their loss would only move the trunk's adapters.
+        return [SpecProblem("actor.mtp.loss_weight", weight, "trains the MTP layers whole, and actor.lora freezes "
+                            "every base weight; use 0 with LoRA, or train without it (actor.lora.rank=0)")]
     if speculative is not None and spec.rollout.engine == "local" and spec.actor.wants_rollout_routing:
         # Its verification forwards run drafts that are then rejected: no one routing per sampled token to record.
         return [SpecProblem("rollout.speculative.method", speculative.method, "the local engine's speculative "

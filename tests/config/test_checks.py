@@ -1030,6 +1030,9 @@ def test_mtp_training_and_drafting_need_a_checkpoint_that_holds_mtp_layers(tmp_p
     assert problems_of(spec, asks[0], "actor.megatron.context_parallel_size=2") == [
         "command line: actor.mtp.loss_weight=0.3: the MTP loss is not supported at actor.megatron."
         "context_parallel_size > 1; use 0, or context_parallel_size=1"]
+    assert problems_of(spec, asks[0], "actor.lora.rank=8") == [
+        "command line: actor.mtp.loss_weight=0.3: trains the MTP layers whole, and actor.lora freezes every base "
+        "weight; use 0 with LoRA, or train without it (actor.lora.rank=0)"]
     # What the schema refuses: a negative weight, another method, no draft tokens.
     for bad in ("actor.mtp.loss_weight=-1", "rollout.speculative={method: eagle3}",
                 "rollout.speculative={method: mtp, num_draft_tokens: 0}"):
