@@ -12,7 +12,7 @@ from rlmegatron.config.spec import ActorConfig, JobSpec, MegatronConfig, ModelCo
 from rlmegatron.config.transformer_config import extra_problems
 from rlmegatron.errors import one_of
 from rlmegatron.models.families import (ArchitectureError, ModelArchitecture, architecture_of, built_mtp_layers,
-                                       read_architecture)
+                                       family_for, read_architecture)
 from rlmegatron.models.pipeline import FIRST_STAGE, LAST_STAGE, PipelineSplitError, pipeline_stage_layers
 from rlmegatron.plugins import is_plugin_reference, load_plugin, plugin_problem
 
@@ -584,7 +584,10 @@ def _check_algorithm(spec: JobSpec) -> list[SpecProblem]:
         algorithms.estimator_inputs,
         hint=f"; an estimator may take {one_of(algorithms.ESTIMATOR_INPUTS)} by name",
     )
-    problems += [problem] if problem else _estimator_problems(spec, algorithms.estimator_inputs(estimate))
+    if problem:
+        problems.append(problem)
+    elif not _distills_alone(spec):  # else no estimator runs (relevance.py refuses its settings)
+        problems += _estimator_problems(spec, algorithms.estimator_inputs(estimate))
     loss_field, loss_mode = "actor.policy_loss.loss_mode", spec.actor.policy_loss.loss_mode
     loss, problem = _resolve(
         loss_field, loss_mode, algorithms.POLICY_LOSSES, algorithms.POLICY_LOSS_POSITIONAL,
@@ -697,9 +700,14 @@ def _check_mtp(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProble
     if not asked or arch is None:
         return []
     if not built_mtp_layers(arch, spec.model.path, spec.model.random_init):
-        why = ("the checkpoint at model.path holds none of the MTP layers config.json declares (transformers saves "
-               "none)" if arch.num_mtp_layers else "the model has no multi-token-prediction layers (config.json "
-               "declares no num_nextn_predict_layers)")
+        if arch.num_mtp_layers:
+            why = ("the checkpoint at model.path holds none of the MTP layers config.json declares (transformers "
+                   "saves none)")
+        elif "mtp." in family_for(arch.model_type).carried_prefixes:
+            why = (f"{family_for(arch.model_type).display_name}'s MTP layer (mtp.*) is carried as released, not built "
+                   "in Megatron, so it neither trains nor reaches the engines with the sync")
+        else:
+            why = "the model has no multi-token-prediction layers (config.json declares no num_nextn_predict_layers)"
         return [SpecProblem(field, value, f"{why}; remove it, or use a checkpoint with MTP layers (DeepSeek-V3, "
                                           "GLM-4.5 as published)") for field, value in asked]
     if weight > 0 and spec.actor.megatron.context_parallel_size > 1:
@@ -742,6 +750,10 @@ def _check_reward_model(spec: JobSpec) -> list[SpecProblem]:
         return problems or check_layout_fits_model("reward.model", layout, read_architecture(config_file), spec)
     except ArchitectureError as err:
         return [SpecProblem("reward.model.path", model.path, str(err))]
+
+
+def _distills_alone(spec: JobSpec) -> bool:
+    return spec.algorithm.distill is not None and spec.algorithm.distill.only
 
 
 def _check_distillation(spec: JobSpec, arch: ModelArchitecture | None) -> list[SpecProblem]:

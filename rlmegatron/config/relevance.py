@@ -92,6 +92,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("teacher.",), lambda s: s.algorithm.distill is not None,
          lambda s: "the teacher only scores the student's tokens for on-policy distillation, and algorithm.distill is "
                    "not set; remove it or set algorithm.distill"),
+    Rule(("algorithm.adv_estimator", "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
+          "algorithm.use_kl_in_reward"),
+         lambda s: s.algorithm.distill is None or not s.algorithm.distill.only,
+         lambda s: "with algorithm.distill.only=true the advantage is the teacher's term alone: no estimator runs on "
+                   "the reward; remove it or set algorithm.distill.only=false"),
     Rule(("teacher.megatron.use_distributed_optimizer", "teacher.megatron.recompute_granularity",
           "teacher.megatron.recompute_method", "teacher.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the teacher never trains (no optimizer, no backward pass); remove it"),

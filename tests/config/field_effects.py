@@ -352,8 +352,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "algorithm.distill.coef": ("weight of the teacher's per-token reverse KL in the advantage",
                                (DISTILL_ALONE, DISTILL_RUN)),
     "algorithm.distill.mode": ("the divergence (reverse_kl); another refused", (DISTILL_ALONE, TEACHER_REFUSALS)),
-    "algorithm.distill.only": ("the teacher's term alone, or added to the estimator's advantage",
-                               (DISTILL_ALONE, DISTILL_ADDED, DISTILL_RUN)),
+    "algorithm.distill.only": ("the teacher's term alone (no estimator, no groups), or added to the estimator's",
+                               (DISTILL_ALONE, DISTILL_ADDED, DISTILL_RUN, DISTILL_SPEC + "test_distillation_alone_"
+                                "needs_no_groups_and_refuses_the_estimators_settings")),
     "algorithm.dynamic_sampling.enable": ("drop all-equal groups and generate more", (DYNAMIC_SAMPLING, DAPO_RUN)),
     "algorithm.dynamic_sampling.max_num_gen_batches": ("rounds per step; 0 rejected", (DYNAMIC_SAMPLING, ROUNDS_BOUND)),
     "algorithm.gamma": ("discount of gae and reinforce_plus_plus", (GAE, ESTIMATORS + "[reinforce_plus_plus]")),

@@ -59,9 +59,9 @@ def test_an_unknown_mode_a_critic_and_a_training_knob_of_the_teacher_are_refused
     raw = minimal_spec()
     assert problems_of(raw, TEACHER, "algorithm.distill.mode=forward_kl") == [
         "command line: algorithm.distill.mode=forward_kl: is not a registered distillation mode (reverse_kl)"]
-    [critic] = problems_of(raw, TEACHER, "algorithm.distill.only=true", "algorithm.adv_estimator=gae",
-                           "critic.ppo_mini_batch_size=8")
-    assert critic.startswith("command line: algorithm.distill.only=true: the advantage is the teacher's term alone")
+    critic = problems_of(raw, TEACHER, "algorithm.distill.only=true", "algorithm.adv_estimator=gae",
+                         "critic.ppo_mini_batch_size=8")
+    assert critic[0].startswith("command line: algorithm.distill.only=true: the advantage is the teacher's term alone")
     for knob in ("recompute_granularity=full", "recompute_method=block", "recompute_num_layers=2",
                  "use_distributed_optimizer=false"):
         field = knob.partition("=")[0]
@@ -118,3 +118,21 @@ def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused_by_rlm_validat
                    "(model.tokenizer_path=configs/quickstart/model): token 'a' (the student's id "
                    f"{vocab['b']}) is id {vocab['a']} there; distillation compares log-probs token by token, so it "
                    "needs a teacher with the student's tokenizer (cross-tokenizer distillation is not supported)"), err
+
+
+def test_distillation_alone_needs_no_groups_and_refuses_the_estimators_settings():
+    """With only=true no estimator runs on the reward: one response per prompt is enough, and a setting of the
+    estimator (or the in-reward KL, which shapes the reward it would read) would change nothing."""
+    raw = minimal_spec()
+    alone = (TEACHER, "algorithm.distill.only=true")
+    assert problems_of(raw, *alone, "rollout.n=1", "actor.ppo_mini_batch_size=16") == []
+    assert problems_of(raw, DISTILL, TEACHER, "rollout.n=1", "actor.ppo_mini_batch_size=16") == [
+        "command line: rollout.n=1: algorithm.adv_estimator=grpo compares the responses to each prompt, which needs "
+        "rollout.n >= 2"]
+    for setting in ("algorithm.norm_adv_by_std_in_grpo=false", "algorithm.use_kl_in_reward=true",
+                    "algorithm.adv_estimator=rloo"):
+        field = setting.partition("=")[0]
+        assert problems_of(raw, *alone, setting) == [
+            f"command line: {setting}: with algorithm.distill.only=true the advantage is the teacher's term alone: no "
+            f"estimator runs on the reward; remove it (~{field} on the command line) or set "
+            "algorithm.distill.only=false"]
