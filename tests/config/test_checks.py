@@ -1026,6 +1026,10 @@ def test_mtp_training_and_drafting_need_a_checkpoint_that_holds_mtp_layers(tmp_p
                      "num_nextn_predict_layers); remove it, or use a checkpoint with MTP layers (DeepSeek-V3, GLM-4.5 "
                      "as published)")
     assert problems_of(minimal_spec(), asks[0]) == [f"command line: actor.mtp.loss_weight=0.3: {declares_none}"]
+    assert problems_of(minimal_spec("qwen3.5-397b-a17b"), asks[0]) == [
+        "command line: actor.mtp.loss_weight=0.3: Qwen3.5-MoE's MTP layer (mtp.*) is carried as released, not built "
+        "in Megatron, so it neither trains nor reaches the engines with the sync; remove it, or use a checkpoint with "
+        "MTP layers (DeepSeek-V3, GLM-4.5 as published)"]
     spec["model"]["path"] = with_mtp
     assert problems_of(spec, asks[0], "actor.megatron.context_parallel_size=2") == [
         "command line: actor.mtp.loss_weight=0.3: the MTP loss is not supported at actor.megatron."
