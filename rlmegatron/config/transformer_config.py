@@ -37,7 +37,10 @@ RESERVED: dict[str, str] = {
         "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset", "activation_func_clamp_value",
         "bias_activation_fusion",
         # DeepSeek-V3.2's and GLM-5's sparse attention
-        "experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")},
+        "experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+        # Qwen3-Next's and Qwen3.5's gated attention, zero-centred norms and Gated DeltaNet layers
+        "attention_output_gate", "layernorm_zero_centered_gamma", "linear_attention_freq", "linear_conv_kernel_dim",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")},
     **{name: _from("{prefix}." + name) for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",

@@ -25,6 +25,7 @@ class Qwen3_5Moe(Qwen3Next):
     defaults = {**{k: v for k, v in Qwen3Next.defaults.items()
                    if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}, "vocab_size": 248320}
     hf_language_prefix = "model.language_model."
+    hf_vision_prefix = "model.visual."  # as transformers 5 nests it, in the checkpoint as in memory
     reads_text_config = True
     carried_prefixes = ("model.visual.", "mtp.")
 
