@@ -2,11 +2,12 @@
 ranks, through a PolicyRank built from a spec, on a tiny DeepSeek-V3 with one MTP layer.
 
 The numeric truths: at weight 0 the update is the update of the same checkpoint without MTP layers, bit for bit (the
-RL loss, the grad norm and every main-model weight after the step); at weight > 0 the RL loss is still the same and
-actor/mtp_loss is the cross-entropy of an independent HF computation of the MTP layer (DeepSeek's definition) over
-the sampled tokens two places on, masked to the response; its gradient moves the MTP layer and the trunk; the layouts
-(TP=2 with sequence parallelism, PP=2 with the MTP layer on the last stage, EP=2) agree with TP=1; and the changed
-MTP weights are in the next weight sync the engine receives."""
+RL loss and every main-model weight after the step; the grad norm to rounding); at weight > 0 the RL loss is still
+the same and actor/mtp_loss is the cross-entropy of an independent HF computation of the MTP layer (DeepSeek's
+definition) over the sampled tokens two places on, masked to the response; its gradient is linear in the weight and
+moves the MTP layer and the trunk; the layouts (TP=2 with sequence parallelism, PP=2 with the MTP layer on the last
+stage, PP=2 with virtual stages, EP=2) agree with TP=1; and the drafting local engine holds the trained MTP layer
+after the next weight sync."""
 import dataclasses
 import os
 from pathlib import Path
@@ -24,6 +25,9 @@ TEMPERATURE = 0.8
 LAYOUTS = {
     "tp2_sp": ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true"],
     "pp2": ["actor.megatron.pipeline_model_parallel_size=2"],
+    # The MTP layer on the last virtual stage of the last rank.
+    "pp2_vpp2": ["actor.megatron.pipeline_model_parallel_size=2",
+                 "actor.megatron.virtual_pipeline_model_parallel_size=2"],
     "ep2": ["actor.megatron.expert_model_parallel_size=2"],
 }
 MTP_LAYER = "model.layers.4."  # the tiny DeepSeek-V3 has 4 decoder layers
