@@ -71,6 +71,10 @@ class GatedDeltaNet(MegatronModule):
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, inference_context=None, **_unused):
         if inference_context is not None:
             raise NotImplementedError("Gated DeltaNet keeps no inference cache here: generation runs in the engines")
+        if attention_mask is not None:
+            # The trainer's micro-batches are right-padded or packed, maskless (rank/roles/batch.py); a mask would
+            # mean tokens hidden inside a sequence, which a recurrence cannot skip.
+            raise NotImplementedError("Gated DeltaNet runs right-padded or packed sequences, without a mask")
         if packed_seq_params is not None and getattr(packed_seq_params, "prompt_groups", None) is not None:
             raise NotImplementedError("Gated DeltaNet does not run shared-prompt micro-batches (config.checks refuses "
                                       "them for a hybrid model)")
