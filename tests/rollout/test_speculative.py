@@ -77,12 +77,16 @@ def test_the_draft_layer_is_the_mtp_layer_megatron_trains(checkpoint):
 
 def test_greedy_tokens_equal_plain_decoding_with_drafts_kept_and_rejected(checkpoint):
     tensors = draft_from_the_next_token_alone(checkpoint[1])
+    # The third request stops at its third token, inside a verification (the others run to max_new_tokens).
     requests = [GenerationRequest(tuple((5 * i + j) % VOCAB for j in range(3 + 2 * i)),
-                                  SamplingSpec(temperature=0.0, max_new_tokens=24)) for i in range(4)]
+                                  SamplingSpec(temperature=0.0, max_new_tokens=24, stop_token_ids=(6,) * (i == 2)))
+                for i in range(4)]
     plain = engine(checkpoint, 0, tensors=tensors).generate(requests)
+    assert plain[2].finish_reason == "stop" and len(plain[2].output_token_ids) == 3
     for k in (1, 3):
         drafted = engine(checkpoint, k, tensors=tensors).generate(requests)
-        assert [r.output_token_ids for r in drafted] == [r.output_token_ids for r in plain]
+        assert [(r.output_token_ids, r.finish_reason) for r in drafted] == [
+            (r.output_token_ids, r.finish_reason) for r in plain]
         assert all(r.spec_num_proposed_drafts == k * r.spec_verify_ct for r in drafted)
         kept = sum(r.spec_num_correct_drafts for r in drafted) / sum(r.spec_num_proposed_drafts for r in drafted)
         assert 0.1 < kept < 0.9, kept  # both branches of the acceptance ran
