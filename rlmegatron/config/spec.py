@@ -9,7 +9,7 @@ files) are resolved against the current working directory of the process that us
 them, not against the YAML file's directory.
 
 Some defaults derive from other fields and are filled in when the spec is validated:
-`ref.megatron`, `teacher.megatron` and `critic.megatron` take every field they do not set from
+`ref.megatron` and `critic.megatron` take every field they do not set from
 `actor.megatron`; an unset `expert_tensor_parallel_size` follows that role's
 `tensor_model_parallel_size` (as in Megatron); `rollout.max_new_tokens` follows
 `data.max_response_length`; `rollout.log_prob_micro_batch_size_per_gpu` follows
@@ -347,9 +347,10 @@ class RefConfig(Section):
 
 
 class TeacherConfig(RefConfig):
-    """On-policy distillation's teacher (algorithm.distill): a frozen model of its own, at its own layout (fields of
-    `megatron` left unset are taken from actor.megatron), that scores every token the student samples, batched and
-    offloaded as the reference is. Its tokenizer must be the student's: the log-probs are compared token by token."""
+    """On-policy distillation's teacher (algorithm.distill): a frozen model of its own that scores every token the
+    student samples, batched and offloaded as the reference is. Its layout (`megatron`) is its own, Megatron's
+    defaults where unset: it is another model, which the actor's layout (its pipeline split, virtual stages) need not
+    fit. Its tokenizer must be the student's: the log-probs are compared token by token."""
 
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
     """Sequences per forward pass of the teacher on each data-parallel rank (unless log_prob_use_dynamic_bsz); null
@@ -831,7 +832,6 @@ class JobSpec(Section):
     def _fill_derived_defaults(self) -> JobSpec:
         # Mutating in place: an "after" validator that returns a new object is unsupported by pydantic.
         self.ref.megatron = _with_unset_from(self.ref.megatron, self.actor.megatron)
-        self.teacher.megatron = _with_unset_from(self.teacher.megatron, self.actor.megatron)
         self.critic.megatron = _with_unset_from(self.critic.megatron, self.actor.megatron)
         for megatron in (self.actor.megatron, self.ref.megatron, self.teacher.megatron, self.critic.megatron):
             if megatron.expert_tensor_parallel_size is None:

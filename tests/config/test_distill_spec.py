@@ -29,8 +29,9 @@ def test_the_teacher_role_is_laid_out_batched_and_offloaded_by_its_own_section()
     settings = trainer_rank_settings(spec, 10)
     teacher = settings.roles["teacher"]
     assert list(settings.roles) == ["actor", "teacher"] and settings.teacher_path == str(MODELS_DIR / "tiny-qwen3-moe")
-    # Fields the teacher leaves unset follow the actor's (TP=2 with sequence parallelism).
-    assert teacher.layout == ParallelLayout(tp=2, pp=2, vpp=2, cp=2, ep=2, etp=1, sequence_parallel=True)
+    # Its layout is its own: fields it leaves unset are Megatron's defaults (TP=1), not the actor's (TP=2 + SP).
+    assert teacher.layout == ParallelLayout(tp=1, pp=2, vpp=2, cp=2, ep=2, etp=1, sequence_parallel=False)
+    assert settings.roles["actor"].layout.tp == 2
     assert teacher.config_options == {"attention_dropout": 0.0}
     assert teacher.offload == ("params",)
     # Its forward batching is its own; its log-probs are computed as the actor's (temperature, routing off).

@@ -27,8 +27,8 @@ def test_the_teacher_has_its_weights_at_its_layout_and_a_memory_phase_of_its_own
     teacher = count_parameters(read_architecture(REPO_ROOT / spec.teacher.hf_config))
     assert 234e9 < teacher.total < 236e9
     # TP 8 x PP 2 for its dense weights, EP 8 x PP 2 for its experts: a sixteenth of them per GPU, in bf16 (the
-    # embedding and the output layer, each on one stage only, make the most loaded stage a little heavier).
-    assert 1.0 < plan.teacher.weights / (2 * teacher.total / 16) < 1.03
+    # embedding and the output layer, each on one stage only, make the stages differ a little).
+    assert 0.99 < plan.teacher.weights / (2 * teacher.total / 16) < 1.03
     assert plan.teacher.activations > 0
     phases = {phase.phase: phase for phase in plan.trainer_phases}
     assert list(phases) == ["actor_update", "teacher_log_prob", "rollout"]
