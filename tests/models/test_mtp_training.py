@@ -52,7 +52,8 @@ def sampled_batch(advantage_scale: float = 1.0):
 
 
 def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]) -> dict:
-    """Per run (name -> (model, overrides, advantage scale)): one actor update of sampled_batch() and then a weight
+    """Per run (name -> (model, overrides, advantage scale, packed)): one actor update of sampled_batch() (`packed`:
+    its micro-batches THD-packed, else right-padded) and then a weight
     sync; returns the metrics, the HF-named weights that sync sent and, where the run drafts with the local engine
     (rollout.speculative), the MTP layer's weights that engine's draft holds after it."""
     from rlmegatron.driver.role_settings import trainer_rank_settings
@@ -61,7 +62,7 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
 
     os.chdir(REPO_ROOT)
     reports = {}
-    for name, (model, overrides, advantage_scale) in runs.items():
+    for name, (model, overrides, advantage_scale, packed) in runs.items():
         spec = load_spec("configs/quickstart.yaml", [
             f"model.path={models[model]}", "model.random_init=false", f"trainer.run_dir={workdir}/{name}",
             f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "rollout.n=2",
@@ -82,6 +83,8 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
             return push(kept(), version, engines, report)
 
         rank.weights._push = capture
+        actor = rank.models.actor
+        actor.settings = dataclasses.replace(actor.settings, use_packing=packed)
         metrics = rank.update_actor(sampled_batch(advantage_scale))
         rank.sync_weights("v1")
         reports[name] = {"metrics": metrics, "received": received,
@@ -116,14 +119,16 @@ def updates(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mtp_training")
     models = {"mtp": save_quickstart_mtp_model(str(workdir / "mtp")),
               "no_mtp": save_quickstart_mtp_model(str(workdir / "no_mtp"), mtp_tensors=False)}
-    runs = {"no_mtp": ("no_mtp", [], 1.0), "off": ("mtp", [], 1.0),
+    runs = {"no_mtp": ("no_mtp", [], 1.0, False), "off": ("mtp", [], 1.0, False),
             # ... drafting with the local engine (rollout.speculative), which receives the trained layer.
             "on": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", "rollout.speculative={method: mtp, num_draft_tokens: 2}"],
-                   1.0),
+                   1.0, False),
+            # Two sequences per THD-packed micro-batch: the labels roll within each packed sequence.
+            "packed": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", "actor.ppo_micro_batch_size_per_gpu=2"], 1.0, True),
             # No RL signal: the gradient is the MTP loss's alone.
-            "mtp_only": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 0.0),
-            "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0),
-            **{name: ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", *overrides], 1.0)
+            "mtp_only": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 0.0, False),
+            "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0, False),
+            **{name: ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", *overrides], 1.0, False)
                for name, overrides in LAYOUTS.items()}}
     reports = run_ranks(_update_job, 2, str(workdir), models, runs, timeout_s=600)
     return {"reports": reports[0], "ranks_agree": reports[0]["on"]["metrics"] == reports[1]["on"]["metrics"],
@@ -161,6 +166,7 @@ def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradi
     assert on["metrics"]["actor/pg_loss"] == off["metrics"]["actor/pg_loss"]
     expected = hf_mtp_loss(updates["mtp_dir"])
     assert on["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
+    assert reports["packed"]["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
     changed = {key for key in on["received"] if not torch.equal(on["received"][key], off["received"][key])}
     # The MTP layer moved (its own tensors, not only the copies of embedding and head the sync also carries) ...
     assert {MTP_LAYER + name for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
