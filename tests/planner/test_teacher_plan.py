@@ -69,3 +69,13 @@ def test_a_teacher_too_large_for_the_gpu_is_named_with_its_layout(monkeypatch, c
     err = capsys.readouterr().err
     assert (f"{RECIPE}: teacher.megatron={{TP: 8, PP: 1, CP: 1, EP: 4, ETP: 1}}: needs an estimated" in err), err
     assert "during teacher_log_prob" in err and "more than the 80 GB GPU (--gpu-mem-gb)" in err
+
+
+def test_the_layout_search_keeps_the_teachers_own_layout_and_prices_its_pass(monkeypatch, capsys):
+    """The search varies the actor's layout; the teacher's stays its own (the actor's virtual stages once reached it
+    and every candidate failed the teacher's checks)."""
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(["plan", RECIPE, "--search", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    best = out[out.index("#1 ~"):]
+    assert "teacher_log_prob" in best.splitlines()[0] and not any("teacher." in line for line in best.splitlines())
