@@ -177,7 +177,11 @@ def as_kimi_releases_it(directory: str) -> None:
 
 def as_qwen_releases_hybrids(directory: str) -> None:
     """Qwen's Qwen3-Next and Qwen3.5 config.json files state full_attention_interval beside layer_types, which
-    SGLang's config classes read (transformers drops it on save): the tiny models' layers alternate, interval 2."""
+    SGLang's config classes read (transformers drops it on save): the tiny models' layers alternate, interval 2. Their
+    checkpoints hold an MTP layer under mtp.*, which transformers neither builds nor saves: its own tensors are
+    added (random), as the bridge carries them."""
+    from safetensors.torch import load_file, save_file
+
     config_file = os.path.join(directory, "config.json")
     with open(config_file) as f:
         config = json.load(f)
@@ -186,6 +190,13 @@ def as_qwen_releases_hybrids(directory: str) -> None:
     text["full_attention_interval"] = 2
     with open(config_file, "w") as f:
         json.dump(config, f, indent=1)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    hidden = text["hidden_size"]
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = _random_norm_or_bias("norm", torch.empty(hidden))
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.05
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _random_norm_or_bias(name: str, like: torch.Tensor) -> torch.Tensor:
