@@ -773,6 +773,10 @@ def _check_distillation(spec: JobSpec, arch: ModelArchitecture | None) -> list[S
                                     "the advantage is the teacher's term alone, so the critic "
                                     f"(algorithm.adv_estimator={spec.algorithm.adv_estimator}) would learn the values "
                                     "of no return; use algorithm.adv_estimator=grpo, or only=false"))
+    if distill.baseline == "group_mean" and spec.rollout.n < 2:
+        problems.append(SpecProblem("algorithm.distill.baseline", distill.baseline,
+                                    "subtracts the mean over each prompt's responses, which needs rollout.n >= 2; "
+                                    "use baseline=none, or sample more responses per prompt"))
     if teacher.path is None:
         problems.append(SpecProblem("algorithm.distill", NO_VALUE,
                                     "needs a teacher to distill from; set teacher.path to its HF checkpoint (or a "

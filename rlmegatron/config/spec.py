@@ -603,6 +603,11 @@ class DistillConfig(Section):
     mode: Text = "reverse_kl"
     """The divergence the advantage estimates; reverse_kl (log p_student - log p_teacher at the sampled token) is the
     one supported."""
+    baseline: Literal["none", "group_mean"] = "none"
+    """none: the term as it is (slime's and Tinker's OPD); group_mean: each token's term less its mean over the response
+    tokens of its prompt's rollout.n responses (GRPO's baseline, for the teacher's signal), which takes out the
+    divergence every sample shares: far from its teacher a student's samples all have a large one, which only adds
+    noise (benchmarks/RESULTS.md, "On-policy distillation"). Needs rollout.n >= 2."""
     only: bool = False
     """true: the advantage is the distillation term alone (the task reward is still scored and logged, but trains
     nothing, so reward.function may be left unset); false: the term is added to algorithm.adv_estimator's

@@ -347,8 +347,9 @@ class Trainer:
             # The sampling policy's log-probs: the actor's old ones where the step computed them, else the engine's
             # (on-policy then: the weights that sampled are the ones the update starts from).
             student = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
-            distilled, distill_metrics = distill_advantages(student, teacher_log_probs, batch.response_mask,
-                                                            distill.coef, distill.mode)
+            distilled, distill_metrics = distill_advantages(
+                student, teacher_log_probs, batch.response_mask, distill.coef, distill.mode,
+                group_index=rollout.uids if distill.baseline == "group_mean" else None)
             metrics.update(distill_metrics)
             if distill.only:
                 return distilled, distilled

@@ -61,7 +61,9 @@ DISTILL = "tests/driver/test_distillation.py::"
 DISTILL_ALONE = DISTILL + "test_distillation_alone_trains_on_minus_coef_times_the_reverse_kl_and_ignores_the_reward"
 DISTILL_ADDED = (DISTILL + "test_distillation_adds_to_the_task_advantage_and_reads_the_old_log_probs_when_the_step_"
                  "has_them")
-DISTILL_RUN = DISTILL + "test_the_quickstart_model_distilled_from_a_solved_run_learns_the_task_without_its_reward"
+DISTILL_RUN = DISTILL + "test_the_quickstart_model_distilled_from_a_solved_run_reaches_0_8_in_fewer_steps_than_grpo"
+DISTILL_BASELINE = ("tests/algorithms/test_distill.py::test_the_group_mean_baseline_takes_each_prompts_mean_term_over_"
+                    "its_response_tokens_out")
 DISTILL_SPEC = "tests/config/test_distill_spec.py::"
 TEACHER_ROLE = DISTILL_SPEC + "test_the_teacher_role_is_laid_out_batched_and_offloaded_by_its_own_section"
 TEACHER_REFUSALS = DISTILL_SPEC + "test_an_unknown_mode_a_critic_and_a_training_knob_of_the_teacher_are_refused"
@@ -349,6 +351,9 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                              VISION + "test_a_frozen_tower_keeps_its_weights_through_an_update_and_a_trained_one_moves",
                              QWEN3_VL + "test_a_frozen_towers_weights_are_not_resent_after_the_first_sync")),
     "algorithm.adv_estimator": ("advantage estimator (and the critic for gae)", (ESTIMATORS, PPO_RUN)),
+    "algorithm.distill.baseline": ("each prompt's mean term taken out (group_mean), or none; n=1 refused",
+                                   (DISTILL_BASELINE, DISTILL_RUN, DISTILL_SPEC + "test_distillation_alone_needs_no_"
+                                    "groups_and_refuses_the_estimators_settings")),
     "algorithm.distill.coef": ("weight of the teacher's per-token reverse KL in the advantage",
                                (DISTILL_ALONE, DISTILL_RUN)),
     "algorithm.distill.mode": ("the divergence (reverse_kl); another refused", (DISTILL_ALONE, TEACHER_REFUSALS)),

@@ -127,6 +127,10 @@ def test_distillation_alone_needs_no_groups_and_refuses_the_estimators_settings(
     raw = minimal_spec()
     alone = (TEACHER, "algorithm.distill.only=true")
     assert problems_of(raw, *alone, "rollout.n=1", "actor.ppo_mini_batch_size=16") == []
+    assert problems_of(raw, *alone, "rollout.n=1", "actor.ppo_mini_batch_size=16",
+                       "algorithm.distill.baseline=group_mean") == [
+        "command line: algorithm.distill.baseline=group_mean: subtracts the mean over each prompt's responses, which "
+        "needs rollout.n >= 2; use baseline=none, or sample more responses per prompt"]
     assert problems_of(raw, DISTILL, TEACHER, "rollout.n=1", "actor.ppo_mini_batch_size=16") == [
         "command line: rollout.n=1: algorithm.adv_estimator=grpo compares the responses to each prompt, which needs "
         "rollout.n >= 2"]

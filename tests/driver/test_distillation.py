@@ -54,14 +54,14 @@ def test_distillation_adds_to_the_task_advantage_and_reads_the_old_log_probs_whe
     assert rig.history["distill/reverse_kl"] == [(1, 2.0), (2, 2.0)]
 
 
-# --- a real run: the quickstart's model distilled from a solved quickstart run ---
+# --- a real run: the quickstart's model distilled from a solved quickstart run, against GRPO ---
 
 VALIDATION = "val/next_digit/score/mean"
 # Both runs validate every 5 steps (greedy, 64 prompts), no checkpoints; the teacher is the quickstart's GRPO run.
 COMMON = ["trainer.test_freq=5", "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.resume=disable",
           "tracking.backends=[console]"]
-TEACHER_STEPS = 100
-DISTILL_STEPS = 120
+TEACHER_STEPS = 150  # the quickstart's length; GRPO reaches 0.8 at step 65 on the way
+DISTILL_STEPS = 60
 
 
 def train(out: Path, *overrides: str) -> dict:
@@ -74,12 +74,12 @@ def train(out: Path, *overrides: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """GRPO from the reward alone (the quickstart, which becomes the teacher: its HF export), then the same random
-    model distilled from it with algorithm.distill.only=true."""
+    model distilled from it with algorithm.distill.only=true (and the group-mean baseline)."""
     tmp = tmp_path_factory.mktemp("distill")
     grpo = train(tmp / "grpo.json", f"trainer.run_dir={tmp / 'grpo'}", f"trainer.total_steps={TEACHER_STEPS}")
     distill = train(tmp / "distill.json", f"trainer.run_dir={tmp / 'distill'}",
                     f"trainer.total_steps={DISTILL_STEPS}", f"teacher.path={grpo['exported_hf']}",
-                    "algorithm.distill.only=true")
+                    "algorithm.distill.only=true", "algorithm.distill.baseline=group_mean")
     return grpo, distill
 
 
@@ -87,14 +87,16 @@ def first_step_at(history: dict, threshold: float) -> int | None:
     return next((step for step, value in history[VALIDATION] if value >= threshold), None)
 
 
-def test_the_quickstart_model_distilled_from_a_solved_run_learns_the_task_without_its_reward(runs):
+def test_the_quickstart_model_distilled_from_a_solved_run_reaches_0_8_in_fewer_steps_than_grpo(runs):
     grpo, distill = runs
     assert grpo["history"][VALIDATION][-1][1] == 1.0  # the teacher solves the task (greedy, every prompt)
     history = distill["history"]
-    assert first_step_at(history, 0.8) is not None, history[VALIDATION]
+    distilled, rewarded = first_step_at(history, 0.8), first_step_at(grpo["history"], 0.8)
+    assert distilled is not None and rewarded is not None, (history[VALIDATION], grpo["history"][VALIDATION])
+    assert distilled < rewarded, (history[VALIDATION], grpo["history"][VALIDATION])
     kl = [value for _, value in history["distill/reverse_kl"]]
     teacher = [value for _, value in history["distill/teacher_logp_mean"]]
     assert len(kl) == DISTILL_STEPS
     # The student's samples move towards the teacher: the reverse KL falls, the teacher likes them more.
-    assert sum(kl[-10:]) / 10 < 0.5 * sum(kl[:10]) / 10
+    assert sum(kl[-10:]) / 10 < 0.8 * sum(kl[:10]) / 10
     assert sum(teacher[-10:]) / 10 > sum(teacher[:10]) / 10 + 1.0
