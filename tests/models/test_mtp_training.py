@@ -33,13 +33,19 @@ LAYOUTS = {
 MTP_LAYER = "model.layers.4."  # the tiny DeepSeek-V3 has 4 decoder layers
 
 
-def sampled_batch(advantage_scale: float = 1.0):
-    """Four sequences, prompts left-padded and responses right-padded to different lengths, with advantages (times
+SAMPLED = ((3, 6, 4, 5), (8, 5, 7, 3))  # prompt and response lengths
+# One sequence of 14 tokens and three of 6: split over 2 DP ranks by tokens and cut by a budget of 14 tokens, the
+# first rank has one micro-batch and the other two, so the first runs a filler (megatron_step._same_count_as_peers).
+UNEVEN = ((6, 3, 3, 3), (8, 3, 3, 3))
+
+
+def sampled_batch(advantage_scale: float = 1.0, lengths=SAMPLED):
+    """Four sequences, prompts left-padded and responses right-padded to `lengths`, with advantages (times
     `advantage_scale`): what the actor's update gets from a step (on-policy, so no old log-probs)."""
     from rlmegatron.rank.roles.batch import RolloutBatch
 
     generator = torch.Generator().manual_seed(1)
-    prompts, responses = [3, 6, 4, 5], [8, 5, 7, 3]
+    prompts, responses = lengths
     input_ids = torch.zeros(len(prompts), PROMPT + RESPONSE, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
@@ -52,8 +58,8 @@ def sampled_batch(advantage_scale: float = 1.0):
 
 
 def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]) -> dict:
-    """Per run (name -> (model, overrides, advantage scale, packed)): one actor update of sampled_batch() (`packed`:
-    its micro-batches THD-packed, else right-padded) and then a weight
+    """Per run (name -> (model, overrides, advantage scale, packed, lengths)): one actor update of sampled_batch()
+    (`packed`: its micro-batches THD-packed, else right-padded) and then a weight
     sync; returns the metrics, the HF-named weights that sync sent and, where the run drafts with the local engine
     (rollout.speculative), the MTP layer's weights that engine's draft holds after it."""
     from rlmegatron.driver.role_settings import trainer_rank_settings
@@ -62,7 +68,7 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
 
     os.chdir(REPO_ROOT)
     reports = {}
-    for name, (model, overrides, advantage_scale, packed) in runs.items():
+    for name, (model, overrides, advantage_scale, packed, lengths) in runs.items():
         spec = load_spec("configs/quickstart.yaml", [
             f"model.path={models[model]}", "model.random_init=false", f"trainer.run_dir={workdir}/{name}",
             f"data.max_prompt_length={PROMPT}", f"data.max_response_length={RESPONSE}", "rollout.n=2",
@@ -85,7 +91,7 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
         rank.weights._push = capture
         actor = rank.models.actor
         actor.settings = dataclasses.replace(actor.settings, use_packing=packed)
-        metrics = rank.update_actor(sampled_batch(advantage_scale))
+        metrics = rank.update_actor(sampled_batch(advantage_scale, lengths))
         rank.sync_weights("v1")
         reports[name] = {"metrics": metrics, "received": received,
                          "mtp_weight": rank.models.actor.settings.mtp_loss_weight}
@@ -96,13 +102,13 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
     return reports
 
 
-def hf_mtp_loss(hf_dir: str) -> float:
+def hf_mtp_loss(hf_dir: str, lengths=SAMPLED) -> float:
     """actor/mtp_loss from first principles: DeepSeek's MTP layer in HF's modules (conversion_jobs.hf_mtp_logits) at
     each sequence's own positions, -log p(token i+2 | position i) at the rollout temperature, summed over the
     response tokens i+2 and divided by all response tokens."""
     from tests.models.conversion_jobs import hf_mtp_logits
 
-    batch = sampled_batch()
+    batch = sampled_batch(lengths=lengths)
     total = 0.0
     for row in range(len(batch)):
         tokens = batch.input_ids[row][batch.attention_mask[row].bool()][None]
@@ -119,17 +125,20 @@ def updates(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("mtp_training")
     models = {"mtp": save_quickstart_mtp_model(str(workdir / "mtp")),
               "no_mtp": save_quickstart_mtp_model(str(workdir / "no_mtp"), mtp_tensors=False)}
-    runs = {"no_mtp": ("no_mtp", [], 1.0, False), "off": ("mtp", [], 1.0, False),
+    weighted = f"actor.mtp.loss_weight={WEIGHT}"
+    runs = {"no_mtp": ("no_mtp", [], 1.0, False, SAMPLED), "off": ("mtp", [], 1.0, False, SAMPLED),
             # ... drafting with the local engine (rollout.speculative), which receives the trained layer.
-            "on": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", "rollout.speculative={method: mtp, num_draft_tokens: 2}"],
-                   1.0, False),
+            "on": ("mtp", [weighted, "rollout.speculative={method: mtp, num_draft_tokens: 2}"], 1.0, False, SAMPLED),
             # Two sequences per THD-packed micro-batch: the labels roll within each packed sequence.
-            "packed": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", "actor.ppo_micro_batch_size_per_gpu=2"], 1.0, True),
+            "packed": ("mtp", [weighted, "actor.ppo_micro_batch_size_per_gpu=2"], 1.0, True, SAMPLED),
             # No RL signal: the gradient is the MTP loss's alone.
-            "mtp_only": ("mtp", [f"actor.mtp.loss_weight={WEIGHT}"], 0.0, False),
-            "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0, False),
-            **{name: ("mtp", [f"actor.mtp.loss_weight={WEIGHT}", *overrides], 1.0, False)
-               for name, overrides in LAYOUTS.items()}}
+            "mtp_only": ("mtp", [weighted], 0.0, False, SAMPLED),
+            "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0, False, SAMPLED),
+            # At EP 2 a rank with fewer micro-batches runs fillers, whose backward must pass the MTP layer's MoE too.
+            "ep2_filler": ("mtp", [weighted, "actor.megatron.expert_model_parallel_size=2",
+                                   "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=14",
+                                   "~actor.ppo_micro_batch_size_per_gpu"], 1.0, False, UNEVEN),
+            **{name: ("mtp", [weighted, *overrides], 1.0, False, SAMPLED) for name, overrides in LAYOUTS.items()}}
     reports = run_ranks(_update_job, 2, str(workdir), models, runs, timeout_s=600)
     return {"reports": reports[0], "ranks_agree": reports[0]["on"]["metrics"] == reports[1]["on"]["metrics"],
             "mtp_dir": models["mtp"]}
@@ -167,6 +176,8 @@ def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradi
     expected = hf_mtp_loss(updates["mtp_dir"])
     assert on["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
     assert reports["packed"]["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
+    assert reports["ep2_filler"]["metrics"]["actor/mtp_loss"] == pytest.approx(
+        hf_mtp_loss(updates["mtp_dir"], UNEVEN), rel=1e-5)
     changed = {key for key in on["received"] if not torch.equal(on["received"][key], off["received"][key])}
     # The MTP layer moved (its own tensors, not only the copies of embedding and head the sync also carries) ...
     assert {MTP_LAYER + name for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",

@@ -94,6 +94,11 @@ def mtp_loss(micro_batch: MicroBatch, ahead: list, settings: ActorSettings) -> t
     return total / len(ahead)
 
 
+# The actor's metrics that carry the mini-batch's denominator: their sums over micro-batches and DP ranks are the
+# mini-batch's values (training._reduce_metrics); fillers, which report nothing, change no sum.
+SUMMED = ("actor/pg_loss", "actor/mtp_loss")
+
+
 class ActorWorker(TrainingWorker):
     """One rank of the actor: every rank of the group gets the same RolloutBatch and returns the same result.
 
@@ -147,7 +152,7 @@ class ActorWorker(TrainingWorker):
         self.forward_log_probs = [] if batch.old_log_probs is None and batch.rollout_log_probs is not None else None
         mtp = s.mtp_loss_weight > 0
         if self.routing is None:
-            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss", progress=progress,
+            metrics = self._run_mini_batches(batch, self._loss_func_factory, summed=SUMMED, progress=progress,
                                              mtp=mtp)
         else:
             if s.routing_replay == "r2":
@@ -155,7 +160,7 @@ class ActorWorker(TrainingWorker):
             measured = self._of(self.measured, batch)
             mode = "replay" if s.routing_replay != "off" else "measure" if measured is None else "free"
             with self.routing.passing(mode):
-                metrics = self._run_mini_batches(batch, self._loss_func_factory, summed="actor/pg_loss",
+                metrics = self._run_mini_batches(batch, self._loss_func_factory, summed=SUMMED,
                                                  progress=progress, routing=self.routing, mtp=mtp)
             agreeing, compared = self.routing.agreement() if measured is None else measured
             self.measured = self.recorded_routing = None
@@ -234,8 +239,7 @@ class ActorWorker(TrainingWorker):
             if ahead is not None:
                 mtp_term = mtp_loss(micro_batch, ahead, s) / response_tokens.to(device)
                 loss = loss + s.mtp_loss_weight * mtp_term
-                # Times `scale`, the mean the metrics take over micro-batches and DP ranks is the mini-batch's sum.
-                reported["actor/mtp_loss"] = mtp_term.detach() * scale
+                reported["actor/mtp_loss"] = mtp_term.detach()  # of the mini-batch's denominator: summed (SUMMED)
             return loss * scale, {k: v.detach().clone() for k, v in reported.items()}
 
         return loss_func_for

@@ -98,7 +98,7 @@ class CriticWorker(TrainingWorker):
         """Clipped value loss against `batch.returns`, with `batch.values` as the rollout-time values."""
         if batch.values is None or batch.returns is None:
             raise ValueError("critic update needs values and returns")
-        return self._run_mini_batches(batch, self._loss_func_factory, summed="critic/vf_loss", progress=progress)
+        return self._run_mini_batches(batch, self._loss_func_factory, summed=("critic/vf_loss",), progress=progress)
 
     def _loss_func_factory(self, mini_batch: RolloutBatch, scale: int):
         aggregation = self._aggregation(mini_batch)

@@ -152,12 +152,12 @@ class TrainingWorker:
             max_response_length=mini_batch.response_length,
         )
 
-    def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: str,
+    def _run_mini_batches(self, batch: RolloutBatch, loss_func_factory: Callable, summed: tuple[str, ...],
                           progress: Progress = None, routing=None, mtp: bool = False) -> dict[str, float]:
         """For each epoch and mini-batch: accumulate gradients over micro-batches, then one optimizer step.
 
         `loss_func_factory(mini_batch, scale)` returns a Megatron loss function whose loss is
-        multiplied by `scale`; `summed` names the reported metric that adds up over micro-batches;
+        multiplied by `scale`; `summed` names the reported metrics that add up over micro-batches;
         `progress` hears of each finished optimizer step; `routing`: the model's router taps, and `mtp` whether the
         MTP layers run (forward_backward's).
         """
@@ -177,8 +177,8 @@ class TrainingWorker:
         metrics[f"{self.metric_prefix}/lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def _train_mini_batch(self, mini_batch: RolloutBatch, loss_func_factory: Callable, summed: str, routing=None,
-                          mtp: bool = False):
+    def _train_mini_batch(self, mini_batch: RolloutBatch, loss_func_factory: Callable, summed: tuple[str, ...],
+                          routing=None, mtp: bool = False):
         micro_batches = self._micro_batches(mini_batch)
         # Megatron divides each micro-batch loss by their count and DDP averages over DP; the
         # global denominator already makes the sum over both exact, so undo those two factors.
@@ -241,11 +241,11 @@ def raise_if_not_finite_tokens(tensors: dict[str, Optional[torch.Tensor]], respo
 
 
 @plain_torch()  # this project's torch code, naming no device
-def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
+def _reduce_metrics(collected: list[dict], summed: tuple[str, ...]) -> dict[str, float]:
     """The loss functions' metric dicts (last stage only) -> one dict every rank agrees on.
 
-    `summed` carries the global denominator, so its sum over micro-batches and DP ranks is the
-    mini-batch value; every other metric is a per-micro-batch mean, averaged (over the micro-batches with rows:
+    `summed`'s metrics carry the global denominator, so their sums over micro-batches and DP ranks are the
+    mini-batch values; every other metric is a per-micro-batch mean, averaged (over the micro-batches with rows:
     fillers report nothing).
     """
     collected = [item for item in collected if item]
@@ -255,10 +255,10 @@ def _reduce_metrics(collected: list[dict], summed: str) -> dict[str, float]:
         for item in collected:
             for k, name in enumerate(names):
                 value = item[name].float().cpu()
-                sums[k] += value if name == summed else value / len(collected)
+                sums[k] += value if name in summed else value / len(collected)
         sums[-1] = 1.0  # counts the DP ranks that contributed
     sums = megatron_step.share_from_last_stage(sums.to("cuda" if torch.cuda.is_available() else "cpu")).cpu()
-    return {name: float(sums[k] if name == summed else sums[k] / sums[-1]) for k, name in enumerate(names)}
+    return {name: float(sums[k] if name in summed else sums[k] / sums[-1]) for k, name in enumerate(names)}
 
 
 def _names_from_last_stage(names: list[str]) -> list[str]:
