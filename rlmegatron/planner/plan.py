@@ -326,7 +326,8 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     lines += [
         f"rollout engine (TP={spec.rollout.tensor_parallel_size}), per GPU: weights {_gb(engine.weights)}{fp8}, "
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "
-        f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)",
+        f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)"
+        + (f", linear-attention states {_gb(engine.recurrent_states)}" if engine.recurrent_states else ""),
         f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "
         f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)"
         + ("" if sync.delta_ratio is None else

@@ -173,6 +173,20 @@ def test_engine_kv_budget_and_sync_bytes():
     assert plan.sync.seconds == pytest.approx(weights / 2 * 8 / 400e9)
 
 
+def test_a_hybrid_models_engine_caches_keys_of_its_attention_layers_beside_a_pool_of_recurrent_states():
+    """Qwen3.5-397B at rollout TP 16: SGLang caches keys and values of the 15 full-attention layers only, and keeps
+    the 45 Gated DeltaNet layers' states in a pool of its own, 0.9 of the KV cache's memory
+    (mamba_full_memory_ratio)."""
+    spec = _spec("qwen3.5-397b-a17b", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                        "expert_model_parallel_size": 8},
+                 placement={"nnodes": 2, "gpus_per_node": 8}, rollout={"tensor_parallel_size": 16})
+    engine = _plan(spec).engine
+    # 15 layers x (K and V) x 1 KV head per GPU (2 replicated over 16) x 256 dims x 2 bytes.
+    assert engine.kv_bytes_per_token == 15 * 2 * 1 * 256 * 2
+    assert engine.recurrent_states == pytest.approx(0.9 * engine.kv_cache)
+    assert engine.kv_cache + engine.recurrent_states == pytest.approx(engine.static_reservation - engine.weights)
+
+
 def test_delta_sync_plans_the_measured_share_of_a_full_push():
     """rollout.weight_sync=delta: per step the share benchmarks/delta_sync.py measured for bf16 at the actor's lr
     (log-linear between the measured rates), every full_sync_every-th push whole; fp32, unmeasured, counts whole."""
