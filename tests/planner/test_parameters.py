@@ -80,6 +80,14 @@ def test_qwen3_5_397b_counts_the_published_397b_and_17b_active_with_gated_deltan
     assert params.active == pytest.approx(17e9, rel=0.03)
 
 
+def test_qwen3_next_80b_counts_the_published_80b_and_3b_activated_without_embedding_and_head():
+    # Qwen's model card: 80B total, 3B activated. Counted 79.67B and 3.25B active besides the embedding and head
+    # (the card's "A3B" rounds it); 36 Gated DeltaNet layers of 16 key / 32 value heads, 12 gated attention layers.
+    params = count_parameters(read_architecture(MODELS_DIR / "qwen3-next-80b-a3b"))
+    assert params.total == pytest.approx(80e9, rel=0.01)
+    assert params.active - params.embedding - params.output_layer == pytest.approx(3e9, rel=0.1)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_a_hybrid_family_counts_every_weight_transformers_builds(family):
     """The count of a tiny Qwen3-Next / Qwen3.5-MoE (Gated DeltaNet, gated attention, a shared expert)
