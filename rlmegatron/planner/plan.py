@@ -244,10 +244,6 @@ def _layout(megatron: MegatronConfig) -> dict[str, int]:
     }
 
 
-def _layout_text(megatron: MegatronConfig) -> str:
-    return " ".join(f"{name}={size}" for name, size in _layout(megatron).items())
-
-
 def _gb(size: float) -> str:
     return f"{size / GB:.1f} GB"
 
@@ -308,7 +304,8 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
     if plan.rollout_gpu_bytes is not None:
         lines.append(f"  rollout GPUs    {_gb(plan.rollout_gpu_bytes):>10}  (engine static reservation)")
     if plan.teacher is not None:
-        lines.append(f"teacher ({_layout_text(spec.teacher.megatron)}) on the trainer GPUs: weights "
+        layout = ", ".join(f"{k}={v}" for k, v in _layout(spec.teacher.megatron).items())
+        lines.append(f"teacher ({layout}) on the trainer GPUs: weights "
                      f"{_gb(plan.teacher.weights)}, log-prob activations {_gb(plan.teacher.activations)} per GPU")
     if plan.reward_model is not None:
         lines.append(f"reward model (TP={spec.reward.model.tensor_model_parallel_size}) on the trainer GPUs: "
