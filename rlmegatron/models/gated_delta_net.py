@@ -46,7 +46,6 @@ class GatedDeltaNet(MegatronModule):
                              "do not divide")
         if tp > 1 and not config.sequence_parallel:
             raise ValueError("Gated DeltaNet at TP > 1 needs sequence parallelism (its output norm's gradient)")
-        self.layer_number = layer_number
         self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_heads, self.value_heads = nk // tp, nv // tp
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
@@ -76,8 +75,8 @@ class GatedDeltaNet(MegatronModule):
             # mean tokens hidden inside a sequence, which a recurrence cannot skip.
             raise NotImplementedError("Gated DeltaNet runs right-padded or packed sequences, without a mask")
         if packed_seq_params is not None and getattr(packed_seq_params, "prompt_groups", None) is not None:
-            raise NotImplementedError("Gated DeltaNet does not run shared-prompt micro-batches (config.checks refuses "
-                                      "them for a hybrid model)")
+            raise NotImplementedError("Gated DeltaNet does not run shared-prompt micro-batches "
+                                      "(models.shared_prompts.shared_prompts_supported lays none out for it)")
         projected, _ = self.in_proj(hidden_states)  # [s, b, rows of this rank]
         with plain_torch():
             if packed_seq_params is None:
@@ -117,7 +116,9 @@ class GatedDeltaNet(MegatronModule):
         decay = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())  # log of each step's decay
         out = gated_delta_rule(query * self.key_dim ** -0.5, key, value, decay, beta.float().sigmoid())
         gate = z.reshape(b, s, self.value_heads, self.value_dim)
-        out = self.out_norm(out.to(projected.dtype)) * F.silu(gate.float())
+        # As transformers' gated norm: normalised in fp32, cast, scaled by the weight, gated in fp32.
+        normalised = F.rms_norm(out, (self.value_dim,), eps=self.out_norm.eps).to(projected.dtype)
+        out = self.out_norm.weight * normalised * F.silu(gate.float())
         return out.to(projected.dtype).reshape(b, s, -1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

@@ -263,10 +263,11 @@ def _output_activations(arch: ModelArchitecture, batch: MicroBatch, tp: int, cp:
 
 @dataclass(frozen=True)
 class ScoringMemory:
-    """Per-GPU bytes of the reward model (reward.model) on the trainer ranks, at its own TP: frozen weights, and while
-    it scores, one layer's activations for one micro-batch (a forward pass keeps none for a backward)."""
+    """Per-GPU bytes of a frozen model that scores on the trainer ranks at its own layout, the reward model
+    (reward.model) or on-policy distillation's teacher: its weights, and while it scores, one layer's activations for
+    one micro-batch (a forward pass keeps none for a backward), the teacher's logits too."""
 
-    parameters: int  # its weights on this GPU: the decoder and a one-label head, sharded by its TP
+    parameters: int  # its weights on this GPU (the reward model's decoder and one-label head), sharded by its layout
     weights: float
     activations: float
 
@@ -286,22 +287,9 @@ def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
     return ScoringMemory(parameters=held, weights=held * _WEIGHT_BYTES[spec.model.dtype], activations=activations)
 
 
-@dataclass(frozen=True)
-class TeacherMemory:
-    """Per-GPU bytes of on-policy distillation's teacher (algorithm.distill) on the trainer ranks, at its own layout
-    (teacher.megatron): its frozen weights on its most loaded pipeline stage and, while it computes log-probs, one
-    layer's activations of one micro-batch and the last stage's logits (a forward keeps none for a backward)."""
-
-    parameters: int  # its weights on this GPU, sharded by its TP, PP and EP
-    weights: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.activations
-
-
-def teacher_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount) -> TeacherMemory:
+def teacher_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount) -> ScoringMemory:
+    """On-policy distillation's teacher at teacher.megatron: its most loaded pipeline stage's weights, one layer's
+    activations of one of its micro-batches and the last stage's logits."""
     teacher = spec.teacher
     megatron = teacher.megatron
     batch = micro_batch(spec, teacher.log_prob_micro_batch_size_per_gpu, teacher.log_prob_use_dynamic_bsz,
@@ -313,7 +301,7 @@ def teacher_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
     activations = _layer_activations(arch, megatron, s, batch.sequences, full_scores=True, keys=batch.sequence_length)
     activations += _output_activations(arch, batch, megatron.tensor_model_parallel_size, cp)
     parameters = held.dense_parameters + held.expert_parameters
-    return TeacherMemory(parameters=parameters, weights=held.parameters, activations=activations)
+    return ScoringMemory(parameters=parameters, weights=held.parameters, activations=activations)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from rlmegatron.planner.memory import (
     EngineMemory,
     RolloutBufferMemory,
     ScoringMemory,
-    TeacherMemory,
     TrainingMemory,
     WeightSync,
     delta_sent_ratio,
@@ -70,7 +69,7 @@ class Plan:
     actor: TrainingMemory
     critic: TrainingMemory | None
     reward_model: ScoringMemory | None
-    teacher: TeacherMemory | None  # on-policy distillation's teacher (algorithm.distill), at its own layout
+    teacher: ScoringMemory | None  # on-policy distillation's teacher (algorithm.distill), at its own layout
     engine: EngineMemory
     sync: WeightSync
     trainer_phases: tuple[PhaseMemory, ...]  # on the trainer GPUs (and the engines' when colocated)

@@ -46,7 +46,7 @@ from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import EngineMemory, TeacherMemory, TrainingMemory, rollout_weight_bytes, stage_layers
+from rlmegatron.planner.memory import EngineMemory, ScoringMemory, TrainingMemory, rollout_weight_bytes, stage_layers
 from rlmegatron.planner.parameters import ParameterCount
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware, c: Constants = FIT
 def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, actor: TrainingMemory,
               engine: EngineMemory, sync_bytes_per_engine_gpu: float, work: Workload, hw: Hardware,
               c: Constants = FITTED,
-              teacher: tuple[ModelArchitecture, ParameterCount, TeacherMemory] | None = None) -> StepTime:
+              teacher: tuple[ModelArchitecture, ParameterCount, ScoringMemory] | None = None) -> StepTime:
     """`teacher`: on-policy distillation's teacher (its architecture, parameters and memory), whose log-prob pass is a
     phase of its own."""
     world = spec.placement.trainer_world_size
