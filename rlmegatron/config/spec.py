@@ -292,8 +292,8 @@ class MTPConfig(Section):
     """Train the MTP layers with the policy: each update adds this times Megatron-Core's MTP loss to the actor's loss
     (per MTP layer k, the cross-entropy of its prediction of the sampled token k+1 places past the next one, over the
     response tokens, averaged over the mini-batch's response tokens; the layers' mean), and logs actor/mtp_loss. Its
-    gradient reaches the shared embedding and the trunk, as in Megatron's pretraining. 0: the MTP layers are not run
-    in the update (their weights are carried and synced unchanged), and the update is exactly the one without them."""
+    gradient reaches the shared embedding and the trunk, as in Megatron's pretraining. 0: the MTP layers are frozen and
+    not run in the update (synced unchanged, no gradient or Adam state), which is exactly the one without them."""
 
 
 class ActorConfig(PPOUpdateConfig):

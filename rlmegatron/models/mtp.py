@@ -66,6 +66,15 @@ class GPTModelWithMTP(GPTModel):
         return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
 
+def freeze_mtp_layers(model, freeze: bool) -> None:
+    """Freeze (or unfreeze) the MTP layers' own weights (not the embedding and head they share). Layers no loss trains
+    are frozen: no gradient buffer or Adam state for them, and no weight decay moving them between syncs."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        for param in mtp.parameters():
+            param.requires_grad_(not freeze)
+
+
 @contextlib.contextmanager
 def predicting_ahead(model) -> Iterator[Optional[list]]:
     """Within it, a forward of `model` (the GPTModel inside its wrappers) also runs its MTP layers: yields the list

@@ -153,8 +153,8 @@ def training_memory(
     """The most loaded pipeline stage of a role trained with `megatron` (the actor's or the critic's layout); with
     `lora` (the actor's adapters, per layer) the base weights are frozen: gradients and Adam state are the adapters'
     alone, and those of the `modules_to_save` (actor.lora) that train whole. The model's MTP layers (`params.mtp`)
-    sit on the last stage with their gradients and Adam state (Megatron's optimizer holds every parameter, trained or
-    not); `mtp_runs` (actor.mtp.loss_weight > 0): the update runs them, which keeps their activations and logits."""
+    sit on the last stage; `mtp_runs` (actor.mtp.loss_weight > 0): the update trains them, which keeps their
+    gradients, Adam state, activations and logits (otherwise they are frozen: models/mtp.freeze_mtp_layers)."""
     world = spec.placement.trainer_world_size
     tp, pp, cp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size, megatron.context_parallel_size
     ep, etp = megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size or tp
@@ -176,14 +176,16 @@ def training_memory(
             # A tied output layer still needs its own copy of the embedding on a separate last stage.
             dense += params.final_norm + (params.output_layer or (params.embedding if pp > 1 else 0))
             # The MTP layers embed the next tokens: a separate last stage holds the embedding (an untied one too).
-            dense += params.mtp_dense + (params.embedding if params.mtp and params.output_layer and pp > 1 else 0)
+            dense += params.embedding if params.mtp and params.output_layer and pp > 1 else 0
         dense //= tp
+        mtp_dense = params.mtp_dense // tp if index == pp - 1 else 0
+        dense += mtp_dense
         # The image encoder is not split by TP: each rank of the first stage holds it whole; frozen, it has no
         # gradients or Adam state.
         vision = params.vision if index == 0 else 0
         dense += vision
-        experts = (sum(params.layers[i].routed_experts for i in layers)
-                   + (params.mtp_routed_experts if index == pp - 1 else 0)) // (ep * etp)
+        mtp_experts = params.mtp_routed_experts // (ep * etp) if index == pp - 1 else 0
+        experts = sum(params.layers[i].routed_experts for i in layers) // (ep * etp) + mtp_experts
         dense_adapters = sum(lora[i].dense_per_gpu(tp) for i in layers) if lora else 0
         expert_adapters = sum(lora[i].experts_per_gpu(ep, etp) for i in layers) if lora else 0
         saved = params.embedding if "embedding" in modules_to_save and index == 0 else 0
@@ -195,6 +197,8 @@ def training_memory(
         trained_dense, trained_experts = (dense_adapters + saved // tp, expert_adapters) if lora else (dense, experts)
         if spec.actor.vision.freeze and not lora:
             trained_dense -= vision
+        if not mtp_runs and not lora:
+            trained_dense, trained_experts = trained_dense - mtp_dense, trained_experts - mtp_experts
         in_flight = pp - index if pp > 1 else 1
         stored, recompute_working_set = _stage_activations(arch, megatron, batch, len(layers), cp)
         activations = in_flight * stored + recompute_working_set

@@ -1,6 +1,6 @@
-"""The MTP layers in `rlm plan`: counted as DeepSeek publishes them, held on the last pipeline stage with their
-gradients and Adam state, their activations and a phase of their own when actor.mtp.loss_weight trains them, in every
-weight sync, and held by the engines as the draft model of rollout.speculative, whose generation the step-time model
+"""The MTP layers in `rlm plan`: counted as DeepSeek publishes them, held on the last pipeline stage, with their
+gradients, Adam state, activations and a phase of their own when actor.mtp.loss_weight trains them, in every weight
+sync, and held by the engines as the draft model of rollout.speculative, whose generation the step-time model
 shortens by an assumed acceptance rate (planner/step_time.tokens_per_verification)."""
 import json
 
@@ -58,19 +58,21 @@ def test_the_mtp_layer_is_held_trained_and_synced_on_the_last_stage(without_mtp)
     trained_spec = _deepseek(actor={"mtp": {"loss_weight": 0.3}})
     trained = _plan(trained_spec, GPU_GB)
     assert carried.actor.pipeline_stage == none.actor.pipeline_stage == 3  # DeepSeek-V3's 61 layers: 13/15/15/18
-    # On the last stage: the layer's dense part and its embedding copy split by TP 8, its experts by EP 8; bf16
-    # weights, fp32 gradients, Adam state (32 GPUs: no data parallelism to shard it over).
-    dense = (params.mtp_dense + params.embedding) // 8 + none.actor.dense_parameters
-    assert carried.actor.dense_parameters == dense
-    experts = params.mtp_routed_experts // 8
-    assert carried.actor.expert_parameters == none.actor.expert_parameters + experts
-    added = carried.actor.dense_parameters - none.actor.dense_parameters
-    assert carried.actor.parameters - none.actor.parameters == (added + experts) * 2
-    assert carried.actor.gradients - none.actor.gradients == (added + experts) * 4
-    assert carried.actor.optimizer_state - none.actor.optimizer_state == (added + experts) * 12
+    # On the last stage: the embedding again (the MTP layer embeds the next tokens) and the layer's dense part, split
+    # by TP 8, its experts by EP 8; bf16 weights, and where they train fp32 gradients and Adam state (32 GPUs: no
+    # data parallelism to shard it over).
+    copy, mtp_dense, experts = params.embedding // 8, params.mtp_dense // 8, params.mtp_routed_experts // 8
+    for plan in (carried, trained):
+        assert plan.actor.dense_parameters == none.actor.dense_parameters + copy + mtp_dense
+        assert plan.actor.expert_parameters == none.actor.expert_parameters + experts
+        assert plan.actor.parameters - none.actor.parameters == (copy + mtp_dense + experts) * 2
+    # Untrained (weight 0) the layer is frozen: only the embedding copy, which the first stage's ties, has state.
+    assert carried.actor.gradients - none.actor.gradients == copy * 4
+    assert carried.actor.optimizer_state - none.actor.optimizer_state == copy * 12
+    assert trained.actor.gradients - none.actor.gradients == (copy + mtp_dense + experts) * 4
+    assert trained.actor.optimizer_state - none.actor.optimizer_state == (copy + mtp_dense + experts) * 12
     # Carried untrained it keeps no activations; trained, one more layer's and one more set of logits.
     assert carried.actor.activations == none.actor.activations < trained.actor.activations
-    assert trained.actor.model_state == carried.actor.model_state
     # Every sync carries the layer and its copies of embedding and head (bf16), trained or not.
     assert carried.sync.total_bytes - none.sync.total_bytes == (params.mtp_total + 2 * params.embedding) * 2
     # The update's step time: a phase of its own only when it trains.
