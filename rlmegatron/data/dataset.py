@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rlmegatron.data.images import IMAGE_MARK, ImageError, ImagePrompts
 from rlmegatron.data.records import Sample, sample_from_row
 from rlmegatron.errors import UserError
+from rlmegatron.models.families import ArchitectureError, read_architecture
 from rlmegatron.plugins import load_plugin
 
 if TYPE_CHECKING:
@@ -99,6 +100,16 @@ def _image_prompts(processor_path: str | None, tokenizer: Any, config: DataConfi
         raise ImageError(f"{location}: the row has images ('{config.image_key}' or an {IMAGE_MARK} mark) but the "
                          "model has no image processor (preprocessor_config.json); train a vision-language model "
                          "such as Qwen2.5-VL, or drop the images")
+    try:
+        architecture = read_architecture(processor_path)
+    except ArchitectureError:  # a tokenizer directory beside the model (model.tokenizer_path): no config to read
+        architecture = None
+    if architecture is not None and architecture.vision is None:
+        # Qwen3.5-MoE's and Kimi-K2.5's checkpoints ship an image processor, but their towers are carried as they
+        # are (models.carried), never run: the images would reach a text-only model.
+        raise ImageError(f"{location}: the row has images ('{config.image_key}' or an {IMAGE_MARK} mark) but the "
+                         f"model's image encoder ({architecture.model_type}) is not bridged: it trains on text; drop "
+                         "the images")
     return ImagePrompts(processor_path, tokenizer, config.image_key, config.max_image_pixels)
 
 

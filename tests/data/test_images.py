@@ -96,6 +96,19 @@ def test_images_need_a_model_with_an_image_processor(tmp_path, model_dir):
         build_dataset([data], tokenizer, _data_config(), str(tmp_path / "text-only"))
 
 
+def test_images_for_a_model_whose_tower_is_carried_not_bridged_are_one_line(tmp_path, model_dir):
+    """Qwen3.5-MoE ships an image processor, but its vision tower is carried, never run: its rows may not have images."""
+    from tests.models.tiny_hf import FAMILY_CONFIGS
+
+    directory, tokenizer = model_dir
+    (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", **FAMILY_CONFIGS["qwen3_5_moe"]}))
+    (tmp_path / "a.png").write_bytes(png("g"))
+    data = _rows(tmp_path / "train.jsonl", [_row("<image>", ["a.png"])])
+    with pytest.raises(ImageError, match=r"train.jsonl:1: .*image encoder \(qwen3_5_moe\) is not bridged: it trains on "
+                                         r"text; drop the images"):
+        build_dataset([data], tokenizer, _data_config(), str(directory))
+
+
 def test_data_image_key_names_the_images_column(tmp_path, model_dir):
     directory, tokenizer = model_dir
     (tmp_path / "a.png").write_bytes(png("g"))
