@@ -26,7 +26,7 @@ from rlmegatron.models.pipeline import PipelineSplitError
 from rlmegatron.planner.memory import GB, engine_memory, micro_batch, rollout_weight_bytes, training_memory
 from rlmegatron.planner.parameters import ParameterCount, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
-from rlmegatron.planner.step_time import StepTime, generation_seconds, training_phases, workload_of
+from rlmegatron.planner.step_time import StepTime, generation_seconds, running_cap, training_phases, workload_of
 from rlmegatron.prelaunch.spec_pipeline import SPEC_STAGES, SpecSource, check_job
 
 KEEP_TRAINER_LAYOUTS = 6
@@ -229,7 +229,8 @@ def search(raw: dict[str, Any], overrides: Sequence[str], spec: JobSpec, arch: M
                 engines.append((generation_seconds(arch, params, engine, rollout_gpus // tp, tp, work,
                                                    rollout_weight_bytes(spec, params) / params.total, hw,
                                                    drafts=spec.rollout.speculative.num_draft_tokens
-                                                   if spec.rollout.speculative is not None else 0), tp))
+                                                   if spec.rollout.speculative is not None else 0,
+                                                   max_running=running_cap(spec)), tp))
             priced_engines[rollout_gpus] = sorted(engines)
         placement = [f"placement.mode={mode}", f"placement.nnodes={nodes}", f"placement.gpus_per_node={per_node}"]
         if mode == "disaggregate":

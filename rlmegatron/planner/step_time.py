@@ -240,11 +240,12 @@ def longest_response(mean: float, longest: float, samples: float) -> float:
 
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
                        work: Workload, weight_bytes: float, hw: Hardware, c: Constants = FITTED,
-                       drafts: int = 0) -> float:
+                       drafts: int = 0, max_running: float = inf) -> float:
     """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections).
     `drafts` (rollout.speculative): each decode step reads the MTP layer's weights once per drafted token, verifies
     the drafts and the token after them in one pass of the main model (k + 1 tokens' compute on the same weight
-    reads), and yields tokens_per_verification(drafts) of them: the steps shrink by that much."""
+    reads), and yields tokens_per_verification(drafts) of them: the steps shrink by that much. `max_running`: the most
+    samples an engine runs at once (running_cap), below what its KV cache holds."""
     per_engine = work.samples / engines
     hbm = hw.hbm_gb_per_s * 1e9 * c.decode_hbm
     peak = hw.peak_tflops * 1e12
@@ -274,7 +275,7 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     context = prompt + second / (2 * mean)
     # The batch the KV cache holds at that context; the rest wait and enter as others end, so the batch stays full
     # while the (n - held) waiting samples' tokens are decoded.
-    held = max(min(per_engine, engine.kv_tokens / context), 1.0)
+    held = max(min(per_engine, engine.kv_tokens / context, max_running), 1.0)
     full = (per_engine - held) * mean / held * step(held, held * context)
     # Then the last `held` drain: alive at step s with probability e^(-s/mu), until the engine's longest response.
     tail = longest_response(mean, cut, per_engine)
@@ -293,6 +294,20 @@ SPEC_ACCEPTANCE = 0.85
 DeepSeek-V3's report (section 5.4.3) measures 85-90 % for its one MTP layer's token; chained drafts of the same
 layer (SGLang's NEXTN with k > 1) fall off, which this does not model: an optimistic figure for k > 1, until the
 local engine's measured rollout/spec_accept_rate replaces it."""
+
+
+def running_cap(spec: JobSpec) -> float:
+    """The most samples an SGLang engine runs at once: --max-running-requests as rollout.sglang.extra_args gives it,
+    else 48 with speculative decoding (SGLang 0.5.23 sets that for its EAGLE/NEXTN drafting when none is given), else
+    no cap but the KV cache's."""
+    given = spec.rollout.sglang.extra_args.get("max-running-requests")
+    if given is not None:
+        return float(given)
+    return SGLANG_SPECULATIVE_RUNNING if spec.rollout.speculative is not None and spec.rollout.engine == "sglang" \
+        else inf
+
+
+SGLANG_SPECULATIVE_RUNNING = 48.0
 
 
 def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) -> float:
@@ -334,7 +349,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     speculative = spec.rollout.speculative
     drafts = speculative.num_draft_tokens if speculative is not None else 0
     phases = {"generation": generation_seconds(arch, params, engine, max(rollout_gpus // tp_g, 1), tp_g, work,
-                                               weight_bytes, hw, c, drafts),
+                                               weight_bytes, hw, c, drafts, running_cap(spec)),
               **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw, c)}
     if teacher is not None:  # on-policy distillation: the teacher's forward over the step's tokens, at its layout
         section = spec.teacher
@@ -368,6 +383,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link",
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
+        *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "
+           "rollout.sglang.extra_args sets it)"] if running_cap(spec) < inf else []),
     )
     overlapped = spec.trainer.mode != "sync" and not colocated
     return StepTime(phases, overlapped, assumptions)

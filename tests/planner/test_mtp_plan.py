@@ -89,8 +89,13 @@ def test_the_mtp_layer_is_held_trained_and_synced_on_the_last_stage(without_mtp)
 
 
 def test_speculative_rollout_holds_the_draft_and_shortens_generation_by_the_assumed_acceptance():
+    """The engines hold the draft and its KV layer; each step yields tokens_per_verification tokens; and SGLang, which
+    caps the running samples at 48 for its speculative decoding unless told otherwise, is planned with that cap."""
+    speculative = {"speculative": {"method": "mtp", "num_draft_tokens": 2}}
+    unlimited = {"sglang": {"extra_args": {"max-running-requests": 100000}}}
     plain = _plan(_deepseek(), GPU_GB)
-    drafting = _plan(_deepseek(rollout={"speculative": {"method": "mtp", "num_draft_tokens": 2}}), GPU_GB)
+    drafting = _plan(_deepseek(rollout={**speculative, **unlimited}), GPU_GB)
+    capped = _plan(_deepseek(rollout=speculative), GPU_GB)
     params = count_parameters(read_architecture(str(MODELS_DIR / "deepseek-v3")), mtp_layers=1)
     assert drafting.engine.weights - plain.engine.weights == pytest.approx(params.mtp_total * 2 / 32)
     # The draft layer's own latent KV cache: one layer more than the 61.
@@ -101,3 +106,7 @@ def test_speculative_rollout_holds_the_draft_and_shortens_generation_by_the_assu
     # Fewer steps by the tokens each verification yields, each a little dearer (the drafts' reads, a smaller KV).
     assert 1.5 < ratio < expected
     assert any("accepted with probability 0.85 (assumed)" in line for line in drafting.step_time.assumptions)
+    # SGLang's own cap of 48 running samples takes back more than the drafts give at this batch.
+    assert capped.step_time.phases["generation"] > plain.step_time.phases["generation"]
+    assert any("at most 48 samples running per engine" in line for line in capped.step_time.assumptions)
+    assert not any("samples running" in line for line in plain.step_time.assumptions)
