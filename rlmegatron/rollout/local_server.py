@@ -278,7 +278,8 @@ def build_engine(model_path: str, dtype: str, device: str, trust_remote_code: bo
                        image_processor=image_processor_at(model_path), num_draft_tokens=num_draft_tokens)
 
 
-def main() -> None:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of SGLang's launch command this server reads (servers.launch_spec builds them for both)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -291,12 +292,20 @@ def main() -> None:
     parser.add_argument("--custom-weight-loader", nargs="*", default=[])
     parser.add_argument("--speculative-algorithm", default=None, choices=["NEXTN"])  # the MTP layer drafts
     parser.add_argument("--speculative-num-steps", type=int, default=0)
-    args, _ = parser.parse_known_args()  # SGLang's other flags mean nothing to this engine
+    args, _ = parser.parse_known_args(argv)  # SGLang's other flags mean nothing to this engine
+    return args
+
+
+def engine_for(args: argparse.Namespace) -> LocalEngine:
+    return build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization,
+                        args.speculative_num_steps if args.speculative_algorithm else 0)
+
+
+def main() -> None:
+    args = parse_arguments()
     torch.set_num_threads(1)  # one core, like each CPU trainer rank: on a shared machine more only contend
-    engine = build_engine(args.model_path, args.dtype, args.device, args.trust_remote_code, args.quantization,
-                          args.speculative_num_steps if args.speculative_algorithm else 0)
     httpd = Server((args.host, args.port),
-                   handler_for(LocalServer(engine, args.return_routed_experts, args.custom_weight_loader)))
+                   handler_for(LocalServer(engine_for(args), args.return_routed_experts, args.custom_weight_loader)))
     print(f"local engine serving {args.model_path} at http://{args.host}:{args.port}", flush=True)
     httpd.serve_forever()
 

@@ -210,3 +210,27 @@ def test_a_count_up_run_drafts_with_the_trained_mtp_layer_and_samples_from_the_p
     # The trainer's probabilities of the sampled tokens within 1e-6 of the engine's (8e-9 measured); the draft's differ
     # by tenths (a fifth of its drafts are rejected).
     assert max(value for _, value in history["training/rollout_probs_diff_max"]) < 1e-6
+
+
+def test_the_local_server_drafts_when_launched_with_sglangs_speculative_flags(checkpoint):
+    """Disaggregated, the local engine is a server launched with SGLang's command line: rollout.speculative's flags
+    (server.speculative_flags) make it draft, and its answers carry the counts under SGLang's meta_info names, which
+    the client reads back."""
+    from rlmegatron.rollout.local_server import LocalServer, engine_for, parse_arguments
+    from rlmegatron.rollout.sglang.client import parse_generate_response
+    from rlmegatron.rollout.sglang.server import extra_flags, speculative_flags
+
+    directory, saved = checkpoint
+    args = parse_arguments(["--model-path", directory, "--port", "1", "--device", "cpu",
+                            *extra_flags(speculative_flags(2))])
+    served = engine_for(args)
+    served.update_weights(list(saved.items()), "v")
+    server = LocalServer(served)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "sampling_seed": 5}
+    result = parse_generate_response(server.generate({"input_ids": [1, 2, 3], "sampling_params": params}), 0, 0)
+    server.scheduler.hold("end")
+    (direct,) = engine(checkpoint, 2, eos_token_ids=[served.model.config.eos_token_id]).generate(
+        [GenerationRequest((1, 2, 3), SamplingSpec(max_new_tokens=6, seed=5))])
+    assert result.output_token_ids == direct.output_token_ids and result.spec_verify_ct > 0
+    assert (result.spec_verify_ct, result.spec_num_correct_drafts, result.spec_num_proposed_drafts) == (
+        direct.spec_verify_ct, direct.spec_num_correct_drafts, 2 * direct.spec_verify_ct)
