@@ -551,7 +551,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
                                     "speculative_decoding_records_no_routing_for_r3")),
     "rollout.speculative.num_draft_tokens": ("tokens drafted per verification (SGLang: k steps, k + 1 draft tokens)",
                                              (MTP_CHECKS, SGLANG_SPECULATIVE, SPECULATIVE_PLAN, LOCAL_SPECULATIVE_RUN,
-                                              LOCAL_SPECULATIVE_EXACT[1])),
+                                              LOCAL_SPECULATIVE_EXACT[1], LOCAL_SPECULATIVE + "test_the_local_server_"
+                                              "drafts_when_launched_with_sglangs_speculative_flags")),
     "rollout.stop_token_ids": ("tokens that end a sample", (SAMPLING,)),
     "rollout.temperature": ("sampling temperature; actor log-prob temperature", (SAMPLING, ACTOR_SETTINGS)),
     "rollout.tensor_parallel_size": ("GPUs per SGLang server", (COLOCATED_SERVER, LAUNCH)),
