@@ -103,6 +103,8 @@ class Trajectory:
         self.tool_calls = self.tool_errors = self.tool_timeouts = self.tool_setup_errors = 0
         self.tool_reward = 0.0
         self.tool_metrics: dict[str, float] = {}
+        self.speculative = (0, 0, 0)
+        """Speculative decoding's counts over the model turns (GenerationResult's spec_ fields, in their order)."""
         self.created: list[Any] = []
         self.unavailable: dict[str, ToolOutcome] = {}
         """Tools whose `create` failed, by name: what each call to them answers."""
@@ -146,6 +148,8 @@ class Trajectory:
         self.logprobs += result.output_token_logprobs
         self.weight_version = result.weight_version
         self.turns += 1
+        self.speculative = tuple(total + count for total, count in zip(self.speculative, (
+            result.spec_verify_ct, result.spec_num_correct_drafts, result.spec_num_proposed_drafts)))
         text = self.loop.tokenizer.decode(result.output_token_ids, skip_special_tokens=False)
         self.calls = self.loop.parser.parse(text) if result.finish_reason == "stop" else []
         if result.finish_reason != "stop" or self.budget <= 0:
@@ -206,6 +210,9 @@ class Trajectory:
             weight_version=self.weight_version,
             response_mask=tuple(self.mask),
             routed_experts=self.routed_experts(),
+            spec_verify_ct=self.speculative[0],
+            spec_num_correct_drafts=self.speculative[1],
+            spec_num_proposed_drafts=self.speculative[2],
             agent=AgentRecord(turns=self.turns, tool_calls=self.tool_calls, tool_errors=self.tool_errors,
                               tool_timeouts=self.tool_timeouts, tool_setup_errors=self.tool_setup_errors,
                               tool_reward=self.tool_reward,

@@ -187,3 +187,29 @@ def test_a_failing_release_still_runs_when_the_engine_fails_mid_trajectory():
     with pytest.raises(IndexError):  # the script runs out of turns: the engine's error is the step's
         loop.generate(ScriptedEngine([], eos), requests)
     assert sorted(loop.tools["fragile"].released) == ["0/0", "1/0"]
+
+
+def test_a_trajectory_sums_its_model_turns_speculative_counts():
+    """With rollout.speculative each model turn comes with its verifications and drafts; the trajectory carries their
+    sums, which the step's rollout/spec_* metrics read."""
+    import dataclasses
+
+    from rlmegatron.driver.rollout_data import speculative_metrics
+
+    class Drafting(ScriptedEngine):
+        """Each turn as a drafting engine reports it: 2 verifications, 3 of 4 drafts kept."""
+
+        def generate(self, requests, progress=None):
+            return [dataclasses.replace(r, spec_verify_ct=2, spec_num_correct_drafts=3, spec_num_proposed_drafts=4)
+                    for r in super().generate(requests, progress)]
+
+    tokenizer = bpe_chat_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turns = [byte_tokens(tokenizer, call("lookup", '{"key": "a"}')) + [eos], byte_tokens(tokenizer, "It is 3.") + [eos]]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "a?"}], tokenize=False,
+                                                            add_generation_prompt=True), add_special_tokens=False)
+    request = GenerationRequest(tuple(prompt), SamplingSpec(max_new_tokens=400), {"table": {"a": 3}})
+    (result,) = AgentLoop(settings(), tokenizer).generate(Drafting(turns, eos), [request])
+    assert result.agent.turns == 2
+    assert (result.spec_verify_ct, result.spec_num_correct_drafts, result.spec_num_proposed_drafts) == (4, 6, 8)
+    assert speculative_metrics([result]) == {"rollout/spec_accept_rate": 0.75, "rollout/spec_accepted_tokens_mean": 1.5}
