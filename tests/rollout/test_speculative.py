@@ -234,3 +234,14 @@ def test_the_local_server_drafts_when_launched_with_sglangs_speculative_flags(ch
     assert result.output_token_ids == direct.output_token_ids and result.spec_verify_ct > 0
     assert (result.spec_verify_ct, result.spec_num_correct_drafts, result.spec_num_proposed_drafts) == (
         direct.spec_verify_ct, direct.spec_num_correct_drafts, 2 * direct.spec_verify_ct)
+
+
+def test_a_seeded_sample_draws_the_same_tokens_whatever_else_is_in_its_batch(checkpoint):
+    """Its draws come from its own generator, a fixed number per verification: other prompts (padding it) and
+    unseeded samples beside it change nothing."""
+    drafting = engine(checkpoint, 2)
+    seeded = GenerationRequest((1, 2, 3), SamplingSpec(n=2, max_new_tokens=8, seed=7))
+    alone = drafting.generate([seeded])
+    mixed = drafting.generate([GenerationRequest((4, 5, 6, 7, 1), SamplingSpec(n=3, max_new_tokens=5)), seeded])
+    assert [r.output_token_ids for r in mixed[3:]] == [r.output_token_ids for r in alone]
+    assert alone[0].output_token_ids != alone[1].output_token_ids
