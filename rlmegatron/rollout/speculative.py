@@ -106,10 +106,9 @@ class SpeculativeDecoder:
         rows = _Rows([[] for _ in samples], [[] for _ in samples], [None] * batch, [0] * batch, [0] * batch)
 
         def distributions(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """(log-probs at temperature, sampling distribution after top-k/top-p in float64, argmax) of [B, m, V]."""
+            """(logits at temperature, sampling distribution after top-k/top-p in float64, argmax) of [B, m, V]."""
             scaled = logits.float() / divisors
-            return (torch.log_softmax(scaled, -1), torch.softmax(filter_for_samples(scaled, samples).double(), -1),
-                    scaled.argmax(-1))
+            return scaled, torch.softmax(filter_for_samples(scaled, samples).double(), -1), scaled.argmax(-1)
 
         # Prefill: the main model over the distinct prompts, then a row per sample; its first token as `_sample`'s.
         out = decoder(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
@@ -121,7 +120,8 @@ class SpeculativeDecoder:
             hidden, input_ids, mask, positions = (t[prompts.prompt_of] for t in (hidden, input_ids, mask, positions))
         logits = head(hidden[:, -1:])
         raise_if_not_finite(logits[:, -1], 0, rows.finish)
-        logprobs, p, argmax = distributions(logits)
+        scaled, p, argmax = distributions(logits)
+        logprobs = torch.log_softmax(scaled, -1)
         pending = torch.where(greedy, argmax[:, 0], _draw(p[:, 0], uniforms(1)[:, 0]))
         rows.commit(samples, engine.eos_token_ids, [[t] for t in pending.tolist()],
                     [[v] for v in logprobs[:, 0].gather(-1, pending.unsqueeze(-1)).squeeze(-1).tolist()])
@@ -159,7 +159,8 @@ class SpeculativeDecoder:
             logits = head(hidden)
             for j in range(k + 1):
                 raise_if_not_finite(logits[:, j], max(map(len, rows.outputs)) + j, rows.finish)
-            logprobs, p, argmax = distributions(logits)
+            scaled, p, argmax = distributions(logits)
+            logprobs = torch.log_softmax(scaled, -1)
             accepted, next_probs = accept_drafts(p, torch.stack(q, 1), drafts_t, noise[:, k:2 * k], greedy, argmax)
             next_token = torch.where(greedy, argmax.gather(-1, accepted.unsqueeze(-1)).squeeze(-1),
                                      _draw(next_probs, noise[:, 2 * k]))
