@@ -100,6 +100,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("teacher.megatron.use_distributed_optimizer", "teacher.megatron.recompute_granularity",
           "teacher.megatron.recompute_method", "teacher.megatron.recompute_num_layers"), lambda s: False,
          lambda s: "the teacher never trains (no optimizer, no backward pass); remove it"),
+    Rule(("actor.mtp.detach",), lambda s: s.actor.mtp.loss_weight > 0,
+         lambda s: "only applies while the MTP layers train (actor.mtp.loss_weight > 0); remove it or set a weight"),
     Rule(("actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules", "actor.lora.weight_sync",
           "actor.lora.modules_to_save"),
          lambda s: s.actor.lora.rank > 0,

@@ -104,6 +104,7 @@ def actor_settings(spec: JobSpec, total_steps: int) -> ActorSettings:
         routing_replay=actor.moe.routing_replay,
         routing_agreement=actor.moe.routing_agreement,
         mtp_loss_weight=actor.mtp.loss_weight,
+        mtp_detach=actor.mtp.detach,
     )
 
 

@@ -74,16 +74,17 @@ class RoleModels:
 
             # lazy: models.vision subclasses GPTModel, so it imports Megatron-Core, which the driver (importing
             # this module for PolicyRank's method references) must not pay for or print the notices of.
-            from rlmegatron.models.mtp import freeze_mtp_layers
+            from rlmegatron.models.mtp import detach_mtp_inputs, freeze_mtp_layers
             from rlmegatron.models.vision import freeze_vision_tower
 
-            # Only the actor's MTP loss trains the MTP layers (actor.mtp.loss_weight).
+            # Only the actor's MTP loss trains the MTP layers (actor.mtp.loss_weight), alone with actor.mtp.detach.
             trains_mtp = role == "actor" and worker_settings.mtp_loss_weight > 0
 
             def provide(pre, post, vp):
                 model = build_gpt_model(facts, config, vp_stage=vp)
                 freeze_vision_tower([model], self.settings.freeze_vision)  # before DDP, which skips frozen weights
                 freeze_mtp_layers(model, not trains_mtp)
+                detach_mtp_inputs([model], trains_mtp and worker_settings.mtp_detach)
                 return add_adapters(model, lora, self.settings.seed) if role == "actor" and lora else model
 
             worker = WORKERS[role](worker_settings, provide, layout)

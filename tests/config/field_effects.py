@@ -43,6 +43,8 @@ MTP_TRAINING = "tests/models/test_mtp_training.py::"
 MTP_TRAINS = (MTP_TRAINING + "test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_"
               "mtp_and_trunk")
 MTP_OFF = MTP_TRAINING + "test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers"
+MTP_DETACHED = (MTP_TRAINING + "test_detached_the_mtp_loss_trains_the_mtp_layer_alone_and_the_policy_steps_as_"
+                "without_it")
 LOCAL_SPECULATIVE = "tests/rollout/test_speculative.py::"
 LOCAL_SPECULATIVE_RUN = (LOCAL_SPECULATIVE + "test_a_count_up_run_drafts_with_the_trained_mtp_layer_and_samples_from_the_"
                          "policy")
@@ -318,6 +320,8 @@ EFFECTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "actor.moe.routing_replay": ("the actor's passes take recorded experts: the rollout's (r3) or the old-log-prob "
                                  "pass's (r2)", (REPLAY_SETTINGS, REPLAY_REQUESTS, REPLAY_EXACT, REPLAY_OTHER,
                                                  REPLAY_CHECKS)),
+    "actor.mtp.detach": ("the MTP loss trains the MTP layers alone, the policy's step the RL loss's; refused "
+                         "without a loss weight", (MTP_DETACHED, NEVER_TRAINS)),
     "actor.mtp.loss_weight": ("the MTP layers train with the policy (Megatron's MTP loss on the response tokens); "
                               "refused for a model without MTP layers; rlm plan's mtp_update phase",
                               (MTP_CHECKS, MTP_TRAINS, MTP_OFF, MTP_PLAN)),

@@ -26,6 +26,8 @@ SGLANG_ONLY = "only SGLang servers use it, and rollout.engine=local generates in
         ({"ref.offload.params": True}, "ref.offload.params=true: the reference model is only built for a KL term"),
         ({"actor.use_kl_loss": True, "ref.megatron.recompute_granularity": "full"},
          "ref.megatron.recompute_granularity=full: the reference model never trains"),
+        ({"actor.mtp.detach": True}, "actor.mtp.detach=true: only applies while the MTP layers train "
+                                     "(actor.mtp.loss_weight > 0)"),
         ({"actor.lora.alpha": 32}, "actor.lora.alpha=32.0: only applies with LoRA (actor.lora.rank > 0)"),
         ({"actor.lora.target_modules": ["linear_qkv"]},
          "actor.lora.target_modules=[linear_qkv]: only applies with LoRA (actor.lora.rank > 0)"),

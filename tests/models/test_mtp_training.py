@@ -5,9 +5,10 @@ The numeric truths: at weight 0 the update is the update of the same checkpoint 
 RL loss, the grad norm and every main-model weight after the step; the MTP layer, frozen, unchanged); at weight > 0
 the RL loss is still the same and actor/mtp_loss is the cross-entropy of an independent HF computation of the MTP
 layer (DeepSeek's definition) over the sampled tokens two places on, masked to the response, padded, packed or with
-EP fillers; its gradient is linear in the weight and moves the MTP layer and the trunk; the layouts (TP=2 with
-sequence parallelism, PP=2 with the MTP layer on the last stage, PP=2 with virtual stages, EP=2) agree with TP=1; and
-the drafting local engine holds the trained MTP layer after the next weight sync."""
+EP fillers; its gradient is linear in the weight and moves the MTP layer and the trunk (the layer alone with
+actor.mtp.detach, the policy's step then the RL loss's, bit for bit); the layouts (TP=2 with sequence parallelism,
+PP=2 with the MTP layer on the last stage, PP=2 with virtual stages, EP=2) agree with TP=1; and the drafting local
+engine holds the trained MTP layer after the next weight sync."""
 import dataclasses
 import os
 from pathlib import Path
@@ -131,6 +132,8 @@ def updates(tmp_path_factory):
             "on": ("mtp", [weighted, "rollout.speculative={method: mtp, num_draft_tokens: 2}"], 1.0, False, SAMPLED),
             # Two sequences per THD-packed micro-batch: the labels roll within each packed sequence.
             "packed": ("mtp", [weighted, "actor.ppo_micro_batch_size_per_gpu=2"], 1.0, True, SAMPLED),
+            # The MTP loss training the MTP layer alone (actor.mtp.detach).
+            "detached": ("mtp", [weighted, "actor.mtp.detach=true"], 1.0, False, SAMPLED),
             # No RL signal: the gradient is the MTP loss's alone.
             "mtp_only": ("mtp", [weighted], 0.0, False, SAMPLED),
             "mtp_only_doubled": ("mtp", [f"actor.mtp.loss_weight={2 * WEIGHT}"], 0.0, False, SAMPLED),
@@ -191,6 +194,19 @@ def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradi
     # ... and so did the trunk below it, as in Megatron's pretraining, through the shared embedding too.
     assert {"model.embed_tokens.weight", "model.layers.3.self_attn.q_a_proj.weight",
             "model.layers.0.mlp.gate_proj.weight"} <= changed
+
+
+def test_detached_the_mtp_loss_trains_the_mtp_layer_alone_and_the_policy_steps_as_without_it(updates):
+    reports = updates["reports"]
+    detached, on, off = reports["detached"], reports["on"], reports["off"]
+    assert detached["metrics"]["actor/pg_loss"] == off["metrics"]["actor/pg_loss"]
+    assert detached["metrics"]["actor/mtp_loss"] == on["metrics"]["actor/mtp_loss"]  # the same forward
+    # The main model's step is the RL loss's alone, bit for bit (Adam per element; the clip is out of reach) ...
+    main = _main(detached["received"])
+    assert [key for key in main if not torch.equal(main[key], off["received"][key])] == []
+    # ... while the MTP layer trained.
+    eh_proj = MTP_LAYER + "eh_proj.weight"
+    assert not torch.equal(detached["received"][eh_proj], off["received"][eh_proj])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

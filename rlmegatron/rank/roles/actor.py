@@ -35,8 +35,10 @@ class ActorSettings(TrainingSettings):
     # pass's own in the update; `routing_agreement` compares the model's own routing with the batch's record.
     routing_replay: str = "off"
     routing_agreement: bool = False
-    # The MTP layers' loss in the update (mtp_loss): 0 leaves them out of it, not run.
+    # The MTP layers' loss in the update (mtp_loss): 0 leaves them out of it, not run; `mtp_detach`: it trains them
+    # alone (models/mtp.detach_mtp_inputs).
     mtp_loss_weight: float = 0.0
+    mtp_detach: bool = False
 
 
 def response_log_probs(micro_batch: MicroBatch, logits: torch.Tensor, settings: ActorSettings, with_entropy: bool):
