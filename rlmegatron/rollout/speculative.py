@@ -10,7 +10,8 @@ rows keep a draft exactly when it is the main model's argmax. The reported log-p
 engine's convention), from the verification forward.
 
 The batch's rows accept different numbers of drafts: the main model's KV cache keeps a rejected draft's entry and the
-attention mask hides it from then on (as the left padding of the prompts is hidden), so no row waits for another.
+attention mask hides it from then on (as the left padding of the prompts is hidden), so no row waits for another. Once
+hidden entries are most of a cache, it is compacted: each row's visible entries moved to its end (`_compacted`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,24 @@ def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, unifor
     residual = torch.where((accepted < k).unsqueeze(-1), residual, p_next)
     # Rejection needs p(x) < q(x), so p exceeds q somewhere: an all-zero residual is rounding where p equals q.
     return accepted, torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+
+
+def _compacted(cache, mask: torch.Tensor) -> torch.Tensor:
+    """The attention mask after the KV cache `cache` keeps only its visible entries (`mask` 1), each row's right-
+    aligned in their order, the rows left-padded to the longest (as the prompts are); the cache as it is while the
+    visible entries are at least half of it. A hidden entry is never attended, so the attention is the same."""
+    keep = mask.bool()
+    width = int(keep.sum(-1).max())
+    if 2 * width > mask.shape[1]:
+        return mask
+    # A stable sort puts each row's hidden columns first and its visible ones, in order, last.
+    index = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[:, -width:]
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            held = getattr(layer, name)  # [rows, heads, positions, dim]
+            setattr(layer, name, held.gather(2, index[:, None, :, None].expand(*held.shape[:2], width,
+                                                                               held.shape[-1])))
+    return mask.gather(-1, index)
 
 
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -187,6 +206,7 @@ class SpeculativeDecoder:
             draft_mask = torch.cat([draft_mask, valid.to(draft_mask.dtype)], -1)
             out, draft_logits = draft(hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])),
                                       tokens.gather(1, index), position + index, draft_mask, draft_cache)
+            mask, draft_mask = _compacted(cache, mask), _compacted(draft_cache, draft_mask)
             pending, position = next_token, position + accepted.unsqueeze(-1) + 1
         return [
             GenerationResult(

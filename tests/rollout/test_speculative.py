@@ -245,3 +245,24 @@ def test_a_seeded_sample_draws_the_same_tokens_whatever_else_is_in_its_batch(che
     mixed = drafting.generate([GenerationRequest((4, 5, 6, 7, 1), SamplingSpec(n=3, max_new_tokens=5)), seeded])
     assert [r.output_token_ids for r in mixed[3:]] == [r.output_token_ids for r in alone]
     assert alone[0].output_token_ids != alone[1].output_token_ids
+
+
+def test_rejected_drafts_are_dropped_from_the_kv_caches_and_decoding_goes_on_as_plain(checkpoint, monkeypatch):
+    """The checkpoint's own (random) draft is almost never the main model's argmax: hidden entries pile up in both
+    caches, which are compacted once they are most of them; the tokens stay plain decoding's."""
+    shrunk = []
+
+    def watched(cache, mask):
+        kept = compacted(cache, mask)
+        shrunk.append(kept.shape[1] < mask.shape[1])
+        assert all(layer.keys.shape[2] == kept.shape[1] for layer in cache.layers)
+        return kept
+
+    compacted = speculative._compacted
+    monkeypatch.setattr(speculative, "_compacted", watched)
+    requests = [GenerationRequest((i, 2, 5, 7)[i % 2:], SamplingSpec(temperature=0.0, max_new_tokens=40))
+                for i in range(3)]
+    drafted = engine(checkpoint, 3).generate(requests)
+    plain = engine(checkpoint, 0).generate(requests)
+    assert [r.output_token_ids for r in drafted] == [r.output_token_ids for r in plain]
+    assert sum(shrunk) >= 2, shrunk  # the main cache and the draft's
