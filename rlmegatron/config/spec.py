@@ -704,7 +704,8 @@ class TrainerConfig(Section):
     experiment_name: Text = "default"
     resume: Text = "auto"
     """`auto` resumes from the newest complete checkpoint in run_dir that loads, `disable` starts fresh (refused while
-    run_dir holds a complete checkpoint), else a checkpoint path (no fallback). See README, Checkpoints and resume."""
+    run_dir holds a complete checkpoint), else a checkpoint path (no fallback). See docs/reliability.md, "Checkpoints
+    and resume"."""
     max_ckpt_to_keep: PositiveInt | None = None
     """null keeps every checkpoint."""
     seed: int = 42
