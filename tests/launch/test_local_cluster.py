@@ -4,8 +4,9 @@ Slurm (slurmctld, slurmdbd on MariaDB, a slurmd per node in a UTS namespace of i
 - the quickstart learns with its ranks on two nodes, as Ray's own state shows, meeting at rank 0's node address;
 - disaggregated, the rollout pool gets the third node, and holds the trained weights at every step (the on-policy
   check: the engine's log-probs equal the actor's, step after step);
-- a node lost mid-run: the ranks restart on the spare node from the last checkpoint (trainer.max_restarts=1), or the
-  run stops in one line naming the node and the checkpoint (max_restarts=0), nothing of it left running;
+- nodes lost mid-run: the ranks restart on the spare node from the last checkpoint (trainer.max_restarts=1), and
+  the next loss, past max_restarts, stops the run in one line naming the node and the checkpoint, nothing of it left
+  running;
 - launch/submit.sh --backend slurm: Ray across the allocation, the job learns, squeue and sacct show it; scancel
   mid-run stops it in order, its last complete checkpoint intact and nothing left on any node;
 - launch/submit.sh --backend ray runs the same job on the same cluster.
@@ -79,9 +80,10 @@ class Cluster:
         why = self.state / "no-slurm"
         return why.read_text().strip() if why.exists() else None
 
-    def restart_node(self, index: int) -> None:
-        assert self.run("start-node", str(index)).returncode == 0
-        _wait_for(lambda: len(_ray_nodes(self.use())) == len(NODES), 60, "the node back in the cluster")
+    def restart_nodes(self, *addresses: str) -> None:
+        for address in addresses:
+            assert self.run("start-node", str(NODES.index(address))).returncode == 0
+        _wait_for(lambda: len(_ray_nodes(self.use())) == len(NODES), 60, "the nodes back in the cluster")
 
 
 @pytest.fixture(scope="module")
@@ -240,65 +242,59 @@ def test_a_placement_the_cluster_cannot_hold_is_one_line_at_once(cluster, tmp_pa
     assert "Traceback" not in run.stderr and time.monotonic() - started < 60
 
 
-def _kill_a_rank_node_mid_run(cluster, env, run_dir: Path, *overrides: str) -> tuple[str, str, int]:
-    """Trains with a checkpoint every 20 steps, stops the node of a rank that is not on the head outright after step
-    30 (every Ray process of it, and all they started, SIGKILLed); returns (output, that node's address, exit code)."""
+def _lose_rank_nodes_mid_run(cluster, env, run_dir: Path) -> tuple[str, list[str], int]:
+    """Trains with a checkpoint every 20 steps and trainer.max_restarts=1, stopping outright (every Ray process of it,
+    and all they started, SIGKILLed) the node of a rank that is not on the head after step 30, then, once the ranks
+    restarted, the other worker node after step 50; returns (output, the two nodes' addresses, exit code)."""
     process = subprocess.Popen(["rlm", "train", "configs/quickstart.yaml", f"trainer.run_dir={run_dir}",
                                 "placement.nnodes=2", "placement.gpus_per_node=1", "trainer.save_freq=20",
-                                "trainer.total_steps=60", "trainer.test_freq=-1", "trainer.val_before_train=false", "~data.val_files",
-                                *overrides], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    lines = []
-    victim = None
+                                "trainer.total_steps=60", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                                "~data.val_files", "trainer.max_restarts=1"], env=env, cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    victims: list[str] = []
     for line in process.stdout:
         lines.append(line)
-        if line.startswith("step 30 ") and victim is None:
-            nodes, *_ = _placed("".join(lines))
-            victim = next(ip for ip in nodes if ip != NODES[0])
-            stopped = cluster.run("stop-node", str(NODES.index(victim)))
+        restarted = "Restarting the trainer ranks" in "".join(lines)
+        if (line.startswith("step 30 ") and not victims) or (line.startswith("step 50 ") and restarted
+                                                                  and len(victims) == 1):
+            placements = [_placed(match.group(0))[0] for match in PLACED.finditer("".join(lines))]
+            victims.append(next(ip for ip in placements[-1] if ip != NODES[0]))
+            stopped = cluster.run("stop-node", str(NODES.index(victims[-1])))
             assert stopped.returncode == 0, stopped.stderr
     code = process.wait(timeout=300)
-    assert victim is not None, "".join(lines)[-3000:]
-    return "".join(lines), victim, code
+    return "".join(lines), victims, code
 
 
-def test_a_lost_node_is_replaced_by_the_spare_and_the_run_resumes_from_its_checkpoint(cluster, tmp_path):
-    env = cluster.use()
-    output, victim, code = _kill_a_rank_node_mid_run(cluster, env, tmp_path / "run", "trainer.max_restarts=1")
+def test_a_lost_node_is_replaced_by_the_spare_and_a_second_past_max_restarts_stops_the_run_in_one_line(
+        cluster, tmp_path):
+    """The first node lost: the ranks restart on the spare from the last checkpoint. The second, with no restart
+    left: the run stops in one line naming the node and the last complete checkpoint, nothing of it left running."""
+    env, run_dir = cluster.use(), tmp_path / "run"
+    output, victims, code = _lose_rank_nodes_mid_run(cluster, env, run_dir)
     try:
-        assert code == 0, output[-3000:]
-        assert re.search(rf"trainer rank \d on node {re.escape(victim)} is gone", output), output[-3000:]
+        assert len(victims) == 2 and code == 3, output[-3000:]
+        first, second = victims
+        assert re.search(rf"trainer rank \d on node {re.escape(first)} is gone", output), output[-3000:]
         # Said whether or not Ray's GCS has noticed yet: a raylet that takes no connection is a lost node.
-        assert f"the trainer's node {victim} left the Ray cluster; waiting up to" in output, output[-3000:]
-        assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {tmp_path / 'run'}/checkpoints/" \
-               "step_20" in output
+        assert f"the trainer's node {first} left the Ray cluster; waiting up to" in output, output[-3000:]
+        assert f"Restarting the trainer ranks (1 of trainer.max_restarts=1) from {run_dir}/checkpoints/step_20" in output
         placements = [_placed(match.group(0))[0] for match in PLACED.finditer(output)]
-        assert len(placements) == 2 and victim in placements[0] and victim not in placements[1]
-        assert set(placements[1]) <= set(NODES) and len(set(placements[1])) == 2
-        assert "trained steps 1-60 (60 steps, the ranks restarted 1 time(s))" in output
-        assert _nothing_left_of_runs() == []
-    finally:
-        cluster.restart_node(NODES.index(victim))
-
-
-def test_a_lost_node_without_restarts_stops_the_run_in_one_line_naming_it(cluster, tmp_path):
-    env = cluster.use()
-    output, victim, code = _kill_a_rank_node_mid_run(cluster, env, tmp_path / "run")
-    try:
-        assert code == 3, output[-3000:]
+        assert len(placements) == 2 and first in placements[0] and first not in placements[1]
+        assert set(placements[1]) <= set(NODES) and len(set(placements[1])) == 2 and second in placements[1]
         # The last line: the driver leaves Ray before it, so nothing Ray forwards from the cluster's raylets (the dead
         # node's clean-up, a raylet's state dump) comes after it.
         last = output.strip().split("\n")[-1]
-        assert re.fullmatch(rf"training stopped: step \d+: trainer rank \d on node {re.escape(victim)} is gone: its "
+        assert re.fullmatch(rf"training stopped: step \d+: trainer rank \d on node {re.escape(second)} is gone: its "
                             rf"process or its node ended \(Ray: \w+\)\. No checkpoint is written for this step; the "
-                            rf"last complete one is {re.escape(str(tmp_path / 'run'))}/checkpoints/step_(20|40)",
-                            last), last
+                            rf"last complete one is {re.escape(str(run_dir))}/checkpoints/step_40 \(the ranks were "
+                            rf"restarted 1 time\(s\) already: trainer\.max_restarts=1\)", last), last
         assert "Traceback" not in output
         assert _nothing_left_of_runs() == []
         node_ips, actors = _ray_state(env)
         assert not [a for a in actors if a.class_name == "RankHost" and a.state == "ALIVE"]
     finally:
-        cluster.restart_node(NODES.index(victim))
+        cluster.restart_nodes(*victims)
 
 
 def _submit(env: dict[str, str], *args: str) -> str:
