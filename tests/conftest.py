@@ -30,9 +30,11 @@ FIRST = (  # longest first (benchmarks/RESULTS.md, "The suite's time"); Ray-star
     "tests/launch/test_local_cluster.py",  # Ray (a cluster of three nodes) and Slurm: about 4 minutes
     "tests/benchmarks/test_gpu_harness.py",
     "tests/driver/test_train.py",  # Ray
-    "tests/driver/test_moe_fit.py",
+    "tests/driver/test_family_fit.py",
     "tests/driver/test_rank_restart.py",  # Ray, in its second run
     "tests/models/test_conversion.py",
+    "tests/driver/test_elastic_pool.py",
+    "tests/driver/test_moe_fit.py",
     "tests/transport/test_worker_group.py",  # Ray
     "tests/driver/test_async_train.py",
     "tests/driver/test_sigkill.py",  # Ray
@@ -44,6 +46,10 @@ FIRST = (  # longest first (benchmarks/RESULTS.md, "The suite's time"); Ray-star
     "tests/test_user_errors.py",
     "tests/rollout/test_sglang.py",
     "tests/driver/test_lora_fit.py",
+    "tests/driver/test_delta_sync.py",
+    "tests/models/test_lora.py",
+    "tests/entry/test_convert_command.py",
+    "tests/driver/test_distillation.py",
     "tests/driver/test_gsm8k_smoke.py",
     "tests/driver/test_full_disk.py",
 )
