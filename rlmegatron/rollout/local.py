@@ -3,22 +3,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import re
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from rlmegatron.data.images import PromptImages, pixel_values
-from rlmegatron.errors import Divergence
+from rlmegatron.data.images import pixel_values
 from rlmegatron.models.families import family_for
 from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.delta import digest
 from rlmegatron.rollout.mtp_draft import MTPDraft
+from rlmegatron.rollout.sampling import Sample, filter_for_samples, prompt_batch, raise_if_not_finite
 from rlmegatron.rollout.speculative import SpeculativeDecoder
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
@@ -27,21 +25,10 @@ from rlmegatron.rollout.engine import (
     GenerationRequest,
     GenerationResult,
     RolloutEngine,
-    SamplingSpec,
     WeightStream,
     check_memory_tags,
 )
 from rlmegatron.tracking.progress import Progress, report
-
-
-@dataclass
-class _Sample:
-    request_index: int
-    sample_index: int
-    prompt: tuple[int, ...]
-    sampling: SamplingSpec
-    generator: torch.Generator | None
-    images: PromptImages | None = None
 
 
 def causal_lm_from_config(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
@@ -76,7 +63,7 @@ class _Noise:
     """The uniforms of the Gumbel-max draw, one row of the vocabulary per sample and token: a seeded sample's from its
     own generator, in the order of its tokens, so they do not depend on its batch; the others' from the engine's."""
 
-    def __init__(self, samples: list[_Sample], vocabulary: int, generator: torch.Generator) -> None:
+    def __init__(self, samples: list[Sample], vocabulary: int, generator: torch.Generator) -> None:
         self.samples, self.vocabulary, self.generator = samples, vocabulary, generator
         longest = max(s.sampling.max_new_tokens for s in samples)
         # The CPU generator is a serial Mersenne twister: one draw of [tokens, vocabulary] is the same numbers as one
@@ -108,85 +95,6 @@ class _Noise:
             uniform[shared] = torch.rand((len(shared), self.vocabulary), generator=self.generator,
                                          dtype=torch.float64, device=self.generator.device)
         return uniform
-
-
-def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Masks (to -inf) the tokens outside the top-k and outside the smallest nucleus holding `top_p` of the mass."""
-    logits = scaled_logits
-    if 0 < top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, top_k).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the mass strictly before it already reaches top_p; the first token always stays.
-        outside = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
-    return logits
-
-
-def raise_if_not_finite(logits: torch.Tensor, position: int, finish: list) -> None:
-    """Divergence if a sample still generating has logits that are NaN, +inf or all -inf: sampling would fail on
-    them and greedy decoding would pick an arbitrary token. A -inf on some tokens (a masked vocabulary) is fine.
-    One reduction over the logits, beside the sampling's own."""
-    top = logits.amax(dim=-1)  # NaN if any logit is NaN, inf if any is +inf, -inf if all are
-    bad = [row for row, value in enumerate(top.tolist()) if finish[row] is None and not math.isfinite(value)]
-    if bad:
-        raise Divergence(f"rollout logits: NaN or inf for {len(bad)} of the {len(finish)} samples at response "
-                         f"token {position + 1}; the rollout model's weights are not usable")
-
-
-@dataclass(frozen=True)
-class PromptBatch:
-    """A batch's prompts, left-padded: each distinct prompt (its tokens and its images) once."""
-
-    prompt_of: torch.Tensor
-    """[samples]: each sample's row among the distinct prompts."""
-    padding: list[int]
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    images: list
-    """Each distinct prompt's images (None: none)."""
-
-    @property
-    def distinct(self) -> int:
-        return len(self.padding)
-
-
-def prompt_batch(samples: list[_Sample], pad_token_id: int, device: torch.device) -> PromptBatch:
-    """The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
-    distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute. A prompt is its tokens
-    and its images: same-sized images have the same placeholder tokens."""
-    distinct: dict[tuple, int] = {}
-    prompt_of = torch.tensor([distinct.setdefault((s.prompt, s.images), len(distinct)) for s in samples],
-                             device=device)
-    prompts = [prompt for prompt, _ in distinct]
-    prompt_width = max(len(prompt) for prompt in prompts)
-    # Left-padded, each tensor made whole from Python lists: faster than a tensor per prompt copied into place
-    # (benchmarks/RESULTS.md, "Measured reasons in the code").
-    padding = [prompt_width - len(prompt) for prompt in prompts]
-    input_ids = torch.tensor([(pad_token_id,) * pad + prompt for pad, prompt in zip(padding, prompts)], device=device)
-    attention_mask = torch.tensor([[0] * pad + [1] * (prompt_width - pad) for pad in padding], device=device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return PromptBatch(prompt_of, padding, input_ids, attention_mask, position_ids,
-                       [prompt_images for _, prompt_images in distinct])
-
-
-def filter_for_samples(scaled: torch.Tensor, samples: list[_Sample]) -> torch.Tensor:
-    """`scaled` (logits / temperature, a row per sample first) with each sample's top-k/top-p filter applied; the
-    filtering runs on the whole batch at once."""
-    filtered = scaled
-    for top_k, top_p in {(s.sampling.top_k, s.sampling.top_p) for s in samples}:
-        rows = [row for row, s in enumerate(samples) if (s.sampling.top_k, s.sampling.top_p) == (top_k, top_p)]
-        if len(rows) == len(samples):
-            # One setting for the batch, as a rollout has: no copy and scatter of the rows, and none of the logits
-            # at all without top-k/top-p (benchmarks/RESULTS.md, "Measured reasons in the code").
-            filtered = filter_top_k_top_p(scaled, top_k, top_p)
-        else:
-            filtered = scaled.clone() if filtered is scaled else filtered
-            filtered[rows] = filter_top_k_top_p(scaled[rows], top_k, top_p)
-    return filtered
 
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -341,7 +249,7 @@ class LocalEngine(RolloutEngine):
             seed = int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
             self.generator = torch.Generator(device).manual_seed(seed)
         samples = [
-            _Sample(
+            Sample(
                 request_index,
                 sample_index,
                 request.prompt_token_ids,
@@ -377,7 +285,7 @@ class LocalEngine(RolloutEngine):
     # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, a
     # measurable part of a decode step (benchmarks/RESULTS.md, "Measured reasons in the code"); nothing made here reaches autograd.
     @torch.inference_mode()
-    def _generate_batch(self, samples: list[_Sample], interrupted: Callable[[], bool] | None = None,
+    def _generate_batch(self, samples: list[Sample], interrupted: Callable[[], bool] | None = None,
                         recorder: "_RouterRecorder | None" = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
@@ -480,7 +388,7 @@ class LocalEngine(RolloutEngine):
         return dict(pixel_values=torch.cat(pixels).to(self.device), image_grid_thw=grid_thw, position_ids=positions)
 
     @staticmethod
-    def _sample(scaled: torch.Tensor, samples: list[_Sample], uniform: torch.Tensor) -> torch.Tensor:
+    def _sample(scaled: torch.Tensor, samples: list[Sample], uniform: torch.Tensor) -> torch.Tensor:
         """One token per row of `scaled` (logits / temperature) by the Gumbel-max trick: argmax of the filtered logits
         plus Gumbel noise (from `uniform`, _Noise's) is a draw from their softmax. The filtering and the draw run on
         the whole batch at once."""

@@ -16,15 +16,30 @@ hidden entries are most of a cache, it is compacted: each row's visible entries 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+from torch import nn
 
 from rlmegatron.rollout.engine import FinishReason, GenerationResult
+from rlmegatron.rollout.sampling import Sample, filter_for_samples, prompt_batch, raise_if_not_finite
 
 if TYPE_CHECKING:
-    from rlmegatron.rollout.local import LocalEngine, _Sample
     from rlmegatron.rollout.mtp_draft import MTPDraft
+
+
+class DecodingEngine(Protocol):
+    """What speculative decoding reads of the engine it decodes for (rollout.local.LocalEngine, which holds the
+    decoder: a protocol, so that this module does not import it back)."""
+
+    model: nn.Module
+    device: torch.device
+    generator: torch.Generator
+    pad_token_id: int
+    eos_token_ids: frozenset[int]
+    cache_argument: str
+    """The model's forward's name for the KV cache."""
+    weight_version: str | None
 
 
 @dataclass
@@ -37,7 +52,7 @@ class _Rows:
     verifications: list[int]
     accepted: list[int]
 
-    def commit(self, samples: list["_Sample"], eos: frozenset, tokens: list[list[int]], logprobs: list[list[float]]
+    def commit(self, samples: list[Sample], eos: frozenset, tokens: list[list[int]], logprobs: list[list[float]]
                ) -> None:
         """Appends each unfinished row's tokens until one ends it (a stop token, max_new_tokens)."""
         for row, sample in enumerate(samples):
@@ -106,12 +121,9 @@ class SpeculativeDecoder:
         self.draft, self.k = draft, num_draft_tokens
 
     @torch.inference_mode()
-    def generate_batch(self, engine: "LocalEngine", samples: list["_Sample"],
+    def generate_batch(self, engine: DecodingEngine, samples: list[Sample],
                        interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         from transformers import DynamicCache
-
-        # lazy: rollout.local imports this module (its LocalEngine holds the SpeculativeDecoder)
-        from rlmegatron.rollout.local import filter_for_samples, prompt_batch, raise_if_not_finite
 
         k, draft, model = self.k, self.draft, engine.model
         decoder, head = model.get_decoder(), model.get_output_embeddings()
@@ -228,7 +240,7 @@ class _Uniforms:
     """Uniforms in [0, 1) for the rows' draws, float64: a seeded sample's from its own generator (its stream does not
     depend on the batch), the others' from the engine's in one draw."""
 
-    def __init__(self, samples: list["_Sample"], generator: torch.Generator) -> None:
+    def __init__(self, samples: list[Sample], generator: torch.Generator) -> None:
         self.generators = [s.generator for s in samples]
         self.shared = [row for row, g in enumerate(self.generators) if g is None]
         self.generator = generator

@@ -142,7 +142,7 @@ def test_samples_follow_the_filtered_softmax(model, temperature, top_p, top_k):
     """4096 first tokens (high temperatures: the test model's logits are sharp): never outside the top-k / top-p
     set, and their frequencies are the renormalised softmax of logits / temperature over it, within twice the total
     variation that sampling noise alone gives on average."""
-    from rlmegatron.rollout.local import filter_top_k_top_p
+    from rlmegatron.rollout.sampling import filter_top_k_top_p
 
     prompt, draws = PROMPTS[2], 4096
     spec = SamplingSpec(n=draws, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=1, seed=7)

@@ -9,7 +9,8 @@ from scipy.stats import chisquare
 
 from rlmegatron.rollout import speculative
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.local import LocalEngine, filter_top_k_top_p
+from rlmegatron.rollout.local import LocalEngine
+from rlmegatron.rollout.sampling import filter_top_k_top_p
 from tests.models.tiny_hf import save_tiny_model
 
 # A vocabulary of 8: the draft's and the main model's distributions overlap enough that most drafts are kept and
