@@ -16,7 +16,7 @@ from rlmegatron.models.mrope import mrope_position_ids
 from rlmegatron.models.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from rlmegatron.rollout.delta import digest
 from rlmegatron.rollout.mtp_draft import MTPDraft
-from rlmegatron.rollout.sampling import Sample, filter_for_samples, prompt_batch, raise_if_not_finite
+from rlmegatron.rollout.sampling import RequestSample, filter_for_samples, prompt_batch, raise_if_not_finite
 from rlmegatron.rollout.speculative import SpeculativeDecoder
 from rlmegatron.rollout.buckets import FlattenedBucket
 from rlmegatron.rollout.engine import (
@@ -63,7 +63,7 @@ class _Noise:
     """The uniforms of the Gumbel-max draw, one row of the vocabulary per sample and token: a seeded sample's from its
     own generator, in the order of its tokens, so they do not depend on its batch; the others' from the engine's."""
 
-    def __init__(self, samples: list[Sample], vocabulary: int, generator: torch.Generator) -> None:
+    def __init__(self, samples: list[RequestSample], vocabulary: int, generator: torch.Generator) -> None:
         self.samples, self.vocabulary, self.generator = samples, vocabulary, generator
         longest = max(s.sampling.max_new_tokens for s in samples)
         # The CPU generator is a serial Mersenne twister: one draw of [tokens, vocabulary] is the same numbers as one
@@ -249,7 +249,7 @@ class LocalEngine(RolloutEngine):
             seed = int(torch.randint(2**62, (), generator=self.generator, device=self.generator.device))
             self.generator = torch.Generator(device).manual_seed(seed)
         samples = [
-            Sample(
+            RequestSample(
                 request_index,
                 sample_index,
                 request.prompt_token_ids,
@@ -285,7 +285,7 @@ class LocalEngine(RolloutEngine):
     # Inference mode, not just no_grad: no version counters or views tracked on the KV cache and activations, a
     # measurable part of a decode step (benchmarks/RESULTS.md, "Measured reasons in the code"); nothing made here reaches autograd.
     @torch.inference_mode()
-    def _generate_batch(self, samples: list[Sample], interrupted: Callable[[], bool] | None = None,
+    def _generate_batch(self, samples: list[RequestSample], interrupted: Callable[[], bool] | None = None,
                         recorder: "_RouterRecorder | None" = None) -> list[GenerationResult]:
         device = self.device
         batch = len(samples)
@@ -388,7 +388,7 @@ class LocalEngine(RolloutEngine):
         return dict(pixel_values=torch.cat(pixels).to(self.device), image_grid_thw=grid_thw, position_ids=positions)
 
     @staticmethod
-    def _sample(scaled: torch.Tensor, samples: list[Sample], uniform: torch.Tensor) -> torch.Tensor:
+    def _sample(scaled: torch.Tensor, samples: list[RequestSample], uniform: torch.Tensor) -> torch.Tensor:
         """One token per row of `scaled` (logits / temperature) by the Gumbel-max trick: argmax of the filtered logits
         plus Gumbel noise (from `uniform`, _Noise's) is a draw from their softmax. The filtering and the draw run on
         the whole batch at once."""

@@ -13,7 +13,7 @@ from rlmegatron.rollout.engine import SamplingSpec
 
 
 @dataclass
-class Sample:
+class RequestSample:
     """One response to generate: its request and index among the request's n, its prompt, how to sample it, its own
     generator when seeded, its images."""
 
@@ -69,7 +69,7 @@ class PromptBatch:
         return len(self.padding)
 
 
-def prompt_batch(samples: list[Sample], pad_token_id: int, device: torch.device) -> PromptBatch:
+def prompt_batch(samples: list[RequestSample], pad_token_id: int, device: torch.device) -> PromptBatch:
     """The samples of one prompt (GRPO's n per prompt) share its prefill, as SGLang's prefix cache does: each
     distinct prompt is run once and its KV cache rows repeated, 1/n of the prefill's compute. A prompt is its tokens
     and its images: same-sized images have the same placeholder tokens."""
@@ -88,7 +88,7 @@ def prompt_batch(samples: list[Sample], pad_token_id: int, device: torch.device)
                        [prompt_images for _, prompt_images in distinct])
 
 
-def filter_for_samples(scaled: torch.Tensor, samples: list[Sample]) -> torch.Tensor:
+def filter_for_samples(scaled: torch.Tensor, samples: list[RequestSample]) -> torch.Tensor:
     """`scaled` (logits / temperature, a row per sample first) with each sample's top-k/top-p filter applied; the
     filtering runs on the whole batch at once."""
     filtered = scaled

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from rlmegatron.rollout.engine import FinishReason, GenerationResult
-from rlmegatron.rollout.sampling import Sample, filter_for_samples, prompt_batch, raise_if_not_finite
+from rlmegatron.rollout.sampling import RequestSample, filter_for_samples, prompt_batch, raise_if_not_finite
 
 if TYPE_CHECKING:
     from rlmegatron.rollout.mtp_draft import MTPDraft
@@ -52,7 +52,7 @@ class _Rows:
     verifications: list[int]
     accepted: list[int]
 
-    def commit(self, samples: list[Sample], eos: frozenset, tokens: list[list[int]], logprobs: list[list[float]]
+    def commit(self, samples: list[RequestSample], eos: frozenset, tokens: list[list[int]], logprobs: list[list[float]]
                ) -> None:
         """Appends each unfinished row's tokens until one ends it (a stop token, max_new_tokens)."""
         for row, sample in enumerate(samples):
@@ -121,7 +121,7 @@ class SpeculativeDecoder:
         self.draft, self.k = draft, num_draft_tokens
 
     @torch.inference_mode()
-    def generate_batch(self, engine: DecodingEngine, samples: list[Sample],
+    def generate_batch(self, engine: DecodingEngine, samples: list[RequestSample],
                        interrupted: Callable[[], bool] | None = None) -> list[GenerationResult]:
         from transformers import DynamicCache
 
@@ -240,7 +240,7 @@ class _Uniforms:
     """Uniforms in [0, 1) for the rows' draws, float64: a seeded sample's from its own generator (its stream does not
     depend on the batch), the others' from the engine's in one draw."""
 
-    def __init__(self, samples: list[Sample], generator: torch.Generator) -> None:
+    def __init__(self, samples: list[RequestSample], generator: torch.Generator) -> None:
         self.generators = [s.generator for s in samples]
         self.shared = [row for row, g in enumerate(self.generators) if g is None]
         self.generator = generator
