@@ -8,7 +8,7 @@ import random
 import string
 from pathlib import Path
 
-from rlmegatron.data import build_char_tokenizer
+from rlmegatron.data import build_char_tokenizer, write_jsonl
 
 HERE = Path(__file__).parent
 DIGITS = string.digits
@@ -49,8 +49,7 @@ def main() -> None:
     }
     (HERE / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, count, seed in (("train", 2048, 0), ("val", 64, 1)):
-        with open(HERE / f"{name}.jsonl", "w") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows(count, seed))
+        write_jsonl(HERE / f"{name}.jsonl", rows(count, seed))
 
 
 if __name__ == "__main__":

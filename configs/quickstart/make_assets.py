@@ -5,7 +5,7 @@ import random
 import string
 from pathlib import Path
 
-from rlmegatron.data import build_char_tokenizer
+from rlmegatron.data import build_char_tokenizer, write_jsonl
 
 HERE = Path(__file__).parent
 DIGITS = string.digits
@@ -53,8 +53,7 @@ def main() -> None:
            "router_aux_loss_coef": 0.0}
     (HERE / "moe_model" / "config.json").write_text(json.dumps(moe, indent=2) + "\n")
     for name, count, seed in (("train", 2048, 0), ("val", 64, 1)):
-        with open(HERE / f"{name}.jsonl", "w") as out:
-            out.writelines(json.dumps(row) + "\n" for row in next_digit_rows(count, seed))
+        write_jsonl(HERE / f"{name}.jsonl", next_digit_rows(count, seed))
 
 
 if __name__ == "__main__":

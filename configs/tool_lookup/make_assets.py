@@ -7,6 +7,8 @@ import json
 import random
 from pathlib import Path
 
+from rlmegatron.data import write_jsonl
+
 HERE = Path(__file__).parent
 KEYS = "abcd"
 DIGITS = "0123456789"
@@ -56,8 +58,7 @@ def main() -> None:
     }
     (HERE / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, count, seed in (("train", 2048, 0), ("val", 64, 1)):
-        with open(HERE / f"{name}.jsonl", "w") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows(count, seed))
+        write_jsonl(HERE / f"{name}.jsonl", rows(count, seed))
     stops = [tokenizer.convert_tokens_to_ids(t) for t in [*CALLS, *DIGITS, "<|im_end|>"]]
     print("rollout.stop_token_ids:", stops)
 

@@ -1,5 +1,5 @@
 """Prompt datasets: typed records, verl-format reading, resumable batching, and dataset preparation."""
-from rlmegatron.data.dataset import DatasetError, PromptDataset, PromptEncoder, RLDataset, build_dataset
+from rlmegatron.data.dataset import DatasetError, PromptDataset, PromptEncoder, RLDataset, build_dataset, write_jsonl
 from rlmegatron.plugins import PluginError, load_plugin
 from rlmegatron.data.records import Sample
 from rlmegatron.data.sampler import PromptDataLoader, ResumableBatchSampler, SamplerState
@@ -18,4 +18,5 @@ __all__ = [
     "build_char_tokenizer",
     "build_dataset",
     "load_plugin",
+    "write_jsonl",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -188,6 +188,12 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             f"{path}: not a readable parquet file ({where}: {_one_line(err)}); write it again (rlm prepare) or "
             "replace it"
         ) from None
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """One JSON object a line, as jsonl_rows reads them back (the shipped tasks' make_assets.py scripts)."""
+    with path.open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
