@@ -1,4 +1,6 @@
 """Parameter counts from the shipped config.json files against the totals the model publishers state."""
+import math
+
 import pytest
 import torch
 
@@ -34,24 +36,57 @@ def test_counts_match_published_totals_within_2_percent(model, total, active):
     assert params.active == pytest.approx(active, rel=0.02)
 
 
-def test_kimi_k2p5_counts_its_config_tensor_for_tensor_and_moonshots_1p04t_is_layer_0_counted_as_moe():
-    # Kimi-K2 report: 1.04T total, 32.6B activated. The config (text_config) has first_k_dense_replace=1: layer 0 is
-    # a dense MLP (18432 wide), layers 1-60 are MoE (384 experts of 2048, one shared, a router with its bias). That
-    # is 1026.41B; the MoonViT tower and projector (~0.46B) are carried, not counted, and would not close the gap.
-    # 1.04T is the same arithmetic with all 61 layers MoE (1042.97B): the published figure's definition, not a
-    # tensor the count misses.
-    params = count_parameters(read_architecture(MODELS_DIR / "kimi-k2.5"))
+def _kimi_k2_release_tensors() -> dict[str, tuple[int, ...]]:
+    """Every tensor of Moonshot's Kimi-K2 language model as its checkpoint names it, from the config's sizes: layer 0
+    a dense MLP (first_k_dense_replace=1), layers 1-60 MoE (384 routed experts of 2048, one shared, a router and its
+    score-correction bias), MLA attention, no MTP layer (num_nextn_predict_layers=0), untied head."""
     h, heads, experts, expert_ffn, vocab = 7168, 64, 384, 2048, 163840
-    attention = (h * 1536 + 1536 + 1536 * heads * (128 + 64)  # q_a, q_a_layernorm, q_b
-                 + h * (512 + 64) + 512 + 512 * heads * (128 + 128)  # kv_a_proj_with_mqa, kv_a_layernorm, kv_b
-                 + heads * 128 * h)  # o_proj
-    expert = 3 * h * expert_ffn
-    moe_layer = attention + 2 * h + experts * expert + expert + experts * h + experts
-    dense_layer = attention + 2 * h + 3 * h * 18432
-    counted = dense_layer + 60 * moe_layer + 2 * vocab * h + h
-    assert params.total == counted
-    assert counted == pytest.approx(1026.41e9, rel=1e-5)
-    assert counted - dense_layer + moe_layer == pytest.approx(1.04e12, rel=0.003)
+    tensors = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for layer in range(61):
+        p = f"model.layers.{layer}."
+        tensors.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                        p + "self_attn.q_a_proj.weight": (1536, h), p + "self_attn.q_a_layernorm.weight": (1536,),
+                        p + "self_attn.q_b_proj.weight": (heads * (128 + 64), 1536),
+                        p + "self_attn.kv_a_proj_with_mqa.weight": (512 + 64, h),
+                        p + "self_attn.kv_a_layernorm.weight": (512,),
+                        p + "self_attn.kv_b_proj.weight": (heads * (128 + 128), 512),
+                        p + "self_attn.o_proj.weight": (h, heads * 128)})
+        mlps = {"mlp.": 18432} if layer == 0 else {
+            **{f"mlp.experts.{e}.": expert_ffn for e in range(experts)}, "mlp.shared_experts.": expert_ffn}
+        for mlp, ffn in mlps.items():
+            tensors.update({p + mlp + "gate_proj.weight": (ffn, h), p + mlp + "up_proj.weight": (ffn, h),
+                            p + mlp + "down_proj.weight": (h, ffn)})
+        if layer:
+            tensors.update({p + "mlp.gate.weight": (experts, h), p + "mlp.gate.e_score_correction_bias": (experts,)})
+    return tensors
+
+
+def test_kimi_k2p5_count_reproduces_the_released_checkpoints_census():
+    # Three totals are published for this language model: the model card's "1T", the Kimi-K2 report's "1.04T", and
+    # the Hugging Face page's "1.03T params", which is the released checkpoint's own census: Kimi-K2-Instruct's
+    # model.safetensors.index.json has total_size 1,029,173,256,720 bytes over 139,644 tensors (fetched 2026-08-07,
+    # index sha256 5f26b4ba...). The count is checked against that census, tensor for tensor: the release is
+    # DeepSeek-V3's block FP8 (1-byte e4m3 weights with float32 128x128 scales, in exactly the tensors
+    # models/fp8.py quantises), bf16 elsewhere, the routers' score-correction biases float32.
+    # The report's 1.04T is the same arithmetic with layer 0 an MoE layer too (1042.97B); the config makes it dense.
+    from rlmegatron.models.fp8 import DEFAULT as block_fp8
+
+    params = count_parameters(read_architecture(MODELS_DIR / "kimi-k2.5"))
+    tensors = _kimi_k2_release_tensors()
+    assert params.total == sum(math.prod(shape) for shape in tensors.values()) == 1_026_408_232_448
+    size = 0
+    for name, shape in tensors.items():
+        if block_fp8.quantises(name):
+            size += math.prod(shape) + 4 * math.prod(block_fp8.scale_shape(shape))
+        else:
+            size += math.prod(shape) * (4 if name.endswith("e_score_correction_bias") else 2)
+    # 6,832 bytes short of the index (7e-9 of it): 61 tensors too few, one of 112 bytes per layer that the index
+    # lists and that is not a weight of the config (the index alone does not name it; nothing loads it).
+    assert size == 1_029_173_256_720 - 6_832
+    assert len(tensors) + sum(block_fp8.quantises(name) for name in tensors) == 139_644 - 61
+    assert params.total == pytest.approx(1.03e12, rel=0.005)  # the checkpoint's published 1.03T
+    dense_layer, moe_layer = params.layers[0], params.layers[1]
+    assert params.total - dense_layer.total + moe_layer.total == pytest.approx(1.04e12, rel=0.003)  # the report's
     assert params.active == pytest.approx(32.6e9, rel=0.01)
 
 
