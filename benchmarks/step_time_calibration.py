@@ -13,7 +13,10 @@ Which runs fit: a step's published total alone cannot say how much of it is gene
 on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two): Llama-3.1-8B
 (dense) and Qwen3-30B-A3B (MoE), both ways; DeepSeek-V3 off policy for the all-reduce latency of an engine across
 nodes; verl's sync for the link. Held out: Qwen3-32B and Qwen3-235B-A22B both ways (models the fit never sees),
-DeepSeek-V3 on policy, and NeMo-RL's refit.
+DeepSeek-V3 on policy, and NeMo-RL's refit. Every v0.6 row is held out too: they came after the constants were fitted,
+so they test the model as it was (the strongest test there is for the models it fitted, and for Qwen3-235B-A22B,
+which it never saw); fitting them would also mix two releases whose software differs on identical layouts (Qwen3-30B-A3B
+1-step off: 244 s in v0.4, 152 s in v0.6), which no constant of the model can stand for.
 
 Sources:
 - NeMo-RL v0.4 performance summary (docs/about/performance-summary.md in NVIDIA-NeMo/RL, r0.4.0): GRPO on
@@ -26,6 +29,13 @@ Sources:
   with activation checkpointing (full recompute), the Qwen3-30B-A3B and Qwen3-32B recipes without; sequence packing
   with one packed sequence of the maximum length per micro-batch; the 1-step off-policy runs are disaggregated,
   half the GPUs generating and half training (their recipes' "16T16G"-style splits).
+- NeMo-RL v0.6 performance summary (docs/about/performance-summary.md at r0.6.0, "H100 BF16"): the same dataset,
+  system and precision; layouts from its r0.6.0 recipes, which differ from the table once: the 512-GPU DeepSeek-V3
+  on-policy recipe (grpo-deepseek-v3-64n8g.yaml) sets EP 32 where the table says 16 (the recipe is taken). The
+  recipes' layer splits (num_layers_in_first/last_pipeline_stage: DeepSeek-V3 3 and 2, Qwen3-235B-A22B 11 and 11)
+  are taken for both releases (the v0.4 recipes set the same). The 8-step off row: 64 generating and 128 training
+  GPUs (grpo-qwen3-30ba3b-24n8g-async-8off.yaml), max_trajectory_age_steps 8, taken as trainer.mode=async with
+  max_staleness 8. Its note: DeepSeek-V3's checkpoint changed between releases (shorter responses).
 - verl's checkpoint-engine benchmark (verl/checkpoint_engine/README.md): Qwen3-30B-A3B, 4 x 8 H100 with 400 Gb/s
   ConnectX-7, NCCL backend, 30 rollout GPUs each receiving the whole BF16 model: about 7 s.
 - NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32: 2.4-2.8 s (../shared/DESIGN.md).
@@ -72,25 +82,48 @@ class Published:
     step_s: float
     on_policy: bool = True
     recompute: bool = False  # the recipe's activation_checkpointing
+    version: str = "v0.4"  # the NeMo-RL release whose performance summary publishes the run
+    stages: tuple[int, int] | None = None  # the recipe's num_layers_in_first/last_pipeline_stage
+    generation_gpus: int | None = None  # off policy: the recipe's generation GPUs (default: half)
+    staleness: int = 1  # off policy: the recipe's max_trajectory_age_steps
 
 
 NEMO_RL = (
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1060, 1, (1, 1, 1, 2), 97.7,
               recompute=True),
     Published("DeepSeek-V3", "deepseek-v3", "held out", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154,
-              recompute=True),
+              recompute=True, stages=(3, 2)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506,
-              recompute=True),
+              recompute=True, stages=(11, 11)),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3154, 4, (2, 1, 8, 1), 225),
     Published("Qwen3-32B", "qwen3-32b", "held out", 32, 2048, 512, 4096, 3206, 4, (4, 1, 1, 4), 393),
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1129, 1, (1, 1, 1, 2), 74.6, False,
               recompute=True),
     Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
-              recompute=True),
+              recompute=True, stages=(3, 2)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5691, 8, (4, 1, 16, 8), 241,
-              False, recompute=True),
+              False, recompute=True, stages=(11, 11)),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3158, 2, (1, 1, 8, 2), 244, False),
     Published("Qwen3-32B", "qwen3-32b", "held out", 64, 2048, 512, 4096, 3207, 4, (4, 1, 1, 4), 215, False),
+    # NeMo-RL v0.6's H100 BF16 GRPO rows, each with its r0.6.0 recipe's layout.
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 256, 512, 512, 1536, 701, 32, (1, 1, 16, 16), 134,
+              recompute=True, version="v0.6", stages=(3, 2)),
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 697, 32, (1, 1, 32, 16), 111,
+              recompute=True, version="v0.6", stages=(3, 2)),
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 710, 32, (1, 1, 16, 16), 64.1, False,
+              recompute=True, version="v0.6", stages=(3, 2)),
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5698, 16, (2, 2, 16, 8), 395,
+              recompute=True, version="v0.6", stages=(11, 11)),
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5713, 16, (2, 2, 16, 8), 312,
+              recompute=True, version="v0.6", stages=(11, 11)),
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5721, 8, (4, 1, 16, 8), 231,
+              False, recompute=True, version="v0.6", stages=(11, 11)),
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 32, 2048, 512, 4096, 3203, 2, (1, 1, 8, 1), 192,
+              version="v0.6"),
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 32, 2048, 512, 4096, 3201, 2, (1, 1, 8, 2), 152, False,
+              version="v0.6"),
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 192, 2048, 512, 4096, 3206, 2, (1, 1, 8, 1), 34.5,
+              False, version="v0.6", generation_gpus=64, staleness=8),
 )
 
 
@@ -98,16 +131,23 @@ def overrides(run: Published) -> list[str]:
     tp, cp, ep, pp = run.layout
     arch = read_architecture(REPO_ROOT / "configs" / "models" / run.model)
     nodes = run.gpus // 8
+    generation = run.generation_gpus or run.gpus // 2
+    trainer_gpus = run.gpus - generation
+    mode = "one_step_off" if run.staleness == 1 else f"async trainer.max_staleness={run.staleness}"
     placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8", "rollout.mem_fraction_static=0.6"]
                  if run.on_policy else
-                 [f"placement.nnodes={nodes // 2 or 1}", f"placement.gpus_per_node={8 if nodes > 1 else 4}",
-                  "placement.mode=disaggregate", "trainer.mode=one_step_off",
-                  f"placement.rollout_nnodes={nodes // 2 or 1}",
-                  f"placement.rollout_gpus_per_node={8 if nodes > 1 else 4}", "rollout.mem_fraction_static=0.8"])
-    # Layers that do not split evenly: the first stage takes fewer (it also holds the embedding).
-    first_stage = arch.num_hidden_layers - (pp - 1) * -(-arch.num_hidden_layers // pp)
-    uneven = [f"actor.megatron.extra.num_layers_in_first_pipeline_stage={first_stage}"] \
-        if arch.num_hidden_layers % pp else ["~actor.megatron.extra.num_layers_in_first_pipeline_stage"]
+                 [f"placement.nnodes={trainer_gpus // 8 or 1}", f"placement.gpus_per_node={min(trainer_gpus, 8)}",
+                  "placement.mode=disaggregate", *f"trainer.mode={mode}".split(),
+                  f"placement.rollout_nnodes={generation // 8 or 1}",
+                  f"placement.rollout_gpus_per_node={min(generation, 8)}", "rollout.mem_fraction_static=0.8"])
+    if run.stages is not None:  # the recipe's split
+        uneven = [f"actor.megatron.extra.num_layers_in_first_pipeline_stage={run.stages[0]}",
+                  f"actor.megatron.extra.num_layers_in_last_pipeline_stage={run.stages[1]}"]
+    elif arch.num_hidden_layers % pp:  # layers that do not split evenly: the first stage takes fewer
+        uneven = [f"actor.megatron.extra.num_layers_in_first_pipeline_stage="
+                  f"{arch.num_hidden_layers - (pp - 1) * -(-arch.num_hidden_layers // pp)}"]
+    else:
+        uneven = ["~actor.megatron.extra.num_layers_in_first_pipeline_stage"]
     return [f"model.path=hub/{run.model}", f"model.hf_config=configs/models/{run.model}",
             f"data.max_prompt_length={PROMPT_BUDGET}", f"data.max_response_length={run.max_sequence - PROMPT_BUDGET}",
             f"data.train_batch_size={run.samples // 8}", "rollout.n=8",
@@ -133,6 +173,11 @@ class Case:
     predict: object  # Constants -> {"phases": ..., "total": ...}
 
 
+def run_name(run: Published) -> str:
+    policy = "on" if run.on_policy else f"{run.staleness}-step off"
+    return f"{run.name} {policy} {run.gpus} ({run.version})"
+
+
 def _step_case(run: Published) -> Case:
     spec = load_spec(REPO_ROOT / "configs" / "deepseek_v3_671b_grpo.yaml", overrides(run))
     if not spec.needs_old_log_prob_pass:  # NeMo-RL computes them anyway: force the pass the way a user would
@@ -149,8 +194,7 @@ def _step_case(run: Published) -> Case:
         estimate = step_time(spec, arch, params, plan.actor, plan.engine, plan.sync.bytes_per_engine_gpu, work, hw, c)
         return {"phases": estimate.phases, "total": estimate.total}
 
-    policy = "on" if run.on_policy else "1-step off"
-    return Case(f"{run.name} {policy} {run.gpus}", run.role, run.step_s, f"{run.step_s:g}", predict)
+    return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict)
 
 
 def predict(run: Published, c: Constants = FITTED) -> dict:
@@ -222,7 +266,7 @@ def main() -> None:
     c = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED
     print(("refitted on the fit runs: " if args.fit else "step_time.FITTED: ") + _constants_line(c))
     if args.markdown:
-        print("| run (NeMo-RL v0.4 on H100, policy, GPUs; the sync rows as named) | role | published s | predicted s | "
+        print("| run (NeMo-RL on H100: policy, GPUs, release; the sync rows as named) | role | published s | predicted s | "
               "error | phases s |")
         print("|---|---|---:|---:|---:|---|")
     for case in all_cases:
