@@ -309,17 +309,19 @@ class WeightMap:
                     f"and output head, and Megatron holds one tensor for both, so converting would lose one of them"
                 )
 
-    def hf_stream(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of a stream of full Megatron tensors (megatron_to_hf of each), with a stacked
-        expert tensor (gpt-oss's [E, ...]) put together from its experts' pieces and yielded once all are in: the
-        stream keeps one layer's stacked tensors at a time, since a layer's experts come one after another."""
+    def hf_stream(self, named: Iterable[tuple[str, torch.Tensor]], copies: bool = True
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of a stream of full Megatron tensors (megatron_to_hf of each, with or without the
+        rules' `copies`), with a stacked expert tensor (gpt-oss's [E, ...]) put together from its experts' pieces and
+        yielded once all are in: the stream keeps one layer's stacked tensors at a time, since a layer's experts
+        come one after another."""
         pieces = self._stacked_pieces
         stacks: dict[str, torch.Tensor] = {}
         filled: dict[str, int] = {}
         for name, tensor in named:
             rule = self._export_map.rule(name)
             if not rule.exported or not any(s.expert is not None for s in rule.sources) or self._export_map is not self:
-                yield from self.megatron_to_hf(name, tensor).items()
+                yield from self.megatron_to_hf(name, tensor, copies).items()
                 continue
             for source, part in zip(rule.sources, self.split(rule, tensor)):
                 if source.key not in stacks:
@@ -340,8 +342,10 @@ class WeightMap:
                     counts[source.key] = counts.get(source.key, 0) + 1
         return counts
 
-    def megatron_to_hf(self, megatron_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """HF-named full tensors of one full Megatron tensor; {} for a tied copy."""
+    def megatron_to_hf(self, megatron_name: str, tensor: torch.Tensor, copies: bool = True
+                       ) -> dict[str, torch.Tensor]:
+        """HF-named full tensors of one full Megatron tensor, with the copies a checkpoint names beside it (the MTP
+        layers' embedding and head) unless not `copies`; {} for a tied copy."""
         rule = self._export_map.rule(megatron_name)
         if not rule.exported:
             return {}
@@ -355,5 +359,7 @@ class WeightMap:
             if whole is None:
                 whole = hf[source.key] = part.new_empty(source.whole_slab_shape(part.shape))
             source.rows.place(whole, part)
+        if not copies:
+            return hf
         # Copies are clones: safetensors refuses to save tensors that share memory.
         return hf | {key: hf[rule.sources[0].key].clone() for key in rule.copies}

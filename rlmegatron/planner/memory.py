@@ -364,11 +364,13 @@ def mtp_rollout_bytes(spec: JobSpec, params: ParameterCount) -> float:
 
 
 def mtp_sync_bytes(spec: JobSpec, params: ParameterCount) -> float:
-    """What the MTP layers add to every weight sync: their weights and, per layer, the copies of the embedding and
-    the output head a DeepSeek or GLM checkpoint names under it (models/weight_map.py), which the sync streams with
-    them in model.dtype."""
-    copies = 2 * len(params.mtp) * params.embedding * _WEIGHT_BYTES[spec.model.dtype]
-    return mtp_rollout_bytes(spec, params) + copies
+    """What the MTP layers add to a step's weight sync: the first layer's weights when the engines draft with it
+    (rollout.speculative) and a loss trains it (actor.mtp.loss_weight; frozen, it goes with the first push only).
+    No engine loads the other layers, or the layers' copies of the embedding and head (SGLang's draft takes the main
+    model's), so the sync sends none of them (resharding.HFWeightExporter.stream)."""
+    if spec.rollout.speculative is None or spec.actor.mtp.loss_weight == 0 or not params.mtp:
+        return 0.0
+    return mtp_rollout_bytes(spec, params) / len(params.mtp)
 
 
 def _rollout_bytes(spec: JobSpec, total: int, layers: tuple) -> float:

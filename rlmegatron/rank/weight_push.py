@@ -138,8 +138,9 @@ class WeightPush:
 
     def _weights(self, full: bool = True):
         """The actor's HF-named weights as the engines take them: block-wise FP8 with rollout.quantization fp8;
-        all of them, or (not `full`) all that training can have changed."""
-        stream = self._exporter().stream(skip_frozen_vision=not full)
+        all of them, or (not `full`) all that training can have changed. Of the MTP layers, the one the engines
+        draft with (rollout.speculative), else none: no engine loads the others."""
+        stream = self._exporter().stream(skip_frozen=not full, mtp_layers=1 if self.settings.num_draft_tokens else 0)
         weight_format = self.settings.weight_format
         return stream if weight_format is None else weight_format.quantised_stream(stream)
 

@@ -36,6 +36,7 @@ from rlmegatron.models.lora import is_adapter_name
 from rlmegatron.models.weight_map import WeightMap, canonical_name, global_layers
 
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class _Entry:
     local_shape: tuple[int, ...]
     dtype: torch.dtype
     partition_dim: Optional[int]  # TP-sharded dim, None if replicated
-    frozen_vision: bool = False  # a frozen image encoder's weight: it cannot differ from what the engines hold
+    frozen: bool = False  # a frozen image encoder's or MTP layer's weight: it cannot differ from what engines hold
+    mtp_layer: Optional[int] = None  # the MTP layer the weight belongs to
 
 
 def _partition_dim(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> Optional[int]:
@@ -103,7 +105,10 @@ class HFWeightExporter:
                          if tensor is getattr(module, "weight", None) and hasattr(module, "merged_weight")}
         stage = ps.get_pipeline_model_parallel_rank()
         mine = [_Entry(name, local_name, stage, tuple(t.shape), t.dtype, dim,
-                       frozen_vision=name.startswith("vision.") and not t.requires_grad)
+                       # Buffers (a router's expert bias) move outside the optimizer: never frozen.
+                       frozen=name.startswith(("vision.", "mtp.")) and isinstance(t, torch.nn.Parameter)
+                       and not t.requires_grad,
+                       mtp_layer=int(m.group(1)) if (m := _MTP_LAYER.match(name)) else None)
                 for name, local_name, t, dim, _ in local]
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
@@ -121,18 +126,24 @@ class HFWeightExporter:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.stream()
 
-    def stream(self, dtype: Optional[torch.dtype] = None, skip_frozen_vision: bool = False
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) for every exported weight, identically on every rank; `skip_frozen_vision`
-        leaves out a frozen image encoder (a sync after engines already hold it)."""
-        for hf_name, value in self.weight_map.hf_stream(self._megatron_stream(skip_frozen_vision)):
+    def stream(self, dtype: Optional[torch.dtype] = None, skip_frozen: bool = False,
+               mtp_layers: Optional[int] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for every exported weight, identically on every rank. `skip_frozen` leaves
+        out a frozen image encoder and frozen MTP layers (a sync after engines already hold them). `mtp_layers`:
+        only the first that many MTP layers, without their copies of the embedding and output head, which is what
+        an engine loads (SGLang's NEXTN draft loads the first MTP layer and takes embedding and head from the main
+        model; a server that does not draft loads none, and neither does the local engine); None: every MTP layer
+        and its copies, as a checkpoint holds them."""
+        named = self._megatron_stream(skip_frozen, mtp_layers)
+        for hf_name, value in self.weight_map.hf_stream(named, copies=mtp_layers is None):
             yield hf_name, value if dtype is None else value.to(dtype)
 
-    def _megatron_stream(self, skip_frozen_vision: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _megatron_stream(self, skip_frozen: bool, mtp_layers: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
         """(weight-map name, full Megatron tensor) of every exported weight, identically on every rank."""
         local_experts = self.num_experts // self.ep_size if self.num_experts else 0
         for entry in self._plan:
-            if skip_frozen_vision and entry.frozen_vision:
+            if (skip_frozen and entry.frozen) or (mtp_layers is not None and entry.mtp_layer is not None
+                                                  and entry.mtp_layer >= mtp_layers):
                 continue
             expert = _EXPERT.search(entry.name)
             if expert and self.ep_size > 1:

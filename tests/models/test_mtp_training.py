@@ -32,6 +32,8 @@ LAYOUTS = {
     "ep2": ["actor.megatron.expert_model_parallel_size=2"],
 }
 MTP_LAYER = "model.layers.4."  # the tiny DeepSeek-V3 has 4 decoder layers
+COPIES = {MTP_LAYER + "embed_tokens.weight", MTP_LAYER + "shared_head.head.weight"}  # of the main embedding and head
+DRAFTING = "rollout.speculative={method: mtp, num_draft_tokens: 2}"
 
 
 SAMPLED = ((3, 6, 4, 5), (8, 5, 7, 3))  # prompt and response lengths
@@ -79,10 +81,13 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
         # starts its colocated local engine.
         drafting = spec.rollout.speculative is not None
         rank = PolicyRank(dataclasses.replace(trainer_rank_settings(spec, 3), colocated=drafting))
-        received = {}
+        pushes: list[dict] = []
         push = rank.weights._push
 
         def capture(stream, version, engines, report):
+            received = {}
+            pushes.append(received)
+
             def kept():
                 for key, tensor in stream:
                     received[key] = tensor.detach().clone()
@@ -94,11 +99,15 @@ def _update_job(workdir: str, models: dict[str, str], runs: dict[str, list[str]]
         actor.settings = dataclasses.replace(actor.settings, use_packing=packed)
         metrics = rank.update_actor(sampled_batch(advantage_scale, lengths))
         rank.sync_weights("v1")
-        reports[name] = {"metrics": metrics, "received": received,
+        # The trained weights as a checkpoint holds them (every MTP tensor, the copies of embedding and head too).
+        exported = {key: tensor.detach().clone() for key, tensor in rank.weights._exporter().stream()}
+        reports[name] = {"metrics": metrics, "received": pushes[0], "exported": exported,
                          "mtp_weight": rank.models.actor.settings.mtp_loss_weight}
         if drafting:
             held = rank.engine.leader.draft.checkpoint_tensors()
             reports[name]["draft"] = {key: held[key].detach().clone() for key in held if key.startswith(MTP_LAYER)}
+            rank.sync_weights("v2", fresh=True)  # what an engine that holds no weights yet gets
+            reports[name]["received_fresh"] = pushes[1]
         rank.shutdown()
     return reports
 
@@ -129,7 +138,9 @@ def updates(tmp_path_factory):
     weighted = f"actor.mtp.loss_weight={WEIGHT}"
     runs = {"no_mtp": ("no_mtp", [], 1.0, False, SAMPLED), "off": ("mtp", [], 1.0, False, SAMPLED),
             # ... drafting with the local engine (rollout.speculative), which receives the trained layer.
-            "on": ("mtp", [weighted, "rollout.speculative={method: mtp, num_draft_tokens: 2}"], 1.0, False, SAMPLED),
+            "on": ("mtp", [weighted, DRAFTING], 1.0, False, SAMPLED),
+            # ... and drafting with the untrained (frozen) layer.
+            "frozen_drafting": ("mtp", [DRAFTING], 1.0, False, SAMPLED),
             # Two sequences per THD-packed micro-batch: the labels roll within each packed sequence.
             "packed": ("mtp", [weighted, "actor.ppo_micro_batch_size_per_gpu=2"], 1.0, True, SAMPLED),
             # The MTP loss training the MTP layer alone (actor.mtp.detach).
@@ -158,16 +169,15 @@ def test_at_weight_zero_the_update_is_exactly_the_update_without_mtp_layers(upda
         assert off["metrics"][name] == no_mtp["metrics"][name], name
     # The same gradients: the frozen MTP layer adds no parameter to the optimizer, so even the norm is the same.
     assert off["metrics"]["actor/grad_norm"] == no_mtp["metrics"]["actor/grad_norm"]
-    main = _main(off["received"])
-    assert main.keys() == no_mtp["received"].keys()
-    assert [key for key in main if not torch.equal(main[key], no_mtp["received"][key])] == []
-    # Untrained, the MTP layer is frozen: no weight decay moves it, and every sync sends the checkpoint's values.
+    main = _main(off["exported"])
+    assert main.keys() == no_mtp["exported"].keys()
+    assert [key for key in main if not torch.equal(main[key], no_mtp["exported"][key])] == []
+    # Untrained, the MTP layer is frozen: no weight decay moves it, and it keeps the checkpoint's values.
     from safetensors.torch import load_file
 
     initial = load_file(os.path.join(updates["mtp_dir"], "model.safetensors"))
-    own = [key for key in initial if key.startswith(MTP_LAYER) and "embed_tokens" not in key and "shared_head.head"
-           not in key]
-    assert own and [key for key in own if not torch.equal(off["received"][key], initial[key])] == []
+    own = [key for key in initial if key.startswith(MTP_LAYER) and key not in COPIES]
+    assert own and [key for key in own if not torch.equal(off["exported"][key], initial[key])] == []
 
 
 def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradient_trains_mtp_and_trunk(updates):
@@ -187,8 +197,8 @@ def test_with_a_weight_the_mtp_loss_is_megatrons_over_the_response_and_its_gradi
     assert reports["packed"]["metrics"]["actor/mtp_loss"] == pytest.approx(expected, rel=1e-5)
     assert reports["ep2_filler"]["metrics"]["actor/mtp_loss"] == pytest.approx(
         hf_mtp_loss(updates["mtp_dir"], UNEVEN), rel=1e-5)
-    changed = {key for key in on["received"] if not torch.equal(on["received"][key], off["received"][key])}
-    # The MTP layer moved (its own tensors, not only the copies of embedding and head the sync also carries) ...
+    changed = {key for key in on["exported"] if not torch.equal(on["exported"][key], off["exported"][key])}
+    # The MTP layer moved (its own tensors, not only its copies of the embedding and head) ...
     assert {MTP_LAYER + name for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
                                           "self_attn.kv_a_proj_with_mqa.weight")} <= changed
     # ... and so did the trunk below it, as in Megatron's pretraining, through the shared embedding too.
@@ -202,11 +212,11 @@ def test_detached_the_mtp_loss_trains_the_mtp_layer_alone_and_the_policy_steps_a
     assert detached["metrics"]["actor/pg_loss"] == off["metrics"]["actor/pg_loss"]
     assert detached["metrics"]["actor/mtp_loss"] == on["metrics"]["actor/mtp_loss"]  # the same forward
     # The main model's step is the RL loss's alone, bit for bit (Adam per element; the clip is out of reach) ...
-    main = _main(detached["received"])
-    assert [key for key in main if not torch.equal(main[key], off["received"][key])] == []
+    main = _main(detached["exported"])
+    assert [key for key in main if not torch.equal(main[key], off["exported"][key])] == []
     # ... while the MTP layer trained.
     eh_proj = MTP_LAYER + "eh_proj.weight"
-    assert not torch.equal(detached["received"][eh_proj], off["received"][eh_proj])
+    assert not torch.equal(detached["exported"][eh_proj], off["exported"][eh_proj])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -216,10 +226,10 @@ def test_every_layout_trains_the_mtp_layer_as_tp1_does(updates, layout):
     # micro-batch count.
     for name in ("actor/pg_loss", "actor/mtp_loss", "actor/grad_norm"):
         assert laid_out["metrics"][name] == pytest.approx(on["metrics"][name], rel=1e-5), name
-    assert laid_out["received"].keys() == on["received"].keys()
+    assert laid_out["exported"].keys() == on["exported"].keys()
     for key in (MTP_LAYER + "eh_proj.weight", MTP_LAYER + "mlp.experts.0.down_proj.weight",
                 "model.embed_tokens.weight"):
-        torch.testing.assert_close(laid_out["received"][key], on["received"][key], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(laid_out["exported"][key], on["exported"][key], rtol=1e-4, atol=1e-6)
 
 
 def test_the_changed_mtp_weights_arrive_at_the_drafting_engine_in_the_sync_after_the_step(updates):
@@ -227,7 +237,7 @@ def test_the_changed_mtp_weights_arrive_at_the_drafting_engine_in_the_sync_after
 
     received = updates["reports"]["on"]["received"]
     initial = load_file(os.path.join(updates["mtp_dir"], "model.safetensors"))
-    mtp_names = sorted(key for key in initial if key.startswith(MTP_LAYER))
+    mtp_names = sorted(key for key in initial if key.startswith(MTP_LAYER) and key not in COPIES)
     assert mtp_names and set(mtp_names) <= received.keys()
     moved = [key for key in mtp_names if not torch.equal(received[key], initial[key])]
     assert MTP_LAYER + "eh_proj.weight" in moved and len(moved) > len(mtp_names) // 2
@@ -242,3 +252,36 @@ def test_the_changed_mtp_weights_arrive_at_the_drafting_engine_in_the_sync_after
     for key in same_names:
         assert torch.equal(draft[key], drafting["received"][key]), key
     assert not torch.equal(draft[MTP_LAYER + "eh_proj.weight"], initial[MTP_LAYER + "eh_proj.weight"])
+
+
+def test_the_sync_sends_the_engines_the_mtp_layer_they_draft_with_and_none_of_its_copies(updates):
+    """SGLang loads an MTP layer only as its NEXTN draft, the first one, whose embedding and head are the main
+    model's (its loader skips the layer's copies of them), and so does the local engine: the sync sends that and no
+    more, while the export (a checkpoint) keeps every tensor. DeepSeek-V3: 27 GB a sync without drafting, 3.7 GB
+    with."""
+    from safetensors.torch import load_file
+
+    reports = updates["reports"]
+    initial = load_file(os.path.join(updates["mtp_dir"], "model.safetensors"))
+    own = {key for key in initial if key.startswith(MTP_LAYER)} - COPIES
+    assert own and COPIES <= initial.keys()
+
+    def mtp(names) -> set:
+        return {key for key in names if key.startswith(MTP_LAYER)}
+
+    # Not drafting: nothing of the layer, trained or frozen, though the export has all of it.
+    for name in ("off", "packed", "detached", *LAYOUTS):
+        assert mtp(reports[name]["received"]) == set(), name
+        assert mtp(reports[name]["exported"]) == own | COPIES, name
+    # Drafting and trained: the layer's own tensors at every push; no copy.
+    on = reports["on"]
+    assert mtp(on["received"]) == mtp(on["received_fresh"]) == own
+    # Drafting with the layer frozen: an engine that holds no weights gets it; the push after a step only its
+    # router's expert bias (a buffer, which moves outside the optimizer), and the draft keeps the checkpoint's
+    # values.
+    frozen = reports["frozen_drafting"]
+    assert mtp(frozen["received"]) == {MTP_LAYER + "mlp.gate.e_score_correction_bias"}
+    assert mtp(frozen["received_fresh"]) == own
+    same = frozen["draft"].keys() & own
+    assert MTP_LAYER + "eh_proj.weight" in same
+    assert [key for key in same if not torch.equal(frozen["draft"][key], initial[key])] == []

@@ -204,7 +204,7 @@ def sync_bytes_job(hf_dir: str, freeze: bool) -> dict:
     def nbytes(stream):
         return sum(t.numel() * t.element_size() for _, t in stream)
 
-    later = list(exporter.stream(skip_frozen_vision=True))
+    later = list(exporter.stream(skip_frozen=True))
     return {"later_sync": nbytes(later), "full": nbytes(exporter.stream()),
             "later_names": sorted({name.split(".")[0] for name, _ in later})}
 

@@ -307,21 +307,26 @@ def test_the_buffer_counts_the_rollouts_routing_ids_when_the_actor_replays_or_me
 
 def test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_and_a_scale_per_block():
     """DeepSeek-V3 on 8 GPUs an engine: 671 B parameters, of which all but the embedding, head and norms (1.9 B)
-    are projections, a byte each plus 4 bytes per 128 x 128 block, against 2 bytes each in bf16. The sync also
-    carries its MTP layer, quantised alike but for eh_proj and norms, and the layer's copies of embedding and head."""
+    are projections, a byte each plus 4 bytes per 128 x 128 block, against 2 bytes each in bf16. A sync carries the
+    MTP layer only to engines that draft with it, and only when it trains: quantised alike but for eh_proj and
+    norms, without its copies of embedding and head (the draft takes the main model's)."""
     layout = {"tensor_model_parallel_size": 8, "sequence_parallel": True, "pipeline_model_parallel_size": 1}
-    bf16 = _spec("deepseek-v3", layout, rollout={"tensor_parallel_size": 8, "expert_parallel_size": 8})
-    fp8 = _spec("deepseek-v3", layout, rollout={"tensor_parallel_size": 8, "expert_parallel_size": 8,
-                                                "quantization": "fp8"})
+    rollout = {"tensor_parallel_size": 8, "expert_parallel_size": 8}
+    bf16 = _spec("deepseek-v3", layout, rollout=rollout)
+    fp8 = _spec("deepseek-v3", layout, rollout={**rollout, "quantization": "fp8"})
+    drafting = _spec("deepseek-v3", layout, actor={"mtp": {"loss_weight": 0.1}},
+                     rollout={**rollout, "quantization": "fp8", "speculative": {"method": "mtp", "num_draft_tokens": 1}})
     params = count_parameters(read_architecture(bf16.model.hf_config))
     rest = params.embedding + params.output_layer + params.final_norm + sum(layer.norms for layer in params.layers)
     expected = (params.total - rest) * (1 + 4 / 128**2) + rest * 2
     mtp = count_parameters(read_architecture(bf16.model.hf_config), mtp_layers=1)
     layer = mtp.mtp[0]
     mtp_projections = layer.attention + layer.mlp + layer.routed_experts
-    mtp_sync = mtp_projections * (1 + 4 / 128**2) + (mtp.mtp_total - mtp_projections) * 2 + 2 * mtp.embedding * 2
+    mtp_sync = mtp_projections * (1 + 4 / 128**2) + (mtp.mtp_total - mtp_projections) * 2
     plain, quantised = _plan(bf16, gpu_mem_gb=1000), _plan(fp8, gpu_mem_gb=1000)
-    assert quantised.sync.total_bytes == pytest.approx(expected + mtp_sync)
+    assert quantised.sync.total_bytes == pytest.approx(expected)
+    assert _plan(drafting, gpu_mem_gb=1000).sync.total_bytes == pytest.approx(expected + mtp_sync)
     assert quantised.engine.weights == pytest.approx(expected / 8)  # no speculative decoding: no draft model held
-    assert quantised.sync.total_bytes / plain.sync.total_bytes == pytest.approx(0.503, abs=1e-3)
+    assert plain.sync.total_bytes == params.total * 2
+    assert quantised.sync.total_bytes / plain.sync.total_bytes == pytest.approx(0.5015, abs=1e-4)
     assert quantised.engine.kv_bytes_per_token == plain.engine.kv_bytes_per_token  # the KV cache stays bf16

@@ -73,8 +73,15 @@ def test_the_mtp_layer_is_held_trained_and_synced_on_the_last_stage(without_mtp)
     assert trained.actor.optimizer_state - none.actor.optimizer_state == (copy + mtp_dense + experts) * 12
     # Carried untrained it keeps no activations; trained, one more layer's and one more set of logits.
     assert carried.actor.activations == none.actor.activations < trained.actor.activations
-    # Every sync carries the layer and its copies of embedding and head (bf16), trained or not.
-    assert carried.sync.total_bytes - none.sync.total_bytes == (params.mtp_total + 2 * params.embedding) * 2
+    # No engine loads an MTP layer it does not draft with, nor a layer's copies of embedding and head (SGLang's draft
+    # takes the main model's): without rollout.speculative, or frozen, the layer adds nothing to a step's sync;
+    # drafting and trained, its own weights (bf16).
+    drafting = {"speculative": {"method": "mtp", "num_draft_tokens": 2}}
+    trained_drafting = _plan(_deepseek(actor={"mtp": {"loss_weight": 0.3}}, rollout=drafting), GPU_GB)
+    frozen_drafting = _plan(_deepseek(rollout=drafting), GPU_GB)
+    assert carried.sync.total_bytes == trained.sync.total_bytes == frozen_drafting.sync.total_bytes \
+        == none.sync.total_bytes
+    assert trained_drafting.sync.total_bytes - none.sync.total_bytes == params.mtp_total * 2
     # The update's step time: a phase of its own only when it trains.
     assert "mtp_update" not in carried.step_time.phases and "mtp_update" not in none.step_time.phases
     assert 0 < trained.step_time.phases["mtp_update"] < trained.step_time.phases["update"] / 4
