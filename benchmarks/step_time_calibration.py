@@ -5,18 +5,27 @@ leave-one-out test over every run.
     python -m benchmarks.step_time_calibration [--markdown] [--fit]
 
 Runs marked "fit" set the constants step_time.Constants leaves free (FREE: the training efficiencies, the decode
-bandwidth efficiency and per-sample host work, the cross-node all-reduce latency, the weight sync's link
-efficiency); `--fit` refits them on those runs alone (what step_time.FITTED holds, rounded) and then, for each run
-of all of them, on every other run, predicting the one left out.
+bandwidth efficiency and per-sample host work, the cross-node all-reduce latency, the weight sync's link efficiency
+and per-tensor load); `--fit` refits them on those runs alone (what step_time.FITTED_BY_RELEASE holds, rounded) and
+then, for each run of all of them, on every other run, predicting the one left out.
+
+Constants per software release: the efficiencies (SOFTWARE) describe a software stack, and NeMo-RL v0.4 and v0.6 are
+two (v0.6 runs v0.4's published layouts 20-40 % faster: Qwen3-30B-A3B 1-step off 244 -> 152 s, Qwen3-235B-A22B on
+128 GPUs 506 -> 395 s), so each release's are fitted on that release's fit rows alone and predict that release's
+rows; the network's all-reduce latency and the sync's constants (SHARED) are fitted on every fit row. v0.6 publishes
+no dense run, so its train_dense is v0.4's (unidentified, and nothing of v0.6's uses it).
 
 Which runs fit: a step's published total alone cannot say how much of it is generation and how much training, so an
-on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two): Llama-3.1-8B
-(dense) and Qwen3-30B-A3B (MoE), both ways; DeepSeek-V3 off policy for the all-reduce latency of an engine across
-nodes; verl's sync for the link. Held out: Qwen3-32B and Qwen3-235B-A22B both ways (models the fit never sees),
-DeepSeek-V3 on policy, and NeMo-RL's refit. Every v0.6 row is held out too: they came after the constants were fitted,
-so they test the model as it was (the strongest test there is for the models it fitted, and for Qwen3-235B-A22B,
-which it never saw); fitting them would also mix two releases whose software differs on identical layouts (Qwen3-30B-A3B
-1-step off: 244 s in v0.4, 152 s in v0.6), which no constant of the model can stand for.
+on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two). v0.4:
+Llama-3.1-8B (dense) and Qwen3-30B-A3B (MoE), both ways; DeepSeek-V3 off policy (the all-reduce latency of an engine
+across nodes). v0.6: Qwen3-30B-A3B both ways, DeepSeek-V3 1-step off on 512. The sync: verl's and NeMo-RL's
+checkpoint-engine benchmarks, the only two NCCL refits published with their bytes and tensors; two rows for two
+constants (link, tensor_s), so neither can be held out without leaving the pair unidentified (the step rows'
+weight_sync phases, 0.3-13 s of steps of 64-506 s, barely constrain them). Held out: Qwen3-32B and Qwen3-235B-A22B
+both ways in both releases (models the fit never sees) and DeepSeek-V3 on policy (v0.4 on 256, v0.6 on 256 and 512).
+Not modelled (shown, never fitted, outside the criterion): v0.6's Qwen3-30B-A3B 8-step off, whose schedule (prompts
+of up to 8 steps in flight, no batch draining at a step's end) this project's async does not have. Unsourced (shown,
+never fitted): DESIGN.md's colocated DeepSeek-V3 refit of 2.4-2.8 s, in no NeMo-RL document or commit found.
 
 Sources:
 - NeMo-RL v0.4 performance summary (docs/about/performance-summary.md in NVIDIA-NeMo/RL, r0.4.0): GRPO on
@@ -38,23 +47,29 @@ Sources:
   max_staleness 8. Its note: DeepSeek-V3's checkpoint changed between releases (shorter responses).
 - verl's checkpoint-engine benchmark (verl/checkpoint_engine/README.md): Qwen3-30B-A3B, 4 x 8 H100 with 400 Gb/s
   ConnectX-7, NCCL backend, 30 rollout GPUs each receiving the whole BF16 model: about 7 s.
-- NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32: 2.4-2.8 s (../shared/DESIGN.md).
-Neither sync source publishes its bucket size: both are taken at this project's default (512 MB).
+- NeMo-RL's checkpoint-engine refit benchmark (docs/guides/checkpoint-engine-refit.md, "DeepSeek-V3 Benchmark"):
+  Megatron TP1/PP16/EP16 on 32 nodes into one vLLM TP32 engine on 4, each vLLM rank loading 45,395 tensors, 69.95 GiB
+  (its 1/32 of the experts and every dense tensor whole: vLLM's loader slices them), in 18 buckets of 4096 MiB:
+  14.21 s over NCCL by its async refit timer (9.25 s over NIXL RDMA, not this project's transport).
+- NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32, colocated: 2.4-2.8 s
+  (../shared/DESIGN.md; unsourced).
+verl does not publish its bucket size: taken at this project's default (512 MB).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from math import exp, log
+from math import exp, inf, log
 from pathlib import Path
 
 from scipy.optimize import least_squares
 
 from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.models.families import read_architecture
-from rlmegatron.planner.parameters import count_parameters
+from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
-from rlmegatron.planner.step_time import FITTED, Constants, Hardware, step_time, sync_seconds, workload_of
+from rlmegatron.planner.step_time import (FITTED_BY_RELEASE, LATEST, RELEASES, Constants, Hardware, step_time,
+                                          sync_seconds, workload_of)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_MEAN, PROMPT_BUDGET = 128, 256
@@ -63,15 +78,27 @@ H100_GB = 85.0
 """An H100 SXM's "80 GB" is 80 GiB, of which CUDA reports 79.2 GiB (85.0e9 bytes): what vLLM's
 gpu_memory_utilization and SGLang's mem_fraction_static take their share of (the planner's default, 80, is the
 conservative reading)."""
-FREE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s", "allreduce_network_s", "link")
+SOFTWARE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s")
+"""The constants of a software stack (the trainer's efficiency, the decode engine's and its server's host work): the
+fit sets one of each per NeMo-RL release, on that release's fit rows alone."""
+SHARED = ("allreduce_network_s", "link", "tensor_s")
+"""The constants the fit shares over every fit row: the network's all-reduce latency (hardware), and the weight sync's
+(its rows are verl's and NeMo-RL's refit benchmarks, neither a performance-page release)."""
+FREE = SOFTWARE + SHARED
 """The constants the fit sets; the others keep step_time.Constants' defaults."""
+
+
+NOT_MODELLED = "not modelled"
+"""The role of a row whose schedule the model does not describe: shown, never fitted, outside the criterion."""
+UNSOURCED = "unsourced"
+"""The role of a figure no publication we found carries: shown, never fitted (not in leave-one-out either)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Published:
     name: str
     model: str  # configs/models/<model>
-    role: str  # fit or held out
+    role: str  # fit, held out, NOT_MODELLED or UNSOURCED
     gpus: int
     samples: int  # G-GBS: responses per step
     train_batch: int  # T-GBS
@@ -110,7 +137,7 @@ NEMO_RL = (
               recompute=True, version="v0.6", stages=(3, 2)),
     Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 697, 32, (1, 1, 32, 16), 111,
               recompute=True, version="v0.6", stages=(3, 2)),
-    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 710, 32, (1, 1, 16, 16), 64.1, False,
+    Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 710, 32, (1, 1, 16, 16), 64.1, False,
               recompute=True, version="v0.6", stages=(3, 2)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5698, 16, (2, 2, 16, 8), 395,
               recompute=True, version="v0.6", stages=(11, 11)),
@@ -118,11 +145,11 @@ NEMO_RL = (
               recompute=True, version="v0.6", stages=(11, 11)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5721, 8, (4, 1, 16, 8), 231,
               False, recompute=True, version="v0.6", stages=(11, 11)),
-    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 32, 2048, 512, 4096, 3203, 2, (1, 1, 8, 1), 192,
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3203, 2, (1, 1, 8, 1), 192,
               version="v0.6"),
-    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 32, 2048, 512, 4096, 3201, 2, (1, 1, 8, 2), 152, False,
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3201, 2, (1, 1, 8, 2), 152, False,
               version="v0.6"),
-    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 192, 2048, 512, 4096, 3206, 2, (1, 1, 8, 1), 34.5,
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", NOT_MODELLED, 192, 2048, 512, 4096, 3206, 2, (1, 1, 8, 1), 34.5,
               False, version="v0.6", generation_gpus=64, staleness=8),
 )
 
@@ -171,6 +198,11 @@ class Case:
     published: float
     shown: str
     predict: object  # Constants -> {"phases": ..., "total": ...}
+    release: str | None = None  # the NeMo-RL release whose software ran it; None: a sync benchmark
+    uses: frozenset = frozenset(FREE)  # the FREE constants its prediction depends on
+
+
+Fitted = dict  # release -> Constants
 
 
 def run_name(run: Published) -> str:
@@ -194,67 +226,114 @@ def _step_case(run: Published) -> Case:
         estimate = step_time(spec, arch, params, plan.actor, plan.engine, plan.sync.bytes_per_engine_gpu, work, hw, c)
         return {"phases": estimate.phases, "total": estimate.total}
 
-    return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict)
+    uses = frozenset(FREE) - {"train_dense" if arch.is_moe else "train_moe"}
+    return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict, run.version, uses)
 
 
-def predict(run: Published, c: Constants = FITTED) -> dict:
-    return _step_case(run).predict(c)
+def predict(run: Published, by_release: Fitted = FITTED_BY_RELEASE) -> dict:
+    return _step_case(run).predict(by_release[run.version])
 
 
 def _sync_cases() -> list[Case]:
     hw = Hardware()
 
-    def verl(c: Constants) -> dict:  # the whole BF16 model into each of 30 rollout GPUs over the network
-        seconds = sync_seconds(30.53e9 * 2, colocated=False, trainer_shards=2, hw=hw, bucket_bytes=BUCKET_BYTES, c=c)
-        return {"phases": {"weight_sync": seconds}, "total": seconds}
+    def sync(bytes_per_receiver: float, colocated: bool, shards: int, bucket_bytes: float, model: str):
+        tensors = checkpoint_tensors(read_architecture(REPO_ROOT / "configs" / "models" / model))
 
-    def nemo(c: Constants) -> dict:  # DeepSeek-V3 from PP16 x EP16 on 256 GPUs into TP32 engines: 1/32 each
-        seconds = sync_seconds(671.03e9 * 2 / 32, colocated=True, trainer_shards=256, hw=hw,
-                               bucket_bytes=BUCKET_BYTES, c=c)
-        return {"phases": {"weight_sync": seconds}, "total": seconds}
+        def predict(c: Constants) -> dict:
+            seconds = sync_seconds(bytes_per_receiver, colocated, shards, hw, bucket_bytes, c, tensors)
+            return {"phases": {"weight_sync": seconds}, "total": seconds}
+        return predict
 
-    return [Case("verl checkpoint engine, Qwen3-30B-A3B, NCCL, 30 receivers", "fit", 7.0, "~7", verl),
-            Case("NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated", "held out", 2.6, "2.4-2.8", nemo)]
+    uses = frozenset(SHARED) - {"allreduce_network_s"}
+    # verl: the whole BF16 model into each of 30 rollout GPUs over the network (18,867 tensors).
+    verl = sync(30.53e9 * 2, False, 2, BUCKET_BYTES, "qwen3-30b-a3b")
+    # NeMo-RL's checkpoint engine: into each vLLM TP32 rank its 1/32 of the experts and every dense tensor whole
+    # (69.95 GiB, 45,395 tensors, 4096 MiB buckets), from TP1/PP16/EP16 trainer ranks on other nodes.
+    engine = sync(69.95 * 2**30, False, 256, 4096 * 2**20, "deepseek-v3")
+    # DESIGN.md's colocated figure: each engine GPU's TP share of the BF16 model (1/32).
+    colocated = sync(671.03e9 * 2 / 32, True, 256, BUCKET_BYTES, "deepseek-v3")
+    return [Case("verl checkpoint engine, Qwen3-30B-A3B, NCCL, 30 receivers", "fit", 7.0, "~7", verl, uses=uses),
+            Case("NeMo-RL checkpoint engine, DeepSeek-V3, NCCL, TP1/PP16/EP16 -> TP32", "fit", 14.21, "14.21",
+                 engine, uses=uses),
+            Case("NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated (unsourced)", UNSOURCED, 2.6,
+                 "2.4-2.8", colocated, uses=uses)]
 
 
-def sync_checks(c: Constants = FITTED) -> list[dict]:
+def constants_of(case: Case, by_release: Fitted) -> Constants:
+    """The constants a case is predicted with: its release's; a sync row depends on the shared ones only."""
+    return by_release[case.release] if case.release is not None else by_release[LATEST]
+
+
+def sync_checks(by_release: Fitted = FITTED_BY_RELEASE) -> list[dict]:
     return [{"name": case.name, "role": case.role, "published": case.published, "shown": case.shown,
-             "predicted": case.predict(c)["total"]} for case in _sync_cases()]
+             "predicted": case.predict(constants_of(case, by_release))["total"]} for case in _sync_cases()]
 
 
 def cases() -> list[Case]:
     return [_step_case(run) for run in NEMO_RL] + _sync_cases()
 
 
-def fit(fitted_on: list[Case], start: Constants = FITTED) -> Constants:
-    """The FREE constants that minimise the squared log-errors over `fitted_on` (each in log space, bounded to
-    physical ranges), the others kept."""
-    bounds = {"train_dense": (0.02, 0.7), "train_moe": (0.005, 0.7), "decode_hbm": (0.1, 0.85),
-              "decode_sample_s": (1e-7, 2e-4), "allreduce_network_s": (5e-6, 2e-3), "link": (0.02, 0.95)}
+BOUNDS = {"train_dense": (0.02, 0.7), "train_moe": (0.005, 0.7), "decode_hbm": (0.1, 0.85),
+          "decode_sample_s": (1e-7, 2e-4), "allreduce_network_s": (5e-6, 2e-3), "link": (0.02, 0.95),
+          "tensor_s": (1e-6, 5e-3)}
 
-    def constants(x) -> Constants:
-        return dataclasses.replace(start, **{name: exp(value) for name, value in zip(FREE, x)})
+
+def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
+    """The FREE constants that minimise the squared log-errors over `fitted_on` (each in log space, bounded to
+    physical ranges), the others kept: SHARED once, SOFTWARE once per release (in RELEASES' order), each on that
+    release's rows. A release none of whose fit rows depends on a SOFTWARE constant (v0.6 has no dense row) takes the
+    release before it's."""
+    free = [(None, name) for name in SHARED] + [
+        (release, name) for release in RELEASES for name in SOFTWARE
+        if any(case.release == release and name in case.uses for case in fitted_on)]
+
+    def constants(x) -> Fitted:
+        values = dict(zip(free, x))
+        out = {}
+        for index, release in enumerate(RELEASES):
+            before = out[RELEASES[index - 1]] if index else start[release]
+            out[release] = dataclasses.replace(start[release], **{
+                name: exp(values[(None, name)]) if name in SHARED else
+                exp(values[(release, name)]) if (release, name) in values else getattr(before, name)
+                for name in FREE})
+        return out
 
     def residuals(x):
-        c = constants(x)
-        return [log(case.predict(c)["total"] / case.published) for case in fitted_on]
+        by_release = constants(x)
+        return [log(case.predict(constants_of(case, by_release))["total"] / case.published) for case in fitted_on]
 
-    x0 = [log(min(max(getattr(start, name), bounds[name][0] * 1.01), bounds[name][1] * 0.99)) for name in FREE]
-    result = least_squares(residuals, x0, bounds=([log(bounds[n][0]) for n in FREE], [log(bounds[n][1]) for n in FREE]))
-    return constants(result.x)
+    x = [log(min(max(getattr(start[release or LATEST], name), BOUNDS[name][0] * 1.01), BOUNDS[name][1] * 0.99))
+         for release, name in free]
+    # A 1-step-off row whose generation and training are about equal puts a kink (their max) in the residuals, where
+    # one solve stops short: solve again from where the last stopped until the cost no longer falls.
+    cost = inf
+    for _ in range(30):
+        result = least_squares(residuals, x, bounds=([log(BOUNDS[n][0]) for _, n in free],
+                                                     [log(BOUNDS[n][1]) for _, n in free]), xtol=1e-10, ftol=1e-10)
+        x = result.x
+        if result.cost > cost * (1 - 1e-4):
+            break
+        cost = result.cost
+    return constants(x)
 
 
-def leave_one_out(all_cases: list[Case]) -> list[tuple[Case, float, Constants]]:
-    """For each case: its prediction by the constants fitted on every other case."""
+def leave_one_out(all_cases: list[Case]) -> list[tuple[Case, float, Fitted]]:
+    """For each case: its prediction by the constants fitted on every other case (NOT_MODELLED and UNSOURCED ones
+    never fit)."""
     out = []
-    for index, case in enumerate(all_cases):
-        c = fit(all_cases[:index] + all_cases[index + 1:])
-        out.append((case, case.predict(c)["total"], c))
+    modelled = [case for case in all_cases if case.role not in (NOT_MODELLED, UNSOURCED)]
+    for case in all_cases:
+        by_release = fit([other for other in modelled if other is not case])
+        out.append((case, case.predict(constants_of(case, by_release))["total"], by_release))
     return out
 
 
-def _constants_line(c: Constants) -> str:
-    return ", ".join(f"{name} {getattr(c, name):.3g}" for name in FREE)
+def _constants_line(by_release: Fitted, release: str | None = None) -> str:
+    """The shared constants, then each release's software ones (or one release's)."""
+    shared = ", ".join(f"{name} {getattr(by_release[LATEST], name):.3g}" for name in SHARED)
+    return "; ".join([shared] + [f"{r}: " + ", ".join(f"{name} {getattr(by_release[r], name):.3g}" for name in SOFTWARE)
+                                 for r in RELEASES if release in (None, r)])
 
 
 def main() -> None:
@@ -263,14 +342,14 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="refit on the fit runs, then leave each run out in turn")
     args = parser.parse_args()
     all_cases = cases()
-    c = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED
-    print(("refitted on the fit runs: " if args.fit else "step_time.FITTED: ") + _constants_line(c))
+    by_release = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED_BY_RELEASE
+    print(("refitted on the fit runs: " if args.fit else "step_time.FITTED_BY_RELEASE: ") + _constants_line(by_release))
     if args.markdown:
         print("| run (NeMo-RL on H100: policy, GPUs, release; the sync rows as named) | role | published s | predicted s | "
               "error | phases s |")
         print("|---|---|---:|---:|---:|---|")
     for case in all_cases:
-        predicted = case.predict(c)
+        predicted = case.predict(constants_of(case, by_release))
         error = predicted["total"] / case.published - 1
         phases = ", ".join(f"{k} {v:.1f}" for k, v in predicted["phases"].items())
         if args.markdown:
@@ -285,11 +364,11 @@ def main() -> None:
             print("|---|---:|---:|---:|---|")
         for case, predicted, loo in leave_one_out(all_cases):
             error = predicted / case.published - 1
+            line = _constants_line(loo, case.release)
             if args.markdown:
-                print(f"| {case.name} | {case.shown} | {predicted:.1f} | {error:+.0%} | {_constants_line(loo)} |")
+                print(f"| {case.name} | {case.shown} | {predicted:.1f} | {error:+.0%} | {line} |")
             else:
-                print(f"{case.name:32} published {case.shown:>7}  predicted {predicted:6.1f}  {error:+5.0%}   "
-                      f"({_constants_line(loo)})")
+                print(f"{case.name:32} published {case.shown:>7}  predicted {predicted:6.1f}  {error:+5.0%}   ({line})")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,23 @@ def count_parameters(arch: ModelArchitecture, mtp_layers: int = 0) -> ParameterC
     )
 
 
+def checkpoint_tensors(arch: ModelArchitecture) -> int:
+    """The tensors an HF checkpoint names for the language model, each routed expert's three projections apart (as
+    transformers saves them and as SGLang's and vLLM's loaders take them, one by one): what a weight sync's receiver
+    loads tensor by tensor. DeepSeek-V3: 45,395, the count NeMo-RL's refit benchmark gives per vLLM rank. The MTP
+    layers are left out; a Gated DeltaNet layer or a sparse-attention indexer is counted as full attention and
+    gpt-oss's stacked experts one by one (a few tensors per layer either way, beside the experts')."""
+    if arch.mla is not None:  # q_a, its norm and q_b (or q alone), kv_a, its norm, kv_b, o
+        attention = (3 if arch.mla.q_lora_rank else 1) + 4
+    else:  # q, k, v, o and their biases, q/k norms, sinks
+        attention = 4 + 3 * arch.qkv_bias + arch.biased_linears + 2 * arch.qk_norm + arch.attention_sinks
+    expert = _GATED_MLP_MATRICES * (1 + arch.biased_linears)
+    router = 1 + (arch.router_bias or arch.biased_linears)
+    shared = _GATED_MLP_MATRICES * (arch.shared_expert_intermediate_size > 0) + arch.shared_expert_gate
+    mlps = sum(arch.num_experts * expert + router + shared if moe else _GATED_MLP_MATRICES for moe in arch.moe_layers)
+    return arch.num_hidden_layers * (2 + attention) + mlps + 2 + (not arch.tie_word_embeddings)
+
+
 def _attention_parameters(arch: ModelArchitecture) -> int:
     h, heads = arch.hidden_size, arch.num_attention_heads
     mla = arch.mla

@@ -26,9 +26,15 @@ Formulas and their sources:
   the mean, bounds a synchronous batch.
 - Weight sync (refit): each receiver (an engine GPU) gets its TP share of the weights in the rollout dtype; the time
   is those bytes over the link they cross at `link` of its bandwidth, plus `bucket_s` per bucket of
-  rollout.update_weights_bucket_mb (each is a collective of its own). Disaggregated, over the network; colocated, the
-  shares its own GPU does not hold arrive from the trainer ranks that do (over NVLink within a node, else the
-  network), then cross into the engine by CUDA IPC at `ipc` of half the HBM bandwidth (a copy reads and writes).
+  rollout.update_weights_bucket_mb (each is a collective of its own), plus `tensor_s` per tensor the receiver loads
+  (parameters.checkpoint_tensors: every HF tensor, each routed expert's three apart): the engine's load_weights
+  dispatches, slices and copies tensor by tensor, whatever their size. Source of that term: NeMo-RL's DeepSeek-V3
+  checkpoint-engine benchmark (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB
+  per vLLM rank in 14.21 s over NCCL) beside verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver in ~7 s):
+  bytes alone cannot give both (5.3 against 8.7 GB/s), bytes and tensors can (~0.25 ms a tensor). Disaggregated, over
+  the network; colocated, the shares its own GPU does not hold arrive from the trainer ranks that do (over NVLink
+  within a node, else the network), then cross into the engine by CUDA IPC at `ipc` of half the HBM bandwidth (a
+  copy reads and writes).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S.
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
@@ -37,7 +43,10 @@ Formulas and their sources:
 
 The constants (`Constants`) FLOPs, bytes and bandwidths do not give are fitted to published runs by
 benchmarks/step_time_calibration.py; the fit, the runs held out of it and a leave-one-out test are in
-benchmarks/RESULTS.md ("Step-time model out of sample").
+benchmarks/RESULTS.md ("Step-time model out of sample"). The efficiencies of a software stack (training's MFU, the
+decode engine's bandwidth and host work) are fitted per NeMo-RL release (FITTED_BY_RELEASE): v0.6 runs v0.4's
+published layouts 20-40 % faster, which no layout term can carry; the network's latency and the sync's constants are
+shared. The planner prices with the newest release's (FITTED).
 """
 from __future__ import annotations
 
@@ -47,7 +56,7 @@ from math import ceil, exp, expm1, inf, log, log2
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
 from rlmegatron.planner.memory import EngineMemory, ScoringMemory, TrainingMemory, rollout_weight_bytes, stage_layers
-from rlmegatron.planner.parameters import ParameterCount
+from rlmegatron.planner.parameters import ParameterCount, checkpoint_tensors
 
 @dataclass(frozen=True)
 class Constants:
@@ -65,6 +74,9 @@ class Constants:
     """A small all-reduce's latency per network hop (an engine whose TP spans nodes)."""
     link: float
     """Fraction of a link's bandwidth a bucketed weight transfer reaches."""
+    tensor_s: float = 0.0
+    """A weight sync receiver's work per tensor it loads (the engine's load_weights: a Python dispatch per name, the
+    slice of its share, the copy into the parameter), whatever the tensor's size."""
     decode_sample_s: float = 0.0
     """The server's work per running sample per decode step (its scheduling, sampling with log-probs, detokenising):
     host work that grows with the batch where the GPU's reads do not."""
@@ -83,8 +95,18 @@ class Constants:
         return self.train_moe if arch.is_moe else self.train_dense
 
 
-FITTED = Constants(train_dense=0.384, train_moe=0.0694, decode_hbm=0.563, decode_sample_s=28.1e-6,
-                   allreduce_network_s=149e-6, link=0.19)
+FITTED_BY_RELEASE = {
+    "v0.4": Constants(train_dense=0.390, train_moe=0.0708, decode_hbm=0.550, decode_sample_s=27.3e-6,
+                      allreduce_network_s=105e-6, link=0.819, tensor_s=267e-6),
+    "v0.6": Constants(train_dense=0.390, train_moe=0.1185, decode_hbm=0.836, decode_sample_s=77.3e-6,
+                      allreduce_network_s=105e-6, link=0.819, tensor_s=267e-6),
+}
+"""The fitted constants of each NeMo-RL release's software (benchmarks/step_time_calibration.py: each release's
+SOFTWARE constants on its own fit rows, the SHARED ones on all; v0.6 has no dense row, so its train_dense is v0.4's)."""
+RELEASES = ("v0.4", "v0.6")
+LATEST = RELEASES[-1]
+FITTED = FITTED_BY_RELEASE[LATEST]
+"""What `rlm plan` prices with: the newest release's software efficiencies, the closest published stack to today's."""
 DELTA_HOST_GB_PER_S = 0.84
 """Delta sync's own work per byte of the policy (its copy to the host, the comparison with the last-sent copy, the
 records' serialization, the engine's rebuild): measured end to end on 2 CPU cores against a full push of the same
@@ -317,10 +339,11 @@ def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) ->
 
 
 def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
-                 bucket_bytes: float, c: Constants = FITTED) -> float:
-    """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`. `trainer_shards`: over how
-    many GPUs the trainer splits a weight (TP x PP, or EP x ETP x PP for experts)."""
-    buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s
+                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0) -> float:
+    """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`, the receiver loading
+    `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone). `trainer_shards`: over how many GPUs
+    the trainer splits a weight (TP x PP, or EP x ETP x PP for experts)."""
+    buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
     if not colocated:
         return bytes_per_receiver / (hw.network_gbps / 8 * 1e9 * c.link) + buckets
     # The GPU holds 1/shards of what its engine needs; the rest arrives from the trainer ranks that hold it, then
@@ -362,7 +385,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
     phases["weight_sync"] = sync_seconds(sync_bytes_per_engine_gpu, colocated, shards, hw,
-                                         spec.rollout.update_weights_bucket_mb << 20, c)
+                                         spec.rollout.update_weights_bucket_mb << 20, c, checkpoint_tensors(arch))
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:

@@ -3,7 +3,7 @@ import pytest
 
 from rlmegatron.config import read_architecture
 from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
-from rlmegatron.planner.parameters import count_parameters
+from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan, render_plan
 from tests.config.specs import MODELS_DIR
 
@@ -202,7 +202,8 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
         # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
         # (the comparison, the records), at the CPU rate measured.
         push = sync_seconds(delta.sync.bytes_per_engine_gpu, colocated=False, trainer_shards=1, hw=Hardware(),
-                            bucket_bytes=512 << 20)
+                            bucket_bytes=512 << 20,
+                            tensors=checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")))
         assert delta.step_time.phases["weight_sync"] == pytest.approx(
             push + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9), rel=1e-12)
     between = delta_sent_ratio("bf16", 10 ** -5.5, 0)[0]

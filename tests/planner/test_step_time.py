@@ -7,15 +7,19 @@ from math import exp
 
 import pytest
 
-from benchmarks.step_time_calibration import NEMO_RL, cases, fit, predict, run_name, sync_checks
+from benchmarks.step_time_calibration import (FREE, NEMO_RL, RELEASES, UNSOURCED, cases, constants_of, fit, predict,
+                                              run_name, sync_checks)
 from rlmegatron.entry.cli import main
 from rlmegatron.config import read_architecture
 from rlmegatron.planner.memory import engine_memory
-from rlmegatron.planner.parameters import count_parameters
-from rlmegatron.planner.step_time import (FITTED, Hardware, Workload, generation_seconds, length_scale,
-                                          longest_response, sync_seconds)
+from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
+from rlmegatron.planner.step_time import (FITTED, FITTED_BY_RELEASE, Hardware, Workload, generation_seconds,
+                                          length_scale, longest_response, sync_seconds)
 from tests.config.specs import MODELS_DIR
 from tests.planner.test_memory import _plan, _spec
+
+COLOCATED_REFIT = "NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated (unsourced)"
+
 
 def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
     return next(run for run in NEMO_RL if run.name == name and run.on_policy == on_policy and run.version == version)
@@ -23,50 +27,39 @@ def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
 
 # The held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model out of sample"): what the published
 # data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
+_DEEPSEEK_TRAINING = ("training takes ~60 s on 256 H100s by v0.6's three DeepSeek-V3 rows (on 256 and 512 GPUs, 1-step "
+                      "off on 512), 2.5-3x the 15-23 s the FLOPs, PP16's bubble and EP16's all-to-alls give at the "
+                      "MoE efficiency the Qwen3 runs fit; Megatron trains it as fast per FLOP as Qwen3-235B with "
+                      "experts force-balanced, NeMo-RL's recipes do not balance them, and no published quantity "
+                      "(per-phase times, expert load per EP rank) sizes that")
 KNOWN_MISSES = {
-    "DeepSeek-V3 on 256 (v0.4)": "training takes ~60 s on 256 H100s by v0.6's three DeepSeek-V3 rows (on 256 and 512 "
-                                 "GPUs, 1-step off on 512), 2.5-3x the 15-23 s the FLOPs, PP16's bubble and EP16's "
-                                 "all-to-alls give at the MoE efficiency the Qwen3 runs fit; Megatron trains it as fast "
-                                 "per FLOP as Qwen3-235B with experts force-balanced, NeMo-RL's recipes do not "
-                                 "balance them, and no published quantity (per-phase times, expert load per EP rank) "
-                                 "sizes that",
-    "Qwen3-235B-A22B on 128 (v0.6)": "v0.6 runs the same published layout as v0.4's 506 s row in 395 s (-22 %): a "
-                                     "software change the layouts do not show; the model, fitted on v0.4 runs, "
-                                     "prices TP16 engines across two nodes at v0.4's speed",
-    "Qwen3-235B-A22B on 256 (v0.6)": "as on 128 GPUs: TP16 engines across two nodes decode faster in v0.6 than any "
-                                     "v0.4 row says, and per-phase times are not published",
-    "Qwen3-30B-A3B 1-step off 32 (v0.6)": "152 s where v0.4 publishes 244 s for the same layout ([1,1,8,2] training, "
-                                          "TP2 engines) and mean length: 38 % less time from software alone",
-    "Qwen3-30B-A3B 8-step off 192 (v0.6)": "NeMo-RL's async collector keeps up to 8 steps' prompts in flight, so an "
-                                           "engine's batch is what its KV cache holds, not one step's 64 samples; "
-                                           "this project's async generates each step's rollout as a batch "
-                                           "(driver/rollout_buffer.Ahead), which is what the model prices",
-    "NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated": "16 GB/s per receiver against verl's 8.25 GB/s and "
-                                                                 "NeMo-RL's own later benchmark of the same layouts "
-                                                                 "(docs/guides/checkpoint-engine-refit.md: 69.95 GiB "
-                                                                 "per vLLM rank in 14.2 s over NCCL, 5.3 GB/s)",
+    "DeepSeek-V3 on 256 (v0.4)": _DEEPSEEK_TRAINING,
+    "DeepSeek-V3 on 256 (v0.6)": _DEEPSEEK_TRAINING,
+    "DeepSeek-V3 on 512 (v0.6)": _DEEPSEEK_TRAINING,
+    COLOCATED_REFIT: "unsourced (../shared/DESIGN.md; in no NeMo-RL document or commit found): 45,395 tensors loaded "
+                     "in 2.4-2.8 s is at most 53-62 us a tensor at infinite bandwidth, against the ~0.27 ms a tensor "
+                     "that NeMo-RL's own checkpoint-engine benchmark (14.21 s over NCCL) and verl's sync give together",
 }
-
-
 @pytest.fixture(scope="module")
 def all_cases():
     return cases()
 
 
-@pytest.mark.parametrize("name", [run_name(run) for run in NEMO_RL if run.role == "held out"]
-                         + ["NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated"])
+@pytest.mark.parametrize("name", [run_name(run) for run in NEMO_RL if run.role == "held out"] + [COLOCATED_REFIT])
 def test_each_held_out_run_is_predicted_within_25_percent(all_cases, name, request):
     if name in KNOWN_MISSES:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[name]))
     [case] = [case for case in all_cases if case.name == name]
-    assert case.role == "held out"
-    assert case.predict(FITTED)["total"] == pytest.approx(case.published, rel=0.25)
+    assert case.role in ("held out", UNSOURCED)  # never fitted
+    assert case.predict(constants_of(case, FITTED_BY_RELEASE))["total"] == pytest.approx(case.published, rel=0.25)
 
 
 def test_the_fitted_constants_are_what_the_fit_runs_alone_give(all_cases):
     refit = fit([case for case in all_cases if case.role == "fit"])
-    for name in ("train_dense", "train_moe", "decode_hbm", "decode_sample_s", "allreduce_network_s", "link"):
-        assert getattr(refit, name) == pytest.approx(getattr(FITTED, name), rel=0.02), name
+    for release in RELEASES:
+        for name in FREE:
+            assert getattr(refit[release], name) == pytest.approx(getattr(FITTED_BY_RELEASE[release], name),
+                                                                  rel=0.02), (release, name)
 
 
 def test_qwen3_30b_a3b_on_32_h100_processes_nemo_rls_925_to_1102_tokens_per_s_per_gpu_within_25_percent():
@@ -119,7 +112,9 @@ def test_a_colocated_sync_gathers_over_the_network_only_when_the_trainers_shards
     hw = Hardware()
     within = sync_seconds(10e9, colocated=True, trainer_shards=8, hw=hw, bucket_bytes=512 << 20)
     across = sync_seconds(10e9, colocated=True, trainer_shards=16, hw=hw, bucket_bytes=512 << 20)
-    assert across > 5 * within  # NVLink 450 GB/s against 50 GB/s of network
+    held = sync_seconds(10e9, colocated=True, trainer_shards=1, hw=hw, bucket_bytes=512 << 20)  # nothing gathered
+    # The gathered share, (s - 1) / s of the bytes, over NVLink's 450 GB/s within a node, the network's 50 across.
+    assert across - held == pytest.approx((within - held) * (15 / 16) / (7 / 8) * 450 / 50, rel=1e-9)
 
 
 def test_rlm_plan_prints_the_estimate_and_its_json_carries_step_time_s_and_each_phase(capsys):
@@ -187,9 +182,26 @@ def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency
     assert sync_seconds(16 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket) == \
         pytest.approx(2 * one, rel=1e-12)
     assert one == pytest.approx(8 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link) + 8 * FITTED.bucket_s)
-    # An engine of twice the TP gets half the bytes per GPU: its sync phase halves.
+    # Each tensor the receiver loads costs the same, whatever its size.
+    assert sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket, tensors=1000) == \
+        pytest.approx(one + 1000 * FITTED.tensor_s, rel=1e-12)
+    # An engine of twice the TP gets half the bytes per GPU, and loads as many tensors: the bytes' part halves.
     spec = {"placement": {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
     tp2 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 2}, **spec))
     tp4 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 4}, **spec))
     assert tp4.sync.bytes_per_engine_gpu == pytest.approx(tp2.sync.bytes_per_engine_gpu / 2)
-    assert tp4.step_time.phases["weight_sync"] < 0.55 * tp2.step_time.phases["weight_sync"]
+    loads = checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")) * FITTED.tensor_s
+    assert tp4.step_time.phases["weight_sync"] - loads == pytest.approx(
+        (tp2.step_time.phases["weight_sync"] - loads) / 2, rel=1e-12)
+
+
+def test_a_receiver_loads_each_checkpoint_tensor_and_deepseek_v3_has_nemo_rls_45395():
+    """checkpoint_tensors against the weight map's HF keys (what the sync exports), and NeMo-RL's published count
+    per vLLM rank (docs/guides/checkpoint-engine-refit.md)."""
+    from rlmegatron.models.hf_config import model_facts, read_hf_config
+    from rlmegatron.models.weight_map import WeightMap
+
+    assert checkpoint_tensors(read_architecture(MODELS_DIR / "deepseek-v3")) == 45_395
+    for model in ("deepseek-v3", "qwen3-30b-a3b", "llama-3.1-8b", "qwen3-1.7b"):
+        facts = model_facts(read_hf_config(MODELS_DIR / model), 1, mtp_layers=0)
+        assert checkpoint_tensors(read_architecture(MODELS_DIR / model)) == len(WeightMap(facts).hf_keys()), model
