@@ -403,7 +403,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{work.prompt_tokens:g}-token prompts",
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
         f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM and "
-        f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link",
+        f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link and "
+        f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({checkpoint_tensors(arch):,} per engine GPU)",
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "
