@@ -28,7 +28,7 @@ def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
 # The held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model out of sample"): what the published
 # data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
 _DEEPSEEK_TRAINING = ("training takes ~60 s on 256 H100s by v0.6's three DeepSeek-V3 rows (on 256 and 512 GPUs, 1-step "
-                      "off on 512), 2.5-5x the 11-23 s the FLOPs, PP16's bubble and EP16's all-to-alls give at the "
+                      "off on 512), 2.6-5.6x the 11-23 s the FLOPs, PP16's bubble and EP16's all-to-alls give at the "
                       "MoE efficiency the Qwen3 runs fit; Megatron trains it as fast per FLOP as Qwen3-235B with "
                       "experts force-balanced, NeMo-RL's recipes do not balance them, and no published quantity "
                       "(per-phase times, expert load per EP rank) sizes that")
