@@ -54,6 +54,16 @@ Sources:
 - NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32, colocated: 2.4-2.8 s
   (../shared/DESIGN.md; unsourced).
 verl does not publish its bucket size: taken at this project's default (512 MB).
+
+The step rows' refit is NeMo-RL's transport, read at r0.4.0 and r0.6.0 in NVIDIA-NeMo/RL: every vLLM rank receives
+every HF tensor whole (Megatron-Bridge's export_hf_weights gathers them; prepare_refit_info in
+nemo_rl/models/policy/workers/megatron_policy_worker.py, v0.4: nemo_rl/models/policy/megatron_policy_worker.py,
+announces the full shapes, and vLLM's load_weights slices), as this project's push does; colocated over CUDA IPC from
+the trainer rank on the GPU (stream_weights_via_ipc_zmq_impl, nemo_rl/models/policy/utils.py); disaggregated in one
+NCCL group of every trainer and every vLLM rank (nemo_rl/algorithms/grpo.py, init_collective's world = train +
+inference GPUs), so trainer rank 0's broadcast of a bucket reaches every engine at once
+(nemo_rl/models/generation/vllm/vllm_backend.py, update_weights_from_collective: packed_broadcast_consumer, then
+load_weights), where this project's push visits one server after another (planner/memory.WeightSync).
 """
 from __future__ import annotations
 
@@ -75,6 +85,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_MEAN, PROMPT_BUDGET = 128, 256
 BUCKET_BYTES = 512 << 20
 H100_GB = 85.0
+NEMO_RL_PACK_MB = {"colocated": int(0.3 * (1 - 0.6) * H100_GB * 1e9) >> 20,
+                   "disaggregated": int(0.02 * H100_GB * 1e9) >> 20}
+"""The bucket NeMo-RL's refit moves at a time (its buffer, which this module's step rows take as
+rollout.update_weights_bucket_mb): colocated, 0.3 of the GPU's free memory (NRL_REFIT_BUFFER_MEMORY_RATIO in
+nemo_rl/algorithms/grpo.py, refit_policy_generation), free taken as what vLLM's 0.6 leaves (the trainer's weights on
+the GPU, a few GB, neglected); disaggregated, 0.02 of the GPU's memory (nemo_rl/utils/packed_tensor.py,
+get_target_packed_tensor_size, at most 5 GiB)."""
 """An H100 SXM's "80 GB" is 80 GiB, of which CUDA reports 79.2 GiB (85.0e9 bytes): what vLLM's
 gpu_memory_utilization and SGLang's mem_fraction_static take their share of (the planner's default, 80, is the
 conservative reading)."""
@@ -161,12 +178,14 @@ def overrides(run: Published) -> list[str]:
     generation = run.generation_gpus or run.gpus // 2
     trainer_gpus = run.gpus - generation
     mode = "one_step_off" if run.staleness == 1 else f"async trainer.max_staleness={run.staleness}"
-    placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8", "rollout.mem_fraction_static=0.6"]
+    placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8", "rollout.mem_fraction_static=0.6",
+                  f"rollout.update_weights_bucket_mb={NEMO_RL_PACK_MB['colocated']}"]
                  if run.on_policy else
                  [f"placement.nnodes={trainer_gpus // 8 or 1}", f"placement.gpus_per_node={min(trainer_gpus, 8)}",
                   "placement.mode=disaggregate", *f"trainer.mode={mode}".split(),
                   f"placement.rollout_nnodes={generation // 8 or 1}",
-                  f"placement.rollout_gpus_per_node={min(generation, 8)}", "rollout.mem_fraction_static=0.8"])
+                  f"placement.rollout_gpus_per_node={min(generation, 8)}", "rollout.mem_fraction_static=0.8",
+                  f"rollout.update_weights_bucket_mb={NEMO_RL_PACK_MB['disaggregated']}"])
     if run.stages is not None:  # the recipe's split
         uneven = [f"actor.megatron.extra.num_layers_in_first_pipeline_stage={run.stages[0]}",
                   f"actor.megatron.extra.num_layers_in_last_pipeline_stage={run.stages[1]}"]
@@ -221,9 +240,12 @@ def _step_case(run: Published) -> Case:
     params = count_parameters(arch)
     work = workload_of(spec, settings.prompt_tokens, settings.response_tokens)
     hw = settings.hardware(spec.placement.gpus_per_node)
+    # NeMo-RL's refit, not this project's: whole tensors into every vLLM rank as ours, but disaggregated in one
+    # broadcast that reaches every engine at once (the module's docstring), so no server waits for another.
+    sync = dataclasses.replace(plan.sync, servers_in_sequence=1)
 
     def predict(c: Constants) -> dict:
-        estimate = step_time(spec, arch, params, plan.actor, plan.engine, plan.sync.bytes_per_engine_gpu, work, hw, c)
+        estimate = step_time(spec, arch, params, plan.actor, plan.engine, sync, work, hw, c)
         return {"phases": estimate.phases, "total": estimate.total}
 
     uses = frozenset(FREE) - {"train_dense" if arch.is_moe else "train_moe"}

@@ -87,13 +87,21 @@ class EngineMemory:
 
 @dataclass(frozen=True)
 class WeightSync:
-    """What one refit moves: each engine GPU receives its shard of the policy's weights (with delta sync, the
-    share of them a step sends on average)."""
+    """What one refit moves, as this project's push moves it. Every engine GPU receives every tensor whole, whatever
+    the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
+    each (the local engine is TP 1). Disaggregated, trainer rank 0 pushes to one server after another
+    (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per bucket, each server in turn, its load done
+    before the next server's broadcast begins); colocated, every GPU takes its bytes at once from the trainer rank on
+    it (`share_buckets`)."""
 
     total_bytes: float  # the whole policy as the engines hold it (rollout_weight_bytes)
-    bytes_per_engine_gpu: float
+    bytes_per_receiver: float
+    """What each engine GPU receives in a step: the whole policy (with delta sync, the share a step sends on
+    average)."""
+    servers_in_sequence: int
+    """How many servers a push visits one after another: disaggregated, every engine; colocated, 1."""
     link_gbps: float
-    seconds: float
+    seconds: float  # the bytes alone: servers_in_sequence x bytes_per_receiver over the link
     delta_ratio: float | None = None
     """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
     included; None: full pushes."""
@@ -428,8 +436,11 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     ratio = None
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
-    per_gpu = total * (ratio or 1.0) / spec.rollout.tensor_parallel_size
+    per_receiver = total * (ratio or 1.0)
+    placement = spec.placement  # an undeclared pool counts as the trainer's size, as step_time's generation does
+    engines = 1 if placement.mode == "colocate" else \
+        max((placement.rollout_pool_size or placement.trainer_world_size) // spec.rollout.tensor_parallel_size, 1)
     return WeightSync(
-        total_bytes=total, bytes_per_engine_gpu=per_gpu, link_gbps=link_gbps, seconds=per_gpu * 8 / (link_gbps * 1e9),
-        delta_ratio=ratio,
+        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, link_gbps=link_gbps,
+        seconds=engines * per_receiver * 8 / (link_gbps * 1e9), delta_ratio=ratio,
     )

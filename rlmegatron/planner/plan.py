@@ -169,7 +169,7 @@ def build_plan(spec: JobSpec, arch: ModelArchitecture, settings: PlanSettings, f
         trainer_gpus=spec.placement.trainer_world_size,
         rollout_gpus=None if colocated else spec.placement.rollout_pool_size,
         rollout_buffer=rollout_buffer_memory(spec, arch),
-        step_time=step_time(spec, arch, params, actor, engine, sync.bytes_per_engine_gpu,
+        step_time=step_time(spec, arch, params, actor, engine, sync,
                             workload_of(spec, settings.prompt_tokens, settings.response_tokens),
                             settings.hardware(spec.placement.gpus_per_node),
                             teacher=None if teacher is None else (*teacher_model, teacher)),
@@ -324,8 +324,10 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         f"KV cache {_gb(engine.kv_cache)} of mem_fraction_static={spec.rollout.mem_fraction_static} "
         f"({engine.kv_tokens:,} tokens at {engine.kv_bytes_per_token / 1e3:.1f} kB/token)"
         + (f", linear-attention states {_gb(engine.recurrent_states)}" if engine.recurrent_states else ""),
-        f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_engine_gpu)} per engine GPU, "
-        f"~{sync.seconds:.2f} s at {sync.link_gbps:g} Gb/s (--link-gbps)"
+        f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_receiver)} to each engine GPU (whole "
+        f"tensors, whatever the engine's TP), "
+        + (f"{sync.servers_in_sequence} servers one after another, " if sync.servers_in_sequence > 1 else "")
+        + f"~{sync.seconds:.2f} s of bytes at {sync.link_gbps:g} Gb/s (--link-gbps)"
         + ("" if sync.delta_ratio is None else
            f"; delta: {sync.delta_ratio:.1%} of a full push per step ("
            f"{delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)[1]})"),

@@ -24,17 +24,22 @@ Formulas and their sources:
   mean, cut at its maximum (the lengths RL sampling gives: many short, a tail that hits the limit), so the batch
   shrinks as e^(-s/mu) and the longest of the engine's n samples, min(max, mu x H_n), sets the steps: the tail, not
   the mean, bounds a synchronous batch.
-- Weight sync (refit): each receiver (an engine GPU) gets its TP share of the weights in the rollout dtype; the time
-  is those bytes over the link they cross at `link` of its bandwidth, plus `bucket_s` per bucket of
-  rollout.update_weights_bucket_mb (each is a collective of its own), plus `tensor_s` per tensor the receiver loads
-  (parameters.checkpoint_tensors: every HF tensor, each routed expert's three apart): the engine's load_weights
-  dispatches, slices and copies tensor by tensor, whatever their size. Source of that term: NeMo-RL's DeepSeek-V3
-  checkpoint-engine benchmark (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB
-  per vLLM rank in 14.21 s over NCCL) beside verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver in ~7 s):
-  bytes alone cannot give both (5.3 against 8.7 GB/s), bytes and tensors can (~0.25 ms a tensor). Disaggregated, over
-  the network; colocated, the shares its own GPU does not hold arrive from the trainer ranks that do (over NVLink
-  within a node, else the network), then cross into the engine by CUDA IPC at `ipc` of half the HBM bandwidth (a
-  copy reads and writes).
+- Weight sync (refit), priced as this project's push does it (planner/memory.WeightSync): each receiver (an engine
+  GPU) gets every tensor whole in the rollout dtype, whatever the engine's TP (rollout/sglang/weight_push.py sends
+  the export's HF tensors and SGLang's loader slices them). One receiver's time is those bytes over the link they
+  cross at `link` of its bandwidth, plus `bucket_s` per bucket of rollout.update_weights_bucket_mb (each is a
+  collective of its own), plus `tensor_s` per tensor it loads (parameters.checkpoint_tensors: every HF tensor, each
+  routed expert's three apart): the engine's load_weights dispatches, slices and copies tensor by tensor, whatever
+  their size. Source of that term: NeMo-RL's DeepSeek-V3 checkpoint-engine benchmark
+  (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB per vLLM rank in 14.21 s
+  over NCCL) beside verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver in ~7 s): bytes alone cannot give
+  both (5.3 against 8.7 GB/s), bytes and tensors can (~0.25 ms a tensor). Disaggregated, over the network, one server
+  after another (`DistributedWeightPush._broadcast`: trainer rank 0 announces a bucket to a server over HTTP,
+  broadcasts it over that server's group and waits for SGLang's answer, which comes after its load, before the next
+  server), so the step pays it once per engine (WeightSync.servers_in_sequence); colocated, every GPU at once: the
+  export's TP/EP all-gathers and PP broadcast bring each rank the whole model less the share it holds (over NVLink
+  within a node, else the network; resharding/export.py), which crosses into the engine by CUDA IPC at `ipc` of half
+  the HBM bandwidth (a copy reads and writes; `share_buckets`).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S.
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
@@ -55,7 +60,8 @@ from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import EngineMemory, ScoringMemory, TrainingMemory, rollout_weight_bytes, stage_layers
+from rlmegatron.planner.memory import (EngineMemory, ScoringMemory, TrainingMemory, WeightSync, rollout_weight_bytes,
+                                       stage_layers)
 from rlmegatron.planner.parameters import ParameterCount, checkpoint_tensors
 
 @dataclass(frozen=True)
@@ -96,10 +102,10 @@ class Constants:
 
 
 FITTED_BY_RELEASE = {
-    "v0.4": Constants(train_dense=0.390, train_moe=0.0708, decode_hbm=0.550, decode_sample_s=27.3e-6,
-                      allreduce_network_s=105e-6, link=0.819, tensor_s=267e-6),
-    "v0.6": Constants(train_dense=0.390, train_moe=0.1185, decode_hbm=0.836, decode_sample_s=77.3e-6,
-                      allreduce_network_s=105e-6, link=0.819, tensor_s=267e-6),
+    "v0.4": Constants(train_dense=0.382, train_moe=0.0712, decode_hbm=0.565, decode_sample_s=31.2e-6,
+                      allreduce_network_s=10.1e-6, link=0.932, tensor_s=272e-6),
+    "v0.6": Constants(train_dense=0.382, train_moe=0.1191, decode_hbm=0.847, decode_sample_s=77.5e-6,
+                      allreduce_network_s=10.1e-6, link=0.932, tensor_s=272e-6),
 }
 """The fitted constants of each NeMo-RL release's software (benchmarks/step_time_calibration.py: each release's
 SOFTWARE constants on its own fit rows, the SHARED ones on all; v0.6 has no dense row, so its train_dense is v0.4's)."""
@@ -339,13 +345,14 @@ def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) ->
 
 
 def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
-                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0) -> float:
+                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1) -> float:
     """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`, the receiver loading
     `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone). `trainer_shards`: over how many GPUs
-    the trainer splits a weight (TP x PP, or EP x ETP x PP for experts)."""
+    the trainer splits a weight (TP x PP, or EP x ETP x PP for experts). Disaggregated, `in_sequence` servers take
+    their turn one after another (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all)."""
     buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
     if not colocated:
-        return bytes_per_receiver / (hw.network_gbps / 8 * 1e9 * c.link) + buckets
+        return in_sequence * (bytes_per_receiver / (hw.network_gbps / 8 * 1e9 * c.link) + buckets)
     # The GPU holds 1/shards of what its engine needs; the rest arrives from the trainer ranks that hold it, then
     # crosses into the engine by CUDA IPC.
     gathered = bytes_per_receiver * (1 - 1 / trainer_shards) / (hw.link_gb_per_s(trainer_shards) * 1e9 * c.link)
@@ -358,11 +365,12 @@ def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware, c: Constants = FIT
 
 
 def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, actor: TrainingMemory,
-              engine: EngineMemory, sync_bytes_per_engine_gpu: float, work: Workload, hw: Hardware,
+              engine: EngineMemory, sync: WeightSync, work: Workload, hw: Hardware,
               c: Constants = FITTED,
               teacher: tuple[ModelArchitecture, ParameterCount, ScoringMemory] | None = None) -> StepTime:
-    """`teacher`: on-policy distillation's teacher (its architecture, parameters and memory), whose log-prob pass is a
-    phase of its own."""
+    """`sync`: what a refit moves and how (memory.weight_sync; benchmarks/step_time_calibration.py gives NeMo-RL's
+    transport instead). `teacher`: on-policy distillation's teacher (its architecture, parameters and memory), whose
+    log-prob pass is a phase of its own."""
     world = spec.placement.trainer_world_size
     megatron = spec.actor.megatron
     colocated = spec.placement.mode == "colocate"
@@ -384,8 +392,9 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     pp = megatron.pipeline_model_parallel_size
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
-    phases["weight_sync"] = sync_seconds(sync_bytes_per_engine_gpu, colocated, shards, hw,
-                                         spec.rollout.update_weights_bucket_mb << 20, c, checkpoint_tensors(arch))
+    phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, shards, hw,
+                                         spec.rollout.update_weights_bucket_mb << 20, c, checkpoint_tensors(arch),
+                                         sync.servers_in_sequence)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:

@@ -170,7 +170,10 @@ def test_engine_kv_budget_and_sync_bytes():
     assert plan.engine.kv_cache == pytest.approx(40e9 - weights / 2)
     # 28 layers × (K and V) × 4 KV heads per GPU × 128 dims × 2 bytes.
     assert plan.engine.kv_bytes_per_token == 28 * 2 * 4 * 128 * 2
-    assert plan.sync.seconds == pytest.approx(weights / 2 * 8 / 400e9)
+    # SGLang's push sends every tensor whole to every TP rank (its loader slices them): the whole model per engine
+    # GPU, colocated from the trainer rank on it, every GPU at once.
+    assert plan.sync.bytes_per_receiver == weights and plan.sync.servers_in_sequence == 1
+    assert plan.sync.seconds == pytest.approx(weights * 8 / 400e9)
 
 
 def test_a_hybrid_models_engine_caches_keys_of_its_attention_layers_beside_a_pool_of_recurrent_states():
@@ -198,12 +201,13 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
     for lr, ratio in DELTA_SENT_RATIO_BF16.items():
         delta = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
                             rollout={"weight_sync": "delta"}, actor={"optim": {"lr": lr}}))
-        assert delta.sync.bytes_per_engine_gpu == pytest.approx(full.sync.bytes_per_engine_gpu * ratio)
+        assert delta.sync.bytes_per_receiver == pytest.approx(full.sync.bytes_per_receiver * ratio)
+        assert delta.sync.servers_in_sequence == full.sync.servers_in_sequence == 8  # 8 TP-1 engines, in turn
         # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
         # (the comparison, the records), at the CPU rate measured.
-        push = sync_seconds(delta.sync.bytes_per_engine_gpu, colocated=False, trainer_shards=1, hw=Hardware(),
+        push = sync_seconds(delta.sync.bytes_per_receiver, colocated=False, trainer_shards=1, hw=Hardware(),
                             bucket_bytes=512 << 20,
-                            tensors=checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")))
+                            tensors=checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")), in_sequence=8)
         assert delta.step_time.phases["weight_sync"] == pytest.approx(
             push + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9), rel=1e-12)
     between = delta_sent_ratio("bf16", 10 ** -5.5, 0)[0]

@@ -176,7 +176,7 @@ def test_response_lengths_are_exponential_with_the_spec_mean_cut_at_its_maximum_
                                                                                  longest=8192)
 
 
-def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency_per_bucket():
+def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency_per_bucket_server_by_server():
     hw, bucket = Hardware(), 512 << 20
     one = sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket)
     assert sync_seconds(16 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket) == \
@@ -185,14 +185,16 @@ def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency
     # Each tensor the receiver loads costs the same, whatever its size.
     assert sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket, tensors=1000) == \
         pytest.approx(one + 1000 * FITTED.tensor_s, rel=1e-12)
-    # An engine of twice the TP gets half the bytes per GPU, and loads as many tensors: the bytes' part halves.
+    # Disaggregated, every server takes its turn: the same bytes and tensors reach a GPU of a TP-4 engine as of a TP-2
+    # one (whole tensors), and 8 rollout GPUs hold half as many TP-4 servers, so the push takes half as long.
     spec = {"placement": {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
     tp2 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 2}, **spec))
     tp4 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 4}, **spec))
-    assert tp4.sync.bytes_per_engine_gpu == pytest.approx(tp2.sync.bytes_per_engine_gpu / 2)
-    loads = checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")) * FITTED.tensor_s
-    assert tp4.step_time.phases["weight_sync"] - loads == pytest.approx(
-        (tp2.step_time.phases["weight_sync"] - loads) / 2, rel=1e-12)
+    assert tp4.sync.bytes_per_receiver == tp2.sync.bytes_per_receiver == tp2.sync.total_bytes
+    assert (tp2.sync.servers_in_sequence, tp4.sync.servers_in_sequence) == (4, 2)
+    assert tp4.step_time.phases["weight_sync"] == pytest.approx(tp2.step_time.phases["weight_sync"] / 2, rel=1e-12)
+    assert sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket, in_sequence=3) == \
+        pytest.approx(3 * one, rel=1e-12)
 
 
 def test_a_receiver_loads_each_checkpoint_tensor_and_deepseek_v3_has_nemo_rls_45395():

@@ -371,6 +371,83 @@ def test_a_server_that_dies_during_a_push_is_left_out_and_the_others_get_every_w
             engine.shutdown()
 
 
+def start_spanning_server(directory: Path) -> tuple[list[ServerProcess], str]:
+    """A TP-2 stand-in server over two nodes (a process per node, one TP rank each), recording what each receives;
+    started, not waited for (`SGLangClient(url).health`)."""
+    directory.mkdir()
+    spec = ServerSpec(model_path="fake/model", port=free_port(), python=sys.executable, load_format="dummy",
+                      tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}",
+                      extra_args={"fake-record": str(directory / "calls.jsonl")},
+                      env={"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])})
+    nodes = [ServerProcess(server_command(spec.for_node(rank)), directory / f"node{rank}.log", spec.env)
+             for rank in (0, 1)]
+    for node in nodes:
+        node.start()
+    return nodes, spec.url
+
+
+def test_a_disaggregated_push_brings_each_tp_rank_the_whole_model_one_server_after_another_as_the_planner_prices(
+        tmp_path):
+    """planner/memory.weight_sync against what a push does: two TP-2 servers on 4 rollout GPUs, tiny-qwen3's weights
+    in bf16. Each of the 4 receivers gets every tensor whole (its digest is the full tensor's, not a TP share), so
+    its bytes are the planner's bytes_per_receiver; and each bucket reaches one server only once the other has
+    received and loaded it: the planner's 2 servers in sequence."""
+    import transformers
+
+    from rlmegatron.config import read_architecture
+    from rlmegatron.planner.memory import weight_sync
+    from rlmegatron.planner.parameters import count_parameters
+    from tests.planner.test_memory import _spec
+
+    model_dir = REPO_ROOT / "configs" / "models" / "tiny-qwen3"
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    named = [(name, tensor.detach().to(torch.bfloat16)) for name, tensor in model.named_parameters()]
+    spec = _spec("tiny-qwen3", {}, placement={"nnodes": 1, "gpus_per_node": 1, "mode": "disaggregate",
+                                              "rollout_nnodes": 2, "rollout_gpus_per_node": 2},
+                 rollout={"tensor_parallel_size": 2}, data={"max_prompt_length": 256, "max_response_length": 256})
+    planned = weight_sync(spec, count_parameters(read_architecture(model_dir)), link_gbps=400)
+
+    servers = [start_spanning_server(tmp_path / f"server{key}") for key in range(2)]  # the four start together
+    try:
+        for nodes, url in servers:
+            nodes[0].wait_ready(SGLangClient(url).health, 30)
+        push = DistributedWeightPush(bucket_bytes=64 << 10, travel_rules=travel_rules_for(model.config.to_dict()))
+        for key, (_, url) in enumerate(servers):
+            group = DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"sync_{key}", backend="gloo")
+            push.connect(key, url, 2, group)
+        assert push.push(iter(named), "v1") == []
+    finally:
+        for nodes, _ in servers:
+            for node in reversed(nodes):
+                node.stop()
+
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in named}
+    full = {name: digest(tensor)[2] for name, tensor in named}
+    by_receiver: dict[tuple[int, int], list[dict]] = {}
+    for key in range(2):
+        for record in calls(tmp_path / f"server{key}"):
+            if record["path"] == "/update_weights_from_distributed":
+                by_receiver.setdefault((key, record["node_rank"]), []).append(record)
+    assert sorted(by_receiver) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for records in by_receiver.values():
+        digests = {name: value for record in records for name, value in record["digests"].items()}
+        assert digests == full  # every tensor, whole
+        assert sum(sizes[name] for record in records for name in record["names"]) == planned.bytes_per_receiver
+    assert planned.bytes_per_receiver == planned.total_bytes == sum(sizes.values())
+
+    # Each bucket, server by server: the next server's ranks start on it only once the one before answered, after
+    # receiving and loading it (node 0's answer; SGLang's also waits for its other nodes); as many servers one after
+    # another as the planner counts.
+    buckets = len(by_receiver[(0, 0)])
+    assert buckets > 1
+    for bucket in range(buckets):
+        turns = sorted(([by_receiver[(key, rank)][bucket] for rank in (0, 1)] for key in range(2)),
+                       key=lambda ranks: ranks[0]["started"])
+        for first, then in zip(turns, turns[1:]):
+            assert first[0]["ended"] <= min(record["started"] for record in then)
+        assert len(turns) == planned.servers_in_sequence == 2
+
+
 def start_router(tmp_path: Path, legacy: bool = False) -> tuple[ServerProcess, str]:
     port = free_port()
     extra = {"fake-record": str(tmp_path / "router.jsonl"), "fake-legacy": legacy}

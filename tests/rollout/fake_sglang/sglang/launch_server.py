@@ -386,6 +386,7 @@ class FakeServer:
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def receive_bucket(self, body):
+        started = time.time()  # with `ended`, when this rank took part: whether servers took their turns apart
         group = self.groups[body["group_name"]]
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -394,7 +395,8 @@ class FakeServer:
         if body["weight_version"] is not None:
             self.weight_version = body["weight_version"]
         self.record("/update_weights_from_distributed", names=body["names"], node_rank=self.args.node_rank,
-                    version=self.weight_version, digests={n: tensor_digest(self.weights[n])[2] for n in body["names"]})
+                    version=self.weight_version, digests={n: tensor_digest(self.weights[n])[2] for n in body["names"]},
+                    started=started, ended=time.time())
 
     def load_lora_adapter(self, body):
         expect(body, {"lora_name": str, "lora_path": str})
