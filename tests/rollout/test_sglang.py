@@ -413,7 +413,7 @@ def test_a_disaggregated_push_brings_each_tp_rank_the_whole_model_one_server_aft
             nodes[0].wait_ready(SGLangClient(url).health, 30)
         push = DistributedWeightPush(bucket_bytes=64 << 10, travel_rules=travel_rules_for(model.config.to_dict()))
         for key, (_, url) in enumerate(servers):
-            group = DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"sync_{key}", backend="gloo")
+            group = DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"whole_{key}", backend="gloo")
             push.connect(key, url, 2, group)
         assert push.push(iter(named), "v1") == []
     finally:
