@@ -100,8 +100,12 @@ class WeightSync:
     average)."""
     servers_in_sequence: int
     """How many servers a push visits one after another: disaggregated, every engine; colocated, 1."""
+    sent_per_server: float
+    """What crosses the trainer's link to one disaggregated server: bytes_per_receiver, broadcast once to its ranks;
+    with delta sync, its records go in the request body as base64 (4/3 of their bytes), one copy per TP rank
+    (`DistributedWeightPush._post`: SGLang takes one payload per rank)."""
     link_gbps: float
-    seconds: float  # the bytes alone: servers_in_sequence x bytes_per_receiver over the link
+    seconds: float  # the bytes alone: servers_in_sequence x sent_per_server over the link
     delta_ratio: float | None = None
     """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
     included; None: full pushes."""
@@ -437,10 +441,12 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
     per_receiver = total * (ratio or 1.0)
-    placement = spec.placement  # an undeclared pool counts as the trainer's size, as step_time's generation does
-    engines = 1 if placement.mode == "colocate" else \
-        max((placement.rollout_pool_size or placement.trainer_world_size) // spec.rollout.tensor_parallel_size, 1)
+    placement, tp = spec.placement, spec.rollout.tensor_parallel_size
+    colocated = placement.mode == "colocate"
+    # An undeclared pool counts as the trainer's size, as step_time's generation does.
+    engines = 1 if colocated else max((placement.rollout_pool_size or placement.trainer_world_size) // tp, 1)
+    sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
-        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, link_gbps=link_gbps,
-        seconds=engines * per_receiver * 8 / (link_gbps * 1e9), delta_ratio=ratio,
+        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, sent_per_server=sent,
+        link_gbps=link_gbps, seconds=engines * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
     )

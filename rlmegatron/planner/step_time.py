@@ -41,7 +41,8 @@ Formulas and their sources:
   within a node, else the network; resharding/export.py), which crosses into the engine by CUDA IPC at `ipc` of half
   the HBM bandwidth (a copy reads and writes; `share_buckets`).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
-  work on the whole policy at DELTA_HOST_GB_PER_S.
+  work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
+  copy per TP rank of each server (memory.WeightSync.sent_per_server).
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
 - Overlap: one_step_off and async on their own GPUs generate step n + 1 while the trainer trains step n, so a step
   is the longer of the two sides plus what neither hides (the weight sync).
@@ -345,14 +346,17 @@ def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) ->
 
 
 def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
-                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1) -> float:
+                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1,
+                 sent_per_server: float | None = None) -> float:
     """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`, the receiver loading
     `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone). `trainer_shards`: over how many GPUs
     the trainer splits a weight (TP x PP, or EP x ETP x PP for experts). Disaggregated, `in_sequence` servers take
-    their turn one after another (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all)."""
+    their turn one after another (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all),
+    each sent `sent_per_server` bytes over the link (memory.WeightSync.sent_per_server; None: bytes_per_receiver)."""
     buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
     if not colocated:
-        return in_sequence * (bytes_per_receiver / (hw.network_gbps / 8 * 1e9 * c.link) + buckets)
+        sent = bytes_per_receiver if sent_per_server is None else sent_per_server
+        return in_sequence * (sent / (hw.network_gbps / 8 * 1e9 * c.link) + buckets)
     # The GPU holds 1/shards of what its engine needs; the rest arrives from the trainer ranks that hold it, then
     # crosses into the engine by CUDA IPC.
     gathered = bytes_per_receiver * (1 - 1 / trainer_shards) / (hw.link_gb_per_s(trainer_shards) * 1e9 * c.link)
@@ -394,7 +398,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
     phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, shards, hw,
                                          spec.rollout.update_weights_bucket_mb << 20, c, checkpoint_tensors(arch),
-                                         sync.servers_in_sequence)
+                                         sync.servers_in_sequence, sync.sent_per_server)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:
