@@ -264,12 +264,16 @@ def _vision_line(spec: JobSpec, plan: Plan) -> str:
 
 
 def _mtp_line(spec: JobSpec, plan: Plan) -> str:
-    weight = spec.actor.mtp.loss_weight
-    trained = f"trained (actor.mtp.loss_weight={weight:g})" if weight else "carried untrained (actor.mtp.loss_weight=0)"
-    drafting = "" if spec.rollout.speculative is None else \
-        f"; they draft {spec.rollout.speculative.num_draft_tokens} tokens per step in the engines (rollout.speculative)"
-    return (f"MTP layers: {plan.mtp_parameters / 1e9:.2f}B parameters with their gradients and Adam state on the last "
-            f"pipeline stage, {trained}, in every weight sync{drafting}")
+    weight, speculative = spec.actor.mtp.loss_weight, spec.rollout.speculative
+    held = (f"trained (actor.mtp.loss_weight={weight:g}) with their gradients and Adam state" if weight
+            else "carried untrained (actor.mtp.loss_weight=0): frozen, no gradients or Adam state")
+    if speculative is None:
+        synced = "never synced: no engine drafts with them (rollout.speculative)"
+    else:
+        pushes = "every weight sync" if weight else "an engine's first push only"
+        synced = (f"the first drafts {speculative.num_draft_tokens} tokens per step in the engines "
+                  f"(rollout.speculative) and goes with {pushes}")
+    return f"MTP layers: {plan.mtp_parameters / 1e9:.2f}B parameters on the last pipeline stage, {held}; {synced}"
 
 
 def render_plan(spec: JobSpec, plan: Plan) -> str:
