@@ -31,9 +31,10 @@ Formulas and their sources:
   collective of its own), plus `tensor_s` per tensor it loads (parameters.checkpoint_tensors: every HF tensor, each
   routed expert's three apart): the engine's load_weights dispatches, slices and copies tensor by tensor, whatever
   their size. Source of that term: NeMo-RL's DeepSeek-V3 checkpoint-engine benchmark
-  (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB per vLLM rank in 14.21 s
-  over NCCL) beside verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver in ~7 s): bytes alone cannot give
-  both (5.3 against 8.7 GB/s), bytes and tensors can (~0.25 ms a tensor). Disaggregated, over the network, one server
+  (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB per vLLM rank) beside
+  verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver): their published times per byte disagree, and per
+  byte and per tensor they agree (benchmarks/RESULTS.md, "Step-time model out of sample", round 3). Disaggregated,
+  over the network, one server
   after another (`DistributedWeightPush._broadcast`: trainer rank 0 announces a bucket to a server over HTTP,
   broadcasts it over that server's group and waits for SGLang's answer, which comes after its load, before the next
   server), so the step pays it once per engine (WeightSync.servers_in_sequence); colocated, every GPU at once: the
