@@ -293,8 +293,8 @@ class MTPConfig(Section):
     (per MTP layer k, the cross-entropy of its prediction of the sampled token k+1 places past the next one, over the
     response tokens, averaged over the mini-batch's response tokens; the layers' mean), and logs actor/mtp_loss. Its
     gradient reaches the shared embedding and the trunk, as in Megatron's pretraining, unless `detach`. 0: the MTP
-    layers are frozen and not run in the update (synced unchanged, no gradient or Adam state), which is exactly the
-    one without them."""
+    layers are frozen and not run in the update (no gradient or Adam state; a drafting engine gets the first with its
+    first push only), which is exactly the one without them."""
     detach: bool = False
     """true: the MTP loss trains the MTP layers alone; the hidden states, embeddings and output head they take from
     the main model are detached, so the policy's gradient is the RL loss's (verl's detach_encoder, which it recommends

@@ -433,6 +433,15 @@ def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount
     )
 
 
+def engine_count(spec: JobSpec) -> int:
+    """The engines of the spec's rollout: its GPUs (the trainer's when colocated; a disaggregated pool's, the
+    trainer's size when undeclared) over the engine's TP."""
+    placement = spec.placement
+    gpus = placement.trainer_world_size if placement.mode == "colocate" else \
+        (placement.rollout_pool_size or placement.trainer_world_size)
+    return max(gpus // spec.rollout.tensor_parallel_size, 1)
+
+
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
     # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
     frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
@@ -441,10 +450,8 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
     per_receiver = total * (ratio or 1.0)
-    placement, tp = spec.placement, spec.rollout.tensor_parallel_size
-    colocated = placement.mode == "colocate"
-    # An undeclared pool counts as the trainer's size, as step_time's generation does.
-    engines = 1 if colocated else max((placement.rollout_pool_size or placement.trainer_world_size) // tp, 1)
+    tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
+    engines = 1 if colocated else engine_count(spec)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
         total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, sent_per_server=sent,

@@ -62,8 +62,8 @@ from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import (EngineMemory, ScoringMemory, TrainingMemory, WeightSync, rollout_weight_bytes,
-                                       stage_layers)
+from rlmegatron.planner.memory import (EngineMemory, ScoringMemory, TrainingMemory, WeightSync, engine_count,
+                                       rollout_weight_bytes, stage_layers)
 from rlmegatron.planner.parameters import ParameterCount, checkpoint_tensors
 
 @dataclass(frozen=True)
@@ -379,12 +379,11 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     world = spec.placement.trainer_world_size
     megatron = spec.actor.megatron
     colocated = spec.placement.mode == "colocate"
-    rollout_gpus = world if colocated else (spec.placement.rollout_pool_size or world)
     tp_g = spec.rollout.tensor_parallel_size
     weight_bytes = rollout_weight_bytes(spec, params) / params.total
     speculative = spec.rollout.speculative
     drafts = speculative.num_draft_tokens if speculative is not None else 0
-    phases = {"generation": generation_seconds(arch, params, engine, max(rollout_gpus // tp_g, 1), tp_g, work,
+    phases = {"generation": generation_seconds(arch, params, engine, engine_count(spec), tp_g, work,
                                                weight_bytes, hw, c, drafts, running_cap(spec)),
               **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw, c)}
     if teacher is not None:  # on-policy distillation: the teacher's forward over the step's tokens, at its layout
@@ -397,8 +396,9 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     pp = megatron.pipeline_model_parallel_size
     shards = pp * max(megatron.tensor_model_parallel_size,
                       megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
+    tensors = checkpoint_tensors(arch)  # each receiver loads them one by one
     phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, shards, hw,
-                                         spec.rollout.update_weights_bucket_mb << 20, c, checkpoint_tensors(arch),
+                                         spec.rollout.update_weights_bucket_mb << 20, c, tensors,
                                          sync.servers_in_sequence, sync.sent_per_server)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
@@ -418,7 +418,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
         f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM and "
         f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link and "
-        f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({checkpoint_tensors(arch):,} per engine GPU)",
+        f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({tensors:,} per engine GPU)",
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "

@@ -432,8 +432,9 @@ class LocalEngine(RolloutEngine):
 
     def _unused_mtp_weight(self, name: str) -> bool:
         """A weight of an MTP layer the engine does not draft with (all of them without speculative decoding, those
-        after the first with it), which the sync sends whenever the trainer's model holds them: skipped, as SGLang's
-        model skips them without NEXTN and its NEXTN draft loads only the first."""
+        after the first with it), which a whole checkpoint's stream holds (a custom weight loader's, a test's; the
+        sync sends none): skipped, as SGLang's model skips them without NEXTN and its NEXTN draft loads only the
+        first."""
         config = self.model.config
         layer, mtp_layers = _LAYER_INDEX.match(name), getattr(config, "num_nextn_predict_layers", 0)
         if layer is None or not mtp_layers:
