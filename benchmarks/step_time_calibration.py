@@ -16,16 +16,18 @@ rows; the network's all-reduce latency and the sync's constants (SHARED) are fit
 no dense run, so its train_dense is v0.4's (unidentified, and nothing of v0.6's uses it).
 
 Which runs fit: a step's published total alone cannot say how much of it is generation and how much training, so an
-on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two). v0.4:
-Llama-3.1-8B (dense) and Qwen3-30B-A3B (MoE), both ways; DeepSeek-V3 off policy (the all-reduce latency of an engine
-across nodes). v0.6: Qwen3-30B-A3B both ways, DeepSeek-V3 1-step off on 512. The sync: verl's and NeMo-RL's
-checkpoint-engine benchmarks, the only two NCCL refits published with their bytes and tensors; two rows for two
-constants (link, tensor_s), so neither can be held out without leaving the pair unidentified (the step rows'
-weight_sync phases, 0.3-13 s of steps of 64-506 s, barely constrain them). Held out: Qwen3-32B and Qwen3-235B-A22B
-both ways in both releases (models the fit never sees) and DeepSeek-V3 on policy (v0.4 on 256, v0.6 on 256 and 512).
-Not modelled (shown, never fitted, outside the criterion): v0.6's Qwen3-30B-A3B 8-step off, whose schedule (prompts
-of up to 8 steps in flight, no batch draining at a step's end) this project's async does not have. Unsourced (shown,
-never fitted): DESIGN.md's colocated DeepSeek-V3 refit of 2.4-2.8 s, in no NeMo-RL document or commit found.
+on-policy run (generation + training) is fitted with its 1-step off-policy twin (the longer of the two): Llama-3.1-8B
+(dense, v0.4), Qwen3-30B-A3B (MoE on one node) and Qwen3-235B-A22B (MoE, on policy with TP16 engines across two nodes:
+the cross-node all-reduce latency), each both ways, in each release that publishes them. The sync: verl's benchmark
+and NeMo-RL's NCCL refit of DeepSeek-V3, the only two NCCL refits published with their bytes and tensors, two rows
+for two constants (link, tensor_s). Held out: Qwen3-32B both ways (a dense model the fit never sees), Qwen3-235B-A22B
+on 256 GPUs (v0.6), v0.6's Qwen3-30B-A3B 8-step off (a schedule no fit row has), and DeepSeek-V3's five runs.
+DeepSeek-V3 is never fitted: every one of its runs takes 30-45 % longer than the model gives, on policy and off, and
+NeMo-RL's GB200 rows (one NVLink domain holds a TP32 engine, no network in its decode) show the same step that hardly
+shrinks with twice the engines; so its excess is not the network's latency nor any constant the Qwen3 runs share,
+and fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4). `--never-fit MODEL`
+keeps a model's runs out of every fit, leave-one-out's included. Other transports (shown, never fitted, outside the
+criterion): NeMo-RL's NCCL reshard and NIXL refits of DeepSeek-V3, which send each rank only its shard.
 
 Sources:
 - NeMo-RL v0.4 performance summary (docs/about/performance-summary.md in NVIDIA-NeMo/RL, r0.4.0): GRPO on
@@ -45,25 +47,43 @@ Sources:
   are taken for both releases (the v0.4 recipes set the same). The 8-step off row: 64 generating and 128 training
   GPUs (grpo-qwen3-30ba3b-24n8g-async-8off.yaml), max_trajectory_age_steps 8, taken as trainer.mode=async with
   max_staleness 8. Its note: DeepSeek-V3's checkpoint changed between releases (shorter responses).
+- NeMo-RL's off-policy schedule (nemo_rl/algorithms/async_utils.py at r0.4.0 and r0.6.0, AsyncTrajectoryCollector):
+  every off-policy row is its async GRPO, which starts one prompt group per thread under a semaphore of
+  num_prompts_per_step x max_trajectory_age_steps groups, a new group as one ends, for any step up to that age ahead;
+  the trainer waits for its own step's groups (ReplayBuffer.sample). So the engines run full and no batch drains at a
+  step's end: generation is priced at the full batch's rate (step_time's `steps_in_flight`), with at most that many
+  steps' samples running. Its recipes set in_flight_weight_updates, so the refit does not wait for the running
+  generations; vLLM still stops decoding while it loads (collective_rpc runs between engine steps), so a step is
+  the longer of generation and training plus the refit, as step_time's overlap has it.
 - verl's checkpoint-engine benchmark (verl/checkpoint_engine/README.md): Qwen3-30B-A3B, 4 x 8 H100 with 400 Gb/s
-  ConnectX-7, NCCL backend, 30 rollout GPUs each receiving the whole BF16 model: about 7 s.
-- NeMo-RL's checkpoint-engine refit benchmark (docs/guides/checkpoint-engine-refit.md, "DeepSeek-V3 Benchmark"):
-  Megatron TP1/PP16/EP16 on 32 nodes into one vLLM TP32 engine on 4, each vLLM rank loading 45,395 tensors, 69.95 GiB
-  (its 1/32 of the experts and every dense tensor whole: vLLM's loader slices them), in 18 buckets of 4096 MiB:
-  14.21 s over NCCL by its async refit timer (9.25 s over NIXL RDMA, not this project's transport).
-- NeMo-RL's DeepSeek-V3 refit over NCCL with sharded experts, PP16 x EP16 -> TP32, colocated: 2.4-2.8 s
-  (../shared/DESIGN.md; unsourced).
-verl does not publish its bucket size: taken at this project's default (512 MB).
+  ConnectX-7, NCCL backend, an FSDP pair sending to 30 rollout GPUs each receiving the whole BF16 model (its
+  receivers load nothing into an engine: the per-tensor work is the sender's gather of each): about 7 s. verl does
+  not publish its bucket size: taken at this project's default (512 MB).
+- NeMo-RL's DeepSeek-V3 refit benchmark (docs/guides/checkpoint-engine-refit.md, "DeepSeek-V3 Benchmark";
+  docs/design-docs/checkpoint-engines.md): Megatron TP1/PP16/EP16 on 32 nodes into one vLLM TP32 engine on 4.
+  NCCL, 14.21 s by its async refit timer: "non-colocated generation without checkpoint engines still uses the
+  existing NCCL collective path", the default full-weight collective (docs/guides/refit.md), so every vLLM rank
+  receives every tensor whole (1342 GB) and loads all 45,395. NIXL, 9.25 s: each vLLM rank receives from its own
+  policy worker only its 1/32 of each expert and every dense tensor whole (69.95 GiB, the same 45,395 tensors, 18
+  batches of 4096 MiB; experts copied straight into vLLM's storage).
+- NeMo-RL's NCCL reshard (docs/design-docs/nccl-reshard-refit.md, "Expected Performance"): DeepSeek-V3 BF16, PP16 x
+  EP16 -> TP32 x DP8 on H100, 2.39-2.83 s; each vLLM rank receives exactly its own shard from the trainer ranks
+  that hold it, the FFN weights (97.6 % of the bytes) bypassing vLLM's loader. This is the figure ../shared/DESIGN.md
+  quotes (as colocated; it is not).
 
-The step rows' refit is NeMo-RL's transport, read at r0.4.0 and r0.6.0 in NVIDIA-NeMo/RL: every vLLM rank receives
-every HF tensor whole (Megatron-Bridge's export_hf_weights gathers them; prepare_refit_info in
-nemo_rl/models/policy/workers/megatron_policy_worker.py, v0.4: nemo_rl/models/policy/megatron_policy_worker.py,
-announces the full shapes, and vLLM's load_weights slices), as this project's push does; colocated over CUDA IPC from
-the trainer rank on the GPU (stream_weights_via_ipc_zmq_impl, nemo_rl/models/policy/utils.py); disaggregated in one
-NCCL group of every trainer and every vLLM rank (nemo_rl/algorithms/grpo.py, init_collective's world = train +
-inference GPUs), so trainer rank 0's broadcast of a bucket reaches every engine at once
-(nemo_rl/models/generation/vllm/vllm_backend.py, update_weights_from_collective: packed_broadcast_consumer, then
-load_weights), where this project's push visits one server after another (planner/memory.WeightSync).
+The step rows' refit is NeMo-RL's transport (NEMO_RL_TRANSPORT), read at r0.4.0 and r0.6.0 in NVIDIA-NeMo/RL: every
+vLLM rank receives every HF tensor whole (prepare_refit_info in nemo_rl/models/policy/workers/megatron_policy_worker.py,
+v0.4: nemo_rl/models/policy/megatron_policy_worker.py, announces the full shapes, and vLLM's load_weights slices), as
+this project's push does, from Megatron-Bridge's export_hf_weights, which broadcasts each weight's shard from its
+pipeline stage before the TP/EP gathers (MegatronParamMapping.megatron_to_hf: "1. Pipeline parallel broadcasting
+2. Tensor parallel gathering"); colocated over CUDA IPC from the trainer rank on the GPU, two buffers in turn
+(stream_weights_via_ipc_zmq_impl, nemo_rl/models/policy/utils.py); disaggregated in one NCCL group of every trainer
+and every vLLM rank (nemo_rl/algorithms/grpo.py, init_collective's world = train + inference GPUs), so trainer rank
+0's broadcast of a bucket reaches every engine at once and crosses each node by all its links (every GPU of the
+sending and receiving nodes is in the group), two buffers in turn (packed_broadcast_producer,
+nemo_rl/utils/packed_tensor.py, NRL_REFIT_NUM_BUFFERS=2), the receivers loading each (vllm_backend.py,
+update_weights_from_collective). This project's push instead visits one server after another from rank 0 alone,
+its export gathering before it broadcasts (planner/memory.WeightSync, Transport).
 """
 from __future__ import annotations
 
@@ -78,23 +98,30 @@ from rlmegatron.prelaunch.spec_pipeline import load_spec
 from rlmegatron.models.families import read_architecture
 from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
-from rlmegatron.planner.step_time import (FITTED_BY_RELEASE, LATEST, RELEASES, Constants, Hardware, step_time,
-                                          sync_seconds, workload_of)
+from rlmegatron.config.spec import MegatronConfig
+from rlmegatron.planner.memory import Transport
+from rlmegatron.planner.step_time import (FITTED_BY_RELEASE, LATEST, RELEASES, Constants, Hardware, export_seconds,
+                                          step_time, sync_seconds, workload_of)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_MEAN, PROMPT_BUDGET = 128, 256
 BUCKET_BYTES = 512 << 20
 H100_GB = 85.0
-NEMO_RL_PACK_MB = {"colocated": int(0.3 * (1 - 0.6) * H100_GB * 1e9) >> 20,
+NEMO_RL_PACK_MB = {"colocated": int(0.3 * (1 - 0.6) * H100_GB * 1e9 / 2) >> 20,
                    "disaggregated": int(0.02 * H100_GB * 1e9) >> 20}
-"""The bucket NeMo-RL's refit moves at a time (its buffer, which this module's step rows take as
-rollout.update_weights_bucket_mb): colocated, 0.3 of the GPU's free memory (NRL_REFIT_BUFFER_MEMORY_RATIO in
-nemo_rl/algorithms/grpo.py, refit_policy_generation), free taken as what vLLM's 0.6 leaves (the trainer's weights on
-the GPU, a few GB, neglected); disaggregated, 0.02 of the GPU's memory (nemo_rl/utils/packed_tensor.py,
-get_target_packed_tensor_size, at most 5 GiB)."""
+"""The bucket NeMo-RL's refit moves at a time (which this module's step rows take as
+rollout.update_weights_bucket_mb): colocated, half of a buffer of 0.3 of the GPU's free memory
+(NRL_REFIT_BUFFER_MEMORY_RATIO in nemo_rl/algorithms/grpo.py, refit_policy_generation; halved for its two ping-pong
+buffers in nemo_rl/models/policy/utils.py, stream_weights_via_ipc_zmq_impl), free taken as what vLLM's 0.6 leaves
+(the trainer's weights on the GPU, a few GB, neglected); disaggregated, 0.02 of the GPU's memory
+(nemo_rl/utils/packed_tensor.py, get_target_packed_tensor_size, at most 5 GiB; two such buffers)."""
 """An H100 SXM's "80 GB" is 80 GiB, of which CUDA reports 79.2 GiB (85.0e9 bytes): what vLLM's
 gpu_memory_utilization and SGLang's mem_fraction_static take their share of (the planner's default, 80, is the
 conservative reading)."""
+NEMO_RL_TRANSPORT = Transport(broadcast_first=True, links=8, pipelined=True)
+"""NeMo-RL's refit (the module's docstring): Megatron-Bridge's export, which broadcasts each shard from its pipeline
+stage before the TP/EP gathers; disaggregated, one NCCL group of every trainer and vLLM rank, so a bucket's broadcast
+crosses each node by all 8 of its links; two buffers, so the export of a bucket overlaps the load of the last."""
 SOFTWARE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s")
 """The constants of a software stack (the trainer's efficiency, the decode engine's and its server's host work): the
 fit sets one of each per NeMo-RL release, on that release's fit rows alone."""
@@ -105,17 +132,16 @@ FREE = SOFTWARE + SHARED
 """The constants the fit sets; the others keep step_time.Constants' defaults."""
 
 
-NOT_MODELLED = "not modelled"
-"""The role of a row whose schedule the model does not describe: shown, never fitted, outside the criterion."""
-UNSOURCED = "unsourced"
-"""The role of a figure no publication we found carries: shown, never fitted (not in leave-one-out either)."""
+OTHER_TRANSPORT = "other transport"
+"""The role of a refit by a transport neither this project nor the step rows use: shown, never fitted (not in
+leave-one-out either)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Published:
     name: str
     model: str  # configs/models/<model>
-    role: str  # fit, held out, NOT_MODELLED or UNSOURCED
+    role: str  # fit, held out or OTHER_TRANSPORT
     gpus: int
     samples: int  # G-GBS: responses per step
     train_batch: int  # T-GBS
@@ -137,15 +163,15 @@ NEMO_RL = (
               recompute=True),
     Published("DeepSeek-V3", "deepseek-v3", "held out", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154,
               recompute=True, stages=(3, 2)),
-    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506,
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506,
               recompute=True, stages=(11, 11)),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3154, 4, (2, 1, 8, 1), 225),
     Published("Qwen3-32B", "qwen3-32b", "held out", 32, 2048, 512, 4096, 3206, 4, (4, 1, 1, 4), 393),
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1129, 1, (1, 1, 1, 2), 74.6, False,
               recompute=True),
-    Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
               recompute=True, stages=(3, 2)),
-    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5691, 8, (4, 1, 16, 8), 241,
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 256, 512, 512, 8192, 5691, 8, (4, 1, 16, 8), 241,
               False, recompute=True, stages=(11, 11)),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3158, 2, (1, 1, 8, 2), 244, False),
     Published("Qwen3-32B", "qwen3-32b", "held out", 64, 2048, 512, 4096, 3207, 4, (4, 1, 1, 4), 215, False),
@@ -154,19 +180,19 @@ NEMO_RL = (
               recompute=True, version="v0.6", stages=(3, 2)),
     Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 697, 32, (1, 1, 32, 16), 111,
               recompute=True, version="v0.6", stages=(3, 2)),
-    Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 710, 32, (1, 1, 16, 16), 64.1, False,
+    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 710, 32, (1, 1, 16, 16), 64.1, False,
               recompute=True, version="v0.6", stages=(3, 2)),
-    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 128, 512, 512, 8192, 5698, 16, (2, 2, 16, 8), 395,
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 128, 512, 512, 8192, 5698, 16, (2, 2, 16, 8), 395,
               recompute=True, version="v0.6", stages=(11, 11)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5713, 16, (2, 2, 16, 8), 312,
               recompute=True, version="v0.6", stages=(11, 11)),
-    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "held out", 256, 512, 512, 8192, 5721, 8, (4, 1, 16, 8), 231,
+    Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 256, 512, 512, 8192, 5721, 8, (4, 1, 16, 8), 231,
               False, recompute=True, version="v0.6", stages=(11, 11)),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3203, 2, (1, 1, 8, 1), 192,
               version="v0.6"),
     Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "fit", 32, 2048, 512, 4096, 3201, 2, (1, 1, 8, 2), 152, False,
               version="v0.6"),
-    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", NOT_MODELLED, 192, 2048, 512, 4096, 3206, 2, (1, 1, 8, 1), 34.5,
+    Published("Qwen3-30B-A3B", "qwen3-30b-a3b", "held out", 192, 2048, 512, 4096, 3206, 2, (1, 1, 8, 1), 34.5,
               False, version="v0.6", generation_gpus=64, staleness=8),
 )
 
@@ -219,6 +245,7 @@ class Case:
     predict: object  # Constants -> {"phases": ..., "total": ...}
     release: str | None = None  # the NeMo-RL release whose software ran it; None: a sync benchmark
     uses: frozenset = frozenset(FREE)  # the FREE constants its prediction depends on
+    model: str | None = None  # a step row's configs/models name; None: a sync benchmark
 
 
 Fitted = dict  # release -> Constants
@@ -242,14 +269,17 @@ def _step_case(run: Published) -> Case:
     hw = settings.hardware(spec.placement.gpus_per_node)
     # NeMo-RL's refit, not this project's: whole tensors into every vLLM rank as ours, but disaggregated in one
     # broadcast that reaches every engine at once (the module's docstring), so no server waits for another.
-    sync = dataclasses.replace(plan.sync, servers_in_sequence=1)
+    sync = dataclasses.replace(plan.sync, servers_in_sequence=1, transport=NEMO_RL_TRANSPORT)
 
     def predict(c: Constants) -> dict:
-        estimate = step_time(spec, arch, params, plan.actor, plan.engine, sync, work, hw, c)
+        # Off policy, NeMo-RL's async GRPO keeps max_trajectory_age_steps steps' prompts in flight (the module's
+        # docstring): no batch drains at a step's end.
+        estimate = step_time(spec, arch, params, plan.actor, plan.engine, sync, work, hw, c,
+                             steps_in_flight=None if run.on_policy else run.staleness)
         return {"phases": estimate.phases, "total": estimate.total}
 
     uses = frozenset(FREE) - {"train_dense" if arch.is_moe else "train_moe"}
-    return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict, run.version, uses)
+    return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict, run.version, uses, run.model)
 
 
 def predict(run: Published, by_release: Fitted = FITTED_BY_RELEASE) -> dict:
@@ -259,27 +289,45 @@ def predict(run: Published, by_release: Fitted = FITTED_BY_RELEASE) -> dict:
 def _sync_cases() -> list[Case]:
     hw = Hardware()
 
-    def sync(bytes_per_receiver: float, colocated: bool, shards: int, bucket_bytes: float, model: str):
-        tensors = checkpoint_tensors(read_architecture(REPO_ROOT / "configs" / "models" / model))
-
+    def sync(bytes_per_receiver: float, model: str, bucket_bytes: float, tensors: int, export_s=lambda c: 0.0,
+             transport: Transport = Transport()):
         def predict(c: Constants) -> dict:
-            seconds = sync_seconds(bytes_per_receiver, colocated, shards, hw, bucket_bytes, c, tensors)
+            seconds = sync_seconds(bytes_per_receiver, False, hw, bucket_bytes, c, tensors, export_s=export_s(c),
+                                   transport=transport)
             return {"phases": {"weight_sync": seconds}, "total": seconds}
         return predict
 
     uses = frozenset(SHARED) - {"allreduce_network_s"}
-    # verl: the whole BF16 model into each of 30 rollout GPUs over the network (18,867 tensors).
-    verl = sync(30.53e9 * 2, False, 2, BUCKET_BYTES, "qwen3-30b-a3b")
-    # NeMo-RL's checkpoint engine: into each vLLM TP32 rank its 1/32 of the experts and every dense tensor whole
-    # (69.95 GiB, 45,395 tensors, 4096 MiB buckets), from TP1/PP16/EP16 trainer ranks on other nodes.
-    engine = sync(69.95 * 2**30, False, 256, 4096 * 2**20, "deepseek-v3")
-    # DESIGN.md's colocated figure: each engine GPU's TP share of the BF16 model (1/32).
-    colocated = sync(671.03e9 * 2 / 32, True, 256, BUCKET_BYTES, "deepseek-v3")
+    deepseek = read_architecture(REPO_ROOT / "configs" / "models" / "deepseek-v3")
+    params = count_parameters(deepseek)
+    whole = params.total * 2  # bf16
+    # verl: the whole BF16 model from an FSDP pair into each of 30 GPUs over the network, 18,867 tensors gathered and
+    # sent one by one (its receivers load nothing: the per-tensor work is the sender's).
+    verl = sync(30.53e9 * 2, "qwen3-30b-a3b", BUCKET_BYTES, checkpoint_tensors(read_architecture(
+        REPO_ROOT / "configs" / "models" / "qwen3-30b-a3b")))
+    # NeMo-RL's NCCL refit in its checkpoint-engine benchmark: the default full-weight collective, every tensor whole
+    # into each rank of one vLLM TP32 engine, 45,395 tensors loaded, from TP1/PP16/EP16 trainer ranks on 32 nodes.
+    trainer = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=16,
+                             expert_model_parallel_size=16, expert_tensor_parallel_size=1)
+    export = lambda c: export_seconds(whole, params.routed_experts / params.total, trainer, 256, hw, c, True)  # noqa: E731
+    nccl = sync(whole, "deepseek-v3", NEMO_RL_PACK_MB["disaggregated"] << 20, checkpoint_tensors(deepseek), export,
+                NEMO_RL_TRANSPORT)
+    # Its NIXL refit: each vLLM rank receives from its own policy worker (one link) its 1/32 of every expert and every
+    # dense tensor whole, 69.95 GiB and the same 45,395 tensors, in 4096 MiB batches, two buffers in turn.
+    nixl = sync(69.95 * 2**30, "deepseek-v3", 4096 << 20, checkpoint_tensors(deepseek), export,
+                dataclasses.replace(NEMO_RL_TRANSPORT, links=1))
+    # NeMo-RL's NCCL reshard (refit_transport=nccl_reshard): each vLLM rank receives its own TP32 shard only, shard
+    # to shard from the trainer ranks that hold it; the FFN weights (97.6 % of the bytes) bypass vLLM's loader, the
+    # other tensors (each layer's attention and norms) go through it.
+    shard_tensors = checkpoint_tensors(deepseek) - 3 * deepseek.num_experts * sum(deepseek.moe_layers)
+    reshard = sync(whole / 32, "deepseek-v3", whole / 32, shard_tensors)
     return [Case("verl checkpoint engine, Qwen3-30B-A3B, NCCL, 30 receivers", "fit", 7.0, "~7", verl, uses=uses),
-            Case("NeMo-RL checkpoint engine, DeepSeek-V3, NCCL, TP1/PP16/EP16 -> TP32", "fit", 14.21, "14.21",
-                 engine, uses=uses),
-            Case("NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated (unsourced)", UNSOURCED, 2.6,
-                 "2.4-2.8", colocated, uses=uses)]
+            Case("NeMo-RL NCCL refit, DeepSeek-V3, TP1/PP16/EP16 -> TP32, full weights", "fit", 14.21, "14.21",
+                 nccl, uses=uses),
+            Case("NeMo-RL NIXL refit, DeepSeek-V3, TP1/PP16/EP16 -> TP32, expert shards", OTHER_TRANSPORT, 9.25,
+                 "9.25", nixl, uses=uses),
+            Case("NeMo-RL NCCL reshard, DeepSeek-V3, PP16 x EP16 -> TP32 x DP8, shards", OTHER_TRANSPORT, 2.6,
+                 "2.39-2.83", reshard, uses=uses)]
 
 
 def constants_of(case: Case, by_release: Fitted) -> Constants:
@@ -340,11 +388,11 @@ def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
     return constants(x)
 
 
-def leave_one_out(all_cases: list[Case]) -> list[tuple[Case, float, Fitted]]:
-    """For each case: its prediction by the constants fitted on every other case (NOT_MODELLED and UNSOURCED ones
-    never fit)."""
+def leave_one_out(all_cases: list[Case], never_fit: frozenset = frozenset()) -> list[tuple[Case, float, Fitted]]:
+    """For each case: its prediction by the constants fitted on every other case (OTHER_TRANSPORT ones and the step
+    rows of the models in `never_fit` never fit)."""
     out = []
-    modelled = [case for case in all_cases if case.role not in (NOT_MODELLED, UNSOURCED)]
+    modelled = [case for case in all_cases if case.role != OTHER_TRANSPORT and case.model not in never_fit]
     for case in all_cases:
         by_release = fit([other for other in modelled if other is not case])
         out.append((case, case.predict(constants_of(case, by_release))["total"], by_release))
@@ -362,6 +410,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--fit", action="store_true", help="refit on the fit runs, then leave each run out in turn")
+    parser.add_argument("--never-fit", action="append", default=[], metavar="MODEL",
+                        help="a configs/models name whose runs leave-one-out never fits (repeatable)")
     args = parser.parse_args()
     all_cases = cases()
     by_release = fit([case for case in all_cases if case.role == "fit"]) if args.fit else FITTED_BY_RELEASE
@@ -380,11 +430,12 @@ def main() -> None:
             print(f"{case.name:32} {case.role:9} published {case.shown:>7}  predicted {predicted['total']:6.1f}  "
                   f"{error:+5.0%}   {phases}")
     if args.fit:
-        print("leave-one-out: each run predicted by the constants fitted on all the others")
+        print("leave-one-out: each run predicted by the constants fitted on all the others"
+              + (f" (never fitting {', '.join(args.never_fit)})" if args.never_fit else ""))
         if args.markdown:
             print("| run left out | published s | predicted s | error | constants fitted without it |")
             print("|---|---:|---:|---:|---|")
-        for case, predicted, loo in leave_one_out(all_cases):
+        for case, predicted, loo in leave_one_out(all_cases, frozenset(args.never_fit)):
             error = predicted / case.published - 1
             line = _constants_line(loo, case.release)
             if args.markdown:

@@ -121,6 +121,8 @@ E2E: dict[str, tuple[str, ...] | None] = {
     "tests/rank/test_lora_rank.py": None,
     "tests/rank/test_policy_rank.py": ("test_reference_and_critic_at_their_own_layouts_equal_the_actor_layout_run",),
     "tests/rank/test_teacher_rank.py": None,
+    "tests/planner/test_step_time.py": ("test_leaving_each_run_out_predicts_every_run_but_deepseek_v3s_within_25_"
+                                        "percent",),
     "tests/resharding/test_export.py": ("test_stream_is_bitwise_the_source_checkpoint_at_every_layout",),
     "tests/resharding/test_sync_to_local_engine.py": None,
     "tests/supervision/test_lifeline.py": ("test_server_group_ends_when_its_launcher_is_killed",),

@@ -39,7 +39,7 @@ GB = 1e9
 
 # (weights, gradients, optimizer state) bytes per parameter, by training dtype (Megatron's table).
 _STATE_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 2, 16), "fp32": (4, 4, 8)}
-_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _ACTIVATION_BYTES = 2  # the paper's formula counts 16-bit activations
 
 
@@ -86,6 +86,26 @@ class EngineMemory:
 
 
 @dataclass(frozen=True)
+class Transport:
+    """How a refit's bytes travel, as far as its time goes (planner/step_time.sync_seconds). The defaults are this
+    project's push; benchmarks/step_time_calibration.py describes NeMo-RL's."""
+
+    broadcast_first: bool = False
+    """The export broadcasts each weight's local shard from its pipeline stage, then every stage gathers it
+    (Megatron-Bridge's export_hf_weights: `broadcast_from_pp_rank` before the TP/EP gathers); False: the owning stage
+    gathers it, then broadcasts the whole tensor (resharding/export.py), so whole tensors cross between stages."""
+    links: int = 1
+    """Network links a disaggregated broadcast spreads over: 1 where the sender is its node's only rank in the group
+    (this project's push: trainer rank 0 and one server's ranks); a node's GPU count where every GPU of the sending
+    and the receiving nodes is in it (NeMo-RL's one group of every trainer and vLLM rank), NCCL's channels then
+    leaving and entering each node through all its links."""
+    pipelined: bool = False
+    """The export of a bucket, the transfer of the one before and the load of the one before that run at once
+    (NeMo-RL's two buffers on each side); False: one after the other (this project's push waits for each bucket's
+    answer before it exports the next)."""
+
+
+@dataclass(frozen=True)
 class WeightSync:
     """What one refit moves, as this project's push moves it. Every engine GPU receives every tensor whole, whatever
     the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
@@ -109,6 +129,7 @@ class WeightSync:
     delta_ratio: float | None = None
     """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
     included; None: full pushes."""
+    transport: Transport = Transport()
 
 
 # Bytes a delta push sends against a full one, after 10 Adam steps of a 106M-parameter Qwen3 in bf16 at each
@@ -300,7 +321,7 @@ def scoring_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCoun
     held = (params.total - params.output_layer + arch.hidden_size) // model.tensor_model_parallel_size
     s = spec.data.max_prompt_length + spec.data.max_response_length
     activations = _layer_activations(arch, megatron, s, model.micro_batch_size_per_gpu, full_scores=True, keys=s)
-    return ScoringMemory(parameters=held, weights=held * _WEIGHT_BYTES[spec.model.dtype], activations=activations)
+    return ScoringMemory(parameters=held, weights=held * WEIGHT_BYTES[spec.model.dtype], activations=activations)
 
 
 def teacher_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount) -> ScoringMemory:
@@ -387,7 +408,7 @@ def mtp_sync_bytes(spec: JobSpec, params: ParameterCount) -> float:
 
 def _rollout_bytes(spec: JobSpec, total: int, layers: tuple) -> float:
     """`total` parameters of which the projections of `layers` are quantised with rollout.quantization fp8."""
-    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]
+    weight_bytes = WEIGHT_BYTES[spec.model.dtype]
     if spec.rollout.quantization == "none":
         return total * weight_bytes
     from rlmegatron.models.fp8 import DEFAULT_CONFIG  # the format FP8 rollout syncs; its module imports torch
@@ -404,7 +425,7 @@ SGLANG_STATE_TO_KV_RATIO = 0.9
 
 def engine_memory(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, gpu_bytes: float) -> EngineMemory:
     tp = spec.rollout.tensor_parallel_size
-    weight_bytes = _WEIGHT_BYTES[spec.model.dtype]  # the KV cache's
+    weight_bytes = WEIGHT_BYTES[spec.model.dtype]  # the KV cache's
     # With speculative decoding the engine also holds the MTP layers as its draft model (sharing the embedding and
     # head), and their own KV cache: one more layer each.
     drafts = len(params.mtp) if spec.rollout.speculative is not None else 0
@@ -444,7 +465,7 @@ def engine_count(spec: JobSpec) -> int:
 
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
     # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
-    frozen_vision = params.vision * _WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
+    frozen_vision = params.vision * WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
     total = rollout_weight_bytes(spec, params) - frozen_vision + mtp_sync_bytes(spec, params)
     ratio = None
     if spec.rollout.weight_sync == "delta":

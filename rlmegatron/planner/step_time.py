@@ -26,27 +26,29 @@ Formulas and their sources:
   the mean, bounds a synchronous batch.
 - Weight sync (refit), priced as this project's push does it (planner/memory.WeightSync): each receiver (an engine
   GPU) gets every tensor whole in the rollout dtype, whatever the engine's TP (rollout/sglang/weight_push.py sends
-  the export's HF tensors and SGLang's loader slices them). One receiver's time is those bytes over the link they
-  cross at `link` of its bandwidth, plus `bucket_s` per bucket of rollout.update_weights_bucket_mb (each is a
-  collective of its own), plus `tensor_s` per tensor it loads (parameters.checkpoint_tensors: every HF tensor, each
-  routed expert's three apart): the engine's load_weights dispatches, slices and copies tensor by tensor, whatever
-  their size. Source of that term: NeMo-RL's DeepSeek-V3 checkpoint-engine benchmark
-  (docs/guides/checkpoint-engine-refit.md in NVIDIA-NeMo/RL: 45,395 tensors and 69.95 GiB per vLLM rank) beside
-  verl's (Qwen3-30B-A3B, 18,867 tensors and 61 GB per receiver): their published times per byte disagree, and per
-  byte and per tensor they agree (benchmarks/RESULTS.md, "Step-time model out of sample", round 3). Disaggregated,
-  over the network, one server
-  after another (`DistributedWeightPush._broadcast`: trainer rank 0 announces a bucket to a server over HTTP,
-  broadcasts it over that server's group and waits for SGLang's answer, which comes after its load, before the next
-  server), so the step pays it once per engine (WeightSync.servers_in_sequence); colocated, every GPU at once: the
-  export's TP/EP all-gathers and PP broadcast bring each rank the whole model less the share it holds (over NVLink
-  within a node, else the network; resharding/export.py), which crosses into the engine by CUDA IPC at `ipc` of half
-  the HBM bandwidth (a copy reads and writes; `share_buckets`).
+  the export's HF tensors and SGLang's loader slices them). First the trainer's export hands every rank every tensor
+  whole (export_seconds: each weight's TP/EP all-gather and its broadcast from the pipeline stage that holds it,
+  over NVLink within a node, else the network; resharding/export.py gathers first, so whole tensors cross between
+  stages). Then the bytes cross to the receivers at `link` of the links' bandwidth, plus `bucket_s` per bucket of
+  rollout.update_weights_bucket_mb (each is a collective of its own), plus `tensor_s` per tensor (parameters.
+  checkpoint_tensors: every HF tensor, each routed expert's three apart): the work done tensor by tensor whatever
+  its size (the engine's load_weights dispatches, slices and copies each; a sender that gathers each does as much).
+  Disaggregated, over the network from trainer rank 0, its node's only rank in each server's group (one link), one
+  server after another (`DistributedWeightPush._broadcast`: announce a bucket over HTTP, broadcast it over that
+  server's group, wait for SGLang's answer, which comes after its load), so the step pays it once per engine
+  (WeightSync.servers_in_sequence); colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the
+  HBM bandwidth (a copy reads and writes; `share_buckets`). The export, the bytes and the loads follow one another.
+  Another framework's refit is priced by its memory.Transport: an export that broadcasts shards before gathering,
+  a broadcast that spreads over every link of a node, an export that overlaps the loads
+  (benchmarks/step_time_calibration.py prices NeMo-RL's so).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
   copy per TP rank of each server (memory.WeightSync.sent_per_server).
 - Offload (colocated): what a role moves out of GPU memory while the engine runs crosses PCIe out and back each step.
 - Overlap: one_step_off and async on their own GPUs generate step n + 1 while the trainer trains step n, so a step
-  is the longer of the two sides plus what neither hides (the weight sync).
+  is the longer of the two sides plus what neither hides (the weight sync). A schedule that keeps prompts in flight
+  across steps (`steps_in_flight`: NeMo-RL's async GRPO starts a prompt as another ends, up to
+  max_trajectory_age_steps steps' worth) never drains a batch: its generation runs at the full batch's rate.
 
 The constants (`Constants`) FLOPs, bytes and bandwidths do not give are fitted to published runs by
 benchmarks/step_time_calibration.py; the fit, the runs held out of it and a leave-one-out test are in
@@ -62,8 +64,8 @@ from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import (EngineMemory, ScoringMemory, TrainingMemory, WeightSync, engine_count,
-                                       rollout_weight_bytes, stage_layers)
+from rlmegatron.planner.memory import (WEIGHT_BYTES, EngineMemory, ScoringMemory, TrainingMemory, Transport,
+                                       WeightSync, engine_count, rollout_weight_bytes, stage_layers)
 from rlmegatron.planner.parameters import ParameterCount, checkpoint_tensors
 
 @dataclass(frozen=True)
@@ -104,10 +106,10 @@ class Constants:
 
 
 FITTED_BY_RELEASE = {
-    "v0.4": Constants(train_dense=0.382, train_moe=0.0712, decode_hbm=0.565, decode_sample_s=31.2e-6,
-                      allreduce_network_s=10.1e-6, link=0.932, tensor_s=272e-6),
-    "v0.6": Constants(train_dense=0.382, train_moe=0.1191, decode_hbm=0.847, decode_sample_s=77.5e-6,
-                      allreduce_network_s=10.1e-6, link=0.932, tensor_s=272e-6),
+    "v0.4": Constants(train_dense=0.393, train_moe=0.0700, decode_hbm=0.503, decode_sample_s=25.0e-6,
+                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6),
+    "v0.6": Constants(train_dense=0.393, train_moe=0.155, decode_hbm=0.557, decode_sample_s=52.5e-6,
+                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6),
 }
 """The fitted constants of each NeMo-RL release's software (benchmarks/step_time_calibration.py: each release's
 SOFTWARE constants on its own fit rows, the SHARED ones on all; v0.6 has no dense row, so its train_dense is v0.4's)."""
@@ -270,12 +272,15 @@ def longest_response(mean: float, longest: float, samples: float) -> float:
 
 def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: EngineMemory, engines: int, tp: int,
                        work: Workload, weight_bytes: float, hw: Hardware, c: Constants = FITTED,
-                       drafts: int = 0, max_running: float = inf) -> float:
+                       drafts: int = 0, max_running: float = inf, steps_in_flight: int | None = None) -> float:
     """`weight_bytes`: per parameter as the engine holds it (below 1 byte and a bit with FP8 projections).
     `drafts` (rollout.speculative): each decode step reads the MTP layer's weights once per drafted token, verifies
     the drafts and the token after them in one pass of the main model (k + 1 tokens' compute on the same weight
     reads), and yields tokens_per_verification(drafts) of them: the steps shrink by that much. `max_running`: the most
-    samples an engine runs at once (running_cap), below what its KV cache holds."""
+    samples an engine runs at once (running_cap), below what its KV cache holds. `steps_in_flight`: a schedule that
+    keeps up to that many steps' samples running, starting one as another ends, so no batch drains at a step's end
+    and the step's tokens come at the full batch's rate (NeMo-RL's async GRPO); None: the step's batch is generated,
+    then drains (this project's modes)."""
     per_engine = work.samples / engines
     hbm = hw.hbm_gb_per_s * 1e9 * c.decode_hbm
     peak = hw.peak_tflops * 1e12
@@ -305,6 +310,10 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     context = prompt + second / (2 * mean)
     # The batch the KV cache holds at that context; the rest wait and enter as others end, so the batch stays full
     # while the (n - held) waiting samples' tokens are decoded.
+    prefill = 2 * params.active * per_engine * prompt / tp / (peak * c.prefill)
+    if steps_in_flight is not None:
+        held = max(min(per_engine * steps_in_flight, engine.kv_tokens / context, max_running), 1.0)
+        return per_engine * mean / held * step(held, held * context) / tokens_per_verification(drafts) + prefill
     held = max(min(per_engine, engine.kv_tokens / context, max_running), 1.0)
     full = (per_engine - held) * mean / held * step(held, held * context)
     # Then the last `held` drain: alive at step s with probability e^(-s/mu), until the engine's longest response.
@@ -315,7 +324,6 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
         s = (index + 0.5) * tail / chunks
         alive = max(held * exp(-s / mu), 1.0)
         drain += tail / chunks * step(alive, alive * (prompt + s))
-    prefill = 2 * params.active * per_engine * prompt / tp / (peak * c.prefill)
     return (full + drain) / tokens_per_verification(drafts) + prefill
 
 
@@ -346,22 +354,52 @@ def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) ->
     return (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
 
 
-def sync_seconds(bytes_per_receiver: float, colocated: bool, trainer_shards: int, hw: Hardware,
-                 bucket_bytes: float, c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1,
-                 sent_per_server: float | None = None) -> float:
+def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronConfig, world: int, hw: Hardware,
+                   c: Constants = FITTED, broadcast_first: bool = False) -> float:
+    """The trainer's export that hands every rank every tensor whole: `policy_bytes` in the training dtype,
+    `expert_share` of them routed experts, on `world` GPUs laid out by `megatron`. Each weight is all-gathered over its
+    TP group (a routed expert's over EP x ETP) and broadcast from the pipeline stage that holds it; this project's
+    export gathers first and broadcasts whole tensors between the stages, Megatron-Bridge's (`broadcast_first`)
+    broadcasts each rank's shard first and gathers on every stage, so only shards cross between stages. A gather
+    within a node runs over NVLink; one over whole nodes is a ring whose channels cross each node by all its links.
+    Every GPU of a node broadcasts to its own stage group at once, so a broadcast between stages on different nodes
+    gets one link a GPU."""
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or tp)
+
+    def ring(group: int) -> float:
+        if group <= hw.gpus_per_node:
+            return hw.nvlink_gb_per_s
+        return min(hw.nvlink_gb_per_s, hw.gpus_per_node * hw.network_gbps / 8)
+
+    dense, routed = policy_bytes * (1 - expert_share), policy_bytes * expert_share
+    gather = dense * (1 - 1 / tp) / ring(tp) + routed * (1 - 1 / experts) / ring(experts)
+    between = 0.0
+    if pp > 1:
+        moved = dense / tp + routed / experts if broadcast_first else policy_bytes
+        between = moved / (hw.network_gbps / 8 if world // pp >= hw.gpus_per_node else hw.nvlink_gb_per_s)
+    return (gather + between) / (1e9 * c.link)
+
+
+def sync_seconds(bytes_per_receiver: float, colocated: bool, hw: Hardware, bucket_bytes: float,
+                 c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1,
+                 sent_per_server: float | None = None, export_s: float = 0.0,
+                 transport: Transport = Transport()) -> float:
     """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`, the receiver loading
-    `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone). `trainer_shards`: over how many GPUs
-    the trainer splits a weight (TP x PP, or EP x ETP x PP for experts). Disaggregated, `in_sequence` servers take
-    their turn one after another (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all),
-    each sent `sent_per_server` bytes over the link (memory.WeightSync.sent_per_server; None: bytes_per_receiver)."""
-    buckets = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
-    if not colocated:
+    `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone), after or alongside the trainer's
+    export (`export_s`, export_seconds). Disaggregated, `in_sequence` servers take their turn one after another
+    (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all), each sent `sent_per_server`
+    bytes (None: bytes_per_receiver) over `transport.links` network links; colocated, each GPU's bytes cross into its
+    engine by CUDA IPC. `transport.pipelined`: the export, the transfer and the loads of successive buckets overlap,
+    so the slowest of the three sets the pace; else each follows the other."""
+    load = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
+    if colocated:  # a copy reads and writes HBM
+        moved = bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc)
+    else:
         sent = bytes_per_receiver if sent_per_server is None else sent_per_server
-        return in_sequence * (sent / (hw.network_gbps / 8 * 1e9 * c.link) + buckets)
-    # The GPU holds 1/shards of what its engine needs; the rest arrives from the trainer ranks that hold it, then
-    # crosses into the engine by CUDA IPC.
-    gathered = bytes_per_receiver * (1 - 1 / trainer_shards) / (hw.link_gb_per_s(trainer_shards) * 1e9 * c.link)
-    return gathered + bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc) + buckets
+        bandwidth = min(transport.links * hw.network_gbps / 8, hw.nvlink_gb_per_s) * 1e9 * c.link
+        moved, load = in_sequence * sent / bandwidth, in_sequence * load
+    return max(export_s, moved, load) if transport.pipelined else export_s + moved + load
 
 
 def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware, c: Constants = FITTED) -> float:
@@ -372,10 +410,12 @@ def offload_seconds(moved_bytes_per_gpu: float, hw: Hardware, c: Constants = FIT
 def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, actor: TrainingMemory,
               engine: EngineMemory, sync: WeightSync, work: Workload, hw: Hardware,
               c: Constants = FITTED,
-              teacher: tuple[ModelArchitecture, ParameterCount, ScoringMemory] | None = None) -> StepTime:
+              teacher: tuple[ModelArchitecture, ParameterCount, ScoringMemory] | None = None,
+              steps_in_flight: int | None = None) -> StepTime:
     """`sync`: what a refit moves and how (memory.weight_sync; benchmarks/step_time_calibration.py gives NeMo-RL's
     transport instead). `teacher`: on-policy distillation's teacher (its architecture, parameters and memory), whose
-    log-prob pass is a phase of its own."""
+    log-prob pass is a phase of its own. `steps_in_flight`: generation_seconds'; this project's modes drain each
+    step's batch (None)."""
     world = spec.placement.trainer_world_size
     megatron = spec.actor.megatron
     colocated = spec.placement.mode == "colocate"
@@ -384,7 +424,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     speculative = spec.rollout.speculative
     drafts = speculative.num_draft_tokens if speculative is not None else 0
     phases = {"generation": generation_seconds(arch, params, engine, engine_count(spec), tp_g, work,
-                                               weight_bytes, hw, c, drafts, running_cap(spec)),
+                                               weight_bytes, hw, c, drafts, running_cap(spec), steps_in_flight),
               **training_phases(spec, arch, params, megatron, spec.ref.megatron, world, work, hw, c)}
     if teacher is not None:  # on-policy distillation: the teacher's forward over the step's tokens, at its layout
         section = spec.teacher
@@ -393,13 +433,12 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
             if section.log_prob_use_dynamic_bsz else section.log_prob_micro_batch_size_per_gpu * work.sequence
         phases["teacher_log_prob"] = training_seconds(teacher[0], teacher[1], section.megatron, world, work, 1,
                                                       micro_tokens, hw, c)
-    pp = megatron.pipeline_model_parallel_size
-    shards = pp * max(megatron.tensor_model_parallel_size,
-                      megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or 1))
     tensors = checkpoint_tensors(arch)  # each receiver loads them one by one
-    phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, shards, hw,
+    export = export_seconds(params.total * WEIGHT_BYTES[spec.model.dtype], params.routed_experts / params.total,
+                            megatron, world, hw, c, sync.transport.broadcast_first)
+    phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, hw,
                                          spec.rollout.update_weights_bucket_mb << 20, c, tensors,
-                                         sync.servers_in_sequence, sync.sent_per_server)
+                                         sync.servers_in_sequence, sync.sent_per_server, export, sync.transport)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:

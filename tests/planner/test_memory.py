@@ -194,25 +194,27 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
     """rollout.weight_sync=delta: per step the share benchmarks/delta_sync.py measured for bf16 at the actor's lr
     (log-linear between the measured rates), every full_sync_every-th push whole; fp32, unmeasured, counts whole."""
     from rlmegatron.planner.memory import DELTA_SENT_RATIO_BF16, delta_sent_ratio
-    from rlmegatron.planner.step_time import DELTA_HOST_GB_PER_S, Hardware, sync_seconds
+    from rlmegatron.planner.step_time import DELTA_HOST_GB_PER_S, Hardware, export_seconds, sync_seconds
 
     disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}
     tp2 = {"tensor_parallel_size": 2}
     full = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated}, rollout=tp2))
     assert full.sync.sent_per_server == full.sync.bytes_per_receiver  # broadcast once to the server's ranks
     for lr, ratio in DELTA_SENT_RATIO_BF16.items():
-        delta = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
-                            rollout={"weight_sync": "delta", **tp2}, actor={"optim": {"lr": lr}}))
+        spec = _spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
+                     rollout={"weight_sync": "delta", **tp2}, actor={"optim": {"lr": lr}})
+        delta = _plan(spec)
         assert delta.sync.bytes_per_receiver == pytest.approx(full.sync.bytes_per_receiver * ratio)
         assert delta.sync.servers_in_sequence == full.sync.servers_in_sequence == 4  # 4 TP-2 engines, in turn
         # The records go in each server's request body, base64, one copy per TP rank (weight_push._post).
         assert delta.sync.sent_per_server == pytest.approx(delta.sync.bytes_per_receiver * 2 * 4 / 3)
         # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
         # (the comparison, the records), at the CPU rate measured.
-        push = sync_seconds(delta.sync.bytes_per_receiver, colocated=False, trainer_shards=1, hw=Hardware(),
-                            bucket_bytes=512 << 20,
-                            tensors=checkpoint_tensors(read_architecture(MODELS_DIR / "qwen3-1.7b")), in_sequence=4,
-                            sent_per_server=delta.sync.sent_per_server)
+        arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
+        export = export_seconds(count_parameters(arch).total * 2, 0.0, spec.actor.megatron, 8, Hardware())
+        push = sync_seconds(delta.sync.bytes_per_receiver, colocated=False, hw=Hardware(), bucket_bytes=512 << 20,
+                            tensors=checkpoint_tensors(arch), in_sequence=4,
+                            sent_per_server=delta.sync.sent_per_server, export_s=export)
         assert delta.step_time.phases["weight_sync"] == pytest.approx(
             push + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9), rel=1e-12)
     between = delta_sent_ratio("bf16", 10 ** -5.5, 0)[0]

@@ -7,51 +7,52 @@ from math import exp
 
 import pytest
 
-from benchmarks.step_time_calibration import (FREE, NEMO_RL, RELEASES, UNSOURCED, cases, constants_of, fit, predict,
-                                              run_name, sync_checks)
+from benchmarks.step_time_calibration import (FREE, NEMO_RL, NEMO_RL_TRANSPORT, OTHER_TRANSPORT, RELEASES, cases,
+                                              constants_of, fit, predict, run_name, sync_checks)
 from rlmegatron.entry.cli import main
 from rlmegatron.config import read_architecture
-from rlmegatron.planner.memory import engine_memory
+from rlmegatron.config.spec import MegatronConfig
+from rlmegatron.planner.memory import Transport, engine_memory
 from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
-from rlmegatron.planner.step_time import (FITTED, FITTED_BY_RELEASE, Hardware, Workload, generation_seconds,
-                                          length_scale, longest_response, sync_seconds)
+from rlmegatron.planner.step_time import (FITTED, FITTED_BY_RELEASE, Hardware, Workload, export_seconds,
+                                          generation_seconds, length_scale, longest_response, sync_seconds)
 from tests.config.specs import MODELS_DIR
 from tests.planner.test_memory import _plan, _spec
-
-COLOCATED_REFIT = "NeMo-RL refit, DeepSeek-V3, PP16 x EP16 -> TP32, colocated (unsourced)"
 
 
 def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
     return next(run for run in NEMO_RL if run.name == name and run.on_policy == on_policy and run.version == version)
 
 
-# The held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model out of sample"): what the published
-# data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
-_DEEPSEEK_TRAINING = ("training takes ~60 s on 256 H100s by v0.6's three DeepSeek-V3 rows (on 256 and 512 GPUs, 1-step "
-                      "off on 512), 2.6-5.6x the 11-23 s the FLOPs, PP16's bubble and EP16's all-to-alls give at the "
-                      "MoE efficiency the Qwen3 runs fit; Megatron trains it as fast per FLOP as Qwen3-235B with "
-                      "experts force-balanced, NeMo-RL's recipes do not balance them, and no published quantity "
-                      "(per-phase times, expert load per EP rank) sizes that")
-KNOWN_MISSES = {
-    "DeepSeek-V3 on 256 (v0.4)": _DEEPSEEK_TRAINING,
-    "DeepSeek-V3 on 256 (v0.6)": _DEEPSEEK_TRAINING,
-    "DeepSeek-V3 on 512 (v0.6)": _DEEPSEEK_TRAINING,
-    COLOCATED_REFIT: "unsourced (../shared/DESIGN.md; in no NeMo-RL document or commit found): 45,395 tensors loaded "
-                     "in 2.4-2.8 s is at most 53-62 us a tensor at infinite bandwidth, against the ~0.27 ms a tensor "
-                     "that NeMo-RL's own checkpoint-engine benchmark (14.21 s over NCCL) and verl's sync give together",
-}
+# The held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model out of sample", round 4): what the
+# published data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
+_DEEPSEEK = ("every DeepSeek-V3 run on NeMo-RL takes 30-47 % longer than the model gives, on policy and off: 28-64 s "
+             "a step it has no term for; NeMo-RL's GB200 rows (a TP32 engine in one NVLink domain) show a step that "
+             "hardly shrinks with twice the engines, so it is a per-step decode cost of DeepSeek-V3 in that vLLM, not "
+             "the network; the published totals do not split generation from training, nor give vLLM's step time")
+KNOWN_MISSES = {run_name(run): _DEEPSEEK for run in NEMO_RL if run.name == "DeepSeek-V3"}
+
+
 @pytest.fixture(scope="module")
 def all_cases():
     return cases()
 
 
-@pytest.mark.parametrize("name", [run_name(run) for run in NEMO_RL if run.role == "held out"] + [COLOCATED_REFIT])
+@pytest.mark.parametrize("name", [run_name(run) for run in NEMO_RL if run.role == "held out"])
 def test_each_held_out_run_is_predicted_within_25_percent(all_cases, name, request):
     if name in KNOWN_MISSES:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[name]))
     [case] = [case for case in all_cases if case.name == name]
-    assert case.role in ("held out", UNSOURCED)  # never fitted
+    assert case.role == "held out"  # never fitted
     assert case.predict(constants_of(case, FITTED_BY_RELEASE))["total"] == pytest.approx(case.published, rel=0.25)
+
+
+def test_nemo_rls_nixl_refit_never_fitted_is_predicted_within_25_percent(all_cases):
+    """The same export and loads as the NCCL refit the fit sees, another transport: each rank its own link and its
+    expert shards only."""
+    [nixl] = [case for case in all_cases if case.name.startswith("NeMo-RL NIXL")]
+    assert nixl.role == OTHER_TRANSPORT
+    assert nixl.predict(FITTED)["total"] == pytest.approx(9.25, rel=0.25)
 
 
 def test_the_fitted_constants_are_what_the_fit_runs_alone_give(all_cases):
@@ -72,6 +73,17 @@ def test_qwen3_30b_a3b_on_32_h100_processes_nemo_rls_925_to_1102_tokens_per_s_pe
 def test_verls_checkpoint_engine_sync_of_qwen3_30b_a3b_takes_about_7_s_within_25_percent():
     [verl] = [check for check in sync_checks() if check["name"].startswith("verl")]
     assert verl["predicted"] == pytest.approx(7.0, rel=0.25)
+
+
+def test_leaving_each_run_out_predicts_every_run_but_deepseek_v3s_within_25_percent():
+    """Leave-one-out with DeepSeek-V3 never fitted (its misses are the strict xfails above): every other step run and
+    both sync benchmarks, each predicted by the constants the others give."""
+    modelled = [case for case in cases() if case.role != OTHER_TRANSPORT and case.model != "deepseek-v3"]
+    assert len(modelled) == 16
+    for case in modelled:
+        by_release = fit([other for other in modelled if other is not case])
+        assert case.predict(constants_of(case, by_release))["total"] == pytest.approx(case.published, rel=0.25), \
+            case.name
 
 
 def test_a_sync_step_is_the_sum_of_its_phases_and_an_overlapped_one_the_longer_side_plus_the_sync():
@@ -108,13 +120,61 @@ def test_longer_responses_lengthen_generation_more_than_in_proportion_to_their_s
     assert long > 2 * short * 0.99  # twice the steps, each reading a longer KV cache
 
 
-def test_a_colocated_sync_gathers_over_the_network_only_when_the_trainers_shards_span_nodes():
-    hw = Hardware()
-    within = sync_seconds(10e9, colocated=True, trainer_shards=8, hw=hw, bucket_bytes=512 << 20)
-    across = sync_seconds(10e9, colocated=True, trainer_shards=16, hw=hw, bucket_bytes=512 << 20)
-    held = sync_seconds(10e9, colocated=True, trainer_shards=1, hw=hw, bucket_bytes=512 << 20)  # nothing gathered
-    # The gathered share, (s - 1) / s of the bytes, over NVLink's 450 GB/s within a node, the network's 50 across.
-    assert across - held == pytest.approx((within - held) * (15 / 16) / (7 / 8) * 450 / 50, rel=1e-9)
+def _layout(tp=1, pp=1, ep=1) -> MegatronConfig:
+    return MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+
+
+def test_the_export_gathers_over_nvlink_within_a_node_and_broadcasts_whole_tensors_between_stages():
+    hw, size = Hardware(), 10e9
+    gb = 1e9 * FITTED.link
+    # TP 8 in a node: (8 - 1) / 8 of a dense model's bytes over NVLink; nothing crosses between stages at PP 1.
+    assert export_seconds(size, 0.0, _layout(tp=8), 8, hw) == pytest.approx(size * 7 / 8 / (450 * gb), rel=1e-12)
+    # Experts over EP 16, two whole nodes: a ring whose channels cross each node by its 8 links (400 GB/s).
+    assert export_seconds(size, 1.0, _layout(ep=16), 16, hw) == pytest.approx(size * 15 / 16 / (400 * gb), rel=1e-12)
+    # PP 4, each stage a node: this project's export broadcasts whole tensors from their stage, one link a GPU (every
+    # GPU of a node broadcasts at once); Megatron-Bridge's broadcasts the TP shard, then gathers on every stage.
+    ours = export_seconds(size, 0.0, _layout(tp=8, pp=4), 32, hw)
+    bridge = export_seconds(size, 0.0, _layout(tp=8, pp=4), 32, hw, broadcast_first=True)
+    gather = size * 7 / 8 / (450 * gb)
+    assert ours == pytest.approx(gather + size / (50 * gb), rel=1e-12)
+    assert bridge == pytest.approx(gather + size / 8 / (50 * gb), rel=1e-12)
+    # Stages within one node broadcast over NVLink.
+    assert export_seconds(size, 0.0, _layout(pp=4), 4, hw) == pytest.approx(size / (450 * gb), rel=1e-12)
+
+
+def test_a_broadcast_over_whole_nodes_spreads_over_their_links_and_a_pipelined_refit_takes_its_slowest_part():
+    hw, bucket = Hardware(), 512 << 20
+    ours = sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000, export_s=3.0)
+    wide = Transport(links=8)
+    spread = sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000, export_s=3.0,
+                          transport=wide)
+    moved = 64 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link)
+    load = 64 * FITTED.bucket_s + 1000 * FITTED.tensor_s
+    assert ours == pytest.approx(3.0 + moved + load, rel=1e-12)
+    assert spread == pytest.approx(3.0 + moved / 8 + load, rel=1e-12)
+    # Two buffers on each side: the export, the transfer and the loads of successive buckets overlap.
+    piped = sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000, export_s=3.0,
+                         transport=Transport(links=8, pipelined=True))
+    assert piped == pytest.approx(max(3.0, moved / 8, load), rel=1e-12)
+    # More links than NVLink carries do not help: a node's GPUs forward what enters it.
+    assert sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, transport=Transport(links=16)) == \
+        pytest.approx(64 * bucket / (450 * 1e9 * FITTED.link) + 64 * FITTED.bucket_s, rel=1e-12)
+    assert NEMO_RL_TRANSPORT == Transport(broadcast_first=True, links=8, pipelined=True)
+
+
+def test_a_plans_weight_sync_is_its_export_then_its_push():
+    """`rlm plan` prices this project's refit: the export (gather, then whole tensors between stages), then the bytes
+    and the loads, one after another."""
+    spec = _spec("qwen3-1.7b", {"pipeline_model_parallel_size": 2}, placement={"nnodes": 2, "gpus_per_node": 8})
+    plan = _plan(spec)
+    arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
+    params = count_parameters(arch)
+    export = export_seconds(params.total * 2, 0.0, spec.actor.megatron, 16, Hardware())
+    push = sync_seconds(plan.sync.bytes_per_receiver, colocated=True, hw=Hardware(),
+                        bucket_bytes=spec.rollout.update_weights_bucket_mb << 20, tensors=checkpoint_tensors(arch))
+    assert plan.step_time.phases["weight_sync"] == pytest.approx(export + push, rel=1e-12)
+    assert export > 0
 
 
 def test_rlm_plan_prints_the_estimate_and_its_json_carries_step_time_s_and_each_phase(capsys):
@@ -156,6 +216,30 @@ def _generation(kv_tokens: int, samples: int = 512, mean: float = 1500, longest:
                               weight_bytes=2.0, hw=Hardware())
 
 
+def test_a_schedule_with_steps_in_flight_generates_at_the_full_batchs_rate_without_the_tail():
+    arch = read_architecture(MODELS_DIR / "qwen3-32b")
+    params = count_parameters(arch)
+    engine = dataclasses.replace(engine_memory(_spec("qwen3-32b", {}), arch, params, 80e9), kv_tokens=1700 * 64)
+
+    def seconds(samples: int, in_flight: int | None) -> float:
+        return generation_seconds(arch, params, engine, engines=1, tp=4, work=Workload(samples, 200, 1500, 8192),
+                                  weight_bytes=2.0, hw=Hardware(), steps_in_flight=in_flight)
+
+    # A drained batch waits for its longest response; a full one only for its tokens: most where the cache holds the
+    # whole batch, which then only drains.
+    assert seconds(512, 1) < seconds(512, None)
+    assert seconds(64, 1) < 0.6 * seconds(64, None)
+    # With the KV cache the bound, the rate is fixed: twice the samples take twice as long (prefill too), where a
+    # drained batch pays its tail once.
+    assert seconds(1024, 1) == pytest.approx(2 * seconds(512, 1), rel=1e-12)
+    assert seconds(1024, None) < 2 * seconds(512, None)
+    # Below the cache's bound, more steps in flight run more samples at once.
+    small = dataclasses.replace(engine, kv_tokens=10**8)
+    one, two = (generation_seconds(arch, params, small, engines=1, tp=4, work=Workload(64, 200, 1500, 8192),
+                                   weight_bytes=2.0, hw=Hardware(), steps_in_flight=k) for k in (1, 2))
+    assert two < one
+
+
 def test_a_larger_kv_budget_shortens_generation_until_the_whole_batch_fits():
     per_sample = 200 + 1500
     times = [_generation(per_sample * held) for held in (64, 128, 256, 512, 1024)]
@@ -178,12 +262,11 @@ def test_response_lengths_are_exponential_with_the_spec_mean_cut_at_its_maximum_
 
 def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency_per_bucket_server_by_server():
     hw, bucket = Hardware(), 512 << 20
-    one = sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket)
-    assert sync_seconds(16 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket) == \
-        pytest.approx(2 * one, rel=1e-12)
+    one = sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket)
+    assert sync_seconds(16 * bucket, colocated=False, hw=hw, bucket_bytes=bucket) == pytest.approx(2 * one, rel=1e-12)
     assert one == pytest.approx(8 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link) + 8 * FITTED.bucket_s)
     # Each tensor the receiver loads costs the same, whatever its size.
-    assert sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket, tensors=1000) == \
+    assert sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000) == \
         pytest.approx(one + 1000 * FITTED.tensor_s, rel=1e-12)
     # Disaggregated, every server takes its turn: the same bytes and tensors reach a GPU of a TP-4 engine as of a TP-2
     # one (whole tensors), and 8 rollout GPUs hold half as many TP-4 servers, so the push takes half as long.
@@ -193,7 +276,7 @@ def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency
     assert tp4.sync.bytes_per_receiver == tp2.sync.bytes_per_receiver == tp2.sync.total_bytes
     assert (tp2.sync.servers_in_sequence, tp4.sync.servers_in_sequence) == (4, 2)
     assert tp4.step_time.phases["weight_sync"] == pytest.approx(tp2.step_time.phases["weight_sync"] / 2, rel=1e-12)
-    assert sync_seconds(8 * bucket, colocated=False, trainer_shards=8, hw=hw, bucket_bytes=bucket, in_sequence=3) == \
+    assert sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, in_sequence=3) == \
         pytest.approx(3 * one, rel=1e-12)
 
 
