@@ -76,14 +76,14 @@ vLLM rank receives every HF tensor whole (prepare_refit_info in nemo_rl/models/p
 v0.4: nemo_rl/models/policy/megatron_policy_worker.py, announces the full shapes, and vLLM's load_weights slices), as
 this project's push does, from Megatron-Bridge's export_hf_weights, which broadcasts each weight's shard from its
 pipeline stage before the TP/EP gathers (MegatronParamMapping.megatron_to_hf: "1. Pipeline parallel broadcasting
-2. Tensor parallel gathering"); colocated over CUDA IPC from the trainer rank on the GPU, two buffers in turn
-(stream_weights_via_ipc_zmq_impl, nemo_rl/models/policy/utils.py); disaggregated in one NCCL group of every trainer
-and every vLLM rank (nemo_rl/algorithms/grpo.py, init_collective's world = train + inference GPUs), so trainer rank
-0's broadcast of a bucket reaches every engine at once and crosses each node by all its links (every GPU of the
-sending and receiving nodes is in the group), two buffers in turn (packed_broadcast_producer,
-nemo_rl/utils/packed_tensor.py, NRL_REFIT_NUM_BUFFERS=2), the receivers loading each (vllm_backend.py,
-update_weights_from_collective). This project's push instead visits one server after another from rank 0 alone,
-its export gathering before it broadcasts (planner/memory.WeightSync, Transport).
+2. Tensor parallel gathering"), as this project's export now does; colocated over CUDA IPC from the trainer rank on
+the GPU, two buffers in turn (stream_weights_via_ipc_zmq_impl, nemo_rl/models/policy/utils.py); disaggregated in one
+NCCL group of every trainer and every vLLM rank (nemo_rl/algorithms/grpo.py, init_collective's world = train +
+inference GPUs), so trainer rank 0's broadcast of a bucket reaches every engine at once and crosses each node by all
+its links (every GPU of the sending and receiving nodes is in the group), two buffers in turn
+(packed_broadcast_producer, nemo_rl/utils/packed_tensor.py, NRL_REFIT_NUM_BUFFERS=2), the receivers loading each
+(vllm_backend.py, update_weights_from_collective). This project's push instead visits one server after another from
+rank 0 alone, each bucket's answer awaited before the next is exported (planner/memory.WeightSync, Transport).
 """
 from __future__ import annotations
 
@@ -118,10 +118,10 @@ buffers in nemo_rl/models/policy/utils.py, stream_weights_via_ipc_zmq_impl), fre
 """An H100 SXM's "80 GB" is 80 GiB, of which CUDA reports 79.2 GiB (85.0e9 bytes): what vLLM's
 gpu_memory_utilization and SGLang's mem_fraction_static take their share of (the planner's default, 80, is the
 conservative reading)."""
-NEMO_RL_TRANSPORT = Transport(broadcast_first=True, links=8, pipelined=True)
-"""NeMo-RL's refit (the module's docstring): Megatron-Bridge's export, which broadcasts each shard from its pipeline
-stage before the TP/EP gathers; disaggregated, one NCCL group of every trainer and vLLM rank, so a bucket's broadcast
-crosses each node by all 8 of its links; two buffers, so the export of a bucket overlaps the load of the last."""
+NEMO_RL_TRANSPORT = Transport(links=8, pipelined=True)
+"""NeMo-RL's refit (the module's docstring): disaggregated, one NCCL group of every trainer and vLLM rank, so a
+bucket's broadcast crosses each node by all 8 of its links; two buffers on each side, so the export, the transfer and
+the loads of successive buckets overlap. Its export (Megatron-Bridge's) moves shards between stages as ours does."""
 SOFTWARE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s")
 """The constants of a software stack (the trainer's efficiency, the decode engine's and its server's host work): the
 fit sets one of each per NeMo-RL release, on that release's fit rows alone."""
@@ -309,7 +309,7 @@ def _sync_cases() -> list[Case]:
     # into each rank of one vLLM TP32 engine, 45,395 tensors loaded, from TP1/PP16/EP16 trainer ranks on 32 nodes.
     trainer = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=16,
                              expert_model_parallel_size=16, expert_tensor_parallel_size=1)
-    export = lambda c: export_seconds(whole, params.routed_experts / params.total, trainer, 256, hw, c, True)  # noqa: E731
+    export = lambda c: export_seconds(whole, params.routed_experts / params.total, trainer, 256, hw, c)  # noqa: E731
     nccl = sync(whole, "deepseek-v3", NEMO_RL_PACK_MB["disaggregated"] << 20, checkpoint_tensors(deepseek), export,
                 NEMO_RL_TRANSPORT)
     # Its NIXL refit: each vLLM rank receives from its own policy worker (one link) its 1/32 of every expert and every

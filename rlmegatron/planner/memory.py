@@ -90,10 +90,6 @@ class Transport:
     """How a refit's bytes travel, as far as its time goes (planner/step_time.sync_seconds). The defaults are this
     project's push; benchmarks/step_time_calibration.py describes NeMo-RL's."""
 
-    broadcast_first: bool = False
-    """The export broadcasts each weight's local shard from its pipeline stage, then every stage gathers it
-    (Megatron-Bridge's export_hf_weights: `broadcast_from_pp_rank` before the TP/EP gathers); False: the owning stage
-    gathers it, then broadcasts the whole tensor (resharding/export.py), so whole tensors cross between stages."""
     links: int = 1
     """Network links a disaggregated broadcast spreads over: 1 where the sender is its node's only rank in the group
     (this project's push: trainer rank 0 and one server's ranks); a node's GPU count where every GPU of the sending

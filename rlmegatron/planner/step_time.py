@@ -27,20 +27,19 @@ Formulas and their sources:
 - Weight sync (refit), priced as this project's push does it (planner/memory.WeightSync): each receiver (an engine
   GPU) gets every tensor whole in the rollout dtype, whatever the engine's TP (rollout/sglang/weight_push.py sends
   the export's HF tensors and SGLang's loader slices them). First the trainer's export hands every rank every tensor
-  whole (export_seconds: each weight's TP/EP all-gather and its broadcast from the pipeline stage that holds it,
-  over NVLink within a node, else the network; resharding/export.py gathers first, so whole tensors cross between
-  stages). Then the bytes cross to the receivers at `link` of the links' bandwidth, plus `bucket_s` per bucket of
-  rollout.update_weights_bucket_mb (each is a collective of its own), plus `tensor_s` per tensor (parameters.
-  checkpoint_tensors: every HF tensor, each routed expert's three apart): the work done tensor by tensor whatever
-  its size (the engine's load_weights dispatches, slices and copies each; a sender that gathers each does as much).
-  Disaggregated, over the network from trainer rank 0, its node's only rank in each server's group (one link), one
-  server after another (`DistributedWeightPush._broadcast`: announce a bucket over HTTP, broadcast it over that
-  server's group, wait for SGLang's answer, which comes after its load), so the step pays it once per engine
+  whole (export_seconds: each rank's shard broadcast from the pipeline stage that holds it, then the TP/EP all-gather
+  on every stage, over NVLink within a node, else the network; resharding/export.py). Then the bytes cross to the
+  receivers at `link` of the links' bandwidth, plus `bucket_s` per bucket of rollout.update_weights_bucket_mb (each
+  is a collective of its own), plus `tensor_s` per tensor (parameters.checkpoint_tensors: every HF tensor, each
+  routed expert's three apart): the work done tensor by tensor whatever its size (the engine's load_weights
+  dispatches, slices and copies each; a sender that gathers each does as much). Disaggregated, over the network from
+  trainer rank 0, its node's only rank in each server's group (one link), one server after another
+  (`DistributedWeightPush._broadcast`: announce a bucket over HTTP, broadcast it over that server's group, wait for
+  SGLang's answer, which comes after its load), so the step pays it once per engine
   (WeightSync.servers_in_sequence); colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the
   HBM bandwidth (a copy reads and writes; `share_buckets`). The export, the bytes and the loads follow one another.
-  Another framework's refit is priced by its memory.Transport: an export that broadcasts shards before gathering,
-  a broadcast that spreads over every link of a node, an export that overlaps the loads
-  (benchmarks/step_time_calibration.py prices NeMo-RL's so).
+  Another framework's refit is priced by its memory.Transport: a broadcast that spreads over every link of a node,
+  an export that overlaps the transfer and the loads (benchmarks/step_time_calibration.py prices NeMo-RL's so).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
   copy per TP rank of each server (memory.WeightSync.sent_per_server).
@@ -355,15 +354,14 @@ def tokens_per_verification(drafts: int, acceptance: float = SPEC_ACCEPTANCE) ->
 
 
 def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronConfig, world: int, hw: Hardware,
-                   c: Constants = FITTED, broadcast_first: bool = False) -> float:
+                   c: Constants = FITTED) -> float:
     """The trainer's export that hands every rank every tensor whole: `policy_bytes` in the training dtype,
-    `expert_share` of them routed experts, on `world` GPUs laid out by `megatron`. Each weight is all-gathered over its
-    TP group (a routed expert's over EP x ETP) and broadcast from the pipeline stage that holds it; this project's
-    export gathers first and broadcasts whole tensors between the stages, Megatron-Bridge's (`broadcast_first`)
-    broadcasts each rank's shard first and gathers on every stage, so only shards cross between stages. A gather
-    within a node runs over NVLink; one over whole nodes is a ring whose channels cross each node by all its links.
-    Every GPU of a node broadcasts to its own stage group at once, so a broadcast between stages on different nodes
-    gets one link a GPU."""
+    `expert_share` of them routed experts, on `world` GPUs laid out by `megatron`. Each rank's shard of a weight is
+    broadcast from the pipeline stage that holds it to the same rank of the others, then gathered over TP (a routed
+    expert's over EP x ETP) on every stage (resharding/export.py; Megatron-Bridge's export_hf_weights orders them so
+    too). Every GPU of a node broadcasts to its own stage group at once, so a broadcast between stages on different
+    nodes gets one link a GPU; a gather within a node runs over NVLink, one over whole nodes is a ring whose channels
+    cross each node by all its links."""
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or tp)
 
@@ -375,9 +373,9 @@ def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronC
     dense, routed = policy_bytes * (1 - expert_share), policy_bytes * expert_share
     gather = dense * (1 - 1 / tp) / ring(tp) + routed * (1 - 1 / experts) / ring(experts)
     between = 0.0
-    if pp > 1:
-        moved = dense / tp + routed / experts if broadcast_first else policy_bytes
-        between = moved / (hw.network_gbps / 8 if world // pp >= hw.gpus_per_node else hw.nvlink_gb_per_s)
+    if pp > 1:  # the shards, from their stage
+        between = (dense / tp + routed / experts) / (hw.network_gbps / 8 if world // pp >= hw.gpus_per_node
+                                                     else hw.nvlink_gb_per_s)
     return (gather + between) / (1e9 * c.link)
 
 
@@ -435,7 +433,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
                                                       micro_tokens, hw, c)
     tensors = checkpoint_tensors(arch)  # each receiver loads them one by one
     export = export_seconds(params.total * WEIGHT_BYTES[spec.model.dtype], params.routed_experts / params.total,
-                            megatron, world, hw, c, sync.transport.broadcast_first)
+                            megatron, world, hw, c)
     phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, hw,
                                          spec.rollout.update_weights_bucket_mb << 20, c, tensors,
                                          sync.servers_in_sequence, sync.sent_per_server, export, sync.transport)

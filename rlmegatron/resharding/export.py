@@ -5,13 +5,15 @@ for experts, one EP group of tensors) at a time, so extra memory stays near the
 largest tensor. All ranks issue the same collectives in the same order:
 
 1. a one-off plan: every rank's weight names, shapes and owning pipeline stage;
-2. per weight, in the weight map's order: TP (or expert-TP) all-gather on the
-   owning stage, in row chunks of at most `gather_chunk_bytes` written straight
-   into their places in the full tensor (the per-rank fc1 layout undone on the
-   way), so the gather costs the full tensor plus one chunk;
-   for experts, an EP all-gather of the same local expert slot, which yields
-   the experts of every EP rank under their global ids;
-3. a broadcast from the owning pipeline stage to the others;
+2. per weight, in the weight map's order: a broadcast of each rank's shard from
+   the owning pipeline stage to the same rank of the others, so only shards
+   cross between stages (whole tensors would carry TP x EP times the bytes over
+   the links between nodes);
+3. on every stage, the TP (or expert-TP) all-gather, in row chunks of at most
+   `gather_chunk_bytes` written straight into their places in the full tensor
+   (the per-rank fc1 layout undone on the way), so the gather costs the full
+   tensor plus one chunk; for experts, then an EP all-gather of the same local
+   expert slot, which yields the experts of every EP rank under their global ids;
 4. the weight map's `megatron_to_hf` (QKV split, fc1 split, vocab padding stripped).
 
 `export_hf` writes that stream as an HF safetensors checkpoint. Megatron is imported inside the functions that use
@@ -187,26 +189,23 @@ class HFWeightExporter:
         """Full tensors of local expert `slot` of every EP rank, keyed by weight-map name (global ids)."""
         from megatron.core import parallel_state as ps
 
-        ep_rank = ps.get_expert_model_parallel_rank()
         names = [_EXPERT.sub(f".local_experts.{r * local_experts + slot}.", entry.name) for r in range(self.ep_size)]
-        mine = self._full_megatron_tensor(entry, names[ep_rank], gather_pp=False)
-        group = ps.get_expert_model_parallel_group()
-        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)] if mine is not None else None
-        if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
-            torch.distributed.all_gather(gathered, mine, group=group)
-        return {name: self._broadcast_from_stage(entry, tensor) for name, tensor in zip(names, gathered or [None] * self.ep_size)}
+        mine = self._full_megatron_tensor(entry, names[ps.get_expert_model_parallel_rank()])
+        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        torch.distributed.all_gather(gathered, mine, group=ps.get_expert_model_parallel_group())
+        return dict(zip(names, gathered))
 
-    def _full_megatron_tensor(self, entry: _Entry, name: str, gather_pp: bool = True) -> Optional[torch.Tensor]:
-        """The full (TP-gathered) Megatron tensor; on every rank if `gather_pp`, else on the owning stage."""
+    def _full_megatron_tensor(self, entry: _Entry, name: str) -> torch.Tensor:
+        """The full (TP-gathered) Megatron tensor, on every rank: the owning stage's shard, broadcast to the other
+        stages, then gathered over TP on each."""
         from megatron.core import parallel_state as ps
 
-        full = None
+        shard = None
         if ps.get_pipeline_model_parallel_rank() == entry.pp_stage:
-            tensor, dim = self._local[name]
+            tensor, _ = self._local[name]
             adapted = self._adapted.get(name)
-            tensor = adapted.merged_weight() if adapted is not None and adapted.lora_enabled else tensor.detach()
-            full = self._gather_tp(name, tensor, dim)
-        return self._broadcast_from_stage(entry, full) if gather_pp else full
+            shard = adapted.merged_weight() if adapted is not None and adapted.lora_enabled else tensor.detach()
+        return self._gather_tp(name, self._shard_from_stage(entry, shard), entry.partition_dim)
 
     def _gather_tp(self, name: str, shard: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
         from megatron.core import parallel_state as ps
@@ -240,28 +239,18 @@ class HFWeightExporter:
                             gathered[rank].narrow(dim, piece_start, piece_length))
         return full
 
-    def _broadcast_from_stage(self, entry: _Entry, tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    def _shard_from_stage(self, entry: _Entry, shard: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of `entry` from the rank of the owning stage that holds it (None here off that stage)."""
         from megatron.core import parallel_state as ps
 
         if ps.get_pipeline_model_parallel_world_size() == 1:
-            return tensor
-        if tensor is None:
-            tensor = torch.empty(self._full_shape(entry), dtype=entry.dtype, device=_device())
+            return shard
+        shard = torch.empty(entry.local_shape, dtype=entry.dtype, device=_device()) if shard is None \
+            else shard.contiguous()
         group = ps.get_pipeline_model_parallel_group()
         src = torch.distributed.get_process_group_ranks(group)[entry.pp_stage]
-        torch.distributed.broadcast(tensor, src=src, group=group)
-        return tensor
-
-    def _full_shape(self, entry: _Entry) -> tuple[int, ...]:
-        from megatron.core import parallel_state as ps
-
-        if entry.partition_dim is None:
-            return entry.local_shape
-        expert = ".local_experts." in entry.name
-        size = ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size()
-        shape = list(entry.local_shape)
-        shape[entry.partition_dim] *= size
-        return tuple(shape)
+        torch.distributed.broadcast(shard, src=src, group=group)
+        return shard
 
 
 def _device() -> torch.device:

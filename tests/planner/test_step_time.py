@@ -125,20 +125,20 @@ def _layout(tp=1, pp=1, ep=1) -> MegatronConfig:
                           expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
 
 
-def test_the_export_gathers_over_nvlink_within_a_node_and_broadcasts_whole_tensors_between_stages():
+def test_the_export_gathers_over_nvlink_within_a_node_and_broadcasts_shards_between_stages():
     hw, size = Hardware(), 10e9
     gb = 1e9 * FITTED.link
     # TP 8 in a node: (8 - 1) / 8 of a dense model's bytes over NVLink; nothing crosses between stages at PP 1.
     assert export_seconds(size, 0.0, _layout(tp=8), 8, hw) == pytest.approx(size * 7 / 8 / (450 * gb), rel=1e-12)
     # Experts over EP 16, two whole nodes: a ring whose channels cross each node by its 8 links (400 GB/s).
     assert export_seconds(size, 1.0, _layout(ep=16), 16, hw) == pytest.approx(size * 15 / 16 / (400 * gb), rel=1e-12)
-    # PP 4, each stage a node: this project's export broadcasts whole tensors from their stage, one link a GPU (every
-    # GPU of a node broadcasts at once); Megatron-Bridge's broadcasts the TP shard, then gathers on every stage.
-    ours = export_seconds(size, 0.0, _layout(tp=8, pp=4), 32, hw)
-    bridge = export_seconds(size, 0.0, _layout(tp=8, pp=4), 32, hw, broadcast_first=True)
+    # PP 4, each stage a node: each rank's TP shard leaves its stage (one link a GPU: every GPU of a node broadcasts
+    # at once), then every stage gathers; dense weights split by TP, experts by EP x ETP.
     gather = size * 7 / 8 / (450 * gb)
-    assert ours == pytest.approx(gather + size / (50 * gb), rel=1e-12)
-    assert bridge == pytest.approx(gather + size / 8 / (50 * gb), rel=1e-12)
+    assert export_seconds(size, 0.0, _layout(tp=8, pp=4), 32, hw) == \
+        pytest.approx(gather + size / 8 / (50 * gb), rel=1e-12)
+    assert export_seconds(size, 0.5, _layout(tp=2, pp=4, ep=8), 32, hw) == pytest.approx(
+        (size / 2 * 1 / 2 / 450 + size / 2 * 7 / 8 / 450 + (size / 2 / 2 + size / 2 / 8) / 50) / gb, rel=1e-12)
     # Stages within one node broadcast over NVLink.
     assert export_seconds(size, 0.0, _layout(pp=4), 4, hw) == pytest.approx(size / (450 * gb), rel=1e-12)
 
@@ -160,7 +160,7 @@ def test_a_broadcast_over_whole_nodes_spreads_over_their_links_and_a_pipelined_r
     # More links than NVLink carries do not help: a node's GPUs forward what enters it.
     assert sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, transport=Transport(links=16)) == \
         pytest.approx(64 * bucket / (450 * 1e9 * FITTED.link) + 64 * FITTED.bucket_s, rel=1e-12)
-    assert NEMO_RL_TRANSPORT == Transport(broadcast_first=True, links=8, pipelined=True)
+    assert NEMO_RL_TRANSPORT == Transport(links=8, pipelined=True)
 
 
 def test_a_plans_weight_sync_is_its_export_then_its_push():

@@ -33,6 +33,13 @@ def test_stream_is_bitwise_the_source_checkpoint_at_every_layout(tmp_path):
             assert not result["missing"], f"rank {rank} {case}: missing {result['missing'][:5]}"
             assert not result["extra"], f"rank {rank} {case}: unexpected {result['extra'][:5]}"
             assert not result["mismatched"], f"rank {rank} {case}: differs {result['mismatched'][:5]}"
+            # Shards, not whole tensors, cross between stages: each weight's once.
+            assert result["broadcast_bytes"] == result["shard_bytes"], case
+    # At TP 2 x PP 2 that is about half of what the stream yields (the replicated norms go whole); at EP 2 x PP 2 the
+    # experts' half (the tiny model's dense weights, whole on every EP rank, are most of it). Whole tensors: 1.
+    ratio = {case: reports[0][case]["broadcast_bytes"] / reports[0][case]["streamed_bytes"]
+             for case in (f"qwen3/{L(tp=2, pp=2)}", f"qwen3_moe/{L(ep=2, pp=2)}")}
+    assert 0.4 < ratio[f"qwen3/{L(tp=2, pp=2)}"] < 0.6 and ratio[f"qwen3_moe/{L(ep=2, pp=2)}"] < 0.9, ratio
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
