@@ -22,11 +22,11 @@ the cross-node all-reduce latency), each both ways, in each release that publish
 and NeMo-RL's NCCL refit of DeepSeek-V3, the only two NCCL refits published with their bytes and tensors, two rows
 for two constants (link, tensor_s). Held out: Qwen3-32B both ways (a dense model the fit never sees), Qwen3-235B-A22B
 on 256 GPUs (v0.6), v0.6's Qwen3-30B-A3B 8-step off (a schedule no fit row has), and DeepSeek-V3's five runs.
-DeepSeek-V3 is never fitted: every one of its runs takes 30-45 % longer than the model gives, on policy and off, and
-NeMo-RL's GB200 rows (one NVLink domain holds a TP32 engine, no network in its decode) show the same step that hardly
-shrinks with twice the engines; so its excess is not the network's latency nor any constant the Qwen3 runs share,
-and fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4). `--never-fit MODEL`
-keeps a model's runs out of every fit, leave-one-out's included. Other transports (shown, never fitted, outside the
+DeepSeek-V3 is never fitted: every one of its runs takes 30-47 % longer than the model gives, on policy and off, and
+NeMo-RL's GB200 rows, where a TP32 engine decodes within one NVLink domain, are about as far off; so its excess is
+not the network's latency (the one shared term that could reach it) nor any constant the Qwen3 runs share, and
+fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4). `--never-fit MODEL` keeps a model's
+runs out of every fit, leave-one-out's included. Other transports (shown, never fitted, outside the
 criterion): NeMo-RL's NCCL reshard and NIXL refits of DeepSeek-V3, which send each rank only its shard.
 
 Sources:

@@ -27,9 +27,9 @@ def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
 # The held-out figures the model misses (benchmarks/RESULTS.md, "Step-time model out of sample", round 4): what the
 # published data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
 _DEEPSEEK = ("every DeepSeek-V3 run on NeMo-RL takes 30-47 % longer than the model gives, on policy and off: 28-64 s "
-             "a step it has no term for; NeMo-RL's GB200 rows (a TP32 engine in one NVLink domain) show a step that "
-             "hardly shrinks with twice the engines, so it is a per-step decode cost of DeepSeek-V3 in that vLLM, not "
-             "the network; the published totals do not split generation from training, nor give vLLM's step time")
+             "a step it has no term for, not the network (NeMo-RL's GB200 rows, whose TP32 engines decode within one "
+             "NVLink domain, are about as far off); the published totals do not split generation from training, "
+             "nor give vLLM's decode step time for this model")
 KNOWN_MISSES = {run_name(run): _DEEPSEEK for run in NEMO_RL if run.name == "DeepSeek-V3"}
 
 
