@@ -103,7 +103,8 @@ class Transport:
 
 @dataclass(frozen=True)
 class WeightSync:
-    """What one refit moves, as this project's push moves it. Every engine GPU receives every tensor whole, whatever
+    """What one refit moves and how: as this project's push moves it (memory.weight_sync; `transport` can describe
+    another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every tensor whole, whatever
     the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
     each (the local engine is TP 1). Disaggregated, trainer rank 0 pushes to one server after another
     (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per bucket, each server in turn, its load done
@@ -125,6 +126,9 @@ class WeightSync:
     delta_ratio: float | None = None
     """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
     included; None: full pushes."""
+    exported_bytes: float = 0.0
+    """What the trainer's export gathers and moves between its ranks each refit, in model.dtype (the export runs before
+    any cast to the rollout's): the policy less a frozen image encoder, plus the MTP layer the engines draft with."""
     transport: Transport = Transport()
 
 
@@ -467,10 +471,14 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
     per_receiver = total * (ratio or 1.0)
+    mtp_layer = params.mtp_total / len(params.mtp) if mtp_sync_bytes(spec, params) else 0.0
+    exported = (params.total - (params.vision if spec.actor.vision.freeze else 0) + mtp_layer) \
+        * WEIGHT_BYTES[spec.model.dtype]
     tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
     engines = 1 if colocated else engine_count(spec)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
         total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, sent_per_server=sent,
         link_gbps=link_gbps, seconds=engines * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
+        exported_bytes=exported,
     )

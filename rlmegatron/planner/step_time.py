@@ -63,7 +63,7 @@ from math import ceil, exp, expm1, inf, log, log2
 
 from rlmegatron.config.spec import JobSpec, MegatronConfig, micro_batch_tokens
 from rlmegatron.models.families import ModelArchitecture
-from rlmegatron.planner.memory import (WEIGHT_BYTES, EngineMemory, ScoringMemory, TrainingMemory, Transport,
+from rlmegatron.planner.memory import (EngineMemory, ScoringMemory, TrainingMemory, Transport,
                                        WeightSync, engine_count, rollout_weight_bytes, stage_layers)
 from rlmegatron.planner.parameters import ParameterCount, checkpoint_tensors
 
@@ -82,7 +82,8 @@ class Constants:
     allreduce_network_s: float
     """A small all-reduce's latency per network hop (an engine whose TP spans nodes)."""
     link: float
-    """Fraction of a link's bandwidth a bucketed weight transfer reaches."""
+    """Fraction of a link's bandwidth a weight sync's transfers reach: the export's gathers and stage broadcasts, and
+    the bucketed transfer to the engines."""
     tensor_s: float = 0.0
     """A weight sync receiver's work per tensor it loads (the engine's load_weights: a Python dispatch per name, the
     slice of its share, the copy into the parameter), whatever the tensor's size."""
@@ -373,8 +374,8 @@ def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronC
     dense, routed = policy_bytes * (1 - expert_share), policy_bytes * expert_share
     gather = dense * (1 - 1 / tp) / ring(tp) + routed * (1 - 1 / experts) / ring(experts)
     between = 0.0
-    if pp > 1:  # the shards, from their stage
-        between = (dense / tp + routed / experts) / (hw.network_gbps / 8 if world // pp >= hw.gpus_per_node
+    if pp > 1:  # the shards, from their stage; a stage group spans nodes unless the whole trainer sits in one
+        between = (dense / tp + routed / experts) / (hw.network_gbps / 8 if world > hw.gpus_per_node
                                                      else hw.nvlink_gb_per_s)
     return (gather + between) / (1e9 * c.link)
 
@@ -432,8 +433,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         phases["teacher_log_prob"] = training_seconds(teacher[0], teacher[1], section.megatron, world, work, 1,
                                                       micro_tokens, hw, c)
     tensors = checkpoint_tensors(arch)  # each receiver loads them one by one
-    export = export_seconds(params.total * WEIGHT_BYTES[spec.model.dtype], params.routed_experts / params.total,
-                            megatron, world, hw, c)
+    export = export_seconds(sync.exported_bytes, params.routed_experts / params.total, megatron, world, hw, c)
     phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, hw,
                                          spec.rollout.update_weights_bucket_mb << 20, c, tensors,
                                          sync.servers_in_sequence, sync.sent_per_server, export, sync.transport)

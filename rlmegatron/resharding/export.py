@@ -12,8 +12,9 @@ largest tensor. All ranks issue the same collectives in the same order:
 3. on every stage, the TP (or expert-TP) all-gather, in row chunks of at most
    `gather_chunk_bytes` written straight into their places in the full tensor
    (the per-rank fc1 layout undone on the way), so the gather costs the full
-   tensor plus one chunk; for experts, then an EP all-gather of the same local
-   expert slot, which yields the experts of every EP rank under their global ids;
+   tensor plus one chunk (and, on a stage that received it, the shard); for
+   experts, then an EP all-gather of the same local expert slot, which yields
+   the experts of every EP rank under their global ids;
 4. the weight map's `megatron_to_hf` (QKV split, fc1 split, vocab padding stripped).
 
 `export_hf` writes that stream as an HF safetensors checkpoint. Megatron is imported inside the functions that use

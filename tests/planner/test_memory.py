@@ -201,7 +201,8 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
     full = _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated}, rollout=tp2))
     assert full.sync.sent_per_server == full.sync.bytes_per_receiver  # broadcast once to the server's ranks
     for lr, ratio in DELTA_SENT_RATIO_BF16.items():
-        spec = _spec("qwen3-1.7b", {}, placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
+        spec = _spec("qwen3-1.7b", {"tensor_model_parallel_size": 2},
+                     placement={"nnodes": 1, "gpus_per_node": 8, **disaggregated},
                      rollout={"weight_sync": "delta", **tp2}, actor={"optim": {"lr": lr}})
         delta = _plan(spec)
         assert delta.sync.bytes_per_receiver == pytest.approx(full.sync.bytes_per_receiver * ratio)
@@ -212,6 +213,7 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
         # (the comparison, the records), at the CPU rate measured.
         arch = read_architecture(MODELS_DIR / "qwen3-1.7b")
         export = export_seconds(count_parameters(arch).total * 2, 0.0, spec.actor.megatron, 8, Hardware())
+        assert export > 0 and delta.sync.exported_bytes == count_parameters(arch).total * 2  # the TP 2 gather
         push = sync_seconds(delta.sync.bytes_per_receiver, colocated=False, hw=Hardware(), bucket_bytes=512 << 20,
                             tensors=checkpoint_tensors(arch), in_sequence=4,
                             sent_per_server=delta.sync.sent_per_server, export_s=export)

@@ -14,7 +14,7 @@ from tests.resharding.export_jobs import export_job
 CASES = [
     ("qwen3", L(tp=2, pp=2)),  # GQA interleave, GLU per-rank layout, tied embeddings across stages
     ("qwen3", L(tp=2)),
-    ("qwen3_moe", L(ep=2, pp=2)),  # experts gathered over EP under their global ids, then across stages
+    ("qwen3_moe", L(ep=2, pp=2)),  # shards across stages, then experts gathered over EP under their global ids
     ("qwen3_moe", L(tp=2, ep=2, sequence_parallel=True)),  # expert TP (ETP=TP) plus EP
     ("deepseek_v3", L(tp=2, pp=2, sequence_parallel=True)),  # MLA, dense-first layers, expert bias
     ("deepseek_v3", L(ep=4)),
