@@ -456,6 +456,10 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM and "
         f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link and "
         f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({tensors:,} per engine GPU)",
+        f"weight_sync begins with the trainer's export, {export:.1f} s of it (each rank's shard between the "
+        f"{megatron.pipeline_model_parallel_size} pipeline stages, then the TP/EP all-gathers), then "
+        + ("the bytes and the loads" if colocated else
+           f"the bytes and the loads of {sync.servers_in_sequence} server(s), one after another"),
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "

@@ -178,6 +178,8 @@ def test_a_plans_weight_sync_is_its_export_then_its_push():
                         bucket_bytes=spec.rollout.update_weights_bucket_mb << 20, tensors=checkpoint_tensors(arch))
     assert plan.step_time.phases["weight_sync"] == pytest.approx(export + push, rel=1e-12)
     assert export > 0
+    assert f"weight_sync begins with the trainer's export, {export:.1f} s of it (each rank's shard between the 2 " \
+        "pipeline stages" in "\n".join(plan.step_time.assumptions)
 
 
 def test_rlm_plan_prints_the_estimate_and_its_json_carries_step_time_s_and_each_phase(capsys):
