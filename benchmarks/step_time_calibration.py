@@ -63,8 +63,8 @@ Sources:
 - NeMo-RL's DeepSeek-V3 refit benchmark (docs/guides/checkpoint-engine-refit.md, "DeepSeek-V3 Benchmark";
   docs/design-docs/checkpoint-engines.md): Megatron TP1/PP16/EP16 on 32 nodes into one vLLM TP32 engine on 4.
   NCCL, 14.21 s by its async refit timer: "non-colocated generation without checkpoint engines still uses the
-  existing NCCL collective path", the default full-weight collective (docs/guides/refit.md), so every vLLM rank
-  receives every tensor whole (1342 GB) and loads all 45,395. NIXL, 9.25 s: each vLLM rank receives from its own
+  existing NCCL collective path" (checkpoint-engines.md), "the default full-weight collective" (docs/guides/refit.md),
+  so every vLLM rank receives every tensor whole (1342 GB) and loads all 45,395. NIXL, 9.25 s: each vLLM rank receives from its own
   policy worker only its 1/32 of each expert and every dense tensor whole (69.95 GiB, the same 45,395 tensors, 18
   batches of 4096 MiB; experts copied straight into vLLM's storage).
 - NeMo-RL's NCCL reshard (docs/design-docs/nccl-reshard-refit.md, "Expected Performance"): DeepSeek-V3 BF16, PP16 x
