@@ -100,7 +100,7 @@ from rlmegatron.models.families import read_architecture
 from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan
 from rlmegatron.config.spec import MegatronConfig
-from rlmegatron.planner.memory import Transport
+from rlmegatron.planner.memory import WEIGHT_BYTES, Transport
 from rlmegatron.planner.step_time import (FITTED_BY_RELEASE, LATEST, RELEASES, Constants, Hardware, export_seconds,
                                           step_time, sync_seconds, workload_of)
 
@@ -301,7 +301,7 @@ def _sync_cases() -> list[Case]:
     uses = frozenset(SHARED) - {"allreduce_network_s"}
     deepseek = read_architecture(REPO_ROOT / "configs" / "models" / "deepseek-v3")
     params = count_parameters(deepseek)
-    whole = params.total * 2  # bf16
+    whole = params.total * WEIGHT_BYTES["bf16"]
     # verl: the whole BF16 model from an FSDP pair into each of 30 GPUs over the network, 18,867 tensors gathered and
     # sent one by one (its receivers load nothing: the per-tensor work is the sender's).
     verl = sync(30.53e9 * 2, BUCKET_BYTES, checkpoint_tensors(read_architecture(
@@ -310,7 +310,10 @@ def _sync_cases() -> list[Case]:
     # into each rank of one vLLM TP32 engine, 45,395 tensors loaded, from TP1/PP16/EP16 trainer ranks on 32 nodes.
     trainer = MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=16,
                              expert_model_parallel_size=16, expert_tensor_parallel_size=1)
-    export = lambda c: export_seconds(whole, params.routed_experts / params.total, trainer, 256, hw, c)  # noqa: E731
+
+    def export(c: Constants) -> float:
+        return export_seconds(whole, params.routed_experts / params.total, trainer, 256, hw, c)
+
     nccl = sync(whole, NEMO_RL_PACK_MB["disaggregated"] << 20, checkpoint_tensors(deepseek), export,
                 NEMO_RL_TRANSPORT)
     # Its NIXL refit: each vLLM rank receives from its own policy worker (one link) its 1/32 of every expert and every

@@ -104,8 +104,8 @@ class Transport:
 @dataclass(frozen=True)
 class WeightSync:
     """What one refit moves and how: as this project's push moves it (memory.weight_sync; `transport` can describe
-    another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every tensor whole, whatever
-    the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
+    another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every
+    tensor whole, whatever the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
     each (the local engine is TP 1). Disaggregated, trainer rank 0 pushes to one server after another
     (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per bucket, each server in turn, its load done
     before the next server's broadcast begins); colocated, every GPU takes its bytes at once from the trainer rank on
@@ -465,15 +465,16 @@ def engine_count(spec: JobSpec) -> int:
 
 def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> WeightSync:
     # A frozen image encoder goes with the first push only (resharding.HFWeightExporter skips it after).
-    frozen_vision = params.vision * WEIGHT_BYTES[spec.model.dtype] if spec.actor.vision.freeze else 0
-    total = rollout_weight_bytes(spec, params) - frozen_vision + mtp_sync_bytes(spec, params)
+    frozen_vision = params.vision if spec.actor.vision.freeze else 0
+    mtp = mtp_sync_bytes(spec, params)
+    weight_bytes = WEIGHT_BYTES[spec.model.dtype]
+    total = rollout_weight_bytes(spec, params) - frozen_vision * weight_bytes + mtp
     ratio = None
     if spec.rollout.weight_sync == "delta":
         ratio, _ = delta_sent_ratio(spec.model.dtype, spec.actor.optim.lr, spec.rollout.full_sync_every)
     per_receiver = total * (ratio or 1.0)
-    mtp_layer = params.mtp_total / len(params.mtp) if mtp_sync_bytes(spec, params) else 0.0
-    exported = (params.total - (params.vision if spec.actor.vision.freeze else 0) + mtp_layer) \
-        * WEIGHT_BYTES[spec.model.dtype]
+    # The export runs in model.dtype, before any cast to the rollout's.
+    exported = (params.total - frozen_vision + (params.mtp_total / len(params.mtp) if mtp else 0)) * weight_bytes
     tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
     engines = 1 if colocated else engine_count(spec)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)

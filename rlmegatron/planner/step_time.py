@@ -138,6 +138,10 @@ class Hardware:
         """The bandwidth a collective over `group` consecutive GPUs gets: NVLink within a node, else the network."""
         return self.nvlink_gb_per_s if group <= self.gpus_per_node else self.network_gbps / 8
 
+    def network_gb_per_s(self, links: int) -> float:
+        """What `links` network links carry at once into or out of a node, at most what NVLink forwards within it."""
+        return min(links * self.network_gbps / 8, self.nvlink_gb_per_s)
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -367,16 +371,13 @@ def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronC
     experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or tp)
 
     def ring(group: int) -> float:
-        if group <= hw.gpus_per_node:
-            return hw.nvlink_gb_per_s
-        return min(hw.nvlink_gb_per_s, hw.gpus_per_node * hw.network_gbps / 8)
+        return hw.nvlink_gb_per_s if group <= hw.gpus_per_node else hw.network_gb_per_s(hw.gpus_per_node)
 
     dense, routed = policy_bytes * (1 - expert_share), policy_bytes * expert_share
     gather = dense * (1 - 1 / tp) / ring(tp) + routed * (1 - 1 / experts) / ring(experts)
     between = 0.0
     if pp > 1:  # the shards, from their stage; a stage group spans nodes unless the whole trainer sits in one
-        between = (dense / tp + routed / experts) / (hw.network_gbps / 8 if world > hw.gpus_per_node
-                                                     else hw.nvlink_gb_per_s)
+        between = (dense / tp + routed / experts) / hw.link_gb_per_s(world)
     return (gather + between) / (1e9 * c.link)
 
 
@@ -396,8 +397,8 @@ def sync_seconds(bytes_per_receiver: float, colocated: bool, hw: Hardware, bucke
         moved = bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc)
     else:
         sent = bytes_per_receiver if sent_per_server is None else sent_per_server
-        bandwidth = min(transport.links * hw.network_gbps / 8, hw.nvlink_gb_per_s) * 1e9 * c.link
-        moved, load = in_sequence * sent / bandwidth, in_sequence * load
+        moved = in_sequence * sent / (hw.network_gb_per_s(transport.links) * 1e9 * c.link)
+        load = in_sequence * load
     return max(export_s, moved, load) if transport.pipelined else export_s + moved + load
 
 
