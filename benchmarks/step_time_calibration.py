@@ -334,6 +334,48 @@ def _sync_cases() -> list[Case]:
                  "2.39-2.83", reshard, uses=uses)]
 
 
+@dataclasses.dataclass(frozen=True)
+class TwinPhases:
+    """What an on-policy run and its off-policy twin (the same trainer and the same engines) leave to generation and
+    training together, given the model's other phases; a step's total alone cannot split them, two can bound them."""
+
+    name: str
+    low: float  # each of generation (in flight, as off policy) and training takes at least this
+    high: float  # and at most this
+    generation: float  # the model's
+    training: float
+
+
+def twins(runs=NEMO_RL) -> list[tuple[Published, Published]]:
+    """The (on policy, off policy) pairs of one model and release whose off-policy run trains on its own GPUs with the
+    on-policy run's layout on as many GPUs, and generates with as many engines of the same TP."""
+    def trainer(run):
+        return run.gpus - (0 if run.on_policy else run.generation_gpus or run.gpus // 2), run.layout
+
+    def engines(run):
+        return (run.gpus if run.on_policy else run.generation_gpus or run.gpus // 2) // run.rollout_tp, run.rollout_tp
+
+    return [(on, off) for on in runs if on.on_policy for off in runs
+            if not off.on_policy and off.staleness == 1 and (on.model, on.version) == (off.model, off.version)
+            and trainer(on) == trainer(off) and engines(on) == engines(off)]
+
+
+def twin_phases(on: Published, off: Published, by_release: Fitted = FITTED_BY_RELEASE) -> TwinPhases:
+    """Off policy a step is max(G, T) + its refit, so each of G and T is at most the off run's total less the
+    model's refit; on policy it is G + drain + T + refit + offload, so G + T is the on run's total less the model's
+    drain (the tail an on-policy batch adds over the in-flight schedule), refit and offload, and each is at least that
+    sum less the other's most. G and T are the off run's (the twins' lengths differ by a few tokens)."""
+    c = by_release[on.version]
+    step_on, step_off = _step_case(on), _step_case(off)
+    phases_on, phases_off = step_on.predict(c)["phases"], step_off.predict(c)["phases"]
+    most = off.step_s - phases_off["weight_sync"]
+    drain = phases_on["generation"] - phases_off["generation"]
+    both = on.step_s - drain - phases_on["weight_sync"] - phases_on.get("offload", 0.0)
+    training = sum(v for k, v in phases_off.items() if k not in ("generation", "weight_sync"))
+    return TwinPhases(f"{on.name} ({on.version}), on {on.gpus} / {off.staleness}-step off {off.gpus}",
+                      both - most, most, phases_off["generation"], training)
+
+
 def constants_of(case: Case, by_release: Fitted) -> Constants:
     """The constants a case is predicted with: its release's; a sync row depends on the shared ones only."""
     return by_release[case.release] if case.release is not None else by_release[LATEST]
@@ -438,6 +480,12 @@ def main() -> None:
         else:
             print(f"{case.name:32} {case.role:9} published {case.shown:>7}  predicted {predicted['total']:6.1f}  "
                   f"{error:+5.0%}   {phases}")
+    print("twins: what each on/off pair's totals leave to generation (in flight) and training, each, given the "
+          "model's drain, refit and offload")
+    for twin in (twin_phases(on, off, by_release) for on, off in twins()):
+        split = (f"each {twin.low:.1f}-{twin.high:.1f} s" if twin.low <= twin.high else
+                 f"no split: the model's other phases leave {twin.low - twin.high:.1f} s too little, each ~{twin.high:.1f} s")
+        print(f"  {twin.name}: {split}; the model's generation {twin.generation:.1f}, training {twin.training:.1f}")
     if args.fit:
         print("leave-one-out: each run predicted by the constants fitted on all the others"
               + (f" (never fitting {', '.join(args.never_fit)})" if args.never_fit else ""))
