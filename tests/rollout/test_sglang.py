@@ -301,29 +301,81 @@ def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
         engine.shutdown()
 
 
-def test_a_sample_sent_while_another_restarts_the_server_is_not_taken_from_the_unsynced_server(tmp_path):
-    """The race a loaded machine plays: a sample passes the engine's check, another sample finds the server dead and
-    restarts it, and only then does the first one reach the port, where the new server, without the trained
-    weights, answers it. That answer is not the trained policy's: the engine asks again, and meets the stale engine."""
+def test_a_sample_on_its_way_while_another_restarts_the_server_meets_the_old_one_never_the_unsynced_new_one(
+        tmp_path):
+    """The race a loaded machine plays: a sample passes the engine's checks and, before it reaches the port, another
+    finds the server dead and restarts it. The restart waits for the first to land (on the stopped server, where it
+    fails): the new server, which holds no trained weights, never sees it. Both samples then meet the stale engine."""
+    import threading
+
     engine = make_engine(tmp_path)  # no resync: a restarted server waits for the caller's push
     try:
         engine.update_weights(iter(weights()), "v7")
         request = GenerationRequest((1, 2), SamplingSpec(max_new_tokens=3))
         send = engine.generation_client.generate
+        on_its_way, go = threading.Event(), threading.Event()
 
-        def restarted_on_the_way(*args, **kwargs):
+        def delayed(*args, **kwargs):
             engine.generation_client.generate = send
-            engine.process.stop()
-            with pytest.raises(EngineRestarted):  # the other sample: it found the server dead and restarted it
-                engine.generate_one(0, 1, request)
-            return send(*args, **kwargs)  # answered by the new server
+            on_its_way.set()
+            go.wait(60)
+            return send(*args, **kwargs)
 
-        engine.generation_client.generate = restarted_on_the_way
-        with pytest.raises(EngineRestarted):
-            engine.generate_one(0, 0, request)
+        engine.generation_client.generate = delayed
+        outcomes = {}
+
+        def sample(index):
+            try:
+                engine.generate_one(0, index, request)
+            except Exception as error:
+                outcomes[index] = error
+
+        first = threading.Thread(target=sample, args=(0,))
+        first.start()
+        assert on_its_way.wait(30)
+        engine.process.stop()
+        second = threading.Thread(target=sample, args=(1,))  # finds the server dead and restarts it
+        second.start()
+        # Let the restart go as far as it will while the first sample is still on its way: without the wait for it,
+        # the new server comes up now, and the first sample reaches it.
+        down_since, deadline = None, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if engine.restarts and engine.process.alive and engine.health():
+                break
+            down_since = down_since or (time.monotonic() if engine.restarts and not engine.process.alive else None)
+            if down_since and time.monotonic() - down_since > 1.0:
+                break
+            time.sleep(0.05)
+        go.set()
+        first.join(60)
+        second.join(60)
+        assert all(isinstance(outcomes.get(i), EngineRestarted) for i in (0, 1)), outcomes
         assert engine.restarts == 1 and engine.stale
-        servers = list(dict.fromkeys(c["pid"] for c in calls(tmp_path)))
-        assert len(servers) == 2 and [c["path"] for c in calls(tmp_path) if c["pid"] == servers[1]] == ["/generate"]
+        first_server = calls(tmp_path)[0]["pid"]
+        assert [c for c in calls(tmp_path) if c["pid"] != first_server and c["path"] == "/generate"] == []
+    finally:
+        engine.shutdown()
+
+
+def test_a_push_that_ends_after_the_server_restarted_leaves_the_new_server_stale(tmp_path):
+    """one_step_off and async generate beside a push: the server may die and restart between the push's pause and
+    its end. The push's end (`mark_synced`) is not the new server's: it holds no trained weights and stays out of
+    generation until a push of its own."""
+    engine = make_engine(tmp_path, **{"fake-die-after-generates": 1})
+    try:
+        engine.update_weights(iter(weights()), "v7")
+        request = GenerationRequest((1, 2), SamplingSpec(max_new_tokens=3))
+        engine.pause_generation()  # a push starts to the server that is up now
+        engine.continue_generation()
+        with pytest.raises(EngineRestarted):  # a sample beside it kills the server, which restarts
+            engine.generate_one(0, 0, request)
+        engine.mark_synced("v8")  # the push ends
+        assert engine.restarts == 1 and engine.stale and engine.weight_version == "v7"
+        with pytest.raises(EngineRestarted):
+            engine.generate_one(0, 1, request)
+        engine.relaunch()  # the caller's own push to the restarted server
+        engine.mark_synced("v8")
+        assert not engine.stale and engine.weight_version == "v8"
     finally:
         engine.shutdown()
 

@@ -69,6 +69,11 @@ class Gate:
             self.closed = False
             self.cond.notify_all()
 
+    def drain(self, timeout_s: float) -> bool:
+        """Waits, without closing, until no request is in flight; False if some still are after `timeout_s`."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.in_flight == 0, timeout_s)
+
 
 class EngineRestarted(RuntimeError):
     """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
@@ -130,6 +135,10 @@ class SGLangEngine(RolloutEngine):
         self.gate = Gate()
         """Holds this engine's new requests while a push waits for those in flight (`pause_generation`)."""
         self.restarts = 0
+        self.push_target = 0
+        """The restart count of the server the push under way goes to (set as a push starts, and as a restarted
+        server is relaunched for its first): `mark_synced` holds for that server only. A push that ends after the
+        server restarted (one_step_off and async generate beside it) leaves the new one stale."""
         self._epoch = 0
         self._recovery_lock = threading.Lock()
         self.weight_version: str | None = None
@@ -236,6 +245,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: WeightStream, version: str) -> None:
         """Colocated: each bucket travels as a shared-memory/IPC handle, one per server TP rank."""
+        self.push_target = self.restarts
         self.client.begin_weight_update()
         try:
             share_buckets(named_tensors, self.bucket_bytes, self.travel_rules, self.spec.tp_size, self.ipc_group,
@@ -247,6 +257,7 @@ class SGLangEngine(RolloutEngine):
 
     def load_adapter(self, name: str, path: str, version: str) -> None:
         """Colocated, adapter sync: the PEFT adapter at `path` in as `name`, the one before it out."""
+        self.push_target = self.restarts
         self.client.load_lora_adapter(name, path)
         if self.adapter is not None and self.adapter != name:
             self.client.unload_lora_adapter(self.adapter)
@@ -256,7 +267,10 @@ class SGLangEngine(RolloutEngine):
 
     def mark_synced(self, version: str) -> None:
         """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
-        router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name."""
+        router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name. Not a
+        server that restarted since the push started (`push_target`): it holds none of it, and stays stale."""
+        if self.restarts != self.push_target:
+            return
         if self.lora_adapters:
             self.adapter = None if version == INITIAL_VERSION else version
         self.weight_version = version
@@ -288,6 +302,7 @@ class SGLangEngine(RolloutEngine):
         takes its writer lock per call, and would label such a request with the new version). With partial rollout
         the samples in flight are aborted and go on from their tokens once it continues; without, this engine first
         lets its own samples in flight finish on the old weights and sends no new one until then."""
+        self.push_target = self.restarts
         if not self.partial_rollout:
             self.gate.close(self.request_timeout_s)
         self.client.pause_generation()
@@ -319,6 +334,7 @@ class SGLangEngine(RolloutEngine):
         if not self.process.alive:
             self.process.start()
         self._wait_ready()
+        self.push_target = self.restarts
 
     def _wait_ready(self) -> None:
         """A fresh server: ready to generate (its `/health`), of a supported version, holding all its memory."""
@@ -358,18 +374,35 @@ class SGLangEngine(RolloutEngine):
                 self.router.remove_worker(self.spec.url)
                 self.in_router = False
             self.process.stop()
+            if self.resync is not None and self.spec.nnodes == 1:
+                # This engine syncs the new server itself: no request passes until it holds the weights (those on
+                # their way to the old one land there first, and fail).
+                self.gate.close(self.request_timeout_s)
+                try:
+                    self._restart()
+                    stream, version = self.resync()
+                    self.update_weights(stream, version)
+                finally:
+                    self.gate.open()
+                self._epoch += 1
+                return
+            # A sample that passed the gate's checks before this restart is on its way to the port: let it meet the
+            # stopped server (and fail) rather than the new one, which would answer it without the trained weights.
+            # Those that pass the gate from here on find the engine stale. (Should one come late all the same, its
+            # answer is dropped: `_request`.)
+            self.gate.drain(self.request_timeout_s)
             if self.spec.nnodes > 1:
                 # The other nodes' processes belong to other hosts: the caller restarts all of them together
                 # (`relaunch` here) before it pushes the weights.
                 self.stale = True
                 self._epoch += 1
                 return
-            self.process.start()
-            self._wait_ready()
-            self.adapter = None  # a restarted server holds none
-            if self.resync is not None:
-                stream, version = self.resync()
-                self.update_weights(stream, version)
-            # Else the weights live in the trainer, whose export is collective: the caller syncs (it is stale).
+            self._restart()
+            # The weights live in the trainer, whose export is collective: the caller syncs (it is stale).
             self._epoch += 1
+
+    def _restart(self) -> None:
+        self.process.start()
+        self._wait_ready()
+        self.adapter = None  # a restarted server holds none
 
