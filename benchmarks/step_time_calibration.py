@@ -25,7 +25,9 @@ on 256 GPUs (v0.6), v0.6's Qwen3-30B-A3B 8-step off (a schedule no fit row has),
 DeepSeek-V3 is never fitted: the model gives every one of its runs 37-47 % too little time (24-70 s a step), on
 policy and off, and NeMo-RL's GB200 rows, where a TP32 engine decodes within one NVLink domain, are about as far off;
 so what it lacks is not the network's latency (the one shared term that could reach it) nor any constant the Qwen3
-runs share, and fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4).
+runs share, and fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4). Nor is it
+one phase: its on-policy and 1-step-off runs share trainer and engines, and their two totals leave generation and
+training each about 50-64 s, twice or more what the model gives either (`twin_phases`, printed under the table).
 `--never-fit MODEL` keeps a model's runs out of every leave-one-out fit too (they are never fit rows). Other
 transports (shown, never fitted, outside the criterion): NeMo-RL's NCCL reshard and NIXL refits of DeepSeek-V3,
 which send each rank only its shard.

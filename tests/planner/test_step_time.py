@@ -29,8 +29,9 @@ def _run(name: str, on_policy: bool = True, version: str = "v0.4"):
 # published data leave unexplained, kept visible here; strict, so a model that comes to explain them says so.
 _DEEPSEEK = ("the model gives every DeepSeek-V3 run on NeMo-RL 37-47 % too little time, on policy and off (24-70 s a "
              "step it has no term for), not for the network (NeMo-RL's GB200 rows, whose TP32 engines decode within "
-             "one NVLink domain, are about as far off); the published totals do not split generation from training, "
-             "nor give vLLM's decode step time for this model")
+             "one NVLink domain, are about as far off); its on/off twins need generation and training each about "
+             "twice what the model gives (twin_phases), and nothing published splits them further or gives vLLM's "
+             "decode step time for this model")
 KNOWN_MISSES = {run_name(run): _DEEPSEEK for run in NEMO_RL if run.name == "DeepSeek-V3"}
 
 
