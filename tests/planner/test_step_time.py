@@ -323,3 +323,21 @@ def test_deepseek_v3s_published_twins_need_both_generation_and_training_about_tw
         floor = min(twin.low, twin.high)
         assert floor > 49
         assert floor / twin.generation > 1.85 and floor / twin.training > 2.4
+
+
+def test_rlm_plan_says_how_far_short_of_nemo_rls_deepseek_v3_runs_its_estimate_falls_for_an_mla_model(all_cases,
+                                                                                                         capsys):
+    """The range an MLA model's plan states is the calibration's: every DeepSeek-V3 run's published time over the
+    model's, within it (rounded to a tenth); a model without MLA is told nothing of it."""
+    from rlmegatron.planner.step_time import MLA_UNDERESTIMATE
+
+    ratios = [case.published / case.predict(constants_of(case, FITTED_BY_RELEASE))["total"] for case in all_cases
+              if case.model == "deepseek-v3"]
+    assert len(ratios) == 5
+    assert (round(min(ratios), 1), round(max(ratios), 1)) == MLA_UNDERESTIMATE
+    for recipe, told in (("configs/deepseek_v3_671b_grpo.yaml", True), ("configs/kimi_k25_grpo.yaml", True),
+                         ("configs/qwen3_30b_a3b_grpo.yaml", False)):
+        assert main(["plan", recipe, "--json"]) == 0
+        said = [line for line in json.loads(capsys.readouterr().out)["step_time"]["assumptions"]
+                if "NeMo-RL's published DeepSeek-V3 runs" in line]
+        assert len(said) == told and (not told or "1.6 to 1.9 times" in said[0]), (recipe, said)
