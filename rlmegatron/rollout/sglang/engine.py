@@ -69,6 +69,15 @@ class Gate:
             self.closed = False
             self.cond.notify_all()
 
+    @contextlib.contextmanager
+    def held(self, timeout_s: float):
+        """Closed (`close`) for the block, open after it whatever it raised."""
+        self.close(timeout_s)
+        try:
+            yield
+        finally:
+            self.open()
+
     def drain(self, timeout_s: float) -> bool:
         """Waits, without closing, until no request is in flight; False if some still are after `timeout_s`."""
         with self.cond:
@@ -374,23 +383,23 @@ class SGLangEngine(RolloutEngine):
                 self.router.remove_worker(self.spec.url)
                 self.in_router = False
             self.process.stop()
+            # Sent to directly (no router: behind one, the server left it above and rejoins only once it holds the
+            # weights, `mark_synced`), a sample that passed the gate's checks before this restart may be on its
+            # way to the port: it must meet the stopped server (and fail), not the new one, which would answer it
+            # without the trained weights.
+            direct = self.router is None
             if self.resync is not None and self.spec.nnodes == 1:
-                # This engine syncs the new server itself: no request passes until it holds the weights (those on
-                # their way to the old one land there first, and fail).
-                self.gate.close(self.request_timeout_s)
-                try:
+                # This engine syncs the new server itself: no sample passes until it holds the weights.
+                with self.gate.held(self.request_timeout_s) if direct else contextlib.nullcontext():
                     self._restart()
                     stream, version = self.resync()
                     self.update_weights(stream, version)
-                finally:
-                    self.gate.open()
                 self._epoch += 1
                 return
-            # A sample that passed the gate's checks before this restart is on its way to the port: let it meet the
-            # stopped server (and fail) rather than the new one, which would answer it without the trained weights.
-            # Those that pass the gate from here on find the engine stale. (Should one come late all the same, its
-            # answer is dropped: `_request`.)
-            self.gate.drain(self.request_timeout_s)
+            if direct:
+                # Those that pass the gate from here on find the engine stale. (Should one come late all the
+                # same, its answer is dropped: `_request`.)
+                self.gate.drain(self.request_timeout_s)
             if self.spec.nnodes > 1:
                 # The other nodes' processes belong to other hosts: the caller restarts all of them together
                 # (`relaunch` here) before it pushes the weights.
