@@ -60,7 +60,7 @@ def digest(tensor: torch.Tensor) -> list:
             hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
 
 
-def make_engine(tmp_path: Path, resync=None, router_url=None, partial_rollout=False, **fake_flags) -> SGLangEngine:
+def make_engine(tmp_path: Path, router_url=None, partial_rollout=False, **fake_flags) -> SGLangEngine:
     spec = ServerSpec(
         model_path="fake/model", port=free_port(), python=sys.executable, load_format="dummy",
         extra_args={"fake-record": str(tmp_path / "calls.jsonl"), "fake-marker": str(tmp_path / "died"),
@@ -68,7 +68,7 @@ def make_engine(tmp_path: Path, resync=None, router_url=None, partial_rollout=Fa
         env={"PYTHONPATH": os.pathsep.join([str(FAKE_SGLANG), str(REPO_ROOT)])},
     )
     return SGLangEngine(spec, str(tmp_path), bucket_bytes=1024, travel_rules=DEEPSEEK_TRAVEL_RULES,
-                        resync=resync, router_url=router_url, startup_timeout_s=30, request_timeout_s=30,
+                        router_url=router_url, startup_timeout_s=30, request_timeout_s=30,
                         max_concurrency=8, partial_rollout=partial_rollout)
 
 
@@ -280,21 +280,22 @@ def test_without_partial_rollout_a_push_waits_for_the_samples_in_flight_and_hold
     assert before.token_weight_versions == after.token_weight_versions == ()
 
 
-def test_dead_server_is_restarted_resynced_and_no_sample_is_lost(tmp_path):
-    resyncs = []
-
-    def resync():
-        resyncs.append(1)
-        return iter(weights()), "v7"
-
-    engine = make_engine(tmp_path, resync=resync, **{"fake-die-after-generates": 5})
+def test_a_dead_server_is_restarted_and_stale_until_the_caller_pushes_then_serves_every_sample(tmp_path):
+    """The engine restarts a server that died, but the weights live in the trainer: it refuses to generate
+    (`EngineRestarted`) until the caller has relaunched and pushed, as EngineFleet does, then serves every sample."""
+    engine = make_engine(tmp_path, **{"fake-die-after-generates": 5})
     try:
         engine.update_weights(iter(weights()), "v7")
-        prompts = [(i, i + 1) for i in range(12)]
-        results = engine.generate([GenerationRequest(p, SamplingSpec(n=2, max_new_tokens=3)) for p in prompts])
+        requests = [GenerationRequest((i, i + 1), SamplingSpec(n=2, max_new_tokens=3)) for i in range(12)]
+        with pytest.raises(EngineRestarted):
+            engine.generate(requests)
+        assert engine.restarts == 1 and engine.stale
+        engine.relaunch()
+        engine.update_weights(iter(weights()), "v7")
+        results = engine.generate(requests)
         assert [(r.request_index, r.sample_index) for r in results] == [(i, s) for i in range(12) for s in range(2)]
         assert all(r.weight_version == "v7" and len(r.output_token_ids) == 3 for r in results)
-        assert engine.restarts == 1 and resyncs == [1]
+        assert engine.restarts == 1 and not engine.stale
         assert server_weights(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
         assert len({c["pid"] for c in calls(tmp_path)}) == 2
     finally:
@@ -308,7 +309,7 @@ def test_a_sample_on_its_way_while_another_restarts_the_server_meets_the_old_one
     fails): the new server, which holds no trained weights, never sees it. Both samples then meet the stale engine."""
     import threading
 
-    engine = make_engine(tmp_path)  # no resync: a restarted server waits for the caller's push
+    engine = make_engine(tmp_path)
     try:
         engine.update_weights(iter(weights()), "v7")
         request = GenerationRequest((1, 2), SamplingSpec(max_new_tokens=3))

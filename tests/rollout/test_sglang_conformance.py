@@ -19,7 +19,7 @@ import torch
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
 from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
 from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable
-from rlmegatron.rollout.sglang.engine import SGLangEngine
+from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.rollout.sglang.protocol import RoutedExpertsLayout
@@ -81,8 +81,8 @@ def engine(tmp_path_factory):
              # SGLang's own knob: a /health that hears nothing from the scheduler this long marks it unhealthy.
              "SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_CHECK_TIMEOUT_S)},
     )
-    engine = SGLangEngine(spec, str(log_dir), bucket_bytes=256, resync=lambda: (iter(weights()), "v1"),
-                          startup_timeout_s=300, request_timeout_s=60, partial_rollout=True, routing=ROUTING)
+    engine = SGLangEngine(spec, str(log_dir), bucket_bytes=256, startup_timeout_s=300, request_timeout_s=60,
+                          partial_rollout=True, routing=ROUTING)
     yield engine
     engine.shutdown()
 
@@ -503,13 +503,19 @@ def test_the_fake_unpickles_a_bucket_with_no_more_than_sglang_allows():
         fake.SafeUnpickler(__import__("io").BytesIO(pickle.dumps({"metadata": [os.system]}))).load()
 
 
-def test_a_dead_server_restarts_and_resyncs(engine):
-    """Router-free restart: the server is down (the test before ended it), the next generation restarts it and
-    re-syncs the weights."""
+def test_a_dead_server_restarts_stale_and_serves_the_weights_the_caller_pushes_then(engine):
+    """Router-free restart as EngineFleet drives it: the server is down (the test before ended it); the next
+    generation restarts it and is refused (the new server holds no trained weights); the caller relaunches and
+    pushes, and the sample comes from the pushed weights."""
     engine.process.stop()
-    (result,) = engine.generate([GenerationRequest((4, 5), SamplingSpec(max_new_tokens=3))])
+    request = GenerationRequest((4, 5), SamplingSpec(max_new_tokens=3))
+    with pytest.raises(EngineRestarted):
+        engine.generate([request])
+    assert engine.restarts == 1 and engine.stale and engine.released == set()
+    engine.relaunch()
+    engine.update_weights(iter(weights()), "v1")
+    (result,) = engine.generate([request])
     assert result.output_token_ids == tuple(tokens((4, 5), 3, checksum(weights())))
-    assert engine.restarts == 1 and engine.released == set()
     assert model_state(engine)["weights"] == {name: digest(tensor) for name, tensor in weights()}
 
 

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -69,15 +69,6 @@ class Gate:
             self.closed = False
             self.cond.notify_all()
 
-    @contextlib.contextmanager
-    def held(self, timeout_s: float):
-        """Closed (`close`) for the block, open after it whatever it raised."""
-        self.close(timeout_s)
-        try:
-            yield
-        finally:
-            self.open()
-
     def drain(self, timeout_s: float) -> bool:
         """Waits, without closing, until no request is in flight; False if some still are after `timeout_s`."""
         with self.cond:
@@ -85,21 +76,18 @@ class Gate:
 
 
 class EngineRestarted(RuntimeError):
-    """The server was restarted and has no trained weights (no `resync`): sync it, then send the requests again."""
+    """The server was restarted and has no trained weights: sync it, then send the requests again."""
 
 
-WeightResync = Callable[[], tuple[WeightStream, str]]
-"""Returns a fresh stream of the latest weights and their version (the trainer re-exports them)."""
 
 
 class SGLangEngine(RolloutEngine):
     """One SGLang server (one TP group) launched and supervised by this engine.
 
-    A server that stops answering is restarted, re-synced through `resync`, and the samples that were in
-    flight are sent again, so `generate` loses none; at most `max_restarts` restarts per engine. Without
-    `resync` (colocated: only a collective export has the weights) the engine turns `stale` and `generate`
-    raises `EngineRestarted` until the caller has pushed weights; the caller then sends the requests again. Samples
-    the server itself aborted come back with finish reason `abort` for the caller to drop or resubmit.
+    A server that stops answering is restarted (at most `max_restarts` times per engine). The trained weights live
+    in the trainer, whose export is collective, so the engine turns `stale` and `generate` raises `EngineRestarted`
+    until the caller has pushed them; the caller then sends the requests again, and loses none. Samples the server
+    itself aborted come back with finish reason `abort` for the caller to drop or resubmit.
     """
 
     def __init__(
@@ -108,7 +96,6 @@ class SGLangEngine(RolloutEngine):
         log_dir: str,
         bucket_bytes: int,
         travel_rules: Sequence[TravelRule] = (),
-        resync: WeightResync | None = None,
         router_url: str | None = None,
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
@@ -135,7 +122,6 @@ class SGLangEngine(RolloutEngine):
         self.in_router = False
         self.bucket_bytes = bucket_bytes
         self.travel_rules = tuple(travel_rules)
-        self.resync = resync
         self.startup_timeout_s = startup_timeout_s
         self.max_concurrency = max_concurrency
         self.max_restarts = max_restarts
@@ -150,6 +136,7 @@ class SGLangEngine(RolloutEngine):
         server restarted (one_step_off and async generate beside it) leaves the new one stale."""
         self._epoch = 0
         self._recovery_lock = threading.Lock()
+        """Held by a restart, and by `mark_synced`'s check of it."""
         self.weight_version: str | None = None
         self.lora_adapters = lora_adapters
         """The trained policy is the base weights plus a LoRA adapter named by its version (actor.lora.weight_sync
@@ -240,8 +227,8 @@ class SGLangEngine(RolloutEngine):
                 continue
             if self.restarts != restarts:
                 # Another sample restarted the server while this one was on its way: the new server may have
-                # answered it before it held the trained weights. Asked again, it meets the restart's outcome
-                # (resynced, or stale).
+                # answered it before it held the trained weights. Asked again, it meets the restart's outcome:
+                # the engine stale, or (once the caller pushed) the weights.
                 last_error = ServerUnavailable(f"server {self.spec.url} was restarted while the sample was sent")
                 continue
             result = parse_generate_response(answer, request_index, sample_index, routing)
@@ -278,15 +265,16 @@ class SGLangEngine(RolloutEngine):
         """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
         router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name. Not a
         server that restarted since the push started (`push_target`): it holds none of it, and stays stale."""
-        if self.restarts != self.push_target:
-            return
-        if self.lora_adapters:
-            self.adapter = None if version == INITIAL_VERSION else version
-        self.weight_version = version
-        self.stale = False
-        if self.router is not None and not self.in_router:
-            self.router.add_worker(self.spec.url)
-            self.in_router = True
+        with self._recovery_lock:  # a restart between the check and the rest would be marked synced
+            if self.restarts != self.push_target:
+                return
+            if self.lora_adapters:
+                self.adapter = None if version == INITIAL_VERSION else version
+            self.weight_version = version
+            self.stale = False
+            if self.router is not None and not self.in_router:
+                self.router.add_worker(self.spec.url)
+                self.in_router = True
 
     # Memory and control ------------------------------------------------------------------------------
 
@@ -372,46 +360,31 @@ class SGLangEngine(RolloutEngine):
                 return
             if self.restarts >= self.max_restarts:
                 raise ServerUnavailable(f"server {self.spec.url} failed again after {self.restarts} restarts")
+            # Unusable from here until the caller pushes the trained weights, also while the new server comes up
+            # healthy: a push to every engine beside this recovery (one_step_off, async) must leave it out
+            # (`EngineHost.takes_weights`), as the server is outside the weight-update group it pushes over. Stale
+            # before the count moves: a sample that reads the new count finds it stale.
+            self.stale = True
             self.restarts += 1
-            if self.resync is None:
-                # Unusable from here until the caller pushes the trained weights, also while the new server comes
-                # up healthy: a push to every engine beside this recovery (one_step_off, async) must leave it out
-                # (`EngineHost.takes_weights`), as the server is outside the weight-update group it pushes over.
-                self.stale = True
             if self.in_router:
                 # Until it holds the trained weights again, the router must not send it anything.
                 self.router.remove_worker(self.spec.url)
                 self.in_router = False
             self.process.stop()
-            # Sent to directly (no router: behind one, the server left it above and rejoins only once it holds the
-            # weights, `mark_synced`), a sample that passed the gate's checks before this restart may be on its
-            # way to the port: it must meet the stopped server (and fail), not the new one, which would answer it
-            # without the trained weights.
-            direct = self.router is None
-            if self.resync is not None and self.spec.nnodes == 1:
-                # This engine syncs the new server itself: no sample passes until it holds the weights.
-                with self.gate.held(self.request_timeout_s) if direct else contextlib.nullcontext():
-                    self._restart()
-                    stream, version = self.resync()
-                    self.update_weights(stream, version)
-                self._epoch += 1
-                return
-            if direct:
-                # Those that pass the gate from here on find the engine stale. (Should one come late all the
-                # same, its answer is dropped: `_request`.)
+            if self.router is None:
+                # Sent to directly (behind a router the server left it above, and rejoins only once it holds the
+                # weights), a sample that passed the gate's checks before this restart may be on its way to the
+                # port: it must meet the stopped server (and fail), not the new one, which would answer it without
+                # the trained weights. Those that pass the gate from here on find the engine stale. (Should one
+                # still come late, the restart count it read drops its answer: `_request`.)
                 self.gate.drain(self.request_timeout_s)
             if self.spec.nnodes > 1:
                 # The other nodes' processes belong to other hosts: the caller restarts all of them together
                 # (`relaunch` here) before it pushes the weights.
-                self.stale = True
                 self._epoch += 1
                 return
-            self._restart()
-            # The weights live in the trainer, whose export is collective: the caller syncs (it is stale).
+            self.process.start()
+            self._wait_ready()
+            self.adapter = None  # a restarted server holds none
             self._epoch += 1
-
-    def _restart(self) -> None:
-        self.process.start()
-        self._wait_ready()
-        self.adapter = None  # a restarted server holds none
 
