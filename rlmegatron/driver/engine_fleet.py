@@ -108,6 +108,8 @@ class EngineFleet:
         self.busy: collections.Counter[int] = collections.Counter()
         """Generations running on each engine: one that leaves waits for its own to end (`shrink`)."""
         self.leaving: set[int] = set()
+        self.joining: set[int] = set()
+        """Engines `grow` started and has not yet pushed to."""
         if held is None:
             self.sync(INITIAL_VERSION)
 
@@ -119,6 +121,11 @@ class EngineFleet:
         """Every request's samples, the requests spread evenly over the engines, in request order."""
         with self.membership:
             engines = [engine for engine in self.backend.engines if engine not in self.leaving]
+            # One that joins (`grow`) is in the backend's list before its first push, its server holding the
+            # checkpoint's weights: it takes no sample until then. (One down or restarted is sent its share: the
+            # generation that meets it restarts it and pushes to it, `_recover`.)
+            engines = [engine for engine in engines if engine in self.versions and engine not in self.joining] \
+                or engines
             self.busy.update(engines)
         try:
             shares = dict(zip(engines, shard_requests(requests, len(engines))))
@@ -140,13 +147,18 @@ class EngineFleet:
             added = self.backend.add(count)
             with self.membership:
                 self.versions.update(dict.fromkeys(added, None))
-            if down := self._push(self.version, added, fresh=True):
-                self.backend.remove(added)
+                self.joining.update(added)
+            try:
+                if down := self._push(self.version, added, fresh=True):
+                    self.backend.remove(added)
+                    with self.membership:
+                        for engine in added:
+                            del self.versions[engine]
+                    raise EngineCannotJoin(f"rollout engines {down} went down while they got their first weights")
+                self._pushed(self.version, added)
+            finally:
                 with self.membership:
-                    for engine in added:
-                        del self.versions[engine]
-                raise EngineCannotJoin(f"rollout engines {down} went down while they got their first weights")
-            self._pushed(self.version, added)
+                    self.joining.difference_update(added)
         return added
 
     def joined_nodes(self) -> list[str]:

@@ -492,3 +492,51 @@ def test_engines_with_no_device_memory_to_give_back_are_not_called_to_release_it
         engine_fleet.InTrainerRanks(sleeping).release_memory()
         engine_fleet.InTrainerRanks(local_on_cpu, sleeps=False).release_memory()
     assert (sleeping.released, local_on_cpu.released) == (3, 0)
+
+
+def test_an_engine_that_joins_takes_no_sample_before_its_first_push_even_from_a_generation_under_way():
+    """Async generation goes on while the pool grows: the new engine is in the backend's list (its server up, with
+    the checkpoint's weights) before the fleet pushes to it. A generation started in that window spreads its
+    requests over the engines that hold the trained weights only; once pushed, the new one takes its share."""
+    from rlmegatron.rollout.engine import GenerationRequest, GenerationResult, SamplingSpec
+
+    class Ranks:
+        owner = threading.RLock()
+
+        def sync_weights(self, version, engines=None, fresh=False):
+            pushes.append((version, list(engines), fresh))
+            return SyncReport()
+
+    class Backend:
+        ranks = Ranks()
+        engines = [0, 1]
+        count = property(lambda self: len(self.engines))
+
+        def generate(self, shares, progress=None):
+            served.append(sorted(shares))
+            return {engine: [GenerationResult(i, 0, (1,), (0.0,), "length") for i in range(len(share))]
+                    for engine, share in shares.items()}
+
+        def add(self, count):
+            self.engines = [0, 1, 2]
+            during.extend(fleet.generate(requests))  # a generation under way as the engine joins
+            return [2]
+
+        def pause(self, engines):
+            return list(engines)
+
+        def resume(self, engines):
+            pass
+
+        def pushed(self, version, engines):
+            pass
+
+    pushes, served, during = [], [], []
+    requests = [GenerationRequest((i,), SamplingSpec(max_new_tokens=1)) for i in range(6)]
+    fleet = engine_fleet.EngineFleet(Backend())
+    assert pushes == [(engine_fleet.INITIAL_VERSION, [0, 1], True)]  # the starting engines' first push
+    assert fleet.grow(1) == [2]
+    assert served == [[0, 1]] and len(during) == 6 and [r.request_index for r in during] == list(range(6))
+    assert pushes[-1][1:] == ([2], True)
+    fleet.generate(requests)
+    assert served[-1] == [0, 1, 2]
