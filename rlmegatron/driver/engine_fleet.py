@@ -122,8 +122,9 @@ class EngineFleet:
         with self.membership:
             engines = [engine for engine in self.backend.engines if engine not in self.leaving]
             # One that joins (`grow`) is in the backend's list before its first push, its server holding the
-            # checkpoint's weights: it takes no sample until then. (One down or restarted is sent its share: the
-            # generation that meets it restarts it and pushes to it, `_recover`.)
+            # checkpoint's weights: it takes no sample until then, unless no other engine is there to take them.
+            # (One down or restarted is sent its share: the generation that meets it restarts it and pushes to it,
+            # `_recover`.)
             engines = [engine for engine in engines if engine in self.versions and engine not in self.joining] \
                 or engines
             self.busy.update(engines)

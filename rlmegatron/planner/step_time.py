@@ -333,7 +333,7 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
 
 MLA_UNDERESTIMATE = (1.6, 1.9)
 """How many times what this model gives them NeMo-RL's published DeepSeek-V3 runs took, each of the five (on policy
-and off, two releases): their generation and training both, which no term here accounts for
+and off, two releases), whole steps: their generation and training both fall short, which no term here accounts for
 (benchmarks/RESULTS.md, "Step-time model out of sample", round 4; tests/planner/test_step_time.py holds the range
 against the calibration). `rlm plan` says so for a model of that shape (multi-head latent attention)."""
 SPEC_ACCEPTANCE = 0.85
@@ -472,8 +472,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
            "rollout.sglang.extra_args sets it)"] if running_cap(spec) < inf else []),
         *(["that what held for the Qwen3 and Llama runs it was fitted to holds for this multi-head latent attention "
            f"model, which NeMo-RL's published DeepSeek-V3 runs contradict: they took {MLA_UNDERESTIMATE[0]:g} to "
-           f"{MLA_UNDERESTIMATE[1]:g} times what it gives them, in generation and training both "
-           "(benchmarks/RESULTS.md)"] if arch.mla is not None else []),
+           f"{MLA_UNDERESTIMATE[1]:g} times what it gives them (whole steps; their on-policy and off-policy twins "
+           "put the shortfall in generation and training both, benchmarks/RESULTS.md)"] if arch.mla is not None else []),
     )
     overlapped = spec.trainer.mode != "sync" and not colocated
     return StepTime(phases, overlapped, assumptions)

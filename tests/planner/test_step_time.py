@@ -341,3 +341,14 @@ def test_rlm_plan_says_how_far_short_of_nemo_rls_deepseek_v3_runs_its_estimate_f
         said = [line for line in json.loads(capsys.readouterr().out)["step_time"]["assumptions"]
                 if "NeMo-RL's published DeepSeek-V3 runs" in line]
         assert len(said) == told and (not told or "1.6 to 1.9 times" in said[0]), (recipe, said)
+
+
+def test_twins_pair_only_runs_with_the_same_trainer_and_the_same_engines():
+    """Each of twins()'s criteria on its own: an off-policy run that differs from its on-policy twin in the trainer's
+    layout, its GPUs, the engines' TP or count, the release or the staleness is no twin."""
+    on, off = next(pair for pair in twins() if pair[0].name == "DeepSeek-V3" and pair[0].version == "v0.4")
+    assert twins([on, off]) == [(on, off)]
+    for changed in (dict(layout=(1, 1, 32, 8)), dict(gpus=off.gpus * 2, generation_gpus=off.gpus // 2),
+                    dict(rollout_tp=16), dict(generation_gpus=off.gpus // 4), dict(version="v0.6"),
+                    dict(staleness=2)):
+        assert twins([on, dataclasses.replace(off, **changed)]) == [], changed

@@ -1,4 +1,4 @@
-"""One SGLang server as a rollout engine: launched, supervised, restarted and re-synced by this process."""
+"""One SGLang server as a rollout engine: launched, supervised and restarted by this process, synced by its caller."""
 from __future__ import annotations
 
 import base64
@@ -77,8 +77,6 @@ class Gate:
 
 class EngineRestarted(RuntimeError):
     """The server was restarted and has no trained weights: sync it, then send the requests again."""
-
-
 
 
 class SGLangEngine(RolloutEngine):
@@ -264,7 +262,8 @@ class SGLangEngine(RolloutEngine):
     def mark_synced(self, version: str) -> None:
         """The server holds `version` (pushed here, or broadcast around this engine): it may serve, and join the
         router if it is not one of its workers. With adapter sync, a trained version is an adapter of its name. Not a
-        server that restarted since the push started (`push_target`): it holds none of it, and stays stale."""
+        server that restarted since the push started (`push_target`): it holds none of it, and stays stale. A restart
+        under way is waited for (its lock), as it may be the very server the push went to."""
         with self._recovery_lock:  # a restart between the check and the rest would be marked synced
             if self.restarts != self.push_target:
                 return
