@@ -161,6 +161,16 @@ class Published:
     generation_gpus: int | None = None  # off policy: the recipe's generation GPUs (default: half)
     staleness: int = 1  # off policy: the recipe's max_trajectory_age_steps
 
+    @property
+    def generating(self) -> int:
+        """The GPUs that generate: all of them on policy (colocated), else the recipe's split."""
+        return self.gpus if self.on_policy else self.generation_gpus or self.gpus // 2
+
+    @property
+    def training(self) -> int:
+        """The GPUs that train: all of them on policy, else those that do not generate."""
+        return self.gpus if self.on_policy else self.gpus - self.generating
+
 
 NEMO_RL = (
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1060, 1, (1, 1, 1, 2), 97.7,
@@ -205,8 +215,7 @@ def overrides(run: Published) -> list[str]:
     tp, cp, ep, pp = run.layout
     arch = read_architecture(REPO_ROOT / "configs" / "models" / run.model)
     nodes = run.gpus // 8
-    generation = run.generation_gpus or run.gpus // 2
-    trainer_gpus = run.gpus - generation
+    generation, trainer_gpus = run.generating, run.training
     mode = "one_step_off" if run.staleness == 1 else f"async trainer.max_staleness={run.staleness}"
     placement = ([f"placement.nnodes={nodes}", "placement.gpus_per_node=8", "rollout.mem_fraction_static=0.6",
                   f"rollout.update_weights_bucket_mb={NEMO_RL_PACK_MB['colocated']}"]
@@ -353,10 +362,10 @@ def twins(runs=NEMO_RL) -> list[tuple[Published, Published]]:
     """The (on policy, off policy) pairs of one model and release whose off-policy run trains on its own GPUs with the
     on-policy run's layout on as many GPUs, and generates with as many engines of the same TP."""
     def trainer(run):
-        return run.gpus - (0 if run.on_policy else run.generation_gpus or run.gpus // 2), run.layout
+        return run.training, run.layout
 
     def engines(run):
-        return (run.gpus if run.on_policy else run.generation_gpus or run.gpus // 2) // run.rollout_tp, run.rollout_tp
+        return run.generating // run.rollout_tp, run.rollout_tp
 
     return [(on, off) for on in runs if on.on_policy for off in runs
             if not off.on_policy and off.staleness == 1 and (on.model, on.version) == (off.model, off.version)
