@@ -5,14 +5,14 @@ The engines live in one of two places (`EngineBackend`). In the trainer ranks (`
 in-process engine per rank (`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led
 by the group's first rank (rank.colocated_engine); weights move through shared memory or CUDA IPC. On a rollout pool
 of their own (`OnRolloutPool`, disaggregated): SGLang servers each supervised by an `EngineHost` there
-(pool.engine_host); trainer rank 0 broadcasts the weights to them over NCCL (gloo on CPU, or to a server on rank 0's
-own GPU).
+(pool.engine_host); the first trainer rank of each node broadcasts the weights to its share of them over NCCL (gloo
+on CPU, or to a server on the sender's own GPU), every node at once (rank.weight_push.sending_ranks).
 
 Recovery, all of it here: an engine whose server failed restarts itself inside its next generation and answers None
-(it holds no weights); the fleet relaunches it where that takes more (the other nodes of its server, its place in
-trainer rank 0's weight-update groups), pushes it the fleet's weights whole, and sends its share again. A server that
-is down when weights are pushed, or goes down during the push, is left out of it (the push is collective over the
-trainer ranks and must not fail on one server); the generation that next meets it recovers it the same way.
+(it holds no weights); the fleet relaunches it where that takes more (the other nodes of its server, its weight-update
+group with its sending trainer rank), pushes it the fleet's weights whole, and sends its share again. A server that is
+down when weights are pushed, or goes down during the push, is left out of it (the push is collective over the trainer
+ranks and must not fail on one server); the generation that next meets it recovers it the same way.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class EngineFleet:
 
     def shrink(self, engines: list[int]) -> None:
         """`engines` leave: no new request goes to them, what they run now finishes (no sample is lost), then they
-        stop, leave the router and trainer rank 0's weight-update groups."""
+        stop, leave the router and their weight-update groups."""
         with self.membership:
             self.leaving.update(engines)
             self.membership.wait_for(lambda: not any(self.busy[engine] for engine in engines))
@@ -353,7 +353,7 @@ class OnRolloutPool:
             first = self.next_engine
             for offset, nodes in enumerate(layout):
                 node_hosts = [node.slots[0] for node in nodes[1:] + nodes[:1]]
-                # Where its TP ranks sit: trainer rank 0 picks its weight-update group's backend from it.
+                # Where its TP ranks sit: its sending trainer rank picks its weight-update group's backend from it.
                 devices = tuple((places[slot].node, places[slot].device) for node in nodes for slot in node.slots)
                 self.slots[first + offset] = EngineSlot(hosts, node_hosts, urls[node_hosts[-1]], devices, own_group)
             self.next_engine += len(layout)
@@ -394,7 +394,7 @@ class OnRolloutPool:
             return {e: reply for replies in threads.map(call, by_group.values()) for e, reply in replies.items()}
 
     def _connect(self, engines: list[int]) -> None:
-        """Trainer rank 0 joins a fresh weight-update group with each of `engines`."""
+        """Each of `engines` joins a fresh weight-update group with its sending trainer rank."""
         self.ranks.connect_engines([(e, self.slots[e].url, self.slots[e].devices) for e in engines])
 
     def joined_nodes(self) -> list[str]:
@@ -409,7 +409,7 @@ class OnRolloutPool:
     def add(self, count: int) -> list[int]:
         """`count` servers more, each on hosts of its own: on Ray a placement group per server
         (`placement.engine_pool`: PlacementUnsatisfiable, one line, when the cluster has no room), else in this
-        process. Trainer rank 0 joins a weight-update group with each; they hold no weights yet."""
+        process. Each joins a weight-update group with its sending trainer rank; they hold no weights yet."""
         added = []
         tp_size = self.settings.tensor_parallel_size
         try:
@@ -433,8 +433,8 @@ class OnRolloutPool:
         return added
 
     def remove(self, engines: list[int]) -> None:
-        """Each server stops (leaving the router first) and trainer rank 0 leaves its weight-update group; hosts
-        started for it alone go too (and, on Ray, their placement group)."""
+        """Each server stops (leaving the router first) and its sending trainer rank leaves its weight-update group;
+        hosts started for it alone go too (and, on Ray, their placement group)."""
         self.ranks.disconnect_engines(engines)
         for engine in engines:
             with self.lock:
@@ -461,7 +461,7 @@ class OnRolloutPool:
     def pause(self, engines: list[int]) -> list[int]:
         """Each server holds its generation for the push, which takes an update call per bucket: no request runs
         on half-updated weights (`SGLangEngine.pause_generation`). A server that is down, or restarted and so
-        outside trainer rank 0's weight-update group (`EngineHost.takes_weights`), is left out."""
+        outside its sender's weight-update group (`EngineHost.takes_weights`), is left out."""
         paused = self._each(EngineHost.pause_generation, dict.fromkeys(engines, ()))
         ready = self._each(EngineHost.takes_weights, dict.fromkeys(engines, ()))
         return [e for e in engines if ready[e] and paused[e]]

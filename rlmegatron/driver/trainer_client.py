@@ -1,6 +1,7 @@
 """The trainer ranks as the driver calls them: one typed method per PolicyRank method the driver uses."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Optional
 
@@ -18,7 +19,8 @@ from rlmegatron.rank.roles import RolloutBatch
 class TrainerClient:
     """Each method runs the PolicyRank method of the same name on every rank, as Ray actors or in this process: the
     ranks run collectives together. Every rank returns the same result (the workers gather over data parallelism)
-    and rank 0's is returned, except for `generate`, whose ranks serve their own shares."""
+    and rank 0's is returned, except for `generate`, whose ranks serve their own shares, and `sync_weights`, whose
+    sending ranks each report their own servers."""
 
     def __init__(self, group: WorkerGroup[PolicyRank]) -> None:
         self.group = group
@@ -72,7 +74,8 @@ class TrainerClient:
     # --- weights to the engines ---
 
     def connect_engines(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
-        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
+        """Disaggregated: each (engine, url, its TP ranks' devices) server joins a weight-update group with its sending
+        rank (the first trainer rank of one of the nodes)."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
     def disconnect_engines(self, engines: list[int]) -> None:
@@ -82,9 +85,12 @@ class TrainerClient:
         self.group.call_all(PolicyRank.relaunch_engines, engines)
 
     def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
-        """Rank 0's report: the disaggregated servers that went down during the push (rank 0 pushes to them), and
-        the bytes it carried (colocated: to rank 0's engine)."""
-        return self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)[0]
+        """The disaggregated servers that went down during the push, as their sending ranks saw them (each node's
+        first rank pushes to its share), and the bytes rank 0 carried (every rank walks the same stream; colocated:
+        to rank 0's engine)."""
+        reports = self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)
+        down = sorted({engine for report in reports for engine in report.down})
+        return dataclasses.replace(reports[0], down=down)
 
     def save_checkpoint(self, path: str) -> None:
         self.group.call_all(PolicyRank.save_checkpoint, path)

@@ -92,9 +92,9 @@ class Transport:
 
     links: int = 1
     """Network links a disaggregated broadcast spreads over: 1 where the sender is its node's only rank in the group
-    (this project's push: trainer rank 0 and one server's ranks); a node's GPU count where every GPU of the sending
-    and the receiving nodes is in it (NeMo-RL's one group of every trainer and vLLM rank), NCCL's channels then
-    leaving and entering each node through all its links."""
+    (this project's push: a trainer node's sending rank and one server's ranks); a node's GPU count where every GPU of
+    the sending and the receiving nodes is in it (NeMo-RL's one group of every trainer and vLLM rank), NCCL's channels
+    then leaving and entering each node through all its links."""
     pipelined: bool = False
     """The export of a bucket, the transfer of the one before and the load of the one before that run at once
     (NeMo-RL's two buffers on each side); False: one after the other (this project's push waits for each bucket's
@@ -106,17 +106,19 @@ class WeightSync:
     """What one refit moves and how: as this project's push moves it (memory.weight_sync; `transport` can describe
     another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every
     tensor whole, whatever the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
-    each (the local engine is TP 1). Disaggregated, trainer rank 0 pushes to one server after another
-    (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per bucket, each server in turn, its load done
-    before the next server's broadcast begins); colocated, every GPU takes its bytes at once from the trainer rank on
-    it (`share_buckets`)."""
+    each (the local engine is TP 1). Disaggregated, the first trainer rank of each trainer node pushes to its share
+    of the servers (rank/weight_push.sending_ranks), all such ranks at once, each over its node's link, and each to
+    its own servers one after another (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per
+    bucket, each server in turn, its load done before the next server's broadcast begins); colocated, every GPU
+    takes its bytes at once from the trainer rank on it (`share_buckets`)."""
 
     total_bytes: float  # the whole policy as the engines hold it (rollout_weight_bytes)
     bytes_per_receiver: float
     """What each engine GPU receives in a step: the whole policy (with delta sync, the share a step sends on
     average)."""
     servers_in_sequence: int
-    """How many servers a push visits one after another: disaggregated, every engine; colocated, 1."""
+    """How many servers a push visits one after another: disaggregated, the engines over the trainer's nodes (each
+    node's sender takes its share at once with the others), rounded up; colocated, 1."""
     sent_per_server: float
     """What crosses the trainer's link to one disaggregated server: bytes_per_receiver, broadcast once to its ranks;
     with delta sync, its records go in the request body as base64 (4/3 of their bytes), one copy per TP rank
@@ -476,10 +478,11 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     # The export runs in model.dtype, before any cast to the rollout's.
     exported = (params.total - frozen_vision + (params.mtp_total / len(params.mtp) if mtp else 0)) * weight_bytes
     tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
-    engines = 1 if colocated else engine_count(spec)
+    # Disaggregated, one sender per trainer node (rank/weight_push.sending_ranks), each to its share in turn.
+    in_sequence = 1 if colocated else ceil(engine_count(spec) / spec.placement.nnodes)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
-        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=engines, sent_per_server=sent,
-        link_gbps=link_gbps, seconds=engines * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
+        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=in_sequence, sent_per_server=sent,
+        link_gbps=link_gbps, seconds=in_sequence * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
         exported_bytes=exported,
     )

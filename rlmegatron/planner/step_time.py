@@ -33,13 +33,14 @@ Formulas and their sources:
   is a collective of its own), plus `tensor_s` per tensor (parameters.checkpoint_tensors: every HF tensor, each
   routed expert's three apart): the work done tensor by tensor whatever its size (the engine's load_weights
   dispatches, slices and copies each; a sender that gathers each does as much). Disaggregated, over the network from
-  trainer rank 0, its node's only rank in each server's group (one link), one server after another
-  (`DistributedWeightPush._broadcast`: announce a bucket over HTTP, broadcast it over that server's group, wait for
-  SGLang's answer, which comes after its load), so the step pays it once per engine
-  (WeightSync.servers_in_sequence); colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the
-  HBM bandwidth (a copy reads and writes; `share_buckets`). The export, the bytes and the loads follow one another.
-  Another framework's refit is priced by its memory.Transport: a broadcast that spreads over every link of a node,
-  an export that overlaps the transfer and the loads (benchmarks/step_time_calibration.py prices NeMo-RL's so).
+  the first trainer rank of each trainer node, all at once, each its node's only rank in its servers' groups (one link
+  each), each to its share of the servers one after another (`DistributedWeightPush._broadcast`: announce a bucket
+  over HTTP, broadcast it over that server's group, wait for SGLang's answer, which comes after its load), so the step
+  pays it once per server a node sends to (WeightSync.servers_in_sequence); colocated, every GPU at once, into the
+  engine by CUDA IPC at `ipc` of half the HBM bandwidth (a copy reads and writes; `share_buckets`). The export, the
+  bytes and the loads follow one another. Another framework's refit is priced by its memory.Transport: a broadcast
+  that spreads over every link of a node, an export that overlaps the transfer and the loads
+  (benchmarks/step_time_calibration.py prices NeMo-RL's so).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
   copy per TP rank of each server (memory.WeightSync.sent_per_server).
@@ -465,7 +466,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"weight_sync begins with the trainer's export, {export:.1f} s of it (each rank's shard between the "
         f"{megatron.pipeline_model_parallel_size} pipeline stages, then the TP/EP all-gathers), then "
         + ("the bytes and the loads" if colocated else
-           f"the bytes and the loads of {sync.servers_in_sequence} server(s), one after another"),
+           f"the bytes and the loads of {sync.servers_in_sequence} server(s), one after another (each trainer "
+           f"node's first rank pushes to its share of the servers, all at once)"),
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "

@@ -83,11 +83,12 @@ class PolicyRank:
             return self.models.actor.update(batch, progress if self.rank == 0 else None)
 
     def connect_engines(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
-        """Disaggregated: rank 0 joins a weight-update group with each (engine, url, its TP ranks' devices) server."""
+        """Disaggregated: each (engine, url, its TP ranks' devices) server joins a weight-update group with its sending
+        rank (weight_push.sending_ranks)."""
         self.weights.connect(endpoints)
 
     def disconnect_engines(self, engines: list[int]) -> None:
-        """Disaggregated: `engines` left the pool; rank 0 leaves their weight-update groups."""
+        """Disaggregated: `engines` left the pool; their sending ranks leave their weight-update groups."""
         self.weights.disconnect(engines)
 
     def relaunch_engines(self, engines: list[int]) -> None:

@@ -1,9 +1,12 @@
 """The weight push inside a trainer rank: the actor's weights, streamed from its layout as HF-named full tensors
 (collective: every rank walks the whole stream), to the rollout engines after each update.
 
-Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: trainer rank 0
-broadcasts each bucket to every server over a weight-update group of its own (NCCL; gloo on CPU, or where the
-server shares rank 0's GPU: `servers.weight_group_backend`); the other ranks let the stream pass.
+Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: the first
+trainer rank of each node pushes to its share of the servers (`sending_ranks`), all of them at once, each bucket
+broadcast over a weight-update group per server (NCCL; gloo on CPU, or where the server shares the sender's GPU:
+`servers.weight_group_backend`); the other ranks let the stream pass. Every rank's export holds every tensor whole,
+so any rank can send, and one on each node sends over that node's own network link: with one sender, a push to n
+servers takes n times one server's, through one link.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import collections
 import contextlib
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,8 +35,22 @@ from rlmegatron.rollout.sglang.client import SGLangClient, ServerUnavailable
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
 from rlmegatron.runtime.distributed import free_port
-from rlmegatron.runtime.node import node_address
+from rlmegatron.runtime.node import node_address, node_id
 from rlmegatron.errors import UserError, WeightSyncMismatch
+
+
+def sending_ranks(nodes: list[str]) -> list[int]:
+    """Of ranks on `nodes` (each rank's node, in rank order), those that push to disaggregated servers: the first on
+    each node, in rank order. Engine e's sender is the (e mod their number)-th (`sender_of`), so a restarted or
+    joining engine finds the same sender on every rank without asking."""
+    first: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    return list(first.values())
+
+
+def sender_of(engine: int, senders: list[int]) -> int:
+    return senders[engine % len(senders)]
 
 
 class FP8OverGloo(UserError):
@@ -70,41 +88,60 @@ class WeightPush:
         self.syncs = 0
         """Syncs of engines that hold weights, for full_sync_every and check_sync_every."""
         self.distributed: Optional[DistributedWeightPush] = None
-        """Disaggregated, on trainer rank 0: the weight-update groups with the servers."""
+        """Disaggregated, on a sending rank (`sending_ranks`): the weight-update groups with its servers."""
+        self.senders: Optional[list[tuple[int, str]]] = None
+        """Disaggregated: the sending ranks and their node addresses, learnt at the first connect."""
         self.exporter: Optional[HFWeightExporter] = None
         """Made at the first sync: its plan (every rank's names, shapes and stages, an all_gather_object) is the
         model's, and the weights it streams are read when it streams."""
         self.server_urls: dict[int, str] = {}
         self.loaded_adapters: dict[int, str] = {}
-        """Disaggregated adapter sync, on trainer rank 0: each server's URL and the adapter it holds."""
+        """Disaggregated, on trainer rank 0: each server's URL and the adapter it holds (adapters and sync checks go
+        over HTTP, from rank 0)."""
         self.adapter_path: Optional[str] = None
 
     def connect(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
-        """Disaggregated: rank 0 joins a fresh weight-update group with each (engine, url, its TP ranks' devices)
-        server."""
-        if torch.distributed.get_rank() != 0:
+        """Disaggregated (collective): each (engine, url, its TP ranks' devices) server joins a fresh weight-update
+        group with its sending rank."""
+        rank = torch.distributed.get_rank()
+        if self.senders is None:
+            places: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(places, (node_id(), node_address()))
+            ranks = sending_ranks([node for node, _ in places])
+            self.senders = [(sender, places[sender][1]) for sender in ranks]
+        senders = [sender for sender, _ in self.senders]
+        if rank == 0:
+            self.server_urls.update({engine: url for engine, url, _ in endpoints})
+            by_sender: dict[int, list[int]] = {}
+            for engine, _, _ in endpoints:
+                by_sender.setdefault(sender_of(engine, senders), []).append(engine)
+            addresses = dict(self.senders)
+            print("weight sync: " + "; ".join(
+                f"engine{'s' * (len(engines) > 1)} {', '.join(map(str, engines))} from trainer rank {sender} "
+                f"({addresses[sender]})" for sender, engines in sorted(by_sender.items())), file=sys.stderr, flush=True)
+        mine = [endpoint for endpoint in endpoints if sender_of(endpoint[0], senders) == rank]
+        if not mine:
             return
         if self.distributed is None:
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
                                                      by_records=self.delta is not None)
-        address = node_address()  # trainer rank 0's node, which every server's node reaches
-        for engine, url, devices in endpoints:
-            self.server_urls[engine] = url
+        address = node_address()  # this sender's node, which every server's node reaches
+        for engine, url, devices in mine:
             port = free_port("")
             backend = weight_group_backend(self.settings.device, devices)
             if backend == "gloo" and self.settings.weight_format is not None and self.settings.engine == "sglang" \
                     and self.delta is None:  # delta records travel in request bodies, not over the group
-                # On a GPU that trainer rank 0 shares with the server (a run without Ray); on CPU checks.py refuses it
-                # before anything starts.
-                raise FP8OverGloo(f"rollout engine {engine} shares trainer rank 0's GPU, so its weights travel over "
-                                  "gloo, which cannot carry the FP8 weights SGLang receives (rollout.quantization="
+                # On a GPU that the sending rank shares with the server (a run without Ray); on CPU checks.py refuses
+                # it before anything starts.
+                raise FP8OverGloo(f"rollout engine {engine} shares trainer rank {rank}'s GPU, so its weights travel "
+                                  "over gloo, which cannot carry the FP8 weights SGLang receives (rollout.quantization="
                                   "fp8); give the rollout pool GPUs of its own (placement.transport=ray), or use "
                                   "rollout.quantization=none")
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}", backend)
             self.distributed.connect(engine, url, len(devices), group)
 
     def disconnect(self, engines: list[int]) -> None:
-        """`engines` left the pool: rank 0 forgets them and their weight-update groups."""
+        """`engines` left the pool: their senders forget them and their weight-update groups."""
         for engine in engines:
             self.server_urls.pop(engine, None)
             self.loaded_adapters.pop(engine, None)
@@ -152,10 +189,11 @@ class WeightPush:
     def _push(self, stream, version: str, engines: Optional[list[int]], report: SyncReport) -> list[int]:
         if self.delta is None:
             stream = _counted(stream, report.bytes)
-        if self.distributed is not None:
+        if self.distributed is not None:  # a sending rank: to its own servers among `engines`
             as_records = None if self.delta is None else \
                 (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
-            return self.distributed.push(stream, version, only=engines, as_records=as_records)
+            only = None if engines is None else [e for e in engines if e in self.distributed.servers]
+            return self.distributed.push(stream, version, only=only, as_records=as_records)
         if self.engine is not None and self.delta is not None and self.engine.takes(engines):
             buckets = Bucketer(self.settings.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(stream)
             self.engine.receive_records(iter_records(buckets, self.delta, report.full, report.bytes), version)
@@ -171,7 +209,7 @@ class WeightPush:
         expected = expected_digests(self._weights(full=True), self.settings.weight_format,
                                     DTYPES[self.settings.model.dtype])
         held: dict[str, dict[str, str]] = {}
-        if self.distributed is not None:
+        if self.senders is not None:  # disaggregated: rank 0 asks each server (the others know no URL)
             for engine, url in self.server_urls.items():
                 if (engines is None or engine in engines) and engine not in down:
                     held[f"rollout engine {engine}"] = SGLangClient(url).weight_digests(sorted(expected))
@@ -191,7 +229,7 @@ class WeightPush:
         previous, self.adapter_path = self.adapter_path, path
         export_peft_adapter(self._exporter(), path, self.settings.lora, self.settings.model.path)
         went_down = []
-        if self.distributed is not None:
+        if self.senders is not None:  # disaggregated: rank 0 has each server load it (the others know no URL)
             for engine, url in self.server_urls.items():
                 if (engines is not None and engine not in engines) or engine in down:
                     continue

@@ -156,6 +156,9 @@ class LocalServer:
         self.groups[body["group_name"]] = body["backend"], init_custom_process_group(
             body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
             body["rank_offset"], body["group_name"])
+        # In SGLang's words, so one grep finds which trainer process sends weights to either server.
+        print(f"init custom process group: master_address={body['master_address']}, master_port="
+              f"{body['master_port']}, group_name={body['group_name']}", flush=True)
         return {"success": True, "message": ""}
 
     def update_weights_from_distributed(self, body: dict) -> dict:

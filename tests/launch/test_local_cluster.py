@@ -3,7 +3,7 @@ Slurm (slurmctld, slurmdbd on MariaDB, a slurmd per node in a UTS namespace of i
 
 - the quickstart learns with its ranks on two nodes, as Ray's own state shows, meeting at rank 0's node address;
 - disaggregated, the rollout pool gets the third node, and holds the trained weights at every step (the on-policy
-  check: the engine's log-probs equal the actor's, step after step);
+  check: the engine's log-probs equal the actor's, step after step), each trainer node pushing to its share;
 - nodes lost mid-run: the ranks restart on the spare node from the last checkpoint (trainer.max_restarts=1), and
   the next loss, past max_restarts, stops the run in one line naming the node and the checkpoint, nothing of it left
   running;
@@ -220,6 +220,11 @@ def test_the_rollout_pool_gets_a_node_of_its_own_and_an_engine_that_joins_gets_a
     assert "trained steps 1-8 (8 steps)" in output
     trainer_nodes, _, _, rollout_nodes = _placed(output)
     assert len(rollout_nodes) == 1 and len(set(trainer_nodes + rollout_nodes)) == 3
+    # Each trainer node's first rank pushes to its share of the engines: engine 1's weights came from the second
+    # node, as its server saw its weight-update group's sender, and the on-policy check held all the same.
+    senders = {int(engine): address for log in (run_dir / "logs").glob("*.log") for address, engine in re.findall(
+        r"master_address=([\d.]+), master_port=\d+, group_name=rlmegatron_sync_(\d+)_", log.read_text())}
+    assert senders == {0: trainer_nodes[0], 1: trainer_nodes[1]}, list((run_dir / "logs").iterdir())
     node_ips, actors = _ray_state(env)
     job = next(a.job_id for a in actors if a.class_name == "RankHost" and (a.repr_name or "").endswith(
         f"rendezvous={PLACED.search(output).group(2)}:{PLACED.search(output).group(3)})"))

@@ -344,3 +344,18 @@ def test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_and_a_scale_per_b
     assert plain.sync.total_bytes == params.total * 2
     assert quantised.sync.total_bytes / plain.sync.total_bytes == pytest.approx(0.5015, abs=1e-4)
     assert quantised.engine.kv_bytes_per_token == plain.engine.kv_bytes_per_token  # the KV cache stays bf16
+
+
+def test_a_disaggregated_push_goes_from_every_trainer_node_at_once():
+    """One sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers in turn:
+    6 TP-1 engines take 6 turns from one trainer node, 3 from two, 2 from four (rounded up), 1 from eight; the
+    bytes' seconds and the step's weight_sync shrink by as much, the bytes each receiver gets do not."""
+    disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 6}
+    plans = {nodes: _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": nodes, "gpus_per_node": 1, **disaggregated}))
+             for nodes in (1, 2, 4, 8)}
+    assert {nodes: plan.sync.servers_in_sequence for nodes, plan in plans.items()} == {1: 6, 2: 3, 4: 2, 8: 1}
+    one = plans[1].sync
+    for plan in plans.values():
+        assert plan.sync.bytes_per_receiver == one.bytes_per_receiver
+        assert plan.sync.seconds == pytest.approx(one.seconds * plan.sync.servers_in_sequence / 6, rel=1e-12)
+    assert plans[8].step_time.phases["weight_sync"] < plans[2].step_time.phases["weight_sync"] / 2

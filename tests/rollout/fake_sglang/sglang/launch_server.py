@@ -307,6 +307,7 @@ class FakeServer:
             raise BadRequest("the TP ranks' copies of a bucket differ")
         for name, tensor in received[0].items():
             self.weights[name] = tensor
+        time.sleep(self.args.fake_load_s)  # the model's load of the bucket, which SGLang answers after
         if body["weight_version"] is not None:
             self.weight_version = body["weight_version"]
         self.record("/update_weights_from_tensor", names=list(received[0]),
@@ -392,6 +393,7 @@ class FakeServer:
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             torch.distributed.broadcast(tensor, group_src=0, group=group)
             self.weights[name] = tensor
+        time.sleep(self.args.fake_load_s)  # the model's load of the bucket, which SGLang answers after
         if body["weight_version"] is not None:
             self.weight_version = body["weight_version"]
         self.record("/update_weights_from_distributed", names=body["names"], node_rank=self.args.node_rank,
@@ -530,6 +532,7 @@ def main():
     parser.add_argument("--fake-fail-start", default="")
     parser.add_argument("--fake-slow-start", type=float, default=0.0)
     parser.add_argument("--fake-token-delay", type=float, default=0.0)
+    parser.add_argument("--fake-load-s", type=float, default=0.0)
     parser.add_argument("--fake-version", default="0.5.23")
     parser.add_argument("--fake-max-running", type=int, default=0)
     parser.add_argument("--enable-return-routed-experts", action="store_true")

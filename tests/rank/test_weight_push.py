@@ -1,0 +1,108 @@
+"""The disaggregated push from trainer ranks on several nodes: the first rank of each node sends to its share of the
+servers, all senders at once (rank/weight_push.sending_ranks), against the loopback SGLang stand-in. Node identity
+is the only thing faked: each rank plays a node of its own on this machine (tests/launch/test_local_cluster.py runs
+it on real Ray nodes)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import torch
+
+from rlmegatron.rank.weight_push import sender_of, sending_ranks
+from rlmegatron.rollout.sglang.client import SGLangClient
+from rlmegatron.transport.local_ranks import run_ranks
+from tests.rollout.test_sglang import digest, make_engine
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOAD_S = 0.3  # each server's load of a bucket, which it answers after
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    """Three tensors of 1 MiB: three buckets of rollout.update_weights_bucket_mb=1."""
+    generator = torch.Generator().manual_seed(0)
+    return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 512, generator=generator)) for i in range(3)]
+
+
+def test_the_first_rank_of_each_node_sends_and_engines_go_round_the_senders():
+    nodes = ["a", "a", "b", "b", "c", "a"]
+    assert sending_ranks(nodes) == [0, 2, 4]
+    assert [sender_of(engine, [0, 2, 4]) for engine in range(7)] == [0, 2, 4, 0, 2, 4, 0]
+    assert sending_ranks(["a"] * 8) == [0]  # one node: rank 0 sends to every server, as before
+
+
+def test_a_server_that_went_down_under_any_sender_reaches_the_driver():
+    """Each sender reports its own servers: the driver's report is every rank's servers that went down, with rank 0's
+    bytes (every rank walks the same stream)."""
+    from rlmegatron.driver.trainer_client import TrainerClient
+    from rlmegatron.rank.weight_push import SyncReport
+    from rlmegatron.rollout.delta import SyncBytes
+
+    class Ranks:  # rank 0 sent to servers 0 and 2, rank 1 to server 1, which went down, as did server 2
+        def call_all(self, method, *args):
+            return [SyncReport(down=[2], bytes=SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1)),
+                    SyncReport(down=[1], bytes=SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1))]
+
+    report = TrainerClient(Ranks()).sync_weights("v1")
+    assert report.down == [1, 2] and report.bytes == SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1)
+
+
+def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
+    """Rank r on node r: connect to every server, then push weights() once, the ranks starting together."""
+    from rlmegatron.driver.role_settings import rollout_settings
+    from rlmegatron.prelaunch.spec_pipeline import load_spec
+    from rlmegatron.rank import weight_push
+    from rlmegatron.rank.weight_push import SyncReport, WeightPush
+
+    rank = torch.distributed.get_rank()
+    weight_push.node_id = lambda: f"node{rank}"
+    spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
+        f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.nnodes=2", "placement.gpus_per_node=1",
+        "placement.mode=disaggregate", "placement.rollout_nnodes=1", f"placement.rollout_gpus_per_node={len(urls)}",
+        "rollout.engine=sglang", "rollout.update_weights_bucket_mb=1", f"trainer.run_dir={run_dir}"])
+    push = WeightPush(rollout_settings(spec), None, None)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        push.connect([(engine, url, (("rollout-node", "cpu"),)) for engine, url in enumerate(urls)])
+    torch.distributed.barrier()
+    down = push._push(iter(weights()), "v1", None, SyncReport())  # the stream sync() exports, given here
+    return {"down": down, "servers": sorted(push.distributed.servers) if push.distributed else [],
+            "said": said.getvalue().splitlines()}
+
+
+def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_others(tmp_path):
+    """Two trainer nodes, three servers: node 0's rank sends to servers 0 and 2, node 1's to server 1, each over a
+    weight-update group of its own (the servers see two masters), and the two senders' broadcasts overlap: server 1
+    takes its first bucket while server 0 is still loading its own. One sender (tests/rollout/test_sglang.py) keeps
+    the servers' turns apart. Every server holds every tensor whole, and rank 0 says who sends to whom."""
+    engines = [make_engine(tmp_path, **{"fake-load-s": LOAD_S}) for _ in range(3)]
+    try:
+        urls = [engine.spec.url for engine in engines]
+        ranks = run_ranks(_push_as_node_of_rank, 2, urls, str(tmp_path), timeout_s=120)
+        assert [(r["servers"], r["down"]) for r in ranks] == [([0, 2], []), ([1], [])]
+        for engine in engines:
+            held = SGLangClient(engine.spec.url)._call("GET", "/fake/weights")
+            assert held["version"] == "v1"
+            assert held["weights"] == {name: digest(tensor) for name, tensor in weights()}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    records = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    by_pid = {}
+    for record in records:
+        by_pid.setdefault(record["pid"], []).append(record)
+    pid_of = {}  # each server's process, by the group it joined
+    for pid, lives in by_pid.items():
+        (init,) = [r for r in lives if r["path"] == "/init_weights_update_group"]
+        pid_of[int(init["group_name"].split("_")[2])] = pid
+    buckets = {engine: [r for r in by_pid[pid_of[engine]] if r["path"] == "/update_weights_from_distributed"]
+               for engine in range(3)}
+    assert len(buckets[0]) == len(buckets[1]) == len(buckets[2]) == 3
+    # Server 1's first bucket began before server 0's ended: two senders at once.
+    assert buckets[1][0]["started"] < buckets[0][0]["ended"] and buckets[0][0]["started"] < buckets[1][0]["ended"]
+    # Node 0's own two servers still take their turns, one after the other.
+    assert all(first["ended"] <= then["started"] for first, then in zip(buckets[0], buckets[2]))
+    assert [r["said"] for r in ranks] == [
+        ["weight sync: engines 0, 2 from trainer rank 0 (127.0.0.1); engine 1 from trainer rank 1 (127.0.0.1)"], []]
