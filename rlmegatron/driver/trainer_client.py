@@ -1,7 +1,6 @@
 """The trainer ranks as the driver calls them: one typed method per PolicyRank method the driver uses."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Optional
 
@@ -19,8 +18,7 @@ from rlmegatron.rank.roles import RolloutBatch
 class TrainerClient:
     """Each method runs the PolicyRank method of the same name on every rank, as Ray actors or in this process: the
     ranks run collectives together. Every rank returns the same result (the workers gather over data parallelism)
-    and rank 0's is returned, except for `generate`, whose ranks serve their own shares, and `sync_weights`, whose
-    sending ranks each report their own servers."""
+    and rank 0's is returned, except for `generate`, whose ranks serve their own shares."""
 
     def __init__(self, group: WorkerGroup[PolicyRank]) -> None:
         self.group = group
@@ -85,12 +83,9 @@ class TrainerClient:
         self.group.call_all(PolicyRank.relaunch_engines, engines)
 
     def sync_weights(self, version: str, engines: Optional[list[int]] = None, fresh: bool = False) -> SyncReport:
-        """The disaggregated servers that went down during the push, as their sending ranks saw them (each node's
-        first rank pushes to its share), and the bytes rank 0 carried (every rank walks the same stream; colocated:
-        to rank 0's engine)."""
-        reports = self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)
-        down = sorted({engine for report in reports for engine in report.down})
-        return dataclasses.replace(reports[0], down=down)
+        """Rank 0's report: the disaggregated servers that went down during the push (every sender's, gathered on
+        every rank: `WeightPush._push`), and the bytes it carried (colocated: to rank 0's engine)."""
+        return self.group.call_all(PolicyRank.sync_weights, version, engines, fresh)[0]
 
     def save_checkpoint(self, path: str) -> None:
         self.group.call_all(PolicyRank.save_checkpoint, path)

@@ -41,16 +41,22 @@ from rlmegatron.errors import UserError, WeightSyncMismatch
 
 def sending_ranks(nodes: list[str]) -> list[int]:
     """Of ranks on `nodes` (each rank's node, in rank order), those that push to disaggregated servers: the first on
-    each node, in rank order. Engine e's sender is the (e mod their number)-th (`sender_of`), so a restarted or
-    joining engine finds the same sender on every rank without asking."""
+    each node, in rank order."""
     first: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         first.setdefault(node, rank)
     return list(first.values())
 
 
-def sender_of(engine: int, senders: list[int]) -> int:
-    return senders[engine % len(senders)]
+def assign_senders(engines: list[int], senders: list[int], assigned: dict[int, int]) -> None:
+    """Gives each of `engines` not in `assigned` (engine -> sending rank) the sender with the fewest engines, the
+    lowest rank on a tie; an engine that has one keeps it (a restarted server). Every rank is given the same engines
+    in the same order, so every rank builds the same table without asking; a pool that grows and shrinks stays
+    spread over the senders."""
+    for engine in engines:
+        if engine not in assigned:
+            load = collections.Counter(assigned.values())
+            assigned[engine] = min(senders, key=lambda sender: (load[sender], sender))
 
 
 class FP8OverGloo(UserError):
@@ -91,6 +97,8 @@ class WeightPush:
         """Disaggregated, on a sending rank (`sending_ranks`): the weight-update groups with its servers."""
         self.senders: Optional[list[tuple[int, str]]] = None
         """Disaggregated: the sending ranks and their node addresses, learnt at the first connect."""
+        self.sender_of: dict[int, int] = {}
+        """Disaggregated: each connected engine's sending rank (`assign_senders`), the same on every rank."""
         self.exporter: Optional[HFWeightExporter] = None
         """Made at the first sync: its plan (every rank's names, shapes and stages, an all_gather_object) is the
         model's, and the weights it streams are read when it streams."""
@@ -109,22 +117,21 @@ class WeightPush:
             torch.distributed.all_gather_object(places, (node_id(), node_address()))
             ranks = sending_ranks([node for node, _ in places])
             self.senders = [(sender, places[sender][1]) for sender in ranks]
-        senders = [sender for sender, _ in self.senders]
+        assign_senders([engine for engine, _, _ in endpoints], [sender for sender, _ in self.senders], self.sender_of)
         if rank == 0:
             self.server_urls.update({engine: url for engine, url, _ in endpoints})
             by_sender: dict[int, list[int]] = {}
             for engine, _, _ in endpoints:
-                by_sender.setdefault(sender_of(engine, senders), []).append(engine)
+                by_sender.setdefault(self.sender_of[engine], []).append(engine)
             addresses = dict(self.senders)
             print("weight sync: " + "; ".join(
                 f"engine{'s' * (len(engines) > 1)} {', '.join(map(str, engines))} from trainer rank {sender} "
                 f"({addresses[sender]})" for sender, engines in sorted(by_sender.items())), file=sys.stderr, flush=True)
-        mine = [endpoint for endpoint in endpoints if sender_of(endpoint[0], senders) == rank]
-        if not mine:
-            return
-        if self.distributed is None:
+        if self.distributed is None and rank in dict(self.senders):
+            # Every sender has one, servers or none yet: rank 0's report of the bytes comes from its walk in push().
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
                                                      by_records=self.delta is not None)
+        mine = [endpoint for endpoint in endpoints if self.sender_of[endpoint[0]] == rank]
         address = node_address()  # this sender's node, which every server's node reaches
         for engine, url, devices in mine:
             port = free_port("")
@@ -145,6 +152,7 @@ class WeightPush:
         for engine in engines:
             self.server_urls.pop(engine, None)
             self.loaded_adapters.pop(engine, None)
+            self.sender_of.pop(engine, None)
             if self.distributed is not None:
                 self.distributed.disconnect(engine)
 
@@ -189,11 +197,21 @@ class WeightPush:
     def _push(self, stream, version: str, engines: Optional[list[int]], report: SyncReport) -> list[int]:
         if self.delta is None:
             stream = _counted(stream, report.bytes)
-        if self.distributed is not None:  # a sending rank: to its own servers among `engines`
-            as_records = None if self.delta is None else \
-                (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
-            only = None if engines is None else [e for e in engines if e in self.distributed.servers]
-            return self.distributed.push(stream, version, only=only, as_records=as_records)
+        if self.senders is not None:  # disaggregated: each sender to its own servers among `engines`
+            rank = torch.distributed.get_rank()
+            down: list[int] = []
+            if self.distributed is not None:
+                as_records = None if self.delta is None else \
+                    (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
+                mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
+                down = self.distributed.push(stream, version, only=mine, as_records=as_records)
+            else:
+                collections.deque(stream, maxlen=0)
+            # Every sender's left-out servers, on every rank; and every push has ended before rank 0 checks the
+            # servers' weights or has them load an adapter.
+            everyone: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, down)
+            return sorted({engine for went in everyone for engine in went})
         if self.engine is not None and self.delta is not None and self.engine.takes(engines):
             buckets = Bucketer(self.settings.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(stream)
             self.engine.receive_records(iter_records(buckets, self.delta, report.full, report.bytes), version)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rlmegatron.rank.weight_push import sender_of, sending_ranks
+from rlmegatron.rank.weight_push import assign_senders, sending_ranks
 from rlmegatron.rollout.sglang.client import SGLangClient
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.rollout.test_sglang import digest, make_engine
@@ -26,27 +26,18 @@ def weights() -> list[tuple[str, torch.Tensor]]:
     return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 512, generator=generator)) for i in range(3)]
 
 
-def test_the_first_rank_of_each_node_sends_and_engines_go_round_the_senders():
-    nodes = ["a", "a", "b", "b", "c", "a"]
-    assert sending_ranks(nodes) == [0, 2, 4]
-    assert [sender_of(engine, [0, 2, 4]) for engine in range(7)] == [0, 2, 4, 0, 2, 4, 0]
+def test_the_first_rank_of_each_node_sends_and_engines_spread_over_the_senders_as_the_pool_changes():
+    assert sending_ranks(["a", "a", "b", "b", "c", "a"]) == [0, 2, 4]
     assert sending_ranks(["a"] * 8) == [0]  # one node: rank 0 sends to every server, as before
-
-
-def test_a_server_that_went_down_under_any_sender_reaches_the_driver():
-    """Each sender reports its own servers: the driver's report is every rank's servers that went down, with rank 0's
-    bytes (every rank walks the same stream)."""
-    from rlmegatron.driver.trainer_client import TrainerClient
-    from rlmegatron.rank.weight_push import SyncReport
-    from rlmegatron.rollout.delta import SyncBytes
-
-    class Ranks:  # rank 0 sent to servers 0 and 2, rank 1 to server 1, which went down, as did server 2
-        def call_all(self, method, *args):
-            return [SyncReport(down=[2], bytes=SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1)),
-                    SyncReport(down=[1], bytes=SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1))]
-
-    report = TrainerClient(Ranks()).sync_weights("v1")
-    assert report.down == [1, 2] and report.bytes == SyncBytes(sent=7, full=7, tensors_changed=1, tensors=1)
+    assigned: dict[int, int] = {}
+    assign_senders([0, 1, 2, 3], [0, 2, 4], assigned)
+    assert assigned == {0: 0, 1: 2, 2: 4, 3: 0}
+    # The last to join leaves first, and engine numbers are never reused: the newcomers take the emptiest senders.
+    del assigned[3], assigned[2]
+    assign_senders([4, 5], [0, 2, 4], assigned)
+    assert assigned == {0: 0, 1: 2, 4: 4, 5: 0}
+    assign_senders([1], [0, 2, 4], assigned)  # a restarted server keeps its sender
+    assert assigned[1] == 2
 
 
 def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
@@ -74,15 +65,18 @@ def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
 
 def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_others(tmp_path):
     """Two trainer nodes, three servers: node 0's rank sends to servers 0 and 2, node 1's to server 1, each over a
-    weight-update group of its own (the servers see two masters), and the two senders' broadcasts overlap: server 1
-    takes its first bucket while server 0 is still loading its own. One sender (tests/rollout/test_sglang.py) keeps
-    the servers' turns apart. Every server holds every tensor whole, and rank 0 says who sends to whom."""
-    engines = [make_engine(tmp_path, **{"fake-load-s": LOAD_S}) for _ in range(3)]
+    weight-update group of its own, and the two senders' broadcasts overlap: server 1 takes its first bucket while
+    server 0 is still loading its own. One sender (tests/rollout/test_sglang.py) keeps the servers' turns apart.
+    Server 1 dies as its second bucket is announced: every rank's report names it (rank 0's goes to the driver), and
+    the other two hold every tensor whole. Rank 0 says who sends to whom."""
+    engines = [make_engine(tmp_path, **{"fake-load-s": LOAD_S, **({"fake-die-on-push": 2} if key == 1 else {})})
+               for key in range(3)]
     try:
         urls = [engine.spec.url for engine in engines]
         ranks = run_ranks(_push_as_node_of_rank, 2, urls, str(tmp_path), timeout_s=120)
-        assert [(r["servers"], r["down"]) for r in ranks] == [([0, 2], []), ([1], [])]
-        for engine in engines:
+        assert [(r["servers"], r["down"]) for r in ranks] == [([0, 2], [1]), ([1], [1])]
+        assert not engines[1].client.health()  # it did die
+        for engine in (engines[0], engines[2]):
             held = SGLangClient(engine.spec.url)._call("GET", "/fake/weights")
             assert held["version"] == "v1"
             assert held["weights"] == {name: digest(tensor) for name, tensor in weights()}
@@ -99,7 +93,7 @@ def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_ot
         pid_of[int(init["group_name"].split("_")[2])] = pid
     buckets = {engine: [r for r in by_pid[pid_of[engine]] if r["path"] == "/update_weights_from_distributed"]
                for engine in range(3)}
-    assert len(buckets[0]) == len(buckets[1]) == len(buckets[2]) == 3
+    assert (len(buckets[0]), len(buckets[1]), len(buckets[2])) == (3, 1, 3)
     # Server 1's first bucket began before server 0's ended: two senders at once.
     assert buckets[1][0]["started"] < buckets[0][0]["ended"] and buckets[0][0]["started"] < buckets[1][0]["ended"]
     # Node 0's own two servers still take their turns, one after the other.

@@ -293,7 +293,7 @@ class SGLangEngine(RolloutEngine):
             self.released.difference_update(released)
 
     def pause_generation(self) -> None:
-        """Before a disaggregated push (trainer rank 0 broadcasts its buckets, one update call each): the server
+        """Before a disaggregated push (its trainer rank broadcasts the buckets, one update call each): the server
         holds every request that arrives until `continue_generation`, so none runs on half-updated weights (SGLang
         takes its writer lock per call, and would label such a request with the new version). With partial rollout
         the samples in flight are aborted and go on from their tokens once it continues; without, this engine first

@@ -56,7 +56,7 @@ ServerDevices = tuple[tuple[str, str], ...]
 
 
 def weight_group_backend(device: str, server: ServerDevices) -> str:
-    """The backend of the group over which this process (trainer rank 0) broadcasts weights to a disaggregated
+    """The backend of the group over which this process (a sending trainer rank) broadcasts weights to a disaggregated
     server: NCCL between GPUs; gloo on CPU, and where one of the server's ranks is on this process's own GPU (one GPU
     split between trainer and engine, a run without Ray): NCCL refuses two ranks of a group on one device ("Duplicate
     GPU detected"), while gloo stages CUDA tensors through host memory."""
