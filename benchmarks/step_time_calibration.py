@@ -282,7 +282,7 @@ def _step_case(run: Published) -> Case:
     hw = settings.hardware(spec.placement.gpus_per_node)
     # NeMo-RL's refit, not this project's: whole tensors into every vLLM rank as ours, but disaggregated in one
     # broadcast that reaches every engine at once (the module's docstring), so no server waits for another.
-    sync = dataclasses.replace(plan.sync, servers_in_sequence=1, transport=NEMO_RL_TRANSPORT)
+    sync = dataclasses.replace(plan.sync, servers_per_link=1, transport=NEMO_RL_TRANSPORT)
 
     def predict(c: Constants) -> dict:
         # Off policy, NeMo-RL's async GRPO keeps max_trajectory_age_steps steps' prompts in flight (the module's

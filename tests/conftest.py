@@ -142,7 +142,7 @@ E2E: dict[str, tuple[str, ...] | None] = {
         "test_server_that_never_becomes_healthy_reports_its_log_tail",
         "test_distributed_update_broadcasts_in_announced_order",
         "test_a_server_that_dies_during_a_push_is_left_out_and_the_others_get_every_weight",
-        "test_a_disaggregated_push_brings_each_tp_rank_the_whole_model_one_server_after_another_as_the_planner_prices",
+        "test_a_disaggregated_push_brings_each_tp_rank_the_whole_model_every_server_at_once_as_the_planner_prices",
         "test_servers_join_the_router_with_weights_and_leave_it_to_restart",
         "test_a_router_with_the_older_worker_api_is_joined_and_left",
         "test_a_lora_adapter_is_loaded_sampled_with_and_replaced_by_the_next",

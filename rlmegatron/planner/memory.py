@@ -107,24 +107,24 @@ class WeightSync:
     another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every
     tensor whole, whatever the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
     each (the local engine is TP 1). Disaggregated, the first trainer rank of each trainer node pushes to its share
-    of the servers (rank/weight_push.sending_ranks), all such ranks at once, each over its node's link, and each to
-    its own servers one after another (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: per
-    bucket, each server in turn, its load done before the next server's broadcast begins); colocated, every GPU
-    takes its bytes at once from the trainer rank on it (`share_buckets`)."""
+    of the servers (rank/weight_push.sending_ranks), all such ranks at once, each over its node's link, and each
+    bucket to all its servers at once (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: their
+    transfers share the link, their loads overlap); colocated, every GPU takes its bytes at once from the trainer
+    rank on it (`share_buckets`)."""
 
     total_bytes: float  # the whole policy as the engines hold it (rollout_weight_bytes)
     bytes_per_receiver: float
     """What each engine GPU receives in a step: the whole policy (with delta sync, the share a step sends on
     average)."""
-    servers_in_sequence: int
-    """How many servers a push visits one after another: disaggregated, the engines over the trainer's nodes (each
-    node's sender takes its share at once with the others), rounded up; colocated, 1."""
+    servers_per_link: int
+    """How many servers' bytes cross one sender's link: disaggregated, the engines over the trainer's nodes (each
+    node's first rank sends to its share), rounded up; colocated, 1."""
     sent_per_server: float
     """What crosses the trainer's link to one disaggregated server: bytes_per_receiver, broadcast once to its ranks;
     with delta sync, its records go in the request body as base64 (4/3 of their bytes), one copy per TP rank
     (`DistributedWeightPush._post`: SGLang takes one payload per rank)."""
     link_gbps: float
-    seconds: float  # the bytes alone: servers_in_sequence x sent_per_server over the link
+    seconds: float  # the bytes alone: servers_per_link x sent_per_server over the link
     delta_ratio: float | None = None
     """rollout.weight_sync=delta: the bytes a step sends against a full push (`delta_sent_ratio`), full pushes
     included; None: full pushes."""
@@ -478,11 +478,11 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     # The export runs in model.dtype, before any cast to the rollout's.
     exported = (params.total - frozen_vision + (params.mtp_total / len(params.mtp) if mtp else 0)) * weight_bytes
     tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
-    # Disaggregated, one sender per trainer node (rank/weight_push.sending_ranks), each to its share in turn.
-    in_sequence = 1 if colocated else ceil(engine_count(spec) / spec.placement.nnodes)
+    # Disaggregated, one sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers.
+    per_link = 1 if colocated else ceil(engine_count(spec) / spec.placement.nnodes)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
-        total_bytes=total, bytes_per_receiver=per_receiver, servers_in_sequence=in_sequence, sent_per_server=sent,
-        link_gbps=link_gbps, seconds=in_sequence * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
+        total_bytes=total, bytes_per_receiver=per_receiver, servers_per_link=per_link, sent_per_server=sent,
+        link_gbps=link_gbps, seconds=per_link * sent * 8 / (link_gbps * 1e9), delta_ratio=ratio,
         exported_bytes=exported,
     )

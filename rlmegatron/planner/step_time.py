@@ -34,13 +34,13 @@ Formulas and their sources:
   routed expert's three apart): the work done tensor by tensor whatever its size (the engine's load_weights
   dispatches, slices and copies each; a sender that gathers each does as much). Disaggregated, over the network from
   the first trainer rank of each trainer node, all at once, each its node's only rank in its servers' groups (one link
-  each), each to its share of the servers one after another (`DistributedWeightPush._broadcast`: announce a bucket
-  over HTTP, broadcast it over that server's group, wait for SGLang's answer, which comes after its load), so the step
-  pays it once per server a node sends to (WeightSync.servers_in_sequence); colocated, every GPU at once, into the
-  engine by CUDA IPC at `ipc` of half the HBM bandwidth (a copy reads and writes; `share_buckets`). The export, the
-  bytes and the loads follow one another. Another framework's refit is priced by its memory.Transport: a broadcast
-  that spreads over every link of a node, an export that overlaps the transfer and the loads
-  (benchmarks/step_time_calibration.py prices NeMo-RL's so).
+  each), each bucket to all of its share of the servers at once (`DistributedWeightPush._broadcast`: announce it to
+  each over HTTP, broadcast it over each server's group, wait for every answer, which comes after the load), so the
+  bytes cross a sender's link once per server it sends to (WeightSync.servers_per_link) and the loads overlap; the
+  next bucket waits for them all; colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the HBM
+  bandwidth (a copy reads and writes; `share_buckets`). The export, the bytes and the loads follow one another.
+  Another framework's refit is priced by its memory.Transport: a broadcast that spreads over every link of a node, an
+  export that overlaps the transfer and the loads (benchmarks/step_time_calibration.py prices NeMo-RL's so).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
   copy per TP rank of each server (memory.WeightSync.sent_per_server).
@@ -388,14 +388,14 @@ def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronC
 
 
 def sync_seconds(bytes_per_receiver: float, colocated: bool, hw: Hardware, bucket_bytes: float,
-                 c: Constants = FITTED, tensors: int = 0, in_sequence: int = 1,
+                 c: Constants = FITTED, tensors: int = 0, per_link: int = 1,
                  sent_per_server: float | None = None, export_s: float = 0.0,
                  transport: Transport = Transport()) -> float:
     """One refit: `bytes_per_receiver` into each engine GPU, in buckets of `bucket_bytes`, the receiver loading
     `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone), after or alongside the trainer's
-    export (`export_s`, export_seconds). Disaggregated, `in_sequence` servers take their turn one after another
-    (memory.WeightSync.servers_in_sequence; 1 where one broadcast reaches them all), each sent `sent_per_server`
-    bytes (None: bytes_per_receiver) over `transport.links` network links; colocated, each GPU's bytes cross into its
+    export (`export_s`, export_seconds). Disaggregated, `per_link` servers share a sender's link, each bucket sent to
+    them at once (memory.WeightSync.servers_per_link; 1 where one broadcast reaches them all), each sent
+    `sent_per_server` bytes (None: bytes_per_receiver) over `transport.links` network links, their loads overlapping; colocated, each GPU's bytes cross into its
     engine by CUDA IPC. `transport.pipelined`: the export, the transfer and the loads of successive buckets overlap,
     so the slowest of the three sets the pace; else each follows the other."""
     load = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
@@ -403,8 +403,7 @@ def sync_seconds(bytes_per_receiver: float, colocated: bool, hw: Hardware, bucke
         moved = bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc)
     else:
         sent = bytes_per_receiver if sent_per_server is None else sent_per_server
-        moved = in_sequence * sent / (hw.network_gb_per_s(transport.links) * 1e9 * c.link)
-        load = in_sequence * load
+        moved = per_link * sent / (hw.network_gb_per_s(transport.links) * 1e9 * c.link)
     return max(export_s, moved, load) if transport.pipelined else export_s + moved + load
 
 
@@ -443,7 +442,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
     export = export_seconds(sync.exported_bytes, params.routed_experts / params.total, megatron, world, hw, c)
     phases["weight_sync"] = sync_seconds(sync.bytes_per_receiver, colocated, hw,
                                          spec.rollout.update_weights_bucket_mb << 20, c, tensors,
-                                         sync.servers_in_sequence, sync.sent_per_server, export, sync.transport)
+                                         sync.servers_per_link, sync.sent_per_server, export, sync.transport)
     if spec.rollout.weight_sync == "delta":  # the bytes it saves cost host work on the whole policy
         phases["weight_sync"] += rollout_weight_bytes(spec, params) / (DELTA_HOST_GB_PER_S * 1e9)
     if colocated:
@@ -466,8 +465,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"weight_sync begins with the trainer's export, {export:.1f} s of it (each rank's shard between the "
         f"{megatron.pipeline_model_parallel_size} pipeline stages, then the TP/EP all-gathers), then "
         + ("the bytes and the loads" if colocated else
-           f"the bytes and the loads of {sync.servers_in_sequence} server(s), one after another (each trainer "
-           f"node's first rank pushes to its share of the servers, all at once)"),
+           f"the bytes of {sync.servers_per_link} server(s) through one link, then their loads, at once (each "
+           f"trainer node's first rank pushes to its share of the servers, every bucket to all of them)"),
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "

@@ -5,6 +5,7 @@ from rlmegatron.config import read_architecture
 from rlmegatron.prelaunch.spec_pipeline import spec_from_raw
 from rlmegatron.planner.parameters import checkpoint_tensors, count_parameters
 from rlmegatron.planner.plan import PlanSettings, build_plan, render_plan
+from rlmegatron.planner.step_time import FITTED
 from tests.config.specs import MODELS_DIR
 
 
@@ -172,7 +173,7 @@ def test_engine_kv_budget_and_sync_bytes():
     assert plan.engine.kv_bytes_per_token == 28 * 2 * 4 * 128 * 2
     # SGLang's push sends every tensor whole to every TP rank (its loader slices them): the whole model per engine
     # GPU, colocated from the trainer rank on it, every GPU at once.
-    assert plan.sync.bytes_per_receiver == weights and plan.sync.servers_in_sequence == 1
+    assert plan.sync.bytes_per_receiver == weights and plan.sync.servers_per_link == 1
     assert plan.sync.seconds == pytest.approx(weights * 8 / 400e9)
 
 
@@ -206,7 +207,7 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
                      rollout={"weight_sync": "delta", **tp2}, actor={"optim": {"lr": lr}})
         delta = _plan(spec)
         assert delta.sync.bytes_per_receiver == pytest.approx(full.sync.bytes_per_receiver * ratio)
-        assert delta.sync.servers_in_sequence == full.sync.servers_in_sequence == 4  # 4 TP-2 engines, in turn
+        assert delta.sync.servers_per_link == full.sync.servers_per_link == 4  # 4 TP-2 engines, one link
         # The records go in each server's request body, base64, one copy per TP rank (weight_push._post).
         assert delta.sync.sent_per_server == pytest.approx(delta.sync.bytes_per_receiver * 2 * 4 / 3)
         # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
@@ -215,7 +216,7 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
         export = export_seconds(count_parameters(arch).total * 2, 0.0, spec.actor.megatron, 8, Hardware())
         assert export > 0 and delta.sync.exported_bytes == count_parameters(arch).total * 2  # the TP 2 gather
         push = sync_seconds(delta.sync.bytes_per_receiver, colocated=False, hw=Hardware(), bucket_bytes=512 << 20,
-                            tensors=checkpoint_tensors(arch), in_sequence=4,
+                            tensors=checkpoint_tensors(arch), per_link=4,
                             sent_per_server=delta.sync.sent_per_server, export_s=export)
         assert delta.step_time.phases["weight_sync"] == pytest.approx(
             push + full.sync.total_bytes / (DELTA_HOST_GB_PER_S * 1e9), rel=1e-12)
@@ -347,15 +348,17 @@ def test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_and_a_scale_per_b
 
 
 def test_a_disaggregated_push_goes_from_every_trainer_node_at_once():
-    """One sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers in turn:
-    6 TP-1 engines take 6 turns from one trainer node, 3 from two, 2 from four (rounded up), 1 from eight; the
-    bytes' seconds and the step's weight_sync shrink by as much, the bytes each receiver gets do not."""
+    """One sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers through its own
+    link: 6 TP-1 engines share one link from one trainer node, 3 from two, 2 from four (rounded up), 1 from eight;
+    the bytes' seconds and the step's weight_sync shrink by as much, the bytes each receiver gets do not."""
     disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 6}
     plans = {nodes: _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": nodes, "gpus_per_node": 1, **disaggregated}))
              for nodes in (1, 2, 4, 8)}
-    assert {nodes: plan.sync.servers_in_sequence for nodes, plan in plans.items()} == {1: 6, 2: 3, 4: 2, 8: 1}
+    assert {nodes: plan.sync.servers_per_link for nodes, plan in plans.items()} == {1: 6, 2: 3, 4: 2, 8: 1}
     one = plans[1].sync
     for plan in plans.values():
         assert plan.sync.bytes_per_receiver == one.bytes_per_receiver
-        assert plan.sync.seconds == pytest.approx(one.seconds * plan.sync.servers_in_sequence / 6, rel=1e-12)
-    assert plans[8].step_time.phases["weight_sync"] < plans[2].step_time.phases["weight_sync"] / 2
+        assert plan.sync.seconds == pytest.approx(one.seconds * plan.sync.servers_per_link / 6, rel=1e-12)
+    weight_sync = {nodes: plan.step_time.phases["weight_sync"] for nodes, plan in plans.items()}
+    assert weight_sync[1] > weight_sync[2] > weight_sync[4] > weight_sync[8]
+    assert weight_sync[2] - weight_sync[8] == pytest.approx(2 * (one.seconds / 6) / FITTED.link, rel=1e-9)

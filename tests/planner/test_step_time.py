@@ -266,26 +266,32 @@ def test_response_lengths_are_exponential_with_the_spec_mean_cut_at_its_maximum_
                                                                                  longest=8192)
 
 
-def test_a_refit_takes_the_bytes_each_receiver_gets_over_the_link_plus_a_latency_per_bucket_server_by_server():
+def test_a_refit_takes_the_bytes_of_a_links_servers_then_their_loads_at_once():
     hw, bucket = Hardware(), 512 << 20
     one = sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket)
     assert sync_seconds(16 * bucket, colocated=False, hw=hw, bucket_bytes=bucket) == pytest.approx(2 * one, rel=1e-12)
-    assert one == pytest.approx(8 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link) + 8 * FITTED.bucket_s)
+    link_s = 8 * bucket / (hw.network_gbps / 8 * 1e9 * FITTED.link)
+    assert one == pytest.approx(link_s + 8 * FITTED.bucket_s)
     # Each tensor the receiver loads costs the same, whatever its size.
     assert sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000) == \
         pytest.approx(one + 1000 * FITTED.tensor_s, rel=1e-12)
-    # Disaggregated, every server takes its turn: the same bytes and tensors reach a GPU of a TP-4 engine as of a TP-2
-    # one (whole tensors), and 8 rollout GPUs hold half as many TP-4 servers, so the push takes half as long.
+    # Disaggregated, a sender's servers share its link, each bucket to all of them at once: the same bytes reach a GPU
+    # of a TP-4 engine as of a TP-2 one (whole tensors), 8 rollout GPUs hold half as many TP-4 servers, so half as
+    # many bytes cross the link; the servers' loads overlap, once whatever their number.
     spec = {"placement": {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
     tp2 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 2}, **spec))
     tp4 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 4}, **spec))
     assert tp4.sync.bytes_per_receiver == tp2.sync.bytes_per_receiver == tp2.sync.total_bytes
-    assert (tp2.sync.servers_in_sequence, tp4.sync.servers_in_sequence) == (4, 2)
+    assert (tp2.sync.servers_per_link, tp4.sync.servers_per_link) == (4, 2)
     # The trainer (TP 1, PP 1) exports nothing: all of it is the pushes.
     assert export_seconds(tp2.sync.exported_bytes, 0.0, _spec("qwen3-1.7b", {}).actor.megatron, 8, hw) == 0
-    assert tp4.step_time.phases["weight_sync"] == pytest.approx(tp2.step_time.phases["weight_sync"] / 2, rel=1e-12)
-    assert sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, in_sequence=3) == \
-        pytest.approx(3 * one, rel=1e-12)
+    # The bytes through the link (at the fitted share of its 400 Gb/s), then the loads, the same for both.
+    loads = tp2.step_time.phases["weight_sync"] - tp2.sync.seconds / FITTED.link
+    assert loads > 0
+    assert tp4.step_time.phases["weight_sync"] == pytest.approx(tp4.sync.seconds / FITTED.link + loads, rel=1e-12)
+    assert tp2.sync.seconds == pytest.approx(2 * tp4.sync.seconds, rel=1e-12)
+    assert sync_seconds(8 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, per_link=3) == \
+        pytest.approx(3 * link_s + 8 * FITTED.bucket_s, rel=1e-12)
 
 
 def test_a_receiver_loads_each_checkpoint_tensor_and_deepseek_v3_has_nemo_rls_45395():

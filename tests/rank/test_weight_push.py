@@ -64,11 +64,10 @@ def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
 
 
 def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_others(tmp_path):
-    """Two trainer nodes, three servers: node 0's rank sends to servers 0 and 2, node 1's to server 1, each over a
-    weight-update group of its own, and the two senders' broadcasts overlap: server 1 takes its first bucket while
-    server 0 is still loading its own. One sender (tests/rollout/test_sglang.py) keeps the servers' turns apart.
-    Server 1 dies as its second bucket is announced: every rank's report names it (rank 0's goes to the driver), and
-    the other two hold every tensor whole. Rank 0 says who sends to whom."""
+    """Two trainer nodes, three servers: node 0's rank sends to servers 0 and 2, node 1's to server 1 (the only rank
+    that joins a group with it), each over a weight-update group of its own, and all three take the first bucket at
+    once. Server 1 dies as its second bucket is announced: every rank's report names it (rank 0's goes to the
+    driver), and the other two hold every tensor whole. Rank 0 says who sends to whom."""
     engines = [make_engine(tmp_path, **{"fake-load-s": LOAD_S, **({"fake-die-on-push": 2} if key == 1 else {})})
                for key in range(3)]
     try:
@@ -94,9 +93,8 @@ def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_ot
     buckets = {engine: [r for r in by_pid[pid_of[engine]] if r["path"] == "/update_weights_from_distributed"]
                for engine in range(3)}
     assert (len(buckets[0]), len(buckets[1]), len(buckets[2])) == (3, 1, 3)
-    # Server 1's first bucket began before server 0's ended: two senders at once.
-    assert buckets[1][0]["started"] < buckets[0][0]["ended"] and buckets[0][0]["started"] < buckets[1][0]["ended"]
-    # Node 0's own two servers still take their turns, one after the other.
-    assert all(first["ended"] <= then["started"] for first, then in zip(buckets[0], buckets[2]))
+    # Every server took the first bucket while the others were loading theirs: two senders at once, each to all its
+    # servers at once.
+    assert max(buckets[e][0]["started"] for e in range(3)) < min(buckets[e][0]["ended"] for e in range(3))
     assert [r["said"] for r in ranks] == [
         ["weight sync: engines 0, 2 from trainer rank 0 (127.0.0.1); engine 1 from trainer rank 1 (127.0.0.1)"], []]

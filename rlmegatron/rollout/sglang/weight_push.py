@@ -53,9 +53,10 @@ pause came (a router's health check) can keep it busy."""
 
 
 class DistributedWeightPush:
-    """Trainer side of disaggregated sync (run on one trainer rank): one process group per server, with this
-    process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
-    does; one bucketed pass over the weight stream, each bucket broadcast to every server in turn."""
+    """Trainer side of disaggregated sync (run on each sending trainer rank): one process group per server, with
+    this process as rank 0 and the server's TP ranks as 1..tp, built exactly as SGLang's `init_weights_update_group`
+    does; one bucketed pass over the weight stream, each bucket sent to all its servers at once (their transfers
+    share this rank's link, their loads overlap), the next bucket once every server has answered for it."""
 
     def __init__(self, bucket_bytes: int, travel_rules: Sequence[TravelRule] = (), timeout_s: float = 600.0,
                  by_records: bool = False) -> None:
@@ -159,30 +160,33 @@ class DistributedWeightPush:
 
     def _post(self, records: Iterable[list[NamedTensor]], version: str, keys: list[int], down: list[int]) -> None:
         posted = False
-        # A bucket in which nothing changed sends nothing; a push in which nothing did still sends one (empty)
-        # payload, which labels the server's weights with the new version.
-        for bucket_records in itertools.chain(records, [[]]):
-            if not bucket_records and posted:
-                continue
-            posted = True
-            payload = serialize_records(bucket_records)
-            for key in keys:
-                if key in down:
+        with ThreadPoolExecutor(max_workers=max(len(keys), 1)) as servers:
+            # A bucket in which nothing changed sends nothing; a push in which nothing did still sends one (empty)
+            # payload, which labels the server's weights with the new version.
+            for bucket_records in itertools.chain(records, [[]]):
+                if not bucket_records and posted:
                     continue
-                try:  # one payload per server TP rank, each its own copy of the bucket
-                    self.servers[key][0].update_weights_from_tensor([payload] * self.tp_sizes[key], version,
-                                                                    load_format=DELTA_LOADER)
-                except (ServerUnavailable, SGLangRequestError):
-                    down.append(key)
+                posted = True
+                payload = serialize_records(bucket_records)
+                # One payload per server TP rank, each its own copy of the bucket; every server's at once.
+                answers = {key: servers.submit(self.servers[key][0].update_weights_from_tensor,
+                                               [payload] * self.tp_sizes[key], version, load_format=DELTA_LOADER)
+                           for key in keys if key not in down}
+                for key, answer in answers.items():
+                    try:
+                        answer.result()
+                    except (ServerUnavailable, SGLangRequestError):
+                        down.append(key)
 
     def _broadcast(self, buckets: Iterable[FlattenedBucket], version: str, keys: list[int], down: list[int]) -> None:
         for bucket in buckets:
             pairs = bucket.named_tensors()
+            sending = {}
             for key in keys:
                 if key in down:
                     continue
                 client, group, process_group = self.servers[key]
-                announce = _in_thread(lambda: client.update_weights_from_distributed(
+                announce = _in_thread(lambda client=client, group=group: client.update_weights_from_distributed(
                     names=[name for name, _ in pairs],
                     dtypes=[str(tensor.dtype).removeprefix("torch.") for _, tensor in pairs],
                     shapes=[list(tensor.shape) for _, tensor in pairs],
@@ -190,9 +194,12 @@ class DistributedWeightPush:
                     weight_version=version,
                 ))
                 # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
-                # fails the push with its answer instead of leaving this rank in a broadcast for ever.
-                sent = [torch.distributed.broadcast(on_the_wire(tensor, group.backend), group_src=0,
-                                                    group=process_group, async_op=True) for _, tensor in pairs]
+                # fails the push with its answer instead of leaving this rank in a broadcast for ever; and every
+                # server takes the bucket at once, each on its own group.
+                sending[key] = announce, [torch.distributed.broadcast(on_the_wire(tensor, group.backend), group_src=0,
+                                                                      group=process_group, async_op=True)
+                                          for _, tensor in pairs]
+            for key, (announce, sent) in sending.items():
                 try:
                     announce.result()
                 except (ServerUnavailable, SGLangRequestError):
