@@ -395,9 +395,10 @@ def sync_seconds(bytes_per_receiver: float, colocated: bool, hw: Hardware, bucke
     `tensors` tensors (parameters.checkpoint_tensors; 0 prices the bytes alone), after or alongside the trainer's
     export (`export_s`, export_seconds). Disaggregated, `per_link` servers share a sender's link, each bucket sent to
     them at once (memory.WeightSync.servers_per_link; 1 where one broadcast reaches them all), each sent
-    `sent_per_server` bytes (None: bytes_per_receiver) over `transport.links` network links, their loads overlapping; colocated, each GPU's bytes cross into its
-    engine by CUDA IPC. `transport.pipelined`: the export, the transfer and the loads of successive buckets overlap,
-    so the slowest of the three sets the pace; else each follows the other."""
+    `sent_per_server` bytes (None: bytes_per_receiver) over `transport.links` network links, their loads overlapping;
+    colocated, each GPU's bytes cross into its engine by CUDA IPC. `transport.pipelined`: the export, the transfer and
+    the loads of successive buckets overlap, so the slowest of the three sets the pace; else each follows the
+    other."""
     load = ceil(bytes_per_receiver / bucket_bytes) * c.bucket_s + tensors * c.tensor_s
     if colocated:  # a copy reads and writes HBM
         moved = bytes_per_receiver / (hw.hbm_gb_per_s * 1e9 / 2 * c.ipc)
