@@ -17,8 +17,8 @@ from rlmegatron.config.spec import RolloutConfig
 from rlmegatron.driver.role_settings import server_spec
 from rlmegatron.rollout.buckets import travel_rules_for
 from rlmegatron.rollout.engine import GenerationRequest, SamplingSpec
-from rlmegatron.rollout.sglang.client import (RouterClient, SGLangClient, SGLangRequestError, parse_generate_response,
-                                              sampling_params)
+from rlmegatron.rollout.sglang.client import (RouterClient, SGLangClient, SGLangRequestError, ServerUnavailable,
+                                              parse_generate_response, sampling_params)
 from rlmegatron.rollout.sglang.engine import EngineRestarted, SGLangEngine
 from rlmegatron.rollout.sglang.protocol import DistributedGroupSpec
 from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
@@ -425,6 +425,63 @@ def test_a_server_that_dies_during_a_push_is_left_out_and_the_others_get_every_w
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_broadcast_that_fails_on_this_side_fails_the_push_only_once_the_other_servers_have_the_bucket(
+        tmp_path, monkeypatch):
+    """A failure no server's answer explains (here the broadcast to server 0 refuses to start) is raised, but only
+    after every other server of the bucket has received and loaded it: none is left mid-bucket when the push's
+    clean-up ends its session and lets it generate."""
+    from rlmegatron.rollout.sglang import weight_push
+
+    engines = [make_engine(tmp_path) for _ in range(2)]
+    try:
+        push = DistributedWeightPush(bucket_bytes=1 << 20, travel_rules=DEEPSEEK_TRAVEL_RULES)
+        for key, engine in enumerate(engines):
+            push.connect(key, engine.spec.url, engine.spec.tp_size,
+                         DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"sync_{key}", backend="gloo"))
+        failing = push.servers[0][2]
+        broadcast = torch.distributed.broadcast
+
+        def refusing(tensor, group_src, group, async_op):
+            if group is failing:
+                raise RuntimeError("the broadcast to server 0 could not start")
+            return broadcast(tensor, group_src=group_src, group=group, async_op=async_op)
+
+        monkeypatch.setattr(weight_push.torch.distributed, "broadcast", refusing)
+        with pytest.raises(RuntimeError, match="could not start"):
+            push.push(iter(weights()), "v3")
+        pushed = server_weights(engines[1])
+        assert pushed["version"] == "v3"  # its whole bucket (one: 1 MiB holds them all), loaded
+        assert pushed["weights"] == {name: digest(tensor) for name, tensor in weights()}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_an_answer_cut_off_mid_body_is_a_server_gone_not_a_crash():
+    """http.client's IncompleteRead is not an OSError: without its mapping it escaped every `except ServerUnavailable`
+    and failed the run where a server going away should be left out and restarted."""
+    import http.server
+    import threading
+
+    class CutOff(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"ok": ')  # then the connection closes, 93 bytes short
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CutOff)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    try:
+        with pytest.raises(ServerUnavailable, match="/get_model_info"):
+            SGLangClient(f"http://127.0.0.1:{server.server_port}")._call("GET", "/get_model_info")
+    finally:
+        server.server_close()
 
 
 def start_spanning_server(directory: Path, load_s: float = 0.0) -> tuple[list[ServerProcess], str]:

@@ -2,6 +2,7 @@
 front of several servers, and the parsing of their answers."""
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -60,6 +61,13 @@ def sampling_params(spec: SamplingSpec, seeded: bool = False) -> dict[str, Any]:
     return params
 
 
+def tensor_update_body(serialized_named_tensors: list[str], weight_version: str | None, flush_cache: bool = False,
+                       load_format: str = "flattened_bucket") -> bytes:
+    """The JSON body of `/update_weights_from_tensor`."""
+    return json.dumps({"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                       "flush_cache": flush_cache, "weight_version": weight_version}).encode()
+
+
 class SGLangClient:
     """Endpoints of `sglang/srt/entrypoints/http_server.py`, with field names from `managers/io_struct.py`."""
 
@@ -69,8 +77,10 @@ class SGLangClient:
         self.version: Version | None = None
         """The server's SGLang version, once `check_version` read it."""
 
-    def _call(self, method: str, path: str, payload: dict | None = None, timeout_s: float | None = None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
+    def _call(self, method: str, path: str, payload: dict | bytes | None = None, timeout_s: float | None = None
+              ) -> Any:
+        """`payload`: a JSON body, or one already encoded (bytes)."""
+        data = payload if payload is None or isinstance(payload, bytes) else json.dumps(payload).encode()
         request = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
@@ -82,7 +92,8 @@ class SGLangClient:
             if error.code >= 500:
                 raise ServerUnavailable(f"{path}: HTTP {error.code} {detail}") from error
             raise SGLangRequestError(f"{path}: HTTP {error.code} {detail}") from error
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as error:
+            # HTTPException: an answer cut off or malformed (IncompleteRead, BadStatusLine), the server going away
             raise ServerUnavailable(f"{path}: {error}") from error
         if not body:
             return None
@@ -91,7 +102,7 @@ class SGLangClient:
         except json.JSONDecodeError:
             return body.decode(errors="replace")
 
-    def _post_checked(self, path: str, payload: dict, timeout_s: float | None = None) -> dict:
+    def _post_checked(self, path: str, payload: dict | bytes, timeout_s: float | None = None) -> dict:
         answer = self._call("POST", path, payload, timeout_s)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise SGLangRequestError(f"{path} failed: {answer.get('message')}")
@@ -155,12 +166,12 @@ class SGLangClient:
     ) -> dict:
         """One payload per server TP rank; `load_format` flattened_bucket (`serialize_flattened_bucket`) or a custom
         weight loader the server was launched with (`serialize_records`)."""
-        return self._post_checked("/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors,
-            "load_format": load_format,
-            "flush_cache": flush_cache,
-            "weight_version": weight_version,
-        })
+        return self.post_tensor_update(tensor_update_body(serialized_named_tensors, weight_version, flush_cache,
+                                                          load_format))
+
+    def post_tensor_update(self, body: bytes) -> dict:
+        """/update_weights_from_tensor with a body `tensor_update_body` encoded (once for every server it goes to)."""
+        return self._post_checked("/update_weights_from_tensor", body)
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str]:
         """The local engine's server only (rollout/local_server.py): the checksum of each weight named."""

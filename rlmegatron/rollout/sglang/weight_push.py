@@ -13,7 +13,7 @@ import torch
 from rlmegatron.rollout.buckets import Bucketer, FlattenedBucket, NamedTensor, TravelRule
 from rlmegatron.rollout.delta import LOADER as DELTA_LOADER
 from rlmegatron.rollout.engine import WeightStream
-from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable
+from rlmegatron.rollout.sglang.client import SGLangClient, SGLangRequestError, ServerUnavailable, tensor_update_body
 from rlmegatron.rollout.sglang.protocol import (
     DistributedGroupSpec,
     init_custom_process_group,
@@ -168,9 +168,11 @@ class DistributedWeightPush:
                     continue
                 posted = True
                 payload = serialize_records(bucket_records)
-                # One payload per server TP rank, each its own copy of the bucket; every server's at once.
-                answers = {key: servers.submit(self.servers[key][0].update_weights_from_tensor,
-                                               [payload] * self.tp_sizes[key], version, load_format=DELTA_LOADER)
+                # One payload per server TP rank, each its own copy of the bucket; every server's at once, one body
+                # for all servers of a TP size (the bodies are the bucket's size times the TP).
+                bodies = {tp: tensor_update_body([payload] * tp, version, load_format=DELTA_LOADER)
+                          for tp in {self.tp_sizes[key] for key in keys if key not in down}}
+                answers = {key: servers.submit(self.servers[key][0].post_tensor_update, bodies[self.tp_sizes[key]])
                            for key in keys if key not in down}
                 for key, answer in answers.items():
                     try:
@@ -182,6 +184,7 @@ class DistributedWeightPush:
         for bucket in buckets:
             pairs = bucket.named_tensors()
             sending = {}
+            failure: BaseException | None = None  # what no server's answer explains: raised once every server settled
             for key in keys:
                 if key in down:
                     continue
@@ -196,17 +199,27 @@ class DistributedWeightPush:
                 # Queued, not waited on one by one: a server that refuses the announcement (and so never joins)
                 # fails the push with its answer instead of leaving this rank in a broadcast for ever; and every
                 # server takes the bucket at once, each on its own group.
-                sending[key] = announce, [torch.distributed.broadcast(on_the_wire(tensor, group.backend), group_src=0,
-                                                                      group=process_group, async_op=True)
-                                          for _, tensor in pairs]
+                try:
+                    sending[key] = announce, [torch.distributed.broadcast(on_the_wire(tensor, group.backend),
+                                                                          group_src=0, group=process_group,
+                                                                          async_op=True) for _, tensor in pairs]
+                except Exception as error:  # noqa: BLE001 - re-raised below, once the others have the bucket
+                    down.append(key)
+                    failure = failure or error
             for key, (announce, sent) in sending.items():
                 try:
                     announce.result()
                 except (ServerUnavailable, SGLangRequestError):
                     down.append(key)  # its broadcasts go with its group, which is never used again
                     continue
-                for work in sent:
-                    work.wait()
+                try:
+                    for work in sent:
+                        work.wait()
+                except Exception as error:  # noqa: BLE001 - as above
+                    down.append(key)
+                    failure = failure or error
+            if failure is not None:
+                raise failure
 
 
 def _in_thread(call: Callable[[], Any]) -> Future:
