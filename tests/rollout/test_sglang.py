@@ -264,7 +264,9 @@ def test_without_partial_rollout_a_push_waits_for_the_samples_in_flight_and_hold
             in_flight = pool.submit(engine.generate, request)
             wait_for_tokens(engine, 3)
             engine.pause_generation()  # returns once the sample in flight is done
-            assert in_flight.done()
+            # Its answer came (the generation thread may still be assembling it): a sample the pause held instead
+            # would wait for continue_generation, past this timeout.
+            in_flight.result(timeout=5)
             tokens = SGLangClient(engine.spec.url)._call("GET", "/fake/progress")["tokens"]
             during = pool.submit(engine.generate, request)
             time.sleep(0.5)
