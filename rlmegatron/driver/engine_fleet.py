@@ -5,8 +5,8 @@ The engines live in one of two places (`EngineBackend`). In the trainer ranks (`
 in-process engine per rank (`rollout.engine=local`) or one SGLang server per `rollout.tensor_parallel_size` ranks, led
 by the group's first rank (rank.colocated_engine); weights move through shared memory or CUDA IPC. On a rollout pool
 of their own (`OnRolloutPool`, disaggregated): SGLang servers each supervised by an `EngineHost` there
-(pool.engine_host); the first trainer rank of each node broadcasts the weights to its share of them over NCCL (gloo
-on CPU, or to a server on the sender's own GPU), every node at once (rank.weight_push.sending_ranks).
+(pool.engine_host); every trainer rank broadcasts the weights to its share of them over NCCL (gloo on CPU, or to a
+server on the sender's own GPU), all at once (rank.weight_push.sending_ranks).
 
 Recovery, all of it here: an engine whose server failed restarts itself inside its next generation and answers None
 (it holds no weights); the fleet relaunches it where that takes more (the other nodes of its server, its weight-update

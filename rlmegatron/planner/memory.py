@@ -106,7 +106,7 @@ class WeightSync:
     """What one refit moves and how: as this project's push moves it (memory.weight_sync; `transport` can describe
     another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every
     tensor whole, whatever the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
-    each (the local engine is TP 1). Disaggregated, the first trainer rank of each trainer node pushes to its share
+    each (the local engine is TP 1). Disaggregated, every trainer rank (with delta sync, the first of each node) pushes to its share
     of the servers (rank/weight_push.sending_ranks), all such ranks at once, each over its node's link, and each
     bucket to all its servers at once (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: their
     transfers share the link, their loads overlap); colocated, every GPU takes its bytes at once from the trainer
@@ -117,8 +117,9 @@ class WeightSync:
     """What each engine GPU receives in a step: the whole policy (with delta sync, the share a step sends on
     average)."""
     servers_per_link: int
-    """How many servers' bytes cross one sender's link: disaggregated, the engines over the trainer's nodes (each
-    node's first rank sends to its share), rounded up; colocated, 1."""
+    """How many servers' bytes cross one sender's link: disaggregated, the engines over the trainer's GPUs (each
+    trainer rank sends to its share over its GPU's link; with delta sync, over its nodes: the first rank of each
+    node sends), rounded up; colocated, 1."""
     sent_per_server: float
     """What crosses the trainer's link to one disaggregated server: bytes_per_receiver, broadcast once to its ranks;
     with delta sync, its records go in the request body as base64 (4/3 of their bytes), one copy per TP rank
@@ -478,8 +479,9 @@ def weight_sync(spec: JobSpec, params: ParameterCount, link_gbps: float) -> Weig
     # The export runs in model.dtype, before any cast to the rollout's.
     exported = (params.total - frozen_vision + (params.mtp_total / len(params.mtp) if mtp else 0)) * weight_bytes
     tp, colocated = spec.rollout.tensor_parallel_size, spec.placement.mode == "colocate"
-    # Disaggregated, one sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers.
-    per_link = 1 if colocated else ceil(engine_count(spec) / spec.placement.nnodes)
+    # Disaggregated, every trainer rank sends (delta: one per node; rank/weight_push.sending_ranks), each to its share.
+    senders = spec.placement.nnodes if ratio is not None else spec.placement.trainer_world_size
+    per_link = 1 if colocated else ceil(engine_count(spec) / senders)
     sent = per_receiver * (tp * 4 / 3 if ratio is not None and not colocated else 1.0)
     return WeightSync(
         total_bytes=total, bytes_per_receiver=per_receiver, servers_per_link=per_link, sent_per_server=sent,

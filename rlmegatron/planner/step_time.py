@@ -33,14 +33,14 @@ Formulas and their sources:
   is a collective of its own), plus `tensor_s` per tensor (parameters.checkpoint_tensors: every HF tensor, each
   routed expert's three apart): the work done tensor by tensor whatever its size (the engine's load_weights
   dispatches, slices and copies each; a sender that gathers each does as much). Disaggregated, over the network from
-  the first trainer rank of each trainer node, all at once, each its node's only rank in its servers' groups (one link
-  each), each bucket to all of its share of the servers at once (`DistributedWeightPush._broadcast`: announce it to
-  each over HTTP, broadcast it over each server's group, wait for every answer, which comes after the load), so the
-  bytes cross a sender's link once per server it sends to (WeightSync.servers_per_link) and the loads overlap; the
-  next bucket waits for them all; colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the HBM
-  bandwidth (a copy reads and writes; `share_buckets`). The export, the bytes and the loads follow one another.
-  Another framework's refit is priced by its memory.Transport: a broadcast that spreads over every link of a node, an
-  export that overlaps the transfer and the loads (benchmarks/step_time_calibration.py prices NeMo-RL's so).
+  every trainer rank (with delta sync, the first of each node), all at once, each over its GPU's own link, each bucket
+  to all of its share of the servers at once (`DistributedWeightPush._broadcast`: announce it to each over HTTP,
+  broadcast it over each server's group, wait for every answer, which comes after the load), so the bytes cross a
+  sender's link once per server it sends to (WeightSync.servers_per_link) and the loads overlap; the next bucket waits
+  for them all; colocated, every GPU at once, into the engine by CUDA IPC at `ipc` of half the HBM bandwidth (a copy
+  reads and writes; `share_buckets`). The export, the bytes and the loads follow one another. Another framework's
+  refit is priced by its memory.Transport: a broadcast that spreads over every link of a node, an export that overlaps
+  the transfer and the loads (benchmarks/step_time_calibration.py prices NeMo-RL's so).
 - Delta weight sync sends the measured share of those bytes (planner/memory.delta_sent_ratio) and adds the host's
   work on the whole policy at DELTA_HOST_GB_PER_S; disaggregated, its records travel in request bodies, base64, a
   copy per TP rank of each server (memory.WeightSync.sent_per_server).
@@ -467,7 +467,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{megatron.pipeline_model_parallel_size} pipeline stages, then the TP/EP all-gathers), then "
         + ("the bytes and the loads" if colocated else
            f"the bytes of {sync.servers_per_link} server(s) through one link, then their loads, at once (each "
-           f"trainer node's first rank pushes to its share of the servers, every bucket to all of them)"),
+           f"trainer rank pushes to its share of the servers, every bucket to all of them)"),
         *([f"speculative decoding: {drafts} MTP drafts per step, each accepted with probability {SPEC_ACCEPTANCE:g} "
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "

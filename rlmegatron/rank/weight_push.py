@@ -1,17 +1,18 @@
 """The weight push inside a trainer rank: the actor's weights, streamed from its layout as HF-named full tensors
 (collective: every rank walks the whole stream), to the rollout engines after each update.
 
-Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: the first
-trainer rank of each node pushes to its share of the servers (`sending_ranks`), all of them at once, each bucket
-broadcast over a weight-update group per server (NCCL; gloo on CPU, or where the server shares the sender's GPU:
-`servers.weight_group_backend`); the other ranks let the stream pass. Every rank's export holds every tensor whole,
-so any rank can send, and one on each node sends over that node's own network link: with one sender, a push to n
-servers takes n times one server's, through one link.
+Colocated: into this rank's part of its engine (shared memory, or CUDA IPC for SGLang). Disaggregated: every trainer
+rank pushes to its share of the servers (`sending_ranks`, `assign_senders`; with delta sync, the first rank of each
+node), all at once, each bucket broadcast over a weight-update group per server (NCCL; gloo on CPU, or where the
+server shares the sender's GPU: `servers.weight_group_backend`); a rank with no server lets the stream pass. Every
+rank's export holds every tensor whole, so any rank can send, each over its GPU's own network link: with one
+sender, n servers' bytes would share one link.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import shutil
 import sys
@@ -39,24 +40,27 @@ from rlmegatron.runtime.node import node_address, node_id
 from rlmegatron.errors import UserError, WeightSyncMismatch
 
 
-def sending_ranks(nodes: list[str]) -> list[int]:
-    """Of ranks on `nodes` (each rank's node, in rank order), those that push to disaggregated servers: the first on
-    each node, in rank order."""
-    first: dict[str, int] = {}
+def sending_ranks(nodes: list[str], per_node: Optional[int] = None) -> list[int]:
+    """Of ranks on `nodes` (each rank's node, in rank order), those that push to disaggregated servers, in the order
+    they take them: the first rank of every node, then the second of every node, and so on, so that servers spread
+    over the nodes first; at most `per_node` of each node (None: all: each GPU's rank sends over its own network
+    link, one per GPU in a DGX-like node)."""
+    by_node: dict[str, list[int]] = {}
     for rank, node in enumerate(nodes):
-        first.setdefault(node, rank)
-    return list(first.values())
+        by_node.setdefault(node, []).append(rank)
+    columns = itertools.zip_longest(*(ranks[:per_node] for ranks in by_node.values()))
+    return [rank for column in columns for rank in column if rank is not None]
 
 
 def assign_senders(engines: list[int], senders: list[int], assigned: dict[int, int]) -> None:
     """Gives each of `engines` not in `assigned` (engine -> sending rank) the sender with the fewest engines, the
-    lowest rank on a tie; an engine that has one keeps it (a restarted server). Every rank is given the same engines
-    in the same order, so every rank builds the same table without asking; a pool that grows and shrinks stays
-    spread over the senders."""
+    first in `senders`' order on a tie; an engine that has one keeps it (a restarted server). Every rank is given
+    the same engines in the same order, so every rank builds the same table without asking; a pool that grows and
+    shrinks stays spread over the senders."""
     for engine in engines:
         if engine not in assigned:
             load = collections.Counter(assigned.values())
-            assigned[engine] = min(senders, key=lambda sender: (load[sender], sender))
+            assigned[engine] = min(senders, key=lambda sender: load[sender])  # the first of the least loaded
 
 
 class FP8OverGloo(UserError):
@@ -115,7 +119,8 @@ class WeightPush:
         if self.senders is None:
             places: list = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(places, (node_id(), node_address()))
-            ranks = sending_ranks([node for node, _ in places])
+            # Delta sync keeps a host copy of the policy in each sender (rollout/delta.py): one per node, not per GPU.
+            ranks = sending_ranks([node for node, _ in places], per_node=1 if self.delta is not None else None)
             self.senders = [(sender, places[sender][1]) for sender in ranks]
         assign_senders([engine for engine, _, _ in endpoints], [sender for sender, _ in self.senders], self.sender_of)
         if rank == 0:
@@ -127,8 +132,7 @@ class WeightPush:
             print("weight sync: " + "; ".join(
                 f"engine{'s' * (len(engines) > 1)} {', '.join(map(str, engines))} from trainer rank {sender} "
                 f"({addresses[sender]})" for sender, engines in sorted(by_sender.items())), file=sys.stderr, flush=True)
-        if self.distributed is None and rank in dict(self.senders):
-            # Every sender has one, servers or none yet: rank 0's report of the bytes comes from its walk in push().
+        if self.distributed is None and rank in dict(self.senders):  # rank 0 is always one: it counts delta's bytes
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
                                                      by_records=self.delta is not None)
         mine = [endpoint for endpoint in endpoints if self.sender_of[endpoint[0]] == rank]
@@ -200,12 +204,12 @@ class WeightPush:
         if self.senders is not None:  # disaggregated: each sender to its own servers among `engines`
             rank = torch.distributed.get_rank()
             down: list[int] = []
-            if self.distributed is not None:
+            mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
+            if mine or (rank == 0 and self.delta is not None):  # rank 0 counts delta's bytes from its records
                 as_records = None if self.delta is None else \
                     (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
-                mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
                 down = self.distributed.push(stream, version, only=mine, as_records=as_records)
-            else:
+            else:  # no bucket buffer on a rank that sends to no server this time
                 collections.deque(stream, maxlen=0)
             # Every sender's left-out servers, on every rank; and every push has ended before rank 0 checks the
             # servers' weights or has them load an adapter.

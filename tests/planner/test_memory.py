@@ -207,7 +207,8 @@ def test_delta_sync_plans_the_measured_share_of_a_full_push():
                      rollout={"weight_sync": "delta", **tp2}, actor={"optim": {"lr": lr}})
         delta = _plan(spec)
         assert delta.sync.bytes_per_receiver == pytest.approx(full.sync.bytes_per_receiver * ratio)
-        assert delta.sync.servers_per_link == full.sync.servers_per_link == 4  # 4 TP-2 engines, one link
+        # 4 TP-2 engines: a full push from each of the node's 8 ranks (one each), delta records from its first alone
+        assert (full.sync.servers_per_link, delta.sync.servers_per_link) == (1, 4)
         # The records go in each server's request body, base64, one copy per TP rank (weight_push._post).
         assert delta.sync.sent_per_server == pytest.approx(delta.sync.bytes_per_receiver * 2 * 4 / 3)
         # The push of those bytes (their own buckets, each with its latency) and the host's work on the whole policy
@@ -347,18 +348,23 @@ def test_fp8_rollout_holds_and_syncs_the_projections_in_a_byte_and_a_scale_per_b
     assert quantised.engine.kv_bytes_per_token == plain.engine.kv_bytes_per_token  # the KV cache stays bf16
 
 
-def test_a_disaggregated_push_goes_from_every_trainer_node_at_once():
-    """One sender per trainer node (rank/weight_push.sending_ranks), each to its share of the servers through its own
-    link: 6 TP-1 engines share one link from one trainer node, 3 from two, 2 from four (rounded up), 1 from eight;
-    the bytes' seconds and the step's weight_sync shrink by as much, the bytes each receiver gets do not."""
+def test_a_disaggregated_push_goes_from_every_trainer_gpu_at_once():
+    """Every trainer rank sends (rank/weight_push.sending_ranks), each to its share of the servers through its GPU's
+    own link: 6 TP-1 engines share one link from one trainer GPU, 3 from two, 2 from four (rounded up), 1 from
+    eight; the bytes' seconds and the step's weight_sync shrink by as much, the bytes each receiver gets do not.
+    Delta sync sends from one rank per node (its host copy of the policy), so its engines share that node's link."""
     disaggregated = {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 6}
-    plans = {nodes: _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": nodes, "gpus_per_node": 1, **disaggregated}))
-             for nodes in (1, 2, 4, 8)}
-    assert {nodes: plan.sync.servers_per_link for nodes, plan in plans.items()} == {1: 6, 2: 3, 4: 2, 8: 1}
+    plans = {gpus: _plan(_spec("qwen3-1.7b", {}, placement={"nnodes": gpus, "gpus_per_node": 1, **disaggregated}))
+             for gpus in (1, 2, 4, 8)}
+    assert {gpus: plan.sync.servers_per_link for gpus, plan in plans.items()} == {1: 6, 2: 3, 4: 2, 8: 1}
     one = plans[1].sync
     for plan in plans.values():
         assert plan.sync.bytes_per_receiver == one.bytes_per_receiver
         assert plan.sync.seconds == pytest.approx(one.seconds * plan.sync.servers_per_link / 6, rel=1e-12)
-    weight_sync = {nodes: plan.step_time.phases["weight_sync"] for nodes, plan in plans.items()}
+    weight_sync = {gpus: plan.step_time.phases["weight_sync"] for gpus, plan in plans.items()}
     assert weight_sync[1] > weight_sync[2] > weight_sync[4] > weight_sync[8]
     assert weight_sync[2] - weight_sync[8] == pytest.approx(2 * (one.seconds / 6) / FITTED.link, rel=1e-9)
+    # One node of eight GPUs: eight links, as eight nodes of one; delta sync, one link for the node.
+    node = {"nnodes": 1, "gpus_per_node": 8, **disaggregated}
+    assert _plan(_spec("qwen3-1.7b", {}, placement=node)).sync.servers_per_link == 1
+    assert _plan(_spec("qwen3-1.7b", {}, placement=node, rollout={"weight_sync": "delta"})).sync.servers_per_link == 6

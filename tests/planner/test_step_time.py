@@ -278,7 +278,7 @@ def test_a_refit_takes_the_bytes_of_a_links_servers_then_their_loads_at_once():
     # Disaggregated, a sender's servers share its link, each bucket to all of them at once: the same bytes reach a GPU
     # of a TP-4 engine as of a TP-2 one (whole tensors), 8 rollout GPUs hold half as many TP-4 servers, so half as
     # many bytes cross the link; the servers' loads overlap, once whatever their number.
-    spec = {"placement": {"mode": "disaggregate", "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
+    spec = {"placement": {"mode": "disaggregate", "gpus_per_node": 1, "rollout_nnodes": 1, "rollout_gpus_per_node": 8}}
     tp2 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 2}, **spec))
     tp4 = _plan(_spec("qwen3-1.7b", {}, rollout={"tensor_parallel_size": 4}, **spec))
     assert tp4.sync.bytes_per_receiver == tp2.sync.bytes_per_receiver == tp2.sync.total_bytes

@@ -1,7 +1,6 @@
-"""The disaggregated push from trainer ranks on several nodes: the first rank of each node sends to its share of the
-servers, all senders at once (rank/weight_push.sending_ranks), against the loopback SGLang stand-in. Node identity
-is the only thing faked: each rank plays a node of its own on this machine (tests/launch/test_local_cluster.py runs
-it on real Ray nodes)."""
+"""The disaggregated push from trainer ranks on several nodes: every rank sends to its share of the servers, all at
+once (rank/weight_push.sending_ranks), against the loopback SGLang stand-in. Node identity is the only thing faked:
+each rank plays a node of its own on this machine (tests/launch/test_local_cluster.py runs it on real Ray nodes)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +25,11 @@ def weights() -> list[tuple[str, torch.Tensor]]:
     return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 512, generator=generator)) for i in range(3)]
 
 
-def test_the_first_rank_of_each_node_sends_and_engines_spread_over_the_senders_as_the_pool_changes():
-    assert sending_ranks(["a", "a", "b", "b", "c", "a"]) == [0, 2, 4]
-    assert sending_ranks(["a"] * 8) == [0]  # one node: rank 0 sends to every server, as before
+def test_every_rank_sends_the_nodes_first_and_engines_spread_over_the_senders_as_the_pool_changes():
+    nodes = ["a", "a", "b", "b", "c", "a"]
+    assert sending_ranks(nodes) == [0, 2, 4, 1, 3, 5]  # the first of every node, then the second of every node...
+    assert sending_ranks(nodes, per_node=1) == [0, 2, 4]  # delta sync: one per node
+    assert sending_ranks(["a"] * 4) == [0, 1, 2, 3] and sending_ranks(["a"] * 4, per_node=1) == [0]
     assigned: dict[int, int] = {}
     assign_senders([0, 1, 2, 3], [0, 2, 4], assigned)
     assert assigned == {0: 0, 1: 2, 2: 4, 3: 0}
@@ -38,6 +39,10 @@ def test_the_first_rank_of_each_node_sends_and_engines_spread_over_the_senders_a
     assert assigned == {0: 0, 1: 2, 4: 4, 5: 0}
     assign_senders([1], [0, 2, 4], assigned)  # a restarted server keeps its sender
     assert assigned[1] == 2
+    # Two nodes of two ranks, four engines: one per rank, the nodes' first ranks first.
+    assigned = {}
+    assign_senders([0, 1, 2, 3], sending_ranks(["a", "a", "b", "b"]), assigned)
+    assert assigned == {0: 0, 1: 2, 2: 1, 3: 3}
 
 
 def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:

@@ -441,7 +441,7 @@ def test_a_broadcast_that_fails_on_this_side_fails_the_push_only_once_the_other_
         push = DistributedWeightPush(bucket_bytes=1 << 20, travel_rules=DEEPSEEK_TRAVEL_RULES)
         for key, engine in enumerate(engines):
             push.connect(key, engine.spec.url, engine.spec.tp_size,
-                         DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"sync_{key}", backend="gloo"))
+                         DistributedGroupSpec("127.0.0.1", free_port(), group_name=f"refused_{key}", backend="gloo"))
         failing = push.servers[0][2]
         broadcast = torch.distributed.broadcast
 

@@ -1,6 +1,6 @@
 """Weight pushes into SGLang servers: colocated, each trainer rank shares its copy of every bucket (shared memory or CUDA
-IPC) with the server rank on its GPU; disaggregated, a sending trainer rank (the first of its node:
-rank/weight_push.sending_ranks) broadcasts each bucket over a weight-update group of each of its servers."""
+IPC) with the server rank on its GPU; disaggregated, each trainer rank (rank/weight_push.sending_ranks)
+broadcasts each bucket over a weight-update group of each of its servers."""
 from __future__ import annotations
 
 import contextlib
