@@ -106,9 +106,9 @@ class WeightSync:
     """What one refit moves and how: as this project's push moves it (memory.weight_sync; `transport` can describe
     another framework's, as benchmarks/step_time_calibration.py does NeMo-RL's). Every engine GPU receives every
     tensor whole, whatever the engine's TP: the push sends HF tensors as the export streams them and SGLang's loader slices its share out of
-    each (the local engine is TP 1). Disaggregated, every trainer rank (with delta sync, the first of each node) pushes to its share
-    of the servers (rank/weight_push.sending_ranks), all such ranks at once, each over its node's link, and each
-    bucket to all its servers at once (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: their
+    each (the local engine is TP 1). Disaggregated, every trainer rank (with delta sync, the first of each node)
+    pushes to its share of the servers (rank/weight_push.sending_ranks), all at once, each over its GPU's link, and
+    each bucket to all its servers at once (rollout/sglang/weight_push.py, `DistributedWeightPush._broadcast`: their
     transfers share the link, their loads overlap); colocated, every GPU takes its bytes at once from the trainer
     rank on it (`share_buckets`)."""
 
