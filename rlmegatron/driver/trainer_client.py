@@ -73,7 +73,7 @@ class TrainerClient:
 
     def connect_engines(self, endpoints: list[tuple[int, str, ServerDevices]]) -> None:
         """Disaggregated: each (engine, url, its TP ranks' devices) server joins a weight-update group with its sending
-        rank (the first trainer rank of one of the nodes)."""
+        trainer rank (rank.weight_push.assign_senders)."""
         self.group.call_all(PolicyRank.connect_engines, endpoints)
 
     def disconnect_engines(self, engines: list[int]) -> None:

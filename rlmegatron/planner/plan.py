@@ -330,7 +330,7 @@ def render_plan(spec: JobSpec, plan: Plan) -> str:
         + (f", linear-attention states {_gb(engine.recurrent_states)}" if engine.recurrent_states else ""),
         f"weight sync: {_gb(sync.total_bytes)} in all, {_gb(sync.bytes_per_receiver)} to each engine GPU (whole "
         f"tensors, whatever the engine's TP), "
-        + (f"{sync.servers_per_link} servers' bytes through each trainer node's link, "
+        + (f"{sync.servers_per_link} servers' bytes through each sender's link, "
            if sync.servers_per_link > 1 else "")
         + f"~{sync.seconds:.2f} s of bytes at {sync.link_gbps:g} Gb/s (--link-gbps)"
         + ("" if sync.delta_ratio is None else

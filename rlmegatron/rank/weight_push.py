@@ -63,6 +63,10 @@ def assign_senders(engines: list[int], senders: list[int], assigned: dict[int, i
             assigned[engine] = min(senders, key=lambda sender: load[sender])  # the first of the least loaded
 
 
+class WeightPushFailed(RuntimeError):
+    """Another trainer rank's disaggregated push failed (raised on every rank, that one with its own error)."""
+
+
 class FP8OverGloo(UserError):
     """rollout.quantization=fp8 where a push to SGLang would travel over gloo."""
 
@@ -205,17 +209,28 @@ class WeightPush:
             rank = torch.distributed.get_rank()
             down: list[int] = []
             mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
-            if mine or (rank == 0 and self.delta is not None):  # rank 0 counts delta's bytes from its records
-                as_records = None if self.delta is None else \
-                    (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
-                down = self.distributed.push(stream, version, only=mine, as_records=as_records)
-            else:  # no bucket buffer on a rank that sends to no server this time
+            failure: Optional[BaseException] = None
+            try:
+                if mine or (rank == 0 and self.delta is not None):  # rank 0 counts delta's bytes from its records
+                    as_records = None if self.delta is None else \
+                        (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
+                    down = self.distributed.push(stream, version, only=mine, as_records=as_records)
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                failure = error
+            # The rest of the stream (all of it on a rank that sends to no server this time, with no bucket buffer):
+            # the export is collective, so a rank whose push failed still walks it for the others.
+            with contextlib.suppress(Exception) if failure is not None else contextlib.nullcontext():
                 collections.deque(stream, maxlen=0)
-            # Every sender's left-out servers, on every rank; and every push has ended before rank 0 checks the
-            # servers' weights or has them load an adapter.
+            # Every sender's left-out servers and failures, on every rank; and every push has ended before rank 0
+            # checks the servers' weights or has them load an adapter.
             everyone: list = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, down)
-            return sorted({engine for went in everyone for engine in went})
+            torch.distributed.all_gather_object(everyone, (down, None if failure is None else repr(failure)))
+            if failure is not None:
+                raise failure
+            failed = [(sender, why) for sender, (_, why) in enumerate(everyone) if why is not None]
+            if failed:
+                raise WeightPushFailed(f"the weight push failed on trainer rank {failed[0][0]}: {failed[0][1]}")
+            return sorted({engine for went, _ in everyone for engine in went})
         if self.engine is not None and self.delta is not None and self.engine.takes(engines):
             buckets = Bucketer(self.settings.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(stream)
             self.engine.receive_records(iter_records(buckets, self.delta, report.full, report.bytes), version)

@@ -1,6 +1,6 @@
 """The local engine in a process of its own, behind the part of SGLang's HTTP API rlmegatron uses: what lets
 `rollout.engine=local` run disaggregated (placement.mode=disaggregate), on CPU too, with every piece of the
-disaggregated path (a supervised server, weights broadcast from trainer rank 0 over a weight-update group, pause and
+disaggregated path (a supervised server, weights broadcast from a trainer rank over a weight-update group, pause and
 continue for partial rollout) the same as with SGLang.
 
     python -m rlmegatron.rollout.local_server --model-path DIR --host H --port P [--dtype bfloat16] [--device cpu]

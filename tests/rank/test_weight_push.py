@@ -68,6 +68,38 @@ def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
             "said": said.getvalue().splitlines()}
 
 
+def _push_with_rank_1_failing(urls: list[str], run_dir: str) -> str:
+    """As `_push_as_node_of_rank`, rank 1's push failing after its first bucket: what each rank's push raised."""
+    from rlmegatron.rollout.sglang.weight_push import DistributedWeightPush
+
+    if torch.distributed.get_rank() == 1:
+        def failing(self, buckets, version, keys, down):
+            next(iter(buckets))
+            raise RuntimeError("rank 1's push failed after its first bucket")
+
+        DistributedWeightPush._broadcast = failing
+    try:
+        _push_as_node_of_rank(urls, run_dir)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_sender_that_fails_fails_the_push_on_every_rank_in_one_line_instead_of_leaving_them_waiting(tmp_path):
+    """Rank 1's push raises mid-stream: it still walks the rest of the export with the others, and every rank raises
+    (rank 1 its own error, the others one naming rank 1) where they used to wait in the next collective until its
+    timeout."""
+    engines = [make_engine(tmp_path) for _ in range(2)]
+    try:
+        urls = [engine.spec.url for engine in engines]
+        raised = run_ranks(_push_with_rank_1_failing, 2, urls, str(tmp_path), timeout_s=120)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    assert raised == ["WeightPushFailed: the weight push failed on trainer rank 1: RuntimeError(\"rank 1's push failed "
+                      "after its first bucket\")", "RuntimeError: rank 1's push failed after its first bucket"]
+
+
 def test_each_node_pushes_to_its_share_of_the_servers_at_the_same_time_as_the_others(tmp_path):
     """Two trainer nodes, three servers: node 0's rank sends to servers 0 and 2, node 1's to server 1 (the only rank
     that joins a group with it), each over a weight-update group of its own, and all three take the first bucket at
