@@ -63,6 +63,21 @@ def assign_senders(engines: list[int], senders: list[int], assigned: dict[int, i
             assigned[engine] = min(senders, key=lambda sender: load[sender])  # the first of the least loaded
 
 
+def clashing_ports(picks: list[tuple[str, list[int]]]) -> dict[int, set[int]]:
+    """Of each rank's (node, ports it drew), in rank order, the ports a rank must draw again: one that a lower rank
+    of its node (or the rank itself, for another engine) drew first. free_port's draws clash about once in 12,000
+    per pair; two weight-update groups on one port would meet in one store."""
+    seen: dict[str, set[int]] = {}
+    again: dict[int, set[int]] = {}
+    for rank, (node, ports) in enumerate(picks):
+        taken = seen.setdefault(node, set())
+        for port in ports:
+            if port in taken:
+                again.setdefault(rank, set()).add(port)
+            taken.add(port)
+    return again
+
+
 class WeightPushFailed(RuntimeError):
     """Another trainer rank's disaggregated push failed (raised on every rank, that one with its own error)."""
 
@@ -140,9 +155,10 @@ class WeightPush:
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
                                                      by_records=self.delta is not None)
         mine = [endpoint for endpoint in endpoints if self.sender_of[endpoint[0]] == rank]
+        ports = self._ports([engine for engine, _, _ in mine])
         address = node_address()  # this sender's node, which every server's node reaches
         for engine, url, devices in mine:
-            port = free_port("")
+            port = ports[engine]
             backend = weight_group_backend(self.settings.device, devices)
             if backend == "gloo" and self.settings.weight_format is not None and self.settings.engine == "sglang" \
                     and self.delta is None:  # delta records travel in request bodies, not over the group
@@ -154,6 +170,21 @@ class WeightPush:
                                   "rollout.quantization=none")
             group = DistributedGroupSpec(address, port, f"rlmegatron_sync_{engine}_{port}", backend)
             self.distributed.connect(engine, url, len(devices), group)
+
+    def _ports(self, engines: list[int]) -> dict[int, int]:
+        """A port for each of `engines`' weight-update groups, none drawn by another sender of this node
+        (collective: the senders of a node draw at once)."""
+        ports = {engine: free_port("") for engine in engines}
+        node = node_id()
+        while True:
+            picks: list = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(picks, (node, list(ports.values())))
+            again = clashing_ports(picks)
+            if not again:
+                return ports
+            for engine, port in list(ports.items()):
+                if port in again.get(torch.distributed.get_rank(), ()):
+                    ports[engine] = free_port("")
 
     def disconnect(self, engines: list[int]) -> None:
         """`engines` left the pool: their senders forget them and their weight-update groups."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlmegatron.rank.weight_push import assign_senders, sending_ranks
+from rlmegatron.rank.weight_push import assign_senders, clashing_ports, sending_ranks
 from rlmegatron.rollout.sglang.client import SGLangClient
 from rlmegatron.transport.local_ranks import run_ranks
 from tests.rollout.test_sglang import digest, make_engine
@@ -23,6 +23,34 @@ def weights() -> list[tuple[str, torch.Tensor]]:
     """Three tensors of 1 MiB: three buckets of rollout.update_weights_bucket_mb=1."""
     generator = torch.Generator().manual_seed(0)
     return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(512, 512, generator=generator)) for i in range(3)]
+
+
+def test_two_senders_of_a_node_never_keep_one_port():
+    assert clashing_ports([("a", [5000, 5001]), ("b", [5000]), ("a", [5001, 5002]), ("a", [5003, 5003])]) == \
+        {2: {5001}, 3: {5003}}
+    assert clashing_ports([("a", [5000]), ("b", [5000])]) == {}
+
+
+def test_two_ranks_of_one_node_that_draw_one_port_draw_again_and_both_push(tmp_path):
+    """Both ranks of one node send (to one server each) and draw the same port for their groups: rank 1 draws again,
+    and each server holds every tensor whole from its own group."""
+    from rlmegatron.runtime.distributed import free_port
+
+    (tmp_path / "port").write_text(str(free_port("")))
+    engines = [make_engine(tmp_path) for _ in range(2)]
+    try:
+        urls = [engine.spec.url for engine in engines]
+        ranks = run_ranks(_push_as_node_of_rank, 2, urls, str(tmp_path), True, timeout_s=120)
+        assert [(r["servers"], r["down"]) for r in ranks] == [([0], []), ([1], [])]
+        for engine in engines:
+            held = SGLangClient(engine.spec.url)._call("GET", "/fake/weights")
+            assert (held["version"], held["weights"]) == ("v1", {name: digest(t) for name, t in weights()})
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    joined = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()
+              if json.loads(line)["path"] == "/init_weights_update_group"]
+    assert len({record["master_port"] for record in joined}) == 2
 
 
 def test_every_rank_sends_the_nodes_first_and_engines_spread_over_the_senders_as_the_pool_changes():
@@ -45,15 +73,19 @@ def test_every_rank_sends_the_nodes_first_and_engines_spread_over_the_senders_as
     assert assigned == {0: 0, 1: 2, 2: 1, 3: 3}
 
 
-def _push_as_node_of_rank(urls: list[str], run_dir: str) -> dict:
-    """Rank r on node r: connect to every server, then push weights() once, the ranks starting together."""
+def _push_as_node_of_rank(urls: list[str], run_dir: str, one_node_one_port: bool = False) -> dict:
+    """Rank r on node r: connect to every server, then push weights() once, the ranks starting together.
+    `one_node_one_port`: both ranks on one node, each drawing the same port first for its weight-update group."""
     from rlmegatron.driver.role_settings import rollout_settings
     from rlmegatron.prelaunch.spec_pipeline import load_spec
     from rlmegatron.rank import weight_push
     from rlmegatron.rank.weight_push import SyncReport, WeightPush
 
     rank = torch.distributed.get_rank()
-    weight_push.node_id = lambda: f"node{rank}"
+    weight_push.node_id = (lambda: "node0") if one_node_one_port else (lambda: f"node{rank}")
+    if one_node_one_port:
+        draws, free_port = iter([int(Path(run_dir, "port").read_text())]), weight_push.free_port
+        weight_push.free_port = lambda host: next(draws, None) or free_port(host)
     spec = load_spec(str(REPO_ROOT / "configs/quickstart.yaml"), [
         f"model.path={REPO_ROOT / 'configs/quickstart/model'}", "placement.nnodes=2", "placement.gpus_per_node=1",
         "placement.mode=disaggregate", "placement.rollout_nnodes=1", f"placement.rollout_gpus_per_node={len(urls)}",
