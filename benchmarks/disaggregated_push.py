@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--load-s", type=float, default=0.2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    side = int((args.bucket_mb << 20) // 4) ** 0.5
-    weights = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(int(side), int(side))) for i in range(args.buckets)]
+    side = int(((args.bucket_mb << 20) // 4) ** 0.5)  # a square fp32 tensor of one bucket's bytes
+    weights = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(side, side)) for i in range(args.buckets)]
     with tempfile.TemporaryDirectory() as tmp:
         engines = [make_engine(Path(tmp) / f"s{k}", **{"fake-load-s": args.load_s}) for k in range(args.servers)]
         try:

@@ -92,8 +92,8 @@ class Transport:
 
     links: int = 1
     """Network links a disaggregated broadcast spreads over: 1 where the sender is its node's only rank in the group
-    (this project's push: a trainer node's sending rank and one server's ranks); a node's GPU count where every GPU of
-    the sending and the receiving nodes is in it (NeMo-RL's one group of every trainer and vLLM rank), NCCL's channels
+    (this project's push: a sending trainer rank and one server's ranks); a node's GPU count where every GPU of the
+    sending and the receiving nodes is in it (NeMo-RL's one group of every trainer and vLLM rank), NCCL's channels
     then leaving and entering each node through all its links."""
     pipelined: bool = False
     """The export of a bucket, the transfer of the one before and the load of the one before that run at once

@@ -118,8 +118,9 @@ class WeightPush:
         """Syncs of engines that hold weights, for full_sync_every and check_sync_every."""
         self.distributed: Optional[DistributedWeightPush] = None
         """Disaggregated, on a sending rank (`sending_ranks`): the weight-update groups with its servers."""
-        self.senders: Optional[list[tuple[int, str]]] = None
-        """Disaggregated: the sending ranks and their node addresses, learnt at the first connect."""
+        self.senders: Optional[dict[int, str]] = None
+        """Disaggregated: the sending ranks (in the order they take servers) and their node addresses, learnt at the
+        first connect."""
         self.sender_of: dict[int, int] = {}
         """Disaggregated: each connected engine's sending rank (`assign_senders`), the same on every rank."""
         self.exporter: Optional[HFWeightExporter] = None
@@ -140,18 +141,18 @@ class WeightPush:
             torch.distributed.all_gather_object(places, (node_id(), node_address()))
             # Delta sync keeps a host copy of the policy in each sender (rollout/delta.py): one per node, not per GPU.
             ranks = sending_ranks([node for node, _ in places], per_node=1 if self.delta is not None else None)
-            self.senders = [(sender, places[sender][1]) for sender in ranks]
-        assign_senders([engine for engine, _, _ in endpoints], [sender for sender, _ in self.senders], self.sender_of)
+            self.senders = {sender: places[sender][1] for sender in ranks}
+        assign_senders([engine for engine, _, _ in endpoints], list(self.senders), self.sender_of)
         if rank == 0:
             self.server_urls.update({engine: url for engine, url, _ in endpoints})
             by_sender: dict[int, list[int]] = {}
             for engine, _, _ in endpoints:
                 by_sender.setdefault(self.sender_of[engine], []).append(engine)
-            addresses = dict(self.senders)
             print("weight sync: " + "; ".join(
                 f"engine{'s' * (len(engines) > 1)} {', '.join(map(str, engines))} from trainer rank {sender} "
-                f"({addresses[sender]})" for sender, engines in sorted(by_sender.items())), file=sys.stderr, flush=True)
-        if self.distributed is None and rank in dict(self.senders):  # rank 0 is always one: it counts delta's bytes
+                f"({self.senders[sender]})" for sender, engines in sorted(by_sender.items())), file=sys.stderr,
+                flush=True)
+        if self.distributed is None and rank in self.senders:  # rank 0 is always one: it counts delta's bytes
             self.distributed = DistributedWeightPush(self.settings.bucket_bytes, self.travel_rules,
                                                      by_records=self.delta is not None)
         mine = [endpoint for endpoint in endpoints if self.sender_of[endpoint[0]] == rank]
@@ -236,32 +237,8 @@ class WeightPush:
     def _push(self, stream, version: str, engines: Optional[list[int]], report: SyncReport) -> list[int]:
         if self.delta is None:
             stream = _counted(stream, report.bytes)
-        if self.senders is not None:  # disaggregated: each sender to its own servers among `engines`
-            rank = torch.distributed.get_rank()
-            down: list[int] = []
-            mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
-            failure: Optional[BaseException] = None
-            try:
-                if mine or (rank == 0 and self.delta is not None):  # rank 0 counts delta's bytes from its records
-                    as_records = None if self.delta is None else \
-                        (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
-                    down = self.distributed.push(stream, version, only=mine, as_records=as_records)
-            except Exception as error:  # noqa: BLE001 - raised on every rank below
-                failure = error
-            # The rest of the stream (all of it on a rank that sends to no server this time, with no bucket buffer):
-            # the export is collective, so a rank whose push failed still walks it for the others.
-            with contextlib.suppress(Exception) if failure is not None else contextlib.nullcontext():
-                collections.deque(stream, maxlen=0)
-            # Every sender's left-out servers and failures, on every rank; and every push has ended before rank 0
-            # checks the servers' weights or has them load an adapter.
-            everyone: list = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, (down, None if failure is None else repr(failure)))
-            if failure is not None:
-                raise failure
-            failed = [(sender, why) for sender, (_, why) in enumerate(everyone) if why is not None]
-            if failed:
-                raise WeightPushFailed(f"the weight push failed on trainer rank {failed[0][0]}: {failed[0][1]}")
-            return sorted({engine for went, _ in everyone for engine in went})
+        if self.senders is not None:
+            return self._push_to_servers(stream, version, engines, report)
         if self.engine is not None and self.delta is not None and self.engine.takes(engines):
             buckets = Bucketer(self.settings.bucket_bytes, self.travel_rules, reuse_buffer=True).buckets(stream)
             self.engine.receive_records(iter_records(buckets, self.delta, report.full, report.bytes), version)
@@ -270,6 +247,35 @@ class WeightPush:
         else:
             collections.deque(stream, maxlen=0)
         return []
+
+    def _push_to_servers(self, stream, version: str, engines: Optional[list[int]], report: SyncReport) -> list[int]:
+        """Disaggregated (collective): this rank's push to its own servers among `engines`; every sender's left-out
+        servers, gathered on every rank."""
+        rank = torch.distributed.get_rank()
+        down: list[int] = []
+        mine = [e for e in (self.sender_of if engines is None else engines) if self.sender_of[e] == rank]
+        failure: Optional[BaseException] = None
+        try:
+            if mine or (rank == 0 and self.delta is not None):  # rank 0 counts delta's bytes from its records
+                as_records = None if self.delta is None else \
+                    (lambda buckets: iter_records(buckets, self.delta, report.full, report.bytes))
+                down = self.distributed.push(stream, version, only=mine, as_records=as_records)
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            failure = error
+        # The rest of the stream (all of it on a rank that sends to no server this time, with no bucket buffer): the
+        # export is collective, so a rank whose push failed still walks it for the others.
+        with contextlib.suppress(Exception) if failure is not None else contextlib.nullcontext():
+            collections.deque(stream, maxlen=0)
+        # Every sender's left-out servers and failures, on every rank; and every push has ended before rank 0 checks
+        # the servers' weights or has them load an adapter.
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, (down, None if failure is None else repr(failure)))
+        if failure is not None:
+            raise failure
+        failed = [(sender, why) for sender, (_, why) in enumerate(everyone) if why is not None]
+        if failed:
+            raise WeightPushFailed(f"the weight push failed on trainer rank {failed[0][0]}: {failed[0][1]}")
+        return sorted({engine for went, _ in everyone for engine in went})
 
     def _check(self, version: str, engines: Optional[list[int]], down: list[int]) -> None:
         """Each engine's weights against what a full push of them gives, tensor by tensor (trainer.check_sync_every):
