@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", "redraw a run's curves.png from its MLflow store", report, False),
         ("pool", "add engines to a running job's rollout pool, or take some away", pool, False),
     ):
-        subparser = subcommands.add_parser(name, help=summary, description=summary)
+        # convert's --help is the converter's own (its directions and their flags), not a usage line of ARGS.
+        subparser = subcommands.add_parser(name, help=summary, description=summary, add_help=name != "convert")
         subparser.set_defaults(command=command)
         if name != "convert":  # convert hands every argument to the converter: `rlm --debug convert ...`
             # SUPPRESS: absent here, the top-level --debug (or its default) stands.
@@ -122,8 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
             subparser.add_argument("count", type=int, metavar="COUNT", help="engines to add or take away")
             subparser.add_argument("run_dir", metavar="RUN_DIR", help="the running job's trainer.run_dir")
         else:  # convert's own arguments arrive with the converter
+            subparser.add_argument("-h", "--help", action=_ConvertHelp)
             subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
+
+
+class _ConvertHelp(argparse.Action):
+    """`rlm convert --help`: the converter's help, which names its directions and their flags."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the converter's help")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from rlmegatron.entry.convert_command import build_parser as converter_parser
+
+        converter_parser().print_help()
+        parser.exit()
 
 
 # Each command runs the spec pipeline (rlmegatron/prelaunch/spec_pipeline.py) once, with its stages: validate every stage but

@@ -36,30 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="direction", required=True)
 
     def layout_args(p, with_ep=True):
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--pp", type=int, default=1)
-        p.add_argument("--vpp", type=int, default=None)
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron layout (default 1)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+        p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
         p.add_argument("--first-stage-layers", type=int, default=None,
                        help="decoder layers on the first pipeline stage when it differs from the rest")
         p.add_argument("--last-stage-layers", type=int, default=None,
                        help="decoder layers on the last pipeline stage when it differs from the rest")
         if with_ep:
-            p.add_argument("--ep", type=int, default=1)
-            p.add_argument("--etp", type=int, default=None)
+            p.add_argument("--ep", type=int, default=1, help="expert-parallel size, MoE families (default 1)")
+            p.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size (default: --tp)")
         p.add_argument("--nproc", type=int, default=None,
                        help="ranks to spawn here (gloo on CPU, nccl on GPUs); default: torchrun's, else the "
                             "fewest that TPxPP and ETPxEPxPP both divide")
         p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
 
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron.core.dist_checkpointing")
-    to_mcore.add_argument("--hf-path", required=True)
-    to_mcore.add_argument("--out", required=True)
+    to_mcore.add_argument("--hf-path", required=True,
+                          help="directory of an HF checkpoint: config.json and *.safetensors (a local path; no hub)")
+    to_mcore.add_argument("--out", required=True, help="a new or empty directory for the Megatron checkpoint")
     to_mcore.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                           help="default: the dtype config.json declares (bf16 for a block-FP8 model, or none declared)")
     layout_args(to_mcore)
     to_hf = sub.add_parser("mcore-to-hf", help="dist_checkpointing written by hf-to-mcore -> HF safetensors")
-    to_hf.add_argument("--mcore-path", required=True)
-    to_hf.add_argument("--out", required=True)
+    to_hf.add_argument("--mcore-path", required=True,
+                       help="a directory hf-to-mcore wrote (its rlm_convert.json names the model)")
+    to_hf.add_argument("--out", required=True, help="a new or empty directory for the HF safetensors")
     to_hf.add_argument("--hf-config", default=None, help="directory whose config.json/tokenizer files to ship")
     quantised = to_hf.add_mutually_exclusive_group()
     quantised.add_argument("--fp8", action="store_true",
@@ -79,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--nproc", type=int, default=None, help="ranks to spawn here; default: --tp")
     lora.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     check = sub.add_parser("verify", help="max-abs and cosine logit diff, Megatron vs HF transformers")
-    check.add_argument("--hf-path", required=True)
-    check.add_argument("--mcore-path", required=True)
-    check.add_argument("--tolerance", type=float, default=1e-3)
+    check.add_argument("--hf-path", required=True, help="directory of the HF checkpoint to compare against")
+    check.add_argument("--mcore-path", required=True, help="directory of the Megatron checkpoint to check")
+    check.add_argument("--tolerance", type=float, default=1e-3,
+                       help="largest max-abs logit difference accepted (default 1e-3); beyond it, exit 3")
     layout_args(check)
     return parser
 

@@ -73,6 +73,19 @@ def test_missing_config_file_exits_2(capsys):
     assert capsys.readouterr().err == "no/such.yaml: cannot read the spec: No such file or directory\n"
 
 
+def test_convert_help_is_the_converters_with_its_directions_and_every_flag_explained(capsys):
+    from rlmegatron.entry.convert_command import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: rlm convert [-h] {hf-to-mcore,mcore-to-hf,lora-to-hf,verify}")
+    for direction in build_parser()._subparsers._group_actions[0].choices.values():
+        unexplained = [action.option_strings for action in direction._actions if not action.help]
+        assert unexplained == [], f"{direction.prog}: flags without help: {unexplained}"
+
+
 def test_convert_rejects_an_unknown_direction(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", "hf-to-megatron", "ckpt/"])
