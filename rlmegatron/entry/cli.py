@@ -119,12 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "report":
             subparser.add_argument("run_dir", metavar="RUN_DIR", help="the run's trainer.run_dir")
         elif name == "pool":
-            subparser.add_argument("action", choices=("add", "remove"))
+            subparser.add_argument("action", choices=("add", "remove"),
+                                   help="add engines to the rollout pool, or remove some")
             subparser.add_argument("count", type=int, metavar="COUNT", help="engines to add or take away")
             subparser.add_argument("run_dir", metavar="RUN_DIR", help="the running job's trainer.run_dir")
         else:  # convert's own arguments arrive with the converter
             subparser.add_argument("-h", "--help", action=_ConvertHelp)
-            subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS")
+            subparser.add_argument("convert_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                                   help="a direction and its flags (rlm convert --help)")
     return parser
 
 

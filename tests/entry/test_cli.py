@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlmegatron.entry.cli import EXIT_BAD_SPEC, main
+from rlmegatron.entry.cli import EXIT_BAD_SPEC, build_parser, main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "configs/quickstart.yaml"
@@ -71,6 +71,13 @@ def test_type_error_in_a_spec_file_is_formatted_not_a_traceback(tmp_path, capsys
 def test_missing_config_file_exits_2(capsys):
     assert main(["validate", "no/such.yaml"]) == EXIT_BAD_SPEC
     assert capsys.readouterr().err == "no/such.yaml: cannot read the spec: No such file or directory\n"
+
+
+def test_every_argument_of_every_command_says_what_it_is():
+    commands = next(action for action in build_parser()._actions if isinstance(action.choices, dict)).choices
+    unexplained = {name: [action.dest for action in command._actions if not action.help]
+                   for name, command in commands.items()}
+    assert unexplained == {name: [] for name in SUBCOMMANDS}
 
 
 def test_convert_help_is_the_converters_with_its_directions_and_every_flag_explained(capsys):
