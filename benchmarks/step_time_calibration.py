@@ -6,8 +6,9 @@ leave-one-out test over every run.
 
 Runs marked "fit" set the constants step_time.Constants leaves free (FREE: the training efficiencies, the decode
 bandwidth efficiency and per-sample host work, the cross-node all-reduce latency, the weight sync's link efficiency
-and per-tensor load); `--fit` refits them on those runs alone (what step_time.FITTED_BY_RELEASE holds, rounded) and
-then, for each run of all of them, on every other run, predicting the one left out.
+and per-tensor load, and a multi-head latent attention model's shares of the efficiencies); `--fit` refits them on
+those runs alone (what step_time.FITTED_BY_RELEASE holds, rounded) and then, for each run of all of them, on every
+other run, predicting the one left out.
 
 Constants per software release: the efficiencies (SOFTWARE) describe a software stack, and NeMo-RL v0.4 and v0.6 are
 two (v0.6 runs v0.4's published layouts 20-40 % faster: Qwen3-30B-A3B 1-step off 244 -> 152 s, Qwen3-235B-A22B on
@@ -20,16 +21,17 @@ on-policy run (generation + training) is fitted with its 1-step off-policy twin 
 (dense, v0.4), Qwen3-30B-A3B (MoE on one node) and Qwen3-235B-A22B (MoE, on policy with TP16 engines across two nodes:
 the cross-node all-reduce latency), each both ways, in each release that publishes them. The sync: verl's benchmark
 and NeMo-RL's NCCL refit of DeepSeek-V3, the only two NCCL refits published with their bytes and tensors, two rows
-for two constants (link, tensor_s). Held out: Qwen3-32B both ways (a dense model the fit never sees), Qwen3-235B-A22B
-on 256 GPUs (v0.6), v0.6's Qwen3-30B-A3B 8-step off (a schedule no fit row has), and DeepSeek-V3's five runs.
-DeepSeek-V3 is never fitted: the model gives every one of its runs 37-47 % too little time (24-70 s a step), on
-policy and off, and NeMo-RL's GB200 rows, where a TP32 engine decodes within one NVLink domain, are about as far off;
-so what it lacks is not the network's latency (the one shared term that could reach it) nor any constant the Qwen3
-runs share, and fitting it moves those (benchmarks/RESULTS.md, "Step-time model out of sample", round 4). Nor is it
-one phase: its on-policy and 1-step-off runs share trainer and engines, and their two totals leave generation and
-training each about 50-64 s, 1.9 times or more what the model gives either (`twin_phases`, printed under
-the table).
-`--never-fit MODEL` keeps a model's runs out of every leave-one-out fit too (they are never fit rows). Other
+for two constants (link, tensor_s). DeepSeek-V3's v0.4 pair (on policy on 256 GPUs, 1-step off on 512), by the
+same twin rule, fits the two constants of a multi-head latent attention model (mla_train, mla_decode: its training
+and decode efficiencies as shares of what the Qwen3 and Llama runs give, SHARED across releases). Without them the
+model gives every DeepSeek-V3 run 37-47 % too little time, on policy and off, and its on/off twins need generation
+and training each about twice what it gives (`twin_phases`, printed under the table), which no constant the Qwen3
+runs share can carry: NeMo-RL's stack runs DeepSeek-V3 far below its Qwen3 MoE runs in both phases, for a cause the
+published figures do not show (benchmarks/RESULTS.md, "Step-time model out of sample", rounds 4 and 5). The two
+constants say how much slower, not why. Held out: Qwen3-32B both ways (a dense model the fit never sees),
+Qwen3-235B-A22B on 256 GPUs (v0.6), v0.6's Qwen3-30B-A3B 8-step off (a schedule no fit row has), and DeepSeek-V3's
+three v0.6 runs (another release's software, and 512 GPUs on policy at EP 32).
+`--never-fit MODEL` keeps a model's runs out of every leave-one-out fit (the main fit keeps its fit rows). Other
 transports (shown, never fitted, outside the criterion): NeMo-RL's NCCL reshard and NIXL refits of DeepSeek-V3,
 which send each rank only its shard.
 
@@ -129,9 +131,10 @@ the loads of successive buckets overlap. Its export (Megatron-Bridge's) moves sh
 SOFTWARE = ("train_dense", "train_moe", "decode_hbm", "decode_sample_s")
 """The constants of a software stack (the trainer's efficiency, the decode engine's and its server's host work): the
 fit sets one of each per NeMo-RL release, on that release's fit rows alone."""
-SHARED = ("allreduce_network_s", "link", "tensor_s")
-"""The constants the fit shares over every fit row: the network's all-reduce latency (hardware), and the weight sync's
-(its rows are verl's and NeMo-RL's refit benchmarks, neither a performance-page release)."""
+SHARED = ("allreduce_network_s", "link", "tensor_s", "mla_train", "mla_decode")
+"""The constants the fit shares over every fit row: the network's all-reduce latency (hardware), the weight sync's
+(its rows are verl's and NeMo-RL's refit benchmarks, neither a performance-page release), and an MLA model's shares
+of its release's efficiencies (fitted on one release, tested on the other)."""
 FREE = SOFTWARE + SHARED
 """The constants the fit sets; the others keep step_time.Constants' defaults."""
 
@@ -175,7 +178,7 @@ class Published:
 NEMO_RL = (
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1060, 1, (1, 1, 1, 2), 97.7,
               recompute=True),
-    Published("DeepSeek-V3", "deepseek-v3", "held out", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154,
+    Published("DeepSeek-V3", "deepseek-v3", "fit", 256, 512, 512, 1536, 745, 32, (1, 1, 16, 16), 154,
               recompute=True, stages=(3, 2)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 128, 512, 512, 8192, 5671, 16, (2, 2, 16, 8), 506,
               recompute=True, stages=(11, 11)),
@@ -183,7 +186,7 @@ NEMO_RL = (
     Published("Qwen3-32B", "qwen3-32b", "held out", 32, 2048, 512, 4096, 3206, 4, (4, 1, 1, 4), 393),
     Published("Llama-3.1-8B", "llama-3.1-8b", "fit", 16, 2048, 512, 4096, 1129, 1, (1, 1, 1, 2), 74.6, False,
               recompute=True),
-    Published("DeepSeek-V3", "deepseek-v3", "held out", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
+    Published("DeepSeek-V3", "deepseek-v3", "fit", 512, 512, 512, 1536, 744, 32, (1, 1, 16, 16), 77.9, False,
               recompute=True, stages=(3, 2)),
     Published("Qwen3-235B-A22B", "qwen3-235b-a22b", "fit", 256, 512, 512, 8192, 5691, 8, (4, 1, 16, 8), 241,
               False, recompute=True, stages=(11, 11)),
@@ -291,7 +294,8 @@ def _step_case(run: Published) -> Case:
                              steps_in_flight=None if run.on_policy else run.staleness)
         return {"phases": estimate.phases, "total": estimate.total}
 
-    uses = frozenset(FREE) - {"train_dense" if arch.is_moe else "train_moe"}
+    uses = frozenset(FREE) - {"train_dense" if arch.is_moe else "train_moe"} \
+        - (set() if arch.mla is not None else {"mla_train", "mla_decode"})
     return Case(run_name(run), run.role, run.step_s, f"{run.step_s:g}", predict, run.version, uses, run.model)
 
 
@@ -310,7 +314,7 @@ def _sync_cases() -> list[Case]:
             return {"phases": {"weight_sync": seconds}, "total": seconds}
         return predict
 
-    uses = frozenset(SHARED) - {"allreduce_network_s"}
+    uses = frozenset(SHARED) - {"allreduce_network_s", "mla_train", "mla_decode"}
     deepseek = read_architecture(REPO_ROOT / "configs" / "models" / "deepseek-v3")
     params = count_parameters(deepseek)
     whole = params.total * WEIGHT_BYTES["bf16"]
@@ -404,7 +408,7 @@ def cases() -> list[Case]:
 
 BOUNDS = {"train_dense": (0.02, 0.7), "train_moe": (0.005, 0.7), "decode_hbm": (0.1, 0.85),
           "decode_sample_s": (1e-7, 2e-4), "allreduce_network_s": (5e-6, 2e-3), "link": (0.02, 0.95),
-          "tensor_s": (1e-6, 5e-3)}
+          "tensor_s": (1e-6, 5e-3), "mla_train": (0.05, 2.0), "mla_decode": (0.05, 2.0)}
 
 
 def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
@@ -412,7 +416,7 @@ def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
     physical ranges), the others kept: SHARED once, SOFTWARE once per release (in RELEASES' order), each on that
     release's rows. A release none of whose fit rows depends on a SOFTWARE constant (v0.6 has no dense row) takes the
     release before it's."""
-    free = [(None, name) for name in SHARED] + [
+    free = [(None, name) for name in SHARED if any(name in case.uses for case in fitted_on)] + [
         (release, name) for release in RELEASES for name in SOFTWARE
         if any(case.release == release and name in case.uses for case in fitted_on)]
 
@@ -422,7 +426,8 @@ def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
         for index, release in enumerate(RELEASES):
             before = out[RELEASES[index - 1]] if index else start[release]
             out[release] = dataclasses.replace(start[release], **{
-                name: exp(values[(None, name)]) if name in SHARED else
+                name: exp(values[(None, name)]) if (None, name) in values else getattr(start[release], name)
+                if name in SHARED else
                 exp(values[(release, name)]) if (release, name) in values else getattr(before, name)
                 for name in FREE})
         return out

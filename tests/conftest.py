@@ -126,7 +126,9 @@ E2E: dict[str, tuple[str, ...] | None] = {
                                        "instead_of_leaving_them_waiting",
                                        "test_two_ranks_of_one_node_that_draw_one_port_draw_again_and_both_push"),
     "tests/planner/test_step_time.py": ("test_leaving_each_run_out_predicts_every_run_but_deepseek_v3s_within_25_"
-                                        "percent",),
+                                        "percent",
+                                        "test_each_deepseek_v3_run_left_out_is_predicted_within_25_percent_by_what_"
+                                        "every_other_run_gives"),
     "tests/resharding/test_export.py": ("test_stream_is_bitwise_the_source_checkpoint_at_every_layout",),
     "tests/resharding/test_sync_to_local_engine.py": None,
     "tests/supervision/test_lifeline.py": ("test_server_group_ends_when_its_launcher_is_killed",),

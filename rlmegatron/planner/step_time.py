@@ -55,7 +55,9 @@ benchmarks/step_time_calibration.py; the fit, the runs held out of it and a leav
 benchmarks/RESULTS.md ("Step-time model out of sample"). The efficiencies of a software stack (training's MFU, the
 decode engine's bandwidth and host work) are fitted per NeMo-RL release (FITTED_BY_RELEASE): v0.6 runs v0.4's
 published layouts 20-40 % faster, which no layout term can carry; the network's latency and the sync's constants are
-shared. The planner prices with the newest release's (FITTED).
+shared, and so are a multi-head latent attention model's shares of the efficiencies (`mla_train`, `mla_decode`:
+NeMo-RL's DeepSeek-V3 runs train and decode far below what its Qwen3 runs give, for a cause not published). The
+planner prices with the newest release's (FITTED).
 """
 from __future__ import annotations
 
@@ -101,16 +103,26 @@ class Constants:
     pcie: float = 0.6
     prefill: float = 0.5
     """Fraction of peak FLOPS a prefill reaches (large matmuls, like training's)."""
+    mla_train: float = 1.0
+    """A multi-head latent attention model's training efficiency as a share of what train_moe (train_dense) gives
+    the others: fitted on NeMo-RL's DeepSeek-V3 runs, which its stack trains and decodes far below its Qwen3 MoE
+    runs for a cause the published figures do not show (benchmarks/RESULTS.md, "Step-time model out of sample",
+    round 5). A share of the family's, not a physical rate: it says how much slower, not why."""
+    mla_decode: float = 1.0
+    """Its decode's share of decode_hbm, as mla_train's of training."""
 
     def train(self, arch: ModelArchitecture) -> float:
-        return self.train_moe if arch.is_moe else self.train_dense
+        return (self.train_moe if arch.is_moe else self.train_dense) * (self.mla_train if arch.mla is not None else 1.0)
+
+    def decode(self, arch: ModelArchitecture) -> float:
+        return self.decode_hbm * (self.mla_decode if arch.mla is not None else 1.0)
 
 
 FITTED_BY_RELEASE = {
     "v0.4": Constants(train_dense=0.393, train_moe=0.0700, decode_hbm=0.503, decode_sample_s=25.0e-6,
-                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6),
+                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6, mla_train=0.477, mla_decode=0.288),
     "v0.6": Constants(train_dense=0.393, train_moe=0.155, decode_hbm=0.557, decode_sample_s=52.5e-6,
-                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6),
+                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6, mla_train=0.477, mla_decode=0.288),
 }
 """The fitted constants of each NeMo-RL release's software (benchmarks/step_time_calibration.py: each release's
 SOFTWARE constants on its own fit rows, the SHARED ones on all; v0.6 has no dense row, so its train_dense is v0.4's)."""
@@ -287,7 +299,7 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     and the step's tokens come at the full batch's rate (NeMo-RL's async GRPO); None: the step's batch is generated,
     then drains (this project's modes)."""
     per_engine = work.samples / engines
-    hbm = hw.hbm_gb_per_s * 1e9 * c.decode_hbm
+    hbm = hw.hbm_gb_per_s * 1e9 * c.decode(arch)
     peak = hw.peak_tflops * 1e12
     nodes = ceil(tp / hw.gpus_per_node)
     latency = 2 * arch.num_hidden_layers * (c.allreduce_node_s + c.allreduce_network_s * log2(nodes)) \
@@ -302,7 +314,7 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
         """One decode step of `batch` samples holding `context_tokens` in the KV cache."""
         touched = 1 - (1 - pick) ** batch if arch.is_moe else 1.0
         weights = (dense_bytes + expert_bytes * touched + draft_bytes) / hbm
-        compute = 2 * params.active * batch * (drafts + 1) / tp / (peak * c.decode_hbm)
+        compute = 2 * params.active * batch * (drafts + 1) / tp / (peak * c.decode(arch))
         return max(weights, compute) + context_tokens * engine.kv_bytes_per_token / hbm + latency + c.decode_step_s \
             + c.decode_sample_s * batch
 
@@ -332,11 +344,6 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     return (full + drain) / tokens_per_verification(drafts) + prefill
 
 
-MLA_UNDERESTIMATE = (1.6, 1.9)
-"""How many times what this model gives them NeMo-RL's published DeepSeek-V3 runs took, each of the five (on policy
-and off, two releases), whole steps: their generation and training both fall short, which no term here accounts for
-(benchmarks/RESULTS.md, "Step-time model out of sample", round 4; tests/planner/test_step_time.py holds the range
-against the calibration). `rlm plan` says so for a model of that shape (multi-head latent attention)."""
 SPEC_ACCEPTANCE = 0.85
 """Speculative decoding's assumed chance that a drafted token is accepted, given the drafts before it were:
 DeepSeek-V3's report (section 5.4.3) measures 85-90 % for its one MTP layer's token; chained drafts of the same
@@ -460,7 +467,7 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{work.max_response_tokens} (the longest of an engine's batch sets its decode steps), after "
         f"{work.prompt_tokens:g}-token prompts",
         f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
-        f"fitted efficiencies: training {c.train(arch):g} of peak, decode {c.decode_hbm:g} of HBM and "
+        f"fitted efficiencies: training {c.train(arch):.3g} of peak, decode {c.decode(arch):.3g} of HBM and "
         f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link and "
         f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({tensors:,} per engine GPU)",
         f"weight_sync begins with the trainer's export, {export:.1f} s of it (each rank's shard between the "
@@ -472,10 +479,9 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
            f"(assumed), {tokens_per_verification(drafts):.2f} tokens per verification"] if drafts else []),
         *([f"at most {running_cap(spec):g} samples running per engine (--max-running-requests; "
            "rollout.sglang.extra_args sets it)"] if running_cap(spec) < inf else []),
-        *(["that what held for the Qwen3 and Llama runs it was fitted to holds for this multi-head latent attention "
-           f"model, which NeMo-RL's published DeepSeek-V3 runs contradict: they took {MLA_UNDERESTIMATE[0]:g} to "
-           f"{MLA_UNDERESTIMATE[1]:g} times what it gives them (whole steps; their on-policy and off-policy twins "
-           "put the shortfall in generation and training both, benchmarks/RESULTS.md)"] if arch.mla is not None else []),
+        *([f"a multi-head latent attention model: training at {c.mla_train:g} and decoding at {c.mla_decode:g} of "
+           "the efficiencies the Qwen3 and Llama runs give, as NeMo-RL's published DeepSeek-V3 runs gave them (a "
+           "cause they do not show; benchmarks/RESULTS.md)"] if arch.mla is not None else []),
     )
     overlapped = spec.trainer.mode != "sync" and not colocated
     return StepTime(phases, overlapped, assumptions)
