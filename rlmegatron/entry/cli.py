@@ -137,6 +137,7 @@ class _ConvertHelp(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the converter's help")
 
     def __call__(self, parser, namespace, values, option_string=None):
+        # lazy: a command's module, imported only once a command is parsed (test_cli's import check)
         from rlmegatron.entry.convert_command import build_parser as converter_parser
 
         converter_parser().print_help()
