@@ -36,6 +36,12 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                              f"{PlanSettings.gpu_tflops:g} (H100 SXM)")
     parser.add_argument("--hbm-gb-per-s", type=float, default=PlanSettings.hbm_gb_per_s,
                         help=f"memory bandwidth of one GPU in GB/s; default {PlanSettings.hbm_gb_per_s:g} (H100 SXM)")
+    parser.add_argument("--nvlink-gb-per-s", type=float, default=PlanSettings.nvlink_gb_per_s,
+                        help=f"NVLink bandwidth of one GPU per direction in GB/s; default "
+                             f"{PlanSettings.nvlink_gb_per_s:g} (H100 SXM; GB200 900)")
+    parser.add_argument("--nvlink-domain", type=int, default=None, metavar="GPUS",
+                        help="GPUs one NVLink fabric joins, when more than a node's (GB200 NVL72: 72): collectives "
+                             "within it, and engines that span its nodes, are priced over NVLink; default: a node")
     parser.add_argument("--search", action="store_true",
                         help="rank the layouts the spec's cluster can run by predicted step time; fields set on the "
                              "command line stay fixed")
@@ -82,9 +88,15 @@ def _run_search(spec: JobSpec, args: argparse.Namespace, settings: PlanSettings)
 def run_plan(spec: JobSpec, args: argparse.Namespace) -> int:
     located = spec.model.architecture_source()
     assert located is not None, "the cross-field stage rejects a spec without a readable architecture"
+    if args.nvlink_domain is not None and args.nvlink_domain < spec.placement.gpus_per_node:
+        print(f"{args.config}: --nvlink-domain {args.nvlink_domain} is smaller than placement.gpus_per_node "
+              f"({spec.placement.gpus_per_node}), whose GPUs NVLink already joins: give {spec.placement.gpus_per_node} "
+              "or more, or leave it out", file=sys.stderr)
+        return EXIT_BAD_LAYOUT
     settings = PlanSettings(gpu_mem_gb=args.gpu_mem_gb, link_gbps=args.link_gbps, gpu_tflops=args.gpu_tflops,
                             hbm_gb_per_s=args.hbm_gb_per_s, prompt_tokens=args.prompt_tokens,
-                            response_tokens=args.response_tokens)
+                            response_tokens=args.response_tokens, nvlink_gb_per_s=args.nvlink_gb_per_s,
+                            nvlink_domain=args.nvlink_domain)
     if args.search:
         return _run_search(spec, args, settings)
     plan = build_plan(spec, read_architecture(located[1]), settings, file=args.config)

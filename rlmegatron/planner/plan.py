@@ -42,10 +42,14 @@ class PlanSettings:
     prompt_tokens: float | None = None
     """Mean prompt and response lengths for the step-time estimate; None: the spec's maxima."""
     response_tokens: float | None = None
+    nvlink_gb_per_s: float = Hardware.nvlink_gb_per_s
+    nvlink_domain: int | None = None
+    """Hardware.nvlink_domain: GPUs one NVLink fabric joins, when more than a node's; None: a node's."""
 
     def hardware(self, gpus_per_node: int) -> Hardware:
         return Hardware(peak_tflops=self.gpu_tflops, hbm_gb_per_s=self.hbm_gb_per_s, network_gbps=self.link_gbps,
-                        gpus_per_node=gpus_per_node)
+                        nvlink_gb_per_s=self.nvlink_gb_per_s, gpus_per_node=gpus_per_node,
+                        nvlink_domain=self.nvlink_domain)
 
 
 @dataclass(frozen=True)

@@ -146,10 +146,18 @@ class Hardware:
     network_gbps: float = 400.0  # bits
     pcie_gb_per_s: float = 64.0  # gen 5 x16
     gpus_per_node: int = 8
+    nvlink_domain: int | None = None
+    """GPUs one NVLink fabric joins, when more than a node's (GB200 NVL72: 72 GPUs over 4-GPU trays); None: a
+    node's. A collective within it runs over NVLink, and a decode's all-reduce crosses the network only beyond it."""
+
+    @property
+    def domain(self) -> int:
+        return self.nvlink_domain or self.gpus_per_node
 
     def link_gb_per_s(self, group: int) -> float:
-        """The bandwidth a collective over `group` consecutive GPUs gets: NVLink within a node, else the network."""
-        return self.nvlink_gb_per_s if group <= self.gpus_per_node else self.network_gbps / 8
+        """The bandwidth a collective over `group` consecutive GPUs gets: NVLink within an NVLink domain (a node,
+        unless nvlink_domain says more), else the network."""
+        return self.nvlink_gb_per_s if group <= self.domain else self.network_gbps / 8
 
     def network_gb_per_s(self, links: int) -> float:
         """What `links` network links carry at once into or out of a node, at most what NVLink forwards within it."""
@@ -301,8 +309,8 @@ def generation_seconds(arch: ModelArchitecture, params: ParameterCount, engine: 
     per_engine = work.samples / engines
     hbm = hw.hbm_gb_per_s * 1e9 * c.decode(arch)
     peak = hw.peak_tflops * 1e12
-    nodes = ceil(tp / hw.gpus_per_node)
-    latency = 2 * arch.num_hidden_layers * (c.allreduce_node_s + c.allreduce_network_s * log2(nodes)) \
+    domains = ceil(tp / hw.domain)  # the NVLink domains (nodes) the engine spans
+    latency = 2 * arch.num_hidden_layers * (c.allreduce_node_s + c.allreduce_network_s * log2(domains)) \
         if tp > 1 else 0.0
     dense_bytes = (params.total - params.routed_experts) * weight_bytes / tp
     expert_bytes = params.routed_experts * weight_bytes / tp
@@ -384,7 +392,7 @@ def export_seconds(policy_bytes: float, expert_share: float, megatron: MegatronC
     experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size or tp)
 
     def ring(group: int) -> float:
-        return hw.nvlink_gb_per_s if group <= hw.gpus_per_node else hw.network_gb_per_s(hw.gpus_per_node)
+        return hw.nvlink_gb_per_s if group <= hw.domain else hw.network_gb_per_s(hw.gpus_per_node)
 
     dense, routed = policy_bytes * (1 - expert_share), policy_bytes * expert_share
     gather = dense * (1 - 1 / tp) / ring(tp) + routed * (1 - 1 / experts) / ring(experts)
@@ -466,7 +474,8 @@ def step_time(spec: JobSpec, arch: ModelArchitecture, params: ParameterCount, ac
         f"{work.samples} responses of {work.response_tokens:g} tokens on average, exponential cut at "
         f"{work.max_response_tokens} (the longest of an engine's batch sets its decode steps), after "
         f"{work.prompt_tokens:g}-token prompts",
-        f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.network_gbps:g} Gb/s network per GPU",
+        f"{hw.peak_tflops:g} TFLOPS, {hw.hbm_gb_per_s:g} GB/s HBM, {hw.nvlink_gb_per_s:g} GB/s NVLink within "
+        f"{hw.domain} GPUs, {hw.network_gbps:g} Gb/s network per GPU",
         f"fitted efficiencies: training {c.train(arch):.3g} of peak, decode {c.decode(arch):.3g} of HBM and "
         f"{c.decode_sample_s * 1e6:.0f} us per sample per step, weight sync {c.link:g} of the link and "
         f"{c.tensor_s * 1e3:.2g} ms per tensor loaded ({tensors:,} per engine GPU)",

@@ -147,6 +147,47 @@ def test_the_export_gathers_over_nvlink_within_a_node_and_broadcasts_shards_betw
         pytest.approx((size * 3 / 4 / 450 + size / 4 / 50) / gb, rel=1e-12)
 
 
+def test_an_nvlink_domain_of_several_nodes_prices_what_it_joins_as_one_node_does():
+    """GB200 NVL72: 4-GPU trays, one NVLink fabric over 72 GPUs. A TP32 engine on the trays decodes and an EP16
+    export gathers as they would in one 72-GPU node; on 4-GPU nodes without the fabric they cross the network."""
+    arch = read_architecture(MODELS_DIR / "deepseek-v3")
+    params = count_parameters(arch)
+    spec = _spec("deepseek-v3", {}, placement={"nnodes": 64, "gpus_per_node": 4},
+                    rollout={"tensor_parallel_size": 32})
+    engine = engine_memory(spec, arch, params, 186e9)
+    work = Workload(samples=512, prompt_tokens=128, response_tokens=600, max_response_tokens=1280)
+    trays, fabric, one_node = Hardware(gpus_per_node=4), Hardware(gpus_per_node=4, nvlink_domain=72), \
+        Hardware(gpus_per_node=72)
+
+    def decode(hw):
+        return generation_seconds(arch, params, engine, 8, 32, work, 2.0, hw)
+
+    assert decode(fabric) == decode(one_node) < decode(trays)
+    assert (fabric.link_gb_per_s(32), trays.link_gb_per_s(32)) == (450, 50)
+    size = 10e9
+    assert export_seconds(size, 1.0, _layout(ep=16), 16, fabric) == export_seconds(size, 1.0, _layout(ep=16), 16,
+                                                                                   one_node)
+    assert export_seconds(size, 1.0, _layout(ep=16), 16, fabric) < export_seconds(size, 1.0, _layout(ep=16), 16,
+                                                                                  trays)
+    assert Hardware().domain == 8 and fabric.domain == 72
+
+
+def test_rlm_plan_takes_the_nvlink_domain_and_bandwidth_and_refuses_a_domain_smaller_than_a_node(capsys):
+    recipe = "configs/deepseek_v3_671b_grpo.yaml"
+    totals = {}
+    for flags in ((), ("--nvlink-domain", "72"), ("--nvlink-domain", "72", "--nvlink-gb-per-s", "900")):
+        assert main(["plan", recipe, "placement.gpus_per_node=4", "placement.nnodes=64", "--json", *flags]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        totals[flags] = plan["step_time_s"]
+        assert any(f"NVLink within {flags[1] if flags else 4} GPUs" in line
+                   for line in plan["step_time"]["assumptions"])
+    assert totals[()] > totals[("--nvlink-domain", "72")] > totals[("--nvlink-domain", "72", "--nvlink-gb-per-s",
+                                                                      "900")]
+    assert main(["plan", recipe, "--nvlink-domain", "4"]) == 2
+    assert capsys.readouterr().err == (f"{recipe}: --nvlink-domain 4 is smaller than placement.gpus_per_node (8), "
+                                       "whose GPUs NVLink already joins: give 8 or more, or leave it out\n")
+
+
 def test_a_broadcast_over_whole_nodes_spreads_over_their_links_and_a_pipelined_refit_takes_its_slowest_part():
     hw, bucket = Hardware(), 512 << 20
     ours = sync_seconds(64 * bucket, colocated=False, hw=hw, bucket_bytes=bucket, tensors=1000, export_s=3.0)
