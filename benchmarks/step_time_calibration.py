@@ -425,11 +425,11 @@ def fit(fitted_on: list[Case], start: Fitted = FITTED_BY_RELEASE) -> Fitted:
         out = {}
         for index, release in enumerate(RELEASES):
             before = out[RELEASES[index - 1]] if index else start[release]
-            out[release] = dataclasses.replace(start[release], **{
-                name: exp(values[(None, name)]) if (None, name) in values else getattr(start[release], name)
-                if name in SHARED else
-                exp(values[(release, name)]) if (release, name) in values else getattr(before, name)
-                for name in FREE})
+            fitted = {}
+            for name in FREE:  # one not fitted keeps its start (a SOFTWARE one: the release before's)
+                key, kept = ((None, name), start[release]) if name in SHARED else ((release, name), before)
+                fitted[name] = exp(values[key]) if key in values else getattr(kept, name)
+            out[release] = dataclasses.replace(start[release], **fitted)
         return out
 
     def residuals(x):

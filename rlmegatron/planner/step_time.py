@@ -118,11 +118,12 @@ class Constants:
         return self.decode_hbm * (self.mla_decode if arch.mla is not None else 1.0)
 
 
+_FITTED_SHARED = dict(allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6, mla_train=0.477, mla_decode=0.288)
 FITTED_BY_RELEASE = {
     "v0.4": Constants(train_dense=0.393, train_moe=0.0700, decode_hbm=0.503, decode_sample_s=25.0e-6,
-                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6, mla_train=0.477, mla_decode=0.288),
+                      **_FITTED_SHARED),
     "v0.6": Constants(train_dense=0.393, train_moe=0.155, decode_hbm=0.557, decode_sample_s=52.5e-6,
-                      allreduce_network_s=61.5e-6, link=0.567, tensor_s=226e-6, mla_train=0.477, mla_decode=0.288),
+                      **_FITTED_SHARED),
 }
 """The fitted constants of each NeMo-RL release's software (benchmarks/step_time_calibration.py: each release's
 SOFTWARE constants on its own fit rows, the SHARED ones on all; v0.6 has no dense row, so its train_dense is v0.4's)."""
