@@ -64,8 +64,16 @@ def _debug(args: argparse.Namespace | None) -> bool:
     return getattr(args, "debug", False) or os.environ.get("RLM_DEBUG") == "1"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake is one line naming the argument (argparse's own words), not a usage block; its
+    subcommands' parsers are of this class too (add_subparsers makes them so)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rlm",
         description="RL post-training (GRPO, PPO, DAPO) of LLMs on Megatron-Core.",
         epilog="Overrides are dotted keys with YAML values, applied on top of CONFIG: "

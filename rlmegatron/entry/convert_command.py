@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from rlmegatron.checkpoint.integrity import manifest_problem
 from rlmegatron.checkpoint.manager import CheckpointManager
+from rlmegatron.entry.cli import OneLineParser
 from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3
@@ -32,7 +33,7 @@ FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlm convert", description="Hugging Face <-> Megatron-Core checkpoints.")
+    parser = OneLineParser(prog="rlm convert", description="Hugging Face <-> Megatron-Core checkpoints.")
     sub = parser.add_subparsers(dest="direction", required=True)
 
     def layout_args(p, with_ep=True):

@@ -16,30 +16,47 @@ EXIT_OK = 0
 EXIT_BAD_LAYOUT = 2  # the same code as a rejected spec: the user's to fix
 
 
+def _positive(text: str) -> float:
+    """A hardware figure: a number above 0 (the estimate divides by each)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
+    return value
+
+
+def _gpus(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of GPUs above 0")
+    return int(text)
+
+
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--gpu-mem-gb",
-        type=float,
+        type=_positive,
         default=DEFAULT_GPU_MEM_GB,
         help=f"memory of one GPU in GB (1e9 bytes); default {DEFAULT_GPU_MEM_GB:g} (H100)",
     )
     parser.add_argument(
         "--link-gbps",
-        type=float,
+        type=_positive,
         default=DEFAULT_LINK_GBPS,
         help=f"bandwidth into each rollout GPU for the weight sync, in Gb/s; default {DEFAULT_LINK_GBPS:g} "
         "(one NDR InfiniBand port; NVLink 4 within a node is ~3600)",
     )
-    parser.add_argument("--gpu-tflops", type=float, default=PlanSettings.gpu_tflops,
+    parser.add_argument("--gpu-tflops", type=_positive, default=PlanSettings.gpu_tflops,
                         help=f"dense BF16 peak of one GPU, for the step-time estimate; default "
                              f"{PlanSettings.gpu_tflops:g} (H100 SXM)")
-    parser.add_argument("--hbm-gb-per-s", type=float, default=PlanSettings.hbm_gb_per_s,
+    parser.add_argument("--hbm-gb-per-s", type=_positive, default=PlanSettings.hbm_gb_per_s,
                         help=f"memory bandwidth of one GPU in GB/s; default {PlanSettings.hbm_gb_per_s:g} (H100 SXM)")
-    parser.add_argument("--nvlink-gb-per-s", type=float, default=PlanSettings.nvlink_gb_per_s,
+    parser.add_argument("--nvlink-gb-per-s", type=_positive, default=PlanSettings.nvlink_gb_per_s,
                         help=f"NVLink bandwidth of one GPU per direction in GB/s; default "
                              f"{PlanSettings.nvlink_gb_per_s:g} (H100 SXM; GB200 900)")
-    parser.add_argument("--nvlink-domain", type=int, default=None, metavar="GPUS",
+    parser.add_argument("--nvlink-domain", type=_gpus, default=None, metavar="GPUS",
                         help="GPUs one NVLink fabric joins, when more than a node's (GB200 NVL72: 72): collectives "
                              "within it, and engines that span its nodes, are priced over NVLink; default: a node")
     parser.add_argument("--search", action="store_true",

@@ -93,6 +93,27 @@ def test_convert_help_is_the_converters_with_its_directions_and_every_flag_expla
         assert unexplained == [], f"{direction.prog}: flags without help: {unexplained}"
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["plan", QUICKSTART, "--nvlink-gb-per-s", "0"],
+     "rlm plan: argument --nvlink-gb-per-s: '0': give a number above 0 (see rlm plan --help)"),
+    (["plan", QUICKSTART, "--gpu-tflops", "-3"],
+     "rlm plan: argument --gpu-tflops: '-3': give a number above 0 (see rlm plan --help)"),
+    (["plan", QUICKSTART, "--nvlink-domain", "0"],
+     "rlm plan: argument --nvlink-domain: '0': give a whole number of GPUs above 0 (see rlm plan --help)"),
+    (["trian"], "rlm: argument COMMAND: invalid choice: 'trian' (choose from 'train', 'validate', 'plan', 'convert', "
+                "'prepare', 'report', 'pool') (see rlm --help)"),
+    (["convert", "hf-to-mcore", "--tp", "2"], "rlm convert hf-to-mcore: the following arguments are required: "
+                                              "--hf-path, --out (see rlm convert hf-to-mcore --help)"),
+])
+def test_a_command_line_mistake_is_one_line_naming_the_argument_and_exit_2(argv, said, capsys):
+    """argparse's words without its usage block; a hardware figure of 0 or less is refused there, where the
+    estimate would divide by it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == said + "\n"
+
+
 def test_convert_rejects_an_unknown_direction(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", "hf-to-megatron", "ckpt/"])
