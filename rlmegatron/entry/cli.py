@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rlmegatron.entry.one_line_parser import OneLineParser
 from rlmegatron.errors import UserError, user_error_in
 
 if TYPE_CHECKING:
@@ -62,14 +63,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def _debug(args: argparse.Namespace | None) -> bool:
     """--debug or RLM_DEBUG=1: a user's mistake shows its traceback too (only RLM_DEBUG before the parse ended)."""
     return getattr(args, "debug", False) or os.environ.get("RLM_DEBUG") == "1"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A command-line mistake is one line naming the argument (argparse's own words), not a usage block; its
-    subcommands' parsers are of this class too (add_subparsers makes them so)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

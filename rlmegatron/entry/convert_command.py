@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from rlmegatron.checkpoint.integrity import manifest_problem
 from rlmegatron.checkpoint.manager import CheckpointManager
-from rlmegatron.entry.cli import OneLineParser
+from rlmegatron.entry.one_line_parser import OneLineParser
 from rlmegatron.models.families import architecture_of
 
 EXIT_OK, EXIT_FAILED, EXIT_BEYOND_TOLERANCE = 0, 2, 3

@@ -126,7 +126,8 @@ def test_cli_module_imports_no_pydantic_nor_a_commands_modules_until_a_command_r
     probe = "import sys, rlmegatron.entry.cli; print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'rlm'))))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["['rlmegatron',", "'rlmegatron.entry',", "'rlmegatron.entry.cli',",
-                                     "'rlmegatron.errors',", "'rlmegatron.models',",
+                                     "'rlmegatron.entry.one_line_parser',", "'rlmegatron.errors',",
+                                     "'rlmegatron.models',",
                                      "'rlmegatron.models.megatron_fusers']"]
 
 
